@@ -1,0 +1,46 @@
+"""q4k-actors: an embeddable async engine for Q4_K-family GGUF language models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.errors import (
+    ComputeError,
+    ContextLengthExceeded,
+    EngineClosed,
+    EngineOverloaded,
+    InvalidRequest,
+    ModelFormatError,
+    Q4KError,
+    TemplateError,
+    UnsupportedModelError,
+)
+
+# Heavier names load on first use, so `import actors` stays cheap for the CLI and tests.
+_LAZY = {
+    "load_model": "actors.model.loaded",
+    "Model": "actors.model.loaded",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'actors' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module_name), name)
+
+
+__all__ = [
+    "ComputeError",
+    "ContextLengthExceeded",
+    "EngineClosed",
+    "EngineOverloaded",
+    "InvalidRequest",
+    "ModelFormatError",
+    "Q4KError",
+    "TemplateError",
+    "UnsupportedModelError",
+    *_LAZY,
+]

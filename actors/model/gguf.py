@@ -1,0 +1,338 @@
+"""Reading GGUF files: header, metadata, tensor table, and lazy memory-mapped tensor bytes.
+
+The `gguf` package (llama.cpp's own) gives us the format's constants: value types, tensor
+types and block sizes. Its `GGUFReader` is not used for parsing because it takes ~10 s on a
+262k-token vocabulary (it builds a numpy view per array element) and its failures on bad
+files are raw `struct`/`numpy` errors. This parser checks every header claim against the file
+size before it allocates anything, so a bad file gives a `ModelFormatError` naming the problem.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from actors.errors import ModelFormatError
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4
+MAX_NESTING = 4
+
+_SCALAR_FORMATS: dict[GGUFValueType, str] = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+_SCALAR_DTYPES: dict[GGUFValueType, np.dtype] = {
+    kind: np.dtype(fmt) for kind, fmt in _SCALAR_FORMATS.items()
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor table.
+
+    `shape` is in numpy order (rows last, i.e. GGUF's `ne` reversed): a matrix stored with
+    `ne = [n_in, n_out]` has `shape == (n_out, n_in)`, one row per output.
+    """
+
+    name: str
+    type_name: str
+    ggml_type: int
+    shape: tuple[int, ...]
+    offset: int
+    n_bytes: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def row_bytes(self) -> int:
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]
+        return self.shape[-1] // block_size * type_size
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads over the mapped file."""
+
+    def __init__(self, buffer: mmap.mmap | bytes, path: Path) -> None:
+        self.buffer = buffer
+        self.size = len(buffer)
+        self.pos = 0
+        self.path = path
+
+    def need(self, n_bytes: int, what: str) -> None:
+        if n_bytes < 0 or self.pos + n_bytes > self.size:
+            raise ModelFormatError(
+                f"{self.path}: truncated file: {what} needs {n_bytes} bytes at offset "
+                f"{self.pos}, but the file has {self.size} bytes"
+            )
+
+    def scalar(self, kind: GGUFValueType, what: str) -> Any:
+        fmt = _SCALAR_FORMATS[kind]
+        n_bytes = struct.calcsize(fmt)
+        self.need(n_bytes, what)
+        (value,) = struct.unpack_from(fmt, self.buffer, self.pos)
+        self.pos += n_bytes
+        return value
+
+    def u32(self, what: str) -> int:
+        return int(self.scalar(GGUFValueType.UINT32, what))
+
+    def u64(self, what: str) -> int:
+        return int(self.scalar(GGUFValueType.UINT64, what))
+
+    def string(self, what: str) -> str:
+        length = self.u64(f"length of {what}")
+        self.need(length, what)
+        raw = bytes(self.buffer[self.pos : self.pos + length])
+        self.pos += length
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ModelFormatError(
+                f"{self.path}: {what} is not valid UTF-8 (byte {exc.start} of {length})"
+            ) from None
+
+    def value_type(self, what: str) -> GGUFValueType:
+        raw = self.u32(f"value type of {what}")
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise ModelFormatError(f"{self.path}: {what} has unknown value type {raw}") from None
+
+    def value(self, kind: GGUFValueType, what: str, depth: int = 0) -> Any:
+        if kind == GGUFValueType.STRING:
+            return self.string(what)
+        if kind == GGUFValueType.ARRAY:
+            return self.array(what, depth)
+        return self.scalar(kind, what)
+
+    def array(self, what: str, depth: int) -> Any:
+        if depth >= MAX_NESTING:
+            raise ModelFormatError(f"{self.path}: {what} nests arrays deeper than {MAX_NESTING}")
+        item_kind = self.value_type(f"items of {what}")
+        count = self.u64(f"item count of {what}")
+        if item_kind in _SCALAR_DTYPES:
+            dtype = _SCALAR_DTYPES[item_kind]
+            self.need(count * dtype.itemsize, f"{count} items of {what}")
+            values = np.frombuffer(self.buffer, dtype=dtype, count=count, offset=self.pos).copy()
+            self.pos += count * dtype.itemsize
+            return values
+        # Every string or nested array takes at least 8 bytes (its length or count): check the
+        # claim against the file before looping over it.
+        self.need(count * 8, f"{count} items of {what}")
+        return [self.value(item_kind, f"{what}[{i}]", depth + 1) for i in range(count)]
+
+
+def _tensor_type_name(ggml_type: int) -> str:
+    return GGMLQuantizationType(ggml_type).name
+
+
+class GGUFFile:
+    """An open GGUF file: metadata and tensor table parsed, tensor bytes mapped, not read."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            self._file = open(self.path, "rb")
+        except FileNotFoundError:
+            raise ModelFormatError(f"{self.path}: no such model file") from None
+        except IsADirectoryError:
+            raise ModelFormatError(f"{self.path}: is a directory, not a GGUF file") from None
+        except OSError as exc:
+            raise ModelFormatError(f"{self.path}: cannot open: {exc.strerror}") from None
+        try:
+            self._map = self._map_file()
+            self._parse()
+        except BaseException:
+            self.close()
+            raise
+
+    def _map_file(self) -> mmap.mmap:
+        size = os.fstat(self._file.fileno()).st_size
+        if size < 4:
+            raise ModelFormatError(f"{self.path}: file of {size} bytes is too short to be GGUF")
+        return mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def _parse(self) -> None:
+        cursor = _Cursor(self._map, self.path)
+        magic = bytes(self._map[:4])
+        if magic != GGUF_MAGIC:
+            raise ModelFormatError(
+                f"{self.path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})"
+            )
+        cursor.pos = 4
+        self.version = cursor.u32("version")
+        if self.version not in SUPPORTED_VERSIONS:
+            raise ModelFormatError(
+                f"{self.path}: unsupported GGUF version {self.version} "
+                f"(supported: {', '.join(map(str, SUPPORTED_VERSIONS))})"
+            )
+        tensor_count = cursor.u64("tensor count")
+        kv_count = cursor.u64("metadata count")
+        # Each metadata entry takes >= 13 bytes (key length, value type, smallest value) and
+        # each tensor entry >= 28: absurd counts are refused before anything is allocated.
+        remaining = cursor.size - cursor.pos
+        if kv_count * 13 > remaining or tensor_count * 28 > remaining:
+            raise ModelFormatError(
+                f"{self.path}: header claims {kv_count} metadata entries and {tensor_count} "
+                f"tensors, more than a {cursor.size}-byte file can hold"
+            )
+        self.metadata = self._read_metadata(cursor, kv_count)
+        infos = self._read_tensor_table(cursor, tensor_count)
+        self.alignment = self._alignment()
+        self.data_offset = -(-cursor.pos // self.alignment) * self.alignment
+        self.tensors = self._place_tensors(infos, cursor.size)
+
+    def _read_metadata(self, cursor: _Cursor, kv_count: int) -> dict[str, Any]:
+        metadata: dict[str, Any] = {}
+        for index in range(kv_count):
+            key = cursor.string(f"metadata key #{index}")
+            kind = cursor.value_type(f"metadata {key!r}")
+            if key in metadata:
+                raise ModelFormatError(f"{self.path}: metadata key {key!r} appears twice")
+            metadata[key] = cursor.value(kind, f"metadata {key!r}")
+        return metadata
+
+    def _read_tensor_table(
+        self, cursor: _Cursor, tensor_count: int
+    ) -> list[tuple[str, int, tuple[int, ...], int]]:
+        infos = []
+        seen: set[str] = set()
+        for index in range(tensor_count):
+            name = cursor.string(f"name of tensor #{index}")
+            if name in seen:
+                raise ModelFormatError(f"{self.path}: tensor {name!r} appears twice")
+            seen.add(name)
+            n_dims = cursor.u32(f"dimension count of tensor {name!r}")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise ModelFormatError(
+                    f"{self.path}: tensor {name!r} has {n_dims} dimensions (1..{MAX_DIMS} allowed)"
+                )
+            ne = tuple(cursor.u64(f"dimension {d} of tensor {name!r}") for d in range(n_dims))
+            ggml_type = cursor.u32(f"type of tensor {name!r}")
+            offset = cursor.u64(f"offset of tensor {name!r}")
+            infos.append((name, ggml_type, ne, offset))
+        return infos
+
+    def _alignment(self) -> int:
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ModelFormatError(
+                f"{self.path}: general.alignment {alignment!r} is not a positive power of two"
+            )
+        return alignment
+
+    def _place_tensors(
+        self, infos: list[tuple[str, int, tuple[int, ...], int]], file_size: int
+    ) -> dict[str, TensorInfo]:
+        tensors: dict[str, TensorInfo] = {}
+        for name, ggml_type, ne, offset in infos:
+            try:
+                quant_type = GGMLQuantizationType(ggml_type)
+            except ValueError:
+                raise ModelFormatError(
+                    f"{self.path}: tensor {name!r} has unknown type id {ggml_type}"
+                ) from None
+            if quant_type not in GGML_QUANT_SIZES:
+                raise ModelFormatError(
+                    f"{self.path}: tensor {name!r} has type {quant_type.name}, "
+                    "which has no block layout"
+                )
+            block_size, type_size = GGML_QUANT_SIZES[quant_type]
+            if any(d <= 0 for d in ne):
+                raise ModelFormatError(f"{self.path}: tensor {name!r} has a zero dimension {ne}")
+            if ne[0] % block_size:
+                raise ModelFormatError(
+                    f"{self.path}: tensor {name!r} of type {quant_type.name} has rows of "
+                    f"{ne[0]} elements, not a multiple of its block size {block_size}"
+                )
+            n_elements = 1
+            for d in ne:
+                n_elements *= d
+            n_bytes = n_elements // block_size * type_size
+            start = self.data_offset + offset
+            if offset % self.alignment:
+                raise ModelFormatError(
+                    f"{self.path}: tensor {name!r} offset {offset} is not aligned to "
+                    f"{self.alignment} bytes"
+                )
+            if start + n_bytes > file_size:
+                raise ModelFormatError(
+                    f"{self.path}: tensor {name!r} ({quant_type.name}, shape "
+                    f"{tuple(reversed(ne))}) needs bytes {start}..{start + n_bytes}, past the "
+                    f"end of the {file_size}-byte file (truncated?)"
+                )
+            tensors[name] = TensorInfo(
+                name=name,
+                type_name=quant_type.name,
+                ggml_type=int(quant_type),
+                shape=tuple(reversed(ne)),
+                offset=start,
+                n_bytes=n_bytes,
+            )
+        return tensors
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a read-only uint8 view of the mapped file, shape
+        `(*shape[:-1], row_bytes)`; nothing is read until the view is used."""
+        info = self.tensor(name)
+        flat = np.frombuffer(self._map, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+        return flat.reshape(*info.shape[:-1], info.row_bytes)
+
+    def tensor(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelFormatError(f"{self.path}: missing tensor {name!r}") from None
+
+    def require(self, key: str) -> Any:
+        """A metadata value the caller cannot do without."""
+        try:
+            return self.metadata[key]
+        except KeyError:
+            raise ModelFormatError(f"{self.path}: missing metadata key {key!r}") from None
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return iter(self.tensors.values())
+
+    def close(self) -> None:
+        mapping = getattr(self, "_map", None)
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                # numpy views still point into the map; it closes when they are collected.
+                pass
+        self._file.close()
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """Open a GGUF file by path, memory-mapped and lazy."""
+    return GGUFFile(path)
