@@ -1,0 +1,142 @@
+"""Architectures: the hyperparameters of a model, read from GGUF metadata alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from actors.errors import ModelFormatError, UnsupportedModelError
+from actors.model.gguf import GGUFFile
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+
+# Gemma 3 alternates five sliding-window layers with one global layer; local layers use their
+# own RoPE base (llama.cpp: `rope_freq_base_train_swa`, 10000 for every Gemma 3 release).
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
+# Sanity bounds on header claims, far above any real model, so a corrupt value is refused
+# before it sizes an allocation.
+MAX_LAYERS = 1024
+MAX_WIDTH = 1 << 17
+MAX_HEADS = 1024
+MAX_CONTEXT = 1 << 24
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the forward pass needs to know about a model's shape."""
+
+    arch: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    context_length: int
+    vocab_size: int
+    rms_eps: float
+    rope_base: float
+    rope_dim: int
+    # NORM: rotate adjacent pairs (llama); NEOX: rotate the two halves (qwen2, gemma3).
+    rope_neox: bool
+    # Gemma 3 only; 0 = no sliding window.
+    sliding_window: int = 0
+    rope_base_local: float = 0.0
+    global_every: int = 0
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def is_sliding(self, layer: int) -> bool:
+        """True where a layer attends only to the last `sliding_window` positions."""
+        return self.sliding_window > 0 and (layer + 1) % self.global_every != 0
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """Bytes of K and V cache one position takes over all layers."""
+        return 2 * self.n_layers * self.kv_dim * dtype_bytes
+
+
+_REQUIRED = object()
+
+
+def _int(
+    meta: dict[str, Any], key: str, path: object, low: int, high: int, default: Any = _REQUIRED
+) -> int:
+    if key not in meta and default is _REQUIRED:
+        raise ModelFormatError(f"{path}: missing metadata key {key!r}")
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ModelFormatError(f"{path}: metadata {key!r} = {value!r} is not in [{low}, {high}]")
+    return value
+
+
+def _float(meta: dict[str, Any], key: str, path: object, default: float) -> float:
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelFormatError(f"{path}: metadata {key!r} = {value!r} is not a positive number")
+    return float(value)
+
+
+def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
+    """Read a ModelSpec from a GGUF file's metadata and tensor shapes.
+
+    Raises `UnsupportedModelError` for an architecture we do not run and `ModelFormatError` for
+    missing or absurd hyperparameters.
+    """
+    meta = gguf.metadata
+    path = gguf.path
+    arch = gguf.require("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedModelError(
+            f"{path}: architecture {arch!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ARCHS)})"
+        )
+    d_model = _int(meta, f"{arch}.embedding_length", path, 1, MAX_WIDTH)
+    n_heads = _int(meta, f"{arch}.attention.head_count", path, 1, MAX_HEADS)
+    n_kv_heads = _int(meta, f"{arch}.attention.head_count_kv", path, 1, n_heads, n_heads)
+    if n_heads % n_kv_heads:
+        raise ModelFormatError(
+            f"{path}: {n_heads} attention heads do not divide into {n_kv_heads} KV heads"
+        )
+    head_dim = _int(meta, f"{arch}.attention.key_length", path, 1, MAX_WIDTH, d_model // n_heads)
+    value_dim = meta.get(f"{arch}.attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise UnsupportedModelError(
+            f"{path}: key length {head_dim} differs from value length {value_dim}"
+        )
+    rope_dim = _int(meta, f"{arch}.rope.dimension_count", path, 2, head_dim, head_dim)
+    vocab_size = gguf.tensor("token_embd.weight").shape[0]
+    declared_vocab = meta.get(f"{arch}.vocab_size", vocab_size)
+    if declared_vocab != vocab_size:
+        raise ModelFormatError(
+            f"{path}: {arch}.vocab_size = {declared_vocab} but token_embd.weight has "
+            f"{vocab_size} rows"
+        )
+    is_gemma3 = arch == "gemma3"
+    return ModelSpec(
+        arch=arch,
+        n_layers=_int(meta, f"{arch}.block_count", path, 1, MAX_LAYERS),
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        ffn_dim=_int(meta, f"{arch}.feed_forward_length", path, 1, MAX_WIDTH),
+        context_length=_int(meta, f"{arch}.context_length", path, 1, MAX_CONTEXT),
+        vocab_size=vocab_size,
+        rms_eps=_float(meta, f"{arch}.attention.layer_norm_rms_epsilon", path, 1e-5),
+        rope_base=_float(meta, f"{arch}.rope.freq_base", path, 10000.0),
+        rope_dim=rope_dim,
+        rope_neox=arch in ("qwen2", "gemma3"),
+        sliding_window=(
+            _int(meta, "gemma3.attention.sliding_window", path, 1, MAX_CONTEXT) if is_gemma3 else 0
+        ),
+        rope_base_local=GEMMA3_LOCAL_ROPE_BASE if is_gemma3 else 0.0,
+        global_every=GEMMA3_GLOBAL_EVERY if is_gemma3 else 0,
+    )
