@@ -1,0 +1,109 @@
+"""Flags and helpers the `q4k` verbs share: model, logging, sampling, error lines, consoles."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+from actors.logs import LEVELS, configure_logging
+
+if TYPE_CHECKING:
+    from actors.params import SamplingParams
+
+# Width of tables written to a pipe or file, where there is no terminal to measure.
+PIPE_WIDTH = 160
+
+
+def add_model_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="GGUF model file (default: the gemma3-270m default model)",
+    )
+
+
+def add_logging_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-file",
+        metavar="PATH",
+        default=None,
+        help="append JSON-lines logs to PATH (read them back with `q4k logs`)",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=tuple(LEVELS),
+        default=None,
+        help="lowest level logged (default: info to --log-file, warning to stderr)",
+    )
+
+
+def configure_logging_from(args: argparse.Namespace) -> None:
+    """Logs go to --log-file as JSON lines, else to stderr; quiet on stderr unless asked,
+    so the logs never mix with the text a verb prints."""
+    level = args.log_level or ("info" if args.log_file else "warning")
+    configure_logging(level, args.log_file)
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
+                       help=f"most tokens to generate (default {max_tokens})")
+    group.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                       help="0 = greedy (default 0.8)")
+    group.add_argument("--top-k", type=int, default=40, metavar="K", help="0 = off (default 40)")
+    group.add_argument("--top-p", type=float, default=0.95, metavar="P", help="default 0.95")
+    group.add_argument("--min-p", type=float, default=0.05, metavar="P", help="default 0.05")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                       help="1 = off (default 1)")
+    group.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="stop when TEXT is generated (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true",
+                       help="keep generating past end-of-sequence tokens")
+
+
+def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
+    """The SamplingParams the sampling flags describe, validated (InvalidRequest names the flag's
+    field)."""
+    from actors.params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    params.validate()
+    return params
+
+
+def model_path_from(args: argparse.Namespace) -> Path:
+    """The --model path, or the default model (assembled on first use)."""
+    if args.model is not None:
+        return Path(args.model)
+    from actors.model.default_model import default_model_path
+
+    return default_model_path()
+
+
+def error_line(verb: str, message: str) -> int:
+    """Print one `q4k VERB: error: ...` line on stderr, as the dispatcher does; exit status 1."""
+    print(f"q4k {verb}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def console(stream: str = "stdout") -> Console:
+    """A rich console: styled on a terminal, plain and wide on a pipe."""
+    target = sys.stdout if stream == "stdout" else sys.stderr
+    width = None if target.isatty() else PIPE_WIDTH
+    return Console(file=target, width=width, highlight=False, soft_wrap=False)

@@ -1,0 +1,369 @@
+"""`q4k logs`: read the engine's JSON-lines logs back (summary, requests, one request, tail)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from actors.cli.common import add_logging_flags, configure_logging_from, console, error_line
+from actors.logreader import (
+    LogEvent,
+    LogSummary,
+    MalformedLine,
+    ParsedLog,
+    Percentiles,
+    format_event,
+    format_value,
+    parse_line,
+    parse_log,
+    request_rows,
+    request_timeline,
+    summarize,
+    time_series,
+)
+
+# How often `tail -f` looks for new lines.
+POLL_S = 0.2
+_LEVEL_STYLES = {"debug": "dim", "warning": "yellow", "error": "bold red", "critical": "bold red"}
+
+
+class _NoInput(Exception):
+    """The log files named cannot be read; the message says which and why."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "logs",
+        help="inspect the engine's JSON-lines logs",
+        description="Read logs written with --log-file (one JSON object per line). FILES may be "
+        "several files, or '-' for stdin. Malformed lines are "
+        "counted and reported, never fatal.",
+    )
+    views = parser.add_subparsers(dest="view", metavar="VIEW", required=True)
+
+    def view(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = views.add_parser(name, help=help_text, description=help_text)
+        add_logging_flags(sub)
+        return sub
+
+    summary = view("summary", "outcomes, errors, latency percentiles, throughput, batch sizes")
+    summary.add_argument("files", nargs="+", metavar="FILE", help="log file, or '-' for stdin")
+    summary.add_argument("--json", action="store_true", help="print the summary as JSON")
+    summary.add_argument("--plot", metavar="FILE.png", help="also draw latency and throughput "
+                         "over time (needs matplotlib: pip install 'q4k-actors[plot]')")
+    summary.set_defaults(handler=_summary)
+
+    requests = view("requests", "one row per request")
+    requests.add_argument("files", nargs="+", metavar="FILE", help="log file, or '-' for stdin")
+    requests.add_argument("--json", action="store_true", help="print the rows as JSON")
+    requests.set_defaults(handler=_requests)
+
+    request = view("request", "the timeline of one request (an id or a unique prefix of one)")
+    request.add_argument("request_id", metavar="ID")
+    request.add_argument("files", nargs="+", metavar="FILE", help="log file, or '-' for stdin")
+    request.add_argument("--json", action="store_true", help="print the timeline as JSON")
+    request.set_defaults(handler=_request)
+
+    tail = view("tail", "print a log human-readably; with -f, keep following it as it grows")
+    tail.add_argument("file", nargs="?", default="-", metavar="FILE")
+    tail.add_argument("-f", "--follow", action="store_true", help="wait for new lines")
+    tail.add_argument("-n", "--lines", type=int, default=10, metavar="N",
+                      help="start with the last N lines (default 10; 0 = none)")
+    tail.set_defaults(handler=_tail)
+
+
+# --- input ---------------------------------------------------------------------------------
+
+
+def _read_inputs(files: list[str]) -> ParsedLog:
+    sources: list[tuple[str, list[str]]] = []
+    for name in files:
+        if name == "-":
+            sources.append(("<stdin>", sys.stdin.read().splitlines()))
+            continue
+        try:
+            # Garbage bytes become U+FFFD and then a malformed line, never a decode crash.
+            text = Path(name).read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            raise _NoInput(f"{name}: no such log file") from None
+        except IsADirectoryError:
+            raise _NoInput(f"{name}: is a directory, not a log file") from None
+        except OSError as exc:
+            raise _NoInput(f"{name}: cannot read: {exc.strerror}") from None
+        sources.append((name, text.splitlines()))
+    return parse_log(sources)
+
+
+def _with_log(args: argparse.Namespace, show: Any) -> int:
+    """Read the inputs, then `show(log)`; unreadable input is one error line."""
+    configure_logging_from(args)
+    try:
+        log = _read_inputs(args.files)
+    except _NoInput as exc:
+        return error_line(f"logs {args.view}", str(exc))
+    return show(log)
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(value)).decode() + "\n")
+
+
+# --- summary -------------------------------------------------------------------------------
+
+
+def _summary(args: argparse.Namespace) -> int:
+    def show(log: ParsedLog) -> int:
+        summary = summarize(log)
+        if args.plot:
+            problem = _write_plot(log, Path(args.plot))
+            if problem:
+                return error_line("logs summary", problem)
+        if args.json:
+            _print_json(summary)
+        else:
+            _render_summary(summary, console())
+        return 0
+
+    return _with_log(args, show)
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _render_summary(s: LogSummary, out: Console) -> None:
+    overview = Table(title="log", show_header=False, title_justify="left")
+    overview.add_row("sources", ", ".join(s.sources))
+    overview.add_row("lines", f"{s.lines:,} ({s.events:,} events, {s.malformed:,} malformed)")
+    overview.add_row("span", f"{s.first_timestamp} .. {s.last_timestamp} ({s.span_s:,.1f} s)")
+    for model in s.models:
+        overview.add_row("model", model)
+    out.print(overview)
+
+    outcomes = Table(title="requests", title_justify="left")
+    outcomes.add_column("outcome")
+    outcomes.add_column("count", justify="right")
+    outcomes.add_row("seen", str(s.requests_seen))
+    outcomes.add_row("admitted", str(s.admitted))
+    for reason, count in sorted(s.finish_reasons.items()):
+        outcomes.add_row(f"finished: {reason}", str(count))
+    outcomes.add_row("cancelled", str(s.cancelled))
+    outcomes.add_row("failed", str(s.failed))
+    for reason, count in sorted(s.rejection_reasons.items()):
+        outcomes.add_row(f"rejected: {reason}", str(count))
+    out.print(outcomes)
+
+    latency = Table(title="latency (ms)", title_justify="left")
+    for column in ("", "n", "p50", "p95", "p99"):
+        latency.add_column(column, justify="right" if column else "left")
+    for name, p in (("time to first token", s.ttft_ms), ("per token", s.per_token_latency_ms)):
+        latency.add_row(name, *_percentile_cells(p))
+    out.print(latency)
+
+    throughput = Table(title="throughput", show_header=False, title_justify="left")
+    throughput.add_row("prompt tokens (finished)", f"{s.prompt_tokens:,}")
+    throughput.add_row("completion tokens", f"{s.completion_tokens:,}")
+    throughput.add_row("aggregate tokens/s", _fmt(s.tokens_per_s))
+    out.print(throughput)
+
+    if s.steps:
+        batches = Table(title=f"batch sizes ({s.steps:,} steps, mean {_fmt(s.mean_batch_size, 2)})",
+                        title_justify="left")
+        batches.add_column("items per step", justify="right")
+        batches.add_column("steps", justify="right")
+        batches.add_column("share", justify="right")
+        for label, count in _bucket_batches(s.batch_sizes):
+            batches.add_row(label, f"{count:,}", f"{100 * count / s.steps:.1f}%")
+        out.print(batches)
+
+    if s.errors or s.error_events or s.malformed:
+        problems = Table(title="problems", title_justify="left")
+        problems.add_column("what")
+        problems.add_column("count", justify="right")
+        for message, count in s.errors.items():
+            problems.add_row(message, str(count))
+        problems.add_row("lines at level error or above", str(s.error_events))
+        problems.add_row("malformed lines", str(s.malformed))
+        out.print(problems)
+        for bad in s.malformed_examples:
+            out.print(Text(f"  {_where(bad)}: {bad.reason}: {bad.excerpt}", style="dim"))
+    for notice in s.notices:
+        out.print(Text(f"notice: {notice}", style="yellow"))
+
+
+def _percentile_cells(p: Percentiles | None) -> list[str]:
+    if p is None:
+        return ["0", "-", "-", "-"]
+    return [str(p.count), _fmt(p.p50), _fmt(p.p95), _fmt(p.p99)]
+
+
+def _bucket_batches(sizes: dict[int, int]) -> list[tuple[str, int]]:
+    """Batch sizes grouped by powers of two (1, 2, 3-4, 5-8, ...) so a table stays short."""
+    buckets: dict[int, int] = {}
+    for size, count in sizes.items():
+        upper = 1 if size <= 1 else 1 << (size - 1).bit_length()
+        buckets[upper] = buckets.get(upper, 0) + count
+    return [
+        (str(upper) if upper <= 2 else f"{upper // 2 + 1}-{upper}", count)
+        for upper, count in sorted(buckets.items())
+    ]
+
+
+def _where(bad: MalformedLine) -> str:
+    return f"{bad.source}:{bad.line}"
+
+
+def _write_plot(log: ParsedLog, path: Path) -> str | None:
+    """Draw latency and throughput over time to `path`; the problem as a line, or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "--plot needs matplotlib: pip install 'q4k-actors[plot]'"
+    series = time_series(log)
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    top.plot(series.finish_s, series.ttft_ms, "o", markersize=3, label="time to first token")
+    top.plot(series.finish_s, series.per_token_ms, "x", markersize=3, label="per-token latency")
+    top.set_ylabel("ms (at request finish)")
+    top.legend(loc="upper left")
+    bottom.step(series.bin_start_s, series.tokens_per_s, where="post")
+    bottom.set_ylabel("generated tokens/s")
+    bottom.set_xlabel("seconds since the log's first event")
+    figure.suptitle(", ".join(log.sources))
+    figure.tight_layout()
+    try:
+        figure.savefig(path)
+    except OSError as exc:
+        return f"{path}: cannot write the plot: {exc.strerror}"
+    finally:
+        plt.close(figure)
+    return None
+
+
+# --- requests / request --------------------------------------------------------------------
+
+
+def _requests(args: argparse.Namespace) -> int:
+    def show(log: ParsedLog) -> int:
+        rows = request_rows(log)
+        if args.json:
+            _print_json(rows)
+            return 0
+        table = Table(title=f"{len(rows)} requests", title_justify="left")
+        columns = ("id", "status", "finish", "prompt", "cached", "completion", "ttft ms",
+                   "tok/s", "total ms", "error")
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("id", "status", "finish", "error")
+                             else "right")
+        for r in rows:
+            table.add_row(r.request_id, r.status, r.finish_reason or "-",
+                          *(_fmt(v, 0) for v in (r.prompt_tokens, r.cached_tokens,
+                                                  r.completion_tokens)),
+                          _fmt(r.ttft_ms), _fmt(r.decode_tokens_per_s), _fmt(r.total_ms),
+                          r.error or "")
+        console().print(table)
+        return 0
+
+    return _with_log(args, show)
+
+
+def _request(args: argparse.Namespace) -> int:
+    def show(log: ParsedLog) -> int:
+        request_id, entries = request_timeline(log, args.request_id)
+        if args.json:
+            _print_json({"request_id": request_id, "events": entries})
+            return 0
+        table = Table(title=f"request {request_id}", title_justify="left")
+        for column in ("+ms", "time", "level", "event", "details"):
+            table.add_column(column, justify="right" if column == "+ms" else "left")
+        for e in entries:
+            details = " ".join(f"{k}={format_value(v)}" for k, v in e.details.items())
+            table.add_row(_fmt(e.offset_ms), e.timestamp, e.level, e.event, details,
+                          style=_LEVEL_STYLES.get(e.level))
+        console().print(table)
+        return 0
+
+    return _with_log(args, show)
+
+
+# --- tail ----------------------------------------------------------------------------------
+
+
+def _tail(args: argparse.Namespace) -> int:
+    configure_logging_from(args)
+    out = console()
+    try:
+        if args.file == "-":
+            for number, raw in enumerate(iter(sys.stdin.buffer.readline, b""), start=1):
+                _show_line(out, raw, "<stdin>", number)
+            return 0
+        try:
+            stream = open(args.file, "rb")
+        except OSError as exc:
+            why = "no such log file" if isinstance(exc, FileNotFoundError) else exc.strerror
+            return error_line("logs tail", f"{args.file}: {why}")
+        _tail_file(out, stream, args.file, args.lines, args.follow)
+    except KeyboardInterrupt:  # the usual way to stop following
+        pass
+    return 0
+
+
+def _show_line(out: Console, raw: bytes, source: str, number: int) -> None:
+    # Garbage bytes become U+FFFD and then a malformed line, never a decode crash.
+    text = raw.decode("utf-8", errors="replace")
+    if not text.strip():
+        return
+    parsed = parse_line(text, source, number)
+    if isinstance(parsed, LogEvent):
+        out.print(Text(format_event(parsed), style=_LEVEL_STYLES.get(parsed.level, "")))
+    else:
+        out.print(Text(f"malformed line {number} ({parsed.reason}): {parsed.excerpt}",
+                       style="magenta"))
+    out.file.flush()
+
+
+def _tail_file(out: Console, stream: BinaryIO, path: str, count: int, follow: bool) -> None:
+    """Print the last `count` lines; when following, print lines as they are appended and
+    start over when the file is truncated or replaced (log rotation). A partly written last
+    line waits for its newline."""
+    try:
+        lines = stream.read().split(b"\n")
+        pending = lines.pop()  # b"" after a final newline, else a line still being written
+        if pending and not follow:
+            lines.append(pending)
+        first = max(len(lines) - max(count, 0), 0)
+        for number in range(first, len(lines)):
+            _show_line(out, lines[number], path, number + 1)
+        number = len(lines)
+        while follow:
+            chunk = stream.read()
+            if chunk:
+                *complete, pending = (pending + chunk).split(b"\n")
+                for raw in complete:
+                    number += 1
+                    _show_line(out, raw, path, number)
+                continue
+            time.sleep(POLL_S)
+            try:
+                on_disk = os.stat(path)
+            except FileNotFoundError:
+                continue  # being rotated; the new file appears shortly
+            if on_disk.st_ino != os.fstat(stream.fileno()).st_ino or on_disk.st_size < stream.tell():
+                stream.close()
+                stream = open(path, "rb")
+                pending, number = b"", 0
+                out.print(Text(f"({path} was truncated or replaced; following it from the start)",
+                               style="dim"))
+    finally:
+        stream.close()
