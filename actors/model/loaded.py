@@ -1,0 +1,115 @@
+"""A loaded model: spec, weights, tokenizer and the synchronous forward, without any actor."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from actors.errors import ContextLengthExceeded, InvalidRequest
+from actors.model.arch import ModelSpec, spec_from_gguf
+from actors.model.forward import KVPool, StepItem, Transformer, plan_step
+from actors.model.gguf import GGUFFile, open_gguf
+from actors.model.weights import ModelWeights, load_weights
+
+if TYPE_CHECKING:
+    from actors.model.tokenizer import Tokenizer
+
+# Model.logits prefills in chunks of this many tokens: bounds the (heads, n, n) attention
+# scores of a long sequence while keeping the matmuls large.
+LOGITS_CHUNK_TOKENS = 512
+LOGITS_BLOCK_SIZE = 16
+
+
+class Model:
+    """A model ready to run: `.logits(ids)` for teacher-forced scoring, `.step(items, kv)`
+    for the engine's batched stepping over a block KV cache."""
+
+    def __init__(self, gguf: GGUFFile, spec: ModelSpec, weights: ModelWeights,
+                 load_ms: float) -> None:
+        self.gguf = gguf
+        self.spec = spec
+        self.weights = weights
+        self.load_ms = load_ms
+        self._transformer = Transformer(spec, weights)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.gguf.path)
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        from actors.model.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf(self.gguf)
+
+    @property
+    def chat_template(self) -> str | None:
+        template = self.gguf.metadata.get("tokenizer.chat_template")
+        return template if isinstance(template, str) else None
+
+    @property
+    def quant_mix(self) -> dict[str, int]:
+        """Tensor type name -> number of tensors of that type in the file."""
+        return dict(Counter(info.type_name for info in self.gguf.tensors.values()))
+
+    def new_kv_pool(self, num_blocks: int, block_size: int = 16) -> KVPool:
+        return KVPool(self.spec, num_blocks, block_size)
+
+    def step(self, items: Sequence[StepItem], kv: KVPool) -> np.ndarray:
+        """Advance every item by its tokens, writing their K/V into `kv`.
+
+        Returns (number of items with want_logits, vocab) float32: the logits after each such
+        item's last token, in item order. Raises `InvalidRequest` / `ContextLengthExceeded`
+        for a bad item before anything is written.
+        """
+        plan = plan_step(items, self.spec, kv)
+        hidden = self._transformer.hidden_states(plan, kv)
+        return self._transformer.logits(hidden[plan.logit_rows])
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits (n, vocab) float32: row i predicts the token after
+        token_ids[i]. Runs on a private KV pool; the engine's caches are untouched."""
+        n = len(token_ids)
+        if n == 0:
+            raise InvalidRequest("token_ids is empty", field="token_ids")
+        if n > self.spec.context_length:
+            raise ContextLengthExceeded(
+                f"{n} tokens exceed the model's context length {self.spec.context_length}",
+                field="token_ids",
+            )
+        kv = self.new_kv_pool(-(-n // LOGITS_BLOCK_SIZE), LOGITS_BLOCK_SIZE)
+        blocks = tuple(range(kv.num_blocks))
+        out = np.empty((n, self.spec.vocab_size), dtype=np.float32)
+        for start in range(0, n, LOGITS_CHUNK_TOKENS):
+            chunk = tuple(token_ids[start : start + LOGITS_CHUNK_TOKENS])
+            plan = plan_step([StepItem(chunk, start, blocks)], self.spec, kv)
+            hidden = self._transformer.hidden_states(plan, kv)
+            out[start : start + len(chunk)] = self._transformer.logits(hidden)
+        return out
+
+
+def load_model(
+    path: str | Path | None = None,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> Model:
+    """Open a GGUF file (None = the default gemma-3-270m) and dequantize its weights.
+
+    `progress(done, total)` is called as layers load. Raises `ModelFormatError` for a broken
+    file and `UnsupportedModelError` for an architecture or tensor type we do not run.
+    """
+    if path is None:
+        from actors.model.default_model import default_model_path
+
+        path = default_model_path()
+    started = time.perf_counter()
+    gguf = open_gguf(path)
+    spec = spec_from_gguf(gguf)
+    weights = load_weights(gguf, spec, progress)
+    return Model(gguf, spec, weights, load_ms=(time.perf_counter() - started) * 1e3)
