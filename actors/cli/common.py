@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from actors.logs import LEVELS, configure_logging
 
 if TYPE_CHECKING:
+    from actors.engine import Engine
     from actors.params import SamplingParams
 
 # Width of tables written to a pipe or file, where there is no terminal to measure.
@@ -107,3 +109,15 @@ def console(stream: str = "stdout") -> Console:
     target = sys.stdout if stream == "stdout" else sys.stderr
     width = None if target.isatty() else PIPE_WIDTH
     return Console(file=target, width=width, highlight=False, soft_wrap=False)
+
+
+def add_backend_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the model runs (default auto: the GPU when one is usable)")
+
+
+def open_engine(args: argparse.Namespace, **options: Any) -> AbstractAsyncContextManager[Engine]:
+    """`Engine.open` for the --model and --backend flags; `options` go to the engine."""
+    from actors.engine import Engine
+
+    return Engine.open(args.model, backend=args.backend, **options)

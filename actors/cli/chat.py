@@ -1,0 +1,198 @@
+"""`q4k chat`: an interactive multi-turn conversation with a chat model.
+
+The engine runs in an event loop on a helper thread (an anyio blocking portal) while the REPL
+owns the main thread: `input()` keeps its line editing, and Ctrl-C arrives as KeyboardInterrupt
+here, where it cancels the answer being streamed (the request's sequence is dropped and its KV
+blocks freed) and leaves the conversation intact. The whole history is sent each turn; the
+engine's prefix cache recognises the tokens it already holds and prefills only the new turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from pathlib import Path
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+from rich.console import Console
+from rich.text import Text
+
+from actors.cli.common import (
+    add_backend_flag,
+    add_logging_flags,
+    add_model_flag,
+    add_sampling_flags,
+    configure_logging_from,
+    console,
+    error_line,
+    model_path_from,
+    open_engine,
+    sampling_params_from,
+)
+from actors.errors import Q4KError
+
+if TYPE_CHECKING:
+    from actors.engine import Engine
+    from actors.messages import Chunk
+    from actors.params import SamplingParams
+
+PROMPT = ">>> "
+HELP = "/reset starts over, /system TEXT sets the system prompt (and starts over), /quit leaves; " \
+       "Ctrl-C stops an answer, Ctrl-D leaves"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "chat",
+        help="talk with a chat model (interactive)",
+        description=f"An interactive conversation using the model's chat template. {HELP}.",
+    )
+    parser.add_argument("--system", metavar="TEXT", default=None, help="a system prompt")
+    parser.add_argument("--template", metavar="FILE", default=None,
+                        help="a Jinja chat template to use instead of the model's own")
+    add_model_flag(parser)
+    add_backend_flag(parser)
+    add_sampling_flags(parser, max_tokens=512)
+    add_logging_flags(parser)
+    parser.set_defaults(handler=_chat)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    configure_logging_from(args)
+    params = sampling_params_from(args)
+    template = None
+    if args.template is not None:
+        try:
+            template = Path(args.template).read_text(encoding="utf-8")
+        except OSError as exc:
+            return error_line("chat", f"{args.template}: cannot read the template: {exc.strerror}")
+    _check_template(model_path_from(args), template)
+    with (
+        start_blocking_portal() as portal,
+        portal.wrap_async_context_manager(open_engine(args)) as engine,
+    ):
+        return ChatSession(portal, engine, params, template, args.system, console()).run()
+
+
+def _check_template(model: Path, override: str | None) -> None:
+    """Fail before loading the weights when there is no chat template to use (TemplateError
+    says to pass --template)."""
+    from actors.model.chat import ChatTemplate
+    from actors.model.gguf import open_gguf
+
+    ChatTemplate.from_model_metadata(open_gguf(model), override)
+
+
+class ChatSession:
+    """The REPL: reads turns, streams answers, keeps the history."""
+
+    def __init__(self, portal: BlockingPortal, engine: Engine, params: SamplingParams,
+                 template: str | None, system: str | None, out: Console) -> None:
+        self.portal = portal
+        self.engine = engine
+        self.params = params
+        self.template = template
+        self.system = system
+        self.out = out
+        self.history: list[dict[str, str]] = []
+
+    def messages(self) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.history
+
+    def run(self) -> int:
+        if sys.stdin.isatty():
+            import readline  # noqa: F401  (importing it gives input() line editing and history)
+        self.out.print(Text(f"chatting ({HELP})", style="dim"))
+        while True:
+            try:
+                line = input(PROMPT)
+            except EOFError:
+                self.out.print()
+                return 0
+            except KeyboardInterrupt:
+                self.out.print(Text("\n(no answer to stop; /quit or Ctrl-D leaves)", style="dim"))
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
+                    return 0
+            elif line.strip():
+                self.turn(line)
+
+    def command(self, line: str) -> bool:
+        """Run a /command; False when it ends the session."""
+        name, _, rest = line.partition(" ")
+        if name in ("/quit", "/exit"):
+            return False
+        if name == "/reset":
+            self.history.clear()
+            self.out.print(Text("(conversation cleared)", style="dim"))
+        elif name == "/system":
+            self.system = rest.strip() or None
+            self.history.clear()
+            state = f"system prompt set: {self.system}" if self.system else "system prompt removed"
+            self.out.print(Text(f"({state}; conversation cleared)", style="dim"))
+        else:
+            self.out.print(Text(f"unknown command {name}: {HELP}", style="yellow"))
+        return True
+
+    def turn(self, question: str) -> None:
+        """Ask, stream the answer, and keep the exchange in the history; a stopped answer is
+        kept as far as it got, so roles still alternate and the next turn reuses its KV."""
+        self.history.append({"role": "user", "content": question})
+        answer = _Answer()
+        future = self.portal.start_task_soon(answer.stream, self.engine, self.messages(),
+                                             self.params, self.template, self.out)
+        try:
+            future.result()
+        except KeyboardInterrupt:
+            future.cancel()
+            _wait_through_interrupts(answer.finished)
+            self.out.print(Text(" [stopped]", style="dim"))
+        except Q4KError as exc:
+            self.out.print(Text(f"error: {exc}", style="red"))
+        text = "".join(answer.parts)
+        if text:
+            self.history.append({"role": "assistant", "content": text})
+        else:
+            self.history.pop()
+
+
+def _wait_through_interrupts(event: threading.Event) -> None:
+    """Wait for a cancelled answer to unwind, even if Ctrl-C is pressed again meanwhile."""
+    while True:
+        try:
+            event.wait()
+            return
+        except KeyboardInterrupt:
+            continue
+
+
+class _Answer:
+    """One streamed answer: its text so far, and an event set once its task has ended."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.finished = threading.Event()
+
+    async def stream(self, engine: Engine, messages: list[dict[str, str]],
+                     params: SamplingParams, template: str | None, out: Console) -> None:
+        """Runs in the engine's event loop; closing the stream on cancel frees the sequence."""
+        from actors.cli.generate import finish_line
+
+        try:
+            last: Chunk | None = None
+            async with aclosing(engine.chat(messages, params, template)) as chunks:
+                async for chunk in chunks:
+                    out.file.write(chunk.text)
+                    out.file.flush()
+                    self.parts.append(chunk.text)
+                    last = chunk
+            out.print()
+            if last is not None:
+                out.print(Text(finish_line(last), style="dim"))
+        finally:
+            self.finished.set()
