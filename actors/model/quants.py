@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.errors import ModelFormatError, UnsupportedModelError
+from actors.errors import InvalidRequest, ModelFormatError, UnsupportedModelError
 
 QK_K = 256  # elements of a K-quant super-block
 F32 = np.float32
@@ -240,3 +240,267 @@ def dequantize(raw: np.ndarray, type_name: str, shape: Sequence[int]) -> np.ndar
     if fmt.params is None:
         return _decode_floats(raw, type_name).reshape(shape)
     return _decode_blocks(fmt, raw.reshape(-1, fmt.type_size)).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing: llama.cpp's reference quantizers (ggml-quants.c, quantize_row_*_ref).
+# Arrays are laid out (positions in a group, groups) so each sequential float32 sum of
+# llama.cpp is a loop over the few positions, vectorized over every group at once.
+
+# Quantize this many elements at a time: bounds the float32 temporaries of the K-quant searches.
+QUANTIZE_CHUNK_ELEMENTS = 1 << 18
+
+
+def _nearest_int(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's nearest_int (the 1.5 * 2**23 trick): round half to even, in float32."""
+    return np.rint(x)
+
+
+def _fp16_bytes(x: np.ndarray) -> np.ndarray:
+    """float32 (n,) -> the (n, 2) bytes of its round-to-nearest-even float16."""
+    return x.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def _sequential_sum(terms: Callable[[int], np.ndarray], count: int) -> np.ndarray:
+    """terms(0) + terms(1) + ... + terms(count - 1), added left to right in float32."""
+    total = terms(0).astype(F32, copy=True)
+    for i in range(1, count):
+        total += terms(i)
+    return total
+
+
+def _make_qkx2_quants(
+    x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's make_qkx2_quants (use_mad false) over x (n, groups).
+
+    Returns levels (n, groups) in 0..nmax as float32, scale (groups,), and the_min (groups,):
+    x ~ scale * level - the_min. Like llama.cpp, a better candidate's min also shifts the
+    search of the candidates after it.
+    """
+    n = x.shape[0]
+    x_min = np.minimum(x.min(axis=0), F32(0))
+    x_max = x.max(axis=0)
+    sum_w = _sequential_sum(lambda i: weights[i], n)
+    sum_x = _sequential_sum(lambda i: weights[i] * x[i], n)
+    flat = x_max == x_min
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = F32(nmax) / (x_max - x_min)
+        scale = F32(1) / iscale
+        levels = np.clip(_nearest_int(iscale * (x - x_min)), 0, nmax)
+        best_error = _sequential_sum(
+            lambda i: weights[i] * np.square(scale * levels[i] + x_min - x[i]), n
+        )
+        for step in range(nstep + 1):
+            iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (x_max - x_min)
+            trial = np.clip(_nearest_int(iscale * (x - x_min)), 0, nmax)
+            weighted = weights * trial
+            sum_l = _sequential_sum(lambda i: weighted[i], n)
+            sum_l2 = _sequential_sum(lambda i: weighted[i] * trial[i], n)
+            sum_xl = _sequential_sum(lambda i: weighted[i] * x[i], n)
+            det = sum_w * sum_l2 - sum_l * sum_l
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+            positive_min = this_min > 0
+            this_scale = np.where(positive_min, sum_xl / sum_l2, this_scale)
+            this_min = np.where(positive_min, F32(0), this_min)
+            error = _sequential_sum(
+                lambda i: weights[i] * np.square(this_scale * trial[i] + this_min - x[i]), n
+            )
+            better = (det > 0) & (error < best_error)
+            levels = np.where(better, trial, levels)
+            best_error = np.where(better, error, best_error)
+            scale = np.where(better, this_scale, scale)
+            x_min = np.where(better, this_min, x_min)
+    levels[:, flat] = 0
+    scale[flat] = 0
+    return levels, scale, -x_min
+
+
+def _quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q4_K_ref: x (blocks, 256) -> (blocks, 144) bytes."""
+    n_blocks = x.shape[0]
+    sub = np.ascontiguousarray(x.reshape(-1, 32).T)  # (32, blocks * 8)
+    sum_x2 = _sequential_sum(lambda i: sub[i] * sub[i], 32)
+    weights = np.sqrt(sum_x2 / F32(32)) + np.abs(sub)
+    levels, scales, mins = _make_qkx2_quants(sub, weights, 15, -1.0, 0.1, 20)
+    scales = scales.reshape(n_blocks, 8)
+    mins = mins.reshape(n_blocks, 8)
+    max_scale = np.maximum(scales.max(axis=1), F32(0))
+    max_min = np.maximum(mins.max(axis=1), F32(0))
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(max_scale > 0, F32(63) / max_scale, F32(0))
+        inv_min = np.where(max_min > 0, F32(63) / max_min, F32(0))
+    # llama.cpp stores nearest_int(...) in a uint8 before clamping to 63: keep the wrap-around.
+    ls = np.minimum(_nearest_int(inv_scale[:, None] * scales).astype(np.int64) & 0xFF, 63)
+    lm = np.minimum(_nearest_int(inv_min[:, None] * mins).astype(np.int64) & 0xFF, 63)
+    d = (max_scale / F32(63)).astype(np.float16)
+    dmin = (max_min / F32(63)).astype(np.float16)
+
+    # Requantize with the rounded scales; a sub-block whose scale rounds to 0 keeps its levels.
+    d_sub = (d.astype(F32)[:, None] * ls.astype(F32)).reshape(1, -1)
+    min_sub = (dmin.astype(F32)[:, None] * lm.astype(F32)).reshape(1, -1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        requantized = np.clip(_nearest_int((sub + min_sub) / d_sub), 0, 15)
+    levels = np.where(d_sub != 0, requantized, levels)
+    levels = levels.T.astype(np.uint8).reshape(n_blocks, 4, 2, 32)
+
+    ls8, lm8 = ls.astype(np.uint8), lm.astype(np.uint8)
+    packed_scales = np.concatenate(
+        [
+            ls8[:, :4] | ((ls8[:, 4:] >> 4) << 6),
+            lm8[:, :4] | ((lm8[:, 4:] >> 4) << 6),
+            (ls8[:, 4:] & 0x0F) | ((lm8[:, 4:] & 0x0F) << 4),
+        ],
+        axis=1,
+    )
+    qs = levels[:, :, 0] | (levels[:, :, 1] << 4)
+    return np.concatenate(
+        [_fp16_bytes(d), _fp16_bytes(dmin), packed_scales, qs.reshape(n_blocks, 128)], axis=1
+    )
+
+
+def _make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's make_qx_quants with rmse_type 1 (weights x**2) over x (n, groups).
+
+    Returns levels + nmax (n, groups) in 0..2*nmax-1 as float32, and scale (groups,).
+    """
+    n = x.shape[0]
+    first_max = np.abs(x).argmax(axis=0)
+    x_max = np.take_along_axis(x, first_max[None, :], axis=0)[0]
+    zero = np.abs(x_max) < GROUP_MAX_EPS
+    weights = x * x
+    weighted_x = weights * x
+
+    def levels_for(iscale: np.ndarray) -> np.ndarray:
+        return np.clip(_nearest_int(iscale * x), -nmax, nmax - 1)
+
+    def sums(levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        sum_lx = _sequential_sum(lambda i: weighted_x[i] * levels[i], n)
+        sum_l2 = _sequential_sum(lambda i: weights[i] * levels[i] * levels[i], n)
+        return sum_lx, sum_l2
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        levels = levels_for(F32(-nmax) / x_max)
+        sum_lx, sum_l2 = sums(levels)
+        scale = np.where(sum_l2 != 0, sum_lx / sum_l2, F32(0))
+        best = scale * sum_lx
+        for step in range(-9, 10):
+            if step == 0:
+                continue
+            trial = levels_for(-(F32(nmax) + F32(0.1) * F32(step)) / x_max)
+            sum_lx, sum_l2 = sums(trial)
+            better = (sum_l2 > 0) & (sum_lx * sum_lx > best * sum_l2)
+            levels = np.where(better, trial, levels)
+            scale = np.where(better, sum_lx / sum_l2, scale)
+            best = np.where(better, scale * sum_lx, best)
+    levels += F32(nmax)
+    levels[:, zero] = 0
+    scale[zero] = 0
+    return levels, scale
+
+
+def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q6_K_ref: x (blocks, 256) -> (blocks, 210) bytes."""
+    n_blocks = x.shape[0]
+    sub = np.ascontiguousarray(x.reshape(-1, 16).T)  # (16, blocks * 16)
+    levels, scales = _make_qx_quants_rmse1(sub, 32)
+    scales = scales.reshape(n_blocks, 16)
+    first_max = np.abs(scales).argmax(axis=1)
+    max_scale = np.take_along_axis(scales, first_max[:, None], axis=1)[:, 0]
+    zero_block = np.abs(max_scale) < GROUP_MAX_EPS
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = F32(-128) / max_scale
+        d = (F32(1) / iscale).astype(np.float16)
+        q_scales = np.minimum(_nearest_int(iscale[:, None] * scales), 127).astype(np.int8)
+        d_sub = (d.astype(F32)[:, None] * q_scales.astype(F32)).reshape(1, -1)
+        requantized = np.clip(_nearest_int(sub / d_sub), -32, 31) + F32(32)
+    levels = np.where(d_sub != 0, requantized, levels)
+    levels = levels.T.astype(np.uint8).reshape(n_blocks, 2, 4, 32)  # (half, quarter, l)
+
+    ql = (levels[:, :, 0:2] & 0x0F) | ((levels[:, :, 2:4] & 0x0F) << 4)
+    qh = (
+        (levels[:, :, 0] >> 4)
+        | ((levels[:, :, 1] >> 4) << 2)
+        | ((levels[:, :, 2] >> 4) << 4)
+        | ((levels[:, :, 3] >> 4) << 6)
+    )
+    out = np.concatenate(
+        [
+            ql.reshape(n_blocks, 128),
+            qh.reshape(n_blocks, 64),
+            q_scales.view(np.uint8),
+            _fp16_bytes(d),
+        ],
+        axis=1,
+    )
+    out[zero_block] = 0
+    return out
+
+
+def _round_half_away(x: np.ndarray) -> np.ndarray:
+    """C's roundf: round half away from zero, exactly (no x + 0.5 rounding error)."""
+    magnitude = np.abs(x)
+    whole = np.floor(magnitude)
+    return np.copysign(whole + (magnitude - whole >= F32(0.5)), x)
+
+
+def _quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q8_0_ref: x (blocks, 32) -> (blocks, 34) bytes."""
+    d = np.abs(x).max(axis=1) / F32(127)
+    with np.errstate(divide="ignore"):
+        inv_d = np.where(d != 0, F32(1) / d, F32(0))
+    qs = _round_half_away(x * inv_d[:, None]).astype(np.int8)
+    return np.concatenate([_fp16_bytes(d), qs.view(np.uint8)], axis=1)
+
+
+def _quantize_q5_0(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q5_0_ref: x (blocks, 32) -> (blocks, 22) bytes."""
+    first_max = np.abs(x).argmax(axis=1)
+    d = np.take_along_axis(x, first_max[:, None], axis=1)[:, 0] / F32(-16)
+    with np.errstate(divide="ignore"):
+        inv_d = np.where(d != 0, F32(1) / d, F32(0))
+    # C converts x * id + 16.5 to int8 (truncation toward zero), then clamps to 31.
+    q = np.minimum(np.trunc(x * inv_d[:, None] + F32(16.5)), 31).astype(np.uint8)
+    qs = (q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)
+    qh = np.packbits(q >> 4, axis=1, bitorder="little")
+    return np.concatenate([_fp16_bytes(d), qh, qs], axis=1)
+
+
+QUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "Q4_K": _quantize_q4_k,
+    "Q6_K": _quantize_q6_k,
+    "Q8_0": _quantize_q8_0,
+    "Q5_0": _quantize_q5_0,
+}
+
+
+def quantize(x: np.ndarray, type_name: str) -> np.ndarray:
+    """Quantize float32 rows (..., n) to `type_name` blocks: uint8 (..., n // block * bytes).
+
+    Byte-identical to llama.cpp's reference quantizer (no importance matrix). Supports the
+    types in QUANTIZERS; `n` must be a multiple of the type's block size.
+    """
+    if type_name not in QUANTIZERS:
+        raise UnsupportedModelError(
+            f"cannot quantize to {type_name!r} (supported: {', '.join(QUANTIZERS)})"
+        )
+    x = np.asarray(x)
+    if x.ndim == 0 or x.dtype != F32:
+        raise InvalidRequest(
+            f"quantize needs a float32 array with at least one axis, got {x.dtype} {x.shape}",
+            field="x",
+        )
+    fmt = FORMATS[type_name]
+    if x.shape[-1] % fmt.block_size:
+        raise InvalidRequest(
+            f"rows of {x.shape[-1]} elements are not a whole number of {type_name} blocks "
+            f"({fmt.block_size} elements)",
+            field="x",
+        )
+    blocks = np.ascontiguousarray(x).reshape(-1, fmt.block_size)
+    out = np.empty((blocks.shape[0], fmt.type_size), dtype=np.uint8)
+    step = max(QUANTIZE_CHUNK_ELEMENTS // fmt.block_size, 1)
+    for start in range(0, blocks.shape[0], step):
+        out[start : start + step] = QUANTIZERS[type_name](blocks[start : start + step])
+    return out.reshape(*x.shape[:-1], x.shape[-1] // fmt.block_size * fmt.type_size)
