@@ -1,0 +1,263 @@
+"""Bounded fuzz of the GGUF reader and `spec_from_gguf`: whatever the bytes, only the project's
+own errors come out, each naming the file, and every case ends (a hang guard stops it if not).
+
+Two kinds: a seeded mutation loop over the real headers (metadata and tensor table) of the tiny
+and real models, and hypothesis properties on hand-made files.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actors.errors import Q4KError
+from actors.model.arch import spec_from_gguf
+from actors.model.gguf import open_gguf
+from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
+
+# Mutated cases per model: many on the tiny files (a few ms each), fewer on the real headers
+# (6.5 MB for gemma3, mostly its 262k-token vocabulary).
+CASES = {"llama-q4k-tiny": 500, "qwen2-q4k-tiny": 500, "smollm2-135m": 150, "gemma3-270m": 100}
+# A hang guard, not a speed requirement: a case normally takes milliseconds.
+HANG_GUARD_S = 60
+# Little-endian u64 windows below this are likely lengths, counts, dims or offsets.
+FIELD_LIKE_BELOW = 1 << 32
+INTERESTING_U64 = (0, 1, 7, 255, 1 << 31, (1 << 32) - 1, 1 << 32, 1 << 60, 1 << 63, (1 << 64) - 1)
+INTERESTING_U32 = (0, 1, 8, 9, 12, 13, 31, 39, 40, 1 << 31, (1 << 32) - 1)
+
+
+@dataclass(frozen=True)
+class Seed:
+    """The header of one model (everything before its tensor data), its true file size, where
+    its tensor table starts, and the offsets of u64 windows that look like fields."""
+
+    name: str
+    header: bytes
+    file_size: int
+    table_start: int
+    field_offsets: np.ndarray
+
+    @classmethod
+    def load(cls, name: str, path: Path) -> Seed:
+        with open_gguf(path) as model:
+            data_offset = model.data_offset
+            first_tensor = next(iter(model.tensors)).encode()
+        header = path.read_bytes()[:data_offset]
+        table_start = header.index(struct.pack("<Q", len(first_tensor)) + first_tensor)
+        raw = np.frombuffer(header, dtype=np.uint8)
+        # The u64 starting at every byte offset, one aligned view per phase.
+        values = np.zeros(max(len(raw) - 7, 0), dtype=np.uint64)
+        for phase in range(8):
+            count = (len(raw) - phase) // 8
+            values[phase::8][:count] = raw[phase : phase + 8 * count].view("<u8")
+        field_offsets = np.flatnonzero(values < FIELD_LIKE_BELOW)
+        return cls(name, header, path.stat().st_size, table_start, field_offsets)
+
+    def region(self, rng: np.random.Generator) -> tuple[int, int]:
+        """Where to mutate: the whole header, or (as often) the tensor table or the first
+        KiB (header counts and scalar metadata), which the vocabulary would otherwise drown."""
+        return [(0, len(self.header)), (self.table_start, len(self.header)), (0, 1024)][
+            int(rng.integers(3))
+        ]
+
+
+def model_paths() -> dict[str, Path]:
+    return {**TINY_MODELS, "smollm2-135m": smollm2_path(), "gemma3-270m": gemma3_path()}
+
+
+@pytest.fixture(scope="session")
+def seeds() -> dict[str, Seed]:
+    return {name: Seed.load(name, path) for name, path in model_paths().items()}
+
+
+def mutate(seed: Seed, rng: np.random.Generator) -> tuple[str, bytearray, int]:
+    """One mutated copy of the header: (what was done, bytes, size to extend the file to)."""
+    data = bytearray(seed.header)
+    size = seed.file_size
+
+    low, high = seed.region(rng)
+
+    def field_offset() -> int:
+        first, last = np.searchsorted(seed.field_offsets, [low, high - 8])
+        return int(seed.field_offsets[rng.integers(first, max(last, first + 1))])
+
+    kind = rng.integers(6)
+    if kind == 0:
+        offsets = [int(rng.integers(low, high)) for _ in range(rng.integers(1, 5))]
+        for at in offsets:
+            data[at] ^= 1 << int(rng.integers(8))
+        return f"bit flips at {offsets}", data, size
+    if kind == 1:
+        at = field_offset()
+        data[at + int(rng.integers(8))] ^= 1 << int(rng.integers(8))
+        return f"bit flip in the field at {at}", data, size
+    if kind == 2:
+        at = field_offset()
+        (old,) = struct.unpack_from("<Q", data, at)
+        choices = (*INTERESTING_U64, old + 1, old - 1 if old else 1, old * 2, size)
+        value = int(rng.choice(choices)) if rng.random() < 0.8 else int(rng.integers(1 << 63))
+        struct.pack_into("<Q", data, at, value % (1 << 64))
+        return f"u64 {old} -> {value} at {at}", data, size
+    if kind == 3:
+        # Scalar values (u32 hyperparameters, type ids) are followed by the next key's length,
+        # so their windows do not look field-like: pick any offset half the time.
+        at = field_offset() if rng.random() < 0.5 else int(rng.integers(low, high - 4))
+        value = int(rng.choice(INTERESTING_U32)) if rng.random() < 0.5 else int(rng.integers(41))
+        struct.pack_into("<I", data, at, value)
+        return f"u32 -> {value} at {at}", data, size
+    if kind == 4:
+        cut = int(rng.integers(low, high + 1))
+        return f"truncated at {cut}", data[:cut], cut
+    at, span = int(rng.integers(low, high)), int(rng.integers(1, 17))
+    del data[at : at + span]
+    return f"deleted {span} bytes at {at}", data, size
+
+
+@contextmanager
+def hang_guard(what: str) -> Iterator[None]:
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"{what} ran past {HANG_GUARD_S} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(HANG_GUARD_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def read_everything(path: Path) -> None:
+    """What a loader does first: the table, the spec, a view of every tensor."""
+    with open_gguf(path) as model:
+        for info in model:
+            model.raw(info.name)
+        spec_from_gguf(model)
+
+
+def outcome(path: Path, what: str) -> str:
+    """'ok', or the project error's class; anything else fails the test with `what`."""
+    try:
+        with hang_guard(what):
+            read_everything(path)
+    except Q4KError as exc:
+        assert str(path) in str(exc), f"{what}: the error does not name the file: {exc}"
+        return type(exc).__name__
+    except Exception as exc:
+        pytest.fail(f"{what}: raw {type(exc).__name__}: {exc}")
+    return "ok"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mutated_headers(seeds: dict[str, Seed], tmp_path: Path, name: str) -> None:
+    seed = seeds[name]
+    rng = np.random.default_rng(sum(name.encode()))
+    path = tmp_path / "fuzzed.gguf"
+    outcomes: dict[str, int] = {}
+    for case in range(CASES[name]):
+        what, data, size = mutate(seed, rng)
+        with open(path, "wb") as out:
+            out.write(data)
+            out.truncate(max(size, len(data)))  # sparse: the reader must not touch the data
+        result = outcome(path, f"{name} case {case}: {what}")
+        outcomes[result] = outcomes.get(result, 0) + 1
+    # The loop must reach both sides: files still read and files refused.
+    assert outcomes.get("ok", 0) and outcomes.get("ModelFormatError", 0), outcomes
+
+
+# --- hypothesis: hand-made files ---------------------------------------------------------------
+
+FUZZ_SETTINGS = settings(
+    max_examples=150,
+    deadline=None,  # no timing threshold; the hang guard covers hangs
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+
+
+@FUZZ_SETTINGS
+@given(body=st.binary(max_size=400), version=st.sampled_from([2, 3]))
+def test_random_bytes_after_the_header(tmp_path: Path, body: bytes, version: int) -> None:
+    path = tmp_path / "random.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<I", version) + body)
+    outcome(path, f"random body {body!r}")
+
+
+@FUZZ_SETTINGS
+@given(
+    counts=st.tuples(st.integers(0, (1 << 64) - 1), st.integers(0, (1 << 64) - 1)),
+    lengths=st.lists(st.integers(0, (1 << 64) - 1), min_size=1, max_size=6),
+)
+def test_random_counts_and_lengths(
+    tmp_path: Path, counts: tuple[int, int], lengths: list[int]
+) -> None:
+    """A header followed by u64 fields in the places lengths and counts go."""
+    body = struct.pack("<QQ", *counts) + b"".join(
+        struct.pack("<Q", n) + b"key" + struct.pack("<I", 9) for n in lengths
+    )
+    path = tmp_path / "counts.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<I", 3) + body)
+    outcome(path, f"counts {counts}, lengths {lengths}")
+
+
+metadata_values = st.one_of(
+    st.integers(-(1 << 31), (1 << 31) - 1),
+    st.floats(width=32, allow_nan=False),
+    st.booleans(),
+    st.text(max_size=20),
+    st.lists(st.text(max_size=8), min_size=1, max_size=5),
+    st.lists(st.integers(0, 1000), min_size=1, max_size=5),
+)
+
+
+metadata_keys = st.from_regex(r"[a-z]{1,8}\.[a-z_]{1,12}", fullmatch=True)
+
+
+@FUZZ_SETTINGS
+@given(metadata=st.dictionaries(metadata_keys, metadata_values, max_size=8))
+def test_written_metadata_reads_back(tmp_path: Path, metadata: dict[str, object]) -> None:
+    path = tmp_path / "meta.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in metadata.items():
+        writer.add_key_value(key, value, gguf_type_of(value))
+    writer.add_tensor("w", np.arange(64, dtype=np.float32).reshape(2, 32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with open_gguf(path) as model:
+        for key, value in metadata.items():
+            read = model.metadata[key]
+            expected = np.float32(value) if isinstance(value, float) else value
+            assert np.array_equal(np.asarray(read), np.asarray(expected)), (key, read, value)
+        weights = model.raw("w").view(np.float32)
+        assert np.array_equal(weights, np.arange(64, dtype=np.float32).reshape(2, 32))
+
+
+def gguf_type_of(value: object) -> gguf.GGUFValueType:
+    if isinstance(value, bool):
+        return gguf.GGUFValueType.BOOL
+    if isinstance(value, int):
+        return gguf.GGUFValueType.INT32
+    if isinstance(value, float):
+        return gguf.GGUFValueType.FLOAT32
+    if isinstance(value, str):
+        return gguf.GGUFValueType.STRING
+    return gguf.GGUFValueType.ARRAY
+
+
+def test_seeds_cover_the_structure(seeds: dict[str, Seed]) -> None:
+    """The field-like offsets the mutations favour include the header's own counts."""
+    for seed in seeds.values():
+        assert {8, 16} <= set(seed.field_offsets.tolist()), seed.name
+        assert os.path.getsize(model_paths()[seed.name]) == seed.file_size
