@@ -317,13 +317,17 @@ def _make_qkx2_quants(
     return levels, scale, -x_min
 
 
-def _quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """quantize_row_q4_K_ref: x (blocks, 256) -> (blocks, 144) bytes."""
+def _quantize_k_asymmetric(
+    x: np.ndarray, nmax: int, rmin: float, nstep: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The shared part of quantize_row_q4_K_ref / q5_K_ref: x (blocks, 256) ->
+    header bytes (blocks, 16: d, dmin, 12 packed 6-bit scales and mins) and levels
+    (blocks, 8, 32) in 0..nmax."""
     n_blocks = x.shape[0]
     sub = np.ascontiguousarray(x.reshape(-1, 32).T)  # (32, blocks * 8)
     sum_x2 = _sequential_sum(lambda i: sub[i] * sub[i], 32)
     weights = np.sqrt(sum_x2 / F32(32)) + np.abs(sub)
-    levels, scales, mins = _make_qkx2_quants(sub, weights, 15, -1.0, 0.1, 20)
+    levels, scales, mins = _make_qkx2_quants(sub, weights, nmax, rmin, 0.1, nstep)
     scales = scales.reshape(n_blocks, 8)
     mins = mins.reshape(n_blocks, 8)
     max_scale = np.maximum(scales.max(axis=1), F32(0))
@@ -341,23 +345,45 @@ def _quantize_q4_k(x: np.ndarray) -> np.ndarray:
     d_sub = (d.astype(F32)[:, None] * ls.astype(F32)).reshape(1, -1)
     min_sub = (dmin.astype(F32)[:, None] * lm.astype(F32)).reshape(1, -1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        requantized = np.clip(_nearest_int((sub + min_sub) / d_sub), 0, 15)
+        requantized = np.clip(_nearest_int((sub + min_sub) / d_sub), 0, nmax)
     levels = np.where(d_sub != 0, requantized, levels)
-    levels = levels.T.astype(np.uint8).reshape(n_blocks, 4, 2, 32)
 
     ls8, lm8 = ls.astype(np.uint8), lm.astype(np.uint8)
-    packed_scales = np.concatenate(
+    header = np.concatenate(
         [
+            _fp16_bytes(d),
+            _fp16_bytes(dmin),
             ls8[:, :4] | ((ls8[:, 4:] >> 4) << 6),
             lm8[:, :4] | ((lm8[:, 4:] >> 4) << 6),
             (ls8[:, 4:] & 0x0F) | ((lm8[:, 4:] & 0x0F) << 4),
         ],
         axis=1,
     )
-    qs = levels[:, :, 0] | (levels[:, :, 1] << 4)
-    return np.concatenate(
-        [_fp16_bytes(d), _fp16_bytes(dmin), packed_scales, qs.reshape(n_blocks, 128)], axis=1
-    )
+    return header, levels.T.astype(np.uint8).reshape(n_blocks, 8, 32)
+
+
+def _pack_low_nibbles(levels: np.ndarray) -> np.ndarray:
+    """K-quant levels (blocks, 8, 32) -> 128 bytes: sub-block 2g in the low nibbles of group
+    g's 32 bytes, sub-block 2g + 1 in the high nibbles."""
+    pairs = levels.reshape(-1, 4, 2, 32)
+    return ((pairs[:, :, 0] & 0x0F) | ((pairs[:, :, 1] & 0x0F) << 4)).reshape(-1, 128)
+
+
+def _quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q4_K_ref: x (blocks, 256) -> (blocks, 144) bytes."""
+    header, levels = _quantize_k_asymmetric(x, 15, -1.0, 20)
+    return np.concatenate([header, _pack_low_nibbles(levels)], axis=1)
+
+
+_FIFTH_BIT_WEIGHTS = (1 << np.arange(8, dtype=np.uint8))[:, None]
+
+
+def _quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q5_K_ref: x (blocks, 256) -> (blocks, 176) bytes."""
+    header, levels = _quantize_k_asymmetric(x, 31, -0.5, 15)
+    # Bit s of qh[l] is the fifth bit of element l of sub-block s.
+    qh = ((levels >> 4) * _FIFTH_BIT_WEIGHTS).sum(axis=1, dtype=np.uint8)
+    return np.concatenate([header, qh, _pack_low_nibbles(levels)], axis=1)
 
 
 def _make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -463,8 +489,21 @@ def _quantize_q5_0(x: np.ndarray) -> np.ndarray:
     # C converts x * id + 16.5 to int8 (truncation toward zero), then clamps to 31.
     q = np.minimum(np.trunc(x * inv_d[:, None] + F32(16.5)), 31).astype(np.uint8)
     qs = (q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)
-    qh = np.packbits(q >> 4, axis=1, bitorder="little")
+    qh = np.packbits((q >> 4) & 1, axis=1, bitorder="little")
     return np.concatenate([_fp16_bytes(d), qh, qs], axis=1)
+
+
+def _quantize_q5_1(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q5_1_ref: x (blocks, 32) -> (blocks, 24) bytes."""
+    x_min = x.min(axis=1)
+    d = (x.max(axis=1) - x_min) / F32(31)
+    with np.errstate(divide="ignore"):
+        inv_d = np.where(d != 0, F32(1) / d, F32(0))
+    # C converts (x - min) * id + 0.5 to uint8 (truncation) and keeps 5 bits, unclamped.
+    q = np.trunc((x - x_min[:, None]) * inv_d[:, None] + F32(0.5)).astype(np.uint8)
+    qs = (q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)
+    qh = np.packbits((q >> 4) & 1, axis=1, bitorder="little")
+    return np.concatenate([_fp16_bytes(d), _fp16_bytes(x_min), qh, qs], axis=1)
 
 
 QUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
@@ -472,6 +511,8 @@ QUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "Q6_K": _quantize_q6_k,
     "Q8_0": _quantize_q8_0,
     "Q5_0": _quantize_q5_0,
+    "Q5_K": _quantize_q5_k,
+    "Q5_1": _quantize_q5_1,
 }
 
 
