@@ -1,0 +1,249 @@
+"""Text <-> token ids exactly as llama.cpp does it, from a GGUF's `tokenizer.*` metadata.
+
+`Tokenizer.encode` follows `llama_vocab::impl::tokenize`: special-token texts are cut out first
+(`tokenizer_special`), each raw fragment goes through the SPM or BPE encoder (Hugging Face
+`tokenizers` models built in `tokenizer_spm` / `tokenizer_bpe`), BOS/EOS as the model asks.
+`decode` and the streaming `IncrementalDecoder` follow `token_to_piece` + `detokenize`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+from collections.abc import Iterable, Sequence
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+
+from actors.errors import InvalidRequest
+from actors.model.tokenizer_bpe import build_bpe_model, byte_level_bytes
+from actors.model.tokenizer_special import SpecialTokenSplitter
+from actors.model.tokenizer_spm import build_spm_model
+from actors.model.tokenizer_vocab import (
+    ATTR_BYTE,
+    ATTR_CONTROL,
+    ATTR_NORMAL,
+    ATTR_UNKNOWN,
+    ATTR_USER_DEFINED,
+    Vocab,
+    read_vocab,
+)
+
+_SPM_SPACE = "\u2581"  # '▁', SentencePiece's escaped space
+
+
+class Tokenizer:
+    """A model's tokenizer. Build it with `Tokenizer.from_gguf(open_gguf(path))`."""
+
+    def __init__(self, vocab: Vocab) -> None:
+        self.vocab = vocab
+        self._splitter = SpecialTokenSplitter(vocab)
+        self._pieces_special = _token_pieces(vocab)
+        hidden = vocab.attrs & (ATTR_CONTROL | ATTR_UNKNOWN) != 0
+        self._pieces = [b"" if hide else piece for piece, hide in zip(self._pieces_special, hidden)]
+
+    @classmethod
+    def from_gguf(cls, gguf_file: Any) -> Tokenizer:
+        """From an open GGUF file (anything with a `.metadata` mapping)."""
+        return cls(read_vocab(gguf_file.metadata))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab.size
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.vocab.special.get("bos")
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.vocab.special.get("eos")
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Tokens that end generation: llama.cpp's end-of-generation set (EOS, end of turn...)."""
+        return self.vocab.eog_ids
+
+    @cached_property
+    def _encoder(self) -> HFTokenizer:
+        # Built on first use: ~1 s for a 262k SentencePiece vocabulary, not needed to decode.
+        return build_spm_model(self.vocab) if self.vocab.model == "llama" else build_bpe_model(
+            self.vocab
+        )
+
+    def encode(
+        self, text: str, *, add_bos: bool | None = None, parse_special: bool = False
+    ) -> list[int]:
+        """Token ids of `text`.
+
+        add_bos: None does what llama.cpp does with `add_special`: BOS if the model's
+        `add_bos_token` says so (and EOS if `add_eos_token` does); True/False force a BOS or none.
+        parse_special: also match control tokens such as `<|im_start|>` in the text; user-defined
+        tokens are always matched.
+        """
+        if not isinstance(text, str):
+            raise InvalidRequest(f"text must be a str, not {type(text).__name__}", field="text")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise InvalidRequest(
+                f"text is not valid Unicode: {error.reason} at index {error.start}", field="text"
+            ) from None
+        add_eos = add_bos is None and self.vocab.add_eos
+        if add_bos is None:
+            add_bos = self.vocab.add_bos
+        ids: list[int] = []
+        if add_bos:
+            if self.bos_id is None:
+                raise InvalidRequest("this model has no BOS token", field="add_bos")
+            ids.append(self.bos_id)
+        ids += self._encode_fragments(self._splitter.split(text, parse_special))
+        if add_eos:
+            ids.append(self.vocab.special["eos"])
+        return ids
+
+    def _encode_fragments(self, fragments: list[str | int]) -> list[int]:
+        raw = [fragment for fragment in fragments if isinstance(fragment, str)]
+        if self.vocab.model == "llama":
+            raw = _spm_texts(fragments, self.vocab.add_space_prefix)
+        if not raw:
+            return [fragment for fragment in fragments if isinstance(fragment, int)]
+        encoded = iter(self._encoder.encode_batch_fast(raw, add_special_tokens=False))
+        ids: list[int] = []
+        for fragment in fragments:
+            if isinstance(fragment, str):
+                ids += next(encoded).ids
+            else:
+                ids.append(fragment)
+        return ids
+
+    def decode(self, ids: Iterable[int], *, special: bool = False) -> str:
+        """Text of `ids` as llama.cpp detokenizes it; `special` also renders control tokens.
+
+        Bytes that are not valid UTF-8 (a sequence cut inside a character) become U+FFFD.
+        """
+        tokens = self._checked_ids(ids)
+        pieces = self._pieces_special if special else self._pieces
+        data = b"".join(map(pieces.__getitem__, tokens))
+        if tokens and self.vocab.add_space_prefix and pieces[tokens[0]][:1] == b" ":
+            data = data[1:]  # llama.cpp strips the space SentencePiece put before the text
+        if self.vocab.clean_spaces:
+            data = _clean_spaces(data)
+        return data.decode("utf-8", errors="replace")
+
+    def incremental_decoder(self, *, special: bool = False) -> IncrementalDecoder:
+        """A streaming decoder whose pushes + flush concatenate to `decode(ids, special=...)`."""
+        return IncrementalDecoder(self, special=special)
+
+    def piece(self, token_id: int, *, special: bool = True) -> bytes:
+        """The bytes one token stands for (control tokens render their text if `special`)."""
+        (token,) = self._checked_ids((token_id,))
+        return (self._pieces_special if special else self._pieces)[token]
+
+    def _checked_ids(self, ids: Iterable[int]) -> list[int]:
+        try:
+            array = np.asarray(ids if isinstance(ids, Sequence | np.ndarray) else list(ids))
+        except (TypeError, ValueError):
+            raise InvalidRequest("token ids must be a sequence of integers", field="ids") from None
+        if array.size == 0:
+            return []
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise InvalidRequest("token ids must be a flat sequence of integers", field="ids")
+        bad = np.flatnonzero((array < 0) | (array >= self.vocab.size))
+        if len(bad):
+            raise InvalidRequest(
+                f"token id {int(array[bad[0]])} is out of range: the vocabulary has "
+                f"{self.vocab.size} tokens (0..{self.vocab.size - 1})",
+                field="ids",
+            )
+        return array.tolist()
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text chunks for streaming.
+
+    A chunk never holds broken UTF-8 (an emoji split over byte tokens waits for its last byte)
+    and never text a later token could change, so chunks are final: the concatenation of every
+    `push` and the `flush` equals `Tokenizer.decode` of the same ids.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, special: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._special = special
+        self._strip_space = tokenizer.vocab.add_space_prefix
+        self._clean = tokenizer.vocab.clean_spaces
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = b""  # bytes space cleaning may still change
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly empty)."""
+        piece = self._tokenizer.piece(token_id, special=self._special)
+        if self._strip_space:
+            self._strip_space = False  # only the first token, as llama.cpp does
+            if piece[:1] == b" ":
+                piece = piece[1:]
+        if not self._clean:
+            return self._utf8.decode(piece)
+        self._pending += piece
+        cut = _clean_boundary(self._pending)
+        ready, self._pending = self._pending[:cut], self._pending[cut:]
+        return self._utf8.decode(_clean_spaces(ready)) if ready else ""
+
+    def flush(self) -> str:
+        """The text still held back (at the end of the stream)."""
+        ready, self._pending = self._pending, b""
+        return self._utf8.decode(_clean_spaces(ready) if ready else b"", final=True)
+
+
+def _token_pieces(vocab: Vocab) -> list[bytes]:
+    """What each token renders as when special tokens are shown (llama.cpp's piece cache)."""
+    attrs = vocab.attrs.tolist()
+    spm = vocab.model == "llama"
+    pieces = []
+    for text, attr in zip(vocab.tokens, attrs):
+        if attr & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED):
+            pieces.append(text.encode())
+        elif attr & ATTR_NORMAL:
+            pieces.append(text.replace(_SPM_SPACE, " ").encode() if spm else byte_level_bytes(text))
+        elif attr & ATTR_BYTE:
+            pieces.append(bytes([int(text[3:5], 16)]))
+        else:  # unused and undefined tokens render as nothing
+            pieces.append(b"")
+    return pieces
+
+
+def _spm_texts(fragments: list[str | int], add_space_prefix: bool) -> list[str]:
+    """Raw fragments as SentencePiece sees them: '▁' for spaces, '▁' first after a special token."""
+    texts = []
+    after_special = True  # llama.cpp prefixes the first fragment as if a special token preceded
+    for fragment in fragments:
+        if isinstance(fragment, str):
+            prefix = " " if add_space_prefix and after_special else ""
+            texts.append((prefix + fragment).replace(" ", _SPM_SPACE))
+        after_special = isinstance(fragment, int)
+    return texts
+
+
+# llama.cpp's detokenize `clean_spaces` passes, in order (they only ever drop spaces).
+_CLEAN_PASSES = (
+    (re.compile(rb" ([?!.,])"), rb"\1"),
+    (re.compile(rb" ' "), rb"'"),
+    (re.compile(rb" '(?=[sm]|re|ve)"), rb"'"),
+)
+# A byte after which cleaning can be done independently: nothing before it can change with
+# more input. Spaces, apostrophes and 'r'/'v' (" 're", " 've") may still.
+_HOLD_BACK = re.compile(rb"[ 'rv]*\Z")
+
+
+def _clean_spaces(data: bytes) -> bytes:
+    for pattern, replacement in _CLEAN_PASSES:
+        data = pattern.sub(replacement, data)
+    return data
+
+
+def _clean_boundary(data: bytes) -> int:
+    match = _HOLD_BACK.search(data)
+    assert match is not None
+    return match.start()

@@ -1,0 +1,269 @@
+"""A GGUF's `tokenizer.*` metadata read the way llama.cpp's `llama_vocab::load` reads it.
+
+Everything here decides *what* the tokenizer is (token attributes, special ids, flags, the
+pre-tokenizer of a BPE vocabulary); the encoders in `tokenizer_spm` / `tokenizer_bpe` and the
+`Tokenizer` in `tokenizer` decide *how* text is cut. llama.cpp's quirks are kept on purpose,
+because every one of them changes the ids the model sees (e.g. `</s>` in Gemma's vocabulary is
+user-defined in the file but treated as a control token, so plain text never matches it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from actors.errors import ModelFormatError, UnsupportedModelError
+
+# llama_token_attr bits (llama.h).
+ATTR_UNKNOWN = 1 << 0
+ATTR_UNUSED = 1 << 1
+ATTR_NORMAL = 1 << 2
+ATTR_CONTROL = 1 << 3
+ATTR_USER_DEFINED = 1 << 4
+ATTR_BYTE = 1 << 5
+
+# GGUF token types (llama_token_type) -> attribute bits; anything else is "undefined" (0).
+_TYPE_TO_ATTR = np.zeros(8, dtype=np.int32)
+_TYPE_TO_ATTR[1] = ATTR_NORMAL
+_TYPE_TO_ATTR[2] = ATTR_UNKNOWN
+_TYPE_TO_ATTR[3] = ATTR_CONTROL
+_TYPE_TO_ATTR[4] = ATTR_USER_DEFINED
+_TYPE_TO_ATTR[5] = ATTR_UNUSED
+_TYPE_TO_ATTR[6] = ATTR_BYTE
+
+# The pre-tokenizer regexes of llama.cpp's llm_tokenizer_bpe, applied one after another.
+GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """One `tokenizer.ggml.pre` family: its regexes and the flags llama.cpp sets with it."""
+
+    regexes: tuple[str, ...]
+    clean_spaces: bool = True
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+
+_DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", GPT2_REGEX, r"\p{N}+", "[0-9][0-9][0-9]"))
+_GPT2 = PreTokenizer((GPT2_REGEX,))
+_STARCODER = PreTokenizer((r"\p{N}", GPT2_REGEX))
+_LLAMA3 = PreTokenizer((LLAMA3_REGEX,), ignore_merges=True, add_bos=True)
+_QWEN2 = PreTokenizer((QWEN2_REGEX,), clean_spaces=False)
+
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    "default": _DEFAULT,
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "exaone4", "mellum"), _GPT2),
+    **dict.fromkeys(("starcoder", "refact", "codeshell", "exaone", "minerva-7b"), _STARCODER),
+    **dict.fromkeys(("smollm", "command-r"), PreTokenizer(_STARCODER.regexes, clean_spaces=False)),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0"), _LLAMA3
+    ),
+    **dict.fromkeys(("dbrx", "smaug-bpe"), PreTokenizer((LLAMA3_REGEX,))),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2),
+    "stablelm2": PreTokenizer((QWEN2_REGEX,)),
+}
+
+# Texts llama.cpp recognises as end-of-turn / end-of-generation tokens (llama-vocab.cpp),
+# forcing them to control type when the file says otherwise.
+_EOT_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+    "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
+)  # fmt: skip
+_EOM_TEXTS = ("<|eom_id|>",)
+_FIM_TEXTS = {
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+                "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
+                "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+                "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}  # fmt: skip
+_EOG_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+)  # fmt: skip
+_ALWAYS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+
+# Metadata keys of the special ids, in llama.cpp's order (later deprecated keys win).
+_SPECIAL_ID_KEYS = (
+    ("bos", "bos_token_id"), ("eos", "eos_token_id"), ("eot", "eot_token_id"),
+    ("eom", "eom_token_id"), ("unk", "unknown_token_id"), ("sep", "seperator_token_id"),
+    ("pad", "padding_token_id"), ("mask", "mask_token_id"), ("fim_pre", "fim_pre_token_id"),
+    ("fim_suf", "fim_suf_token_id"), ("fim_mid", "fim_mid_token_id"),
+    ("fim_pad", "fim_pad_token_id"), ("fim_rep", "fim_rep_token_id"),
+    ("fim_sep", "fim_sep_token_id"), ("fim_pre", "prefix_token_id"),
+    ("fim_suf", "suffix_token_id"), ("fim_mid", "middle_token_id"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """The tokenizer as llama.cpp sees it after loading: texts, scores, attributes, flags."""
+
+    model: str  # "llama" (SPM) or "gpt2" (BPE)
+    tokens: list[str]
+    token_to_id: dict[str, int]
+    scores: np.ndarray  # float32, one per token
+    attrs: np.ndarray  # int32 ATTR_* bits, one per token
+    merges: list[str]  # BPE only: "left right", rank = position
+    pre: PreTokenizer | None  # BPE only
+    special: dict[str, int]  # bos, eos, unk, eot, ... -> id, only those that are set
+    eog_ids: frozenset[int]
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    clean_spaces: bool
+    ignore_merges: bool
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+
+def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
+    """Read `tokenizer.*` metadata; UnsupportedModelError for tokenizers this engine lacks."""
+    model = metadata.get("tokenizer.ggml.model")
+    if model is None:
+        raise ModelFormatError("the model has no tokenizer (metadata 'tokenizer.ggml.model')")
+    tokens = _string_list(metadata, "tokenizer.ggml.tokens")
+    n_tokens = len(tokens)
+    if model == "llama":
+        pre = None
+        merges: list[str] = []
+        special = {"bos": 1, "eos": 2, "unk": 0}
+        add_bos, add_space_prefix, clean_spaces, ignore_merges = True, True, False, False
+    elif model == "gpt2":
+        pre_name = metadata.get("tokenizer.ggml.pre")
+        if pre_name is None:
+            raise UnsupportedModelError(
+                "BPE tokenizer without 'tokenizer.ggml.pre': the pre-tokenizer is unknown "
+                "(llama.cpp would guess 'default' and degrade quality); re-convert the model"
+            )
+        pre = PRE_TOKENIZERS.get(pre_name)
+        if pre is None:
+            raise UnsupportedModelError(
+                f"unsupported BPE pre-tokenizer {pre_name!r} (tokenizer.ggml.pre); supported: "
+                f"{', '.join(sorted(PRE_TOKENIZERS))}"
+            )
+        merges = _string_list(metadata, "tokenizer.ggml.merges")
+        special = {"bos": 11, "eos": 11}
+        add_bos, add_space_prefix = pre.add_bos, False
+        clean_spaces, ignore_merges = pre.clean_spaces, pre.ignore_merges
+    else:
+        raise UnsupportedModelError(
+            f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: "
+            "'llama' (SentencePiece BPE) and 'gpt2' (byte-level BPE)"
+        )
+    add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
+
+    token_to_id = {text: index for index, text in enumerate(tokens)}
+    if len(token_to_id) != n_tokens:
+        raise ModelFormatError("tokenizer.ggml.tokens holds the same token text twice")
+    scores = _numeric_array(metadata, "tokenizer.ggml.scores", n_tokens, np.float32)
+    types = _numeric_array(metadata, "tokenizer.ggml.token_type", n_tokens, np.int32, fill=1)
+    attrs = _TYPE_TO_ATTR[np.clip(types, 0, 7)].copy()
+
+    special = {name: token for name, token in special.items() if token < n_tokens}
+    for name, key in _SPECIAL_ID_KEYS:
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None and 0 <= int(value) < n_tokens:
+            special[name] = int(value)
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    for flag, name in ((add_bos, "bos"), (add_eos, "eos")):
+        if flag and name not in special:
+            raise ModelFormatError(f"tokenizer.ggml.add_{name}_token is set but the model has no "
+                                   f"{name} token")
+    eog_ids = _mark_special_tokens(token_to_id, attrs, special)
+    return Vocab(
+        model=model,
+        tokens=tokens,
+        token_to_id=token_to_id,
+        scores=scores,
+        attrs=attrs,
+        merges=merges,
+        pre=pre,
+        special=special,
+        eog_ids=eog_ids,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        add_space_prefix=add_space_prefix,
+        clean_spaces=clean_spaces,
+        ignore_merges=ignore_merges,
+    )
+
+
+def _mark_special_tokens(
+    token_to_id: dict[str, int], attrs: np.ndarray, special: dict[str, int]
+) -> frozenset[int]:
+    """llama.cpp's text-based detection of end-of-turn, FIM and end-of-generation tokens.
+
+    Found tokens become control tokens (never matched in plain text, hidden when decoding).
+    Where llama.cpp takes the first match of a hash map, we take the lowest id.
+    """
+
+    def present(texts: tuple[str, ...]) -> list[int]:
+        return sorted(token_to_id[text] for text in texts if text in token_to_id)
+
+    for name, texts in (("eot", _EOT_TEXTS), ("eom", _EOM_TEXTS), *_FIM_TEXTS.items()):
+        if name not in special and (found := present(texts)):
+            special[name] = found[0]
+            attrs[found[0]] |= ATTR_CONTROL
+
+    eog = {special[name] for name in ("fim_pad", "fim_rep", "fim_sep") if name in special}
+    for token in present(_EOG_TEXTS):
+        eog.add(token)
+        attrs[token] |= ATTR_CONTROL
+    for token in present(_ALWAYS_USER_DEFINED):
+        attrs[token] = ATTR_USER_DEFINED
+    eog.update(special[name] for name in ("eos", "eot", "eom") if name in special)
+
+    eog_texts = {text: token for text in _EOG_TEXTS if (token := token_to_id.get(text)) in eog}
+    # o200k_harmony / solar-open: "<|end|>" ends a message there, not the generation.
+    has_call = "<|call|>" in eog_texts or "<|calls|>" in eog_texts
+    if "<|end|>" in eog_texts and has_call and eog_texts.keys() & {"<|return|>", "<|flush|>"}:
+        eog.discard(eog_texts["<|end|>"])
+        attrs[eog_texts["<|end|>"]] = ATTR_USER_DEFINED
+    # gemma4 / paddleocr: "</s>" is an ordinary token there.
+    if "<|tool_response>" in eog_texts and "</s>" in eog_texts:
+        eog.discard(eog_texts["</s>"])
+        attrs[eog_texts["</s>"]] = ATTR_NORMAL
+    return frozenset(eog)
+
+
+def _string_list(metadata: Mapping[str, Any], key: str) -> list[str]:
+    value = metadata.get(key)
+    if not isinstance(value, list) or (value and not isinstance(value[0], str)):
+        raise ModelFormatError(f"metadata {key!r} is missing or is not an array of strings")
+    return value
+
+
+def _numeric_array(
+    metadata: Mapping[str, Any], key: str, n_tokens: int, dtype: type, fill: float = 0
+) -> np.ndarray:
+    value = metadata.get(key)
+    if value is None:
+        return np.full(n_tokens, fill, dtype=dtype)
+    array = np.asarray(value)
+    if array.ndim != 1 or array.dtype.kind not in "iuf" or len(array) < n_tokens:
+        raise ModelFormatError(
+            f"metadata {key!r} must be a numeric array of at least {n_tokens} entries"
+        )
+    return array[:n_tokens].astype(dtype)
