@@ -1,0 +1,113 @@
+"""Benchmark of the numpy forward on gemma-3-270m: prefill, decode, batched decode, memory.
+
+    python benchmarks/bench_forward.py [--model PATH] [--decode-tokens 64] [--repeats 3]
+
+Prints each figure with its ratio to the llama.cpp anchor measured on the 2-core target
+(tests/reference/README.md). Best of `--repeats` runs: other work on a shared machine only
+ever slows a run down. Decode is greedy (argmax), as the engine's temperature-0 path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from actors.model.forward import KVPool, StepItem
+from actors.model.loaded import Model, load_model
+
+# llama.cpp on this machine class (2 threads, AVX2): llama-bench pp512 / tg128, and
+# llama-server's aggregate throughput with 16 and 64 parallel clients.
+ANCHORS = {"prefill_512": 501.0, "decode_1": 49.0, "decode_16": 155.0, "decode_64": 171.0}
+TARGETS = {"prefill_512": 800.0, "decode_1": 22.0, "decode_16": 120.0, "decode_64": 280.0}
+RSS_LIMIT_MB = 1600.0
+PROMPT_TOKENS = 16
+
+
+def resident_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def best_time(run: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def prefill_rate(model: Model, n_tokens: int, repeats: int) -> float:
+    rng = np.random.default_rng(0)
+    tokens = tuple(int(t) for t in rng.integers(1000, 200000, n_tokens))
+    kv = model.new_kv_pool(-(-n_tokens // 16))
+    item = StepItem(tokens, 0, tuple(range(kv.num_blocks)))
+    return n_tokens / best_time(lambda: model.step([item], kv), repeats)
+
+
+def decode_rate(model: Model, n_streams: int, n_decode: int, repeats: int) -> float:
+    """Tokens per second over `n_streams` sequences decoding `n_decode` tokens each, every
+    step advancing all of them together (prompts prefilled first, not timed)."""
+    block_size = 16
+    blocks_per_seq = -(-(PROMPT_TOKENS + n_streams + n_decode) // block_size)
+    kv = KVPool(model.spec, n_streams * blocks_per_seq, block_size)
+    tables = [tuple(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
+              for s in range(n_streams)]
+    rng = np.random.default_rng(1)
+    # Prompt lengths differ per stream, as they would in a server.
+    prompts = [tuple(int(t) for t in rng.integers(1000, 200000, PROMPT_TOKENS + s))
+               for s in range(n_streams)]
+
+    def run() -> None:
+        logits = model.step([StepItem(p, 0, t) for p, t in zip(prompts, tables)], kv)
+        lengths = [len(p) for p in prompts]
+        for _ in range(n_decode):
+            next_tokens = logits.argmax(axis=1)
+            items = [StepItem((int(tok),), length, table)
+                     for tok, length, table in zip(next_tokens, lengths, tables)]
+            logits = model.step(items, kv)
+            lengths = [length + 1 for length in lengths]
+
+    def prefill_only() -> None:
+        model.step([StepItem(p, 0, t) for p, t in zip(prompts, tables)], kv)
+
+    decode_seconds = best_time(run, repeats) - best_time(prefill_only, repeats)
+    return n_streams * n_decode / decode_seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF path (default: gemma-3-270m)")
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    model = load_model(args.model)
+    load_s = time.perf_counter() - started
+    rss = resident_mb()
+    print(f"model {model.path.name} ({model.spec.arch}), loaded in {load_s:.1f} s")
+    print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}  "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"resident memory with the model loaded: {rss:.0f} MB "
+          f"(limit {RSS_LIMIT_MB:.0f}; weights {model.weights.n_bytes / 2**20:.0f} MiB)")
+
+    figures = {"prefill_512": prefill_rate(model, 512, args.repeats)}
+    for streams in (1, 16, 64):
+        figures[f"decode_{streams}"] = decode_rate(model, streams, args.decode_tokens,
+                                                   args.repeats)
+    for name, rate in figures.items():
+        print(f"{name:12s} {rate:8.1f} tok/s   x{rate / ANCHORS[name]:.2f} of llama.cpp "
+              f"{ANCHORS[name]:.0f}   target {TARGETS[name]:.0f}"
+              f"{'' if rate >= TARGETS[name] else '  (below target)'}")
+
+
+if __name__ == "__main__":
+    main()
