@@ -1,0 +1,513 @@
+"""Token choice: logits rows + each sequence's SamplingParams -> the next tokens, batched.
+
+One row goes through (the Hugging Face / vLLM order):
+
+1. penalties on the raw logits: repetition (llama.cpp style, over the distinct tokens among the
+   last `repetition_window` of prompt + generated: a positive logit is divided by the penalty,
+   a negative one multiplied), then presence and frequency (OpenAI style, over the generated
+   tokens: `l -= presence * (count > 0) + frequency * count`);
+2. temperature: `l / T`; T = 0 is greedy: the argmax of the penalized logits, lowest id on ties;
+3. top-k; then top-p over the distribution renormalized to the top-k survivors (to the whole
+   vocabulary when top_k is 0); then min-p: keep tokens at least `min_p` times as likely as the
+   most likely one. The most likely token always survives;
+4. one uniform from the sequence's own Generator, inverted through the survivors' CDF, so a
+   seeded sequence gets the same tokens whatever else shares its batch.
+
+Logprobs are the log-softmax, over the whole vocabulary, of step 2's distribution (penalties and
+temperature applied, before top-k/top-p/min-p); greedy rows use T = 1, i.e. the penalized model
+distribution.
+
+Cost: one argmax pass over the batch; greedy rows need nothing else. Rows that sample never sort
+a whole row: a strided sample of each row guesses a logit threshold, the tokens above it become a
+small sorted candidate table, and the threshold is lowered only when the table cannot decide the
+row exactly (too few for top_k, or less mass than top_p's nucleus). Rows that need the partition
+function (top-p without top-k, logprobs, or no filter at all) pay one exp pass over their row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import msgspec
+import numpy as np
+
+from actors.errors import ComputeError, InvalidRequest
+from actors.params import SamplingParams
+
+# A row's candidate threshold is guessed from about this many of its logits (a strided sample).
+_SAMPLE_SIZE = 4096
+# A top-p row without top-k first assumes its nucleus has at most this many tokens.
+_NUCLEUS_GUESS = 128
+# The first threshold aims for this many times the candidates a row needs: the guess from a
+# sample is noisy, and a row that comes up short costs a second comparison pass.
+_CANDIDATE_MARGIN = 4
+# Each widening asks for this many times more candidates.
+_WIDEN_FACTOR = 8
+# The partition function is summed in blocks of this many tokens: the blocks' sums let an
+# unfiltered row invert its CDF by re-reading one block instead of the whole row.
+_BLOCK = 1024
+# Rows handled per exp pass, so the float32 scratch stays in cache.
+_SCRATCH_BYTES = 2 << 20
+
+
+class TokenChoice(msgspec.Struct, frozen=True):
+    """The token chosen for one row, and its logprobs when the request asked for them."""
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+class SequenceSampling:
+    """One sequence's sampling state: its params, its own random Generator and the token
+    history its penalties look at. The caller `record`s every token it keeps."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int) -> None:
+        params.validate(vocab_size)
+        self.params = params
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(params.seed)
+        window = params.repetition_window if params.repetition_penalty != 1.0 else 0
+        tail = prompt_ids[max(0, len(prompt_ids) - window) :] if window else ()
+        self._recent = deque((self._checked(t) for t in tail), maxlen=window)
+        self._counts_generated = params.presence_penalty != 0 or params.frequency_penalty != 0
+        self._generated: Counter[int] = Counter()
+
+    def record(self, token_id: int) -> None:
+        """Add a generated token to the history the penalties see."""
+        token_id = self._checked(token_id)
+        self._recent.append(token_id)
+        if self._counts_generated:
+            self._generated[token_id] += 1
+
+    def recent_tokens(self) -> np.ndarray:
+        """The repetition window (empty when the repetition penalty is off)."""
+        return np.fromiter(self._recent, dtype=np.int64, count=len(self._recent))
+
+    def generated_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Distinct generated tokens and their counts (empty when presence and frequency
+        penalties are off)."""
+        ids = np.fromiter(self._generated.keys(), dtype=np.int64, count=len(self._generated))
+        counts = np.fromiter(self._generated.values(), dtype=np.int64, count=len(self._generated))
+        return ids, counts
+
+    def _checked(self, token_id: int) -> int:
+        if not 0 <= token_id < self.vocab_size:
+            raise InvalidRequest(
+                f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})",
+                field="token_id",
+            )
+        return int(token_id)
+
+
+def choose_tokens(logits: np.ndarray, states: Sequence[SequenceSampling]) -> list[TokenChoice]:
+    """Choose one token per row of `logits` (n, vocab) for the n sequences of `states`.
+
+    Does not `record` the choices (the caller keeps or drops them). `logits` is left as it
+    was given; it is patched in place with the penalties for the duration of the call when
+    writable (copied otherwise).
+    """
+    logits = _checked_logits(logits, states)
+    if not states:
+        return []
+    rows = _RowParams.of(states)
+    edits = _penalty_edits(logits, states, rows)
+    if edits is not None and not logits.flags.writeable:
+        logits = logits.copy()
+    with _patched(logits, edits):
+        return _choose(logits, states, rows)
+
+
+class _RowParams(NamedTuple):
+    """The batch's SamplingParams as arrays, one entry per row."""
+
+    greedy: np.ndarray  # bool
+    inv_temp: np.ndarray  # 1 / T; 1 for greedy rows (their logprobs use T = 1)
+    top_k: np.ndarray  # 0 = off, else clamped to the vocabulary
+    top_p: np.ndarray
+    log_min_p: np.ndarray  # -inf = off
+    n_top: np.ndarray  # top logprobs wanted; -1 = no logprobs
+    repetition: np.ndarray
+    presence: np.ndarray
+    frequency: np.ndarray
+
+    @classmethod
+    def of(cls, states: Sequence[SequenceSampling]) -> _RowParams:
+        params = [s.params for s in states]
+        vocab = states[0].vocab_size
+
+        def column(name: str) -> np.ndarray:
+            return np.array([getattr(p, name) for p in params], dtype=np.float64)
+
+        temperature = column("temperature")
+        greedy = temperature == 0
+        with np.errstate(divide="ignore"):
+            log_min_p = np.log(column("min_p"))
+        # Filters mean nothing to a greedy row: switching them off keeps its logprobs simple.
+        return cls(
+            greedy=greedy,
+            inv_temp=1.0 / np.where(greedy, 1.0, temperature),
+            top_k=np.where(greedy, 0, np.minimum(column("top_k"), vocab)).astype(np.int64),
+            top_p=np.where(greedy, 1.0, column("top_p")),
+            log_min_p=np.where(greedy, -np.inf, log_min_p),
+            n_top=np.array([-1 if p.logprobs is None else p.logprobs for p in params]),
+            repetition=column("repetition_penalty"),
+            presence=column("presence_penalty"),
+            frequency=column("frequency_penalty"),
+        )
+
+
+def _checked_logits(logits: np.ndarray, states: Sequence[SequenceSampling]) -> np.ndarray:
+    logits = np.asarray(logits)
+    if logits.dtype != np.float32:
+        logits = logits.astype(np.float32)
+    vocab_sizes = {s.vocab_size for s in states}
+    if logits.ndim != 2 or logits.shape[0] != len(states) or len(vocab_sizes) > 1:
+        raise ComputeError(
+            f"logits of shape {logits.shape} do not match {len(states)} sequences "
+            f"of vocabulary sizes {sorted(vocab_sizes)}"
+        )
+    if vocab_sizes and logits.shape[1] != vocab_sizes.pop():
+        raise ComputeError(
+            f"logits rows have {logits.shape[1]} entries but the sequences' vocabulary "
+            f"has {states[0].vocab_size} tokens"
+        )
+    return logits
+
+
+class _Edits(NamedTuple):
+    """Logits overwritten by the penalties: (row, token) pairs and their new values."""
+
+    rows: np.ndarray
+    ids: np.ndarray
+    values: np.ndarray
+
+
+def _penalty_edits(
+    logits: np.ndarray, states: Sequence[SequenceSampling], rows: _RowParams
+) -> _Edits | None:
+    """The penalized values of the few (row, token) pairs in the rows' histories."""
+    vocab = logits.shape[1]
+    # (row, token) pairs are keyed row * vocab + token, so one sorted array covers the batch.
+    repeated = [i * vocab + s.recent_tokens() for i, s in enumerate(states)]
+    repeated_keys = np.unique(np.concatenate(repeated))
+    counted = [s.generated_counts() for s in states]
+    counted_keys = np.concatenate([i * vocab + ids for i, (ids, _) in enumerate(counted)])
+    counts_of_keys = np.concatenate([counts for _, counts in counted])
+    keys = np.union1d(repeated_keys, counted_keys)
+    if keys.size == 0:
+        return None
+    row, ids = np.divmod(keys, vocab)
+    values = logits[row, ids].astype(np.float64)
+    penalty = rows.repetition[row]
+    repeated_mask = np.isin(keys, repeated_keys, assume_unique=True)
+    values = np.where(
+        repeated_mask, np.where(values > 0, values / penalty, values * penalty), values
+    )
+    counts = np.zeros(keys.size)
+    counts[np.searchsorted(keys, counted_keys)] = counts_of_keys
+    values -= rows.presence[row] * (counts > 0) + rows.frequency[row] * counts
+    return _Edits(row, ids, values.astype(np.float32))
+
+
+@contextmanager
+def _patched(logits: np.ndarray, edits: _Edits | None) -> Iterator[None]:
+    """Write the penalized values into `logits` and put the originals back afterwards: a few
+    hundred writes instead of a copy of the whole batch."""
+    if edits is None:
+        yield
+        return
+    original = logits[edits.rows, edits.ids]
+    logits[edits.rows, edits.ids] = edits.values
+    try:
+        yield
+    finally:
+        logits[edits.rows, edits.ids] = original
+
+
+def _choose(
+    logits: np.ndarray, states: Sequence[SequenceSampling], rows: _RowParams
+) -> list[TokenChoice]:
+    n = logits.shape[0]
+    best = np.argmax(logits, axis=1)
+    peak = logits[np.arange(n), best].astype(np.float64)
+    if not np.isfinite(peak).all():
+        bad = np.flatnonzero(~np.isfinite(peak)).tolist()
+        raise ComputeError(f"logits rows {bad} hold NaN or infinite values")
+
+    sampled = ~rows.greedy
+    filtered = (rows.top_k > 0) | (rows.top_p < 1) | np.isfinite(rows.log_min_p)
+    unfiltered_sampled = sampled & ~filtered
+    wants_logprobs = rows.n_top >= 0
+    needs_partition = (
+        wants_logprobs | unfiltered_sampled | (sampled & (rows.top_k == 0) & (rows.top_p < 1))
+    )
+    # Exactly one uniform per sampled row, from the row's own Generator: its stream never
+    # depends on the batch or on how many widening rounds the row needed.
+    uniforms = np.array([s.rng.random() if draw else 0.0 for s, draw in zip(states, sampled)])
+
+    tokens = best.copy()
+    log_z = np.zeros(n)
+    z_rows = np.flatnonzero(needs_partition)
+    if z_rows.size:
+        block_sums = _block_sums(logits, z_rows, peak, rows.inv_temp)
+        log_z[z_rows] = np.log(block_sums.sum(axis=1))
+        drawn = unfiltered_sampled[z_rows]
+        if drawn.any():
+            chosen = z_rows[drawn]
+            tokens[chosen] = _draw_from_blocks(
+                logits, chosen, block_sums[drawn], peak, rows.inv_temp, uniforms
+            )
+
+    table_rows = np.flatnonzero((sampled & filtered) | wants_logprobs)
+    table = _candidate_table(logits, table_rows, peak, rows, log_z) if table_rows.size else None
+    if table is not None:
+        drawn = sampled[table.rows] & filtered[table.rows]
+        if drawn.any():
+            tokens[table.rows[drawn]] = _draw_from_table(table, drawn, rows, log_z, uniforms)
+    return _token_choices(logits, tokens, peak, rows, log_z, table)
+
+
+def _block_sums(
+    logits: np.ndarray, z_rows: np.ndarray, peak: np.ndarray, inv_temp: np.ndarray
+) -> np.ndarray:
+    """Per row of `z_rows`, the sums of exp((logit - peak) / T) over blocks of `_BLOCK` tokens
+    (float64, shape (len(z_rows), blocks)); their total is the partition function."""
+    vocab = logits.shape[1]
+    n_blocks = -(-vocab // _BLOCK)
+    chunk = max(1, _SCRATCH_BYTES // (4 * n_blocks * _BLOCK))
+    scratch = np.empty((chunk, n_blocks * _BLOCK), dtype=np.float32)
+    scale = inv_temp.astype(np.float32)
+    # Same float32 product as the peak's own entry, so the peak scales to exactly 0.
+    shift = peak.astype(np.float32) * scale
+    sums = np.empty((z_rows.size, n_blocks))
+    for start in range(0, z_rows.size, chunk):
+        part = z_rows[start : start + chunk]
+        buf = scratch[: part.size]
+        np.multiply(_rows_of(logits, part), scale[part, None], out=buf[:, :vocab])
+        buf[:, :vocab] -= shift[part, None]
+        buf[:, vocab:] = -np.inf  # the last block's padding weighs exp(-inf) = 0
+        np.exp(buf, out=buf)
+        sums[start : start + part.size] = buf.reshape(part.size, n_blocks, _BLOCK).sum(axis=2)
+    return sums
+
+
+def _rows_of(logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """`logits[rows]`, as a view (no copy) when the rows are consecutive."""
+    if rows[-1] - rows[0] == rows.size - 1:
+        return logits[rows[0] : rows[-1] + 1]
+    return logits[rows]
+
+
+def _draw_from_blocks(
+    logits: np.ndarray,
+    rows: np.ndarray,
+    block_sums: np.ndarray,
+    peak: np.ndarray,
+    inv_temp: np.ndarray,
+    uniforms: np.ndarray,
+) -> np.ndarray:
+    """Sample the full distribution of `rows`: pick the block holding u * Z from the block
+    sums, then re-read that one block to find the token."""
+    vocab = logits.shape[1]
+    cdf = np.cumsum(block_sums, axis=1)
+    target = uniforms[rows] * cdf[:, -1]
+    block = _invert_cdf(cdf, target, block_sums > 0)
+    before = np.where(block > 0, np.take_along_axis(cdf, (block - 1)[:, None], 1)[:, 0], 0.0)
+    ids = block[:, None] * _BLOCK + np.arange(_BLOCK)
+    inside = ids < vocab
+    scaled = (logits[rows[:, None], np.minimum(ids, vocab - 1)] - peak[rows, None]) * inv_temp[
+        rows, None
+    ]
+    weights = np.where(inside, np.exp(scaled), 0.0)
+    offset = _invert_cdf(np.cumsum(weights, axis=1), target - before, weights > 0)
+    return block * _BLOCK + offset
+
+
+def _invert_cdf(cdf: np.ndarray, target: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """Per row, the first column whose cumulative weight exceeds `target`; rounding past the
+    end lands on the row's last allowed column (each row has at least one)."""
+    position = (cdf <= target[:, None]).sum(axis=1)
+    last_allowed = allowed.shape[1] - 1 - np.argmax(allowed[:, ::-1], axis=1)
+    return np.minimum(position, last_allowed)
+
+
+class _Candidates(NamedTuple):
+    """Each table row's most likely tokens, most likely first (ties: lowest id first)."""
+
+    rows: np.ndarray  # (r,) the batch row of each table row
+    ids: np.ndarray  # (r, w) token ids
+    scaled: np.ndarray  # (r, w) (logit - peak) / T, float64; -inf past `count`
+    count: np.ndarray  # (r,) real entries per table row
+
+
+def _candidate_table(
+    logits: np.ndarray,
+    table_rows: np.ndarray,
+    peak: np.ndarray,
+    rows: _RowParams,
+    log_z: np.ndarray,
+) -> _Candidates:
+    """The tokens above a per-row threshold, lowered until the table decides every row."""
+    vocab = logits.shape[1]
+    stride = max(1, vocab // _SAMPLE_SIZE)
+    sample = np.sort(_rows_of(logits, table_rows)[:, ::stride], axis=1)
+    inv_temp = rows.inv_temp[table_rows]
+    top_k = rows.top_k[table_rows]
+    top_p = rows.top_p[table_rows]
+    n_top = rows.n_top[table_rows]
+    # min-p's survivors are exactly the tokens at or above this logit.
+    min_p_floor = peak[table_rows] + rows.log_min_p[table_rows] / inv_temp
+    # Without top-k, a min-p row's survivors all lie above its floor: take them all at once.
+    highest_start = np.where((top_k == 0) & (min_p_floor > -np.inf), min_p_floor, np.inf)
+    need = np.maximum(np.maximum(top_k, n_top), 1)
+    # Rows whose top-p is over the whole vocabulary: the table must hold the nucleus.
+    nucleus = (top_k == 0) & (top_p < 1)
+    nucleus_mass = top_p * np.exp(log_z[table_rows])
+    wanted = _CANDIDATE_MARGIN * np.maximum(need, np.where(nucleus, _NUCLEUS_GUESS, 0))
+    threshold_at = np.ceil(wanted / stride).astype(np.int64)
+
+    table_row = ids = np.empty(0, dtype=np.int64)
+    scaled = np.empty(0)
+    pending = np.ones(table_rows.size, dtype=bool)
+    threshold = np.empty(table_rows.size)
+    while pending.any():
+        guess = np.minimum(_threshold_from_sample(sample, threshold_at), highest_start)
+        threshold[pending] = guess[pending]
+        # Decided rows keep their candidates; pending rows gather theirs anew.
+        kept = ~pending[table_row]
+        redone = np.flatnonzero(pending)
+        which, new_ids = _above(logits, table_rows[redone], threshold[redone])
+        table_row = np.concatenate([table_row[kept], redone[which]])
+        ids = np.concatenate([ids[kept], new_ids])
+        batch_row = table_rows[table_row]
+        scaled = (logits[batch_row, ids] - peak[batch_row]) * inv_temp[table_row]
+        count = np.bincount(table_row, minlength=table_rows.size)
+        mass = np.bincount(table_row, weights=np.exp(scaled), minlength=table_rows.size)
+        holds_nucleus = ~nucleus | (mass >= nucleus_mass) | (threshold <= min_p_floor)
+        pending = ((count < need) | ~holds_nucleus) & (threshold > -np.inf)
+        threshold_at = np.where(pending, threshold_at * _WIDEN_FACTOR, threshold_at)
+    return _sorted_table(logits, table_rows, table_row, ids, count, peak, rows.inv_temp)
+
+
+def _threshold_from_sample(sample: np.ndarray, threshold_at: np.ndarray) -> np.ndarray:
+    """The `threshold_at`-th largest sampled logit per row (-inf once past the sample):
+    about `threshold_at * stride` tokens of the row lie above it."""
+    size = sample.shape[1]
+    position = np.clip(size - threshold_at, 0, size - 1)
+    guess = np.take_along_axis(sample, position[:, None], axis=1)[:, 0].astype(np.float64)
+    return np.where(threshold_at >= size, -np.inf, guess)
+
+
+def _above(
+    logits: np.ndarray, batch_rows: np.ndarray, threshold: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(index into `batch_rows`, token id) of every logit at or above its row's threshold,
+    row by row and ascending ids within a row; one comparison pass, no sort."""
+    # Rounded down to float32, so no token at or above the float64 threshold is missed.
+    bound = threshold.astype(np.float32)
+    bound = np.where(bound > threshold, np.nextafter(bound, np.float32(-np.inf)), bound)
+    flat = np.flatnonzero(_rows_of(logits, batch_rows) >= bound[:, None])
+    return np.divmod(flat, logits.shape[1])
+
+
+def _sorted_table(
+    logits: np.ndarray,
+    table_rows: np.ndarray,
+    table_row: np.ndarray,
+    ids: np.ndarray,
+    count: np.ndarray,
+    peak: np.ndarray,
+    inv_temp: np.ndarray,
+) -> _Candidates:
+    """Sort each row's candidates, most likely first and ties by lowest id (as argmax does).
+
+    One int64 key per candidate, (logit order descending, id), sorted by value: much faster
+    than an argsort when a hot top-p makes the table as wide as the vocabulary.
+    """
+    batch_row = table_rows[table_row]
+    logit = logits[batch_row, ids] + np.float32(0.0)  # -0.0 becomes +0.0: one key per value
+    bits = logit.view(np.int32)
+    ascending = np.where(bits >= 0, bits, bits ^ np.int32(0x7FFFFFFF))  # float order as int
+    keys = (~ascending).astype(np.int64) << 32 | ids
+    # Scatter into one padded row per table row (any column will do: the rows get sorted);
+    # the padding key sorts last.
+    grouped = np.argsort(table_row, kind="stable")
+    column = np.empty_like(grouped)
+    column[grouped] = np.arange(grouped.size) - (np.cumsum(count) - count)[table_row[grouped]]
+    dense = np.full((table_rows.size, max(int(count.max()), 1)), np.iinfo(np.int64).max)
+    dense[table_row, column] = keys
+    dense.sort(axis=1)
+    real = np.arange(dense.shape[1]) < count[:, None]
+    sorted_ids = np.where(real, dense & 0xFFFFFFFF, 0)
+    sorted_logits = logits[table_rows[:, None], sorted_ids].astype(np.float64)
+    scaled = (sorted_logits - peak[table_rows, None]) * inv_temp[table_rows, None]
+    return _Candidates(
+        rows=table_rows, ids=sorted_ids, scaled=np.where(real, scaled, -np.inf), count=count
+    )
+
+
+def _draw_from_table(
+    table: _Candidates,
+    drawn: np.ndarray,
+    rows: _RowParams,
+    log_z: np.ndarray,
+    uniforms: np.ndarray,
+) -> np.ndarray:
+    """Apply top-k, top-p and min-p to the `drawn` table rows and sample their survivors."""
+    batch_rows = table.rows[drawn]
+    scaled = table.scaled[drawn]
+    width = scaled.shape[1]
+    weights = np.exp(scaled)
+    cdf = np.cumsum(weights, axis=1)
+    top_k = rows.top_k[batch_rows]
+    keep_k = np.where(top_k > 0, top_k, width)
+    # top-p's mass is relative to the top-k survivors, or to the whole vocabulary without top-k.
+    k_mass = np.take_along_axis(cdf, (np.minimum(keep_k, width) - 1)[:, None], axis=1)[:, 0]
+    total = np.where(top_k > 0, k_mass, np.exp(log_z[batch_rows]))
+    top_p = rows.top_p[batch_rows]
+    keep_p = np.where(top_p < 1, (cdf < (top_p * total)[:, None]).sum(axis=1) + 1, width)
+    keep_min_p = (scaled >= rows.log_min_p[batch_rows, None]).sum(axis=1)
+    keep = np.maximum(np.minimum(np.minimum(keep_k, keep_p), keep_min_p), 1)
+    allowed = (np.arange(width) < keep[:, None]) & (weights > 0)
+    survivors_mass = np.take_along_axis(cdf, (keep - 1)[:, None], axis=1)[:, 0]
+    target = uniforms[batch_rows] * survivors_mass
+    column = _invert_cdf(cdf, target, allowed)
+    return np.take_along_axis(table.ids[drawn], column[:, None], axis=1)[:, 0]
+
+
+def _token_choices(
+    logits: np.ndarray,
+    tokens: np.ndarray,
+    peak: np.ndarray,
+    rows: _RowParams,
+    log_z: np.ndarray,
+    table: _Candidates | None,
+) -> list[TokenChoice]:
+    n = tokens.size
+    chosen = (logits[np.arange(n), tokens] - peak) * rows.inv_temp
+    logprob = (chosen - log_z).tolist()
+    top: list[tuple[tuple[int, float], ...] | None] = [None] * n
+    if table is not None:
+        top_logprob = table.scaled - log_z[table.rows, None]
+        for slot, row in enumerate(table.rows.tolist()):
+            n_top = int(rows.n_top[row])
+            if n_top >= 0:
+                top[row] = tuple(
+                    zip(table.ids[slot, :n_top].tolist(), top_logprob[slot, :n_top].tolist())
+                )
+    return [
+        TokenChoice(
+            token=token,
+            logprob=logprob[i] if rows.n_top[i] >= 0 else None,
+            top_logprobs=top[i],
+        )
+        for i, token in enumerate(tokens.tolist())
+    ]
+
+
+__all__ = ["SequenceSampling", "TokenChoice", "choose_tokens"]

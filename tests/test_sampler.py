@@ -1,0 +1,369 @@
+"""choose_tokens against a plain float64 reference of the same rules (actors/sampler.py's
+docstring): greedy, penalties, temperature, top-k, top-p, min-p, seeds and logprobs."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from actors.errors import ComputeError, InvalidRequest
+from actors.params import SamplingParams
+from actors.sampler import SequenceSampling, TokenChoice, choose_tokens
+
+
+class FixedUniforms:
+    """Stands in for a sequence's Generator: hands out the given uniforms in order."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = list(values)
+
+    def random(self) -> float:
+        return self.values.pop(0)
+
+
+def penalized(row: np.ndarray, state: SequenceSampling) -> np.ndarray:
+    """The reference penalties, one token at a time in float64."""
+    params = state.params
+    logits = row.astype(np.float64)
+    for token in set(state.recent_tokens().tolist()):
+        value = logits[token]
+        penalty = params.repetition_penalty
+        logits[token] = value / penalty if value > 0 else value * penalty
+    for token, count in zip(*(a.tolist() for a in state.generated_counts())):
+        logits[token] -= params.presence_penalty + params.frequency_penalty * count
+    return logits
+
+
+def reference_log_softmax(row: np.ndarray, state: SequenceSampling) -> np.ndarray:
+    temperature = state.params.temperature or 1.0
+    scaled = penalized(row, state) / temperature
+    return scaled - np.logaddexp.reduce(scaled)
+
+
+def reference_sorted_survivors(row: np.ndarray, state: SequenceSampling) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids most likely first, their renormalized probabilities) after top-k, top-p
+    and min-p; ties are ordered by id."""
+    params = state.params
+    probs = np.exp(reference_log_softmax(row, state))
+    order = np.lexsort((np.arange(row.size), -probs))
+    ranked = probs[order]
+    keep = row.size
+    if params.top_k:
+        keep = min(params.top_k, keep)
+    if params.top_p < 1:
+        cumulative = np.cumsum(ranked[:keep]) / ranked[:keep].sum()
+        keep = min(keep, int(np.searchsorted(cumulative, params.top_p)) + 1)
+    if params.min_p > 0:
+        keep = min(keep, int((ranked >= params.min_p * ranked[0]).sum()))
+    survivors = ranked[:keep]
+    return order[:keep], survivors / survivors.sum()
+
+
+def plausible_tokens(order: np.ndarray, probs: np.ndarray, u: float, slack: float = 1e-5) -> set[int]:
+    """The tokens whose CDF interval (in `order`) comes within `slack` of `u`."""
+    upper = np.cumsum(probs)
+    lower = upper - probs
+    near = (upper >= u - slack) & (lower <= u + slack)
+    return set(order[near].tolist())
+
+
+def states_for(params: SamplingParams, vocab: int, n: int = 1, prompt=(), generated=()) -> list[SequenceSampling]:
+    states = [SequenceSampling(params, list(prompt), vocab) for _ in range(n)]
+    for state in states:
+        for token in generated:
+            state.record(token)
+    return states
+
+
+def lm_like_logits(rows: int, vocab: int, seed: int) -> np.ndarray:
+    """A broad Gaussian tail with a few hundred standout tokens, like a language model's row."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0.0, 2.5, size=(rows, vocab)).astype(np.float32)
+    standout = rng.integers(0, vocab, size=(rows, min(300, vocab // 4)))
+    boost = (rng.exponential(3.0, size=standout.shape) + 6.0).astype(np.float32)
+    np.put_along_axis(logits, standout, np.take_along_axis(logits, standout, 1) + boost, 1)
+    return logits
+
+
+@pytest.fixture(scope="module")
+def lm_rows() -> np.ndarray:
+    return lm_like_logits(8, 262144, seed=1)
+
+
+# --- greedy ---------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_and_leaves_the_logits_alone(lm_rows):
+    states = states_for(SamplingParams(temperature=0.0), lm_rows.shape[1], n=len(lm_rows))
+    before = lm_rows.copy()
+    choices = choose_tokens(lm_rows, states)
+    assert [c.token for c in choices] == np.argmax(lm_rows, axis=1).tolist()
+    assert all(c.logprob is None and c.top_logprobs is None for c in choices)
+    np.testing.assert_array_equal(lm_rows, before)
+
+
+def test_greedy_ties_go_to_the_lowest_id():
+    logits = np.zeros((2, 1000), dtype=np.float32)
+    logits[0, [700, 3, 500]] = 5.0
+    logits[1, [999, 998]] = 1.0
+    states = states_for(SamplingParams(temperature=0.0, logprobs=3), 1000, n=2)
+    choices = choose_tokens(logits, states)
+    assert [c.token for c in choices] == [3, 998]
+    assert [t for t, _ in choices[0].top_logprobs] == [3, 500, 700]
+
+
+def test_greedy_with_penalties_is_the_argmax_of_the_penalized_row(lm_rows):
+    vocab = lm_rows.shape[1]
+    leaders = np.argsort(-lm_rows, axis=1)[:, :3]
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=1.8, presence_penalty=1.5, frequency_penalty=1.0
+    )
+    states = [
+        states_for(params, vocab, prompt=[int(row[0])], generated=[int(row[1]), int(row[1])])[0]
+        for row in leaders
+    ]
+    choices = choose_tokens(lm_rows, states)
+    expected = [int(np.argmax(penalized(row, s))) for row, s in zip(lm_rows, states)]
+    assert [c.token for c in choices] == expected
+    assert expected != np.argmax(lm_rows, axis=1).tolist()  # the penalties did bite
+
+
+# --- penalties --------------------------------------------------------------------------
+
+
+def test_penalties_change_exactly_the_intended_logits():
+    vocab = 20  # small enough that logprobs=20 shows every token
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0, 3, size=(1, vocab)).astype(np.float32)
+    logits[0, 2], logits[0, 5] = 4.0, -3.0  # one positive, one negative repeated logit
+    params = SamplingParams(
+        temperature=0.0,
+        logprobs=20,
+        repetition_penalty=1.5,
+        repetition_window=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+    )
+    # The window holds the last 3 of prompt + generated: 2, 5 and 9 (not 11, which fell out).
+    state = states_for(params, vocab, prompt=[11, 2, 5], generated=[9])[0]
+    plain = states_for(SamplingParams(temperature=0.0, logprobs=20), vocab)[0]
+    got = dict(choose_tokens(logits, [state])[0].top_logprobs)
+    base = dict(choose_tokens(logits, [plain])[0].top_logprobs)
+    # Differences of logprobs are differences of logits: the normalizer cancels.
+    shift = {t: (got[t] - got[0]) - (base[t] - base[0]) for t in range(vocab)}
+    expected = np.zeros(vocab)
+    expected[2] = 4.0 / 1.5 - 4.0
+    expected[5] = -3.0 * 1.5 + 3.0
+    value = float(logits[0, 9])
+    expected[9] = (value / 1.5 if value > 0 else value * 1.5) - value
+    expected[9] -= 0.5 + 0.25  # generated once: presence + one frequency
+    np.testing.assert_allclose([shift[t] for t in range(vocab)], expected, atol=1e-5)
+
+
+def test_frequency_penalty_counts_every_generated_occurrence():
+    vocab = 20
+    logits = np.linspace(0, 1, vocab, dtype=np.float32)[None, :]
+    params = SamplingParams(temperature=0.0, logprobs=20, frequency_penalty=0.5)
+    state = states_for(params, vocab, prompt=[3, 3, 3], generated=[3, 3, 7])[0]
+    got = dict(choose_tokens(logits, [state])[0].top_logprobs)
+    reference = reference_log_softmax(logits[0], state)
+    np.testing.assert_allclose([got[t] for t in range(vocab)], reference, atol=1e-5)
+    assert reference[3] - reference[0] == pytest.approx(logits[0, 3] - logits[0, 0] - 1.0, abs=1e-6)
+
+
+def test_penalties_work_on_read_only_logits():
+    logits = np.arange(50, dtype=np.float32)[None, :]
+    logits.setflags(write=False)
+    state = states_for(SamplingParams(temperature=0.0, presence_penalty=2.0), 50, generated=[49])[0]
+    assert choose_tokens(logits, [state])[0].token == 48
+
+
+# --- sampling: exact against the reference ------------------------------------------------
+
+SAMPLING_CASES = {
+    "top_k": SamplingParams(temperature=0.8, top_k=40),
+    "top_p": SamplingParams(temperature=0.8, top_p=0.9),
+    "min_p": SamplingParams(temperature=1.0, min_p=0.05),
+    "top_k+top_p+min_p": SamplingParams(temperature=0.7, top_k=50, top_p=0.95, min_p=0.02),
+    "top_p+penalties": SamplingParams(
+        temperature=1.2, top_p=0.8, repetition_penalty=1.3, presence_penalty=0.4
+    ),
+    "no filter": SamplingParams(temperature=1.0),
+    "hot top_p": SamplingParams(temperature=3.0, top_p=0.95),  # a nucleus of ~100k tokens
+}
+
+
+@pytest.mark.parametrize("case", SAMPLING_CASES)
+def test_sampled_tokens_invert_the_reference_cdf(case, lm_rows):
+    """Fed chosen uniforms, each row picks the token the reference's CDF gives for them."""
+    params = SAMPLING_CASES[case]
+    vocab = lm_rows.shape[1]
+    rows = lm_rows[:4]
+    leaders = np.argsort(-rows, axis=1)[:, :4]
+    states = [
+        states_for(params, vocab, prompt=row[:2].tolist(), generated=row[2:].tolist())[0]
+        for row in leaders
+    ]
+    unfiltered = params.top_k == 0 and params.top_p == 1 and params.min_p == 0
+    references = []
+    for row, state in zip(rows, states):
+        if unfiltered:  # inverted in vocabulary order, over every token
+            references.append((np.arange(vocab), np.exp(reference_log_softmax(row, state))))
+        else:
+            references.append(reference_sorted_survivors(row, state))
+    uniforms = np.random.default_rng(3).random((12, len(rows)))
+    for state, column in zip(states, uniforms.T):
+        state.rng = FixedUniforms(column.tolist())
+    for draw in uniforms:
+        choices = choose_tokens(rows, states)
+        for choice, u, (order, probs) in zip(choices, draw, references):
+            assert choice.token in plausible_tokens(order, probs, u)
+
+
+def test_hot_top_p_needs_a_wide_nucleus_and_gets_it(lm_rows):
+    """The nucleus is far past the first guess of candidates; u near 1 must reach its end."""
+    state = states_for(SamplingParams(temperature=3.0, top_p=0.95), lm_rows.shape[1])[0]
+    order, probs = reference_sorted_survivors(lm_rows[0], state)
+    assert order.size > 10_000
+    state.rng = FixedUniforms([0.9999])
+    token = choose_tokens(lm_rows[:1], [state])[0].token
+    assert token in plausible_tokens(order, probs, 0.9999)
+    assert token in set(order[-order.size // 100 :].tolist())
+
+
+@pytest.mark.parametrize(
+    ("params", "survivors"),
+    [
+        (SamplingParams(temperature=1.5, top_k=5, seed=11), 5),
+        (SamplingParams(temperature=1.5, top_p=0.6, seed=12), 6),
+        (SamplingParams(temperature=1.5, min_p=0.3, seed=13), 8),
+    ],
+    ids=["top_k", "top_p", "min_p"],
+)
+def test_filters_never_choose_outside_the_allowed_set(params, survivors):
+    """Many seeded draws: every token is a survivor, and the survivors' frequencies follow
+    their renormalized probabilities."""
+    vocab, draws = 2000, 3000
+    # Geometric probabilities in a shuffled vocabulary: at T=1.5, p(rank) ~ exp(-rank / 6),
+    # so top_k=5 keeps 5 tokens, top_p=0.6 keeps 6 (1 - e^-1 > 0.6) and min_p=0.3 keeps 8.
+    row = np.random.default_rng(5).permutation(-0.25 * np.arange(vocab)).astype(np.float32)
+    logits = np.repeat(row[None, :], draws, axis=0)
+    states = [
+        SequenceSampling(msgspec.structs.replace(params, seed=params.seed + i), [], vocab)
+        for i in range(draws)
+    ]
+    tokens = np.array([c.token for c in choose_tokens(logits, states)])
+    order, probs = reference_sorted_survivors(row, states[0])
+    assert order.size == survivors
+    assert set(tokens.tolist()) <= set(order.tolist())
+    observed = np.array([(tokens == t).sum() for t in order]) / draws
+    np.testing.assert_allclose(observed, probs, atol=0.03)
+
+
+# --- seeds ---------------------------------------------------------------------------------
+
+
+def test_a_seed_gives_the_same_tokens_whatever_shares_the_batch(lm_rows):
+    vocab = lm_rows.shape[1]
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, repetition_penalty=1.1)
+    neighbours = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0, top_k=3),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5, min_p=0.1, logprobs=4),
+    ]
+
+    def run(batch_params: list[SamplingParams], seeded_at: int) -> list[int]:
+        states = [SequenceSampling(p, [1, 2, 3], vocab) for p in batch_params]
+        rng = np.random.default_rng(99)
+        out = []
+        for step in range(6):
+            rows = lm_rows[rng.permutation(len(lm_rows))[: len(states)]].copy()
+            rows[seeded_at] = lm_rows[step]  # the seeded row always sees the same logits
+            choices = choose_tokens(rows, states)
+            for state, choice in zip(states, choices):
+                state.record(choice.token)
+            out.append(choices[seeded_at].token)
+        return out
+
+    alone = run([seeded], 0)
+    crowded = run(neighbours[:2] + [seeded] + neighbours[2:], 2)
+    assert alone == crowded
+    assert run([seeded], 0) == alone
+    other_seed = SamplingParams(temperature=0.9, top_p=0.95, seed=4321, repetition_penalty=1.1)
+    assert run([other_seed], 0) != alone
+
+
+# --- logprobs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=0.7, logprobs=20, seed=1),
+        SamplingParams(temperature=1.3, top_p=0.9, logprobs=3, repetition_penalty=1.2, seed=2),
+        SamplingParams(temperature=0.5, top_k=2, logprobs=10, seed=3),
+        SamplingParams(temperature=1.0, min_p=0.2, logprobs=0, seed=4),
+    ],
+    ids=["greedy", "plain", "top_p+penalty", "top_k<logprobs", "zero alternatives"],
+)
+def test_logprobs_match_a_float64_log_softmax(params, lm_rows):
+    vocab = lm_rows.shape[1]
+    states = states_for(params, vocab, n=4, prompt=[5, 6, 7])
+    choices = choose_tokens(lm_rows[:4], states)
+    for row, state, choice in zip(lm_rows, states, choices):
+        reference = reference_log_softmax(row, state)
+        assert choice.logprob == pytest.approx(reference[choice.token], abs=1e-4)
+        top = np.lexsort((np.arange(vocab), -reference))[: params.logprobs]
+        assert [t for t, _ in choice.top_logprobs] == top.tolist()
+        np.testing.assert_allclose(
+            [lp for _, lp in choice.top_logprobs], reference[top], atol=1e-4
+        )
+
+
+def test_no_logprobs_unless_asked(lm_rows):
+    states = states_for(SamplingParams(top_k=10, seed=0), lm_rows.shape[1], n=2)
+    assert all(
+        c == TokenChoice(token=c.token) for c in choose_tokens(lm_rows[:2], states)
+    )
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+def test_nan_or_infinite_logits_are_a_compute_error():
+    logits = np.zeros((3, 100), dtype=np.float32)
+    logits[1, 17] = np.nan
+    logits[2, :] = -np.inf
+    states = states_for(SamplingParams(temperature=0.0), 100, n=3)
+    with pytest.raises(ComputeError, match=r"\[1, 2\]"):
+        choose_tokens(logits, states)
+
+
+def test_logits_that_do_not_match_the_sequences_are_refused():
+    states = states_for(SamplingParams(), 100, n=2)
+    with pytest.raises(ComputeError, match="do not match"):
+        choose_tokens(np.zeros((3, 100), dtype=np.float32), states)
+    with pytest.raises(ComputeError, match="vocabulary"):
+        choose_tokens(np.zeros((2, 99), dtype=np.float32), states)
+
+
+def test_an_empty_batch_chooses_nothing():
+    assert choose_tokens(np.zeros((0, 10), dtype=np.float32), []) == []
+
+
+def test_out_of_vocabulary_history_is_refused():
+    with pytest.raises(InvalidRequest) as error:
+        SequenceSampling(SamplingParams(repetition_penalty=1.2), [3, 100], 100)
+    assert error.value.field == "token_id"
+    state = SequenceSampling(SamplingParams(), [], 100)
+    with pytest.raises(InvalidRequest):
+        state.record(-1)
+
+
+def test_bad_params_are_refused_when_the_sequence_starts():
+    with pytest.raises(InvalidRequest) as error:
+        SequenceSampling(SamplingParams(stop_token_ids=(500,)), [], 100)
+    assert error.value.field == "stop_token_ids"
