@@ -4,7 +4,11 @@ The `gguf` package (llama.cpp's own) gives us the format's constants: value type
 types and block sizes. Its `GGUFReader` is not used for parsing because it takes ~10 s on a
 262k-token vocabulary (it builds a numpy view per array element) and its failures on bad
 files are raw `struct`/`numpy` errors. This parser checks every header claim against the file
-size before it allocates anything, so a bad file gives a `ModelFormatError` naming the problem.
+size before it allocates anything, so a bad file gives a `ModelFormatError` naming the problem:
+bad magic or version, truncation anywhere, absurd counts or lengths, unknown value or tensor
+types, rows that are not whole blocks, tensor data past the end or overlapping, non-UTF-8
+strings. A valid file we cannot read (big-endian) gives `UnsupportedModelError`. Tensor data
+is mapped, never read here: opening a 5 GB file costs what its header costs.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 MAX_NESTING = 4
-# Far above any real vocabulary (~262k tokens) or merge list (~500k): a corrupt count is refused
-# before it builds millions of Python objects.
-MAX_STRING_ITEMS = 1 << 24
+# Items of a string (or nested) array: far above any real vocabulary (~262k tokens) or merge
+# list (~500k), so a corrupt count is refused before it builds millions of Python objects.
+MAX_LIST_ITEMS = 1 << 24
 _U64 = struct.Struct("<Q")
 
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
@@ -69,7 +73,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def row_bytes(self) -> int:
@@ -177,9 +181,9 @@ class _Cursor:
         # Every string or nested array takes at least 8 bytes (its length or count): check the
         # claim against the file before looping over it.
         self.need(count * 8, f"{count} items of {what}")
-        if count > MAX_STRING_ITEMS:
+        if count > MAX_LIST_ITEMS:
             raise ModelFormatError(
-                f"{self.path}: {what} claims {count} items (at most {MAX_STRING_ITEMS} allowed)"
+                f"{self.path}: {what} claims {count} items (at most {MAX_LIST_ITEMS} allowed)"
             )
         if item_kind == GGUFValueType.STRING:
             return self.strings(count, what)
