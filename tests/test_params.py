@@ -1,0 +1,142 @@
+"""SamplingParams: every bad value is refused with InvalidRequest naming its field, whether
+the params are built in Python or converted from a dict."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from actors.errors import InvalidRequest
+from actors.params import SamplingParams
+
+BAD_VALUES = [
+    ("max_tokens", 0),
+    ("max_tokens", -5),
+    ("max_tokens", 2.5),
+    ("max_tokens", "10"),
+    ("temperature", -0.1),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", "hot"),
+    ("top_k", -1),
+    ("top_k", 1.5),
+    ("top_k", True),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_p", -0.5),
+    ("top_p", math.nan),
+    ("min_p", -0.01),
+    ("min_p", 1.5),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", math.inf),
+    ("repetition_window", -1),
+    ("presence_penalty", 2.5),
+    ("presence_penalty", math.nan),
+    ("frequency_penalty", -3.0),
+    ("seed", -1),
+    ("seed", 1.5),
+    ("seed", "42"),
+    ("seed", False),
+    ("stop", ("",)),
+    ("stop", tuple(f"s{i}" for i in range(17))),
+    ("stop", ("x" * 257,)),
+    ("stop", (1,)),
+    ("stop_token_ids", (-1,)),
+    ("stop_token_ids", ("2",)),
+    ("stop_token_ids", tuple(range(1025))),
+    ("ignore_eos", 1),
+    ("ignore_eos", "yes"),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("logprobs", 2.0),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES)
+def test_a_bad_value_names_its_field(field, value):
+    with pytest.raises(InvalidRequest) as error:
+        SamplingParams(**{field: value})
+    assert error.value.field == field
+    assert field in str(error.value)
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES)
+def test_a_bad_value_in_a_dict_names_its_field(field, value):
+    if isinstance(value, tuple):
+        value = list(value)
+    with pytest.raises(InvalidRequest) as error:
+        SamplingParams.from_dict({field: value})
+    assert error.value.field == field
+
+
+def test_the_defaults_are_valid_and_mean_plain_sampling():
+    params = SamplingParams()
+    params.validate(vocab_size=10)
+    assert (params.max_tokens, params.temperature, params.top_k, params.top_p) == (256, 1.0, 0, 1.0)
+    assert (params.min_p, params.repetition_penalty, params.logprobs) == (0.0, 1.0, None)
+
+
+def test_good_edge_values_are_accepted():
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=0,
+        top_k=0,
+        top_p=1.0,
+        min_p=1.0,
+        repetition_penalty=0.5,
+        repetition_window=0,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        seed=2**63,
+        stop=tuple(f"s{i}" for i in range(16)),
+        stop_token_ids=(0, 9),
+        ignore_eos=True,
+        logprobs=20,
+    )
+    params.validate(vocab_size=10)
+
+
+def test_stop_token_ids_are_checked_against_the_vocabulary_when_known():
+    params = SamplingParams(stop_token_ids=(3, 10))
+    params.validate()
+    with pytest.raises(InvalidRequest) as error:
+        params.validate(vocab_size=10)
+    assert error.value.field == "stop_token_ids"
+    assert "10" in str(error.value)
+
+
+def test_lists_and_a_single_stop_string_become_tuples():
+    params = SamplingParams(stop=["\n\n", "END"], stop_token_ids=[1, 2])
+    assert params.stop == ("\n\n", "END") and params.stop_token_ids == (1, 2)
+    assert SamplingParams(stop="###").stop == ("###",)
+    assert hash(params) == hash(SamplingParams(stop=("\n\n", "END"), stop_token_ids=(1, 2)))
+
+
+def test_from_dict_converts_json_and_keeps_the_rules():
+    params = SamplingParams.from_dict(
+        msgspec.json.decode(b'{"max_tokens": 8, "temperature": 1, "stop": "\\n", "seed": 7}')
+    )
+    assert params == SamplingParams(max_tokens=8, temperature=1.0, stop=("\n",), seed=7)
+    assert isinstance(params.temperature, float)
+
+
+def test_from_dict_names_an_unknown_field():
+    with pytest.raises(InvalidRequest) as error:
+        SamplingParams.from_dict({"max_token": 5})
+    assert error.value.field == "max_token"
+
+
+def test_from_dict_refuses_what_is_not_a_mapping():
+    with pytest.raises(InvalidRequest) as error:
+        SamplingParams.from_dict([("max_tokens", 5)])
+    assert error.value.field is None
+    assert "object" in str(error.value)
+
+
+def test_replace_validates_again():
+    with pytest.raises(InvalidRequest) as error:
+        msgspec.structs.replace(SamplingParams(), top_p=2.0)
+    assert error.value.field == "top_p"
