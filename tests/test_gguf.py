@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import pytest
 
+from actors import load_model
 from actors.errors import ModelFormatError, UnsupportedModelError
 from actors.model.arch import spec_from_gguf
 from actors.model.gguf import open_gguf
@@ -467,3 +468,23 @@ def test_metadata_of_the_wrong_kind(tmp_path: Path, key: str, value: object) -> 
         model.metadata[key] = value
         with pytest.raises(ModelFormatError, match=key):
             spec_from_gguf(model)
+
+
+def test_missing_layer_tensor_through_the_loader(tmp_path: Path) -> None:
+    path, data = copy_of(TINY, tmp_path)
+    at = string_field(data, "blk.2.ffn_up.weight")
+    data[at - 1] = ord("X")  # renamed, so the table no longer has it
+    path.write_bytes(data)
+    with pytest.raises(ModelFormatError, match="missing tensor 'blk.2.ffn_up.weight'"):
+        load_model(path)
+
+
+def test_known_but_unsupported_tensor_type(tmp_path: Path) -> None:
+    """I32 has F32's size, so the file stays valid: the reader opens it, the loader refuses."""
+    path, data = copy_of(TINY, tmp_path)
+    put_u32(data, tensor_fields(data, "blk.1.attn_norm.weight")["type"], 26)
+    path.write_bytes(data)
+    with open_gguf(path) as model:
+        assert model.tensor("blk.1.attn_norm.weight").type_name == "I32"
+    with pytest.raises(UnsupportedModelError, match="I32"):
+        load_model(path)
