@@ -53,7 +53,8 @@ class Seed:
         with open_gguf(path) as model:
             data_offset = model.data_offset
             first_tensor = next(iter(model.tensors)).encode()
-        header = path.read_bytes()[:data_offset]
+        with open(path, "rb") as file:
+            header = file.read(data_offset)
         table_start = header.index(struct.pack("<Q", len(first_tensor)) + first_tensor)
         raw = np.frombuffer(header, dtype=np.uint8)
         # The u64 starting at every byte offset, one aligned view per phase.
