@@ -36,7 +36,7 @@ class BlockFormat:
 
     Quantized types decode as `value * scale + offset`, where `scale` and `offset` are float32
     per group of `block_size // groups` elements (computed by `params` with gguf.quants'
-    operations) and `value` is a small integer per element (unpacked by `values`). Float types
+    operations) and `value` is a small integer per element (unpacked by `fill`). Float types
     (no `params`) convert directly.
     """
 
@@ -45,8 +45,9 @@ class BlockFormat:
     groups: int = 1
     # blocks (n, type_size) -> scale (n, groups), offset (n, groups) or None
     params: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray | None]] | None = None
-    # blocks (n, type_size) -> integers (n, groups, block_size // groups)
-    values: Callable[[np.ndarray], np.ndarray] | None = None
+    # (blocks (n, type_size), dest float32 (n, groups, block_size // groups)): writes each
+    # element's integer value into dest
+    fill: Callable[[np.ndarray, np.ndarray], None] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,16 +63,17 @@ def _f16_column(blocks: np.ndarray, start: int) -> np.ndarray:
     return blocks[:, start : start + 2].view(np.float16).astype(F32)
 
 
+_NIBBLE_SHIFTS = np.array([[0], [4]], dtype=np.uint64)
+
+
 def _nibbles(packed: np.ndarray) -> np.ndarray:
     """(..., k) bytes -> (..., 2, k): low nibbles, then high nibbles.
 
-    Works on 8 bytes at a time through uint64 words: a quarter of the numpy calls' elements.
+    Works on 8 bytes at a time through uint64 words: an eighth of the elements per numpy call.
     """
     words = np.ascontiguousarray(packed).view(np.uint64)
-    out = np.empty((*words.shape[:-1], 2, words.shape[-1]), dtype=np.uint64)
-    np.bitwise_and(words, _LOW_NIBBLES, out=out[..., 0, :])
-    np.right_shift(words, 4, out=out[..., 1, :])
-    out[..., 1, :] &= _LOW_NIBBLES
+    out = words[..., None, :] >> _NIBBLE_SHIFTS
+    out &= _LOW_NIBBLES
     return out.view(np.uint8)
 
 
@@ -80,23 +82,24 @@ def _fifth_bits(blocks: np.ndarray, start: int) -> np.ndarray:
     return np.unpackbits(blocks[:, start : start + 4], axis=1, bitorder="little")
 
 
-def _values_q4(blocks: np.ndarray, start: int, offset: int) -> np.ndarray:
-    """Q4_0 / Q4_1 values: 16 packed bytes at `start`, minus `offset` (as int8 when signed)."""
-    q = _nibbles(blocks[:, start:]).reshape(-1, 1, 32)
+def _fill_levels(dest: np.ndarray, levels: np.ndarray, offset: int) -> None:
+    """dest = levels - offset, levels being uint8 (modified in place)."""
     if offset:
-        q -= np.uint8(offset)  # wraps modulo 256; the int8 view reads the signed value
-        return q.view(np.int8)
-    return q
+        levels -= np.uint8(offset)  # wraps modulo 256; the int8 view reads the signed value
+        levels = levels.view(np.int8)
+    np.copyto(dest, levels.reshape(dest.shape))
 
 
-def _values_q5(blocks: np.ndarray, start: int, offset: int) -> np.ndarray:
-    """Q5_0 / Q5_1 values: fifth bits at `start`, 16 packed bytes after them, minus `offset`."""
-    q = _nibbles(blocks[:, start + 4 :]).reshape(-1, 1, 32)
-    q |= (_fifth_bits(blocks, start) << 4)[:, None, :]
-    if offset:
-        q -= np.uint8(offset)
-        return q.view(np.int8)
-    return q
+def _fill_q4(blocks: np.ndarray, dest: np.ndarray, start: int, offset: int) -> None:
+    """Q4_0 / Q4_1: 16 packed bytes at `start`, minus `offset`."""
+    _fill_levels(dest, _nibbles(blocks[:, start:]), offset)
+
+
+def _fill_q5(blocks: np.ndarray, dest: np.ndarray, start: int, offset: int) -> None:
+    """Q5_0 / Q5_1: fifth bits at `start`, 16 packed bytes after them, minus `offset`."""
+    levels = _nibbles(blocks[:, start + 4 :]).reshape(-1, 32)
+    levels |= _fifth_bits(blocks, start) << 4
+    _fill_levels(dest, levels, offset)
 
 
 def _params_d(blocks: np.ndarray) -> tuple[np.ndarray, None]:
@@ -108,11 +111,20 @@ def _params_d_m(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K 6-bit sub-block scales and mins from their 12 packed bytes: (n, 8) each."""
-    low, mid, high = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
-    scales = np.concatenate([low & 0x3F, (high & 0x0F) | ((low >> 2) & 0x30)], axis=1)
-    mins = np.concatenate([mid & 0x3F, (high >> 4) | ((mid >> 2) & 0x30)], axis=1)
-    return scales, mins
+    """Q4_K/Q5_K 6-bit sub-block scales and mins from their 12 packed bytes: (n, 8) each.
+
+    Bytes 0..3 hold scales 0..3 (+ the top bits of scales 4..7), bytes 4..7 mins 0..3 (+ the
+    top bits of mins 4..7), bytes 8..11 the low nibbles of scales and mins 4..7; handled four
+    bytes at a time as uint32 words.
+    """
+    low, mid, high = np.ascontiguousarray(packed).view("<u4").T
+    scales = np.empty((packed.shape[0], 2), dtype=np.uint32)
+    mins = np.empty_like(scales)
+    scales[:, 0] = low & 0x3F3F3F3F
+    scales[:, 1] = (high & 0x0F0F0F0F) | ((low >> 2) & 0x30303030)
+    mins[:, 0] = mid & 0x3F3F3F3F
+    mins[:, 1] = ((high >> 4) & 0x0F0F0F0F) | ((mid >> 2) & 0x30303030)
+    return scales.view(np.uint8), mins.view(np.uint8)
 
 
 def _params_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -124,53 +136,70 @@ def _params_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale, offset
 
 
-def _values_q4_k(blocks: np.ndarray) -> np.ndarray:
+def _fill_q4_k(blocks: np.ndarray, dest: np.ndarray) -> None:
     # Bytes 16..143 are 4 groups of 32: low nibbles -> sub-block 2g, high nibbles -> 2g + 1.
-    return _nibbles(blocks[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    # Unpacked as two contiguous arrays converted straight into their places: cheaper than
+    # interleaving the bytes first.
+    words = np.ascontiguousarray(blocks[:, 16:]).view(np.uint64)
+    pairs = dest.reshape(-1, 4, 2, 32)
+    np.copyto(pairs[:, :, 0], (words & _LOW_NIBBLES).view(np.uint8).reshape(-1, 4, 32))
+    words >>= np.uint64(4)
+    words &= _LOW_NIBBLES
+    np.copyto(pairs[:, :, 1], words.view(np.uint8).reshape(-1, 4, 32))
 
 
 _BIT_SHIFTS_8 = np.arange(8, dtype=np.uint8)[:, None]
 
 
-def _values_q5_k(blocks: np.ndarray) -> np.ndarray:
-    q = _nibbles(blocks[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+def _fill_q5_k(blocks: np.ndarray, dest: np.ndarray) -> None:
+    levels = _nibbles(blocks[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
     # Bit s of qh[l] is the fifth bit of element l of sub-block s.
-    q |= ((blocks[:, None, 16:48] >> _BIT_SHIFTS_8) & 1) << 4
-    return q
+    levels |= ((blocks[:, None, 16:48] >> _BIT_SHIFTS_8) & 1) << 4
+    np.copyto(dest, levels)
 
 
 def _params_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, None]:
     return _f16_column(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(F32), None
 
 
-def _values_q6_k(blocks: np.ndarray) -> np.ndarray:
-    # Each 128-element half has 64 ql bytes [a | b] and 32 qh bytes. Elements 0..31 take a's
-    # low nibbles, 32..63 b's, 64..95 a's high nibbles, 96..127 b's; qh holds their top two
-    # bits at shifts 0, 2, 4, 6 in that order.
+# Shifts of the top two bits in qh, indexed [low/high nibble][first/second 32 bytes of ql].
+_Q6_HIGH_SHIFTS = np.array([[0, 2], [4, 6]], dtype=np.uint64)[:, :, None]
+
+
+def _fill_q6_k(blocks: np.ndarray, dest: np.ndarray) -> None:
+    # Each 128-element half has 64 ql bytes [a | b] and 32 qh bytes. Elements 0..31 are a's low
+    # nibbles, 32..63 b's, 64..95 a's high nibbles, 96..127 b's, each with two top bits from qh
+    # at shift 0, 2, 4, 6. The bits are assembled quarter-major, (nibble, a/b, blocks...), so
+    # every numpy call runs one long loop; the final copy puts the quarters in place.
     n = blocks.shape[0]
-    q = _nibbles(blocks[:, :128].reshape(n, 2, 64))  # (n, half, low/high, a|b bytes)
-    words = q.view(np.uint64).reshape(n, 2, 2, 2, 4)  # (n, half, low/high, a/b, 4 words)
-    high = np.ascontiguousarray(blocks[:, 128:192]).view(np.uint64).reshape(n, 2, 1, 1, 4)
-    for nibble in (0, 1):
-        for part in (0, 1):
-            shift = 4 * nibble + 2 * part
-            words[:, :, nibble, part] |= ((high[:, :, 0, 0] >> shift) & _LOW_2_BITS) << 4
-    q -= np.uint8(32)
-    return q.view(np.int8).reshape(n, 16, 16)
+    ql = blocks[:, :128].reshape(n, 2, 2, 32).transpose(2, 0, 1, 3)  # (a/b, block, half, 32)
+    words = np.ascontiguousarray(ql).view(np.uint64).reshape(2, -1)
+    levels = np.empty((2, *words.shape), dtype=np.uint64)  # (low/high nibble, a/b, words)
+    np.bitwise_and(words, _LOW_NIBBLES, out=levels[0])
+    np.right_shift(words, np.uint64(4), out=levels[1])
+    levels[1] &= _LOW_NIBBLES
+    top = np.ascontiguousarray(blocks[:, 128:192]).view(np.uint64).reshape(-1) >> _Q6_HIGH_SHIFTS
+    top &= _LOW_2_BITS
+    top <<= np.uint64(4)
+    levels |= top
+    signed = levels.view(np.uint8)
+    signed -= np.uint8(32)  # wraps modulo 256; the int8 view reads the signed value
+    quarters = signed.view(np.int8).reshape(2, 2, n, 2, 32).transpose(2, 3, 0, 1, 4)
+    np.copyto(dest.reshape(n, 2, 2, 2, 32), quarters)
 
 
 FORMATS: dict[str, BlockFormat] = {
     "F32": BlockFormat(1, 4),
     "F16": BlockFormat(1, 2),
     "BF16": BlockFormat(1, 2),
-    "Q4_0": BlockFormat(32, 18, 1, _params_d, lambda b: _values_q4(b, 2, 8)),
-    "Q4_1": BlockFormat(32, 20, 1, _params_d_m, lambda b: _values_q4(b, 4, 0)),
-    "Q5_0": BlockFormat(32, 22, 1, _params_d, lambda b: _values_q5(b, 2, 16)),
-    "Q5_1": BlockFormat(32, 24, 1, _params_d_m, lambda b: _values_q5(b, 4, 0)),
-    "Q8_0": BlockFormat(32, 34, 1, _params_d, lambda b: b[:, None, 2:].view(np.int8)),
-    "Q4_K": BlockFormat(QK_K, 144, 8, _params_k, _values_q4_k),
-    "Q5_K": BlockFormat(QK_K, 176, 8, _params_k, _values_q5_k),
-    "Q6_K": BlockFormat(QK_K, 210, 16, _params_q6_k, _values_q6_k),
+    "Q4_0": BlockFormat(32, 18, 1, _params_d, lambda b, d: _fill_q4(b, d, 2, 8)),
+    "Q4_1": BlockFormat(32, 20, 1, _params_d_m, lambda b, d: _fill_q4(b, d, 4, 0)),
+    "Q5_0": BlockFormat(32, 22, 1, _params_d, lambda b, d: _fill_q5(b, d, 2, 16)),
+    "Q5_1": BlockFormat(32, 24, 1, _params_d_m, lambda b, d: _fill_q5(b, d, 4, 0)),
+    "Q8_0": BlockFormat(32, 34, 1, _params_d, lambda b, d: np.copyto(d[:, 0], b[:, 2:].view(np.int8))),
+    "Q4_K": BlockFormat(QK_K, 144, 8, _params_k, _fill_q4_k),
+    "Q5_K": BlockFormat(QK_K, 176, 8, _params_k, _fill_q5_k),
+    "Q6_K": BlockFormat(QK_K, 210, 16, _params_q6_k, _fill_q6_k),
 }
 
 
@@ -188,7 +217,7 @@ def _decode_blocks(fmt: BlockFormat, blocks: np.ndarray) -> np.ndarray:
     for start in range(0, blocks.shape[0], step):
         chunk = slice(start, start + step)
         dest = out[chunk]
-        np.copyto(dest, fmt.values(blocks[chunk]))
+        fmt.fill(blocks[chunk], dest)
         dest *= scale[chunk, :, None]
         if offset is not None:
             dest += offset[chunk, :, None]
