@@ -6,7 +6,8 @@ One row goes through (the Hugging Face / vLLM order):
    last `repetition_window` of prompt + generated: a positive logit is divided by the penalty,
    a negative one multiplied), then presence and frequency (OpenAI style, over the generated
    tokens: `l -= presence * (count > 0) + frequency * count`);
-2. temperature: `l / T`; T = 0 is greedy: the argmax of the penalized logits, lowest id on ties;
+2. temperature: `l / T`; T = 0 (or below 1e-5) is greedy: the argmax of the penalized logits,
+   lowest id on ties;
 3. top-k; then top-p over the distribution renormalized to the top-k survivors (to the whole
    vocabulary when top_k is 0); then min-p: keep tokens at least `min_p` times as likely as the
    most likely one. The most likely token always survives;
@@ -38,6 +39,8 @@ import numpy as np
 from actors.errors import ComputeError, InvalidRequest
 from actors.params import SamplingParams
 
+# Temperatures below this are greedy (as in vLLM): 1 / T would overflow float32 long before 0.
+_GREEDY_BELOW = 1e-5
 # A row's candidate threshold is guessed from about this many of its logits (a strided sample).
 _SAMPLE_SIZE = 4096
 # A top-p row without top-k first assumes its nucleus has at most this many tokens.
@@ -144,7 +147,7 @@ class _RowParams(NamedTuple):
             return np.array([getattr(p, name) for p in params], dtype=np.float64)
 
         temperature = column("temperature")
-        greedy = temperature == 0
+        greedy = temperature < _GREEDY_BELOW
         with np.errstate(divide="ignore"):
             log_min_p = np.log(column("min_p"))
         # Filters mean nothing to a greedy row: switching them off keeps its logprobs simple.
@@ -162,9 +165,7 @@ class _RowParams(NamedTuple):
 
 
 def _checked_logits(logits: np.ndarray, states: Sequence[SequenceSampling]) -> np.ndarray:
-    logits = np.asarray(logits)
-    if logits.dtype != np.float32:
-        logits = logits.astype(np.float32)
+    logits = np.ascontiguousarray(logits, dtype=np.float32)  # no copy when it already is
     vocab_sizes = {s.vocab_size for s in states}
     if logits.ndim != 2 or logits.shape[0] != len(states) or len(vocab_sizes) > 1:
         raise ComputeError(
@@ -281,15 +282,15 @@ def _block_sums(
     n_blocks = -(-vocab // _BLOCK)
     chunk = max(1, _SCRATCH_BYTES // (4 * n_blocks * _BLOCK))
     scratch = np.empty((chunk, n_blocks * _BLOCK), dtype=np.float32)
+    shift = peak.astype(np.float32)
     scale = inv_temp.astype(np.float32)
-    # Same float32 product as the peak's own entry, so the peak scales to exactly 0.
-    shift = peak.astype(np.float32) * scale
     sums = np.empty((z_rows.size, n_blocks))
     for start in range(0, z_rows.size, chunk):
         part = z_rows[start : start + chunk]
         buf = scratch[: part.size]
-        np.multiply(_rows_of(logits, part), scale[part, None], out=buf[:, :vocab])
-        buf[:, :vocab] -= shift[part, None]
+        # Subtract before scaling: a small temperature would magnify the rounding of l / T.
+        np.subtract(_rows_of(logits, part), shift[part, None], out=buf[:, :vocab])
+        buf[:, :vocab] *= scale[part, None]
         buf[:, vocab:] = -np.inf  # the last block's padding weighs exp(-inf) = 0
         np.exp(buf, out=buf)
         sums[start : start + part.size] = buf.reshape(part.size, n_blocks, _BLOCK).sum(axis=2)
@@ -319,11 +320,9 @@ def _draw_from_blocks(
     block = _invert_cdf(cdf, target, block_sums > 0)
     before = np.where(block > 0, np.take_along_axis(cdf, (block - 1)[:, None], 1)[:, 0], 0.0)
     ids = block[:, None] * _BLOCK + np.arange(_BLOCK)
-    inside = ids < vocab
-    scaled = (logits[rows[:, None], np.minimum(ids, vocab - 1)] - peak[rows, None]) * inv_temp[
-        rows, None
-    ]
-    weights = np.where(inside, np.exp(scaled), 0.0)
+    block_logits = logits[rows[:, None], np.minimum(ids, vocab - 1)]
+    scaled = (block_logits - peak[rows, None]) * inv_temp[rows, None]
+    weights = np.where(ids < vocab, np.exp(scaled), 0.0)
     offset = _invert_cdf(np.cumsum(weights, axis=1), target - before, weights > 0)
     return block * _BLOCK + offset
 
@@ -372,7 +371,7 @@ def _candidate_table(
     threshold_at = np.ceil(wanted / stride).astype(np.int64)
 
     table_row = ids = np.empty(0, dtype=np.int64)
-    scaled = np.empty(0)
+    values = np.empty(0, dtype=np.float32)
     pending = np.ones(table_rows.size, dtype=bool)
     threshold = np.empty(table_rows.size)
     while pending.any():
@@ -382,16 +381,17 @@ def _candidate_table(
         kept = ~pending[table_row]
         redone = np.flatnonzero(pending)
         which, new_ids = _above(logits, table_rows[redone], threshold[redone])
+        new_values = logits.reshape(-1)[table_rows[redone[which]] * vocab + new_ids]
         table_row = np.concatenate([table_row[kept], redone[which]])
         ids = np.concatenate([ids[kept], new_ids])
-        batch_row = table_rows[table_row]
-        scaled = (logits[batch_row, ids] - peak[batch_row]) * inv_temp[table_row]
+        values = np.concatenate([values[kept], new_values])
+        scaled = (values - peak[table_rows][table_row]) * inv_temp[table_row]
         count = np.bincount(table_row, minlength=table_rows.size)
         mass = np.bincount(table_row, weights=np.exp(scaled), minlength=table_rows.size)
         holds_nucleus = ~nucleus | (mass >= nucleus_mass) | (threshold <= min_p_floor)
         pending = ((count < need) | ~holds_nucleus) & (threshold > -np.inf)
         threshold_at = np.where(pending, threshold_at * _WIDEN_FACTOR, threshold_at)
-    return _sorted_table(logits, table_rows, table_row, ids, count, peak, rows.inv_temp)
+    return _sorted_table(table_rows, table_row, ids, values, count, peak, rows.inv_temp)
 
 
 def _threshold_from_sample(sample: np.ndarray, threshold_at: np.ndarray) -> np.ndarray:
@@ -416,39 +416,46 @@ def _above(
 
 
 def _sorted_table(
-    logits: np.ndarray,
     table_rows: np.ndarray,
     table_row: np.ndarray,
     ids: np.ndarray,
+    values: np.ndarray,
     count: np.ndarray,
     peak: np.ndarray,
     inv_temp: np.ndarray,
 ) -> _Candidates:
     """Sort each row's candidates, most likely first and ties by lowest id (as argmax does).
 
-    One int64 key per candidate, (logit order descending, id), sorted by value: much faster
-    than an argsort when a hot top-p makes the table as wide as the vocabulary.
+    One int64 key per candidate, (the logit's bits in descending order, id), sorted by value:
+    far faster than an argsort when a hot top-p makes the table as wide as the vocabulary, and
+    the sorted keys give back both the ids and the logits.
     """
-    batch_row = table_rows[table_row]
-    logit = logits[batch_row, ids] + np.float32(0.0)  # -0.0 becomes +0.0: one key per value
-    bits = logit.view(np.int32)
-    ascending = np.where(bits >= 0, bits, bits ^ np.int32(0x7FFFFFFF))  # float order as int
-    keys = (~ascending).astype(np.int64) << 32 | ids
-    # Scatter into one padded row per table row (any column will do: the rows get sorted);
-    # the padding key sorts last.
+    keys = (~_float_order(values + np.float32(0.0))).astype(np.int64) << 32 | ids  # -0.0 -> 0.0
+    # One padded row per table row (any column order will do: the rows get sorted); the
+    # padding key sorts last.
+    width = max(int(count.max()), 1)
     grouped = np.argsort(table_row, kind="stable")
     column = np.empty_like(grouped)
     column[grouped] = np.arange(grouped.size) - (np.cumsum(count) - count)[table_row[grouped]]
-    dense = np.full((table_rows.size, max(int(count.max()), 1)), np.iinfo(np.int64).max)
-    dense[table_row, column] = keys
+    dense = np.full((table_rows.size, width), np.iinfo(np.int64).max)
+    dense.reshape(-1)[table_row * width + column] = keys
     dense.sort(axis=1)
-    real = np.arange(dense.shape[1]) < count[:, None]
-    sorted_ids = np.where(real, dense & 0xFFFFFFFF, 0)
-    sorted_logits = logits[table_rows[:, None], sorted_ids].astype(np.float64)
+    real = np.arange(width) < count[:, None]
+    sorted_logits = _float_order(~(dense >> 32).astype(np.int32)).view(np.float32)
     scaled = (sorted_logits - peak[table_rows, None]) * inv_temp[table_rows, None]
     return _Candidates(
-        rows=table_rows, ids=sorted_ids, scaled=np.where(real, scaled, -np.inf), count=count
+        rows=table_rows,
+        ids=np.where(real, dense & 0xFFFFFFFF, 0),
+        scaled=np.where(real, scaled, -np.inf),
+        count=count,
     )
+
+
+def _float_order(bits: np.ndarray) -> np.ndarray:
+    """float32 values (viewed as int32) -> int32 in the same order, and back: the map is its
+    own inverse."""
+    as_int = bits.view(np.int32)
+    return np.where(as_int >= 0, as_int, as_int ^ np.int32(0x7FFFFFFF))
 
 
 def _draw_from_table(
@@ -495,10 +502,10 @@ def _token_choices(
     if table is not None:
         top_logprob = table.scaled - log_z[table.rows, None]
         for slot, row in enumerate(table.rows.tolist()):
-            n_top = int(rows.n_top[row])
-            if n_top >= 0:
+            if rows.n_top[row] >= 0:
+                shown = min(int(rows.n_top[row]), int(table.count[slot]))
                 top[row] = tuple(
-                    zip(table.ids[slot, :n_top].tolist(), top_logprob[slot, :n_top].tolist())
+                    zip(table.ids[slot, :shown].tolist(), top_logprob[slot, :shown].tolist())
                 )
     return [
         TokenChoice(

@@ -190,7 +190,6 @@ SAMPLING_CASES = {
         temperature=1.2, top_p=0.8, repetition_penalty=1.3, presence_penalty=0.4
     ),
     "no filter": SamplingParams(temperature=1.0),
-    "hot top_p": SamplingParams(temperature=3.0, top_p=0.95),  # a nucleus of ~100k tokens
 }
 
 
@@ -222,14 +221,20 @@ def test_sampled_tokens_invert_the_reference_cdf(case, lm_rows):
 
 
 def test_hot_top_p_needs_a_wide_nucleus_and_gets_it(lm_rows):
-    """The nucleus is far past the first guess of candidates; u near 1 must reach its end."""
-    state = states_for(SamplingParams(temperature=3.0, top_p=0.95), lm_rows.shape[1])[0]
+    """The nucleus is far past the first guess of candidates: low, middle and high uniforms
+    all land where the reference CDF puts them, the highest near the nucleus's end."""
+    vocab = lm_rows.shape[1]
+    state = states_for(SamplingParams(temperature=3.0, top_p=0.95), vocab)[0]
     order, probs = reference_sorted_survivors(lm_rows[0], state)
     assert order.size > 10_000
-    state.rng = FixedUniforms([0.9999])
-    token = choose_tokens(lm_rows[:1], [state])[0].token
-    assert token in plausible_tokens(order, probs, 0.9999)
-    assert token in set(order[-order.size // 100 :].tolist())
+    uniforms = [0.0001, 0.5, 0.9999]
+    states = states_for(state.params, vocab, n=len(uniforms))
+    for row_state, u in zip(states, uniforms):
+        row_state.rng = FixedUniforms([u])
+    rows = np.repeat(lm_rows[:1], len(uniforms), axis=0)
+    for choice, u in zip(choose_tokens(rows, states), uniforms):
+        assert choice.token in plausible_tokens(order, probs, u)
+    assert choice.token in set(order[-order.size // 100 :].tolist())
 
 
 @pytest.mark.parametrize(
