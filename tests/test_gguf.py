@@ -455,10 +455,6 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
             spec_from_gguf(model)
 
 
-@pytest.mark.xfail(
-    reason="arch.py compares metadata without checking its kind (see the gguf report)",
-    raises=ValueError,
-)
 @pytest.mark.parametrize(
     "key, value",
     [("general.architecture", np.array([1, 2])), ("llama.attention.value_length", np.ones(2))],

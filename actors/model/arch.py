@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,8 +80,15 @@ def _int(
 
 def _float(meta: dict[str, Any], key: str, path: object, default: float) -> float:
     value = meta.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ModelFormatError(f"{path}: metadata {key!r} = {value!r} is not a positive number")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not value > 0
+        or not math.isfinite(value)
+    ):
+        raise ModelFormatError(
+            f"{path}: metadata {key!r} = {value!r} is not a finite positive number"
+        )
     return float(value)
 
 
@@ -93,6 +101,8 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
     meta = gguf.metadata
     path = gguf.path
     arch = gguf.require("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFormatError(f"{path}: metadata 'general.architecture' is not a string")
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
             f"{path}: architecture {arch!r} is not supported (supported: "
@@ -105,15 +115,20 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         raise ModelFormatError(
             f"{path}: {n_heads} attention heads do not divide into {n_kv_heads} KV heads"
         )
+    if d_model < n_heads and f"{arch}.attention.key_length" not in meta:
+        raise ModelFormatError(
+            f"{path}: {arch}.embedding_length {d_model} is smaller than the head count "
+            f"{n_heads} and no {arch}.attention.key_length gives the head size"
+        )
     head_dim = _int(meta, f"{arch}.attention.key_length", path, 1, MAX_WIDTH, d_model // n_heads)
-    value_dim = meta.get(f"{arch}.attention.value_length", head_dim)
+    value_dim = _int(meta, f"{arch}.attention.value_length", path, 1, MAX_WIDTH, head_dim)
     if value_dim != head_dim:
         raise UnsupportedModelError(
             f"{path}: key length {head_dim} differs from value length {value_dim}"
         )
     rope_dim = _int(meta, f"{arch}.rope.dimension_count", path, 2, head_dim, head_dim)
     vocab_size = gguf.tensor("token_embd.weight").shape[0]
-    declared_vocab = meta.get(f"{arch}.vocab_size", vocab_size)
+    declared_vocab = _int(meta, f"{arch}.vocab_size", path, 1, 1 << 31, vocab_size)
     if declared_vocab != vocab_size:
         raise ModelFormatError(
             f"{path}: {arch}.vocab_size = {declared_vocab} but token_embd.weight has "
