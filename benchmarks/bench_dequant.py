@@ -1,8 +1,9 @@
 """Dequantization throughput: actors.model.quants.dequantize against gguf.quants.dequantize.
 
-Runs both on the same whole tensors of the default model (gemma3-270m: Q4_K, Q6_K, Q5_0, Q8_0)
-and SmolLM2 (Q4_1, Q8_0), checks they agree bit for bit, and prints elements per second and the
-speed ratio per type. Best of `--repeat` interleaved rounds, to damp noise from other work on the machine.
+Runs both on the same whole tensors of the default model (gemma3-270m: Q4_K, Q6_K, Q5_0,
+Q8_0) and SmolLM2 (Q4_1, Q8_0), checks they agree bit for bit, and prints elements per second
+and the speed ratio per type. Best of `--repeat` interleaved rounds, to damp noise from other
+work on the machine.
 
     python benchmarks/bench_dequant.py [--repeat 5] [--types Q4_K Q6_K]
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,42 +42,46 @@ def best_seconds(runs: dict[str, Callable[[], object]], repeat: int) -> dict[str
     return best
 
 
+def measure(tensors: list[tuple[np.ndarray, TensorInfo]], type_name: str, repeat: int) -> str:
+    qtype = GGMLQuantizationType[type_name]
+
+    def ours() -> None:
+        for raw, info in tensors:
+            dequantize(raw, type_name, info.shape)
+
+    def theirs() -> None:
+        for raw, _ in tensors:
+            gguf_quants.dequantize(np.asarray(raw), qtype)
+
+    for raw, info in tensors:  # warms the page cache, and checks agreement once
+        expected = gguf_quants.dequantize(np.asarray(raw), qtype).reshape(info.shape)
+        got = dequantize(raw, type_name, info.shape)
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), info.name
+    seconds = best_seconds({"ours": ours, "gguf": theirs}, repeat)
+    n = sum(info.n_elements for _, info in tensors)
+    return (
+        f"{type_name:6} {len(tensors):7d} {n / 1e6:8.1f} {n / seconds['ours'] / 1e6:13.0f} "
+        f"{n / seconds['gguf'] / 1e6:13.0f} {seconds['gguf'] / seconds['ours']:6.2f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--types", nargs="*", default=["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
     args = parser.parse_args()
 
-    by_type: dict[str, list[tuple[object, TensorInfo]]] = defaultdict(list)
-    for path in (default_model_path(), smollm2_path()):
-        gguf_file = open_gguf(path)
-        for info in gguf_file.tensors.values():
-            if info.type_name in args.types:
-                by_type[info.type_name].append((gguf_file, info))
-
-    print(f"{'type':6} {'tensors':>7} {'Melem':>8} {'ours Melem/s':>13} {'gguf Melem/s':>13} {'ratio':>6}")
+    files = [open_gguf(default_model_path()), open_gguf(smollm2_path())]
+    print(f"{'type':6} {'tensors':>7} {'Melem':>8} {'ours Melem/s':>13} {'gguf Melem/s':>13} ratio")
     for type_name in args.types:
-        tensors = [(f.raw(info.name), info) for f, info in by_type[type_name]]
-        if not tensors:
-            continue
-        n_elements = sum(info.n_elements for _, info in tensors)
-        qtype = GGMLQuantizationType[type_name]
-        for raw, info in tensors:  # warm the page cache and check agreement once
-            ours = dequantize(raw, type_name, info.shape)
-            theirs = gguf_quants.dequantize(np.asarray(raw), qtype).reshape(info.shape)
-            assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), info.name
-        seconds = best_seconds(
-            {
-                "ours": lambda: [dequantize(raw, type_name, info.shape) for raw, info in tensors],
-                "gguf": lambda: [gguf_quants.dequantize(np.asarray(raw), qtype) for raw, _ in tensors],
-            },
-            args.repeat,
-        )
-        ours_s, gguf_s = seconds["ours"], seconds["gguf"]
-        print(
-            f"{type_name:6} {len(tensors):7d} {n_elements / 1e6:8.1f} {n_elements / ours_s / 1e6:13.0f}"
-            f" {n_elements / gguf_s / 1e6:13.0f} {gguf_s / ours_s:6.2f}"
-        )
+        tensors = [
+            (gguf_file.raw(info.name), info)
+            for gguf_file in files
+            for info in gguf_file.tensors.values()
+            if info.type_name == type_name
+        ]
+        if tensors:
+            print(measure(tensors, type_name, args.repeat))
 
 
 if __name__ == "__main__":

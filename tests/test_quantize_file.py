@@ -29,7 +29,8 @@ def _write_f32_copy(source: Path, destination: Path) -> None:
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
     writer.add_file_type(0)
     for info in gguf_file.tensors.values():
-        writer.add_tensor(info.name, dequantize(gguf_file.raw(info.name), info.type_name, info.shape))
+        values = dequantize(gguf_file.raw(info.name), info.type_name, info.shape)
+        writer.add_tensor(info.name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -48,7 +49,9 @@ def f32_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def q4_k_m_models(f32_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def q4_k_m_models(
+    f32_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("q4_k_m_models")
     out = {}
     for name, path in f32_models.items():
@@ -112,7 +115,11 @@ def test_quantized_tensors_stay_close_to_the_originals(
     ],
 )
 def test_other_recipes(
-    recipe: str, file_type: int, expected_types: set[str], f32_models: dict[str, Path], tmp_path: Path
+    recipe: str,
+    file_type: int,
+    expected_types: set[str],
+    f32_models: dict[str, Path],
+    tmp_path: Path,
 ) -> None:
     output = tmp_path / f"{recipe}.gguf"
     mix = quantize_file(f32_models["llama-q4k-tiny"], output, recipe)
@@ -215,7 +222,8 @@ def test_cli_writes_the_file_and_a_summary(
     q4k, f32_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     output = tmp_path / "out.gguf"
-    assert q4k(["quantize", str(f32_models["qwen2-q4k-tiny"]), str(output), "--type", "q4_k_m"]) == 0
+    source = str(f32_models["qwen2-q4k-tiny"])
+    assert q4k(["quantize", source, str(output), "--type", "q4_k_m"]) == 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Q4_K_M" in err and "Q6_K" in err  # no bar off a terminal
     assert GGUFReader(output).fields["general.file_type"].contents() == 15
@@ -231,10 +239,8 @@ def test_cli_writes_the_file_and_a_summary(
 def test_cli_bad_input_is_one_line(
     q4k, args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = [
-        str(TINY_MODELS["llama-q4k-tiny"]) if a == "MODEL" else str(tmp_path / "o.gguf") if a == "OUT" else a
-        for a in args
-    ]
+    names = {"MODEL": str(TINY_MODELS["llama-q4k-tiny"]), "OUT": str(tmp_path / "o.gguf")}
+    args = [names.get(arg, arg) for arg in args]
     assert q4k(["quantize", *args]) != 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err

@@ -141,7 +141,9 @@ def _encode(values: np.ndarray, target: str) -> np.ndarray:
     raise UnsupportedModelError(f"cannot write tensors of type {target}")
 
 
-def _metadata_fields(reader: GGUFReader) -> Iterable[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
+def _metadata_fields(
+    reader: GGUFReader,
+) -> Iterable[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
     """(key, value, type, item type) of each metadata entry worth copying."""
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key in _KEYS_NOT_COPIED:

@@ -6,9 +6,9 @@ intermediate uint8 arrays and the float32 output chunk to stay in cache, so each
 is written to memory once.
 
 `quantize` reproduces llama.cpp's reference quantizers (ggml-quants.c, no importance matrix)
-for Q4_K, Q6_K, Q8_0 and Q5_0 byte for byte. llama.cpp accumulates sums in float32, one element
-after the other, so the quantizers loop over the (16 or 32) positions inside a block, each step
-vectorized over all blocks, and keep every intermediate in float32.
+for Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 and Q5_1 byte for byte. llama.cpp accumulates sums in
+float32, one element after the other, so the quantizers loop over the (16 or 32) positions
+inside a block, each step vectorized over all blocks, and keep every intermediate in float32.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ F32 = np.float32
 CHUNK_ELEMENTS = 1 << 16
 # llama.cpp's GROUP_MAX_EPS: a group whose largest magnitude is below this quantizes to zeros.
 GROUP_MAX_EPS = F32(1e-15)
-
 
 
 @dataclass(frozen=True)
@@ -100,6 +99,10 @@ def _fill_q5(blocks: np.ndarray, dest: np.ndarray, start: int, offset: int) -> N
     levels = _nibbles(blocks[:, start + 4 :]).reshape(-1, 32)
     levels |= _fifth_bits(blocks, start) << 4
     _fill_levels(dest, levels, offset)
+
+
+def _fill_q8_0(blocks: np.ndarray, dest: np.ndarray) -> None:
+    np.copyto(dest[:, 0], blocks[:, 2:].view(np.int8))
 
 
 def _params_d(blocks: np.ndarray) -> tuple[np.ndarray, None]:
@@ -196,7 +199,7 @@ FORMATS: dict[str, BlockFormat] = {
     "Q4_1": BlockFormat(32, 20, 1, _params_d_m, lambda b, d: _fill_q4(b, d, 4, 0)),
     "Q5_0": BlockFormat(32, 22, 1, _params_d, lambda b, d: _fill_q5(b, d, 2, 16)),
     "Q5_1": BlockFormat(32, 24, 1, _params_d_m, lambda b, d: _fill_q5(b, d, 4, 0)),
-    "Q8_0": BlockFormat(32, 34, 1, _params_d, lambda b, d: np.copyto(d[:, 0], b[:, 2:].view(np.int8))),
+    "Q8_0": BlockFormat(32, 34, 1, _params_d, _fill_q8_0),
     "Q4_K": BlockFormat(QK_K, 144, 8, _params_k, _fill_q4_k),
     "Q5_K": BlockFormat(QK_K, 176, 8, _params_k, _fill_q5_k),
     "Q6_K": BlockFormat(QK_K, 210, 16, _params_q6_k, _fill_q6_k),
