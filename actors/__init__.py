@@ -20,6 +20,10 @@ from actors.errors import (
 _LAZY = {
     "load_model": "actors.model.loaded",
     "Model": "actors.model.loaded",
+    "Engine": "actors.engine",
+    "SamplingParams": "actors.params",
+    "Completion": "actors.messages",
+    "Chunk": "actors.messages",
 }
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -44,7 +46,33 @@ def configure_logging(
     """Send the package's logs to `destination` (a path, appended to; an open text stream; or
     None for stderr) from `level` up. `as_json=None` picks JSON lines unless the stream is a
     terminal."""
-    global _destination
+    previous = _swap_destination(_open_destination(level, destination, as_json))
+    if previous.owns_stream:
+        previous.stream.close()
+
+
+@contextmanager
+def logging_to(
+    level: str = "info",
+    destination: str | os.PathLike[str] | TextIO | None = None,
+    *,
+    as_json: bool | None = None,
+) -> Iterator[None]:
+    """`configure_logging` for the duration of a block (an engine's life), then back to the
+    previous destination; a file opened here is closed, so no handle outlives the block."""
+    ours = _open_destination(level, destination, as_json)
+    previous = _swap_destination(ours)
+    try:
+        yield
+    finally:
+        _swap_destination(previous)
+        if ours.owns_stream:
+            ours.stream.close()
+
+
+def _open_destination(
+    level: str, destination: str | os.PathLike[str] | TextIO | None, as_json: bool | None
+) -> _Destination:
     if level not in LEVELS:
         from actors.errors import InvalidRequest
 
@@ -59,11 +87,14 @@ def configure_logging(
         stream = destination if destination is not None else sys.stderr
     if as_json is None:
         as_json = not stream.isatty()
+    return _Destination(stream, LEVELS[level], as_json, owns_stream)
+
+
+def _swap_destination(new: _Destination) -> _Destination:
+    global _destination
     with _lock:
-        previous = _destination
-        _destination = _Destination(stream, LEVELS[level], as_json, owns_stream)
-    if previous.owns_stream:
-        previous.stream.close()
+        previous, _destination = _destination, new
+    return previous
 
 
 def _drop_below_level(_logger: WrappedLogger, method: str, event: EventDict) -> EventDict:

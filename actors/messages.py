@@ -1,0 +1,101 @@
+"""The messages sessions and the scheduler exchange, and the results callers receive."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+# --- session -> scheduler -------------------------------------------------------------------
+
+
+class OpenSequence(msgspec.Struct, frozen=True, kw_only=True):
+    """A new sequence; the scheduler answers its advances on `reply` (capacity 1)."""
+
+    seq_id: int
+    request_id: str
+    sampler: Any  # actors.sampler.SequenceSampling: token history and seeded generator
+    reply: Any  # MemoryObjectSendStream[TokenReady | SequenceFailed]
+
+
+class Advance(msgspec.Struct, frozen=True, kw_only=True):
+    """Append `tokens` to the sequence and choose the token after them."""
+
+    seq_id: int
+    tokens: tuple[int, ...]
+
+
+class CloseSequence(msgspec.Struct, frozen=True, kw_only=True):
+    """The session is over: drop the sequence from every later step and free its blocks."""
+
+    seq_id: int
+
+
+# --- scheduler -> session -------------------------------------------------------------------
+
+
+class TokenReady(msgspec.Struct, frozen=True, kw_only=True):
+    """The chosen next token; `cached_tokens` is how much of the prompt came from the cache."""
+
+    token: int
+    logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...] | None
+    cached_tokens: int
+
+
+class SequenceFailed(msgspec.Struct, frozen=True, kw_only=True):
+    """The forward failed again on replay; the session raises ComputeError."""
+
+    error: str
+
+
+# --- results for the caller -----------------------------------------------------------------
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    ttft_ms: float
+    total_ms: float
+    decode_tokens_per_s: float
+
+
+class Chunk(msgspec.Struct, frozen=True, kw_only=True):
+    """One generated token and the text it completes (may be empty while text is held back,
+    e.g. half a UTF-8 character or the start of a possible stop string). The last chunk has
+    `finish_reason`, `usage` and `timings` set; its `token_id` is None when it only flushes."""
+
+    text: str
+    token_id: int | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    """A whole generation: what `Engine.complete` returns."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of the engine's load."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    steps: int
+    tokens: int

@@ -1,0 +1,346 @@
+"""The scheduler actor: continuous batching over the KV block pool.
+
+It owns every sequence's bookkeeping (tokens, how many positions its KV holds, its block
+table) and turns the advances sessions ask for into one `RunStep` at a time: decode items
+first, then prefill chunks under a token budget. After a step it hands each sequence its token
+and briefly gathers the next advances, so N decoding sequences ride in ~N-item steps instead of
+fragmenting into many small ones; a sequence whose caller is slow simply misses steps.
+
+The compute contract lives here: a forward resumes exactly at what a sequence's KV holds; a
+failed step leaves every sequence in it holding nothing, to be replayed once from scratch, and
+a second failure in a row fails that sequence alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from actors.compute.protocol import ForwardItem, RunStep, Shutdown, StepDone, StepFailed
+from actors.kv_blocks import ROOT_HASH, BlockPool, chain_hashes
+from actors.logs import get_logger
+from actors.messages import (
+    Advance,
+    CloseSequence,
+    OpenSequence,
+    SequenceFailed,
+    TokenReady,
+)
+
+# How long the scheduler keeps waiting for sequences that just got a token to ask for the next
+# one, measured from the last one that did; past it, the stragglers miss this step. Generous
+# next to the microseconds a consumer needs, tiny next to a forward pass.
+GATHER_IDLE_S = 0.002
+# A sequence whose steps fail this many times in a row is failed with ComputeError.
+MAX_STEP_FAILURES = 2
+
+
+@dataclass(eq=False)
+class _Sequence:
+    seq_id: int
+    request_id: str
+    sampler: Any
+    reply: MemoryObjectSendStream[TokenReady | SequenceFailed]
+    order: int
+    tokens: list[int] = field(default_factory=list)
+    # KV positions [0, held) are computed and valid.
+    held: int = 0
+    blocks: list[int] = field(default_factory=list)
+    # Hash chain over the full blocks of `tokens` computed so far.
+    hashes: list[bytes] = field(default_factory=list)
+    pending: bool = False
+    cached_tokens: int = 0
+    admitted: bool = False
+    failures: int = 0
+
+
+def _blocks_for(positions: int, block_size: int) -> int:
+    return -(-positions // block_size)
+
+
+class Scheduler:
+    """Admits sequences, builds steps, sends them to the compute actor, routes the tokens."""
+
+    def __init__(
+        self,
+        *,
+        pool: BlockPool,
+        max_sequences: int,
+        prefill_chunk: int,
+        inbox: MemoryObjectReceiveStream[OpenSequence | Advance | CloseSequence],
+        compute_inbox: MemoryObjectSendStream[RunStep | Shutdown],
+        compute_outbox: MemoryObjectReceiveStream[StepDone | StepFailed],
+    ) -> None:
+        self.pool = pool
+        self._max_sequences = max_sequences
+        self._prefill_chunk = prefill_chunk
+        self._inbox = inbox
+        self._compute_inbox = compute_inbox
+        self._compute_outbox = compute_outbox
+        self._sequences: dict[int, _Sequence] = {}
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        # Sequences that got a token and have not asked for the next one (or closed) yet.
+        self._outstanding: set[int] = set()
+        self._orders = 0
+        self.steps = 0
+        self.tokens = 0
+        self._log = get_logger("actors.scheduler")
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    async def run(self) -> None:
+        """The actor task: until the inbox closes or the compute actor goes away."""
+        try:
+            with self._inbox, self._compute_outbox:
+                while True:
+                    self._drain()
+                    await self._gather_outstanding()
+                    step = self._build_step()
+                    if step is None:
+                        self._handle(await self._inbox.receive())
+                        continue
+                    self._apply(step, *await self._run_step(step))
+        except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+        finally:
+            # Sessions still waiting learn that the engine is gone (they raise EngineClosed).
+            for seq in self._sequences.values():
+                seq.reply.close()
+            try:
+                self._compute_inbox.send_nowait(Shutdown())
+            except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass  # closing the inbox below ends the compute thread just the same
+            self._compute_inbox.close()
+
+    # --- messages -------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                message = self._inbox.receive_nowait()
+            except anyio.WouldBlock:
+                return
+            self._handle(message)
+
+    def _handle(self, message: OpenSequence | Advance | CloseSequence) -> None:
+        if isinstance(message, OpenSequence):
+            self._orders += 1
+            seq = _Sequence(
+                seq_id=message.seq_id,
+                request_id=message.request_id,
+                sampler=message.sampler,
+                reply=message.reply,
+                order=self._orders,
+            )
+            self._sequences[seq.seq_id] = seq
+            self._waiting.append(seq)
+            return
+        self._outstanding.discard(message.seq_id)
+        seq = self._sequences.get(message.seq_id)
+        if seq is None:
+            return
+        if isinstance(message, Advance):
+            seq.tokens.extend(message.tokens)
+            seq.pending = True
+            return
+        del self._sequences[seq.seq_id]
+        if seq in self._running:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self._drop_blocks(seq)
+        seq.reply.close()
+
+    async def _gather_outstanding(self) -> None:
+        """Let the sequences that just got a token ask for the next one before the step."""
+        idle_since = time.monotonic()
+        while self._outstanding and time.monotonic() - idle_since < GATHER_IDLE_S:
+            await anyio.sleep(0)
+            before = len(self._outstanding)
+            self._drain()
+            if len(self._outstanding) < before:
+                idle_since = time.monotonic()
+        self._outstanding.clear()
+
+    # --- building a step ------------------------------------------------------------------
+
+    def _build_step(self) -> RunStep | None:
+        self._admit()
+        items: list[ForwardItem] = []
+        in_step: set[int] = set()
+        pending = [seq for seq in self._running if seq.pending]
+        decoding = [seq for seq in pending if len(seq.tokens) - seq.held == 1]
+        prefilling = [seq for seq in pending if len(seq.tokens) - seq.held > 1]
+        for seq in decoding:
+            # An earlier reservation in this loop may have preempted it.
+            if seq in self._running and self._reserve(seq, len(seq.tokens), in_step):
+                items.append(self._item(seq, len(seq.tokens)))
+                in_step.add(seq.seq_id)
+        budget = max(self._prefill_chunk - len(items), self.pool.block_size)
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            end = min(len(seq.tokens), seq.held + budget)
+            if seq not in self._running or not self._reserve(seq, end, in_step):
+                continue
+            items.append(self._item(seq, end))
+            in_step.add(seq.seq_id)
+            budget -= end - seq.held
+        if not items:
+            return None
+        samplers = [self._sequences[item.seq_id].sampler for item in items if item.want_logits]
+        self.steps += 1
+        return RunStep(step_id=self.steps, items=tuple(items), samplers=tuple(samplers))
+
+    def _item(self, seq: _Sequence, end: int) -> ForwardItem:
+        return ForwardItem(
+            seq_id=seq.seq_id,
+            tokens=tuple(seq.tokens[seq.held : end]),
+            start=seq.held,
+            blocks=tuple(seq.blocks[: _blocks_for(end, self.pool.block_size)]),
+            want_logits=end == len(seq.tokens),
+        )
+
+    def _admit(self) -> None:
+        """Move waiting sequences (first come, first served) into the running set while there
+        is room, reusing the cached blocks of their longest known prefix."""
+        block_size = self.pool.block_size
+        # A sequence that waits for its caller (no advance pending) lets later ones go first.
+        for seq in [seq for seq in self._waiting if seq.pending]:
+            if len(self._running) >= self._max_sequences:
+                return
+            self._extend_hashes(seq, len(seq.tokens))
+            # Keep at least the last token to compute, so there are logits to sample from.
+            reusable = seq.hashes[: (len(seq.tokens) - 1) // block_size]
+            matched = self.pool.match_prefix(reusable)
+            first_chunk_end = min(len(seq.tokens), len(matched) * block_size + self._prefill_chunk)
+            if self.pool.available < _blocks_for(first_chunk_end, block_size) - len(matched):
+                self.pool.release(matched)
+                return
+            self._waiting.remove(seq)
+            seq.blocks = matched
+            seq.held = len(matched) * block_size
+            if not seq.admitted:
+                seq.admitted = True
+                seq.cached_tokens = seq.held
+            self._running.append(seq)
+
+    def _reserve(self, seq: _Sequence, end: int, in_step: set[int]) -> bool:
+        """Make `seq`'s block table cover positions [0, end), preempting the newest other
+        sequence not in this step while blocks run short. False: `seq` waits this step."""
+        needed = _blocks_for(end, self.pool.block_size) - len(seq.blocks)
+        while needed > 0:
+            blocks = self.pool.allocate(needed)
+            if blocks is not None:
+                seq.blocks.extend(blocks)
+                return True
+            victims = [s for s in self._running if s is not seq and s.seq_id not in in_step]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=lambda s: s.order))
+        return True
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Free a sequence's blocks and queue it again at the front; it is recomputed (reusing
+        whatever prefix is still cached) when readmitted."""
+        self._running.remove(seq)
+        self._drop_blocks(seq)
+        self._waiting.appendleft(seq)
+        self._log.info("notice", message=f"preempted sequence {seq.seq_id}: KV blocks ran out")
+
+    def _drop_blocks(self, seq: _Sequence) -> None:
+        self.pool.release(seq.blocks)
+        seq.blocks = []
+        seq.held = 0
+
+    def _extend_hashes(self, seq: _Sequence, positions: int) -> None:
+        """Extend the sequence's hash chain over the full blocks of its first `positions`."""
+        block_size = self.pool.block_size
+        done = len(seq.hashes) * block_size
+        full = positions // block_size * block_size
+        if full > done:
+            parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
+            seq.hashes.extend(chain_hashes(seq.tokens[done:full], block_size, parent))
+
+    # --- running it -----------------------------------------------------------------------
+
+    async def _run_step(self, step: RunStep) -> tuple[StepDone | StepFailed, float]:
+        started = time.perf_counter()
+        await self._compute_inbox.send(step)
+        result = await self._compute_outbox.receive()
+        return result, (time.perf_counter() - started) * 1000.0
+
+    def _apply(self, step: RunStep, result: StepDone | StepFailed, ms: float) -> None:
+        n_tokens = sum(len(item.tokens) for item in step.items)
+        decode_items = sum(1 for item in step.items if len(item.tokens) == 1)
+        self.tokens += n_tokens
+        self._log.debug(
+            "step",
+            step=step.step_id,
+            items=len(step.items),
+            decode_items=decode_items,
+            prefill_items=len(step.items) - decode_items,
+            tokens=n_tokens,
+            ms=round(ms, 3),
+        )
+        sequences = [self._sequences[item.seq_id] for item in step.items]
+        if isinstance(result, StepFailed):
+            self._fail(sequences, result.error)
+            return
+        choices = iter(result.choices)
+        for seq, item in zip(sequences, step.items):
+            seq.held = item.start + len(item.tokens)
+            seq.failures = 0
+            self._publish_full_blocks(seq, item.start)
+            if not item.want_logits:
+                continue
+            choice = next(choices)
+            seq.pending = False
+            self._outstanding.add(seq.seq_id)
+            self._reply(
+                seq,
+                TokenReady(
+                    token=choice.token,
+                    logprob=choice.logprob,
+                    top_logprobs=choice.top_logprobs,
+                    cached_tokens=seq.cached_tokens,
+                ),
+            )
+
+    def _publish_full_blocks(self, seq: _Sequence, start: int) -> None:
+        """Name the blocks this step filled, so later sequences can reuse them."""
+        block_size = self.pool.block_size
+        self._extend_hashes(seq, seq.held)
+        for index in range(start // block_size, seq.held // block_size):
+            self.pool.publish(seq.blocks[index], seq.hashes[index])
+
+    def _fail(self, sequences: Iterable[_Sequence], error: str) -> None:
+        """A failed step: every sequence in it holds nothing now; each replays from scratch on
+        the next step, unless this was already its replay."""
+        self._log.warning("notice", message=f"compute step failed: {error}")
+        for seq in sequences:
+            self._drop_blocks(seq)
+            seq.failures += 1
+            if seq.failures >= MAX_STEP_FAILURES:
+                seq.pending = False
+                self._reply(seq, SequenceFailed(error=error))
+
+    @staticmethod
+    def _reply(seq: _Sequence, message: TokenReady | SequenceFailed) -> None:
+        try:
+            seq.reply.send_nowait(message)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the session is gone; its CloseSequence is on the way

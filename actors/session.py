@@ -1,0 +1,263 @@
+"""One request's logic: admission, the token loop, stops, budget and streaming text.
+
+A session is an async generator running in the caller's task, so cancelling the caller (or
+closing / dropping the iterator) cancels the session. It is pull-based: it asks the scheduler
+for the next token only after the caller took the last chunk, so a slow consumer parks only its
+own sequence. Its `finally` is synchronous (non-blocking sends into an inbox sized so they never
+block), so it runs the same whether the request ends, is cancelled, or is garbage-collected.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from actors.errors import ComputeError, EngineClosed, EngineOverloaded
+from actors.logs import get_logger
+from actors.messages import (
+    Advance,
+    Chunk,
+    CloseSequence,
+    OpenSequence,
+    SequenceFailed,
+    Timings,
+    TokenReady,
+    Usage,
+)
+from actors.params import SamplingParams
+from actors.sampler import SequenceSampling
+
+_seq_ids = itertools.count(1)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class Admission:
+    """Counts live requests against the engine's limits (running + queued)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.live = 0
+
+    def check(self) -> None:
+        """Raise EngineOverloaded if no other request can be taken now."""
+        if self.live >= self.limit:
+            raise EngineOverloaded(
+                f"{self.live} requests are already running or queued (the limit is "
+                f"max_sequences + max_queued = {self.limit}); retry later or raise the limits"
+            )
+
+    def enter(self) -> None:
+        self.check()
+        self.live += 1
+
+    def leave(self) -> None:
+        self.live -= 1
+
+
+class StopText:
+    """Holds back generated text that could still turn into a stop string, so text is never
+    emitted and then taken back."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stop for stop in stops if stop)
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit now, whether a stop string was found). After a
+        stop string, the text from it on is dropped."""
+        held = self._held + text
+        hits = [index for index in (held.find(stop) for stop in self._stops) if index >= 0]
+        if hits:
+            self._held = ""
+            return held[: min(hits)], True
+        keep = self._longest_stop_prefix_suffix(held)
+        self._held = held[len(held) - keep :]
+        return held[: len(held) - keep], False
+
+    def flush(self) -> str:
+        """The held text, once no more tokens will come."""
+        held, self._held = self._held, ""
+        return held
+
+    def _longest_stop_prefix_suffix(self, text: str) -> int:
+        longest = 0
+        for stop in self._stops:
+            for length in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest
+
+
+class Session:
+    """Everything one request needs; `stream()` is the async iterator the caller gets."""
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        context_length: int,
+        tokenizer: Any,
+        vocab_size: int,
+        scheduler_inbox: MemoryObjectSendStream[Any],
+        admission: Admission,
+    ) -> None:
+        self.request_id = request_id
+        self._prompt_ids = tuple(prompt_ids)
+        self._params = params
+        self._budget = min(params.max_tokens, context_length - len(prompt_ids))
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._inbox = scheduler_inbox
+        self._admission = admission
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= tokenizer.stop_ids
+        self._stop_ids = frozenset(stop_ids)
+        self._log = get_logger("actors.session", request_id=request_id)
+
+    async def stream(self) -> AsyncIterator[Chunk]:
+        try:
+            self._admission.enter()
+        except EngineOverloaded as exc:
+            self._log.warning("request_rejected", reason="overloaded", error=str(exc))
+            raise
+        seq_id = next(_seq_ids)
+        started = time.perf_counter()
+        reply_send, reply_receive = anyio.create_memory_object_stream[TokenReady | SequenceFailed](1)
+        sampler = SequenceSampling(self._params, self._prompt_ids, self._vocab_size)
+        decoder = self._tokenizer.incremental_decoder()
+        stop_text = StopText(self._params.stop)
+        token_ids: list[int] = []
+        first_token_at: float | None = None
+        ended = False
+        try:
+            with reply_receive:
+                self._send(
+                    OpenSequence(
+                        seq_id=seq_id, request_id=self.request_id, sampler=sampler, reply=reply_send
+                    )
+                )
+                self._send(Advance(seq_id=seq_id, tokens=self._prompt_ids))
+                self._log.info(
+                    "request_admitted",
+                    prompt_tokens=len(self._prompt_ids),
+                    max_tokens=self._params.max_tokens,
+                )
+                while True:
+                    message = await self._receive(reply_receive)
+                    now = time.perf_counter()
+                    if first_token_at is None:
+                        first_token_at = now
+                        cached_tokens = message.cached_tokens
+                        self._log.info(
+                            "prefill_finished",
+                            prompt_tokens=len(self._prompt_ids),
+                            cached_tokens=cached_tokens,
+                            ms=_ms(now - started),
+                        )
+                    token = message.token
+                    if token in self._stop_ids:
+                        text, finish = stop_text.push(decoder.flush())[0] + stop_text.flush(), "stop"
+                        token_out: int | None = None
+                    else:
+                        token_ids.append(token)
+                        token_out = token
+                        text, hit = stop_text.push(decoder.push(token))
+                        finish = "stop" if hit else None
+                        if finish is None and len(token_ids) >= self._budget:
+                            finish = "length" if self._budget == self._params.max_tokens else "context"
+                            tail, hit = stop_text.push(decoder.flush())
+                            text += tail if hit else tail + stop_text.flush()
+                    if finish is None:
+                        yield Chunk(
+                            text=text,
+                            token_id=token_out,
+                            logprob=message.logprob,
+                            top_logprobs=message.top_logprobs,
+                        )
+                        self._send(Advance(seq_id=seq_id, tokens=(token,)))
+                        continue
+                    usage = Usage(
+                        prompt_tokens=len(self._prompt_ids),
+                        completion_tokens=len(token_ids),
+                        cached_tokens=cached_tokens,
+                    )
+                    timings = _timings(started, first_token_at, now, len(token_ids))
+                    self._log.info(
+                        "request_finished",
+                        finish_reason=finish,
+                        prompt_tokens=usage.prompt_tokens,
+                        completion_tokens=usage.completion_tokens,
+                        ttft_ms=timings.ttft_ms,
+                        decode_tokens_per_s=timings.decode_tokens_per_s,
+                        total_ms=timings.total_ms,
+                    )
+                    ended = True
+                    yield Chunk(
+                        text=text,
+                        token_id=token_out,
+                        logprob=message.logprob if token_out is not None else None,
+                        top_logprobs=message.top_logprobs if token_out is not None else None,
+                        finish_reason=finish,
+                        usage=usage,
+                        timings=timings,
+                    )
+                    return
+        except (ComputeError, EngineClosed) as exc:
+            ended = True
+            self._log.error("request_failed", error=str(exc))
+            raise
+        finally:
+            try:
+                self._inbox.send_nowait(CloseSequence(seq_id=seq_id))
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass  # the scheduler is gone, and its bookkeeping with it
+            self._admission.leave()
+            if not ended:
+                self._log.info(
+                    "request_cancelled",
+                    completion_tokens=len(token_ids),
+                    total_ms=_ms(time.perf_counter() - started),
+                )
+
+    def _send(self, message: OpenSequence | Advance) -> None:
+        # Never blocks: the inbox has room for every live request's messages.
+        try:
+            self._inbox.send_nowait(message)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            raise EngineClosed("the engine closed while this request was running") from None
+
+    @staticmethod
+    async def _receive(reply: Any) -> TokenReady:
+        try:
+            message = await reply.receive()
+        except anyio.EndOfStream:
+            raise EngineClosed("the engine closed while this request was running") from None
+        if isinstance(message, SequenceFailed):
+            raise ComputeError(f"the forward pass failed twice for this request: {message.error}")
+        return message
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+def _timings(started: float, first_token_at: float, finished: float, tokens: int) -> Timings:
+    decode_s = finished - first_token_at
+    return Timings(
+        ttft_ms=_ms(first_token_at - started),
+        total_ms=_ms(finished - started),
+        decode_tokens_per_s=round((tokens - 1) / decode_s, 3) if tokens > 1 and decode_s > 0 else 0.0,
+    )

@@ -1,0 +1,523 @@
+"""The engine's control flow with a counting fake compute backend (no model, fast).
+
+The fake is what the real backends are tested against for bookkeeping: it keeps a per-block
+record of the tokens written at each position, and its "logits" pick a token that is a
+function of everything the sequence's block table says the KV holds. So a wrong block table,
+a bad prefix reuse or a lost position changes the output, exactly as it would with a model.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import anyio
+import numpy as np
+import pytest
+
+from actors import EngineClosed, EngineOverloaded, InvalidRequest
+from actors.compute.protocol import ComputeInfo, ForwardItem
+from actors.engine import Engine
+from actors.errors import ComputeError, ContextLengthExceeded
+from actors.params import SamplingParams
+
+VOCAB = 64
+EOS = 1
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+class CountingBackend:
+    """Counts forward passes and records what every step carried."""
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int = 512,
+        block_size: int = 4,
+        context_length: int = 256,
+        step_seconds: float = 0.0,
+        fail_when: Callable[[Sequence[ForwardItem]], bool] | None = None,
+    ) -> None:
+        self.info = ComputeInfo(
+            arch="fake",
+            on_gpu=False,
+            context_length=context_length,
+            vocab_size=VOCAB,
+            num_blocks=num_blocks,
+            block_size=block_size,
+        )
+        self.kv = np.full((num_blocks, block_size), -1, dtype=np.int64)
+        self.steps: list[tuple[ForwardItem, ...]] = []
+        self.failed_steps: list[tuple[ForwardItem, ...]] = []
+        self.closed = False
+        self._step_seconds = step_seconds
+        self._fail_when = fail_when
+
+    def forward(self, items: Sequence[ForwardItem]) -> np.ndarray:
+        if self._step_seconds:
+            time.sleep(self._step_seconds)
+        if self._fail_when is not None and self._fail_when(items):
+            self.failed_steps.append(tuple(items))
+            raise RuntimeError("injected failure")
+        self.steps.append(tuple(items))
+        size = self.info.block_size
+        rows = []
+        for item in items:
+            positions = np.arange(item.start, item.start + len(item.tokens))
+            table = np.asarray(item.blocks)
+            held = self.kv[table[: -(-item.start // size)]].reshape(-1)[: item.start]
+            assert (held >= 0).all(), "a step resumed past what the KV holds"
+            self.kv[table[positions // size], positions % size] = item.tokens
+            if item.want_logits:
+                end = item.start + len(item.tokens)
+                rows.append(self.kv[table].reshape(-1)[:end])
+        logits = np.zeros((len(rows), VOCAB), dtype=np.float32)
+        for row, seen in zip(logits, rows):
+            row[next_token(seen)] = 1.0
+        return logits
+
+    def close(self) -> None:
+        self.closed = True
+
+    def passes_of(self, first_token: int) -> int:
+        """How many steps carried the sequence whose prompt starts with `first_token`."""
+        return sum(
+            any(item.start == 0 and item.tokens[0] == first_token for item in step)
+            or any(item.start > 0 and item.seq_id in self._seq_ids(first_token) for item in step)
+            for step in self.steps
+        )
+
+    def _seq_ids(self, first_token: int) -> set[int]:
+        return {
+            item.seq_id
+            for step in self.steps
+            for item in step
+            if item.start == 0 and item.tokens[0] == first_token
+        }
+
+
+def next_token(seen: np.ndarray) -> int:
+    """The fake model: a token from the whole sequence, never EOS or 0."""
+    weights = np.arange(1, len(seen) + 1, dtype=np.int64)
+    return int((seen * weights).sum() % (VOCAB - 2)) + 2
+
+
+class FakeDecoder:
+    def __init__(self, tokenizer: FakeTokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def push(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
+
+    def flush(self) -> str:
+        return ""
+
+
+class FakeTokenizer:
+    """Each token is two letters, so stop strings can straddle tokens."""
+
+    vocab_size = VOCAB
+    bos_id = None
+    eos_id = EOS
+    stop_ids = frozenset({EOS})
+
+    def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
+        return [ord(char) % (VOCAB - 2) + 2 for char in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(LETTERS[i % 26] + LETTERS[(i // 26) % 26] for i in ids if i != EOS)
+
+    def incremental_decoder(self) -> FakeDecoder:
+        return FakeDecoder(self)
+
+
+def solo_tokens(prompt: Sequence[int], n: int) -> list[int]:
+    """What the fake model answers to `prompt`, greedy, `n` tokens."""
+    seen = list(prompt)
+    out = []
+    for _ in range(n):
+        token = next_token(np.asarray(seen))
+        out.append(token)
+        seen.append(token)
+    return out
+
+
+def greedy(max_tokens: int, **extra: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+
+
+def open_fake(backend: CountingBackend, **options: object):
+    return Engine.open_backend(lambda: backend, FakeTokenizer(), **options)
+
+
+async def take(stream, count: int | None = None) -> list[int]:
+    """Token ids of the first `count` chunks (all when None); closes the stream."""
+    tokens = []
+    async with _closing(stream):
+        async for chunk in stream:
+            if chunk.token_id is not None:
+                tokens.append(chunk.token_id)
+            if count is not None and len(tokens) >= count:
+                break
+    return tokens
+
+
+async def settle() -> None:
+    """Let the actors handle what is in their inboxes (collecting dropped streams first)."""
+    gc.collect()
+    for _ in range(20):
+        await anyio.sleep(0)
+
+
+def _closing(stream):
+    from contextlib import aclosing
+
+    return aclosing(stream)
+
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_budget_of_8_is_8_tokens_from_8_passes() -> None:
+    backend = CountingBackend()
+    async with open_fake(backend) as engine:
+        done = await engine.complete(PROMPT, greedy(8))
+    assert list(done.token_ids) == solo_tokens(PROMPT, 8)
+    assert done.finish_reason == "length"
+    assert done.usage.completion_tokens == 8
+    assert len(backend.steps) == 8
+    assert [len(step[0].tokens) for step in backend.steps] == [len(PROMPT)] + [1] * 7
+    assert backend.closed
+
+
+async def test_cancelled_before_admission_costs_no_forward_pass() -> None:
+    backend = CountingBackend()
+    async with open_fake(backend, max_sequences=1, max_queued=4) as engine:
+        holder = engine.generate([20, 21], greedy(4))
+        first = await holder.__anext__()
+        assert first.token_id is not None
+        # The only running slot is held by `holder` (parked: its caller is not pulling).
+        with anyio.move_on_after(0.05):
+            await take(engine.generate([30, 31, 32], greedy(4)))
+        await settle()
+        assert engine.stats().waiting == 0
+        rest = await take(holder)
+    assert [first.token_id, *rest] == solo_tokens([20, 21], 4)
+    assert len(backend.steps) == 4
+    assert all(item.tokens[:1] != (30,) for step in backend.steps for item in step)
+
+
+async def _run_with_company(engine: Engine, victim: Callable[[], object]) -> None:
+    """Run `victim` while three other sequences keep the steps going."""
+    async with anyio.create_task_group() as tasks:
+        for first in (40, 41, 42):
+            tasks.start_soon(take, engine.generate([first, 3, 3], greedy(30)))
+        await victim()
+
+
+@pytest.mark.parametrize("how", ["cancel", "break"])
+async def test_stopping_after_k_tokens_leaves_no_later_step(how: str) -> None:
+    backend = CountingBackend(step_seconds=0.001)
+    k = 5
+    prompt = [50, 4, 4, 4]
+    got: list[int] = []
+
+    async def victim() -> None:
+        if how == "cancel":
+            with anyio.CancelScope() as scope:
+                async for chunk in engine.generate(prompt, greedy(30)):
+                    got.append(chunk.token_id)
+                    if len(got) == k:
+                        scope.cancel()
+                        await anyio.sleep(1)  # cancelled here, with the stream open
+        else:
+            async for chunk in engine.generate(prompt, greedy(30)):
+                got.append(chunk.token_id)
+                if len(got) == k:
+                    break  # the stream is dropped, not closed: garbage collection closes it
+
+    async with open_fake(backend) as engine:
+        await _run_with_company(engine, victim)
+        await settle()
+        stats = engine.stats()
+    assert got == solo_tokens(prompt, 30)[:k]
+    assert backend.passes_of(50) == k
+    assert stats.running == stats.waiting == stats.kv_blocks_used == 0
+
+
+async def test_a_thousand_random_cancellations_leave_nothing_held() -> None:
+    backend = CountingBackend(step_seconds=0.0002)
+    rng = random.Random(7)
+    limiter = anyio.CapacityLimiter(16)
+    outputs: list[tuple[list[int], list[int]]] = []
+
+    async def one(index: int) -> None:
+        prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 12))]
+        mode = rng.choice(["deadline", "break", "aclose", "complete"])
+        async with limiter:
+            if mode == "deadline":
+                with anyio.move_on_after(rng.random() * 0.01):
+                    tokens: list[int] = []
+                    async for chunk in engine.generate(prompt, greedy(12)):
+                        tokens.append(chunk.token_id)
+                outputs.append((prompt, tokens))
+            elif mode == "break":
+                k = rng.randrange(1, 12)
+                tokens = []
+                async for chunk in engine.generate(prompt, greedy(12)):
+                    tokens.append(chunk.token_id)
+                    if len(tokens) == k:
+                        break
+                outputs.append((prompt, tokens))
+            else:
+                stream = engine.generate(prompt, greedy(12))
+                count = rng.randrange(0, 12) if mode == "aclose" else None
+                outputs.append((prompt, await take(stream, count)))
+
+    # Streams dropped after `break` hold their slot until collected: leave queue room.
+    async with open_fake(backend, max_sequences=16, max_queued=16) as engine:
+        async with anyio.create_task_group() as tasks:
+            for index in range(1000):
+                tasks.start_soon(one, index)
+        await settle()
+        stats = engine.stats()
+        assert stats.running == stats.waiting == stats.kv_blocks_used == 0
+        assert engine._admission.live == 0
+        done = await engine.complete(PROMPT, greedy(10))
+        assert list(done.token_ids) == solo_tokens(PROMPT, 10)
+    # Whatever each request got is a prefix of what it would get alone.
+    for prompt, tokens in outputs:
+        assert tokens == solo_tokens(prompt, len(tokens))
+
+
+async def test_concurrent_requests_match_solo_and_share_steps() -> None:
+    backend = CountingBackend()
+    prompts = [[i + 2, 9, 9, i + 3] for i in range(16)]
+    results: dict[int, list[int]] = {}
+
+    async def one(index: int) -> None:
+        results[index] = list((await engine.complete(prompts[index], greedy(20))).token_ids)
+
+    async with open_fake(backend) as engine:
+        async with anyio.create_task_group() as tasks:
+            for index in range(16):
+                tasks.start_soon(one, index)
+    for index, prompt in enumerate(prompts):
+        assert results[index] == solo_tokens(prompt, 20)
+    decode_steps = [step for step in backend.steps if all(len(i.tokens) == 1 for i in step)]
+    assert np.mean([len(step) for step in decode_steps]) >= 14
+
+
+async def test_prefix_is_reused_and_gives_the_cold_answer() -> None:
+    backend = CountingBackend(block_size=4)
+    shared = [(i * 7) % 60 + 2 for i in range(40)]
+    async with open_fake(backend) as engine:
+        cold = await engine.complete(shared + [5, 6], greedy(6))
+        warm = await engine.complete(shared + [5, 6], greedy(6))
+        other = await engine.complete(shared + [7], greedy(6))
+        assert engine.stats().kv_blocks_cached > 0
+    assert cold.usage.cached_tokens == 0
+    assert warm.usage.cached_tokens == 40
+    assert other.usage.cached_tokens == 40
+    assert warm.token_ids == cold.token_ids == tuple(solo_tokens(shared + [5, 6], 6))
+    assert list(other.token_ids) == solo_tokens(shared + [7], 6)
+
+
+async def test_fully_cached_prompt_still_computes_its_last_token() -> None:
+    backend = CountingBackend(block_size=4)
+    prompt = list(range(2, 18))  # exactly four full blocks
+    async with open_fake(backend) as engine:
+        first = await engine.complete(prompt, greedy(3))
+        again = await engine.complete(prompt, greedy(3))
+    assert again.usage.cached_tokens == 12
+    assert again.token_ids == first.token_ids == tuple(solo_tokens(prompt, 3))
+
+
+async def test_full_cache_waits_or_preempts_but_never_fails() -> None:
+    # 12 blocks of 4 = 48 positions; four requests of ~30 positions each cannot all fit.
+    backend = CountingBackend(num_blocks=12, block_size=4, context_length=4096)
+    prompts = [[i + 2] * 10 for i in range(4)]
+    results: dict[int, list[int]] = {}
+
+    async def one(index: int) -> None:
+        results[index] = list((await engine.complete(prompts[index], greedy(20))).token_ids)
+
+    async with open_fake(backend) as engine:
+        assert engine.context_length == 48
+        async with anyio.create_task_group() as tasks:
+            for index in range(4):
+                tasks.start_soon(one, index)
+        assert engine.stats().kv_blocks_used == 0
+    for index, prompt in enumerate(prompts):
+        assert results[index] == solo_tokens(prompt, 20)
+
+
+async def test_overload_is_refused_at_once() -> None:
+    backend = CountingBackend()
+    results: dict[int, list[int]] = {}
+
+    async def queued() -> None:
+        results[2] = await take(engine.generate([4, 3], greedy(5)))
+
+    async with open_fake(backend, max_sequences=2, max_queued=1) as engine:
+        running = [engine.generate([i + 2, 3], greedy(5)) for i in range(2)]
+        firsts = [(await stream.__anext__()).token_id for stream in running]
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(queued)
+            await settle()
+            assert (engine.stats().running, engine.stats().waiting) == (2, 1)
+            with pytest.raises(EngineOverloaded):
+                engine.generate([9, 9], greedy(5))
+            for index, stream in enumerate(running):
+                results[index] = [firsts[index], *await take(stream)]
+        # Room again once they are done.
+        assert (await engine.complete([9, 9], greedy(2))).finish_reason == "length"
+    for index in range(3):
+        assert results[index] == solo_tokens([index + 2, 3], 5)
+
+
+async def test_one_failed_step_is_replayed_for_its_sequences_only() -> None:
+    failures = []
+
+    def fail_once(items: Sequence[ForwardItem]) -> bool:
+        hit = not failures and len(items) == 2 and items[0].start == 6
+        failures.extend([hit] if hit else [])
+        return hit
+
+    backend = CountingBackend(fail_when=fail_once)
+    prompts = {first: [first, 34, 35] for first in (33, 36)}
+    results: dict[int, list[int]] = {}
+
+    async def one(first: int) -> None:
+        results[first] = list((await engine.complete(prompts[first], greedy(8))).token_ids)
+
+    async with open_fake(backend) as engine:
+        # A third sequence, parked outside the failed step, must be left alone.
+        bystander = engine.generate([50, 51], greedy(6))
+        first_token = (await bystander.__anext__()).token_id
+        async with anyio.create_task_group() as tasks:
+            for first in prompts:
+                tasks.start_soon(one, first)
+        rest = await take(bystander)
+    for first, prompt in prompts.items():
+        assert results[first] == solo_tokens(prompt, 8)
+    assert [first_token, *rest] == solo_tokens([50, 51], 6)
+    (failed,) = backend.failed_steps
+    failed_ids = {item.seq_id for item in failed}
+    # The step after the failure replays both of its sequences from an empty KV.
+    after = backend.steps[backend.steps.index(failed) if failed in backend.steps else 5]
+    replays = [item for item in after if item.seq_id in failed_ids]
+    assert len(replays) == 2
+    assert all(item.start == 0 and len(item.tokens) == 7 for item in replays)
+
+
+async def test_repeated_failure_fails_only_that_sequence() -> None:
+    def fail_for_60(items: Sequence[ForwardItem]) -> bool:
+        return any(item.start == 0 and item.tokens[0] == 60 for item in items)
+
+    backend = CountingBackend(fail_when=fail_for_60)
+    async with open_fake(backend) as engine:
+        fine = engine.generate([20, 21], greedy(5))
+        first_token = (await fine.__anext__()).token_id
+        with pytest.raises(ComputeError):
+            await engine.complete([60, 61], greedy(5))
+        rest = await take(fine)
+        await settle()
+        assert engine.stats().kv_blocks_used == 0
+    assert [first_token, *rest] == solo_tokens([20, 21], 5)
+    assert [len(step) for step in backend.failed_steps] == [1, 1]
+
+
+async def test_stop_strings_across_tokens_are_never_emitted() -> None:
+    backend = CountingBackend()
+    answer = solo_tokens(PROMPT, 10)
+    text = FakeTokenizer().decode(answer)
+    stop = text[5:8]  # starts inside the third token, ends inside the fourth
+    async with open_fake(backend) as engine:
+        pieces = [chunk.text async for chunk in engine.generate(PROMPT, greedy(10, stop=(stop,)))]
+        done = await engine.complete(PROMPT, greedy(10, stop=(stop,)))
+    assert "".join(pieces) == text[:5] == done.text
+    assert done.finish_reason == "stop"
+    assert stop not in "".join(pieces)
+
+
+async def test_stop_token_ends_with_stop() -> None:
+    backend = CountingBackend()
+    answer = solo_tokens(PROMPT, 10)
+    async with open_fake(backend) as engine:
+        done = await engine.complete(PROMPT, greedy(10, stop_token_ids=(answer[3],)))
+    assert list(done.token_ids) == answer[:3]
+    assert done.finish_reason == "stop"
+
+
+async def test_context_finish_when_the_context_runs_out() -> None:
+    backend = CountingBackend(context_length=12)
+    async with open_fake(backend) as engine:
+        done = await engine.complete(PROMPT, greedy(50))
+        with pytest.raises(ContextLengthExceeded):
+            engine.generate(list(range(2, 14)), greedy(5))
+    assert done.finish_reason == "context"
+    assert len(done.token_ids) == 12 - len(PROMPT)
+
+
+async def test_bad_requests_are_refused_before_any_work() -> None:
+    backend = CountingBackend()
+    async with open_fake(backend) as engine:
+        for prompt in ("", [], [VOCAB + 5], [1.5], None):
+            with pytest.raises(InvalidRequest) as caught:
+                engine.generate(prompt, greedy(3))
+            assert caught.value.field == "prompt"
+        with pytest.raises(InvalidRequest) as caught:
+            engine.generate([3], greedy(3, stop_token_ids=(VOCAB + 1,)))
+        assert caught.value.field == "stop_token_ids"
+    assert backend.steps == []
+
+
+async def test_after_close_everything_raises_engine_closed() -> None:
+    threads_before = threading.active_count()
+    backend = CountingBackend()
+    async with open_fake(backend) as engine:
+        parked = engine.generate(PROMPT, greedy(5))
+        await parked.__anext__()
+    for call in (
+        lambda: engine.generate(PROMPT, greedy(3)),
+        lambda: engine.stats(),
+        lambda: engine.tokenize("x"),
+        lambda: engine.detokenize([3]),
+        lambda: engine.chat([{"role": "user", "content": "x"}]),
+    ):
+        with pytest.raises(EngineClosed):
+            call()
+    with pytest.raises(EngineClosed):
+        await engine.complete(PROMPT, greedy(3))
+    with pytest.raises(EngineClosed):
+        await parked.__anext__()
+    assert backend.closed
+    assert threading.active_count() <= threads_before
+
+
+async def test_errors_in_the_callers_block_are_not_wrapped() -> None:
+    with pytest.raises(EngineOverloaded):
+        async with open_fake(CountingBackend(), max_sequences=1, max_queued=0) as engine:
+            stream = engine.generate(PROMPT, greedy(3))
+            await stream.__anext__()
+            engine.generate(PROMPT, greedy(3))
+
+
+async def test_a_backend_that_fails_to_start_fails_open() -> None:
+    def broken() -> CountingBackend:
+        raise ComputeError("no device")
+
+    with pytest.raises(ComputeError, match="no device"):
+        async with Engine.open_backend(broken, FakeTokenizer()):
+            pass
