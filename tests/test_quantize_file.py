@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 import actors.cli
 import actors.model.quantize_file as quantize_file_module
@@ -17,8 +17,9 @@ from actors.model.quants import dequantize
 from tests.conftest import TINY_MODELS, gemma3_path
 
 
-def _write_f32_copy(source: Path, destination: Path) -> None:
-    """The model with every tensor dequantized to F32: what llama.cpp's quantizer starts from."""
+def _write_float_copy(source: Path, destination: Path, type_name: str = "F32") -> None:
+    """The model with every tensor dequantized to F32 (or F16/BF16): what llama.cpp's
+    quantizer starts from."""
     reader = GGUFReader(source)
     gguf_file = open_gguf(source)
     writer = GGUFWriter(destination, gguf_file.require("general.architecture"))
@@ -30,7 +31,13 @@ def _write_f32_copy(source: Path, destination: Path) -> None:
     writer.add_file_type(0)
     for info in gguf_file.tensors.values():
         values = dequantize(gguf_file.raw(info.name), info.type_name, info.shape)
-        writer.add_tensor(info.name, values)
+        if type_name == "F16":
+            writer.add_tensor(info.name, values.astype(np.float16))
+        elif type_name == "BF16":
+            bits = (values.view(np.uint32) >> 16).astype(np.uint16)  # truncation is fine here
+            writer.add_tensor(info.name, bits.view(np.uint8), raw_dtype=GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(info.name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -44,7 +51,7 @@ def f32_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths = {}
     for name, path in TINY_MODELS.items():
         paths[name] = folder / f"{name}-f32.gguf"
-        _write_f32_copy(path, paths[name])
+        _write_float_copy(path, paths[name])
     return paths
 
 
@@ -128,6 +135,24 @@ def test_other_recipes(
     assert GGUFReader(output).fields["general.file_type"].contents() == file_type
     for info in gguf_file.tensors.values():  # every tensor decodes
         assert np.isfinite(dequantize(gguf_file.raw(info.name), info.type_name, info.shape)).all()
+
+
+@pytest.mark.parametrize("source_type", ["F16", "BF16"])
+def test_half_precision_sources(source_type: str, tmp_path: Path) -> None:
+    source = tmp_path / f"{source_type}.gguf"
+    _write_float_copy(TINY_MODELS["qwen2-q4k-tiny"], source, source_type)
+    output = tmp_path / "out.gguf"
+    quantize_file(source, output, "Q4_K_M")
+    original, quantized = open_gguf(source), open_gguf(output)
+    expected = plan_tensor_types(list(original.tensors.values()), "Q4_K_M")
+    assert {n: t.type_name for n, t in quantized.tensors.items()} == expected
+    assert {t.type_name for t in quantized.tensors.values() if len(t.shape) == 1} == {source_type}
+    for info in quantized.tensors.values():
+        source_info = original.tensors[info.name]
+        before = dequantize(original.raw(info.name), source_info.type_name, info.shape)
+        after = dequantize(quantized.raw(info.name), info.type_name, info.shape)
+        relative = np.sqrt(np.mean((after - before) ** 2) / np.mean(before**2))
+        assert relative < 0.05, info.name
 
 
 def test_requantizing_copies_unchanged_tensors_and_converts_the_rest(tmp_path: Path) -> None:
