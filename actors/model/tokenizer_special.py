@@ -86,6 +86,7 @@ class _Matcher:
             return []
         matched = set(self._finder.findall(text))
         found: set[str] = set()
+        straddling: set[str] = set()
         for token_text in matched:
             size = len(token_text)
             for start in range(size):
@@ -94,9 +95,9 @@ class _Matcher:
                     for end in range(start + 1, size + 1)
                     if (piece := token_text[start:end]) in self.text_to_id
                 )
-                for longer in self._by_prefix.get(token_text[start:], ()) if start else ():
-                    if longer not in found and longer in text:
-                        found.add(longer)
+                if start:
+                    straddling.update(self._by_prefix.get(token_text[start:], ()))
+        found.update(candidate for candidate in straddling - found if candidate in text)
         return sorted(found, key=self.rank.__getitem__)
 
     def split(self, text: str) -> list[Fragment]:

@@ -24,10 +24,12 @@ _HASH_BASES = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9)
 def build_spm_model(vocab: Vocab) -> Tokenizer:
     """A `tokenizers.Tokenizer` that cuts one text fragment (spaces already '▁') like llama.cpp."""
     merged, left, right = merge_pairs(vocab.tokens)
-    # Best score first; among cuts of one token, transformers' order (left id, right id).
-    order = np.lexsort((right, left, merged, -vocab.scores[merged].astype(np.float64)))
-    tokens = vocab.tokens
-    merges = [(tokens[a], tokens[b]) for a, b in zip(left[order].tolist(), right[order].tolist())]
+    # Best score first (token id on ties); among cuts of one token, transformers' order.
+    token_rank = np.empty(vocab.size, dtype=np.int64)
+    token_rank[np.argsort(-vocab.scores.astype(np.float64), kind="stable")] = np.arange(vocab.size)
+    order = np.lexsort((right, left, token_rank[merged]))
+    text = vocab.tokens.__getitem__
+    merges = list(zip(map(text, left[order].tolist()), map(text, right[order].tolist())))
     model = models.BPE(vocab=vocab.token_to_id, merges=merges, byte_fallback=True)
     return Tokenizer(model)
 
