@@ -293,12 +293,34 @@ def _fp16_bytes(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).view(np.uint8).reshape(-1, 2)
 
 
-def _sequential_sum(terms: Callable[[int], np.ndarray], count: int) -> np.ndarray:
-    """terms(0) + terms(1) + ... + terms(count - 1), added left to right in float32."""
-    total = terms(0).astype(F32, copy=True)
-    for i in range(1, count):
-        total += terms(i)
+def _sequential_sum(terms: np.ndarray) -> np.ndarray:
+    """terms[0] + terms[1] + ... over the first axis, added left to right in float32 like
+    llama.cpp's loops (numpy's own sum may pair the terms differently)."""
+    total = terms[0].copy()
+    for row in terms[1:]:
+        total += row
     return total
+
+
+def _clamped_levels(x_shifted: np.ndarray, iscale: np.ndarray, nmax: int) -> np.ndarray:
+    """nearest_int(iscale * (x - min)) clamped to 0..nmax, as float32."""
+    levels = x_shifted * iscale
+    np.rint(levels, out=levels)
+    np.maximum(levels, F32(0), out=levels)
+    np.minimum(levels, F32(nmax), out=levels)
+    return levels
+
+
+def _weighted_square_error(
+    x: np.ndarray, weights: np.ndarray, levels: np.ndarray, scale: np.ndarray, x_min: np.ndarray
+) -> np.ndarray:
+    """Sum of weights * (scale * level + min - x)**2 per group, in llama.cpp's order."""
+    diff = levels * scale
+    diff += x_min
+    diff -= x
+    np.square(diff, out=diff)
+    diff *= weights
+    return _sequential_sum(diff)
 
 
 def _make_qkx2_quants(
@@ -310,35 +332,30 @@ def _make_qkx2_quants(
     x ~ scale * level - the_min. Like llama.cpp, a better candidate's min also shifts the
     search of the candidates after it.
     """
-    n = x.shape[0]
     x_min = np.minimum(x.min(axis=0), F32(0))
     x_max = x.max(axis=0)
-    sum_w = _sequential_sum(lambda i: weights[i], n)
-    sum_x = _sequential_sum(lambda i: weights[i] * x[i], n)
+    sum_w = _sequential_sum(weights)
+    sum_x = _sequential_sum(weights * x)
     flat = x_max == x_min
     with np.errstate(divide="ignore", invalid="ignore"):
         iscale = F32(nmax) / (x_max - x_min)
         scale = F32(1) / iscale
-        levels = np.clip(_nearest_int(iscale * (x - x_min)), 0, nmax)
-        best_error = _sequential_sum(
-            lambda i: weights[i] * np.square(scale * levels[i] + x_min - x[i]), n
-        )
+        levels = _clamped_levels(x - x_min, iscale, nmax)
+        best_error = _weighted_square_error(x, weights, levels, scale, x_min)
         for step in range(nstep + 1):
             iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (x_max - x_min)
-            trial = np.clip(_nearest_int(iscale * (x - x_min)), 0, nmax)
+            trial = _clamped_levels(x - x_min, iscale, nmax)
             weighted = weights * trial
-            sum_l = _sequential_sum(lambda i: weighted[i], n)
-            sum_l2 = _sequential_sum(lambda i: weighted[i] * trial[i], n)
-            sum_xl = _sequential_sum(lambda i: weighted[i] * x[i], n)
+            sum_l = _sequential_sum(weighted)
+            sum_l2 = _sequential_sum(weighted * trial)
+            sum_xl = _sequential_sum(weighted * x)
             det = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
             positive_min = this_min > 0
             this_scale = np.where(positive_min, sum_xl / sum_l2, this_scale)
             this_min = np.where(positive_min, F32(0), this_min)
-            error = _sequential_sum(
-                lambda i: weights[i] * np.square(this_scale * trial[i] + this_min - x[i]), n
-            )
+            error = _weighted_square_error(x, weights, trial, this_scale, this_min)
             better = (det > 0) & (error < best_error)
             levels = np.where(better, trial, levels)
             best_error = np.where(better, error, best_error)
@@ -357,7 +374,7 @@ def _quantize_k_asymmetric(
     (blocks, 8, 32) in 0..nmax."""
     n_blocks = x.shape[0]
     sub = np.ascontiguousarray(x.reshape(-1, 32).T)  # (32, blocks * 8)
-    sum_x2 = _sequential_sum(lambda i: sub[i] * sub[i], 32)
+    sum_x2 = _sequential_sum(sub * sub)
     weights = np.sqrt(sum_x2 / F32(32)) + np.abs(sub)
     levels, scales, mins = _make_qkx2_quants(sub, weights, nmax, rmin, 0.1, nstep)
     scales = scales.reshape(n_blocks, 8)
@@ -423,7 +440,6 @@ def _make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndar
 
     Returns levels + nmax (n, groups) in 0..2*nmax-1 as float32, and scale (groups,).
     """
-    n = x.shape[0]
     first_max = np.abs(x).argmax(axis=0)
     x_max = np.take_along_axis(x, first_max[None, :], axis=0)[0]
     zero = np.abs(x_max) < GROUP_MAX_EPS
@@ -431,12 +447,15 @@ def _make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndar
     weighted_x = weights * x
 
     def levels_for(iscale: np.ndarray) -> np.ndarray:
-        return np.clip(_nearest_int(iscale * x), -nmax, nmax - 1)
+        levels = x * iscale
+        np.rint(levels, out=levels)
+        return np.clip(levels, -nmax, nmax - 1, out=levels)
 
     def sums(levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        sum_lx = _sequential_sum(lambda i: weighted_x[i] * levels[i], n)
-        sum_l2 = _sequential_sum(lambda i: weights[i] * levels[i] * levels[i], n)
-        return sum_lx, sum_l2
+        # llama.cpp: sumlx += w*x*l; suml2 += w*l*l, left to right.
+        weighted_l = weights * levels
+        weighted_l *= levels
+        return _sequential_sum(weighted_x * levels), _sequential_sum(weighted_l)
 
     with np.errstate(divide="ignore", invalid="ignore"):
         levels = levels_for(F32(-nmax) / x_max)
