@@ -226,6 +226,12 @@ def test_a_failure_leaves_no_file(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_unwritable_output_is_named(f32_models: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest, match="cannot write") as caught:
+        quantize_file(f32_models["llama-q4k-tiny"], tmp_path / "missing" / "out.gguf", "Q8_0")
+    assert caught.value.field == "output"
+
+
 def test_progress_bar_on_request(f32_models: dict[str, Path], tmp_path: Path) -> None:
     output = tmp_path / "out.gguf"
     quantize_file(f32_models["llama-q4k-tiny"], output, "Q8_0", show_progress=True)

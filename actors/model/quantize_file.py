@@ -165,6 +165,14 @@ def _open_reader(path: Path) -> GGUFReader:
         raise ModelFormatError(f"{path}: gguf cannot read the metadata: {exc}") from None
 
 
+def _discard(writer: GGUFWriter, partial: Path) -> None:
+    """Close and delete an unfinished output file."""
+    try:
+        writer.close()
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def quantize_file(
     source: str | os.PathLike[str],
     destination: str | os.PathLike[str],
@@ -212,9 +220,11 @@ def quantize_file(
                 bar.advance()
         writer.close()
         partial.replace(destination)
+    except OSError as exc:
+        _discard(writer, partial)
+        raise InvalidRequest(f"cannot write {destination}: {exc}", field="output") from None
     except BaseException:
-        writer.close()
-        partial.unlink(missing_ok=True)
+        _discard(writer, partial)
         raise
     finally:
         gguf_file.close()
