@@ -227,11 +227,11 @@ def request_rows(log: ParsedLog) -> list[RequestRow]:
             row["error"] = str(fields["error"])
         if event.event == "prefill_finished":
             row["cached_tokens"] = _count(fields.get("cached_tokens"))
-        for key in ("prompt_tokens", "completion_tokens"):
-            if _count(fields.get(key)) is not None:
-                row[key] = _count(fields.get(key))
-        if _number(fields.get("total_ms")) is not None:
-            row["total_ms"] = _number(fields.get("total_ms"))
+        # Later events repeat these counts with their final values.
+        counts = {key: _count(fields.get(key)) for key in ("prompt_tokens", "completion_tokens")}
+        row.update((key, value) for key, value in counts.items() if value is not None)
+        if (total_ms := _number(fields.get("total_ms"))) is not None:
+            row["total_ms"] = total_ms
     return [RequestRow(**row) for row in rows.values()]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_logreader import GARBAGE, recount, synthetic_log_lines, write_synthetic_log
+from test_logreader import GARBAGE, recount, write_synthetic_log
 
 # Generous bound for one CLI call on a loaded 2-core machine; not a timing assertion.
 CALL_TIMEOUT_S = 120
@@ -147,7 +147,8 @@ def _read_until(process: subprocess.Popen[str], wanted: str, deadline: float) ->
 
 def test_tail_follow_prints_appended_lines(tmp_path: Path) -> None:
     path = tmp_path / "live.log"
-    path.write_text(synthetic_log_lines(3, seed=1)[0] + "\n")
+    path.write_text(json.dumps({"event": "engine_started", "timestamp": "2026-01-02T03:04:05Z",
+                                "level": "info", "backend": "cpu"}) + "\n")
     process = subprocess.Popen(
         [sys.executable, "-m", "actors.cli", "logs", "tail", "-f", "-n", "1", str(path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -156,6 +157,7 @@ def test_tail_follow_prints_appended_lines(tmp_path: Path) -> None:
         ["sh", "-c", f"sleep {CALL_TIMEOUT_S}; kill -9 {process.pid} 2>/dev/null"])
     try:
         deadline = time.monotonic() + CALL_TIMEOUT_S
+        _read_until(process, "engine_started", deadline)  # it has read what is there so far
         stamp = "2026-01-02T03:04:09.000001Z"
         finished = json.dumps({"event": "request_finished", "timestamp": stamp, "level": "info",
                                "request_id": "live-1", "finish_reason": "length"})

@@ -135,7 +135,7 @@ def recount(lines: list[str]) -> dict:
                                    [50, 95, 99]),
         "tokens_per_s": generated / (max(times) - min(times)),
         "batch_sizes": {k: steps.count(k) for k in set(steps)},
-        "mean_batch": sum(steps) / len(steps),
+        "mean_batch": sum(steps) / len(steps) if steps else None,
     }
 
 

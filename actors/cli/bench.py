@@ -185,6 +185,7 @@ def level_result(concurrency: int, timings: list[RequestTiming]) -> LevelResult:
     prefill_s = covered_seconds(submitted, first)
     decode_s = covered_seconds(first, finished)
     wall_s = finished.max() - submitted.min()
+    rss = _rss_mib()
     return LevelResult(
         concurrency=concurrency,
         requests=len(timings),
@@ -195,8 +196,8 @@ def level_result(concurrency: int, timings: list[RequestTiming]) -> LevelResult:
         aggregate_tokens_per_s=float(completion.sum() / wall_s) if wall_s > 0 else 0.0,
         ttft_p50_ms=float(np.percentile(ttft_ms, 50)),
         ttft_p95_ms=float(np.percentile(ttft_ms, 95)),
-        rss_mib=_rss_mib(),
-        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,  # KiB on Linux
+        rss_mib=rss,
+        peak_rss_mib=max(rss, _peak_rss_mib()),  # the kernel updates the peak lazily
     )
 
 
@@ -205,5 +206,9 @@ def _rss_mib() -> float:
     try:
         resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
     except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        return _peak_rss_mib()
     return resident_pages * resource.getpagesize() / 2**20
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux

@@ -10,9 +10,11 @@ engine's prefix cache recognises the tokens it already holds and prefills only t
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 from pathlib import Path
+from types import FrameType
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -32,7 +34,7 @@ from actors.cli.common import (
     open_engine,
     sampling_params_from,
 )
-from actors.errors import Q4KError
+from actors.errors import Q4KError, TemplateError
 
 if TYPE_CHECKING:
     from actors.engine import Engine
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
     from actors.params import SamplingParams
 
 PROMPT = ">>> "
+# How often a turn checks whether Ctrl-C asked to stop the answer.
+STOP_POLL_S = 0.05
 HELP = "/reset starts over, /system TEXT sets the system prompt (and starts over), /quit leaves; " \
        "Ctrl-C stops an answer, Ctrl-D leaves"
 
@@ -78,12 +82,17 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _check_template(model: Path, override: str | None) -> None:
-    """Fail before loading the weights when there is no chat template to use (TemplateError
-    says to pass --template)."""
+    """Fail before loading the weights when there is no chat template to use."""
     from actors.model.chat import ChatTemplate
     from actors.model.gguf import open_gguf
 
-    ChatTemplate.from_model_metadata(open_gguf(model), override)
+    with open_gguf(model) as gguf:
+        if override is None and "tokenizer.chat_template" not in gguf.metadata:
+            raise TemplateError(
+                f"{model.name} has no chat template (base models usually have none): pass one "
+                "with --template FILE, or use `q4k generate` for plain text"
+            )
+        ChatTemplate.from_model_metadata(gguf, override)
 
 
 class ChatSession:
@@ -98,29 +107,47 @@ class ChatSession:
         self.system = system
         self.out = out
         self.history: list[dict[str, str]] = []
+        self.stop_requested = threading.Event()
 
     def messages(self) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + self.history
 
     def run(self) -> int:
+        """The loop; Ctrl-C interrupts a half-typed line at the prompt, and otherwise only
+        flags a stop that the turn acts on, so it never lands inside the engine's machinery."""
         if sys.stdin.isatty():
             import readline  # noqa: F401  (importing it gives input() line editing and history)
         self.out.print(Text(f"chatting ({HELP})", style="dim"))
-        while True:
-            try:
-                line = input(PROMPT)
-            except EOFError:
-                self.out.print()
-                return 0
-            except KeyboardInterrupt:
-                self.out.print(Text("\n(no answer to stop; /quit or Ctrl-D leaves)", style="dim"))
-                continue
-            if line.startswith("/"):
-                if not self.command(line):
+        previous = signal.signal(signal.SIGINT, self._flag_stop)
+        try:
+            while True:
+                try:
+                    line = self._read_line()
+                except EOFError:
+                    self.out.print()
                     return 0
-            elif line.strip():
-                self.turn(line)
+                except KeyboardInterrupt:
+                    self.out.print(Text("\n(no answer to stop; /quit or Ctrl-D leaves)",
+                                        style="dim"))
+                    continue
+                if line.startswith("/"):
+                    if not self.command(line):
+                        return 0
+                elif line.strip():
+                    self.turn(line)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _flag_stop(self, _signum: int, _frame: FrameType | None) -> None:
+        self.stop_requested.set()
+
+    def _read_line(self) -> str:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            return input(PROMPT)
+        finally:
+            signal.signal(signal.SIGINT, self._flag_stop)
 
     def command(self, line: str) -> bool:
         """Run a /command; False when it ends the session."""
@@ -143,32 +170,24 @@ class ChatSession:
         """Ask, stream the answer, and keep the exchange in the history; a stopped answer is
         kept as far as it got, so roles still alternate and the next turn reuses its KV."""
         self.history.append({"role": "user", "content": question})
+        self.stop_requested.clear()
         answer = _Answer()
         future = self.portal.start_task_soon(answer.stream, self.engine, self.messages(),
                                              self.params, self.template, self.out)
-        try:
-            future.result()
-        except KeyboardInterrupt:
-            future.cancel()
-            _wait_through_interrupts(answer.finished)
+        while not answer.finished.wait(STOP_POLL_S):
+            if self.stop_requested.is_set():
+                future.cancel()  # cancels the task's scope; its stream closes, freeing the KV
+        if future.cancelled():
             self.out.print(Text(" [stopped]", style="dim"))
-        except Q4KError as exc:
-            self.out.print(Text(f"error: {exc}", style="red"))
+        elif isinstance(future.exception(), Q4KError):
+            self.out.print(Text(f"error: {future.exception()}", style="red"))
+        else:
+            future.result()  # anything else is a bug: let it propagate
         text = "".join(answer.parts)
         if text:
             self.history.append({"role": "assistant", "content": text})
         else:
             self.history.pop()
-
-
-def _wait_through_interrupts(event: threading.Event) -> None:
-    """Wait for a cancelled answer to unwind, even if Ctrl-C is pressed again meanwhile."""
-    while True:
-        try:
-            event.wait()
-            return
-        except KeyboardInterrupt:
-            continue
 
 
 class _Answer:

@@ -40,14 +40,15 @@ def add_logging_flags(parser: argparse.ArgumentParser) -> None:
         "--log-level",
         choices=tuple(LEVELS),
         default=None,
-        help="lowest level logged (default: info to --log-file, warning to stderr)",
+        help="lowest level logged (default: info to --log-file; without one, logs go to "
+        "stderr only when a level is given)",
     )
 
 
 def configure_logging_from(args: argparse.Namespace) -> None:
-    """Logs go to --log-file as JSON lines, else to stderr; quiet on stderr unless asked,
-    so the logs never mix with the text a verb prints."""
-    level = args.log_level or ("info" if args.log_file else "warning")
+    """Logs go to --log-file as JSON lines, else to stderr only when --log-level asks: a verb
+    reports its own errors as one line, which log lines on stderr would only repeat."""
+    level = args.log_level or ("info" if args.log_file else "critical")
     configure_logging(level, args.log_file)
 
 

@@ -1,0 +1,97 @@
+"""`q4k chat`: a real session through a pseudo-terminal (pexpect) on SmolLM2, with a Ctrl-C in
+the middle of an answer; piped sessions and template errors on the tiny model."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from test_cli_logs import CALL_TIMEOUT_S, assert_one_line_error, run_q4k
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+FINISH_LINE = re.compile(r"\[(stop|length|context) · (\d+) prompt tokens \((\d+) cached\)")
+
+
+def test_interactive_session_survives_ctrl_c(smollm2_model_path: Path, tmp_path: Path) -> None:
+    log = tmp_path / "chat.log"
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "actors.cli", "chat", "--model", str(smollm2_model_path), "--backend", "cpu",
+         "--temperature", "0", "--max-tokens", "300", "--log-file", str(log)],
+        encoding="utf-8", timeout=CALL_TIMEOUT_S, dimensions=(40, 200),
+        env={**os.environ, "TERM": "dumb"},
+    )
+    try:
+        child.expect_exact(">>> ")
+        child.sendline("Write a very long story about a dragon who learns to paint.")
+        child.expect_exact("paint.\r\n")  # the terminal's echo of the question
+        child.expect(r"\w+ \w+ \w+ \w+")  # the answer is streaming
+        child.sendintr()
+        child.expect_exact("[stopped]")
+        child.expect_exact(">>> ")
+
+        child.sendline("What is the capital of France? Answer in one word.")
+        child.expect(FINISH_LINE)
+        assert "Paris" in child.before
+        reason, prompt_tokens, cached = child.match.groups()
+        assert reason == "stop"
+        # The interrupted exchange stayed in the history and its KV blocks were reused.
+        assert 0 < int(cached) < int(prompt_tokens)
+        child.expect_exact(">>> ")
+
+        child.sendline("/reset")
+        child.expect_exact("conversation cleared")
+        child.expect_exact(">>> ")
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    summary = run_q4k("logs", "summary", "--json", str(log))
+    assert '"cancelled": 1' in summary.stdout and '"stop": 1' in summary.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_paths: dict[str, Path]) -> str:
+    return str(tiny_model_paths["llama-q4k-tiny"])
+
+
+def test_model_without_a_template_is_one_line(tiny_llama: str) -> None:
+    assert_one_line_error(run_q4k("chat", "--model", tiny_llama), "chat template", "--template")
+
+
+def test_missing_template_file_is_one_line(tiny_llama: str, tmp_path: Path) -> None:
+    assert_one_line_error(
+        run_q4k("chat", "--model", tiny_llama, "--template", str(tmp_path / "absent.jinja")),
+        "absent.jinja", "cannot read the template")
+
+
+def test_piped_session_with_a_template_file(tiny_llama: str, tmp_path: Path) -> None:
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    result = run_q4k(
+        "chat", "--model", tiny_llama, "--backend", "cpu", "--template", str(template),
+        "--temperature", "0", "--max-tokens", "5", "--ignore-eos",
+        stdin="hello\n/system Be brief.\nhi again\n/bogus\n/quit\nnever read\n",
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.count("[length · ") == 2
+    assert "system prompt set: Be brief." in out
+    assert "unknown command /bogus" in out
+
+
+def test_end_of_input_leaves_cleanly(tiny_llama: str, tmp_path: Path) -> None:
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    result = run_q4k("chat", "--model", tiny_llama, "--backend", "cpu", "--template",
+                     str(template), stdin="")
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,84 @@
+"""`q4k generate` as a subprocess on the tiny llama model: streaming text, --json Completion,
+errors as one line, and the real log it writes read back by `q4k logs`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from test_cli_logs import assert_one_line_error, run_q4k
+from test_logreader import recount
+
+GREEDY = ("--temperature", "0", "--max-tokens", "12", "--ignore-eos")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_paths: dict[str, Path]) -> str:
+    return str(tiny_model_paths["llama-q4k-tiny"])
+
+
+@pytest.fixture(scope="module")
+def greedy_json(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """One --json run that also writes a log file, shared by the tests below."""
+    log = tmp_path_factory.mktemp("generate") / "run.log"
+    result = run_q4k("generate", "Hello there", "--model", tiny_llama, "--backend", "cpu",
+                     *GREEDY, "--json", "--log-file", str(log))
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout), log
+
+
+def test_json_prints_the_completion(greedy_json: tuple[dict, Path]) -> None:
+    completion, _ = greedy_json
+    assert completion["finish_reason"] == "length"
+    assert len(completion["token_ids"]) == 12
+    assert completion["usage"]["completion_tokens"] == 12
+    assert completion["usage"]["prompt_tokens"] > 0
+    assert completion["timings"]["ttft_ms"] > 0
+
+
+def test_streamed_text_matches_the_completion(tiny_llama: str,
+                                              greedy_json: tuple[dict, Path]) -> None:
+    completion, _ = greedy_json
+    result = run_q4k("generate", "Hello there", "--model", tiny_llama, "--backend", "cpu",
+                     *GREEDY)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == completion["text"] + "\n"
+    assert "[length · " in result.stderr and "12 generated" in result.stderr
+
+
+def test_prompt_from_stdin(tiny_llama: str, greedy_json: tuple[dict, Path]) -> None:
+    completion, _ = greedy_json
+    result = run_q4k("generate", "-", "--model", tiny_llama, "--backend", "cpu", *GREEDY,
+                     "--json", stdin="Hello there")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["token_ids"] == completion["token_ids"]
+
+
+def test_the_real_log_reads_back(greedy_json: tuple[dict, Path]) -> None:
+    completion, log = greedy_json
+    lines = log.read_text().splitlines()
+    events = [json.loads(line)["event"] for line in lines]
+    assert {"model_loaded", "engine_started", "request_admitted", "request_finished"} <= set(events)
+    summary = json.loads(run_q4k("logs", "summary", "--json", str(log)).stdout)
+    assert summary["malformed"] == 0
+    assert summary["finish_reasons"] == {"length": 1}
+    assert summary["completion_tokens"] == 12
+    expected = recount(lines)
+    assert summary["ttft_ms"]["p50"] == pytest.approx(expected["ttft"][0])
+    assert summary["tokens_per_s"] == pytest.approx(expected["tokens_per_s"], rel=1e-6)
+    (row,) = json.loads(run_q4k("logs", "requests", "--json", str(log)).stdout)
+    assert row["status"] == "finished" and row["completion_tokens"] == 12
+
+
+def test_errors_are_one_line(tiny_llama: str, tmp_path: Path) -> None:
+    assert_one_line_error(run_q4k("generate", "hi", "--model", str(tmp_path / "absent.gguf")),
+                          "absent.gguf", "no such model file")
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("just some text, not a model\n")
+    assert_one_line_error(run_q4k("generate", "hi", "--model", str(not_gguf)), "notes.gguf")
+    assert_one_line_error(run_q4k("generate", "hi", "--model", tiny_llama, "--top-p", "1.5"),
+                          "top_p")
+    assert_one_line_error(run_q4k("generate", "", "--model", tiny_llama, "--backend", "cpu"),
+                          "empty")
