@@ -24,6 +24,7 @@ is copied with its GGUF value types; `general.file_type` is set to the recipe's.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -118,7 +119,7 @@ def plan_tensor_types(tensors: Sequence[TensorInfo], recipe: str) -> dict[str, s
 
 def _converted_bytes(gguf_file: GGUFFile, info: TensorInfo, target: str) -> np.ndarray:
     """The tensor's data in `target`, as (rows, row_bytes) uint8, converted in row chunks."""
-    raw = gguf_file.raw(info.name).reshape(-1, info.row_bytes)
+    raw = gguf_file.raw(info.name).reshape(math.prod(info.shape[:-1]), info.row_bytes)
     if target == info.type_name:
         return raw
     row_length = info.shape[-1]
@@ -173,6 +174,44 @@ def _discard(writer: GGUFWriter, partial: Path) -> None:
         partial.unlink(missing_ok=True)
 
 
+def _tensor_bytes(info: TensorInfo, type_name: str) -> int:
+    return math.prod(info.shape[:-1]) * row_bytes(type_name, info.shape[-1])
+
+
+def _write_gguf(
+    gguf_file: GGUFFile,
+    writer: GGUFWriter,
+    plan: dict[str, str],
+    recipe: str,
+    show_progress: bool | None,
+) -> None:
+    """Metadata (with the new file type), tensor table, then each tensor converted in turn."""
+    for key, value, kind, item_kind in _metadata_fields(_open_reader(gguf_file.path)):
+        writer.add_key_value(key, value, kind, sub_type=item_kind)
+        if key == Keys.General.ALIGNMENT:
+            writer.data_alignment = int(value)
+    writer.add_file_type(int(FILE_TYPES[recipe]))
+    writer.add_quantization_version(GGML_QUANT_VERSION)
+    tensors = list(gguf_file.tensors.values())
+    for info in tensors:
+        target = plan[info.name]
+        writer.add_tensor_info(
+            info.name,
+            info.shape,
+            np.dtype(np.float32),
+            _tensor_bytes(info, target),
+            raw_dtype=GGMLQuantizationType[target],
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    title = f"quantizing {gguf_file.path.name}"
+    with Progress(title, len(tensors), show_bar=show_progress) as progress:
+        for info in tensors:
+            writer.write_tensor_data(_converted_bytes(gguf_file, info, plan[info.name]))
+            progress.advance()
+
+
 def quantize_file(
     source: str | os.PathLike[str],
     destination: str | os.PathLike[str],
@@ -187,47 +226,22 @@ def quantize_file(
     never leaves a partial file. `show_progress=None` shows a bar only on a terminal.
     """
     source, destination = Path(source), Path(destination)
-    gguf_file = open_gguf(source)
-    tensors = list(gguf_file.tensors.values())
-    plan = plan_tensor_types(tensors, recipe)
-    if destination.exists() and destination.resolve() == source.resolve():
-        raise InvalidRequest("the output file must differ from the input file", field="output")
-    architecture = gguf_file.require("general.architecture")
-    reader = _open_reader(source)
-
-    partial = destination.with_name(destination.name + ".partial")
-    writer = GGUFWriter(partial, architecture)
-    try:
-        for key, value, kind, item_kind in _metadata_fields(reader):
-            writer.add_key_value(key, value, kind, sub_type=item_kind)
-            if key == Keys.General.ALIGNMENT:
-                writer.data_alignment = int(value)
-        writer.add_file_type(int(FILE_TYPES[recipe]))
-        writer.add_quantization_version(GGML_QUANT_VERSION)
-        for info in tensors:
-            target = plan[info.name]
-            n_bytes = info.n_elements // info.shape[-1] * row_bytes(target, info.shape[-1])
-            writer.add_tensor_info(
-                info.name, info.shape, np.dtype(np.float32), n_bytes,
-                raw_dtype=GGMLQuantizationType[target],
-            )
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        with Progress(f"quantizing {source.name}", len(tensors), show_bar=show_progress) as bar:
-            for info in tensors:
-                writer.write_tensor_data(_converted_bytes(gguf_file, info, plan[info.name]))
-                bar.advance()
-        writer.close()
-        partial.replace(destination)
-    except OSError as exc:
-        _discard(writer, partial)
-        raise InvalidRequest(f"cannot write {destination}: {exc}", field="output") from None
-    except BaseException:
-        _discard(writer, partial)
-        raise
-    finally:
-        gguf_file.close()
+    with open_gguf(source) as gguf_file:
+        plan = plan_tensor_types(list(gguf_file.tensors.values()), recipe)
+        if destination.exists() and destination.resolve() == source.resolve():
+            raise InvalidRequest("the output file must differ from the input", field="output")
+        partial = destination.with_name(destination.name + ".partial")
+        writer = GGUFWriter(partial, gguf_file.require("general.architecture"))
+        try:
+            _write_gguf(gguf_file, writer, plan, recipe, show_progress)
+            writer.close()
+            partial.replace(destination)
+        except OSError as exc:
+            _discard(writer, partial)
+            raise InvalidRequest(f"cannot write {destination}: {exc}", field="output") from None
+        except BaseException:
+            _discard(writer, partial)
+            raise
     mix: dict[str, int] = {}
     for target in plan.values():
         mix[target] = mix.get(target, 0) + 1
