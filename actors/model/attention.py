@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray) -> np.ndarray:
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """Attention for B sequences at once.
 
     q: (B, n, heads, head_dim), already scaled; k, v: (B, S, kv_heads, head_dim);
-    visible: (B, n, S) bool, True where query i may attend to key j (every query sees at
-    least itself). Query head h reads KV head h // (heads / kv_heads). Returns
-    (B, n, heads * head_dim) float32.
+    bias: (B, n, S) float32 added to the scores, 0 where query i may attend to key j and
+    -inf elsewhere (every query sees at least itself). Query head h reads KV head
+    h // (heads / kv_heads). Returns (B, n, heads * head_dim) float32.
     """
     batch, n, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -21,7 +21,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray) -> 
     q_grouped = q_grouped.reshape(batch, kv_heads, group * n, head_dim)
     scores = np.matmul(q_grouped, k.transpose(0, 2, 3, 1))
     scores = scores.reshape(batch, kv_heads, group, n, -1)
-    scores = np.where(visible[:, None, None], scores, np.float32(-np.inf))
+    scores += bias[:, None, None]
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)

@@ -19,7 +19,11 @@ from actors.errors import ContextLengthExceeded, InvalidRequest
 from actors.model.arch import ModelSpec
 from actors.model.attention import attend
 from actors.model.rope import apply_rope, inverse_frequencies, rotation
-from actors.model.weights import LayerWeights, ModelWeights
+from actors.model.weights import ModelWeights
+from actors.model.workers import Workers
+
+# Queries of one sequence attended at a time (see plan_step).
+QUERY_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -61,15 +65,22 @@ class KVPool:
 
 
 @dataclass(frozen=True)
+class KeySpan:
+    """Where a group's keys come from: `table` (B, blocks) pool blocks to gather, `bias`
+    (B, n, blocks * block_size) 0 where a query may attend to the key, -inf elsewhere."""
+
+    table: np.ndarray
+    bias: np.ndarray
+
+
+@dataclass(frozen=True)
 class AttentionGroup:
-    """Sequences attended together: `rows` (B, n) index the step's token rows, `table`
-    (B, blocks) the pool blocks their keys are gathered from, `visible` / `visible_local`
-    (B, n, S) the causal masks for global and sliding-window layers."""
+    """Queries attended together: `rows` (B, n) index the step's token rows; `keys` serves
+    global layers, `local_keys` sliding-window layers (only the blocks inside the window)."""
 
     rows: np.ndarray
-    table: np.ndarray
-    visible: np.ndarray
-    visible_local: np.ndarray
+    keys: KeySpan
+    local_keys: KeySpan
 
 
 @dataclass(frozen=True)
@@ -132,15 +143,35 @@ def _int_array(values: Sequence[int], what: str, field: str, low: int, high: int
     return array
 
 
-def _visibility(
-    query_pos: np.ndarray, n_keys: int, window: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Causal masks (..., n_keys) for queries at `query_pos` (...): all earlier keys, and
-    only the last `window` of them (window 0 = no sliding window)."""
-    distance = query_pos[..., None] - np.arange(n_keys)
+def _key_span(
+    tables: np.ndarray, query_pos: np.ndarray, block_size: int, window: int
+) -> KeySpan:
+    """The keys B sequences' queries at `query_pos` (B, n) may see, from their block `tables`
+    (B, >= blocks needed). With a window, blocks wholly before it are left out."""
+    last_block = query_pos.max(axis=1) // block_size
+    first_block = (
+        np.maximum(query_pos.min(axis=1) - window + 1, 0) // block_size
+        if window else np.zeros_like(last_block)
+    )
+    key_block = first_block[:, None] + np.arange(int((last_block - first_block).max()) + 1)
+    # Padding past a sequence's last block re-reads that block; the mask hides it.
+    gather = np.take_along_axis(tables, np.minimum(key_block, last_block[:, None]), axis=1)
+    key_pos = (key_block[:, :, None] * block_size + np.arange(block_size)).reshape(
+        len(tables), -1
+    )
+    distance = query_pos[:, :, None] - key_pos[:, None, :]
     visible = distance >= 0
-    local = visible & (distance < window) if window else visible
-    return visible, local
+    if window:
+        visible &= distance < window
+    return KeySpan(gather, np.where(visible, np.float32(0), np.float32(-np.inf)))
+
+
+def _attention_group(
+    rows: np.ndarray, tables: np.ndarray, query_pos: np.ndarray, block_size: int, window: int
+) -> AttentionGroup:
+    keys = _key_span(tables, query_pos, block_size, 0)
+    local_keys = _key_span(tables, query_pos, block_size, window) if window else keys
+    return AttentionGroup(rows, keys, local_keys)
 
 
 def plan_step(items: Sequence[StepItem], spec: ModelSpec, kv: KVPool) -> StepPlan:
@@ -181,16 +212,15 @@ def plan_step(items: Sequence[StepItem], spec: ModelSpec, kv: KVPool) -> StepPla
     groups = []
     decode = np.flatnonzero(lengths == 1)
     if decode.size:
-        n_blocks = int(blocks_needed[decode].max())
-        visible, local = _visibility(starts[decode][:, None], n_blocks * kv.block_size, window)
-        groups.append(AttentionGroup(first_rows[decode][:, None], table[decode, :n_blocks],
-                                     visible, local))
+        groups.append(_attention_group(first_rows[decode][:, None], table[decode],
+                                       starts[decode][:, None], kv.block_size, window))
+    # Longer items attend in query chunks, each to the keys up to its own last position:
+    # that skips most of the causal mask's upper triangle and bounds the score arrays.
     for i in np.flatnonzero(lengths > 1):
-        rows = first_rows[i] + np.arange(lengths[i])
-        visible, local = _visibility(positions[rows][None], blocks_needed[i] * kv.block_size,
-                                     window)
-        groups.append(AttentionGroup(rows[None], table[i : i + 1, : blocks_needed[i]],
-                                     visible, local))
+        for first in range(0, lengths[i], QUERY_CHUNK):
+            rows = first_rows[i] + np.arange(first, min(first + QUERY_CHUNK, lengths[i]))
+            groups.append(_attention_group(rows[None], table[i : i + 1],
+                                           positions[rows][None], kv.block_size, window))
 
     want = np.array([item.want_logits for item in items], dtype=bool)
     return StepPlan(
@@ -203,28 +233,57 @@ def plan_step(items: Sequence[StepItem], spec: ModelSpec, kv: KVPool) -> StepPla
     )
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) * weight over the last axis (Gemma's +1 is in the GGUF)."""
-    mean_square = np.einsum("...i,...i->...", x, x)[..., None] / np.float32(x.shape[-1])
-    return x * (1.0 / np.sqrt(mean_square + np.float32(eps))) * weight
+def rms_norm(
+    x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None
+) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis (Gemma's +1 is in the GGUF).
+    `out` may be x itself."""
+    scale = np.einsum("...i,...i->...", x, x)[..., None]
+    scale *= np.float32(1.0 / x.shape[-1])
+    scale += np.float32(eps)
+    np.sqrt(scale, out=scale)
+    out = np.divide(x, scale, out=out)
+    out *= weight
+    return out
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    # sigmoid via tanh: no overflow warnings for large |x|.
-    return x * (np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * x)))
+def silu(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x), written as x / (1 + exp(-x)): one exp pass, into `out`."""
+    np.negative(x, out=out)
+    with np.errstate(over="ignore"):  # exp overflows to inf for x << 0: x / inf = 0, right
+        np.exp(out, out=out)
+    out += np.float32(1.0)
+    return np.divide(x, out, out=out)
 
 
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    inner = np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x * x * x)
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def gelu_tanh(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """0.5 x (1 + tanh(c (x + 0.044715 x^3))), rewritten as the identical
+    x / (1 + exp(-2c (x + 0.044715 x^3))) so it costs one exp and no tanh; into `out`."""
+    np.multiply(x, x, out=out)
+    out *= np.float32(-2.0 * _GELU_C * 0.044715)
+    out -= np.float32(2.0 * _GELU_C)
+    out *= x
+    with np.errstate(over="ignore"):
+        np.exp(out, out=out)
+    out += np.float32(1.0)
+    return np.divide(x, out, out=out)
 
 
 class Transformer:
-    """The math of one architecture: token ids + KV in, hidden states and logits out."""
+    """The math of one architecture: token ids + KV in, hidden states and logits out.
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
+    Each layer alternates matmuls over all T rows (OpenBLAS threads them) with numpy work
+    split over `workers` by rows or by attention group.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights,
+                 workers: Workers | None = None) -> None:
         self.spec = spec
         self.weights = weights
+        self.workers = workers or Workers()
         is_gemma3 = spec.arch == "gemma3"
         self.inv_freq = inverse_frequencies(spec.rope_base, spec.rope_dim,
                                             weights.rope_freq_factors)
@@ -236,7 +295,17 @@ class Transformer:
         # for every release llama.cpp runs, so all three scale queries by 1/sqrt(head_dim).
         self.embed_scale = np.float32(math.sqrt(spec.d_model)) if is_gemma3 else np.float32(1)
         self.query_scale = np.float32(1.0 / math.sqrt(spec.head_dim))
-        self.activation: Callable[[np.ndarray], np.ndarray] = gelu_tanh if is_gemma3 else silu
+        self.activation: Callable[[np.ndarray, np.ndarray], np.ndarray] = (
+            gelu_tanh if is_gemma3 else silu
+        )
+        # q and k sit side by side in the fused qkv output: one per-head weight table lets a
+        # single norm call (and a single RoPE call) cover both.
+        self.qk_norms = tuple(
+            np.concatenate([np.tile(layer.q_norm, (spec.n_heads, 1)),
+                            np.tile(layer.k_norm, (spec.n_kv_heads, 1))])
+            if layer.q_norm is not None and layer.k_norm is not None else None
+            for layer in weights.layers
+        )
 
     def hidden_states(self, plan: StepPlan, kv: KVPool) -> np.ndarray:
         """Run every layer over the step's tokens, writing their K/V into `kv`; return the
@@ -248,10 +317,9 @@ class Transformer:
             rotation(plan.positions, self.inv_freq_local) if self.spec.sliding_window
             else rope_global
         )
-        for index, layer in enumerate(self.weights.layers):
+        for index in range(self.spec.n_layers):
             sliding = self.spec.is_sliding(index)
-            x = self._layer(x, layer, index, sliding, rope_local if sliding else rope_global,
-                            plan, kv)
+            self._layer(x, index, rope_local if sliding else rope_global, sliding, plan, kv)
         return x
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -262,51 +330,75 @@ class Transformer:
     def _layer(
         self,
         x: np.ndarray,
-        layer: LayerWeights,
         index: int,
-        sliding: bool,
         rope: tuple[np.ndarray, np.ndarray],
+        sliding: bool,
         plan: StepPlan,
         kv: KVPool,
-    ) -> np.ndarray:
-        spec = self.spec
-        n_tokens = plan.n_tokens
-        q_dim, kv_dim, head_dim = spec.q_dim, spec.kv_dim, spec.head_dim
-
-        qkv = rms_norm(x, layer.attn_norm, spec.rms_eps) @ layer.qkv
-        if layer.qkv_bias is not None:
-            qkv += layer.qkv_bias
-        q = qkv[:, :q_dim].reshape(n_tokens, spec.n_heads, head_dim)
-        k = qkv[:, q_dim : q_dim + kv_dim].reshape(n_tokens, spec.n_kv_heads, head_dim)
-        v = qkv[:, q_dim + kv_dim :].reshape(n_tokens, spec.n_kv_heads, head_dim)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, spec.rms_eps)
-        if layer.k_norm is not None:
-            k = rms_norm(k, layer.k_norm, spec.rms_eps)
-        apply_rope(q, *rope, spec.rope_neox)
-        apply_rope(k, *rope, spec.rope_neox)
-        q *= self.query_scale
-
+    ) -> None:
+        """One transformer block, updating the residual stream x (T, d_model) in place."""
+        spec, layer, eps = self.spec, self.weights.layers[index], self.spec.rms_eps
+        n_tokens, q_dim, kv_dim = plan.n_tokens, spec.q_dim, spec.kv_dim
+        n_qk_heads = spec.n_heads + spec.n_kv_heads
+        qk_norm = self.qk_norms[index]
         keys, values = kv.k[index], kv.v[index]
-        keys[plan.slot_blocks, plan.slot_offsets] = k
-        values[plan.slot_blocks, plan.slot_offsets] = v
+        for_rows = self.workers.for_rows
+
+        normed = np.empty_like(x)
+        for_rows(n_tokens, lambda r: rms_norm(x[r], layer.attn_norm, eps, out=normed[r]))
+        qkv = normed @ layer.qkv
+        qk = qkv[:, : q_dim + kv_dim].reshape(n_tokens, n_qk_heads, spec.head_dim)
+        v = qkv[:, q_dim + kv_dim :].reshape(n_tokens, spec.n_kv_heads, spec.head_dim)
+
+        def position_qk(r: slice) -> None:
+            if layer.qkv_bias is not None:
+                qkv[r] += layer.qkv_bias
+            if qk_norm is not None:
+                rms_norm(qk[r], qk_norm, eps, out=qk[r])
+            apply_rope(qk[r], rope[0][r], rope[1][r], spec.rope_neox)
+            qk[r, : spec.n_heads] *= self.query_scale
+            keys[plan.slot_blocks[r], plan.slot_offsets[r]] = qk[r, spec.n_heads :]
+            values[plan.slot_blocks[r], plan.slot_offsets[r]] = v[r]
+
+        for_rows(n_tokens, position_qk)
+        q = qk[:, : spec.n_heads]
         attn = np.empty((n_tokens, q_dim), dtype=np.float32)
-        for group in plan.groups:
-            batch = group.table.shape[0]
-            gathered_k = keys[group.table].reshape(batch, -1, spec.n_kv_heads, head_dim)
-            gathered_v = values[group.table].reshape(batch, -1, spec.n_kv_heads, head_dim)
-            mask = group.visible_local if sliding else group.visible
-            attn[group.rows.ravel()] = attend(q[group.rows], gathered_k, gathered_v,
-                                              mask).reshape(-1, q_dim)
 
+        def attend_group(group: AttentionGroup, batch: slice) -> None:
+            span = group.local_keys if sliding else group.keys
+            table, rows = span.table[batch], group.rows[batch]
+            shape = (len(table), -1, spec.n_kv_heads, spec.head_dim)
+            attn[rows.ravel()] = attend(q[rows], keys[table].reshape(shape),
+                                        values[table].reshape(shape),
+                                        span.bias[batch]).reshape(-1, q_dim)
+
+        self.workers.run([
+            lambda g=group, b=batch: attend_group(g, b)
+            for group in plan.groups
+            for batch in self.workers.row_slices(len(group.rows))
+        ])
         attn_out = attn @ layer.attn_out
-        if layer.post_attn_norm is not None:
-            attn_out = rms_norm(attn_out, layer.post_attn_norm, spec.rms_eps)
-        x = x + attn_out
 
-        gate_up = rms_norm(x, layer.ffn_norm, spec.rms_eps) @ layer.gate_up
-        ffn_out = (self.activation(gate_up[:, : spec.ffn_dim]) * gate_up[:, spec.ffn_dim :]) \
-            @ layer.down
-        if layer.post_ffn_norm is not None:
-            ffn_out = rms_norm(ffn_out, layer.post_ffn_norm, spec.rms_eps)
-        return x + ffn_out
+        def residual_attn(r: slice) -> None:
+            if layer.post_attn_norm is not None:
+                rms_norm(attn_out[r], layer.post_attn_norm, eps, out=attn_out[r])
+            x[r] += attn_out[r]
+            rms_norm(x[r], layer.ffn_norm, eps, out=normed[r])
+
+        for_rows(n_tokens, residual_attn)
+        gate_up = normed @ layer.gate_up
+        gated = np.empty((n_tokens, spec.ffn_dim), dtype=np.float32)
+
+        def gate(r: slice) -> None:
+            self.activation(gate_up[r, : spec.ffn_dim], out=gated[r])
+            gated[r] *= gate_up[r, spec.ffn_dim :]
+
+        for_rows(n_tokens, gate)
+        ffn_out = gated @ layer.down
+
+        def residual_ffn(r: slice) -> None:
+            if layer.post_ffn_norm is not None:
+                rms_norm(ffn_out[r], layer.post_ffn_norm, eps, out=ffn_out[r])
+            x[r] += ffn_out[r]
+
+        for_rows(n_tokens, residual_ffn)
