@@ -226,6 +226,21 @@ def test_a_failure_leaves_no_file(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_non_finite_weights_name_the_tensor(tmp_path: Path) -> None:
+    source = tmp_path / "nan.gguf"
+    writer = GGUFWriter(source, "llama")
+    weights = np.ones((4, 256), np.float32)
+    weights[2, 3] = np.nan
+    writer.add_tensor("blk.0.ffn_up.weight", weights)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelFormatError, match="'blk.0.ffn_up.weight': cannot quantize NaN"):
+        quantize_file(source, tmp_path / "out.gguf", "Q4_K_M")
+    assert not (tmp_path / "out.gguf").exists()
+
+
 def test_unwritable_output_is_named(f32_models: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="cannot write") as caught:
         quantize_file(f32_models["llama-q4k-tiny"], tmp_path / "missing" / "out.gguf", "Q8_0")

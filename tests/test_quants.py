@@ -221,3 +221,11 @@ def test_quantize_row_not_whole_blocks_names_the_input() -> None:
 def test_quantize_needs_float32() -> None:
     with pytest.raises(InvalidRequest, match="float32"):
         quantize(np.zeros((1, 256), np.float64), "Q4_K")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantize_refuses_non_finite_values(bad: float) -> None:
+    x = np.zeros((2, 256), np.float32)
+    x[1, 17] = bad
+    with pytest.raises(InvalidRequest, match="NaN or infinite"):
+        quantize(x, "Q4_K")

@@ -128,7 +128,10 @@ def _converted_bytes(gguf_file: GGUFFile, info: TensorInfo, target: str) -> np.n
     for start in range(0, raw.shape[0], step):
         rows = raw[start : start + step]
         values = dequantize(rows, info.type_name, (rows.shape[0], row_length))
-        out[start : start + step] = _encode(values, target)
+        try:
+            out[start : start + step] = _encode(values, target)
+        except InvalidRequest as exc:
+            raise ModelFormatError(f"{gguf_file.path}: tensor {info.name!r}: {exc}") from None
     return out
 
 

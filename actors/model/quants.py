@@ -590,6 +590,9 @@ def quantize(x: np.ndarray, type_name: str) -> np.ndarray:
             f"({fmt.block_size} elements)",
             field="x",
         )
+    if not np.isfinite(x).all():
+        # llama.cpp refuses these too (ggml_validate_row_data): no scale can represent them.
+        raise InvalidRequest("cannot quantize NaN or infinite values", field="x")
     blocks = np.ascontiguousarray(x).reshape(-1, fmt.block_size)
     out = np.empty((blocks.shape[0], fmt.type_size), dtype=np.uint8)
     step = max(QUANTIZE_CHUNK_ELEMENTS // fmt.block_size, 1)
