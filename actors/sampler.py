@@ -49,7 +49,7 @@ _NUCLEUS_GUESS = 128
 # sample is noisy, and a row that comes up short costs a second comparison pass.
 _CANDIDATE_MARGIN = 4
 # Each widening asks for this many times more candidates.
-_WIDEN_FACTOR = 8
+_WIDEN_FACTOR = 2
 # The partition function is summed in blocks of this many tokens: the blocks' sums let an
 # unfiltered row invert its CDF by re-reading one block instead of the whole row.
 _BLOCK = 1024
@@ -351,25 +351,27 @@ def _candidate_table(
     rows: _RowParams,
     log_z: np.ndarray,
 ) -> _Candidates:
-    """The tokens above a per-row threshold, lowered until the table decides every row."""
+    """The tokens above a per-row threshold, lowered until the table decides every row:
+    it holds top-k's k tokens, the logprobs' n, min-p's survivors and top-p's nucleus."""
     vocab = logits.shape[1]
     stride = max(1, vocab // _SAMPLE_SIZE)
     sample = np.sort(_rows_of(logits, table_rows)[:, ::stride], axis=1)
     inv_temp = rows.inv_temp[table_rows]
     top_k = rows.top_k[table_rows]
-    top_p = rows.top_p[table_rows]
-    n_top = rows.n_top[table_rows]
+    row_peak = peak[table_rows]
     # min-p's survivors are exactly the tokens at or above this logit.
-    min_p_floor = peak[table_rows] + rows.log_min_p[table_rows] / inv_temp
+    min_p_floor = row_peak + rows.log_min_p[table_rows] / inv_temp
     # Without top-k, a min-p row's survivors all lie above its floor: take them all at once.
     highest_start = np.where((top_k == 0) & (min_p_floor > -np.inf), min_p_floor, np.inf)
-    need = np.maximum(np.maximum(top_k, n_top), 1)
-    # Rows whose top-p is over the whole vocabulary: the table must hold the nucleus.
-    nucleus = (top_k == 0) & (top_p < 1)
-    nucleus_mass = top_p * np.exp(log_z[table_rows])
+    need = np.maximum(np.maximum(top_k, rows.n_top[table_rows]), 1)
+    # Rows whose top-p is over the whole vocabulary: the table must hold the nucleus's mass.
+    nucleus = (top_k == 0) & (rows.top_p[table_rows] < 1)
+    nucleus_mass = np.where(nucleus, rows.top_p[table_rows] * np.exp(log_z[table_rows]), 0.0)
     wanted = _CANDIDATE_MARGIN * np.maximum(need, np.where(nucleus, _NUCLEUS_GUESS, 0))
     threshold_at = np.ceil(wanted / stride).astype(np.int64)
 
+    slot_of = np.zeros(logits.shape[0], dtype=np.int64)  # batch row -> table row
+    slot_of[table_rows] = np.arange(table_rows.size)
     table_row = ids = np.empty(0, dtype=np.int64)
     values = np.empty(0, dtype=np.float32)
     pending = np.ones(table_rows.size, dtype=bool)
@@ -379,18 +381,26 @@ def _candidate_table(
         threshold[pending] = guess[pending]
         # Decided rows keep their candidates; pending rows gather theirs anew.
         kept = ~pending[table_row]
-        redone = np.flatnonzero(pending)
-        which, new_ids = _above(logits, table_rows[redone], threshold[redone])
-        new_values = logits.reshape(-1)[table_rows[redone[which]] * vocab + new_ids]
-        table_row = np.concatenate([table_row[kept], redone[which]])
+        bound = np.full(logits.shape[0], np.inf)
+        bound[table_rows[pending]] = threshold[pending]
+        batch_row, new_ids = _above(logits, bound)
+        table_row = np.concatenate([table_row[kept], slot_of[batch_row]])
         ids = np.concatenate([ids[kept], new_ids])
-        values = np.concatenate([values[kept], new_values])
-        scaled = (values - peak[table_rows][table_row]) * inv_temp[table_row]
+        values = np.concatenate([values[kept], logits.reshape(-1)[batch_row * vocab + new_ids]])
         count = np.bincount(table_row, minlength=table_rows.size)
-        mass = np.bincount(table_row, weights=np.exp(scaled), minlength=table_rows.size)
-        holds_nucleus = ~nucleus | (mass >= nucleus_mass) | (threshold <= min_p_floor)
-        pending = ((count < need) | ~holds_nucleus) & (threshold > -np.inf)
-        threshold_at = np.where(pending, threshold_at * _WIDEN_FACTOR, threshold_at)
+        weights = np.exp((values - row_peak[table_row]) * inv_temp[table_row])
+        missing = nucleus_mass - np.bincount(table_row, weights=weights, minlength=count.size)
+        short = (count < need) | ((missing > 0) & (threshold > min_p_floor))
+        pending = short & (threshold > -np.inf)
+        # Every token below a threshold weighs less than one at it, so a nucleus short of
+        # mass needs at least `missing / that weight` more tokens: a wide nucleus (hot
+        # temperature, top_p near 1) of tens of thousands is reached in a few widenings.
+        weight_at_threshold = np.exp((threshold - row_peak) * inv_temp)
+        with np.errstate(divide="ignore", invalid="ignore"):  # a weight of 0: inf more
+            more = np.where(missing > 0, missing / weight_at_threshold, 0.0)
+        at_least = np.minimum(_CANDIDATE_MARGIN * (count + more), vocab)
+        wider = np.maximum(threshold_at * _WIDEN_FACTOR, np.ceil(at_least / stride))
+        threshold_at = np.where(pending, wider, threshold_at).astype(np.int64)
     return _sorted_table(table_rows, table_row, ids, values, count, peak, rows.inv_temp)
 
 
@@ -403,16 +413,14 @@ def _threshold_from_sample(sample: np.ndarray, threshold_at: np.ndarray) -> np.n
     return np.where(threshold_at >= size, -np.inf, guess)
 
 
-def _above(
-    logits: np.ndarray, batch_rows: np.ndarray, threshold: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """(index into `batch_rows`, token id) of every logit at or above its row's threshold,
-    row by row and ascending ids within a row; one comparison pass, no sort."""
+def _above(logits: np.ndarray, threshold: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token id) of every logit at or above its row's threshold (+inf: none), row by
+    row and ascending ids within a row: one comparison pass over the batch, no sort and no
+    copy of its rows."""
     # Rounded down to float32, so no token at or above the float64 threshold is missed.
     bound = threshold.astype(np.float32)
     bound = np.where(bound > threshold, np.nextafter(bound, np.float32(-np.inf)), bound)
-    flat = np.flatnonzero(_rows_of(logits, batch_rows) >= bound[:, None])
-    return np.divmod(flat, logits.shape[1])
+    return np.divmod(np.flatnonzero(logits >= bound[:, None]), logits.shape[1])
 
 
 def _sorted_table(

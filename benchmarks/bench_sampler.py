@@ -1,10 +1,11 @@
-"""choose_tokens on a full batch of gemma-sized rows: milliseconds per call, per setting.
+"""choose_tokens on a full decode batch of real logits, next to the forward step that made them.
 
-Run: python benchmarks/bench_sampler.py [--rows 64] [--vocab 262144] [--repeats 10]
+Run: python benchmarks/bench_sampler.py [--model PATH] [--rows 64] [--repeats 10]
 
-The logits are synthetic but shaped like a language model's: a few hundred plausible tokens
-standing out of a broad Gaussian tail (gemma3's top-16 logits typically span ~5.5). Compare the
-figures with a forward step of the same batch (~200+ ms for 64 rows of gemma3-270m on 2 cores).
+It prefills `rows` short prompts on the model (the default gemma3-270m: 262,144 logits per row),
+times one decode step of all rows on the CPU forward, then times choose_tokens on that step's
+logits for each sampling setting: milliseconds per call (median and min) and the share of a
+decode step. Two shared cores make every figure noisy: compare the columns of one run.
 """
 
 from __future__ import annotations
@@ -12,55 +13,92 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 
+from actors.model.forward import StepItem
+from actors.model.loaded import load_model
 from actors.params import SamplingParams
 from actors.sampler import SequenceSampling, choose_tokens
 
 SETTINGS = {
     "greedy": SamplingParams(temperature=0.0),
-    "greedy + penalties": SamplingParams(
+    "greedy + all penalties": SamplingParams(
         temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2
     ),
     "T=0.8 top_p=0.9": SamplingParams(temperature=0.8, top_p=0.9),
     "T=0.8 top_k=40 top_p=0.9": SamplingParams(temperature=0.8, top_k=40, top_p=0.9),
+    "T=0.8 top_k=40 top_p=0.95 min_p=0.05": SamplingParams(
+        temperature=0.8, top_k=40, top_p=0.95, min_p=0.05
+    ),
     "T=0.8 min_p=0.05": SamplingParams(temperature=0.8, min_p=0.05),
     "T=1 (no filter)": SamplingParams(temperature=1.0),
     "T=0.8 top_p=0.9 logprobs=5": SamplingParams(temperature=0.8, top_p=0.9, logprobs=5),
+    "T=1.5 top_p=0.98 (wide nucleus)": SamplingParams(temperature=1.5, top_p=0.98),
 }
 
+OPENINGS = [
+    "Once upon a time",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "In 1492, Columbus",
+    "My favourite food is",
+    "The quick brown fox",
+    "Dear Sir or Madam,",
+    "import numpy as np\n",
+]
+TOPICS = ["the sea", "a robot", "the market", "winter", "my sister", "music", "a city", "space"]
+BLOCK_SIZE = 16
 
-def language_model_like_logits(rows: int, vocab: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    logits = rng.normal(0.0, 2.5, size=(rows, vocab)).astype(np.float32)
-    plausible = rng.integers(0, vocab, size=(rows, 300))
-    boost = rng.exponential(3.0, size=(rows, 300)).astype(np.float32) + 6.0
-    np.put_along_axis(logits, plausible, np.take_along_axis(logits, plausible, 1) + boost, 1)
-    return logits
+
+def prompts(rows: int) -> list[str]:
+    return [f"{OPENINGS[i % 8]} {TOPICS[(i // 8) % 8]}" for i in range(rows)]
+
+
+def timed(call: Callable[[], object], repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF file (default: gemma3-270m)")
     parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=262144)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
-    logits = language_model_like_logits(args.rows, args.vocab)
-    history = list(range(0, 640, 10))
-    print(f"choose_tokens, {args.rows} x {args.vocab} float32 logits, {args.repeats} calls each")
+
+    model = load_model(args.model)
+    vocab = model.spec.vocab_size
+    encoded = [model.tokenizer.encode(text) for text in prompts(args.rows)]
+    longest = max(len(ids) for ids in encoded) + 1
+    per_row = -(-longest // BLOCK_SIZE)
+    kv = model.new_kv_pool(args.rows * per_row, BLOCK_SIZE)
+    tables = [tuple(range(i * per_row, (i + 1) * per_row)) for i in range(args.rows)]
+    prefill = [StepItem(tuple(ids), 0, table) for ids, table in zip(encoded, tables)]
+    next_tokens = np.argmax(model.step(prefill, kv), axis=1)
+    decode = [
+        StepItem((int(token),), len(ids), table)
+        for token, ids, table in zip(next_tokens, encoded, tables)
+    ]
+    logits = model.step(decode, kv)
+    step_ms = statistics.median(timed(lambda: model.step(decode, kv), 3))
+
+    print(f"choose_tokens on {args.rows} x {vocab} logits of {model.spec.arch} (one decode step)")
+    print(f"  forward decode step of {args.rows} rows: median {step_ms:.0f} ms")
     for name, params in SETTINGS.items():
-        states = [SequenceSampling(params, history, args.vocab) for _ in range(args.rows)]
-        for state in states:
-            for token in history[:32]:
-                state.record(token)
+        states = [SequenceSampling(params, ids, vocab) for ids in encoded]
         choose_tokens(logits, states)  # warm-up
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            choose_tokens(logits, states)
-            times.append((time.perf_counter() - start) * 1e3)
-        print(f"  {name:30s} median {statistics.median(times):7.1f} ms  min {min(times):7.1f} ms")
+        times = timed(lambda: choose_tokens(logits, states), args.repeats)
+        median = statistics.median(times)
+        print(
+            f"  {name:38s} median {median:6.1f} ms  min {min(times):6.1f} ms"
+            f"  = {100 * median / step_ms:4.1f}% of the step"
+        )
 
 
 if __name__ == "__main__":
