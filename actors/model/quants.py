@@ -24,7 +24,7 @@ QK_K = 256  # elements of a K-quant super-block
 F32 = np.float32
 # Decode this many elements per chunk: big enough to amortize numpy's per-call overhead, small
 # enough that the chunk's uint8 intermediates and float32 output stay in L2.
-CHUNK_ELEMENTS = 1 << 16
+CHUNK_ELEMENTS = 1 << 17
 # llama.cpp's GROUP_MAX_EPS: a group whose largest magnitude is below this quantizes to zeros.
 GROUP_MAX_EPS = F32(1e-15)
 
