@@ -188,28 +188,31 @@ def _write_gguf(
     recipe: str,
     show_progress: bool | None,
 ) -> None:
-    """Metadata (with the new file type), tensor table, then each tensor converted in turn."""
-    for key, value, kind, item_kind in _metadata_fields(_open_reader(gguf_file.path)):
-        writer.add_key_value(key, value, kind, sub_type=item_kind)
-        if key == Keys.General.ALIGNMENT:
-            writer.data_alignment = int(value)
-    writer.add_file_type(int(FILE_TYPES[recipe]))
-    writer.add_quantization_version(GGML_QUANT_VERSION)
+    """Metadata (with the new file type), tensor table, then each tensor converted in turn.
+
+    Progress counts the metadata (slow to read for a large vocabulary) as one more step."""
     tensors = list(gguf_file.tensors.values())
-    for info in tensors:
-        target = plan[info.name]
-        writer.add_tensor_info(
-            info.name,
-            info.shape,
-            np.dtype(np.float32),
-            _tensor_bytes(info, target),
-            raw_dtype=GGMLQuantizationType[target],
-        )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
     title = f"quantizing {gguf_file.path.name}"
-    with Progress(title, len(tensors), show_bar=show_progress) as progress:
+    with Progress(title, len(tensors) + 1, show_bar=show_progress) as progress:
+        for key, value, kind, item_kind in _metadata_fields(_open_reader(gguf_file.path)):
+            writer.add_key_value(key, value, kind, sub_type=item_kind)
+            if key == Keys.General.ALIGNMENT:
+                writer.data_alignment = int(value)
+        writer.add_file_type(int(FILE_TYPES[recipe]))
+        writer.add_quantization_version(GGML_QUANT_VERSION)
+        for info in tensors:
+            target = plan[info.name]
+            writer.add_tensor_info(
+                info.name,
+                info.shape,
+                np.dtype(np.float32),
+                _tensor_bytes(info, target),
+                raw_dtype=GGMLQuantizationType[target],
+            )
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        progress.advance()
         for info in tensors:
             writer.write_tensor_data(_converted_bytes(gguf_file, info, plan[info.name]))
             progress.advance()
