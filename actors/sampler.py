@@ -27,7 +27,6 @@ function (top-p without top-k, logprobs, or no filter at all) pay one exp pass o
 
 from __future__ import annotations
 
-import math
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager

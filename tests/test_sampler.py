@@ -6,6 +6,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from actors.errors import ComputeError, InvalidRequest
 from actors.params import SamplingParams
@@ -41,7 +43,9 @@ def reference_log_softmax(row: np.ndarray, state: SequenceSampling) -> np.ndarra
     return scaled - np.logaddexp.reduce(scaled)
 
 
-def reference_sorted_survivors(row: np.ndarray, state: SequenceSampling) -> tuple[np.ndarray, np.ndarray]:
+def reference_sorted_survivors(
+    row: np.ndarray, state: SequenceSampling
+) -> tuple[np.ndarray, np.ndarray]:
     """(token ids most likely first, their renormalized probabilities) after top-k, top-p
     and min-p; ties are ordered by id."""
     params = state.params
@@ -60,7 +64,9 @@ def reference_sorted_survivors(row: np.ndarray, state: SequenceSampling) -> tupl
     return order[:keep], survivors / survivors.sum()
 
 
-def plausible_tokens(order: np.ndarray, probs: np.ndarray, u: float, slack: float = 1e-5) -> set[int]:
+def plausible_tokens(
+    order: np.ndarray, probs: np.ndarray, u: float, slack: float = 1e-5
+) -> set[int]:
     """The tokens whose CDF interval (in `order`) comes within `slack` of `u`."""
     upper = np.cumsum(probs)
     lower = upper - probs
@@ -68,7 +74,9 @@ def plausible_tokens(order: np.ndarray, probs: np.ndarray, u: float, slack: floa
     return set(order[near].tolist())
 
 
-def states_for(params: SamplingParams, vocab: int, n: int = 1, prompt=(), generated=()) -> list[SequenceSampling]:
+def states_for(
+    params: SamplingParams, vocab: int, n: int = 1, prompt=(), generated=()
+) -> list[SequenceSampling]:
     states = [SequenceSampling(params, list(prompt), vocab) for _ in range(n)]
     for state in states:
         for token in generated:
@@ -372,3 +380,59 @@ def test_bad_params_are_refused_when_the_sequence_starts():
     with pytest.raises(InvalidRequest) as error:
         SequenceSampling(SamplingParams(stop_token_ids=(500,)), [], 100)
     assert error.value.field == "stop_token_ids"
+
+
+# --- properties --------------------------------------------------------------------------
+
+finite_logit = st.floats(-30, 30, width=32)
+
+
+@st.composite
+def sampling_cases(draw: st.DrawFn) -> tuple[np.ndarray, SamplingParams, list[int], list[int]]:
+    vocab = draw(st.integers(1, 300))
+    logit = st.one_of(finite_logit, st.just(-np.inf))  # -inf: a masked token
+    values = draw(st.lists(logit, min_size=vocab, max_size=vocab))
+    values[draw(st.integers(0, vocab - 1))] = draw(finite_logit)  # at least one finite logit
+    params = SamplingParams(
+        temperature=draw(st.one_of(st.just(0.0), st.floats(0.05, 5.0))),
+        top_k=draw(st.integers(0, vocab + 5)),
+        top_p=draw(st.one_of(st.just(1.0), st.floats(0.05, 1.0))),
+        min_p=draw(st.one_of(st.just(0.0), st.floats(0.0, 0.9))),
+        repetition_penalty=draw(st.one_of(st.just(1.0), st.floats(0.5, 2.0))),
+        repetition_window=draw(st.integers(0, 8)),
+        presence_penalty=draw(st.floats(-2.0, 2.0)),
+        frequency_penalty=draw(st.floats(-2.0, 2.0)),
+        logprobs=draw(st.one_of(st.none(), st.integers(0, 20))),
+        seed=draw(st.integers(0, 2**32)),
+    )
+    history = st.lists(st.integers(0, vocab - 1), max_size=12)
+    return np.array([values], dtype=np.float32), params, draw(history), draw(history)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sampling_cases())
+def test_any_choice_is_a_survivor_with_the_right_logprobs(case):
+    logits, params, prompt, generated = case
+    vocab = logits.shape[1]
+    state = states_for(params, vocab, prompt=prompt, generated=generated)[0]
+    choice = choose_tokens(logits, [state])[0]
+    if params.temperature == 0:
+        assert choice.token == int(np.argmax(penalized(logits[0], state)))
+    else:
+        # Rounding may decide a survivor exactly at a top-p or min-p boundary either way.
+        loose = msgspec.structs.replace(
+            params, top_p=min(1.0, params.top_p + 1e-6), min_p=max(0.0, params.min_p - 1e-6)
+        )
+        loose_state = states_for(loose, vocab, prompt=prompt, generated=generated)[0]
+        survivors, _ = reference_sorted_survivors(logits[0], loose_state)
+        assert choice.token in set(survivors.tolist())
+    if params.logprobs is None:
+        assert choice.logprob is None and choice.top_logprobs is None
+    else:
+        reference = reference_log_softmax(logits[0], state)
+        assert choice.logprob == pytest.approx(reference[choice.token], abs=1e-4)
+        shown = min(params.logprobs, vocab)
+        assert len(choice.top_logprobs) == shown
+        assert [lp for _, lp in choice.top_logprobs] == pytest.approx(
+            np.sort(reference)[::-1][:shown].tolist(), abs=1e-4
+        )
