@@ -13,6 +13,7 @@ inside a block, each step vectorized over all blocks, and keep every intermediat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -181,7 +182,8 @@ def _fill_q6_k(blocks: np.ndarray, dest: np.ndarray) -> None:
     np.bitwise_and(words, _LOW_NIBBLES, out=levels[0])
     np.right_shift(words, np.uint64(4), out=levels[1])
     levels[1] &= _LOW_NIBBLES
-    top = np.ascontiguousarray(blocks[:, 128:192]).view(np.uint64).reshape(-1) >> _Q6_HIGH_SHIFTS
+    high = np.ascontiguousarray(blocks[:, 128:192]).view(np.uint64).reshape(-1)
+    top = high >> _Q6_HIGH_SHIFTS  # (low/high nibble, a/b, words)
     top &= _LOW_2_BITS
     top <<= np.uint64(4)
     levels |= top
@@ -259,8 +261,7 @@ def dequantize(raw: np.ndarray, type_name: str, shape: Sequence[int]) -> np.ndar
     shape = tuple(int(dim) for dim in shape)
     if not shape or min(shape) < 0:
         raise ModelFormatError(f"invalid {type_name} tensor shape {shape}")
-    n_elements = int(np.prod(shape, dtype=np.int64))
-    expected = n_elements // shape[-1] * row_bytes(type_name, shape[-1]) if shape[-1] else 0
+    expected = math.prod(shape[:-1]) * row_bytes(type_name, shape[-1])
     raw = np.asarray(raw)
     if raw.dtype != np.uint8:
         raise ModelFormatError(f"{type_name} tensor data must be uint8 bytes, got {raw.dtype}")
@@ -283,9 +284,9 @@ def dequantize(raw: np.ndarray, type_name: str, shape: Sequence[int]) -> np.ndar
 QUANTIZE_CHUNK_ELEMENTS = 1 << 18
 
 
-def _nearest_int(x: np.ndarray) -> np.ndarray:
+def _nearest_int(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """llama.cpp's nearest_int (the 1.5 * 2**23 trick): round half to even, in float32."""
-    return np.rint(x)
+    return np.rint(x, out=out)
 
 
 def _fp16_bytes(x: np.ndarray) -> np.ndarray:
@@ -305,7 +306,7 @@ def _sequential_sum(terms: np.ndarray) -> np.ndarray:
 def _clamped_levels(x_shifted: np.ndarray, iscale: np.ndarray, nmax: int) -> np.ndarray:
     """nearest_int(iscale * (x - min)) clamped to 0..nmax, as float32."""
     levels = x_shifted * iscale
-    np.rint(levels, out=levels)
+    _nearest_int(levels, out=levels)
     np.maximum(levels, F32(0), out=levels)
     np.minimum(levels, F32(nmax), out=levels)
     return levels
@@ -448,7 +449,7 @@ def _make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndar
 
     def levels_for(iscale: np.ndarray) -> np.ndarray:
         levels = x * iscale
-        np.rint(levels, out=levels)
+        _nearest_int(levels, out=levels)
         return np.clip(levels, -nmax, nmax - 1, out=levels)
 
     def sums(levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
