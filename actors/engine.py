@@ -34,6 +34,7 @@ from actors.errors import ContextLengthExceeded, EngineClosed, EngineOverloaded,
 from actors.kv_blocks import BlockPool
 from actors.logs import get_logger, logging_to
 from actors.messages import Chunk, Completion, EngineStats
+from actors.model.loaded import Model
 from actors.params import SamplingParams
 from actors.scheduler import Scheduler
 from actors.session import Admission, Session, new_request_id
@@ -75,7 +76,7 @@ class Engine:
     @asynccontextmanager
     async def open(
         cls,
-        path: str | Path | None = None,
+        path: str | Path | Model | None = None,
         backend: str = "auto",
         *,
         max_sequences: int = 64,
@@ -86,7 +87,8 @@ class Engine:
         log_level: str | None = None,
         log_file: str | os.PathLike[str] | TextIO | None = None,
     ) -> AsyncIterator[Engine]:
-        """Load a GGUF model (None = the default model) and serve it until the block ends.
+        """Load a GGUF model (None = the default model; or pass a loaded `Model` to share it)
+        and serve it until the block ends.
 
         `backend`: "auto" | "cpu" | "cuda" (an unusable GPU is a notice and a CPU fallback).
         `kv_blocks`: KV pool size in blocks of `block_size` positions (None: from a 1 GiB
@@ -119,7 +121,8 @@ class Engine:
                 ) as engine:
                     yield engine
             finally:
-                loaded.model.gguf.close()
+                if loaded.owned:
+                    loaded.model.gguf.close()
 
     @classmethod
     @asynccontextmanager

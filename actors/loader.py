@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,8 @@ class LoadedModel:
     """What the engine needs from the loader."""
 
     model: Model
+    # Whether the engine opened the model (and so closes its file).
+    owned: bool
     path: str
     backend: str
     notices: tuple[str, ...]
@@ -42,30 +42,30 @@ class LoadedModel:
         return ChatTemplate.from_model_metadata(self.model.gguf, override)
 
 
-def load(path: str | Path | None, backend: str) -> LoadedModel:
-    """Open the model and choose its backend (blocking: call it from a worker thread)."""
+def load(source: str | Path | Model | None, backend: str) -> LoadedModel:
+    """Open the model (or take an already loaded one) and choose its backend (blocking: call
+    it from a worker thread)."""
     if backend not in BACKENDS:
         raise InvalidRequest(
             f"backend {backend!r} is not one of {', '.join(BACKENDS)}", field="backend"
         )
-    started = time.perf_counter()
-    model = load_model(path)
+    model = source if isinstance(source, Model) else load_model(source)
     chosen, make_backend, notices = _choose_backend(model, backend)
-    quant_mix = Counter(info.type_name for info in model.gguf.tensors.values())
     log = get_logger("actors.loader")
     log.info(
         "model_loaded",
         arch=model.spec.arch,
-        quant_mix=dict(quant_mix),
-        load_ms=round((time.perf_counter() - started) * 1000.0, 3),
+        quant_mix=model.quant_mix,
+        load_ms=round(model.load_ms, 3),
         backend=chosen,
-        path=str(model.gguf.path),
+        path=str(model.path),
     )
     for notice in notices:
         log.info("notice", message=notice)
     return LoadedModel(
         model=model,
-        path=str(model.gguf.path),
+        owned=model is not source,
+        path=str(model.path),
         backend=chosen,
         notices=notices,
         make_backend=make_backend,

@@ -1,0 +1,195 @@
+"""The engine end to end on real models (SmolLM2-135M; a few tokens per request)."""
+
+from __future__ import annotations
+
+import json
+from itertools import accumulate
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from actors import EngineOverloaded, load_model
+from actors.compute.cpu import CpuBackend
+from actors.compute.protocol import ForwardItem
+from actors.engine import Engine
+from actors.errors import ContextLengthExceeded
+from actors.model.loaded import Model
+from actors.params import SamplingParams
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "My favourite colour is",
+    "The quick brown fox",
+    "Once upon a time, in a small village,",
+    "To make a cup of tea, first",
+    "The largest planet in the solar system is",
+    "In 1492, Columbus",
+    "A haiku about the sea:",
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "Photosynthesis is the process by which",
+    "The best way to learn a language is",
+    "Mount Everest is located in",
+    "A list of fruits: apple, banana,",
+    "Dear Sir or Madam, I am writing to",
+]
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_model_path: Path) -> Model:
+    return load_model(smollm2_model_path)
+
+
+def greedy(max_tokens: int, **extra: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+
+
+async def test_sixteen_concurrent_requests_match_each_alone_in_full_steps(
+    smollm2: Model, tmp_path: Path
+) -> None:
+    log_file = tmp_path / "engine.jsonl"
+    together: dict[int, tuple[int, ...]] = {}
+
+    async def one(index: int) -> None:
+        together[index] = (await engine.complete(PROMPTS[index], greedy(4))).token_ids
+
+    async with Engine.open(smollm2, log_level="debug", log_file=log_file) as engine:
+        async with anyio.create_task_group() as tasks:
+            for index in range(16):
+                tasks.start_soon(one, index)
+        steps_together = engine.stats().steps
+        alone = [(await engine.complete(prompt, greedy(4))).token_ids for prompt in PROMPTS]
+    assert [together[index] for index in range(16)] == alone
+    events = [json.loads(line) for line in log_file.read_text().splitlines()]
+    steps = [event for event in events if event["event"] == "step"][:steps_together]
+    decoding = [step["items"] for step in steps if step["decode_items"] == step["items"]]
+    assert decoding and np.mean(decoding) >= 14
+    finished = [event for event in events if event["event"] == "request_finished"]
+    assert len(finished) == 32 and all("request_id" in event for event in finished)
+
+
+async def test_shared_prefix_is_reused_with_the_cold_answer(smollm2: Model) -> None:
+    words = "one two three four five six seven eight nine ten".split()
+    prefix = " ".join(words[i % 10] for i in range(400))
+    prefix_ids = smollm2.tokenizer.encode(prefix)[:400]
+    question = smollm2.tokenizer.encode(" eleven twelve")
+    other = smollm2.tokenizer.encode(" and then")
+    async with Engine.open(smollm2) as engine:
+        cold = await engine.complete(prefix_ids + question, greedy(3))
+    async with Engine.open(smollm2) as engine:
+        await engine.complete(prefix_ids + other, greedy(1))
+        warm = await engine.complete(prefix_ids + question, greedy(3))
+    assert cold.usage.cached_tokens == 0
+    assert warm.usage.cached_tokens >= 384
+    assert warm.token_ids == cold.token_ids
+
+
+async def test_stop_string_across_token_boundary(smollm2: Model) -> None:
+    prompt = "Once upon a time, in a small village,"
+    async with Engine.open(smollm2) as engine:
+        pieces = [chunk.text async for chunk in engine.generate(prompt, greedy(8))]
+        # Two characters from the end of one token's text and two from the start of the next.
+        boundary = next(i for i in range(1, 7) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+        stop = pieces[boundary][-2:] + pieces[boundary + 1][:2]
+        full = "".join(pieces)
+        streamed = [chunk async for chunk in engine.generate(prompt, greedy(8, stop=[stop]))]
+    text = "".join(chunk.text for chunk in streamed)
+    assert text == full[: full.index(stop)]
+    assert streamed[-1].finish_reason == "stop"
+    assert all(stop not in seen for seen in accumulate(chunk.text for chunk in streamed))
+
+
+async def test_context_finish_and_too_long_prompt(smollm2: Model) -> None:
+    async with Engine.open(smollm2, kv_blocks=2, block_size=16) as engine:
+        assert engine.context_length == 32
+        prompt = list(range(100, 128))
+        done = await engine.complete(prompt, greedy(50, ignore_eos=True))
+        with pytest.raises(ContextLengthExceeded):
+            engine.generate(list(range(100, 132)), greedy(5))
+    assert done.finish_reason == "context"
+    assert len(done.token_ids) == 4
+
+
+async def test_overload_refuses_the_overflow_at_once_and_serves_the_rest(smollm2: Model) -> None:
+    outcomes: list[str] = []
+
+    async def one(index: int) -> None:
+        try:
+            stream = engine.generate(PROMPTS[index % 16], greedy(2))
+        except EngineOverloaded:
+            # Refused before any step has run: nothing waited.
+            outcomes.append("refused" if engine.stats().steps == 0 else "refused late")
+            return
+        async for chunk in stream:
+            if chunk.finish_reason is not None:
+                outcomes.append(chunk.finish_reason)
+
+    async with Engine.open(smollm2, max_sequences=4, max_queued=8) as engine:
+        async with anyio.create_task_group() as tasks:
+            for index in range(100):
+                tasks.start_soon(one, index)
+    assert sorted(outcomes) == ["length"] * 12 + ["refused"] * 88
+
+
+class FlakyCpuBackend(CpuBackend):
+    """Fails the first step that carries a decode at position `fail_at`."""
+
+    def __init__(self, model: Model, fail_at: int) -> None:
+        super().__init__(model, 64, 16)
+        self.fail_at = fail_at
+        self.failed: list[tuple[ForwardItem, ...]] = []
+
+    def forward(self, items: Sequence[ForwardItem]) -> np.ndarray:
+        if not self.failed and any(item.start == self.fail_at for item in items):
+            self.failed.append(tuple(items))
+            raise RuntimeError("injected failure")
+        return super().forward(items)
+
+
+async def test_injected_failure_replays_only_that_steps_sequences(smollm2: Model) -> None:
+    prompts = ["The capital of France is", "The quick brown fox"]
+    async with Engine.open(smollm2) as engine:
+        alone = [(await engine.complete(prompt, greedy(4))).token_ids for prompt in prompts]
+        bystander_alone = (await engine.complete("In 1492, Columbus", greedy(4))).token_ids
+    fail_at = len(smollm2.tokenizer.encode(prompts[0])) + 1
+    backend = FlakyCpuBackend(smollm2, fail_at)
+    results: dict[int, tuple[int, ...]] = {}
+
+    async def one(index: int) -> None:
+        results[index] = (await engine.complete(prompts[index], greedy(4))).token_ids
+
+    async with Engine.open_backend(lambda: backend, smollm2.tokenizer) as engine:
+        bystander = engine.generate("In 1492, Columbus", greedy(4))
+        first = await bystander.__anext__()
+        async with anyio.create_task_group() as tasks:
+            for index in range(2):
+                tasks.start_soon(one, index)
+        rest = [chunk.token_id async for chunk in bystander if chunk.token_id is not None]
+    assert [results[0], results[1]] == alone
+    assert (first.token_id, *rest) == bystander_alone
+    (failed,) = backend.failed
+    assert len(failed) >= 1
+
+
+async def test_multi_turn_chat_reuses_the_conversation(smollm2: Model) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    async with Engine.open(smollm2) as engine:
+        first = [chunk async for chunk in engine.chat(messages, greedy(12))]
+        messages += [
+            {"role": "assistant", "content": "".join(chunk.text for chunk in first)},
+            {"role": "user", "content": "And another one?"},
+        ]
+        second = [chunk async for chunk in engine.chat(messages, greedy(4))]
+    assert first[-1].finish_reason in ("stop", "length")
+    assert second[-1].usage.cached_tokens >= 16
