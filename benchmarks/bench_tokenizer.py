@@ -76,7 +76,8 @@ def main() -> None:
     text = mixed_text(int(args.megabytes * 1_000_000))
     megabytes = len(text.encode()) / 1e6
     print(f"text: {megabytes:.2f} MB, {len(text.splitlines())} lines")
-    for name, path in (("gemma3-270m (SPM)", default_model_path()), ("smollm2 (BPE)", smollm2_path())):
+    models = (("gemma3-270m (SPM)", default_model_path()), ("smollm2 (BPE)", smollm2_path()))
+    for name, path in models:
         start = time.perf_counter()
         tokenizer = Tokenizer.from_gguf(open_gguf(path))
         tokenizer.encode("warm up")  # builds the encoder

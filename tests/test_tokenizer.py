@@ -184,7 +184,8 @@ def test_spm_space_prefix_is_added_and_stripped_again(gemma3: Tokenizer) -> None
     assert tokenizer.decode(ids) == "Hello world"
     # After a special token the next text gets the prefix space again (llama.cpp).
     bold = tokenizer.vocab.token_to_id["<b>"]
-    assert tokenizer.encode("<b>x", add_bos=False)[:2] == [bold, tokenizer.vocab.token_to_id["▁x"]]
+    prefixed_x = tokenizer.vocab.token_to_id["▁x"]
+    assert tokenizer.encode("<b>x", add_bos=False)[:2] == [bold, prefixed_x]
 
 
 def _spm_with_space_prefix(gemma3: Tokenizer) -> Tokenizer:

@@ -57,7 +57,8 @@ def gpt2_pre() -> Tokenizer:
 
 def _partition(vocab: Vocab, text: str, parse_special: bool) -> list[str | int]:
     kinds = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN
-    special = sorted(np.flatnonzero(vocab.attrs & kinds).tolist(), key=lambda t: -len(vocab.tokens[t]))
+    special = np.flatnonzero(vocab.attrs & kinds).tolist()
+    special.sort(key=lambda t: -len(vocab.tokens[t]))
     fragments: list[str | int] = [text] if text else []
     for token in special:
         if not parse_special and vocab.attrs[token] & (ATTR_CONTROL | ATTR_UNKNOWN):
@@ -203,7 +204,7 @@ def _bpe_session(vocab: Vocab, ranks: dict[tuple[str, str], int], text: str) -> 
     for word in map(_byte_level, words):
         symbols = list(word)
         while len(symbols) > 1:
-            pairs = [(ranks.get(pair, 1 << 30), i) for i, pair in enumerate(zip(symbols, symbols[1:]))]
+            pairs = [(ranks.get(p, 1 << 30), i) for i, p in enumerate(zip(symbols, symbols[1:]))]
             rank, i = min(pairs)
             if rank == 1 << 30:
                 break

@@ -69,9 +69,9 @@ class Tokenizer:
     @cached_property
     def _encoder(self) -> HFTokenizer:
         # Built on first use: ~1 s for a 262k SentencePiece vocabulary, not needed to decode.
-        return build_spm_model(self.vocab) if self.vocab.model == "llama" else build_bpe_model(
-            self.vocab
-        )
+        if self.vocab.model == "llama":
+            return build_spm_model(self.vocab)
+        return build_bpe_model(self.vocab)
 
     def encode(
         self, text: str, *, add_bos: bool | None = None, parse_special: bool = False
@@ -105,9 +105,10 @@ class Tokenizer:
         return ids
 
     def _encode_fragments(self, fragments: list[str | int]) -> list[int]:
-        raw = [fragment for fragment in fragments if isinstance(fragment, str)]
         if self.vocab.model == "llama":
             raw = _spm_texts(fragments, self.vocab.add_space_prefix)
+        else:
+            raw = [fragment for fragment in fragments if isinstance(fragment, str)]
         if not raw:
             return [fragment for fragment in fragments if isinstance(fragment, int)]
         encoded = iter(self._encoder.encode_batch_fast(raw, add_special_tokens=False))
@@ -137,8 +138,8 @@ class Tokenizer:
         """A streaming decoder whose pushes + flush concatenate to `decode(ids, special=...)`."""
         return IncrementalDecoder(self, special=special)
 
-    def piece(self, token_id: int, *, special: bool = True) -> bytes:
-        """The bytes one token stands for (control tokens render their text if `special`)."""
+    def piece(self, token_id: int, *, special: bool = False) -> bytes:
+        """The bytes one token stands for (control tokens render their text only if `special`)."""
         (token,) = self._checked_ids((token_id,))
         return (self._pieces_special if special else self._pieces)[token]
 
@@ -215,7 +216,8 @@ def _token_pieces(vocab: Vocab) -> list[bytes]:
 
 
 def _spm_texts(fragments: list[str | int], add_space_prefix: bool) -> list[str]:
-    """Raw fragments as SentencePiece sees them: '▁' for spaces, '▁' first after a special token."""
+    """Raw fragments as SentencePiece sees them: '▁' for spaces, and (with add_space_prefix)
+    one more first when a special token or the start of the text precedes them."""
     texts = []
     after_special = True  # llama.cpp prefixes the first fragment as if a special token preceded
     for fragment in fragments:

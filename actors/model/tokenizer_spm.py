@@ -22,7 +22,7 @@ _HASH_BASES = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9)
 
 
 def build_spm_model(vocab: Vocab) -> Tokenizer:
-    """A `tokenizers.Tokenizer` that cuts one text fragment (spaces already '▁') like llama.cpp."""
+    """A `tokenizers.Tokenizer` cutting one fragment (spaces already '▁') like llama.cpp."""
     merged, left, right = merge_pairs(vocab.tokens)
     # Best score first (token id on ties); among cuts of one token, transformers' order.
     token_rank = np.empty(vocab.size, dtype=np.int64)

@@ -173,6 +173,8 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
         )
     add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
 
+    if "" in tokens:  # llama.cpp names empty tokens so they stay distinct
+        tokens = [text or f"[EMPTY_{index}]" for index, text in enumerate(tokens)]
     token_to_id = {text: index for index, text in enumerate(tokens)}
     if len(token_to_id) != n_tokens:
         raise ModelFormatError("tokenizer.ggml.tokens holds the same token text twice")
@@ -183,14 +185,19 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
     special = {name: token for name, token in special.items() if token < n_tokens}
     for name, key in _SPECIAL_ID_KEYS:
         value = metadata.get(f"tokenizer.ggml.{key}")
-        if value is not None and 0 <= int(value) < n_tokens:
+        if value is None:
+            continue
+        if not isinstance(value, int | np.integer):
+            raise ModelFormatError(f"metadata 'tokenizer.ggml.{key}' is not an integer: {value!r}")
+        if 0 <= value < n_tokens:  # llama.cpp ignores an id outside the vocabulary
             special[name] = int(value)
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     for flag, name in ((add_bos, "bos"), (add_eos, "eos")):
         if flag and name not in special:
-            raise ModelFormatError(f"tokenizer.ggml.add_{name}_token is set but the model has no "
-                                   f"{name} token")
+            raise ModelFormatError(
+                f"tokenizer.ggml.add_{name}_token is set but the model has no {name} token"
+            )
     eog_ids = _mark_special_tokens(token_to_id, attrs, special)
     return Vocab(
         model=model,
