@@ -343,6 +343,9 @@ def _make_qkx2_quants(
         scale = F32(1) / iscale
         levels = _clamped_levels(x - x_min, iscale, nmax)
         best_error = _weighted_square_error(x, weights, levels, scale, x_min)
+        # The best levels are recomputed at the end from the (iscale, min) that made them:
+        # cheaper than selecting whole level arrays at every step.
+        best_iscale, best_shift = iscale, x_min
         for step in range(nstep + 1):
             iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (x_max - x_min)
             trial = _clamped_levels(x - x_min, iscale, nmax)
@@ -358,10 +361,12 @@ def _make_qkx2_quants(
             this_min = np.where(positive_min, F32(0), this_min)
             error = _weighted_square_error(x, weights, trial, this_scale, this_min)
             better = (det > 0) & (error < best_error)
-            levels = np.where(better, trial, levels)
+            best_iscale = np.where(better, iscale, best_iscale)
+            best_shift = np.where(better, x_min, best_shift)
             best_error = np.where(better, error, best_error)
             scale = np.where(better, this_scale, scale)
             x_min = np.where(better, this_min, x_min)
+        levels = _clamped_levels(x - best_shift, best_iscale, nmax)
     levels[:, flat] = 0
     scale[flat] = 0
     return levels, scale, -x_min
@@ -459,19 +464,20 @@ def _make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndar
         return _sequential_sum(weighted_x * levels), _sequential_sum(weighted_l)
 
     with np.errstate(divide="ignore", invalid="ignore"):
-        levels = levels_for(F32(-nmax) / x_max)
-        sum_lx, sum_l2 = sums(levels)
+        best_iscale = F32(-nmax) / x_max
+        sum_lx, sum_l2 = sums(levels_for(best_iscale))
         scale = np.where(sum_l2 != 0, sum_lx / sum_l2, F32(0))
         best = scale * sum_lx
         for step in range(-9, 10):
             if step == 0:
                 continue
-            trial = levels_for(-(F32(nmax) + F32(0.1) * F32(step)) / x_max)
-            sum_lx, sum_l2 = sums(trial)
+            iscale = -(F32(nmax) + F32(0.1) * F32(step)) / x_max
+            sum_lx, sum_l2 = sums(levels_for(iscale))
             better = (sum_l2 > 0) & (sum_lx * sum_lx > best * sum_l2)
-            levels = np.where(better, trial, levels)
+            best_iscale = np.where(better, iscale, best_iscale)  # its levels are rebuilt below
             scale = np.where(better, sum_lx / sum_l2, scale)
             best = np.where(better, scale * sum_lx, best)
+        levels = levels_for(best_iscale)
     levels += F32(nmax)
     levels[:, zero] = 0
     scale[zero] = 0
