@@ -47,8 +47,10 @@ _NUCLEUS_GUESS = 128
 # The first threshold aims for this many times the candidates a row needs: the guess from a
 # sample is noisy, and a row that comes up short costs a second comparison pass.
 _CANDIDATE_MARGIN = 4
-# Each widening asks for this many times more candidates.
+# Each widening asks for at least this many times more candidates, and this many times what
+# a nucleus short of mass is known to lack.
 _WIDEN_FACTOR = 2
+_WIDEN_MARGIN = 2
 # The partition function is summed in blocks of this many tokens: the blocks' sums let an
 # unfiltered row invert its CDF by re-reading one block instead of the whole row.
 _BLOCK = 1024
@@ -371,35 +373,36 @@ def _candidate_table(
 
     slot_of = np.zeros(logits.shape[0], dtype=np.int64)  # batch row -> table row
     slot_of[table_rows] = np.arange(table_rows.size)
-    table_row = ids = np.empty(0, dtype=np.int64)
-    values = np.empty(0, dtype=np.float32)
+    decided_parts = []
+    count = np.zeros(table_rows.size, dtype=np.int64)
     pending = np.ones(table_rows.size, dtype=bool)
     threshold = np.empty(table_rows.size)
     while pending.any():
         guess = np.minimum(_threshold_from_sample(sample, threshold_at), highest_start)
         threshold[pending] = guess[pending]
-        # Decided rows keep their candidates; pending rows gather theirs anew.
-        kept = ~pending[table_row]
-        bound = np.full(logits.shape[0], np.inf)
+        bound = np.full(logits.shape[0], np.inf)  # decided rows keep what they gathered
         bound[table_rows[pending]] = threshold[pending]
-        batch_row, new_ids = _above(logits, bound)
-        table_row = np.concatenate([table_row[kept], slot_of[batch_row]])
-        ids = np.concatenate([ids[kept], new_ids])
-        values = np.concatenate([values[kept], logits.reshape(-1)[batch_row * vocab + new_ids]])
-        count = np.bincount(table_row, minlength=table_rows.size)
+        batch_row, ids = _above(logits, bound)
+        table_row = slot_of[batch_row]
+        values = logits.reshape(-1)[batch_row * vocab + ids]
+        count = np.where(pending, np.bincount(table_row, minlength=count.size), count)
         weights = np.exp((values - row_peak[table_row]) * inv_temp[table_row])
         missing = nucleus_mass - np.bincount(table_row, weights=weights, minlength=count.size)
         short = (count < need) | ((missing > 0) & (threshold > min_p_floor))
-        pending = short & (threshold > -np.inf)
+        decided = pending & ~(short & (threshold > -np.inf))
+        chosen = decided[table_row]
+        decided_parts.append((table_row[chosen], ids[chosen], values[chosen]))
+        pending &= ~decided
         # Every token below a threshold weighs less than one at it, so a nucleus short of
         # mass needs at least `missing / that weight` more tokens: a wide nucleus (hot
         # temperature, top_p near 1) of tens of thousands is reached in a few widenings.
         weight_at_threshold = np.exp((threshold - row_peak) * inv_temp)
         with np.errstate(divide="ignore", invalid="ignore"):  # a weight of 0: inf more
             more = np.where(missing > 0, missing / weight_at_threshold, 0.0)
-        at_least = np.minimum(_CANDIDATE_MARGIN * (count + more), vocab)
+        at_least = np.minimum(_WIDEN_MARGIN * (count + more), vocab)
         wider = np.maximum(threshold_at * _WIDEN_FACTOR, np.ceil(at_least / stride))
         threshold_at = np.where(pending, wider, threshold_at).astype(np.int64)
+    table_row, ids, values = (np.concatenate(part) for part in zip(*decided_parts))
     return _sorted_table(table_rows, table_row, ids, values, count, peak, rows.inv_temp)
 
 
