@@ -356,7 +356,7 @@ def _candidate_table(
     it holds top-k's k tokens, the logprobs' n, min-p's survivors and top-p's nucleus."""
     vocab = logits.shape[1]
     stride = max(1, vocab // _SAMPLE_SIZE)
-    sample = np.sort(_rows_of(logits, table_rows)[:, ::stride], axis=1)
+    sample = np.sort(logits[table_rows, ::stride], axis=1)
     inv_temp = rows.inv_temp[table_rows]
     top_k = rows.top_k[table_rows]
     row_peak = peak[table_rows]
