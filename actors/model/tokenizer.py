@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from actors.errors import InvalidRequest
 from actors.model.tokenizer_bpe import build_bpe_model, byte_level_bytes
-from actors.model.tokenizer_special import SpecialTokenSplitter
+from actors.model.tokenizer_special import Fragment, SpecialTokenSplitter
 from actors.model.tokenizer_spm import build_spm_model
 from actors.model.tokenizer_vocab import (
     ATTR_BYTE,
@@ -104,7 +104,7 @@ class Tokenizer:
             ids.append(self.vocab.special["eos"])
         return ids
 
-    def _encode_fragments(self, fragments: list[str | int]) -> list[int]:
+    def _encode_fragments(self, fragments: list[Fragment]) -> list[int]:
         if self.vocab.model == "llama":
             raw = _spm_texts(fragments, self.vocab.add_space_prefix)
         else:
@@ -215,7 +215,7 @@ def _token_pieces(vocab: Vocab) -> list[bytes]:
     return pieces
 
 
-def _spm_texts(fragments: list[str | int], add_space_prefix: bool) -> list[str]:
+def _spm_texts(fragments: list[Fragment], add_space_prefix: bool) -> list[str]:
     """Raw fragments as SentencePiece sees them: '▁' for spaces, and (with add_space_prefix)
     one more first when a special token or the start of the text precedes them."""
     texts = []

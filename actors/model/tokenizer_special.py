@@ -36,7 +36,6 @@ class SpecialTokenSplitter:
     def __init__(self, vocab: Vocab) -> None:
         special = np.flatnonzero(vocab.attrs & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN))
         ids = sorted(special.tolist(), key=lambda token: -len(vocab.tokens[token]))
-        ids = [token for token in ids if vocab.tokens[token]]
         always = [token for token in ids if not vocab.attrs[token] & (ATTR_CONTROL | ATTR_UNKNOWN)]
         self._matchers = {
             False: _Matcher({vocab.tokens[token]: token for token in always}),
