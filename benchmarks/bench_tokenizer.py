@@ -80,8 +80,9 @@ def main() -> None:
     for name, path in models:
         start = time.perf_counter()
         tokenizer = Tokenizer.from_gguf(open_gguf(path))
-        tokenizer.encode("warm up")  # builds the encoder
         load = time.perf_counter() - start
+        tokenizer.encode("warm up")  # builds the encoder
+        build = time.perf_counter() - start - load
         ids = tokenizer.encode(text)
         encode = best_seconds(lambda: tokenizer.encode(text), args.repeat)
         decode = best_seconds(lambda: tokenizer.decode(ids), args.repeat)
@@ -94,7 +95,8 @@ def main() -> None:
 
         streaming = best_seconds(stream, 1)
         print(
-            f"{name:20s} load+build {load:5.2f} s | encode {megabytes / encode:5.2f} MB/s "
+            f"{name:18s} load {load:4.2f} s + encoder {build:4.2f} s | "
+            f"encode {megabytes / encode:5.2f} MB/s "
             f"({len(ids) / encode / 1e3:6.0f} k tok/s, {len(ids)} tokens) | "
             f"decode {megabytes / decode:6.1f} MB/s | "
             f"stream {len(ids) / streaming / 1e3:5.0f} k tok/s"
