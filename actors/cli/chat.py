@@ -14,7 +14,6 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from types import FrameType
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -74,11 +73,23 @@ def _chat(args: argparse.Namespace) -> int:
         except OSError as exc:
             return error_line("chat", f"{args.template}: cannot read the template: {exc.strerror}")
     _check_template(model_path_from(args), template)
-    with (
-        start_blocking_portal() as portal,
-        portal.wrap_async_context_manager(open_engine(args)) as engine,
-    ):
-        return ChatSession(portal, engine, params, template, args.system, console()).run()
+    # From here Ctrl-C only sets this flag (the prompt excepted): an interrupt raised inside the
+    # portal's machinery, e.g. while the model loads, would leave the engine half started.
+    stop_requested = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda _signum, _frame: stop_requested.set())
+    try:
+        with (
+            start_blocking_portal() as portal,
+            portal.wrap_async_context_manager(open_engine(args)) as engine,
+        ):
+            if stop_requested.is_set():  # pressed while loading: leave now it is safe
+                print("q4k chat: interrupted", file=sys.stderr)
+                return 130
+            session = ChatSession(portal, engine, params, template, args.system, console(),
+                                  stop_requested)
+            return session.run()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _check_template(model: Path, override: str | None) -> None:
@@ -99,7 +110,8 @@ class ChatSession:
     """The REPL: reads turns, streams answers, keeps the history."""
 
     def __init__(self, portal: BlockingPortal, engine: Engine, params: SamplingParams,
-                 template: str | None, system: str | None, out: Console) -> None:
+                 template: str | None, system: str | None, out: Console,
+                 stop_requested: threading.Event) -> None:
         self.portal = portal
         self.engine = engine
         self.params = params
@@ -107,47 +119,32 @@ class ChatSession:
         self.system = system
         self.out = out
         self.history: list[dict[str, str]] = []
-        self.stop_requested = threading.Event()
+        self.stop_requested = stop_requested  # set by Ctrl-C (the caller's SIGINT handler)
 
     def messages(self) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + self.history
 
     def run(self) -> int:
-        """The loop; Ctrl-C interrupts a half-typed line at the prompt, and otherwise only
-        flags a stop that the turn acts on, so it never lands inside the engine's machinery."""
+        """The loop. Ctrl-C sets `stop_requested`, which a turn acts on at a safe point; only
+        at the prompt does it interrupt, dropping the typed line."""
         if sys.stdin.isatty():
             import readline  # noqa: F401  (importing it gives input() line editing and history)
         self.out.print(Text(f"chatting ({HELP})", style="dim"))
-        previous = signal.signal(signal.SIGINT, self._flag_stop)
-        try:
-            while True:
-                try:
-                    line = self._read_line()
-                except EOFError:
-                    self.out.print()
+        while True:
+            try:
+                line = _read_line()
+            except EOFError:
+                self.out.print()
+                return 0
+            except KeyboardInterrupt:
+                self.out.print(Text("\n(no answer to stop; /quit or Ctrl-D leaves)", style="dim"))
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
                     return 0
-                except KeyboardInterrupt:
-                    self.out.print(Text("\n(no answer to stop; /quit or Ctrl-D leaves)",
-                                        style="dim"))
-                    continue
-                if line.startswith("/"):
-                    if not self.command(line):
-                        return 0
-                elif line.strip():
-                    self.turn(line)
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-    def _flag_stop(self, _signum: int, _frame: FrameType | None) -> None:
-        self.stop_requested.set()
-
-    def _read_line(self) -> str:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
-            return input(PROMPT)
-        finally:
-            signal.signal(signal.SIGINT, self._flag_stop)
+            elif line.strip():
+                self.turn(line)
 
     def command(self, line: str) -> bool:
         """Run a /command; False when it ends the session."""
@@ -188,6 +185,15 @@ class ChatSession:
             self.history.append({"role": "assistant", "content": text})
         else:
             self.history.pop()
+
+
+def _read_line() -> str:
+    """input() with Ctrl-C raising KeyboardInterrupt, as at any prompt."""
+    flag_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return input(PROMPT)
+    finally:
+        signal.signal(signal.SIGINT, flag_handler)
 
 
 class _Answer:
