@@ -28,7 +28,7 @@ def bench_run(tiny_model_paths: dict[str, Path],
 
 def test_bench_json_reports_every_level(bench_run: tuple[dict, Path]) -> None:
     report, _ = bench_run
-    assert report["model"].endswith("llama-q4k-tiny.gguf")
+    assert report["model"].endswith("llama-q4k-tiny.gguf") and report["backend"] == "cpu"
     levels = report["levels"]
     assert [level["concurrency"] for level in levels] == [1, 3]
     assert [level["requests"] for level in levels] == [2, 6]

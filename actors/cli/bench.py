@@ -25,6 +25,7 @@ from actors.cli.common import (
     model_path_from,
     open_engine,
 )
+from actors.progress import Progress
 
 if TYPE_CHECKING:
     from actors.engine import Engine
@@ -100,12 +101,12 @@ def _levels(text: str) -> tuple[int, ...]:
 
 def _bench(args: argparse.Namespace) -> int:
     configure_logging_from(args)
-    results = anyio.run(_run_levels, args)
+    backend, results = anyio.run(_run_levels, args)
     if args.json:
-        report = {"model": str(model_path_from(args)), "backend": args.backend, "levels": results}
+        report = {"model": str(model_path_from(args)), "backend": backend, "levels": results}
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(report)).decode() + "\n")
         return 0
-    table = Table(title=f"q4k bench: prompt ~{args.prompt_tokens} tokens, "
+    table = Table(title=f"q4k bench ({backend}): prompt ~{args.prompt_tokens} tokens, "
                         f"{args.max_tokens} generated, {args.rounds} round(s)",
                   title_justify="left")
     for column in ("clients", "requests", "prompt tok", "prefill tok/s", "decode tok/s",
@@ -120,29 +121,34 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run_levels(args: argparse.Namespace) -> list[LevelResult]:
+async def _run_levels(args: argparse.Namespace) -> tuple[str, list[LevelResult]]:
+    """(the backend the engine chose, one result per concurrency level)."""
     from actors.params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     warmup = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     results = []
     async with open_engine(args, max_sequences=max(args.concurrency)) as engine:
+        backend = "cuda" if engine.info.on_gpu else "cpu"
         await engine.complete(synthetic_prompt(-1, args.prompt_tokens), warmup)
         for level in args.concurrency:
             timings: list[RequestTiming] = []
-            async with anyio.create_task_group() as group:
-                for index in range(level):
-                    group.start_soon(_client, engine, index * args.rounds, args, params, timings)
+            with Progress(f"bench: {level} clients", level * args.rounds) as progress:
+                async with anyio.create_task_group() as group:
+                    for index in range(level):
+                        group.start_soon(_client, engine, index * args.rounds, args, params,
+                                         timings, progress)
             results.append(level_result(level, timings))
-    return results
+    return backend, results
 
 
 async def _client(engine: Engine, first_index: int, args: argparse.Namespace,
-                  params: SamplingParams, timings: list[RequestTiming]) -> None:
+                  params: SamplingParams, timings: list[RequestTiming], progress: Progress) -> None:
     """One client: its requests one after another, each with its own prompt."""
     for index in range(first_index, first_index + args.rounds):
         prompt = synthetic_prompt(index, args.prompt_tokens)
         timings.append(await _timed_request(engine, prompt, params))
+        progress.advance()
 
 
 def synthetic_prompt(index: int, words: int) -> str:
