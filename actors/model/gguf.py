@@ -267,13 +267,24 @@ class GGUFFile:
         self._check_no_overlap()
 
     def _read_metadata(self, cursor: _Cursor, kv_count: int) -> dict[str, Any]:
+        """Parse the metadata; also record each key's GGUF value type (and item type for
+        arrays) in `metadata_types`, so a writer can copy entries exactly."""
         metadata: dict[str, Any] = {}
+        self.metadata_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
         for index in range(kv_count):
             key = cursor.string(f"metadata key #{index}")
             kind = cursor.value_type(f"metadata {key!r}")
             if key in metadata:
                 raise ModelFormatError(f"{self.path}: metadata key {key!r} appears twice")
+            value_at = cursor.pos
             metadata[key] = cursor.value(kind, f"metadata {key!r}")
+            # An array's item type is the u32 its value starts with (already bounds-checked).
+            item_kind = (
+                GGUFValueType(struct.unpack_from("<I", cursor.buffer, value_at)[0])
+                if kind == GGUFValueType.ARRAY
+                else None
+            )
+            self.metadata_types[key] = (kind, item_kind)
         return metadata
 
     def _read_tensor_table(

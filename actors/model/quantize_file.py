@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_VERSION, GGMLQuantizationType, Keys
 
 from actors.errors import InvalidRequest, ModelFormatError, UnsupportedModelError
@@ -146,27 +146,20 @@ def _encode(values: np.ndarray, target: str) -> np.ndarray:
 
 
 def _metadata_fields(
-    reader: GGUFReader,
+    gguf_file: GGUFFile,
 ) -> Iterable[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
     """(key, value, type, item type) of each metadata entry worth copying."""
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key in _KEYS_NOT_COPIED:
+    for key, value in gguf_file.metadata.items():
+        if key in _KEYS_NOT_COPIED:
             continue
-        kind = field.types[0]
-        item_kind = field.types[1] if kind == GGUFValueType.ARRAY else None
+        kind, item_kind = gguf_file.metadata_types[key]
         if item_kind == GGUFValueType.ARRAY:
             raise UnsupportedModelError(f"metadata {key!r} nests arrays, which cannot be copied")
-        value = field.contents()
-        if kind == GGUFValueType.ARRAY and len(value) == 0:
-            continue  # gguf's writer refuses empty arrays; an empty list carries nothing
+        if kind == GGUFValueType.ARRAY:
+            if len(value) == 0:
+                continue  # gguf's writer refuses empty arrays; an empty list carries nothing
+            value = value.tolist() if isinstance(value, np.ndarray) else value
         yield key, value, kind, item_kind
-
-
-def _open_reader(path: Path) -> GGUFReader:
-    try:
-        return GGUFReader(path)
-    except Exception as exc:  # the file passed our parser: anything left is still its fault
-        raise ModelFormatError(f"{path}: gguf cannot read the metadata: {exc}") from None
 
 
 def _discard(writer: GGUFWriter, partial: Path) -> None:
@@ -190,11 +183,11 @@ def _write_gguf(
 ) -> None:
     """Metadata (with the new file type), tensor table, then each tensor converted in turn.
 
-    Progress counts the metadata (slow to read for a large vocabulary) as one more step."""
+    Progress counts writing the metadata and tensor table as one more step."""
     tensors = list(gguf_file.tensors.values())
     title = f"quantizing {gguf_file.path.name}"
     with Progress(title, len(tensors) + 1, show_bar=show_progress) as progress:
-        for key, value, kind, item_kind in _metadata_fields(_open_reader(gguf_file.path)):
+        for key, value, kind, item_kind in _metadata_fields(gguf_file):
             writer.add_key_value(key, value, kind, sub_type=item_kind)
             if key == Keys.General.ALIGNMENT:
                 writer.data_alignment = int(value)
