@@ -1,0 +1,100 @@
+"""Aggregate generation throughput through the engine vs bare `Model.step` stepping.
+
+For each concurrency N: N requests with distinct prompts, each generating --tokens tokens
+(greedy, EOS ignored), all at once. "bare" drives Model.step + choose_tokens directly with the
+same batches (prompts prefilled under the same token budget, then one decode step for all N
+per token); "engine" runs the same requests through Engine.complete. Overhead = how much
+longer the engine takes than the bare loop. Anchors (llama-server, same machine class):
+49 / 155 / 171 tok/s at 1 / 16 / 64 clients.
+
+    python benchmarks/bench_engine.py [--model PATH] [--concurrency 1 4 16 64] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import anyio
+
+from actors import Engine, SamplingParams, load_model
+from actors.model.forward import StepItem
+from actors.model.loaded import Model
+from actors.sampler import SequenceSampling, choose_tokens
+
+BLOCK_SIZE = 16
+PREFILL_CHUNK = 512
+
+
+def prompts_for(model: Model, count: int) -> list[list[int]]:
+    base = model.tokenizer.encode("Write a short story about a robot who learns to paint, number")
+    return [base + model.tokenizer.encode(f" {index}.", add_bos=False) for index in range(count)]
+
+
+def bare(model: Model, prompts: list[list[int]], tokens: int) -> float:
+    """Seconds to generate `tokens` for every prompt by stepping the model directly."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    per_seq = -(-(max(map(len, prompts)) + tokens) // BLOCK_SIZE)
+    kv = model.new_kv_pool(per_seq * len(prompts), BLOCK_SIZE)
+    tables = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    states = [SequenceSampling(params, prompt, model.spec.vocab_size) for prompt in prompts]
+    started = time.perf_counter()
+    last: list[int] = []
+    per_step = max(1, PREFILL_CHUNK // len(prompts[0]))
+    for first in range(0, len(prompts), per_step):
+        batch = range(first, min(len(prompts), first + per_step))
+        logits = model.step([StepItem(tuple(prompts[i]), 0, tables[i]) for i in batch], kv)
+        last += [choice.token for choice in choose_tokens(logits, [states[i] for i in batch])]
+    positions = [len(prompt) for prompt in prompts]
+    for _ in range(tokens - 1):
+        for state, token in zip(states, last):
+            state.record(token)
+        items = [StepItem((t,), p, table) for t, p, table in zip(last, positions, tables)]
+        last = [choice.token for choice in choose_tokens(model.step(items, kv), states)]
+        positions = [p + 1 for p in positions]
+    return time.perf_counter() - started
+
+
+async def through_engine(model: Model, prompts: list[list[int]], tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    async with Engine.open(model, max_sequences=64, prefill_chunk=PREFILL_CHUNK) as engine:
+        await engine.complete([2, 3, 4], SamplingParams(max_tokens=2))  # warm the thread
+        started = time.perf_counter()
+        async with anyio.create_task_group() as tasks:
+            for prompt in prompts:
+                tasks.start_soon(engine.complete, prompt, params)
+        return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF path (default: gemma-3-270m)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    model = load_model(args.model)
+    rows = []
+    for count in args.concurrency:
+        prompts = prompts_for(model, count)
+        bare_s = bare(model, prompts, args.tokens)
+        engine_s = anyio.run(through_engine, model, prompts, args.tokens)
+        generated = count * args.tokens
+        rows.append(
+            {
+                "concurrency": count,
+                "bare_tok_s": round(generated / bare_s, 1),
+                "engine_tok_s": round(generated / engine_s, 1),
+                "overhead_pct": round((engine_s / bare_s - 1) * 100, 1),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    by_n = {row["concurrency"]: row["engine_tok_s"] for row in rows}
+    if 1 in by_n and 16 in by_n:
+        print(f"engine 16 / engine 1 = {by_n[16] / by_n[1]:.2f} (goal >= 4)")
+    if 64 in by_n:
+        print(f"engine 64 / llama-server 171 = {by_n[64] / 171:.2f} (goal >= 1.5)")
+
+
+if __name__ == "__main__":
+    main()
