@@ -36,8 +36,8 @@ from actors.logs import get_logger, logging_to
 from actors.messages import Chunk, Completion, EngineStats
 from actors.model.loaded import Model
 from actors.params import SamplingParams
-from actors.scheduler import Scheduler
-from actors.session import Admission, Session, new_request_id
+from actors.scheduler import Admission, Scheduler
+from actors.session import Session, new_request_id
 
 # Messages a live session can have in the scheduler's inbox at once: open, advance, close.
 _INBOX_SLOTS_PER_REQUEST = 3
@@ -163,8 +163,10 @@ class Engine:
                 for stream in (answer_receive, compute_send, inbox_send, inbox_receive):
                     stream.close()
             else:
+                admission = Admission(limit)
                 scheduler = Scheduler(
                     pool=BlockPool(info.num_blocks, info.block_size),
+                    admission=admission,
                     max_sequences=max_sequences,
                     prefill_chunk=prefill_chunk,
                     inbox=inbox_receive,
@@ -178,7 +180,7 @@ class Engine:
                     chat_template=chat_template,
                     scheduler=scheduler,
                     scheduler_inbox=inbox_send,
-                    admission=Admission(limit),
+                    admission=admission,
                     notices=tuple(dict.fromkeys((*notices, *info.notices))),
                 )
                 engine._log.info(

@@ -23,6 +23,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.compute.protocol import ForwardItem, RunStep, Shutdown, StepDone, StepFailed
+from actors.errors import EngineOverloaded
 from actors.kv_blocks import ROOT_HASH, BlockPool, chain_hashes
 from actors.logs import get_logger
 from actors.messages import (
@@ -39,6 +40,30 @@ from actors.messages import (
 GATHER_IDLE_S = 0.002
 # A sequence whose steps fail this many times in a row is failed with ComputeError.
 MAX_STEP_FAILURES = 2
+
+
+class Admission:
+    """Counts live requests against the engine's limits (running + queued). Sessions enter on
+    their first step; the scheduler lets them leave when it handles their CloseSequence."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.live = 0
+
+    def check(self) -> None:
+        """Raise EngineOverloaded if no other request can be taken now."""
+        if self.live >= self.limit:
+            raise EngineOverloaded(
+                f"{self.live} requests are already running or queued (the limit is "
+                f"max_sequences + max_queued = {self.limit}); retry later or raise the limits"
+            )
+
+    def enter(self) -> None:
+        self.check()
+        self.live += 1
+
+    def leave(self) -> None:
+        self.live -= 1
 
 
 @dataclass(eq=False)
@@ -71,6 +96,7 @@ class Scheduler:
         self,
         *,
         pool: BlockPool,
+        admission: Admission,
         max_sequences: int,
         prefill_chunk: int,
         inbox: MemoryObjectReceiveStream[OpenSequence | Advance | CloseSequence],
@@ -78,6 +104,7 @@ class Scheduler:
         compute_outbox: MemoryObjectReceiveStream[StepDone | StepFailed],
     ) -> None:
         self.pool = pool
+        self.admission = admission
         self._max_sequences = max_sequences
         self._prefill_chunk = prefill_chunk
         self._inbox = inbox
@@ -149,14 +176,13 @@ class Scheduler:
             self._waiting.append(seq)
             return
         self._outstanding.discard(message.seq_id)
-        seq = self._sequences.get(message.seq_id)
-        if seq is None:
-            return
         if isinstance(message, Advance):
+            seq = self._sequences[message.seq_id]
             seq.tokens.extend(message.tokens)
             seq.pending = True
             return
-        del self._sequences[seq.seq_id]
+        self.admission.leave()
+        seq = self._sequences.pop(message.seq_id)
         if seq in self._running:
             self._running.remove(seq)
         else:

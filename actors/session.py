@@ -32,35 +32,13 @@ from actors.messages import (
 )
 from actors.params import SamplingParams
 from actors.sampler import SequenceSampling
+from actors.scheduler import Admission
 
 _seq_ids = itertools.count(1)
 
 
 def new_request_id() -> str:
     return uuid.uuid4().hex[:16]
-
-
-class Admission:
-    """Counts live requests against the engine's limits (running + queued)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.live = 0
-
-    def check(self) -> None:
-        """Raise EngineOverloaded if no other request can be taken now."""
-        if self.live >= self.limit:
-            raise EngineOverloaded(
-                f"{self.live} requests are already running or queued (the limit is "
-                f"max_sequences + max_queued = {self.limit}); retry later or raise the limits"
-            )
-
-    def enter(self) -> None:
-        self.check()
-        self.live += 1
-
-    def leave(self) -> None:
-        self.live -= 1
 
 
 class StopText:
@@ -221,10 +199,11 @@ class Session:
             raise
         finally:
             try:
+                # The scheduler frees the admission slot when it has handled this, so a request
+                # counts against the limits until its blocks are really released.
                 self._inbox.send_nowait(CloseSequence(seq_id=seq_id))
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass  # the scheduler is gone, and its bookkeeping with it
-            self._admission.leave()
             if not ended:
                 self._log.info(
                     "request_cancelled",
@@ -233,7 +212,8 @@ class Session:
                 )
 
     def _send(self, message: OpenSequence | Advance) -> None:
-        # Never blocks: the inbox has room for every live request's messages.
+        # Never blocks: the inbox has room for three messages (open, advance, close) per
+        # admission slot, and a slot is only freed once the scheduler handled the close.
         try:
             self._inbox.send_nowait(message)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.session import Admission, StopText
+from actors.scheduler import Admission
+from actors.session import StopText
 from actors.errors import EngineOverloaded
 
 
