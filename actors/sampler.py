@@ -18,11 +18,13 @@ Logprobs are the log-softmax, over the whole vocabulary, of step 2's distributio
 temperature applied, before top-k/top-p/min-p); greedy rows use T = 1, i.e. the penalized model
 distribution.
 
-Cost: one argmax pass over the batch; greedy rows need nothing else. Rows that sample never sort
-a whole row: a strided sample of each row guesses a logit threshold, the tokens above it become a
-small sorted candidate table, and the threshold is lowered only when the table cannot decide the
-row exactly (too few for top_k, or less mass than top_p's nucleus). Rows that need the partition
-function (top-p without top-k, logprobs, or no filter at all) pay one exp pass over their row.
+Cost: one argmax pass over the batch; greedy rows need nothing else, penalties touch only the
+histories' distinct tokens. Rows that sample never sort a whole row: a strided sample of each row
+guesses a logit threshold, one comparison pass gathers the tokens above it into a small sorted
+candidate table, and a row's threshold is lowered only while its table cannot decide it exactly
+(fewer than top_k or logprobs tokens, or less mass than top-p's nucleus). Rows that need the
+partition function (top-p without top-k, logprobs, or no filter at all) pay one exp pass over
+their row; an unfiltered row then re-reads one block of it to find its token.
 """
 
 from __future__ import annotations
