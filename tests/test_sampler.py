@@ -191,6 +191,7 @@ def test_penalties_work_on_read_only_logits():
 
 SAMPLING_CASES = {
     "top_k": SamplingParams(temperature=0.8, top_k=40),
+    "wide top_k": SamplingParams(temperature=2.0, top_k=3000),  # past the first guess
     "top_p": SamplingParams(temperature=0.8, top_p=0.9),
     "min_p": SamplingParams(temperature=1.0, min_p=0.05),
     "top_k+top_p+min_p": SamplingParams(temperature=0.7, top_k=50, top_p=0.95, min_p=0.02),
