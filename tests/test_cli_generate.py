@@ -82,3 +82,5 @@ def test_errors_are_one_line(tiny_llama: str, tmp_path: Path) -> None:
                           "top_p")
     assert_one_line_error(run_q4k("generate", "", "--model", tiny_llama, "--backend", "cpu"),
                           "empty")
+    assert_one_line_error(run_q4k("generate", "hi", "--model", tiny_llama, "--log-file",
+                                  str(not_gguf / "run.log")), "--log-file", "cannot write there")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from actors.errors import InvalidRequest
 from actors.logs import LEVELS, configure_logging
 
 if TYPE_CHECKING:
@@ -49,7 +50,13 @@ def configure_logging_from(args: argparse.Namespace) -> None:
     """Logs go to --log-file as JSON lines, else to stderr only when --log-level asks: a verb
     reports its own errors as one line, which log lines on stderr would only repeat."""
     level = args.log_level or ("info" if args.log_file else "critical")
-    configure_logging(level, args.log_file)
+    try:
+        configure_logging(level, args.log_file)
+    except OSError as exc:
+        raise InvalidRequest(
+            f"--log-file {args.log_file}: cannot write there ({exc.strerror}); pick another path",
+            field="log_file",
+        ) from None
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:

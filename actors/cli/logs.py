@@ -170,6 +170,8 @@ def _render_summary(s: LogSummary, out: Console) -> None:
     out.print(latency)
 
     throughput = Table(title="throughput", show_header=False, title_justify="left")
+    throughput.add_column()
+    throughput.add_column(justify="right")
     throughput.add_row("prompt tokens (finished)", f"{s.prompt_tokens:,}")
     throughput.add_row("completion tokens", f"{s.completion_tokens:,}")
     throughput.add_row("aggregate tokens/s", _fmt(s.tokens_per_s))
