@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 import anyio
 import anyio.to_thread
+import numpy as np
 
 from actors.compute.protocol import (
     ComputeActor,
@@ -293,7 +294,6 @@ class Engine:
             params=params,
             context_length=self.context_length,
             tokenizer=self._tokenizer,
-            vocab_size=self._tokenizer.vocab_size,
             scheduler_inbox=self._inbox,
             admission=self._admission,
         )
@@ -316,18 +316,17 @@ class Engine:
 
     def _checked_token_range(self, token_ids: Sequence[int], field: str) -> list[int]:
         vocab = self._tokenizer.vocab_size
-        if not isinstance(token_ids, (list, tuple)) or not all(
-            isinstance(token, int) and not isinstance(token, bool) for token in token_ids
-        ):
+        ids = np.asarray(token_ids) if isinstance(token_ids, (list, tuple)) else None
+        if ids is None or ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             self._reject(InvalidRequest(f"{field} must be a list of int token ids", field=field))
-        bad = [token for token in token_ids if not 0 <= token < vocab]
-        if bad:
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.size:
             self._reject(
                 InvalidRequest(
-                    f"{field} has token ids outside [0, {vocab}): {bad[:5]}", field=field
+                    f"{field} has token ids outside [0, {vocab}): {bad[:5].tolist()}", field=field
                 )
             )
-        return list(token_ids)
+        return ids.astype(np.int64).tolist()
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
         if not ids:

@@ -36,8 +36,10 @@ from actors.messages import (
 
 # How long the scheduler keeps waiting for sequences that just got a token to ask for the next
 # one, measured from the last one that did; past it, the stragglers miss this step. Generous
-# next to the microseconds a consumer needs, tiny next to a forward pass.
-GATHER_IDLE_S = 0.002
+# next to the microseconds a consumer needs, small next to a forward pass: the larger of a
+# floor and a fraction of the last step's time (a loaded machine slows consumers too).
+GATHER_IDLE_MIN_S = 0.002
+GATHER_IDLE_STEP_FRACTION = 0.02
 # A sequence whose steps fail this many times in a row is failed with ComputeError.
 MAX_STEP_FAILURES = 2
 
@@ -116,6 +118,7 @@ class Scheduler:
         # Sequences that got a token and have not asked for the next one (or closed) yet.
         self._outstanding: set[int] = set()
         self._orders = 0
+        self._last_step_s = 0.0
         self.steps = 0
         self.tokens = 0
         self._log = get_logger("actors.scheduler")
@@ -192,8 +195,9 @@ class Scheduler:
 
     async def _gather_outstanding(self) -> None:
         """Let the sequences that just got a token ask for the next one before the step."""
+        idle_limit = max(GATHER_IDLE_MIN_S, GATHER_IDLE_STEP_FRACTION * self._last_step_s)
         idle_since = time.monotonic()
-        while self._outstanding and time.monotonic() - idle_since < GATHER_IDLE_S:
+        while self._outstanding and time.monotonic() - idle_since < idle_limit:
             await anyio.sleep(0)
             before = len(self._outstanding)
             self._drain()
@@ -285,7 +289,11 @@ class Scheduler:
         self._running.remove(seq)
         self._drop_blocks(seq)
         self._waiting.appendleft(seq)
-        self._log.info("notice", message=f"preempted sequence {seq.seq_id}: KV blocks ran out")
+        self._log.info(
+            "notice",
+            request_id=seq.request_id,
+            message="preempted: KV blocks ran out; it is recomputed when blocks free up",
+        )
 
     def _drop_blocks(self, seq: _Sequence) -> None:
         self.pool.release(seq.blocks)
@@ -307,7 +315,8 @@ class Scheduler:
         started = time.perf_counter()
         await self._compute_inbox.send(step)
         result = await self._compute_outbox.receive()
-        return result, (time.perf_counter() - started) * 1000.0
+        self._last_step_s = time.perf_counter() - started
+        return result, self._last_step_s * 1000.0
 
     def _apply(self, step: RunStep, result: StepDone | StepFailed, ms: float) -> None:
         n_tokens = sum(len(item.tokens) for item in step.items)

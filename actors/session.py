@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
+import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from actors.errors import ComputeError, EngineClosed, EngineOverloaded
@@ -76,6 +77,44 @@ class StopText:
         return longest
 
 
+class Answer:
+    """The tokens a request generated and the text they release: UTF-8-safe (the tokenizer's
+    incremental decoder), stop strings held back, and the reason it ends."""
+
+    def __init__(self, tokenizer: Any, params: SamplingParams, budget: int) -> None:
+        self.token_ids: list[int] = []
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= tokenizer.stop_ids
+        self._stop_ids = frozenset(stop_ids)
+        self._decoder = tokenizer.incremental_decoder()
+        self._stop_text = StopText(params.stop)
+        self._budget = budget
+        # Out of budget: the caller's max_tokens, or else the context ran out.
+        self._budget_reason = "length" if budget == params.max_tokens else "context"
+
+    def is_stop_token(self, token: int) -> bool:
+        """A token that ends the answer without being part of it."""
+        return token in self._stop_ids
+
+    def add(self, token: int) -> tuple[str, str | None]:
+        """Text `token` releases, and the finish reason if the answer ends with it."""
+        if self.is_stop_token(token):
+            return self._rest()[0], "stop"
+        self.token_ids.append(token)
+        text, hit = self._stop_text.push(self._decoder.push(token))
+        if hit:
+            return text, "stop"
+        if len(self.token_ids) >= self._budget:
+            rest, hit = self._rest()
+            return text + rest, "stop" if hit else self._budget_reason
+        return text, None
+
+    def _rest(self) -> tuple[str, bool]:
+        text, hit = self._stop_text.push(self._decoder.flush())
+        return (text, True) if hit else (text + self._stop_text.flush(), False)
+
+
 class Session:
     """Everything one request needs; `stream()` is the async iterator the caller gets."""
 
@@ -87,7 +126,6 @@ class Session:
         params: SamplingParams,
         context_length: int,
         tokenizer: Any,
-        vocab_size: int,
         scheduler_inbox: MemoryObjectSendStream[Any],
         admission: Admission,
     ) -> None:
@@ -96,13 +134,8 @@ class Session:
         self._params = params
         self._budget = min(params.max_tokens, context_length - len(prompt_ids))
         self._tokenizer = tokenizer
-        self._vocab_size = vocab_size
         self._inbox = scheduler_inbox
         self._admission = admission
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= tokenizer.stop_ids
-        self._stop_ids = frozenset(stop_ids)
         self._log = get_logger("actors.session", request_id=request_id)
 
     async def stream(self) -> AsyncIterator[Chunk]:
@@ -113,11 +146,11 @@ class Session:
             raise
         seq_id = next(_seq_ids)
         started = time.perf_counter()
-        reply_send, reply_receive = anyio.create_memory_object_stream[TokenReady | SequenceFailed](1)
-        sampler = SequenceSampling(self._params, self._prompt_ids, self._vocab_size)
-        decoder = self._tokenizer.incremental_decoder()
-        stop_text = StopText(self._params.stop)
-        token_ids: list[int] = []
+        reply_send, reply_receive = anyio.create_memory_object_stream[
+            TokenReady | SequenceFailed
+        ](1)
+        sampler = SequenceSampling(self._params, self._prompt_ids, self._tokenizer.vocab_size)
+        answer = Answer(self._tokenizer, self._params, self._budget)
         first_token_at: float | None = None
         ended = False
         try:
@@ -138,59 +171,34 @@ class Session:
                     now = time.perf_counter()
                     if first_token_at is None:
                         first_token_at = now
-                        cached_tokens = message.cached_tokens
                         self._log.info(
                             "prefill_finished",
                             prompt_tokens=len(self._prompt_ids),
-                            cached_tokens=cached_tokens,
+                            cached_tokens=message.cached_tokens,
                             ms=_ms(now - started),
                         )
-                    token = message.token
-                    if token in self._stop_ids:
-                        text, finish = stop_text.push(decoder.flush())[0] + stop_text.flush(), "stop"
-                        token_out: int | None = None
-                    else:
-                        token_ids.append(token)
-                        token_out = token
-                        text, hit = stop_text.push(decoder.push(token))
-                        finish = "stop" if hit else None
-                        if finish is None and len(token_ids) >= self._budget:
-                            finish = "length" if self._budget == self._params.max_tokens else "context"
-                            tail, hit = stop_text.push(decoder.flush())
-                            text += tail if hit else tail + stop_text.flush()
+                    text, finish = answer.add(message.token)
+                    in_answer = not answer.is_stop_token(message.token)
+                    chunk = Chunk(
+                        text=text,
+                        token_id=message.token if in_answer else None,
+                        logprob=message.logprob if in_answer else None,
+                        top_logprobs=message.top_logprobs if in_answer else None,
+                    )
                     if finish is None:
-                        yield Chunk(
-                            text=text,
-                            token_id=token_out,
-                            logprob=message.logprob,
-                            top_logprobs=message.top_logprobs,
-                        )
-                        self._send(Advance(seq_id=seq_id, tokens=(token,)))
+                        yield chunk
+                        self._send(Advance(seq_id=seq_id, tokens=(message.token,)))
                         continue
+                    ended = True
                     usage = Usage(
                         prompt_tokens=len(self._prompt_ids),
-                        completion_tokens=len(token_ids),
-                        cached_tokens=cached_tokens,
+                        completion_tokens=len(answer.token_ids),
+                        cached_tokens=message.cached_tokens,
                     )
-                    timings = _timings(started, first_token_at, now, len(token_ids))
-                    self._log.info(
-                        "request_finished",
-                        finish_reason=finish,
-                        prompt_tokens=usage.prompt_tokens,
-                        completion_tokens=usage.completion_tokens,
-                        ttft_ms=timings.ttft_ms,
-                        decode_tokens_per_s=timings.decode_tokens_per_s,
-                        total_ms=timings.total_ms,
-                    )
-                    ended = True
-                    yield Chunk(
-                        text=text,
-                        token_id=token_out,
-                        logprob=message.logprob if token_out is not None else None,
-                        top_logprobs=message.top_logprobs if token_out is not None else None,
-                        finish_reason=finish,
-                        usage=usage,
-                        timings=timings,
+                    timings = _timings(started, first_token_at, now, len(answer.token_ids))
+                    self._log_finished(finish, usage, timings)
+                    yield msgspec.structs.replace(
+                        chunk, finish_reason=finish, usage=usage, timings=timings
                     )
                     return
         except (ComputeError, EngineClosed) as exc:
@@ -207,9 +215,20 @@ class Session:
             if not ended:
                 self._log.info(
                     "request_cancelled",
-                    completion_tokens=len(token_ids),
+                    completion_tokens=len(answer.token_ids),
                     total_ms=_ms(time.perf_counter() - started),
                 )
+
+    def _log_finished(self, finish: str, usage: Usage, timings: Timings) -> None:
+        self._log.info(
+            "request_finished",
+            finish_reason=finish,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            ttft_ms=timings.ttft_ms,
+            decode_tokens_per_s=timings.decode_tokens_per_s,
+            total_ms=timings.total_ms,
+        )
 
     def _send(self, message: OpenSequence | Advance) -> None:
         # Never blocks: the inbox has room for three messages (open, advance, close) per
@@ -236,8 +255,9 @@ def _ms(seconds: float) -> float:
 
 def _timings(started: float, first_token_at: float, finished: float, tokens: int) -> Timings:
     decode_s = finished - first_token_at
+    rate = (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else 0.0
     return Timings(
         ttft_ms=_ms(first_token_at - started),
         total_ms=_ms(finished - started),
-        decode_tokens_per_s=round((tokens - 1) / decode_s, 3) if tokens > 1 and decode_s > 0 else 0.0,
+        decode_tokens_per_s=round(rate, 3),
     )
