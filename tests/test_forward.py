@@ -260,6 +260,9 @@ def tiny() -> Model:
         ([StepItem((1024,), 0, (0,))], "tokens"),
         ([StepItem((-1,), 0, (0,))], "tokens"),
         ([StepItem((1.5,), 0, (0,))], "tokens"),  # type: ignore[arg-type]
+        ([StepItem((True,), 0, (0,))], "tokens"),
+        ([StepItem("ab", 0, (0,))], "tokens"),  # type: ignore[arg-type]
+        ([StepItem((1,), 0, (0.0,))], "blocks"),  # type: ignore[arg-type]
         ([StepItem((1,), -1, (0,))], "start"),
         ([StepItem((1,) * 17, 0, (0,))], "blocks"),
         ([StepItem((1,), 0, (4,))], "blocks"),

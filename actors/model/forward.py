@@ -20,7 +20,7 @@ from actors.model.arch import ModelSpec
 from actors.model.attention import attend
 from actors.model.rope import apply_rope, inverse_frequencies, rotation
 from actors.model.weights import ModelWeights
-from actors.model.workers import Workers
+from actors.model.workers import Workers, shared_workers
 
 # Queries of one sequence attended at a time (see plan_step).
 QUERY_CHUNK = 128
@@ -104,6 +104,9 @@ def _check_item(item: object, index: int, spec: ModelSpec, kv: KVPool) -> tuple[
     if not isinstance(item, StepItem):
         raise InvalidRequest(f"items[{index}] is a {type(item).__name__}, not a StepItem",
                              field="items")
+    if not isinstance(item.tokens, (tuple, list)) or not isinstance(item.blocks, (tuple, list)):
+        raise InvalidRequest(f"items[{index}] tokens and blocks must be tuples of ints",
+                             field="tokens")
     start, n = item.start, len(item.tokens)
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise InvalidRequest(f"items[{index}].start must be an integer >= 0, got {start!r}",
@@ -127,20 +130,15 @@ def _check_item(item: object, index: int, spec: ModelSpec, kv: KVPool) -> tuple[
     return start, end
 
 
-def _int_array(values: Sequence[int], what: str, field: str, low: int, high: int) -> np.ndarray:
-    """`values` as int64, each in [low, high), or InvalidRequest naming `what`."""
-    try:
-        array = np.asarray(values, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
-        raise InvalidRequest(f"{what} must all be integers", field=field) from None
-    if array.ndim != 1 or any(
-        isinstance(v, (bool, float, np.floating, np.bool_)) for v in values
-    ):
+def _int_array(values: np.ndarray, what: str, field: str, low: int, high: int) -> np.ndarray:
+    """`values` (from np.asarray of the caller's sequence) as int64 in [low, high), or
+    InvalidRequest naming `what`. Floats, bools and strings are refused, not truncated."""
+    if values.ndim != 1 or values.dtype.kind not in "iu":
         raise InvalidRequest(f"{what} must all be integers", field=field)
-    if array.size and (array.min() < low or array.max() >= high):
-        bad = int(array[(array < low) | (array >= high)][0])
+    if values.size and (values.min() < low or values.max() >= high):
+        bad = int(values[(values < low) | (values >= high)][0])
         raise InvalidRequest(f"{what} contain {bad}, outside [{low}, {high})", field=field)
-    return array
+    return values.astype(np.int64, copy=False)
 
 
 def _key_span(
@@ -181,7 +179,7 @@ def plan_step(items: Sequence[StepItem], spec: ModelSpec, kv: KVPool) -> StepPla
     vocabulary, a block table too short or naming blocks outside the pool, or two items
     writing the same slot; `ContextLengthExceeded` past the context length.
     """
-    if kv.spec.n_layers != spec.n_layers or kv.k.shape[3:] != (spec.n_kv_heads, spec.head_dim):
+    if kv.spec != spec:
         raise InvalidRequest("the KV pool was made for a different model", field="kv")
     if len(items) == 0:
         raise InvalidRequest("a step needs at least one item", field="items")
@@ -190,14 +188,14 @@ def plan_step(items: Sequence[StepItem], spec: ModelSpec, kv: KVPool) -> StepPla
     starts = np.array([start for start, _ in spans], dtype=np.int64)
     first_rows = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     n_tokens = int(lengths.sum())
-    token_ids = _int_array(
-        [t for item in items for t in item.tokens], "token ids", "tokens", 0, spec.vocab_size
-    )
+    token_ids = _int_array(np.concatenate([np.asarray(item.tokens) for item in items]),
+                           "token ids", "tokens", 0, spec.vocab_size)
     blocks_needed = -(-(starts + lengths) // kv.block_size)
     table = np.zeros((len(items), int(blocks_needed.max())), dtype=np.int64)
     for i, item in enumerate(items):
         table[i, : blocks_needed[i]] = _int_array(
-            item.blocks[: blocks_needed[i]], f"items[{i}].blocks", "blocks", 0, kv.num_blocks
+            np.asarray(item.blocks[: blocks_needed[i]]), f"items[{i}].blocks", "blocks", 0,
+            kv.num_blocks,
         )
 
     item_of_row = np.repeat(np.arange(len(items)), lengths)
@@ -283,7 +281,7 @@ class Transformer:
                  workers: Workers | None = None) -> None:
         self.spec = spec
         self.weights = weights
-        self.workers = workers or Workers()
+        self.workers = workers or shared_workers()
         is_gemma3 = spec.arch == "gemma3"
         self.inv_freq = inverse_frequencies(spec.rope_base, spec.rope_dim,
                                             weights.rope_freq_factors)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 
 # Fewer rows than this per thread are not worth a thread hand-off (~50 us).
 MIN_ROWS_PER_THREAD = 32
@@ -54,3 +55,9 @@ class Workers:
     def for_rows(self, n_rows: int, work: Callable[[slice], object]) -> None:
         """Call work(rows) for row slices covering [0, n_rows), in parallel."""
         self.run([lambda rows=rows: work(rows) for rows in self.row_slices(n_rows)])
+
+
+@cache
+def shared_workers() -> Workers:
+    """One set of threads for every model in the process: more would only compete."""
+    return Workers()
