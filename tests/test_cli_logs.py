@@ -207,3 +207,18 @@ def test_plot_without_matplotlib_says_how_to_get_it(
                      env={"PYTHONPATH": os.pathsep.join(
                          [str(blocker.parent), os.environ.get("PYTHONPATH", "")])})
     assert_one_line_error(result, "--plot needs matplotlib", "q4k-actors[plot]")
+
+
+def test_invalid_utf8_is_one_malformed_line_from_a_file_or_stdin(tmp_path: Path) -> None:
+    good = json.dumps({"event": "notice", "timestamp": "2026-01-02T03:04:05Z", "message": "ok"})
+    separator = json.dumps({"event": "notice", "timestamp": "2026-01-02T03:04:06Z",
+                            "message": "a\u2028b"}, ensure_ascii=False)  # one line, not two
+    raw = b"\xff\xfe\x80 not text\n" + f"{good}\n{separator}\n".encode()
+    path = tmp_path / "binary.log"
+    path.write_bytes(raw)
+    from_file = json.loads(run_q4k("logs", "summary", "--json", str(path)).stdout)
+    piped = subprocess.run([sys.executable, "-m", "actors.cli", "logs", "summary", "--json", "-"],
+                           input=raw, capture_output=True, timeout=CALL_TIMEOUT_S)
+    assert piped.returncode == 0, piped.stderr
+    for summary in (from_file, json.loads(piped.stdout)):
+        assert (summary["events"], summary["malformed"]) == (2, 1)

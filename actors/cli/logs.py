@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -88,7 +89,8 @@ def _read_inputs(files: list[str]) -> ParsedLog:
     sources: list[tuple[str, list[str]]] = []
     for name in files:
         if name == "-":
-            sources.append(("<stdin>", sys.stdin.read().splitlines()))
+            stdin = sys.stdin.buffer.read().decode("utf-8", errors="replace")
+            sources.append(("<stdin>", stdin.split("\n")))
             continue
         try:
             # Garbage bytes become U+FFFD and then a malformed line, never a decode crash.
@@ -99,11 +101,12 @@ def _read_inputs(files: list[str]) -> ParsedLog:
             raise _NoInput(f"{name}: is a directory, not a log file") from None
         except OSError as exc:
             raise _NoInput(f"{name}: cannot read: {exc.strerror}") from None
-        sources.append((name, text.splitlines()))
+        # Only "\n" ends a line: str.splitlines would also cut at characters such as U+2028.
+        sources.append((name, text.split("\n")))
     return parse_log(sources)
 
 
-def _with_log(args: argparse.Namespace, show: Any) -> int:
+def _with_log(args: argparse.Namespace, show: Callable[[ParsedLog], int]) -> int:
     """Read the inputs, then `show(log)`; unreadable input is one error line."""
     configure_logging_from(args)
     try:
