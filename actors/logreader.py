@@ -7,6 +7,7 @@ skipped, never fatal: logs get truncated by crashes and interleaved by careless 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
@@ -187,7 +188,11 @@ def _number(value: Any) -> float | None:
     """A numeric field, or None when absent or not a finite number (bool is not a number)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if np.isfinite(value) else None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too big for a float
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _count(value: Any) -> int | None:

@@ -190,6 +190,10 @@ def test_fields_of_the_wrong_type_are_ignored_not_fatal() -> None:
     assert summary.finished == 1 and summary.ttft_ms is None and summary.completion_tokens == 0
     (row,) = request_rows(log)
     assert row.request_id == "7" and row.status == "finished" and row.ttft_ms is None
+    huge = ('{"event": "request_finished", "timestamp": "2026-01-02T03:04:05Z", "ttft_ms": 1'
+            + "0" * 400 + ', "completion_tokens": 1e999}')
+    summary = summarize(parse_log([("huge", [huge])]))
+    assert summary.ttft_ms is None and summary.completion_tokens == 0
 
 
 def test_request_rows_one_per_request_with_the_last_outcome() -> None:
