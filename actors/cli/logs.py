@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     request.set_defaults(handler=_request)
 
     tail = view("tail", "print a log human-readably; with -f, keep following it as it grows")
-    tail.add_argument("file", nargs="?", default="-", metavar="FILE")
+    tail.add_argument("file", metavar="FILE", help="log file, or '-' for stdin")
     tail.add_argument("-f", "--follow", action="store_true", help="wait for new lines")
     tail.add_argument("-n", "--lines", type=int, default=10, metavar="N",
                       help="start with the last N lines (default 10; 0 = none)")
