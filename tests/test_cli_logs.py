@@ -129,6 +129,10 @@ def test_tail_prints_the_last_lines_readably(tmp_path: Path) -> None:
     assert len(out) == 3
     last = json.loads(lines[-1])
     assert last["event"] in out[-1] and not out[-1].startswith("{")
+    piped = run_q4k("logs", "tail", "-", stdin="\n".join([*lines, "not json"]) + "\n")
+    assert piped.returncode == 0, piped.stderr
+    shown = piped.stdout.strip().splitlines()
+    assert len(shown) == len(lines) + 1 and shown[-1].startswith(f"malformed line {len(lines) + 1}")
 
 
 def _read_until(process: subprocess.Popen[str], wanted: str, deadline: float) -> str:
