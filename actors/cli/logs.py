@@ -331,10 +331,11 @@ def _show_line(out: Console, raw: bytes, source: str, number: int) -> None:
         return
     parsed = parse_line(text, source, number)
     if isinstance(parsed, LogEvent):
-        out.print(Text(format_event(parsed), style=_LEVEL_STYLES.get(parsed.level, "")))
+        out.print(Text(format_event(parsed), style=_LEVEL_STYLES.get(parsed.level, "")),
+                  soft_wrap=True)  # one event, one line, however long
     else:
         out.print(Text(f"malformed line {number} ({parsed.reason}): {parsed.excerpt}",
-                       style="magenta"))
+                       style="magenta"), soft_wrap=True)
     out.file.flush()
 
 
