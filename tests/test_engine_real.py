@@ -77,6 +77,10 @@ async def test_sixteen_concurrent_requests_match_each_alone_in_full_steps(
     assert decoding and np.mean(decoding) >= 14
     finished = [event for event in events if event["event"] == "request_finished"]
     assert len(finished) == 32 and all("request_id" in event for event in finished)
+    names = {event["event"] for event in events}
+    assert {"model_loaded", "engine_started", "request_admitted", "prefill_finished"} <= names
+    (loaded,) = [event for event in events if event["event"] == "model_loaded"]
+    assert loaded["arch"] == "llama" and loaded["backend"] == "cpu" and loaded["quant_mix"]
 
 
 async def test_shared_prefix_is_reused_with_the_cold_answer(smollm2: Model) -> None:
