@@ -26,7 +26,8 @@ MAX_LOGPROBS = 20
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Per-request sampling settings; see `actors.sampler` for the order they apply in.
 
-    temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 switch those filters off;
+    temperature 0 (or below 1e-5) means greedy; top_k 0, top_p 1 and min_p 0 switch those
+    filters off;
     repetition_penalty 1 and presence/frequency 0 switch the penalties off. `stop` also
     accepts a list or a single string (normalized to a tuple).
     """
@@ -60,6 +61,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
         """Build from a plain dict (e.g. decoded JSON); type errors name the field too."""
         if isinstance(data, Mapping) and isinstance(data.get("stop"), str):
+            # msgspec checks the type before __post_init__ could wrap the string.
             data = {**data, "stop": [data["stop"]]}
         try:
             return msgspec.convert(data, cls)
