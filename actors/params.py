@@ -27,9 +27,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Per-request sampling settings; see `actors.sampler` for the order they apply in.
 
     temperature 0 (or below 1e-5) means greedy; top_k 0, top_p 1 and min_p 0 switch those
-    filters off;
-    repetition_penalty 1 and presence/frequency 0 switch the penalties off. `stop` also
-    accepts a list or a single string (normalized to a tuple).
+    filters off; repetition_penalty 1 and presence/frequency 0 switch the penalties off.
+    `stop` also accepts a list or a single string (normalized to a tuple).
     """
 
     max_tokens: int = 256
