@@ -539,3 +539,26 @@ async def test_a_seed_gives_the_same_tokens_whatever_runs_alongside() -> None:
     assert together[0] == alone
     # The sampling really is random here: other seeds take other paths.
     assert len({together[index][:9] for index in range(8)}) > 1
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [({"max_sequences": 0}, "max_sequences"), ({"max_queued": -1}, "max_queued"),
+     ({"prefill_chunk": 0}, "prefill_chunk")],
+)
+async def test_bad_engine_options_name_the_field(options: dict[str, int], field: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        async with open_fake(CountingBackend(), **options):
+            pass
+    assert caught.value.field == field
+
+
+async def test_bad_backend_name_and_log_level_are_refused() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        async with Engine.open(backend="tpu"):
+            pass
+    assert caught.value.field == "backend"
+    with pytest.raises(InvalidRequest) as caught:
+        async with Engine.open(log_level="loud"):
+            pass
+    assert caught.value.field == "log_level"

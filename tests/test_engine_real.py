@@ -62,14 +62,14 @@ async def test_sixteen_concurrent_requests_match_each_alone_in_full_steps(
     together: dict[int, tuple[int, ...]] = {}
 
     async def one(index: int) -> None:
-        together[index] = (await engine.complete(PROMPTS[index], greedy(4))).token_ids
+        together[index] = (await engine.complete(PROMPTS[index], greedy(3))).token_ids
 
     async with Engine.open(smollm2, log_level="debug", log_file=log_file) as engine:
         async with anyio.create_task_group() as tasks:
             for index in range(16):
                 tasks.start_soon(one, index)
         steps_together = engine.stats().steps
-        alone = [(await engine.complete(prompt, greedy(4))).token_ids for prompt in PROMPTS]
+        alone = [(await engine.complete(prompt, greedy(3))).token_ids for prompt in PROMPTS]
     assert [together[index] for index in range(16)] == alone
     events = [json.loads(line) for line in log_file.read_text().splitlines()]
     steps = [event for event in events if event["event"] == "step"][:steps_together]
@@ -130,7 +130,7 @@ async def test_overload_refuses_the_overflow_at_once_and_serves_the_rest(smollm2
 
     async def one(index: int) -> None:
         try:
-            stream = engine.generate(PROMPTS[index % 16], greedy(2))
+            stream = engine.generate(PROMPTS[index % 16], greedy(1))
         except EngineOverloaded:
             # Refused before any step has run: nothing waited.
             outcomes.append("refused" if engine.stats().steps == 0 else "refused late")
@@ -164,17 +164,17 @@ class FlakyCpuBackend(CpuBackend):
 async def test_injected_failure_replays_only_that_steps_sequences(smollm2: Model) -> None:
     prompts = ["The capital of France is", "The quick brown fox"]
     async with Engine.open(smollm2) as engine:
-        alone = [(await engine.complete(prompt, greedy(4))).token_ids for prompt in prompts]
-        bystander_alone = (await engine.complete("In 1492, Columbus", greedy(4))).token_ids
+        alone = [(await engine.complete(prompt, greedy(3))).token_ids for prompt in prompts]
+        bystander_alone = (await engine.complete("In 1492, Columbus", greedy(3))).token_ids
     fail_at = len(smollm2.tokenizer.encode(prompts[0])) + 1
     backend = FlakyCpuBackend(smollm2, fail_at)
     results: dict[int, tuple[int, ...]] = {}
 
     async def one(index: int) -> None:
-        results[index] = (await engine.complete(prompts[index], greedy(4))).token_ids
+        results[index] = (await engine.complete(prompts[index], greedy(3))).token_ids
 
     async with Engine.open_backend(lambda: backend, smollm2.tokenizer) as engine:
-        bystander = engine.generate("In 1492, Columbus", greedy(4))
+        bystander = engine.generate("In 1492, Columbus", greedy(3))
         first = await bystander.__anext__()
         async with anyio.create_task_group() as tasks:
             for index in range(2):
@@ -189,7 +189,7 @@ async def test_injected_failure_replays_only_that_steps_sequences(smollm2: Model
 async def test_multi_turn_chat_reuses_the_conversation(smollm2: Model) -> None:
     messages = [{"role": "user", "content": "Name a colour."}]
     async with Engine.open(smollm2) as engine:
-        first = [chunk async for chunk in engine.chat(messages, greedy(12))]
+        first = [chunk async for chunk in engine.chat(messages, greedy(8))]
         messages += [
             {"role": "assistant", "content": "".join(chunk.text for chunk in first)},
             {"role": "user", "content": "And another one?"},
