@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
-import anyio.to_thread
 import numpy as np
 
 from actors.compute.protocol import (
@@ -95,7 +94,7 @@ class Engine:
         `kv_blocks`: KV pool size in blocks of `block_size` positions (None: from a 1 GiB
         budget). `log_level` / `log_file`: where the engine's JSON-line logs go (None: leave the
         logging configuration as it is)."""
-        from actors.loader import kv_blocks_for_budget, load
+        from actors.loader import kv_blocks_for_budget, load_in_thread
 
         _check_count("block_size", block_size, 1)
         if kv_blocks is not None:
@@ -106,9 +105,11 @@ class Engine:
             else nullcontext()
         )
         with logging:
-            loaded = await anyio.to_thread.run_sync(load, path, backend)
+            loaded = await load_in_thread(path, backend)
             try:
-                num_blocks = kv_blocks or kv_blocks_for_budget(loaded.model, block_size, max_sequences)
+                num_blocks = kv_blocks or kv_blocks_for_budget(
+                    loaded.model, block_size, max_sequences
+                )
                 async with cls.open_backend(
                     lambda: loaded.make_backend(num_blocks, block_size),
                     loaded.model.tokenizer,

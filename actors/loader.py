@@ -1,17 +1,23 @@
 """The loader: GGUF file -> model (spec, tokenizer, weights) and the compute backend to run it.
 
-It runs once, in a worker thread, before the engine's actors start; what it hands over is a
-factory the compute actor calls inside its own thread (a CUDA backend must create its context
-and upload weights in the thread that will use them).
+It runs once, in a thread of its own (joined before the engine starts, so no pooled worker
+thread outlives the engine), before the other actors start. What it hands over is a factory
+the compute actor calls inside its own thread (a CUDA backend must create its context and
+upload weights in the thread that will use them).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
 
 from actors.compute.protocol import ComputeBackend
 from actors.errors import InvalidRequest
@@ -40,6 +46,32 @@ class LoadedModel:
 
     def chat_template(self, override: str | None = None) -> ChatTemplate:
         return ChatTemplate.from_model_metadata(self.model.gguf, override)
+
+
+async def load_in_thread(source: str | Path | Model | None, backend: str) -> LoadedModel:
+    """`load` in a dedicated thread; waits for it even when cancelled (loading cannot be
+    interrupted, and the thread must not be left behind)."""
+    outcome: list[LoadedModel | BaseException] = []
+    finished = anyio.Event()
+    token = anyio.lowlevel.current_token()
+
+    def target() -> None:
+        try:
+            outcome.append(load(source, backend))
+        except BaseException as exc:  # handed to the event loop, raised there
+            outcome.append(exc)
+        finally:
+            anyio.from_thread.run_sync(finished.set, token=token)
+
+    thread = threading.Thread(target=target, name="q4k-loader", daemon=True)
+    thread.start()
+    with anyio.CancelScope(shield=True):
+        await finished.wait()
+    thread.join()
+    (result,) = outcome
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def load(source: str | Path | Model | None, backend: str) -> LoadedModel:
