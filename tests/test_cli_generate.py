@@ -79,7 +79,7 @@ def test_errors_are_one_line(tiny_llama: str, tmp_path: Path) -> None:
     not_gguf.write_text("just some text, not a model\n")
     assert_one_line_error(run_q4k("generate", "hi", "--model", str(not_gguf)), "notes.gguf")
     assert_one_line_error(run_q4k("generate", "hi", "--model", tiny_llama, "--top-p", "1.5"),
-                          "top_p")
+                          "--top-p: ", "top_p")
     assert_one_line_error(run_q4k("generate", "", "--model", tiny_llama, "--backend", "cpu"),
                           "empty")
     assert_one_line_error(run_q4k("generate", "hi", "--model", tiny_llama, "--log-file",

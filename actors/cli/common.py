@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -78,22 +78,26 @@ def add_sampling_flags(parser: argparse.ArgumentParser, *, max_tokens: int = 256
 
 
 def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
-    """The SamplingParams the sampling flags describe, validated (InvalidRequest names the flag's
-    field)."""
+    """The SamplingParams the sampling flags describe, validated; a bad value is an
+    InvalidRequest that names the flag the user typed."""
     from actors.params import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
-    params.validate()
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
+        params.validate()
+    except InvalidRequest as exc:
+        flag = f"--{exc.field.replace('_', '-')}: " if exc.field else ""
+        raise InvalidRequest(f"{flag}{exc}", field=exc.field) from None
     return params
 
 
@@ -112,11 +116,10 @@ def error_line(verb: str, message: str) -> int:
     return 1
 
 
-def console(stream: str = "stdout") -> Console:
-    """A rich console: styled on a terminal, plain and wide on a pipe."""
-    target = sys.stdout if stream == "stdout" else sys.stderr
-    width = None if target.isatty() else PIPE_WIDTH
-    return Console(file=target, width=width, highlight=False, soft_wrap=False)
+def console() -> Console:
+    """A rich console on stdout: styled on a terminal, plain and wide on a pipe."""
+    width = None if sys.stdout.isatty() else PIPE_WIDTH
+    return Console(file=sys.stdout, width=width, highlight=False)
 
 
 def add_backend_flag(parser: argparse.ArgumentParser) -> None:
