@@ -17,8 +17,16 @@ from actors.errors import Q4KError
 VERB_MODULES = ("inspect", "generate", "chat", "bench", "logs", "quantize")
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Usage mistakes are one line naming the problem and where help is (subparsers made
+    by `add_subparsers` inherit this class)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrorParser(
         prog="q4k", description="Serve and inspect Q4_K-family GGUF language models."
     )
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
