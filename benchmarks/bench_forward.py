@@ -3,8 +3,7 @@
     python benchmarks/bench_forward.py [--model PATH] [--decode-tokens 64] [--repeats 3]
 
 Prints each figure with its ratio to the llama.cpp anchor measured on the 2-core target
-(tests/reference/README.md). Best of `--repeats` runs: other work on a shared machine only
-ever slows a run down. Decode is greedy (argmax), as the engine's temperature-0 path.
+(tests/reference/README.md), best and median of `--repeats` runs. Decode is greedy (argmax), as the engine's temperature-0 path.
 """
 
 from __future__ import annotations
@@ -35,26 +34,30 @@ def resident_mb() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def best_time(run: Callable[[], None], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return min(times)
+def best_rate(n_tokens: int, run: Callable[[], float], repeats: int) -> tuple[float, float]:
+    """Best and median tokens/s of `repeats` runs; `run` returns the seconds it timed.
+    Best, because other work on a shared machine only ever slows a run down."""
+    rates = sorted(n_tokens / run() for _ in range(repeats))
+    return rates[-1], rates[len(rates) // 2]
 
 
-def prefill_rate(model: Model, n_tokens: int, repeats: int) -> float:
+def timed(action: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def prefill_rate(model: Model, n_tokens: int, repeats: int) -> tuple[float, float]:
     rng = np.random.default_rng(0)
     tokens = tuple(int(t) for t in rng.integers(1000, 200000, n_tokens))
     kv = model.new_kv_pool(-(-n_tokens // 16))
     item = StepItem(tokens, 0, tuple(range(kv.num_blocks)))
-    return n_tokens / best_time(lambda: model.step([item], kv), repeats)
+    return best_rate(n_tokens, lambda: timed(lambda: model.step([item], kv)), repeats)
 
 
-def decode_rate(model: Model, n_streams: int, n_decode: int, repeats: int) -> float:
+def decode_rate(model: Model, n_streams: int, n_decode: int, repeats: int) -> tuple[float, float]:
     """Tokens per second over `n_streams` sequences decoding `n_decode` tokens each, every
-    step advancing all of them together (prompts prefilled first, not timed)."""
+    step advancing all of them together (their prompts are prefilled first, untimed)."""
     block_size = 16
     blocks_per_seq = -(-(PROMPT_TOKENS + n_streams + n_decode) // block_size)
     kv = KVPool(model.spec, n_streams * blocks_per_seq, block_size)
@@ -65,21 +68,19 @@ def decode_rate(model: Model, n_streams: int, n_decode: int, repeats: int) -> fl
     prompts = [tuple(int(t) for t in rng.integers(1000, 200000, PROMPT_TOKENS + s))
                for s in range(n_streams)]
 
-    def run() -> None:
+    def run() -> float:
         logits = model.step([StepItem(p, 0, t) for p, t in zip(prompts, tables)], kv)
         lengths = [len(p) for p in prompts]
+        started = time.perf_counter()
         for _ in range(n_decode):
             next_tokens = logits.argmax(axis=1)
             items = [StepItem((int(tok),), length, table)
                      for tok, length, table in zip(next_tokens, lengths, tables)]
             logits = model.step(items, kv)
             lengths = [length + 1 for length in lengths]
+        return time.perf_counter() - started
 
-    def prefill_only() -> None:
-        model.step([StepItem(p, 0, t) for p, t in zip(prompts, tables)], kv)
-
-    decode_seconds = best_time(run, repeats) - best_time(prefill_only, repeats)
-    return n_streams * n_decode / decode_seconds
+    return best_rate(n_streams * n_decode, run, repeats)
 
 
 def main() -> None:
@@ -103,8 +104,9 @@ def main() -> None:
     for streams in (1, 16, 64):
         figures[f"decode_{streams}"] = decode_rate(model, streams, args.decode_tokens,
                                                    args.repeats)
-    for name, rate in figures.items():
-        print(f"{name:12s} {rate:8.1f} tok/s   x{rate / ANCHORS[name]:.2f} of llama.cpp "
+    for name, (rate, median) in figures.items():
+        print(f"{name:12s} {rate:8.1f} tok/s (median {median:6.1f})   "
+              f"x{rate / ANCHORS[name]:.2f} of llama.cpp "
               f"{ANCHORS[name]:.0f}   target {TARGETS[name]:.0f}"
               f"{'' if rate >= TARGETS[name] else '  (below target)'}")
 

@@ -298,8 +298,11 @@ def test_kv_pool_sizes_and_model_are_checked(tiny: Model, smollm2: Model) -> Non
     assert error.value.field == "kv"
 
 
-def _write_gguf(path: Path, arch: str, with_layers: bool) -> Path:
+def _write_gguf(path: Path, arch: str, with_layers: bool, rope_scaling: bool = False) -> Path:
     writer = GGUFWriter(str(path), arch)
+    if rope_scaling:
+        writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{arch}.rope.scaling.factor", 4.0)
     writer.add_block_count(1)
     writer.add_embedding_length(8)
     writer.add_feed_forward_length(16)
@@ -324,3 +327,9 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
 def test_missing_tensor_is_named(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError, match="blk.0.attn_q.weight"):
         load_model(_write_gguf(tmp_path / "m.gguf", "llama", with_layers=True))
+
+
+def test_rope_scaling_is_refused_not_ignored(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedModelError, match="RoPE scaling 'yarn'"):
+        load_model(_write_gguf(tmp_path / "m.gguf", "llama", with_layers=True,
+                               rope_scaling=True))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from actors.errors import ContextLengthExceeded, InvalidRequest
+from actors.errors import ContextLengthExceeded, InvalidRequest, UnsupportedModelError
 from actors.model.arch import ModelSpec, spec_from_gguf
 from actors.model.forward import KVPool, StepItem, Transformer, plan_step
 from actors.model.gguf import GGUFFile, open_gguf
@@ -94,6 +94,17 @@ class Model:
         return out
 
 
+def _refuse_rope_scaling(gguf: GGUFFile, arch: str) -> None:
+    """RoPE scaling (linear, YaRN...) changes every angle; we implement none of it, so a model
+    that declares it is refused rather than run with wrong positions."""
+    kind = gguf.metadata.get(f"{arch}.rope.scaling.type", "none")
+    factor = gguf.metadata.get(f"{arch}.rope.scaling.factor", 1.0)
+    if kind != "none" and factor != 1.0:
+        raise UnsupportedModelError(
+            f"{gguf.path}: RoPE scaling {kind!r} (factor {factor}) is not supported"
+        )
+
+
 def load_model(
     path: str | Path | None = None,
     *,
@@ -111,5 +122,6 @@ def load_model(
     started = time.perf_counter()
     gguf = open_gguf(path)
     spec = spec_from_gguf(gguf)
+    _refuse_rope_scaling(gguf, spec.arch)
     weights = load_weights(gguf, spec, progress)
     return Model(gguf, spec, weights, load_ms=(time.perf_counter() - started) * 1e3)
