@@ -20,7 +20,6 @@ from actors.model.arch import ModelSpec
 from actors.model.attention import attend
 from actors.model.rope import apply_rope, inverse_frequencies, rotation
 from actors.model.weights import ModelWeights
-from actors.model.workers import Workers, shared_workers
 
 # Queries of one sequence attended at a time (see plan_step).
 QUERY_CHUNK = 128
@@ -273,15 +272,13 @@ def gelu_tanh(x: np.ndarray, out: np.ndarray) -> np.ndarray:
 class Transformer:
     """The math of one architecture: token ids + KV in, hidden states and logits out.
 
-    Each layer alternates matmuls over all T rows (OpenBLAS threads them) with numpy work
-    split over `workers` by rows or by attention group.
+    Matmuls run over all T rows of a step at once (OpenBLAS threads them over the cores);
+    the numpy work between them is vectorized over rows, heads and attention groups.
     """
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights,
-                 workers: Workers | None = None) -> None:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
         self.spec = spec
         self.weights = weights
-        self.workers = workers or shared_workers()
         is_gemma3 = spec.arch == "gemma3"
         self.inv_freq = inverse_frequencies(spec.rope_base, spec.rope_dim,
                                             weights.rope_freq_factors)
@@ -338,65 +335,41 @@ class Transformer:
         spec, layer, eps = self.spec, self.weights.layers[index], self.spec.rms_eps
         n_tokens, q_dim, kv_dim = plan.n_tokens, spec.q_dim, spec.kv_dim
         n_qk_heads = spec.n_heads + spec.n_kv_heads
-        qk_norm = self.qk_norms[index]
-        keys, values = kv.k[index], kv.v[index]
-        for_rows = self.workers.for_rows
 
-        normed = np.empty_like(x)
-        for_rows(n_tokens, lambda r: rms_norm(x[r], layer.attn_norm, eps, out=normed[r]))
-        qkv = normed @ layer.qkv
+        qkv = rms_norm(x, layer.attn_norm, eps) @ layer.qkv
+        if layer.qkv_bias is not None:
+            qkv += layer.qkv_bias
         qk = qkv[:, : q_dim + kv_dim].reshape(n_tokens, n_qk_heads, spec.head_dim)
         v = qkv[:, q_dim + kv_dim :].reshape(n_tokens, spec.n_kv_heads, spec.head_dim)
+        qk_norm = self.qk_norms[index]
+        if qk_norm is not None:
+            rms_norm(qk, qk_norm, eps, out=qk)
+        apply_rope(qk, *rope, spec.rope_neox)
+        q, k = qk[:, : spec.n_heads], qk[:, spec.n_heads :]
+        q *= self.query_scale
 
-        def position_qk(r: slice) -> None:
-            if layer.qkv_bias is not None:
-                qkv[r] += layer.qkv_bias
-            if qk_norm is not None:
-                rms_norm(qk[r], qk_norm, eps, out=qk[r])
-            apply_rope(qk[r], rope[0][r], rope[1][r], spec.rope_neox)
-            qk[r, : spec.n_heads] *= self.query_scale
-            keys[plan.slot_blocks[r], plan.slot_offsets[r]] = qk[r, spec.n_heads :]
-            values[plan.slot_blocks[r], plan.slot_offsets[r]] = v[r]
-
-        for_rows(n_tokens, position_qk)
-        q = qk[:, : spec.n_heads]
+        keys, values = kv.k[index], kv.v[index]
+        keys[plan.slot_blocks, plan.slot_offsets] = k
+        values[plan.slot_blocks, plan.slot_offsets] = v
         attn = np.empty((n_tokens, q_dim), dtype=np.float32)
-
-        def attend_group(group: AttentionGroup, batch: slice) -> None:
+        for group in plan.groups:
             span = group.local_keys if sliding else group.keys
-            table, rows = span.table[batch], group.rows[batch]
-            shape = (len(table), -1, spec.n_kv_heads, spec.head_dim)
-            attn[rows.ravel()] = attend(q[rows], keys[table].reshape(shape),
-                                        values[table].reshape(shape),
-                                        span.bias[batch]).reshape(-1, q_dim)
+            shape = (len(span.table), -1, spec.n_kv_heads, spec.head_dim)
+            attn[group.rows.ravel()] = attend(
+                q[group.rows], keys[span.table].reshape(shape),
+                values[span.table].reshape(shape), span.bias,
+            ).reshape(-1, q_dim)
 
-        self.workers.run([
-            lambda g=group, b=batch: attend_group(g, b)
-            for group in plan.groups
-            for batch in self.workers.row_slices(len(group.rows))
-        ])
         attn_out = attn @ layer.attn_out
+        if layer.post_attn_norm is not None:
+            rms_norm(attn_out, layer.post_attn_norm, eps, out=attn_out)
+        x += attn_out
 
-        def residual_attn(r: slice) -> None:
-            if layer.post_attn_norm is not None:
-                rms_norm(attn_out[r], layer.post_attn_norm, eps, out=attn_out[r])
-            x[r] += attn_out[r]
-            rms_norm(x[r], layer.ffn_norm, eps, out=normed[r])
-
-        for_rows(n_tokens, residual_attn)
-        gate_up = normed @ layer.gate_up
-        gated = np.empty((n_tokens, spec.ffn_dim), dtype=np.float32)
-
-        def gate(r: slice) -> None:
-            self.activation(gate_up[r, : spec.ffn_dim], out=gated[r])
-            gated[r] *= gate_up[r, spec.ffn_dim :]
-
-        for_rows(n_tokens, gate)
+        gate_up = rms_norm(x, layer.ffn_norm, eps) @ layer.gate_up
+        gated = self.activation(gate_up[:, : spec.ffn_dim],
+                                np.empty((n_tokens, spec.ffn_dim), dtype=np.float32))
+        gated *= gate_up[:, spec.ffn_dim :]
         ffn_out = gated @ layer.down
-
-        def residual_ffn(r: slice) -> None:
-            if layer.post_ffn_norm is not None:
-                rms_norm(ffn_out[r], layer.post_ffn_norm, eps, out=ffn_out[r])
-            x[r] += ffn_out[r]
-
-        for_rows(n_tokens, residual_ffn)
+        if layer.post_ffn_norm is not None:
+            rms_norm(ffn_out, layer.post_ffn_norm, eps, out=ffn_out)
+        x += ffn_out
