@@ -562,3 +562,16 @@ async def test_bad_backend_name_and_log_level_are_refused() -> None:
         async with Engine.open(log_level="loud"):
             pass
     assert caught.value.field == "log_level"
+
+
+async def test_cancelling_the_whole_engine_block_stops_cleanly() -> None:
+    threads_before = threading.active_count()
+    backend = CountingBackend(step_seconds=0.005)
+    with anyio.move_on_after(0.1) as scope:
+        async with open_fake(backend) as engine:
+            async with anyio.create_task_group() as tasks:
+                for first in range(2, 10):
+                    tasks.start_soon(take, engine.generate([first], greedy(200)))
+    assert scope.cancelled_caught
+    assert backend.closed
+    assert threading.active_count() <= threads_before
