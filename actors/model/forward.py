@@ -312,9 +312,15 @@ class Transformer:
             rotation(plan.positions, self.inv_freq_local) if self.spec.sliding_window
             else rope_global
         )
+        # Gathered keys and values land in buffers reused by every layer: a fresh multi-MB
+        # array per layer costs more in page faults than the copy itself.
+        block_elements = kv.block_size * self.spec.kv_dim
+        scratch = [np.empty(2 * group.keys.table.size * block_elements, dtype=np.float32)
+                   for group in plan.groups]
         for index in range(self.spec.n_layers):
             sliding = self.spec.is_sliding(index)
-            self._layer(x, index, rope_local if sliding else rope_global, sliding, plan, kv)
+            self._layer(x, index, rope_local if sliding else rope_global, sliding, plan, kv,
+                        scratch)
         return x
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -330,8 +336,10 @@ class Transformer:
         sliding: bool,
         plan: StepPlan,
         kv: KVPool,
+        scratch: list[np.ndarray],
     ) -> None:
-        """One transformer block, updating the residual stream x (T, d_model) in place."""
+        """One transformer block, updating the residual stream x (T, d_model) in place.
+        `scratch[g]` holds attention group g's gathered keys and values."""
         spec, layer, eps = self.spec, self.weights.layers[index], self.spec.rms_eps
         n_tokens, q_dim, kv_dim = plan.n_tokens, spec.q_dim, spec.kv_dim
         n_qk_heads = spec.n_heads + spec.n_kv_heads
@@ -352,12 +360,17 @@ class Transformer:
         keys[plan.slot_blocks, plan.slot_offsets] = k
         values[plan.slot_blocks, plan.slot_offsets] = v
         attn = np.empty((n_tokens, q_dim), dtype=np.float32)
-        for group in plan.groups:
+        for group, buffer in zip(plan.groups, scratch):
             span = group.local_keys if sliding else group.keys
+            gathered = buffer[: 2 * span.table.size * kv.block_size * kv_dim].reshape(
+                2, *span.table.shape, kv.block_size, spec.n_kv_heads, spec.head_dim
+            )
+            # mode="clip" lets take write straight into `out` (block ids are validated).
+            np.take(keys, span.table, axis=0, out=gathered[0], mode="clip")
+            np.take(values, span.table, axis=0, out=gathered[1], mode="clip")
             shape = (len(span.table), -1, spec.n_kv_heads, spec.head_dim)
             attn[group.rows.ravel()] = attend(
-                q[group.rows], keys[span.table].reshape(shape),
-                values[span.table].reshape(shape), span.bias,
+                q[group.rows], gathered[0].reshape(shape), gathered[1].reshape(shape), span.bias
             ).reshape(-1, q_dim)
 
         attn_out = attn @ layer.attn_out
