@@ -3,7 +3,9 @@
     python benchmarks/bench_forward.py [--model PATH] [--decode-tokens 64] [--repeats 3]
 
 Prints each figure with its ratio to the llama.cpp anchor measured on the 2-core target
-(tests/reference/README.md), best and median of `--repeats` runs. Decode is greedy (argmax), as the engine's temperature-0 path.
+(tests/reference/README.md), best and median of `--repeats` runs (best, because other work
+on a shared machine only ever slows a run down). Decode is greedy (argmax), as the engine's
+temperature-0 path; the 16 and 64 stream figures step every stream together each step.
 """
 
 from __future__ import annotations
