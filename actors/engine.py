@@ -4,9 +4,12 @@
         async for chunk in engine.generate("Once upon a time", SamplingParams(max_tokens=64)):
             print(chunk.text, end="")
 
-Actors: the compute actor (one worker thread owning the backend and its KV arrays) and the
-scheduler (batching, KV block accounting); each request is a session running in the caller's
-task. Everything a request can get wrong is checked here, before any work starts.
+Actors, all tasks of one task group, each with a bounded inbox of frozen msgspec messages:
+the loader (loads the model in a thread of its own and hands the backend factory to the compute
+actor), the compute actor (one thread owning the backend and its KV arrays; answers logits
+rows), the sampler (one thread choosing tokens from those rows) and the scheduler (admission,
+batching, KV block accounting). Each request is a session running in the caller's task.
+Everything a request can get wrong is checked here, before any work starts.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
 import numpy as np
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.compute.protocol import (
+    BuildBackend,
     ComputeActor,
     ComputeBackend,
     ComputeInfo,
@@ -32,10 +38,12 @@ from actors.compute.protocol import (
 )
 from actors.errors import ContextLengthExceeded, EngineClosed, EngineOverloaded, InvalidRequest
 from actors.kv_blocks import BlockPool
+from actors.loader import Loaded, LoaderActor, LoadFailed, ModelLoaded, load_gguf
 from actors.logs import get_logger, logging_to
 from actors.messages import Chunk, Completion, EngineStats
 from actors.model.loaded import Model
 from actors.params import SamplingParams
+from actors.sampler import SampleStep, SamplerActor, SamplingFailed, StepSampled
 from actors.scheduler import Admission, Scheduler
 from actors.session import Session, new_request_id
 
@@ -94,8 +102,6 @@ class Engine:
         `kv_blocks`: KV pool size in blocks of `block_size` positions (None: from a 1 GiB
         budget). `log_level` / `log_file`: where the engine's JSON-line logs go (None: leave the
         logging configuration as it is)."""
-        from actors.loader import kv_blocks_for_budget, load_in_thread
-
         _check_count("block_size", block_size, 1)
         if kv_blocks is not None:
             _check_count("kv_blocks", kv_blocks, 1)
@@ -104,27 +110,22 @@ class Engine:
             if log_level is not None or log_file is not None
             else nullcontext()
         )
+        load = partial(
+            load_gguf,
+            path,
+            backend,
+            kv_blocks=kv_blocks,
+            block_size=block_size,
+            max_sequences=max_sequences,
+        )
         with logging:
-            loaded = await load_in_thread(path, backend)
-            try:
-                num_blocks = kv_blocks or kv_blocks_for_budget(
-                    loaded.model, block_size, max_sequences
-                )
-                async with cls.open_backend(
-                    lambda: loaded.make_backend(num_blocks, block_size),
-                    loaded.model.tokenizer,
-                    chat_template=loaded.chat_template,
-                    model_name=loaded.path,
-                    backend=loaded.backend,
-                    max_sequences=max_sequences,
-                    max_queued=max_queued,
-                    prefill_chunk=prefill_chunk,
-                    notices=loaded.notices,
-                ) as engine:
-                    yield engine
-            finally:
-                if loaded.owned:
-                    loaded.model.gguf.close()
+            async with cls._serve(
+                load,
+                max_sequences=max_sequences,
+                max_queued=max_queued,
+                prefill_chunk=prefill_chunk,
+            ) as engine:
+                yield engine
 
     @classmethod
     @asynccontextmanager
@@ -142,7 +143,37 @@ class Engine:
         notices: Sequence[str] = (),
     ) -> AsyncIterator[Engine]:
         """Serve with a given compute backend factory (called in the compute thread) and
-        tokenizer: what `open` does after loading, and how tests drive a fake backend."""
+        tokenizer: what `open` does once loaded, and how tests drive a fake backend."""
+        loaded = Loaded(
+            model=ModelLoaded(
+                tokenizer=tokenizer,
+                chat_template=chat_template,
+                model_name=model_name,
+                backend=backend,
+                notices=tuple(notices),
+            ),
+            build=BuildBackend(make_backend=make_backend),
+        )
+        async with cls._serve(
+            lambda: loaded,
+            max_sequences=max_sequences,
+            max_queued=max_queued,
+            prefill_chunk=prefill_chunk,
+        ) as engine:
+            yield engine
+
+    @classmethod
+    @asynccontextmanager
+    async def _serve(
+        cls,
+        load: Callable[[], Loaded],
+        *,
+        max_sequences: int,
+        max_queued: int,
+        prefill_chunk: int,
+    ) -> AsyncIterator[Engine]:
+        """Start the actors in one task group: the loader runs `load` and hands the backend
+        factory to the compute actor; once that reports ready, the scheduler starts."""
         _check_count("max_sequences", max_sequences, 1)
         _check_count("max_queued", max_queued, 0)
         _check_count("prefill_chunk", prefill_chunk, 1)
@@ -150,20 +181,36 @@ class Engine:
         inbox_send, inbox_receive = anyio.create_memory_object_stream[Any](
             _INBOX_SLOTS_PER_REQUEST * limit
         )
+        build_send, build_receive = anyio.create_memory_object_stream[BuildBackend](1)
+        loaded_send, loaded_receive = anyio.create_memory_object_stream[
+            ModelLoaded | LoadFailed
+        ](1)
         compute_send, compute_receive = anyio.create_memory_object_stream[RunStep | Shutdown](1)
         answer_send, answer_receive = anyio.create_memory_object_stream[
             ComputeInfo | StartFailed | StepDone | StepFailed
         ](1)
+        rows_send, rows_receive = anyio.create_memory_object_stream[SampleStep](1)
+        choices_send, choices_receive = anyio.create_memory_object_stream[
+            StepSampled | SamplingFailed
+        ](1)
+        # The scheduler's streams; closed here instead when it never starts.
+        scheduler_streams = (inbox_receive, compute_send, answer_receive, rows_send, choices_receive)
         # Errors of the caller's block are re-raised after the task group, so callers see the
         # exception itself rather than an ExceptionGroup around it.
         failure: Exception | None = None
         async with anyio.create_task_group() as tasks:
-            tasks.start_soon(ComputeActor(make_backend, compute_receive, answer_send).run)
-            info = await answer_receive.receive()
-            if isinstance(info, StartFailed):
-                failure = info.error
-                for stream in (answer_receive, compute_send, inbox_send, inbox_receive):
+            tasks.start_soon(LoaderActor(load, build_send, loaded_send).run)
+            tasks.start_soon(ComputeActor(build_receive, compute_receive, answer_send).run)
+            tasks.start_soon(SamplerActor(rows_receive, choices_send).run)
+            try:
+                model, info = await _started(loaded_receive, answer_receive)
+            except BaseException as exc:
+                inbox_send.close()
+                for stream in scheduler_streams:
                     stream.close()
+                if not isinstance(exc, Exception):
+                    raise  # cancelled: the loader still finishes its load first
+                failure = exc
             else:
                 admission = Admission(limit)
                 scheduler = Scheduler(
@@ -174,19 +221,21 @@ class Engine:
                     inbox=inbox_receive,
                     compute_inbox=compute_send,
                     compute_outbox=answer_receive,
+                    sampler_inbox=rows_send,
+                    sampler_outbox=choices_receive,
                 )
                 tasks.start_soon(scheduler.run)
                 engine = cls(
                     info=info,
-                    tokenizer=tokenizer,
-                    chat_template=chat_template,
+                    tokenizer=model.tokenizer,
+                    chat_template=model.chat_template,
                     scheduler=scheduler,
                     scheduler_inbox=inbox_send,
                     admission=admission,
-                    notices=tuple(dict.fromkeys((*notices, *info.notices))),
+                    notices=tuple(dict.fromkeys((*model.notices, *info.notices))),
                 )
                 engine._log.info(
-                    "engine_started", backend=backend, model=model_name, arch=info.arch
+                    "engine_started", backend=model.backend, model=model.model_name, arch=info.arch
                 )
                 try:
                     yield engine
@@ -357,6 +406,21 @@ class Engine:
         if self._default_template is None:
             self._default_template = self._chat_template(None)
         return self._default_template.render(messages)
+
+
+async def _started(
+    loaded: MemoryObjectReceiveStream[ModelLoaded | LoadFailed],
+    answers: MemoryObjectReceiveStream[ComputeInfo | StartFailed | StepDone | StepFailed],
+) -> tuple[ModelLoaded, ComputeInfo]:
+    """Wait for the loader's result, then for the compute actor's report; raise what failed."""
+    with loaded:
+        model = await loaded.receive()
+    if isinstance(model, LoadFailed):
+        raise model.error
+    info = await answers.receive()
+    if isinstance(info, StartFailed):
+        raise info.error
+    return model, info
 
 
 async def collect(chunks: AsyncIterator[Chunk]) -> Completion:

@@ -1,25 +1,28 @@
-"""The loader: GGUF file -> model (spec, tokenizer, weights) and the compute backend to run it.
+"""The loader actor: GGUF file -> model (spec, tokenizer, weights) and the backend to run it.
 
-It runs once, in a thread of its own (joined before the engine starts, so no pooled worker
-thread outlives the engine), before the other actors start. What it hands over is a factory
-the compute actor calls inside its own thread (a CUDA backend must create its context and
-upload weights in the thread that will use them).
+It is the first task of the engine's task group. Its blocking load runs in a thread of its own,
+which is joined, and awaited even when the engine is cancelled (a load cannot be interrupted,
+and no thread may outlive the engine). Then it hands over what it loaded, one message each:
+`BuildBackend` to the compute actor (a factory the compute actor calls inside its own thread:
+a CUDA backend must create its context and upload weights in the thread that will use them)
+and `ModelLoaded` (tokenizer, chat template, notices) to the engine; or `LoadFailed`.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import anyio
-import anyio.from_thread
 import anyio.lowlevel
+import msgspec
+from anyio.streams.memory import MemoryObjectSendStream
 
-from actors.compute.protocol import ComputeBackend
+from actors.compute.protocol import BuildBackend, ComputeBackend, run_in_own_thread
 from actors.errors import InvalidRequest
 from actors.logs import get_logger
 from actors.model.chat import ChatTemplate
@@ -32,57 +35,96 @@ DEFAULT_KV_BYTES = 1 << 30
 KV_DTYPE_BYTES = 4
 
 
-@dataclass(frozen=True)
-class LoadedModel:
-    """What the engine needs from the loader."""
+class ModelLoaded(msgspec.Struct, frozen=True, kw_only=True):
+    """The loader -> the engine: what the engine's door needs of the model."""
 
-    model: Model
-    # Whether the engine opened the model (and so closes its file).
-    owned: bool
-    path: str
+    tokenizer: Any
+    chat_template: Any  # Callable[[str | None], ChatTemplate] | None
+    model_name: str
     backend: str
     notices: tuple[str, ...]
-    make_backend: Callable[[int, int], ComputeBackend]
-
-    def chat_template(self, override: str | None = None) -> ChatTemplate:
-        return ChatTemplate.from_model_metadata(self.model.gguf, override)
 
 
-async def load_in_thread(source: str | Path | Model | None, backend: str) -> LoadedModel:
-    """`load` in a dedicated thread; waits for it even when cancelled (loading cannot be
-    interrupted, and the thread must not be left behind)."""
-    outcome: list[LoadedModel | BaseException] = []
-    finished = anyio.Event()
-    token = anyio.lowlevel.current_token()
+class LoadFailed(msgspec.Struct, frozen=True, kw_only=True):
+    """The loader -> the engine: the load raised `error`; the engine raises it from `open`."""
 
-    def target() -> None:
+    error: Exception
+
+
+class Loaded(NamedTuple):
+    """What a load returns: the message for the engine and the one for the compute actor."""
+
+    model: ModelLoaded
+    build: BuildBackend
+
+
+class LoaderActor:
+    """Runs `load` (blocking) in a thread of its own, then hands its result over."""
+
+    def __init__(
+        self,
+        load: Callable[[], Loaded],
+        compute_inbox: MemoryObjectSendStream[BuildBackend],
+        engine_inbox: MemoryObjectSendStream[ModelLoaded | LoadFailed],
+    ) -> None:
+        self._load = load
+        self._compute_inbox = compute_inbox
+        self._engine_inbox = engine_inbox
+
+    async def run(self) -> None:
+        """The actor task: load, hand over, end. Closing the compute inbox without a
+        BuildBackend tells the compute actor there is nothing to build."""
+        with self._compute_inbox, self._engine_inbox:
+            # Cancelled before it began: no need to load at all.
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            try:
+                loaded = await run_in_own_thread("q4k-loader", self._load)
+            except Exception as exc:
+                self._tell_engine(LoadFailed(error=exc))
+                return
+            try:
+                # Cancelled while loading: the engine is gone, so nobody would use the model.
+                await anyio.lowlevel.checkpoint_if_cancelled()
+                # Both inboxes have room: each gets this one message and nothing else.
+                self._compute_inbox.send_nowait(loaded.build)
+            except BaseException:
+                if loaded.build.release is not None:
+                    loaded.build.release()
+                raise
+            self._tell_engine(loaded.model)
+
+    def _tell_engine(self, message: ModelLoaded | LoadFailed) -> None:
         try:
-            outcome.append(load(source, backend))
-        except BaseException as exc:  # handed to the event loop, raised there
-            outcome.append(exc)
-        finally:
-            anyio.from_thread.run_sync(finished.set, token=token)
-
-    thread = threading.Thread(target=target, name="q4k-loader", daemon=True)
-    thread.start()
-    with anyio.CancelScope(shield=True):
-        await finished.wait()
-    thread.join()
-    (result,) = outcome
-    if isinstance(result, BaseException):
-        raise result
-    return result
+            self._engine_inbox.send_nowait(message)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the engine stopped waiting (cancelled); the compute actor ends on its own
 
 
-def load(source: str | Path | Model | None, backend: str) -> LoadedModel:
-    """Open the model (or take an already loaded one) and choose its backend (blocking: call
-    it from a worker thread)."""
+def load_gguf(
+    source: str | Path | Model | None,
+    backend: str,
+    *,
+    kv_blocks: int | None,
+    block_size: int,
+    max_sequences: int,
+) -> Loaded:
+    """Open the model (or take an already loaded one), choose its backend and size its KV pool
+    (`kv_blocks` None: from DEFAULT_KV_BYTES). Blocking: the loader actor runs it in its
+    thread."""
     if backend not in BACKENDS:
         raise InvalidRequest(
             f"backend {backend!r} is not one of {', '.join(BACKENDS)}", field="backend"
         )
     model = source if isinstance(source, Model) else load_model(source)
-    chosen, make_backend, notices = _choose_backend(model, backend)
+    # The engine opened the file, so the engine closes it, once the backend is done with it.
+    release = model.gguf.close if model is not source else None
+    try:
+        chosen, make_backend, notices = _choose_backend(model, backend)
+        num_blocks = kv_blocks or kv_blocks_for_budget(model, block_size, max_sequences)
+    except BaseException:
+        if release is not None:
+            release()
+        raise
     log = get_logger("actors.loader")
     log.info(
         "model_loaded",
@@ -94,13 +136,17 @@ def load(source: str | Path | Model | None, backend: str) -> LoadedModel:
     )
     for notice in notices:
         log.info("notice", message=notice)
-    return LoadedModel(
-        model=model,
-        owned=model is not source,
-        path=str(model.path),
-        backend=chosen,
-        notices=notices,
-        make_backend=make_backend,
+    return Loaded(
+        model=ModelLoaded(
+            tokenizer=model.tokenizer,
+            chat_template=partial(ChatTemplate.from_model_metadata, model.gguf),
+            model_name=str(model.path),
+            backend=chosen,
+            notices=notices,
+        ),
+        build=BuildBackend(
+            make_backend=partial(make_backend, num_blocks, block_size), release=release
+        ),
     )
 
 

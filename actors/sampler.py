@@ -1,5 +1,9 @@
 """Token choice: logits rows + each sequence's SamplingParams -> the next tokens, batched.
 
+`choose_tokens` is the pure function; `SamplerActor` runs it for the engine: the scheduler
+sends it each step's logits rows (`SampleStep`) and it answers the step's choices
+(`StepSampled`), or `SamplingFailed`, which the scheduler treats as a failed step.
+
 One row goes through (the Hugging Face / vLLM order):
 
 1. penalties on the raw logits: repetition (llama.cpp style, over the distinct tokens among the
@@ -32,11 +36,15 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import NamedTuple
+from functools import partial
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
+from anyio.from_thread import BlockingPortal
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from actors.compute.protocol import receive_from_loop, run_in_own_thread, send_to_loop
 from actors.errors import ComputeError, InvalidRequest
 from actors.params import SamplingParams
 
@@ -529,4 +537,79 @@ def _token_choices(
     ]
 
 
-__all__ = ["SequenceSampling", "TokenChoice", "choose_tokens"]
+# --- the actor --------------------------------------------------------------------------------
+
+
+class SampleStep(msgspec.Struct, frozen=True, kw_only=True):
+    """One step's logits rows (float32, (rows, vocab)) and, row by row, the sampling state of
+    the sequence each row belongs to."""
+
+    step_id: int
+    logits: Any  # np.ndarray
+    samplers: tuple[Any, ...]  # SequenceSampling
+
+
+class StepSampled(msgspec.Struct, frozen=True, kw_only=True):
+    """One choice per row of the step, in row order; each is recorded in its sequence."""
+
+    step_id: int
+    choices: tuple[TokenChoice, ...]
+
+
+class SamplingFailed(msgspec.Struct, frozen=True, kw_only=True):
+    """No token could be chosen (e.g. NaN logits); nothing was recorded."""
+
+    step_id: int
+    error: str
+
+
+class SamplerActor:
+    """Chooses and records each step's tokens in one dedicated thread of its own.
+
+    Off the event loop because a batch of vocabulary-wide rows takes milliseconds, which the
+    sessions' streaming would otherwise wait behind. A dedicated thread rather than a pooled
+    worker per step: it is joined when the engine closes (no pooled thread outlives the
+    engine), and no other user of the default thread limiter can make a step wait for a slot.
+    """
+
+    def __init__(
+        self,
+        inbox: MemoryObjectReceiveStream[SampleStep],
+        outbox: MemoryObjectSendStream[StepSampled | SamplingFailed],
+    ) -> None:
+        self._inbox = inbox
+        self._outbox = outbox
+
+    async def run(self) -> None:
+        """The actor task: until the inbox closes (or the engine is cancelled)."""
+        with self._inbox, self._outbox:
+            async with BlockingPortal() as portal:
+                await run_in_own_thread("q4k-sampler", partial(self._serve, portal))
+
+    def _serve(self, portal: BlockingPortal) -> None:
+        while (step := receive_from_loop(portal, self._inbox)) is not None:
+            if not send_to_loop(portal, self._outbox, sample_step(step)):
+                return
+
+
+def sample_step(step: SampleStep) -> StepSampled | SamplingFailed:
+    """Choose and record the step's tokens; any failure is an answer, never a crash."""
+    try:
+        choices = choose_tokens(step.logits, step.samplers)
+    except Exception as exc:
+        return SamplingFailed(step_id=step.step_id, error=f"{type(exc).__name__}: {exc}")
+    for sampler, choice in zip(step.samplers, choices):
+        sampler.record(choice.token)
+    return StepSampled(step_id=step.step_id, choices=tuple(choices))
+
+
+__all__ = [
+    "SampleStep",
+    "SamplerActor",
+    "SamplingFailed",
+    "SequenceSampling",
+    "StepSampled",
+    "TokenChoice",
+    "choose_tokens",
+    "sample_step",
+]

@@ -2,13 +2,15 @@
 
 It owns every sequence's bookkeeping (tokens, how many positions its KV holds, its block
 table) and turns the advances sessions ask for into one `RunStep` at a time: decode items
-first, then prefill chunks under a token budget. After a step it hands each sequence its token
-and briefly gathers the next advances, so N decoding sequences ride in ~N-item steps instead of
+first, then prefill chunks under a token budget. The compute actor answers the step's logits
+rows, the sampler actor the tokens chosen from them. It then hands each sequence its token and
+briefly gathers the next advances, so N decoding sequences ride in ~N-item steps instead of
 fragmenting into many small ones; a sequence whose caller is slow simply misses steps.
 
 The compute contract lives here: a forward resumes exactly at what a sequence's KV holds; a
 failed step leaves every sequence in it holding nothing, to be replayed once from scratch, and
-a second failure in a row fails that sequence alone.
+a second failure in a row fails that sequence alone. A step whose tokens could not be chosen
+(e.g. NaN logits) counts as a failed step for its sequences.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.compute.protocol import ForwardItem, RunStep, Shutdown, StepDone, StepFailed
+from actors.sampler import SampleStep, SamplingFailed, StepSampled
 from actors.errors import EngineOverloaded
 from actors.kv_blocks import ROOT_HASH, BlockPool, chain_hashes
 from actors.logs import get_logger
@@ -104,6 +107,8 @@ class Scheduler:
         inbox: MemoryObjectReceiveStream[OpenSequence | Advance | CloseSequence],
         compute_inbox: MemoryObjectSendStream[RunStep | Shutdown],
         compute_outbox: MemoryObjectReceiveStream[StepDone | StepFailed],
+        sampler_inbox: MemoryObjectSendStream[SampleStep],
+        sampler_outbox: MemoryObjectReceiveStream[StepSampled | SamplingFailed],
     ) -> None:
         self.pool = pool
         self.admission = admission
@@ -112,6 +117,8 @@ class Scheduler:
         self._inbox = inbox
         self._compute_inbox = compute_inbox
         self._compute_outbox = compute_outbox
+        self._sampler_inbox = sampler_inbox
+        self._sampler_outbox = sampler_outbox
         self._sequences: dict[int, _Sequence] = {}
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
@@ -132,9 +139,9 @@ class Scheduler:
         return len(self._waiting)
 
     async def run(self) -> None:
-        """The actor task: until the inbox closes or the compute actor goes away."""
+        """The actor task: until the inbox closes or the compute or sampler actor goes away."""
         try:
-            with self._inbox, self._compute_outbox:
+            with self._inbox, self._compute_outbox, self._sampler_inbox, self._sampler_outbox:
                 while True:
                     self._drain()
                     await self._gather_outstanding()
@@ -231,9 +238,8 @@ class Scheduler:
             budget -= end - seq.held
         if not items:
             return None
-        samplers = [self._sequences[item.seq_id].sampler for item in items if item.want_logits]
         self.steps += 1
-        return RunStep(step_id=self.steps, items=tuple(items), samplers=tuple(samplers))
+        return RunStep(step_id=self.steps, items=tuple(items))
 
     def _item(self, seq: _Sequence, end: int) -> ForwardItem:
         return ForwardItem(
@@ -311,14 +317,31 @@ class Scheduler:
 
     # --- running it -----------------------------------------------------------------------
 
-    async def _run_step(self, step: RunStep) -> tuple[StepDone | StepFailed, float]:
+    async def _run_step(
+        self, step: RunStep
+    ) -> tuple[StepSampled | StepFailed | SamplingFailed, float]:
+        """The forward, then the token choice for the items that wanted logits."""
         started = time.perf_counter()
         await self._compute_inbox.send(step)
+        result: StepDone | StepFailed | StepSampled | SamplingFailed
         result = await self._compute_outbox.receive()
+        if isinstance(result, StepDone):
+            samplers = tuple(
+                self._sequences[item.seq_id].sampler for item in step.items if item.want_logits
+            )
+            if samplers:
+                await self._sampler_inbox.send(
+                    SampleStep(step_id=step.step_id, logits=result.logits, samplers=samplers)
+                )
+                result = await self._sampler_outbox.receive()
+            else:
+                result = StepSampled(step_id=step.step_id, choices=())
         self._last_step_s = time.perf_counter() - started
         return result, self._last_step_s * 1000.0
 
-    def _apply(self, step: RunStep, result: StepDone | StepFailed, ms: float) -> None:
+    def _apply(
+        self, step: RunStep, result: StepSampled | StepFailed | SamplingFailed, ms: float
+    ) -> None:
         n_tokens = sum(len(item.tokens) for item in step.items)
         decode_items = sum(1 for item in step.items if len(item.tokens) == 1)
         self.tokens += n_tokens
@@ -332,7 +355,7 @@ class Scheduler:
             ms=round(ms, 3),
         )
         sequences = [self._sequences[item.seq_id] for item in step.items]
-        if isinstance(result, StepFailed):
+        if not isinstance(result, StepSampled):
             self._fail(sequences, result.error)
             return
         choices = iter(result.choices)
@@ -365,7 +388,7 @@ class Scheduler:
     def _fail(self, sequences: Iterable[_Sequence], error: str) -> None:
         """A failed step: every sequence in it holds nothing now; each replays from scratch on
         the next step, unless this was already its replay."""
-        self._log.warning("notice", message=f"compute step failed: {error}")
+        self._log.warning("notice", message=f"step failed: {error}")
         for seq in sequences:
             self._drop_blocks(seq)
             seq.failures += 1
