@@ -30,7 +30,9 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 class CountingBackend:
-    """Counts forward passes and records what every step carried."""
+    """Counts forward passes and records what every step carried. A step `fail_when` picks
+    fails: `failure="raise"` raises from the forward, `"nan"` answers NaN logits (the KV is
+    written; the sampler cannot choose)."""
 
     def __init__(
         self,
@@ -40,6 +42,7 @@ class CountingBackend:
         context_length: int = 256,
         step_seconds: float = 0.0,
         fail_when: Callable[[Sequence[ForwardItem]], bool] | None = None,
+        failure: str = "raise",
     ) -> None:
         self.info = ComputeInfo(
             arch="fake",
@@ -55,14 +58,18 @@ class CountingBackend:
         self.closed = False
         self._step_seconds = step_seconds
         self._fail_when = fail_when
+        self._failure = failure
 
     def forward(self, items: Sequence[ForwardItem]) -> np.ndarray:
         if self._step_seconds:
             time.sleep(self._step_seconds)
-        if self._fail_when is not None and self._fail_when(items):
+        failing = self._fail_when is not None and self._fail_when(items)
+        if failing:
             self.failed_steps.append(tuple(items))
-            raise RuntimeError("injected failure")
-        self.steps.append(tuple(items))
+            if self._failure == "raise":
+                raise RuntimeError("injected failure")
+        else:
+            self.steps.append(tuple(items))
         size = self.info.block_size
         rows = []
         for item in items:
@@ -77,6 +84,8 @@ class CountingBackend:
         logits = np.zeros((len(rows), VOCAB), dtype=np.float32)
         for row, seen in zip(logits, rows):
             row[next_token(seen)] = 1.0
+        if failing:
+            logits[:] = np.nan
         return logits
 
     def close(self) -> None:
@@ -386,15 +395,17 @@ async def test_overload_is_refused_at_once() -> None:
         assert results[index] == solo_tokens([index + 2, 3], 5)
 
 
-async def test_one_failed_step_is_replayed_for_its_sequences_only() -> None:
+@pytest.mark.parametrize("failure", ["raise", "nan"])
+async def test_one_failed_step_is_replayed_for_its_sequences_only(failure: str) -> None:
     failures = []
 
     def fail_once(items: Sequence[ForwardItem]) -> bool:
         hit = not failures and len(items) == 2 and items[0].start == 6
-        failures.extend([hit] if hit else [])
+        if hit:
+            failures.append(len(backend.steps))  # where the next step will be recorded
         return hit
 
-    backend = CountingBackend(fail_when=fail_once)
+    backend = CountingBackend(fail_when=fail_once, failure=failure)
     prompts = {first: [first, 34, 35] for first in (33, 36)}
     results: dict[int, list[int]] = {}
 
@@ -415,17 +426,18 @@ async def test_one_failed_step_is_replayed_for_its_sequences_only() -> None:
     (failed,) = backend.failed_steps
     failed_ids = {item.seq_id for item in failed}
     # The step after the failure replays both of its sequences from an empty KV.
-    after = backend.steps[backend.steps.index(failed) if failed in backend.steps else 5]
+    after = backend.steps[failures[0]]
     replays = [item for item in after if item.seq_id in failed_ids]
     assert len(replays) == 2
     assert all(item.start == 0 and len(item.tokens) == 7 for item in replays)
 
 
-async def test_repeated_failure_fails_only_that_sequence() -> None:
+@pytest.mark.parametrize("failure", ["raise", "nan"])
+async def test_repeated_failure_fails_only_that_sequence(failure: str) -> None:
     def fail_for_60(items: Sequence[ForwardItem]) -> bool:
         return any(item.start == 0 and item.tokens[0] == 60 for item in items)
 
-    backend = CountingBackend(fail_when=fail_for_60)
+    backend = CountingBackend(fail_when=fail_for_60, failure=failure)
     async with open_fake(backend) as engine:
         fine = engine.generate([20, 21], greedy(5))
         first_token = (await fine.__anext__()).token_id

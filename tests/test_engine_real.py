@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from itertools import accumulate
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +13,7 @@ import anyio
 import numpy as np
 import pytest
 
+import actors.loader
 from actors import EngineOverloaded, load_model
 from actors.compute.cpu import CpuBackend
 from actors.compute.protocol import ForwardItem
@@ -197,3 +200,32 @@ async def test_multi_turn_chat_reuses_the_conversation(smollm2: Model) -> None:
         second = [chunk async for chunk in engine.chat(messages, greedy(4))]
     assert first[-1].finish_reason in ("stop", "length")
     assert second[-1].usage.cached_tokens >= 16
+
+
+@pytest.mark.parametrize("cancel_after", [0.0, 0.01, 0.1, 0.3])
+async def test_cancelling_open_waits_for_the_load_and_leaves_no_thread(
+    tiny_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch, cancel_after: float
+) -> None:
+    """Cancelled before, during or after a (slowed) load: `open` returns once the load is done,
+    with the model file closed and the loader, compute and sampler threads gone."""
+    loads: list[Model] = []
+    finished: list[Model] = []
+
+    def slow_load(path: Path) -> Model:
+        model = load_model(path)
+        loads.append(model)
+        time.sleep(0.2)
+        finished.append(model)
+        return model
+
+    monkeypatch.setattr(actors.loader, "load_model", slow_load)
+    threads_before = threading.active_count()
+    with anyio.move_on_after(cancel_after) as scope:
+        async with Engine.open(tiny_model_paths["llama-q4k-tiny"], "cpu") as engine:
+            assert (await engine.complete([1, 2, 3], greedy(2))).finish_reason == "length"
+            await anyio.sleep_forever()
+    assert scope.cancelled_caught
+    assert finished == loads
+    assert all(model.gguf._file.closed for model in loads)
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("q4k-")]
+    assert threading.active_count() <= threads_before
