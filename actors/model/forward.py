@@ -332,7 +332,7 @@ class Transformer:
         self,
         x: np.ndarray,
         index: int,
-        rope: tuple[np.ndarray, np.ndarray],
+        rope: np.ndarray,
         sliding: bool,
         plan: StepPlan,
         kv: KVPool,
@@ -352,7 +352,7 @@ class Transformer:
         qk_norm = self.qk_norms[index]
         if qk_norm is not None:
             rms_norm(qk, qk_norm, eps, out=qk)
-        apply_rope(qk, *rope, spec.rope_neox)
+        apply_rope(qk, rope)
         q, k = qk[:, : spec.n_heads], qk[:, spec.n_heads :]
         q *= self.query_scale
 

@@ -1,8 +1,11 @@
-"""Rotary position embedding (RoPE) in llama.cpp's two layouts.
+"""Rotary position embedding (RoPE) in llama.cpp's two layouts, as one complex multiply.
 
 NORM (llama) rotates adjacent pairs (x[2i], x[2i+1]); NEOX (qwen2, gemma3) rotates the two
 halves (x[i], x[i + rope_dim/2]). GGUF llama weights are permuted at conversion so that NORM
-on them equals Hugging Face's rotate-half on the originals.
+on them equals Hugging Face's rotate-half on the originals. The loader stores q and k in
+`pair_order`, which puts every rotated pair side by side in both layouts: a pair is then one
+complex64 number and the rotation one in-place multiply (attention scores are dot products
+of q and k, unchanged when both are permuted alike).
 """
 
 from __future__ import annotations
@@ -20,23 +23,25 @@ def inverse_frequencies(
     return inv_freq
 
 
-def rotation(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of every (position, frequency) angle, (T, 1, rope_dim/2) float32, shaped to
+def pair_order(head_dim: int, rope_dim: int, neox: bool) -> np.ndarray:
+    """Order of one head's features that puts rotated pair i at (2i, 2i+1): for NEOX the
+    halves interleaved, for NORM the identity; features past rope_dim keep their place."""
+    order = np.arange(head_dim)
+    if neox:
+        half = rope_dim // 2
+        order[:rope_dim] = np.stack([np.arange(half), np.arange(half) + half], axis=1).ravel()
+    return order
+
+
+def rotation(positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """e^(i * angle) of every (position, frequency), (T, 1, rope_dim/2) complex64, shaped to
     broadcast over heads. Angles are formed in float64 so long positions lose no precision."""
     angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
-    return (
-        np.cos(angles).astype(np.float32)[:, None, :],
-        np.sin(angles).astype(np.float32)[:, None, :],
-    )
+    return np.exp(1j * angles).astype(np.complex64)[:, None, :]
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> None:
-    """Rotate the first rope_dim features of every head of x (T, heads, head_dim) in place."""
-    half = cos.shape[-1]
-    if neox:
-        first, second = x[..., :half], x[..., half : 2 * half]
-    else:
-        first, second = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
-    rotated_first = first * cos - second * sin
-    second[...] = first * sin + second * cos
-    first[...] = rotated_first
+def apply_rope(x: np.ndarray, rotation: np.ndarray) -> None:
+    """Rotate the first rope_dim features of every head of x (T, heads, head_dim) float32 in
+    place; x's features are in `pair_order` and its last axis is contiguous."""
+    pairs = x[..., : 2 * rotation.shape[-1]].view(np.complex64)
+    pairs *= rotation

@@ -3,7 +3,9 @@
 Every matrix is stored (in_features, out_features), C-contiguous, because OpenBLAS runs
 `x @ W` on that layout as fast as or faster than the GGUF row layout at every batch size we
 step (measured on the 2-core target). q/k/v and gate/up are fused into one matrix each so a
-layer pays three big matmuls instead of six. The token embedding is stored once, as
+layer pays three big matmuls instead of six. Each q and k head's features (and their bias and
+norm weights) are stored in RoPE `pair_order`, so the forward rotates them with one complex
+multiply. The token embedding is stored once, as
 (d_model, vocab): it is the output projection when the output is tied, and the lookup reads
 its columns.
 """
@@ -19,6 +21,7 @@ from actors.errors import ModelFormatError
 from actors.model.arch import ModelSpec
 from actors.model.gguf import GGUFFile
 from actors.model.quants import dequantize
+from actors.model.rope import pair_order
 
 # Rows dequantized at a time: bounds the temporary of the 262144-row embedding to ~40 MB.
 DEQUANT_CHUNK_ROWS = 16384
@@ -29,10 +32,10 @@ class LayerWeights:
     """One transformer block. Optional parts are None where the architecture lacks them."""
 
     attn_norm: np.ndarray  # (d_model,)
-    qkv: np.ndarray  # (d_model, q_dim + 2 * kv_dim)
-    qkv_bias: np.ndarray | None  # (q_dim + 2 * kv_dim,) qwen2
-    q_norm: np.ndarray | None  # (head_dim,) gemma3
-    k_norm: np.ndarray | None  # (head_dim,) gemma3
+    qkv: np.ndarray  # (d_model, q_dim + 2 * kv_dim), q and k heads in RoPE pair order
+    qkv_bias: np.ndarray | None  # (q_dim + 2 * kv_dim,) qwen2, same order
+    q_norm: np.ndarray | None  # (head_dim,) gemma3, RoPE pair order
+    k_norm: np.ndarray | None  # (head_dim,) gemma3, RoPE pair order
     attn_out: np.ndarray  # (q_dim, d_model)
     post_attn_norm: np.ndarray | None  # (d_model,) gemma3
     ffn_norm: np.ndarray  # (d_model,)
@@ -126,17 +129,25 @@ def _load_layer(read: _Reader, spec: ModelSpec, index: int) -> LayerWeights:
     qkv_parts = [(prefix + "attn_q.weight", q_dim), (prefix + "attn_k.weight", kv_dim),
                  (prefix + "attn_v.weight", kv_dim)]
     bias_names = [prefix + "attn_q.bias", prefix + "attn_k.bias", prefix + "attn_v.bias"]
+    head_order = pair_order(spec.head_dim, spec.rope_dim, spec.rope_neox)
+    qk_heads = spec.n_heads + spec.n_kv_heads
+    qkv_order = np.concatenate([
+        (np.arange(qk_heads)[:, None] * spec.head_dim + head_order).ravel(),
+        np.arange(q_dim + kv_dim, q_dim + 2 * kv_dim),
+    ])
     qkv_bias = None
     if any(read.has(name) for name in bias_names):
         qkv_bias = np.concatenate(
             [read.vector(name, rows) for name, (_, rows) in zip(bias_names, qkv_parts)]
-        )
+        )[qkv_order]
+    q_norm = read.optional_vector(prefix + "attn_q_norm.weight", spec.head_dim)
+    k_norm = read.optional_vector(prefix + "attn_k_norm.weight", spec.head_dim)
     return LayerWeights(
         attn_norm=read.vector(prefix + "attn_norm.weight", d),
-        qkv=read.fused(qkv_parts, d),
+        qkv=read.fused(qkv_parts, d)[:, qkv_order],
         qkv_bias=qkv_bias,
-        q_norm=read.optional_vector(prefix + "attn_q_norm.weight", spec.head_dim),
-        k_norm=read.optional_vector(prefix + "attn_k_norm.weight", spec.head_dim),
+        q_norm=None if q_norm is None else q_norm[head_order],
+        k_norm=None if k_norm is None else k_norm[head_order],
         attn_out=read.matrix(prefix + "attn_output.weight", d, q_dim),
         post_attn_norm=read.optional_vector(prefix + "post_attention_norm.weight", d),
         ffn_norm=read.vector(prefix + "ffn_norm.weight", d),
