@@ -25,7 +25,6 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.compute.protocol import ForwardItem, RunStep, Shutdown, StepDone, StepFailed
-from actors.sampler import SampleStep, SamplingFailed, StepSampled
 from actors.errors import EngineOverloaded
 from actors.kv_blocks import ROOT_HASH, BlockPool, chain_hashes
 from actors.logs import get_logger
@@ -36,6 +35,7 @@ from actors.messages import (
     SequenceFailed,
     TokenReady,
 )
+from actors.sampler import SampleStep, SamplingFailed, StepSampled
 
 # How long the scheduler keeps waiting for sequences that just got a token to ask for the next
 # one, measured from the last one that did; past it, the stragglers miss this step. Generous
