@@ -27,6 +27,7 @@ from actors.errors import InvalidRequest
 from actors.logs import get_logger
 from actors.model.chat import ChatTemplate
 from actors.model.loaded import Model, load_model
+from actors.progress import progress_callback
 
 BACKENDS = ("auto", "cpu", "cuda")
 # KV cache budget when the caller does not size it in blocks.
@@ -115,7 +116,11 @@ def load_gguf(
         raise InvalidRequest(
             f"backend {backend!r} is not one of {', '.join(BACKENDS)}", field="backend"
         )
-    model = source if isinstance(source, Model) else load_model(source)
+    if isinstance(source, Model):
+        model = source
+    else:
+        with progress_callback("loading the model weights") as report:
+            model = load_model(source, progress=report)
     # The engine opened the file, so the engine closes it, once the backend is done with it.
     release = model.gguf.close if model is not source else None
     try:

@@ -245,7 +245,7 @@ class Session:
         except anyio.EndOfStream:
             raise EngineClosed("the engine closed while this request was running") from None
         if isinstance(message, SequenceFailed):
-            raise ComputeError(f"the forward pass failed twice for this request: {message.error}")
+            raise ComputeError(f"a step failed twice for this request: {message.error}")
         return message
 
 
