@@ -96,13 +96,18 @@ class _Reader:
     def optional_vector(self, name: str, length: int) -> np.ndarray | None:
         return self.vector(name, length) if self.has(name) else None
 
-    def transposed_into(self, name: str, out: np.ndarray) -> None:
-        """Write the (rows, cols) tensor `name` transposed into `out` of shape (cols, rows),
-        a chunk of rows at a time so no full-size temporary exists."""
+    def transposed_into(
+        self, name: str, out: np.ndarray, row_order: np.ndarray | None = None
+    ) -> None:
+        """Write the (rows, cols) tensor `name`, its rows taken in `row_order` if given,
+        transposed into `out` of shape (cols, rows), a chunk of rows at a time so no
+        full-size temporary exists."""
         cols, rows = out.shape
         self._check_shape(name, (rows, cols))
         info = self.gguf.tensor(name)
         raw = self.gguf.raw(name)
+        if row_order is not None:
+            raw = raw[row_order]
         for first in range(0, rows, DEQUANT_CHUNK_ROWS):
             last = min(first + DEQUANT_CHUNK_ROWS, rows)
             out[:, first:last] = dequantize(raw[first:last], info.type_name, (last - first, cols)).T
@@ -113,12 +118,17 @@ class _Reader:
         self.transposed_into(name, out)
         return out
 
-    def fused(self, parts: list[tuple[str, int]], cols: int) -> np.ndarray:
-        """Several (rows_i, cols) matrices side by side as one (cols, sum rows_i) array."""
+    def fused(
+        self, parts: list[tuple[str, int]], cols: int,
+        row_orders: tuple[np.ndarray, ...] | None = None,
+    ) -> np.ndarray:
+        """Several (rows_i, cols) matrices side by side as one (cols, sum rows_i) array, the
+        rows of part i taken in `row_orders[i]` if given."""
         out = np.empty((cols, sum(rows for _, rows in parts)), dtype=np.float32)
+        orders = row_orders if row_orders is not None else (None,) * len(parts)
         first = 0
-        for name, rows in parts:
-            self.transposed_into(name, out[:, first : first + rows])
+        for (name, rows), order in zip(parts, orders):
+            self.transposed_into(name, out[:, first : first + rows], order)
             first += rows
         return out
 
@@ -130,21 +140,22 @@ def _load_layer(read: _Reader, spec: ModelSpec, index: int) -> LayerWeights:
                  (prefix + "attn_v.weight", kv_dim)]
     bias_names = [prefix + "attn_q.bias", prefix + "attn_k.bias", prefix + "attn_v.bias"]
     head_order = pair_order(spec.head_dim, spec.rope_dim, spec.rope_neox)
-    qk_heads = spec.n_heads + spec.n_kv_heads
-    qkv_order = np.concatenate([
-        (np.arange(qk_heads)[:, None] * spec.head_dim + head_order).ravel(),
-        np.arange(q_dim + kv_dim, q_dim + 2 * kv_dim),
-    ])
+    q_order, k_order = (
+        (np.arange(heads)[:, None] * spec.head_dim + head_order).ravel()
+        for heads in (spec.n_heads, spec.n_kv_heads)
+    )
+    qkv_orders = (q_order, k_order, np.arange(kv_dim))
     qkv_bias = None
     if any(read.has(name) for name in bias_names):
-        qkv_bias = np.concatenate(
-            [read.vector(name, rows) for name, (_, rows) in zip(bias_names, qkv_parts)]
-        )[qkv_order]
+        qkv_bias = np.concatenate([
+            read.vector(name, rows)[order]
+            for name, (_, rows), order in zip(bias_names, qkv_parts, qkv_orders)
+        ])
     q_norm = read.optional_vector(prefix + "attn_q_norm.weight", spec.head_dim)
     k_norm = read.optional_vector(prefix + "attn_k_norm.weight", spec.head_dim)
     return LayerWeights(
         attn_norm=read.vector(prefix + "attn_norm.weight", d),
-        qkv=read.fused(qkv_parts, d)[:, qkv_order],
+        qkv=read.fused(qkv_parts, d, qkv_orders),
         qkv_bias=qkv_bias,
         q_norm=None if q_norm is None else q_norm[head_order],
         k_norm=None if k_norm is None else k_norm[head_order],
