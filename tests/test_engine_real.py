@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from itertools import accumulate
 from collections.abc import Sequence
+from itertools import accumulate
+from typing import Any
 from pathlib import Path
 
 import anyio
@@ -211,8 +212,8 @@ async def test_cancelling_open_waits_for_the_load_and_leaves_no_thread(
     loads: list[Model] = []
     finished: list[Model] = []
 
-    def slow_load(path: Path) -> Model:
-        model = load_model(path)
+    def slow_load(path: Path, **options: Any) -> Model:
+        model = load_model(path, **options)
         loads.append(model)
         time.sleep(0.2)
         finished.append(model)
