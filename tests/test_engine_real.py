@@ -7,8 +7,8 @@ import threading
 import time
 from collections.abc import Sequence
 from itertools import accumulate
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
