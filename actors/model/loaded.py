@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -15,6 +14,7 @@ from actors.errors import ContextLengthExceeded, InvalidRequest, UnsupportedMode
 from actors.model.arch import ModelSpec, spec_from_gguf
 from actors.model.forward import KVPool, StepItem, Transformer, plan_step
 from actors.model.gguf import GGUFFile, open_gguf
+from actors.model.inventory import type_mix
 from actors.model.weights import ModelWeights, load_weights
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class Model:
     @property
     def quant_mix(self) -> dict[str, int]:
         """Tensor type name -> number of tensors of that type in the file."""
-        return dict(Counter(info.type_name for info in self.gguf.tensors.values()))
+        return {name: share.count for name, share in type_mix(self.gguf).items()}
 
     def new_kv_pool(self, num_blocks: int, block_size: int = 16) -> KVPool:
         return KVPool(self.spec, num_blocks, block_size)
