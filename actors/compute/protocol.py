@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol, TypeVar
@@ -78,7 +77,6 @@ class StepDone(msgspec.Struct, frozen=True, kw_only=True):
 
     step_id: int
     logits: Any  # np.ndarray
-    ms: float
 
 
 class StepFailed(msgspec.Struct, frozen=True, kw_only=True):
@@ -174,14 +172,11 @@ class ComputeActor:
 
 
 def _run_step(backend: ComputeBackend, step: RunStep) -> StepDone | StepFailed:
-    started = time.perf_counter()
     try:
         logits = np.ascontiguousarray(backend.forward(step.items), dtype=np.float32)
     except Exception as exc:  # the compute contract: a failed step is an answer, not a crash
         return StepFailed(step_id=step.step_id, error=f"{type(exc).__name__}: {exc}")
-    return StepDone(
-        step_id=step.step_id, logits=logits, ms=(time.perf_counter() - started) * 1000.0
-    )
+    return StepDone(step_id=step.step_id, logits=logits)
 
 
 # --- the bridge between an actor's own thread and the event loop ------------------------------
