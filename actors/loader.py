@@ -141,6 +141,9 @@ def load_gguf(
     )
     for notice in notices:
         log.info("notice", message=notice)
+    # Built here, in the loader's thread: on the first request it would stall the event
+    # loop (about 1 s for gemma3's 262k-token vocabulary).
+    model.tokenizer.prepare_encoder()
     return Loaded(
         model=ModelLoaded(
             tokenizer=model.tokenizer,

@@ -73,6 +73,10 @@ class Tokenizer:
             return build_spm_model(self.vocab)
         return build_bpe_model(self.vocab)
 
+    def prepare_encoder(self) -> None:
+        """Build the encoder now (e.g. in a loading thread) instead of on the first encode."""
+        self._encoder  # noqa: B018 - the cached property builds and keeps it
+
     def encode(
         self, text: str, *, add_bos: bool | None = None, parse_special: bool = False
     ) -> list[int]:
