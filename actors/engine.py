@@ -36,7 +36,13 @@ from actors.compute.protocol import (
     StepDone,
     StepFailed,
 )
-from actors.errors import ContextLengthExceeded, EngineClosed, EngineOverloaded, InvalidRequest
+from actors.errors import (
+    ContextLengthExceeded,
+    EngineClosed,
+    EngineOverloaded,
+    InvalidRequest,
+    TemplateError,
+)
 from actors.kv_blocks import BlockPool
 from actors.loader import Loaded, LoaderActor, LoadFailed, ModelLoaded, load_gguf
 from actors.logs import get_logger, logging_to
@@ -397,8 +403,6 @@ class Engine:
         raise error
 
     def _render_chat(self, messages: list[dict[str, Any]], template: str | None) -> str:
-        from actors.errors import TemplateError
-
         if self._chat_template is None:
             raise TemplateError("this engine was opened without a chat template source")
         if template is not None:
