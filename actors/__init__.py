@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.errors import (
+from actors.openblas_kernels import choose_openblas_kernels
+
+# Before anything imports numpy: OpenBLAS picks its kernels once, when numpy loads it.
+choose_openblas_kernels()
+
+from actors.errors import (  # noqa: E402
     ComputeError,
     ContextLengthExceeded,
     EngineClosed,

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 
+import actors  # noqa: F401  # first: it picks OpenBLAS's kernels before numpy loads them
 import numpy as np
 
 from actors.model.forward import KVPool, StepItem

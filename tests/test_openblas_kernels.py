@@ -1,0 +1,49 @@
+"""OpenBLAS kernel choice: which CPUs get which kernels, and that the user's choice wins."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from actors.openblas_kernels import CPUINFO, kernel_family_for
+
+ZEN4 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+flags\t\t: fpu sse2 avx2 fma avx512f avx512bw
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+"""
+ZEN3 = ZEN4.replace(" avx512f avx512bw", "")
+SKYLAKE_X = ZEN4.replace("AuthenticAMD", "GenuineIntel")
+
+
+def test_amd_with_avx512_gets_the_zen_kernels() -> None:
+    assert kernel_family_for(ZEN4) == "Zen"
+
+
+def test_other_cpus_keep_openblas_own_choice() -> None:
+    assert kernel_family_for(ZEN3) is None
+    assert kernel_family_for(SKYLAKE_X) is None
+    assert kernel_family_for("") is None
+
+
+def _coretype_after_import(env: dict[str, str], first_import: str) -> str:
+    code = f"import {first_import}, actors, os; print(os.environ.get('OPENBLAS_CORETYPE'))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, check=True)
+    return done.stdout.strip()
+
+
+def test_importing_actors_first_sets_the_family_for_this_cpu() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    expected = kernel_family_for(CPUINFO.read_text()) if CPUINFO.exists() else None
+    assert _coretype_after_import(env, "sys") == str(expected)
+
+
+def test_users_choice_and_an_already_loaded_numpy_are_left_alone() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    assert _coretype_after_import({**env, "OPENBLAS_CORETYPE": "Haswell"}, "sys") == "Haswell"
+    assert _coretype_after_import(env, "numpy") == "None"
