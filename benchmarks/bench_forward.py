@@ -1,11 +1,14 @@
 """Benchmark of the numpy forward on gemma-3-270m: prefill, decode, batched decode, memory.
 
     python benchmarks/bench_forward.py [--model PATH] [--decode-tokens 64] [--repeats 3]
+                                       [--ceiling]
 
 Prints each figure with its ratio to the llama.cpp anchor measured on the 2-core target
 (tests/reference/README.md), best and median of `--repeats` runs (best, because other work
 on a shared machine only ever slows a run down). Decode is greedy (argmax), as the engine's
 temperature-0 path; the 16 and 64 stream figures step every stream together each step.
+`--ceiling` adds, per figure, the rate its steps' float32 matmuls alone reach on the model's own
+weights: the bound no arrangement of the rest of the forward can pass on this machine.
 """
 
 from __future__ import annotations
@@ -86,11 +89,38 @@ def decode_rate(model: Model, n_streams: int, n_decode: int, repeats: int) -> tu
     return best_rate(n_streams * n_decode, run, repeats)
 
 
+def matmul_ceiling(model: Model, n_rows: int, n_logit_rows: int, repeats: int) -> float:
+    """Tokens/s if a step of `n_rows` tokens did nothing but its float32 matmuls, on the
+    model's own weight arrays (cold in cache, as in a real step): the most any layout of the
+    rest of the forward could reach with these matmuls on this machine."""
+    rng = np.random.default_rng(2)
+    spec, weights = model.spec, model.weights
+
+    def rows(width: int, n: int = n_rows) -> np.ndarray:
+        return rng.standard_normal((n, width), dtype=np.float32)
+
+    x, attn, gated, last = rows(spec.d_model), rows(spec.q_dim), rows(spec.ffn_dim), rows(
+        spec.d_model, n_logit_rows)
+
+    def matmuls() -> None:
+        for layer in weights.layers:
+            x @ layer.qkv
+            attn @ layer.attn_out
+            x @ layer.gate_up
+            gated @ layer.down
+        last @ weights.output
+
+    matmuls()  # first touch of the outputs' pages is not part of the figure
+    return best_rate(n_rows, lambda: timed(matmuls), repeats)[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF path (default: gemma-3-270m)")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also time each figure's matmuls alone (its ceiling here)")
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -107,11 +137,18 @@ def main() -> None:
     for streams in (1, 16, 64):
         figures[f"decode_{streams}"] = decode_rate(model, streams, args.decode_tokens,
                                                    args.repeats)
+    # (rows a step carries, rows it projects to logits) for each figure's steps
+    shapes = {"prefill_512": (512, 1), "decode_1": (1, 1), "decode_16": (16, 16),
+              "decode_64": (64, 64)}
     for name, (rate, median) in figures.items():
+        ceiling = ""
+        if args.ceiling:
+            bound = matmul_ceiling(model, *shapes[name], max(args.repeats, 5))
+            ceiling = f"   matmuls alone {bound:6.1f} ({rate / bound:.0%})"
         print(f"{name:12s} {rate:8.1f} tok/s (median {median:6.1f})   "
               f"x{rate / ANCHORS[name]:.2f} of llama.cpp "
               f"{ANCHORS[name]:.0f}   target {TARGETS[name]:.0f}"
-              f"{'' if rate >= TARGETS[name] else '  (below target)'}")
+              f"{'' if rate >= TARGETS[name] else '  (below target)'}{ceiling}")
 
 
 if __name__ == "__main__":
