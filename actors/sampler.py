@@ -16,7 +16,10 @@ One row goes through (the Hugging Face / vLLM order):
    vocabulary when top_k is 0); then min-p: keep tokens at least `min_p` times as likely as the
    most likely one. The most likely token always survives;
 4. one uniform from the sequence's own Generator, inverted through the survivors' CDF, so a
-   seeded sequence gets the same tokens whatever else shares its batch.
+   seeded sequence gets the same tokens whatever else shares its batch. The CDF runs most
+   likely first (ties by id), or in vocabulary order for an unfiltered row and for a top-p
+   nucleus guessed too wide to sort (see Cost): either way a choice of the row's own logits and
+   params alone.
 
 Logprobs are the log-softmax, over the whole vocabulary, of step 2's distribution (penalties and
 temperature applied, before top-k/top-p/min-p); greedy rows use T = 1, i.e. the penalized model
@@ -28,7 +31,13 @@ guesses a logit threshold, one comparison pass gathers the tokens above it into 
 candidate table, and a row's threshold is lowered only while its table cannot decide it exactly
 (fewer than top_k or logprobs tokens, or less mass than top-p's nucleus). Rows that need the
 partition function (top-p without top-k, logprobs, or no filter at all) pay one exp pass over
-their row; an unfiltered row then re-reads one block of it to find its token.
+their row; an unfiltered row then re-reads one block of it to find its token. A top-p nucleus
+without top-k that the sample guesses wider than a few thousand tokens (a hot temperature, top_p
+near 1) is neither gathered nor sorted: the same exp pass sums its row's weights above a bracket
+of logits around the guessed cutoff by blocks and gathers the few tokens inside the bracket;
+sorting only those finds the cutoff token exactly, and the row is drawn as an unfiltered one is,
+from its survivors' block sums. A bracket that misses the cutoff is widened, for one more pass
+over its row.
 """
 
 from __future__ import annotations
@@ -61,6 +70,15 @@ _CANDIDATE_MARGIN = 4
 # a nucleus short of mass is known to lack.
 _WIDEN_FACTOR = 2
 _WIDEN_MARGIN = 2
+# A top-p row without top-k whose nucleus is guessed to hold more than about this many tokens
+# is drawn without sorting its nucleus (`_draw_from_wide_nuclei`): past it, sorting costs more
+# than the bracket of the cutoff that it sorts instead.
+_WIDE_NUCLEUS = 2048
+# A wide nucleus's cutoff is looked for between the sampled logits this many sample positions
+# either side of the guessed one: about 2 * this * stride tokens to sort. Wider costs more in
+# every row than the rows whose guess was further off (on gemma3's hot rows, one in seven)
+# lose to a second bracket.
+_BRACKET = 16
 # The partition function is summed in blocks of this many tokens: the blocks' sums let an
 # unfiltered row invert its CDF by re-reading one block instead of the whole row.
 _BLOCK = 1024
@@ -244,7 +262,7 @@ def _patched(logits: np.ndarray, edits: _Edits | None) -> Iterator[None]:
 def _choose(
     logits: np.ndarray, states: Sequence[SequenceSampling], rows: _RowParams
 ) -> list[TokenChoice]:
-    n = logits.shape[0]
+    n, vocab = logits.shape
     best = np.argmax(logits, axis=1)
     peak = logits[np.arange(n), best].astype(np.float64)
     if not np.isfinite(peak).all():
@@ -255,30 +273,56 @@ def _choose(
     filtered = (rows.top_k > 0) | (rows.top_p < 1) | np.isfinite(rows.log_min_p)
     unfiltered_sampled = sampled & ~filtered
     wants_logprobs = rows.n_top >= 0
-    needs_partition = (
-        wants_logprobs | unfiltered_sampled | (sampled & (rows.top_k == 0) & (rows.top_p < 1))
-    )
+    # top-p over the whole vocabulary: its nucleus is a share of the partition function.
+    nucleus = sampled & (rows.top_k == 0) & (rows.top_p < 1)
+    needs_partition = wants_logprobs | unfiltered_sampled | nucleus
     # Exactly one uniform per sampled row, from the row's own Generator: its stream never
     # depends on the batch or on how many widening rounds the row needed.
     uniforms = np.array([s.rng.random() if draw else 0.0 for s, draw in zip(states, sampled)])
 
     tokens = best.copy()
     log_z = np.zeros(n)
-    z_rows = np.flatnonzero(needs_partition)
+    # A top-p row without top-k gets its partition function from `_nucleus_pass`.
+    z_rows = np.flatnonzero(needs_partition & ~nucleus)
     if z_rows.size:
         block_sums = _block_sums(logits, z_rows, peak, rows.inv_temp)
         log_z[z_rows] = np.log(block_sums.sum(axis=1))
         drawn = unfiltered_sampled[z_rows]
         if drawn.any():
             chosen = z_rows[drawn]
+            every_token = np.full(chosen.size, -np.inf), np.full(chosen.size, vocab)
             tokens[chosen] = _draw_from_blocks(
-                logits, chosen, block_sums[drawn], peak, rows.inv_temp, uniforms
+                logits, chosen, block_sums[drawn], peak, rows.inv_temp, uniforms, *every_token
             )
 
     table_rows = np.flatnonzero((sampled & filtered) | wants_logprobs)
-    table = _candidate_table(logits, table_rows, peak, rows, log_z) if table_rows.size else None
-    if table is not None:
-        drawn = sampled[table.rows] & filtered[table.rows]
+    if not table_rows.size:
+        return _token_choices(logits, tokens, peak, rows, log_z, None)
+    sample = _sorted_sample(logits, table_rows)
+    wide = np.zeros(n, dtype=bool)
+    in_nucleus = nucleus[table_rows]
+    if in_nucleus.any():
+        nucleus_rows = table_rows[in_nucleus]
+        nuclei = _nucleus_pass(logits, nucleus_rows, sample[in_nucleus], peak, rows)
+        log_z[nucleus_rows] = nuclei.log_z
+        if nuclei.wide.any():
+            wide_rows = nucleus_rows[nuclei.wide]
+            wide[wide_rows] = True
+            wide_sample = sample[in_nucleus][nuclei.wide]
+            tokens[wide_rows] = _draw_from_wide_nuclei(
+                logits, wide_rows, nuclei, wide_sample, peak, rows, log_z, uniforms
+            )
+    # A wide nucleus's row stays in the table only for its logprobs, without its filters.
+    in_table = ~wide[table_rows] | wants_logprobs[table_rows]
+    table_params = rows._replace(
+        top_p=np.where(wide, 1.0, rows.top_p), log_min_p=np.where(wide, -np.inf, rows.log_min_p)
+    )
+    table = None
+    if in_table.any():
+        table = _candidate_table(
+            logits, table_rows[in_table], sample[in_table], peak, table_params, log_z
+        )
+        drawn = sampled[table.rows] & filtered[table.rows] & ~wide[table.rows]
         if drawn.any():
             tokens[table.rows[drawn]] = _draw_from_table(table, drawn, rows, log_z, uniforms)
     return _token_choices(logits, tokens, peak, rows, log_z, table)
@@ -289,24 +333,39 @@ def _block_sums(
 ) -> np.ndarray:
     """Per row of `z_rows`, the sums of exp((logit - peak) / T) over blocks of `_BLOCK` tokens
     (float64, shape (len(z_rows), blocks)); their total is the partition function."""
+    sums = np.empty((z_rows.size, _n_blocks(logits.shape[1])))
+    for part, _, weights in _weighed_chunks(logits, z_rows, peak, inv_temp):
+        sums[part] = weights.sum(axis=2)
+    return sums
+
+
+def _n_blocks(vocab: int) -> int:
+    return -(-vocab // _BLOCK)
+
+
+def _weighed_chunks(
+    logits: np.ndarray, some_rows: np.ndarray, peak: np.ndarray, inv_temp: np.ndarray
+) -> Iterator[tuple[slice, np.ndarray, np.ndarray]]:
+    """`some_rows` a few at a time, so the float32 scratch stays in cache: yields the chunk's
+    slice of `some_rows`, its logits, and its weights exp((logit - peak) / T) as (rows, blocks,
+    `_BLOCK`), the last block padded with zeros. The next chunk overwrites the weights."""
     vocab = logits.shape[1]
-    n_blocks = -(-vocab // _BLOCK)
+    n_blocks = _n_blocks(vocab)
     chunk = max(1, _SCRATCH_BYTES // (4 * n_blocks * _BLOCK))
     scratch = np.empty((chunk, n_blocks * _BLOCK), dtype=np.float32)
     shift = peak.astype(np.float32)
     scale = inv_temp.astype(np.float32)
-    sums = np.empty((z_rows.size, n_blocks))
-    for start in range(0, z_rows.size, chunk):
-        part = z_rows[start : start + chunk]
+    for start in range(0, some_rows.size, chunk):
+        part = some_rows[start : start + chunk]
         buf = scratch[: part.size]
+        chunk_logits = _rows_of(logits, part)
         # Subtract before scaling: a small temperature would magnify the rounding of l / T.
-        np.subtract(_rows_of(logits, part), shift[part, None], out=buf[:, :vocab])
+        np.subtract(chunk_logits, shift[part, None], out=buf[:, :vocab])
         buf[:, :vocab] *= scale[part, None]
         buf[:, vocab:] = -np.inf  # the last block's padding weighs exp(-inf) = 0
         np.exp(buf, out=buf)
-        sums[start : start + part.size] = buf.reshape(part.size, n_blocks, _BLOCK).sum(axis=2)
-    return sums
-
+        weights = buf.reshape(part.size, n_blocks, _BLOCK)
+        yield slice(start, start + part.size), chunk_logits, weights
 
 def _rows_of(logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """`logits[rows]`, as a view (no copy) when the rows are consecutive."""
@@ -317,23 +376,29 @@ def _rows_of(logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 def _draw_from_blocks(
     logits: np.ndarray,
-    rows: np.ndarray,
+    drawn_rows: np.ndarray,
     block_sums: np.ndarray,
     peak: np.ndarray,
     inv_temp: np.ndarray,
     uniforms: np.ndarray,
+    cut_logit: np.ndarray,
+    cut_id: np.ndarray,
 ) -> np.ndarray:
-    """Sample the full distribution of `rows`: pick the block holding u * Z from the block
-    sums, then re-read that one block to find the token."""
+    """Sample each of `drawn_rows` in vocabulary order among its survivors: the tokens up to a
+    cutoff token in (logit desc, id asc) order (`cut_logit` -inf and `cut_id` past the
+    vocabulary: every token), whose weights `block_sums` sums by blocks of `_BLOCK` tokens.
+    Picks the block holding u * (the survivors' mass), then re-reads that one block."""
     vocab = logits.shape[1]
     cdf = np.cumsum(block_sums, axis=1)
-    target = uniforms[rows] * cdf[:, -1]
+    target = uniforms[drawn_rows] * cdf[:, -1]
     block = _invert_cdf(cdf, target, block_sums > 0)
     before = np.where(block > 0, np.take_along_axis(cdf, (block - 1)[:, None], 1)[:, 0], 0.0)
     ids = block[:, None] * _BLOCK + np.arange(_BLOCK)
-    block_logits = logits[rows[:, None], np.minimum(ids, vocab - 1)]
-    scaled = (block_logits - peak[rows, None]) * inv_temp[rows, None]
-    weights = np.where(ids < vocab, np.exp(scaled), 0.0)
+    block_logits = logits[drawn_rows[:, None], np.minimum(ids, vocab - 1)]
+    scaled = (block_logits - peak[drawn_rows, None]) * inv_temp[drawn_rows, None]
+    cut = cut_logit[:, None]
+    survives = (block_logits > cut) | ((block_logits == cut) & (ids <= cut_id[:, None]))
+    weights = np.where(survives & (ids < vocab), np.exp(scaled), 0.0)
     offset = _invert_cdf(np.cumsum(weights, axis=1), target - before, weights > 0)
     return block * _BLOCK + offset
 
@@ -358,15 +423,16 @@ class _Candidates(NamedTuple):
 def _candidate_table(
     logits: np.ndarray,
     table_rows: np.ndarray,
+    sample: np.ndarray,
     peak: np.ndarray,
     rows: _RowParams,
     log_z: np.ndarray,
 ) -> _Candidates:
     """The tokens above a per-row threshold, lowered until the table decides every row:
-    it holds top-k's k tokens, the logprobs' n, min-p's survivors and top-p's nucleus."""
+    it holds top-k's k tokens, the logprobs' n, min-p's survivors and top-p's nucleus.
+    `sample` is the rows' `_sorted_sample`."""
     vocab = logits.shape[1]
-    stride = max(1, vocab // _SAMPLE_SIZE)
-    sample = np.sort(logits[table_rows, ::stride], axis=1)
+    stride = _stride(vocab)
     inv_temp = rows.inv_temp[table_rows]
     top_k = rows.top_k[table_rows]
     row_peak = peak[table_rows]
@@ -388,7 +454,9 @@ def _candidate_table(
     pending = np.ones(table_rows.size, dtype=bool)
     threshold = np.empty(table_rows.size)
     while pending.any():
-        guess = np.minimum(_threshold_from_sample(sample, threshold_at), highest_start)
+        # About `threshold_at * stride` tokens of a row lie above this sampled logit.
+        at = _sampled_logit(sample, sample.shape[1] - threshold_at)
+        guess = np.minimum(at, highest_start)
         threshold[pending] = guess[pending]
         bound = np.full(logits.shape[0], np.inf)  # decided rows keep what they gathered
         bound[table_rows[pending]] = threshold[pending]
@@ -416,13 +484,24 @@ def _candidate_table(
     return _sorted_table(table_rows, table_row, ids, values, count, peak, rows.inv_temp)
 
 
-def _threshold_from_sample(sample: np.ndarray, threshold_at: np.ndarray) -> np.ndarray:
-    """The `threshold_at`-th largest sampled logit per row (-inf once past the sample):
-    about `threshold_at * stride` tokens of the row lie above it."""
+def _stride(vocab: int) -> int:
+    """A row's sample takes every `_stride(vocab)`-th logit: about `_SAMPLE_SIZE` of them."""
+    return max(1, vocab // _SAMPLE_SIZE)
+
+
+def _sorted_sample(logits: np.ndarray, sample_rows: np.ndarray) -> np.ndarray:
+    """Every `_stride`-th logit of each of `sample_rows`, sorted ascending: about
+    `stride * (size - position)` tokens of a row lie at or above its `position`-th."""
+    return np.sort(logits[sample_rows, :: _stride(logits.shape[1])], axis=1)
+
+
+def _sampled_logit(sample: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """Each row's sampled logit at `position` (float64); -inf at or below the sample's first
+    position (the row's lower tokens were not sampled), +inf past its last."""
     size = sample.shape[1]
-    position = np.clip(size - threshold_at, 0, size - 1)
-    guess = np.take_along_axis(sample, position[:, None], axis=1)[:, 0].astype(np.float64)
-    return np.where(threshold_at >= size, -np.inf, guess)
+    at = np.take_along_axis(sample, np.clip(position, 0, size - 1)[:, None], axis=1)[:, 0]
+    at = at.astype(np.float64)
+    return np.where(position <= 0, -np.inf, np.where(position >= size, np.inf, at))
 
 
 def _above(logits: np.ndarray, threshold: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -505,6 +584,253 @@ def _draw_from_table(
     target = uniforms[batch_rows] * survivors_mass
     column = _invert_cdf(cdf, target, allowed)
     return np.take_along_axis(table.ids[drawn], column[:, None], axis=1)[:, 0]
+
+
+class _Brackets(NamedTuple):
+    """Per wide nucleus, a bracket of logits [low, high) that may hold its cutoff token: the
+    block sums of the row's weights at or above `high`, and the tokens inside."""
+
+    rows: np.ndarray  # the batch row of each bracket
+    low: np.ndarray
+    high: np.ndarray
+    above_sums: np.ndarray  # (r, blocks)
+    slot: np.ndarray  # the tokens inside, bracket by bracket and ascending ids: their bracket,
+    ids: np.ndarray  # id,
+    values: np.ndarray  # logit
+    weights: np.ndarray  # and float32 weight, as `_weighed_chunks` has it
+
+
+class _Nuclei(NamedTuple):
+    """What `_nucleus_pass` learns of the top-p rows without top-k, one entry per row."""
+
+    log_z: np.ndarray
+    wide: np.ndarray  # bool: guessed too wide to sort
+    start: np.ndarray  # the sample position where the nucleus is guessed to start
+    floor: np.ndarray  # `_min_p_floor`
+    brackets: _Brackets | None  # the wide rows' first brackets, `_BRACKET` around `start`
+
+
+def _nucleus_pass(
+    logits: np.ndarray,
+    nucleus_rows: np.ndarray,
+    sample: np.ndarray,
+    peak: np.ndarray,
+    rows: _RowParams,
+) -> _Nuclei:
+    """One pass over the top-p rows without top-k: each row's partition function then, once
+    that tells how much mass top-p drops, the guess of where its nucleus starts in its
+    `_sorted_sample` and, for a nucleus guessed too wide to sort, a first bracket, while the
+    row's weights are still in cache."""
+    vocab = logits.shape[1]
+    stride = _stride(vocab)
+    size = sample.shape[1]
+    inv_temp = rows.inv_temp[nucleus_rows]
+    log_min_p = rows.log_min_p[nucleus_rows]
+    z = np.empty(nucleus_rows.size)
+    start = np.zeros(nucleus_rows.size, dtype=np.int64)
+    wide = np.zeros(nucleus_rows.size, dtype=bool)
+    floor = _min_p_floor(peak[nucleus_rows], log_min_p, inv_temp)
+    low = np.full(nucleus_rows.size, np.inf)  # narrow rows: an empty bracket, nothing above it
+    high = np.full(nucleus_rows.size, np.inf)
+    above_sums = np.zeros((nucleus_rows.size, _n_blocks(vocab)))
+    # The nucleus is guessed to start where the sampled logits below it, each standing for
+    # `stride` tokens, weigh what top-p drops; it is wide when that is below the top sampled
+    # logits that stand for `_WIDE_NUCLEUS` tokens, and min-p keeps them. A guess from the row
+    # alone: so is the path it picks.
+    shift = peak[nucleus_rows, None].astype(np.float32)  # float32: a guess, and a cheap one
+    scaled = (sample - shift) * inv_temp[:, None].astype(np.float32)
+    mass_below = stride * np.cumsum(np.exp(scaled), axis=1)
+    wide_below = size - min(size, -(-_WIDE_NUCLEUS // stride))  # a sample position
+    can_be_wide = (scaled < log_min_p[:, None]).sum(axis=1) < wide_below
+    mass_below_wide = mass_below[:, max(wide_below - 1, 0)]
+    dropped_share = 1 - rows.top_p[nucleus_rows]
+    parts = []
+    for part, chunk_logits, weights in _weighed_chunks(logits, nucleus_rows, peak, rows.inv_temp):
+        z[part] = weights.sum(axis=2).sum(axis=1, dtype=np.float64)
+        dropped = dropped_share[part] * z[part]
+        wide[part] = can_be_wide[part] & (mass_below_wide[part] > dropped)
+        if wide[part].any():
+            start[part] = (mass_below[part] <= dropped[:, None]).sum(axis=1)
+            bounds = _bracket_bounds(sample[part], start[part], _BRACKET, floor[part])
+            low[part], high[part] = (np.where(wide[part], bound, np.inf) for bound in bounds)
+            above_sums[part], entries = _bracket_chunk(
+                chunk_logits, weights, low[part], high[part], part.start
+            )
+            parts.append(entries)
+    brackets = None
+    if wide.any():
+        row, *inside = (np.concatenate(column) for column in zip(*parts))
+        slot = (np.cumsum(wide) - 1)[row]  # position among the wide rows
+        brackets = _Brackets(
+            nucleus_rows[wide], low[wide], high[wide], above_sums[wide], slot, *inside
+        )
+    return _Nuclei(np.log(z), wide, start, floor, brackets)
+
+
+def _bracket_bounds(
+    sample: np.ndarray, start: np.ndarray, half_width: int, floor: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The brackets `half_width` sample positions either side of `start`, raised to min-p's
+    floor: float32 values, or infinite past the sample's ends."""
+    low = _sampled_logit(sample, start - half_width)
+    high = _sampled_logit(sample, start + half_width)
+    return np.maximum(low, floor), np.maximum(high, floor)
+
+
+def _bracket_chunk(
+    chunk_logits: np.ndarray, weights: np.ndarray, low: np.ndarray, high: np.ndarray, offset: int
+) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """For a chunk of `_weighed_chunks` (whose `weights` it overwrites): the block sums of each
+    row's weights at or above its `high`, and (row + offset, id, logit, weight) of its tokens
+    in [low, high). The bounds are float32 values, so the float32 comparisons are exact."""
+    vocab = chunk_logits.shape[1]
+    at_or_above = chunk_logits >= high.astype(np.float32)[:, None]
+    inside = chunk_logits >= low.astype(np.float32)[:, None]
+    np.greater(inside, at_or_above, out=inside)  # and not at or above `high`
+    flat = np.flatnonzero(inside)
+    row, ids = np.divmod(flat, vocab)
+    padded = weights.reshape(weights.shape[0], -1)
+    in_padded = flat + row * (padded.shape[1] - vocab)
+    entries = (row + offset, ids, chunk_logits.reshape(-1)[flat], padded.reshape(-1)[in_padded])
+    padded[:, :vocab] *= at_or_above
+    return weights.sum(axis=2), entries
+
+
+def _bracket_pass(
+    logits: np.ndarray,
+    bracket_rows: np.ndarray,
+    peak: np.ndarray,
+    inv_temp: np.ndarray,
+    low: np.ndarray,
+    high: np.ndarray,
+) -> _Brackets:
+    """The brackets [low, high) of `bracket_rows`, in one pass over their weights."""
+    above_sums = np.empty((bracket_rows.size, _n_blocks(logits.shape[1])))
+    parts = []
+    for part, chunk_logits, weights in _weighed_chunks(logits, bracket_rows, peak, inv_temp):
+        above_sums[part], entries = _bracket_chunk(
+            chunk_logits, weights, low[part], high[part], part.start
+        )
+        parts.append(entries)
+    inside = (np.concatenate(column) for column in zip(*parts))
+    return _Brackets(bracket_rows, low, high, above_sums, *inside)
+
+
+def _draw_from_wide_nuclei(
+    logits: np.ndarray,
+    wide_rows: np.ndarray,
+    nuclei: _Nuclei,
+    sample: np.ndarray,
+    peak: np.ndarray,
+    rows: _RowParams,
+    log_z: np.ndarray,
+    uniforms: np.ndarray,
+) -> np.ndarray:
+    """Sample top-p nuclei too wide to sort: the survivors `_draw_from_table` would keep, but
+    inverted in vocabulary order through their block sums, as an unfiltered row is.
+
+    The cutoff token, where the mass from the top reaches top_p * Z, is looked for in a bracket
+    of logits around the guessed start of the nucleus (`sample` is the rows' sorted sample):
+    only the tokens inside it are sorted, those above it are summed by blocks. A row whose
+    cutoff is not inside its bracket tries one twice as wide. min-p's floor bounds the brackets
+    from below, so the survivors are the tokens above both cutoffs.
+    """
+    wide = nuclei.wide
+    start, floor = nuclei.start[wide], nuclei.floor[wide]
+    nucleus_mass = rows.top_p[wide_rows] * np.exp(log_z[wide_rows])
+    cut_logit = np.empty(wide_rows.size)
+    cut_id = np.empty(wide_rows.size, dtype=np.int64)
+    survivor_sums = np.empty((wide_rows.size, _n_blocks(logits.shape[1])))
+    pending = np.arange(wide_rows.size)  # positions in wide_rows
+    brackets = nuclei.brackets
+    half_width = _BRACKET
+    while True:
+        decided, *found = _cutoffs(brackets, nucleus_mass[pending], floor[pending], peak, rows)
+        done = pending[decided]
+        cut_logit[done], cut_id[done], survivor_sums[done] = (part[decided] for part in found)
+        pending = pending[~decided]
+        if not pending.size:
+            break
+        half_width *= _WIDEN_FACTOR
+        low, high = _bracket_bounds(sample[pending], start[pending], half_width, floor[pending])
+        brackets = _bracket_pass(logits, wide_rows[pending], peak, rows.inv_temp, low, high)
+    return _draw_from_blocks(
+        logits, wide_rows, survivor_sums, peak, rows.inv_temp, uniforms, cut_logit, cut_id
+    )
+
+
+def _cutoffs(
+    brackets: _Brackets,
+    nucleus_mass: np.ndarray,
+    floor: np.ndarray,
+    peak: np.ndarray,
+    rows: _RowParams,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per bracket: whether it decides its row's cutoff, the cutoff token (logit, id) and the
+    block sums of the survivors' weights.
+
+    Only the logits inside a bracket are sorted (float32, far faster than sorting them with
+    their ids): equal logits weigh the same, so the cutoff's logit and its rank among the
+    tokens of that logit come from them, and its id from the few tokens at that logit.
+    """
+    n_brackets, n_blocks = brackets.above_sums.shape
+    slot, ids, values = brackets.slot, brackets.ids, brackets.values
+    count = np.bincount(slot, minlength=n_brackets)
+    width = max(int(count.max()), 1)
+    negated = np.full((n_brackets, width), np.inf, dtype=np.float32)  # padding sorts last
+    negated[slot, np.arange(slot.size) - (np.cumsum(count) - count)[slot]] = -values
+    negated.sort(axis=1)
+    descending = -negated
+    # The same float32 weights as `_weighed_chunks`, so the mass above the bracket and its
+    # tokens' add up as the partition function does.
+    shift = peak[brackets.rows, None].astype(np.float32)
+    scale = rows.inv_temp[brackets.rows, None].astype(np.float32)
+    sorted_weights = np.exp((descending - shift) * scale).astype(np.float64)
+    mass_above = brackets.above_sums.sum(axis=1)
+    cdf = mass_above[:, None] + np.cumsum(sorted_weights, axis=1)
+    keep = (cdf < nucleus_mass[:, None]).sum(axis=1) + 1  # as `_draw_from_table` counts
+    found = keep <= count
+    # The cutoff is above the bracket while the mass above it reaches top_p * Z, and below it
+    # while the bracket ends short, unless min-p's floor (or the row's end) is there: then
+    # every token at or above the bracket survives.
+    decided = (mass_above < nucleus_mass) & (found | (brackets.low <= floor))
+    cut_logit = np.where(
+        found, descending[np.arange(n_brackets), np.minimum(keep, width) - 1], brackets.low
+    )
+    # Ties go by id: the cutoff is the `rank`-th token (in id order) of its logit.
+    rank = keep - (descending > cut_logit[:, None].astype(np.float32)).sum(axis=1)
+    survives = values > cut_logit[slot]
+    tied = np.flatnonzero(values == cut_logit[slot])
+    tied_slot = slot[tied]
+    rank_in_row = np.arange(tied.size) - np.searchsorted(tied_slot, tied_slot) + 1
+    is_cut = found[tied_slot] & (rank_in_row == rank[tied_slot])
+    cut_id = np.full(n_brackets, np.iinfo(np.int64).max)  # not found: every tie survives
+    cut_id[tied_slot[is_cut]] = ids[tied[is_cut]]
+    survives[tied[rank_in_row <= np.where(found, rank, tied.size)[tied_slot]]] = True
+    prefix_sums = np.bincount(
+        (slot * n_blocks + ids // _BLOCK)[survives],
+        brackets.weights[survives],
+        minlength=n_brackets * n_blocks,
+    ).reshape(n_brackets, n_blocks)
+    return decided, cut_logit, cut_id, brackets.above_sums + prefix_sums
+
+
+def _min_p_floor(peak: np.ndarray, log_min_p: np.ndarray, inv_temp: np.ndarray) -> np.ndarray:
+    """Per row, the lowest float32 logit that min-p keeps, decided as `_draw_from_table` does
+    ((logit - peak) * inv_temp >= log_min_p, in float64); -inf when min-p is off."""
+
+    def kept(logit: np.ndarray) -> np.ndarray:
+        return (logit - peak) * inv_temp >= log_min_p
+
+    floor = (peak + log_min_p / inv_temp).astype(np.float32)
+    # Rounded to float32, the float64 floor can be an ulp or two off either way.
+    while (too_high := ~kept(floor)).any():
+        floor = np.where(too_high, np.nextafter(floor, np.float32(np.inf)), floor)
+    lower = np.nextafter(floor, np.float32(-np.inf))
+    while (too_low := kept(lower) & (lower < floor)).any():
+        floor = np.where(too_low, lower, floor)
+        lower = np.nextafter(floor, np.float32(-np.inf))
+    return floor
 
 
 def _token_choices(

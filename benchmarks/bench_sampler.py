@@ -36,6 +36,7 @@ SETTINGS = {
     "T=1 (no filter)": SamplingParams(temperature=1.0),
     "T=0.8 top_p=0.9 logprobs=5": SamplingParams(temperature=0.8, top_p=0.9, logprobs=5),
     "T=1.5 top_p=0.98 (wide nucleus)": SamplingParams(temperature=1.5, top_p=0.98),
+    "T=2 top_p=0.99 (half the vocabulary)": SamplingParams(temperature=2.0, top_p=0.99),
 }
 
 OPENINGS = [

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors import sampler
 from actors.errors import ComputeError, InvalidRequest
 from actors.params import SamplingParams
 from actors.sampler import SequenceSampling, TokenChoice, choose_tokens
@@ -50,7 +51,8 @@ def reference_sorted_survivors(
     and min-p; ties are ordered by id."""
     params = state.params
     probs = np.exp(reference_log_softmax(row, state))
-    order = np.lexsort((np.arange(row.size), -probs))
+    # Ranked by logit, which is exact: two logits a hair apart can round to one probability.
+    order = np.lexsort((np.arange(row.size), -penalized(row, state)))
     ranked = probs[order]
     keep = row.size
     if params.top_k:
@@ -62,6 +64,35 @@ def reference_sorted_survivors(
         keep = min(keep, int((ranked >= params.min_p * ranked[0]).sum()))
     survivors = ranked[:keep]
     return order[:keep], survivors / survivors.sum()
+
+
+def reference_survivors_by_id(
+    row: np.ndarray, state: SequenceSampling
+) -> tuple[np.ndarray, np.ndarray]:
+    """The survivors of `reference_sorted_survivors` in vocabulary order: the order a wide
+    nucleus is drawn in."""
+    order, probs = reference_sorted_survivors(row, state)
+    by_id = np.argsort(order)
+    return order[by_id], probs[by_id]
+
+
+def is_nucleus(params: SamplingParams) -> bool:
+    """top-p over the whole vocabulary: a row that the sampler draws in vocabulary order when
+    its nucleus is wide."""
+    return params.temperature > 0 and params.top_k == 0 and params.top_p < 1
+
+
+@pytest.fixture(params=["sorted", "wide"])
+def nucleus_path(request, monkeypatch) -> str:
+    """Force every top-p row without top-k down one path: its survivors sorted, or its
+    nucleus bracketed and drawn in vocabulary order (a sample of every logit makes the guess
+    exact: every nucleus is then wider than none)."""
+    if request.param == "wide":
+        monkeypatch.setattr(sampler, "_WIDE_NUCLEUS", 0)
+        monkeypatch.setattr(sampler, "_SAMPLE_SIZE", 2**62)
+    else:
+        monkeypatch.setattr(sampler, "_WIDE_NUCLEUS", 2**62)
+    return request.param
 
 
 def plausible_tokens(
@@ -203,7 +234,7 @@ SAMPLING_CASES = {
 
 
 @pytest.mark.parametrize("case", SAMPLING_CASES)
-def test_sampled_tokens_invert_the_reference_cdf(case, lm_rows):
+def test_sampled_tokens_invert_the_reference_cdf(case, lm_rows, nucleus_path):
     """Fed chosen uniforms, each row picks the token the reference's CDF gives for them."""
     params = SAMPLING_CASES[case]
     vocab = lm_rows.shape[1]
@@ -218,6 +249,8 @@ def test_sampled_tokens_invert_the_reference_cdf(case, lm_rows):
     for row, state in zip(rows, states):
         if unfiltered:  # inverted in vocabulary order, over every token
             references.append((np.arange(vocab), np.exp(reference_log_softmax(row, state))))
+        elif nucleus_path == "wide" and is_nucleus(params):
+            references.append(reference_survivors_by_id(row, state))
         else:
             references.append(reference_sorted_survivors(row, state))
     uniforms = np.random.default_rng(3).random((12, len(rows)))
@@ -229,21 +262,43 @@ def test_sampled_tokens_invert_the_reference_cdf(case, lm_rows):
             assert choice.token in plausible_tokens(order, probs, u)
 
 
-def test_hot_top_p_needs_a_wide_nucleus_and_gets_it(lm_rows):
-    """The nucleus is far past the first guess of candidates: low, middle and high uniforms
-    all land where the reference CDF puts them, the highest near the nucleus's end."""
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=3.0, top_p=0.95),
+        SamplingParams(temperature=3.0, top_p=0.95, min_p=0.0005),  # min-p cuts the nucleus
+        SamplingParams(temperature=1.5, top_p=0.999, logprobs=3),
+    ],
+    ids=["top_p", "top_p+min_p", "top_p+logprobs"],
+)
+@pytest.mark.parametrize("bracket", [None, 1], ids=["first bracket", "widened brackets"])
+def test_a_wide_nucleus_is_drawn_in_vocabulary_order(params, bracket, lm_rows, monkeypatch):
+    """A hot top-p keeps tens of thousands of tokens: they are not sorted but drawn in
+    vocabulary order, and low, middle and high uniforms land where the reference puts them,
+    whether the first bracket held the cutoff or (one sample position wide) had to widen."""
+    passes = []
+    if bracket is not None:
+        monkeypatch.setattr(sampler, "_BRACKET", bracket)
+        bracket_pass = sampler._bracket_pass
+        monkeypatch.setattr(sampler, "_bracket_pass", lambda *a: passes.append(a) or bracket_pass(*a))
     vocab = lm_rows.shape[1]
-    state = states_for(SamplingParams(temperature=3.0, top_p=0.95), vocab)[0]
-    order, probs = reference_sorted_survivors(lm_rows[0], state)
+    uniforms = [0.0001, 0.3, 0.5, 0.9999]
+    states = states_for(params, vocab, n=len(uniforms))
+    order, probs = reference_survivors_by_id(lm_rows[0], states[0])
     assert order.size > 10_000
-    uniforms = [0.0001, 0.5, 0.9999]
-    states = states_for(state.params, vocab, n=len(uniforms))
     for row_state, u in zip(states, uniforms):
         row_state.rng = FixedUniforms([u])
     rows = np.repeat(lm_rows[:1], len(uniforms), axis=0)
-    for choice, u in zip(choose_tokens(rows, states), uniforms):
+    choices = choose_tokens(rows, states)
+    for choice, u in zip(choices, uniforms):
         assert choice.token in plausible_tokens(order, probs, u)
-    assert choice.token in set(order[-order.size // 100 :].tolist())
+    if params.min_p == 0:  # with it, min-p's floor holds the cutoff of this row
+        assert bool(passes) == (bracket is not None)
+    if params.logprobs is not None:
+        reference = reference_log_softmax(lm_rows[0], states[0])
+        top = np.lexsort((np.arange(vocab), -reference))[: params.logprobs]
+        assert [t for t, _ in choices[0].top_logprobs] == top.tolist()
+        assert choices[0].logprob == pytest.approx(reference[choices[0].token], abs=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -252,10 +307,11 @@ def test_hot_top_p_needs_a_wide_nucleus_and_gets_it(lm_rows):
         (SamplingParams(temperature=1.5, top_k=5, seed=11), 5),
         (SamplingParams(temperature=1.5, top_p=0.6, seed=12), 6),
         (SamplingParams(temperature=1.5, min_p=0.3, seed=13), 8),
+        (SamplingParams(temperature=1.5, top_p=0.9, min_p=0.3, seed=14), 8),
     ],
-    ids=["top_k", "top_p", "min_p"],
+    ids=["top_k", "top_p", "min_p", "top_p+min_p"],
 )
-def test_filters_never_choose_outside_the_allowed_set(params, survivors):
+def test_filters_never_choose_outside_the_allowed_set(params, survivors, nucleus_path):
     """Many seeded draws: every token is a survivor, and the survivors' frequencies follow
     their renormalized probabilities."""
     vocab, draws = 2000, 3000
@@ -278,14 +334,19 @@ def test_filters_never_choose_outside_the_allowed_set(params, survivors):
 # --- seeds ---------------------------------------------------------------------------------
 
 
-def test_a_seed_gives_the_same_tokens_whatever_shares_the_batch(lm_rows):
+@pytest.mark.parametrize("temperature", [0.9, 3.0], ids=["narrow nucleus", "wide nucleus"])
+def test_a_seed_gives_the_same_tokens_whatever_shares_the_batch(temperature, lm_rows):
     vocab = lm_rows.shape[1]
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, repetition_penalty=1.1)
+    seeded = SamplingParams(
+        temperature=temperature, top_p=0.95, seed=1234, repetition_penalty=1.1
+    )
     neighbours = [
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=2.0, top_k=3),
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0.5, min_p=0.1, logprobs=4),
+        SamplingParams(temperature=2.5, top_p=0.99),  # a wide nucleus
+        SamplingParams(temperature=0.7, top_p=0.8),  # a narrow one
     ]
 
     def run(batch_params: list[SamplingParams], seeded_at: int) -> list[int]:
@@ -305,7 +366,7 @@ def test_a_seed_gives_the_same_tokens_whatever_shares_the_batch(lm_rows):
     crowded = run(neighbours[:2] + [seeded] + neighbours[2:], 2)
     assert alone == crowded
     assert run([seeded], 0) == alone
-    other_seed = SamplingParams(temperature=0.9, top_p=0.95, seed=4321, repetition_penalty=1.1)
+    other_seed = msgspec.structs.replace(seeded, seed=4321)
     assert run([other_seed], 0) != alone
 
 
@@ -437,3 +498,69 @@ def test_any_choice_is_a_survivor_with_the_right_logprobs(case):
         assert [lp for _, lp in choice.top_logprobs] == pytest.approx(
             np.sort(reference)[::-1][:shown].tolist(), abs=1e-4
         )
+
+
+@st.composite
+def nucleus_cases(draw: st.DrawFn) -> tuple[np.ndarray, SamplingParams, list[float], int, int]:
+    """A top-p row without top-k, with ties and masked tokens, uniforms to draw it with, and
+    a sample size and bracket small enough that the guesses miss and the brackets widen."""
+    vocab = draw(st.integers(1, 1000))
+    tied = st.sampled_from([0.0, 1.0, 2.5])
+    logit = st.one_of(finite_logit, tied, st.just(-np.inf))
+    values = draw(st.lists(logit, min_size=vocab, max_size=vocab))
+    values[draw(st.integers(0, vocab - 1))] = draw(st.one_of(finite_logit, tied))
+    params = SamplingParams(
+        temperature=draw(st.floats(0.05, 5.0)),
+        top_p=draw(st.floats(0.05, 0.999)),
+        min_p=draw(st.one_of(st.just(0.0), st.floats(0.0, 0.9))),
+        seed=0,
+    )
+    uniforms = draw(st.lists(st.floats(0.0, 1.0, exclude_max=True), min_size=1, max_size=4))
+    sample_size = draw(st.sampled_from([2, 5, 16, 2**62]))
+    bracket = draw(st.sampled_from([1, 1, 2, 32]))
+    return np.array([values], dtype=np.float32), params, uniforms, sample_size, bracket
+
+
+@settings(max_examples=300, deadline=None)
+@given(nucleus_cases())
+def test_a_wide_nucleus_keeps_exactly_the_reference_survivors(case):
+    """Down the wide path, each uniform picks the token that the reference survivors' CDF in
+    vocabulary order gives it; a row whose guess says narrow is drawn from its sorted
+    survivors instead, the path being the row's own either way."""
+    logits, params, uniforms, sample_size, bracket = case
+    vocab = logits.shape[1]
+    states = states_for(params, vocab, n=len(uniforms))
+    for state, u in zip(states, uniforms):
+        state.rng = FixedUniforms([u])
+    wide_rows = []
+    draw_wide = sampler._draw_from_wide_nuclei
+
+    def spied(logits, rows, *rest):
+        wide_rows.extend(rows.tolist())
+        return draw_wide(logits, rows, *rest)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampler, "_WIDE_NUCLEUS", 0)
+        patch.setattr(sampler, "_SAMPLE_SIZE", sample_size)
+        patch.setattr(sampler, "_BRACKET", bracket)
+        patch.setattr(sampler, "_draw_from_wide_nuclei", spied)
+        choices = choose_tokens(np.repeat(logits, len(uniforms), axis=0), states)
+    assert wide_rows in ([], list(range(len(uniforms))))  # the same row takes the same path
+    reference = reference_survivors_by_id if wide_rows else reference_sorted_survivors
+    # Rounding may decide a survivor exactly at a top-p or min-p boundary either way: the
+    # draws are pinned only where that cannot happen.
+    tight, loose = (
+        msgspec.structs.replace(
+            params,
+            top_p=float(np.clip(params.top_p - slack, 1e-9, 1.0)),
+            min_p=float(np.clip(params.min_p + slack, 0.0, 1.0)),
+        )
+        for slack in (1e-6, -1e-6)
+    )
+    tight_order, _ = reference(logits[0], states_for(tight, vocab)[0])
+    loose_order, _ = reference(logits[0], states_for(loose, vocab)[0])
+    order, probs = reference(logits[0], states[0])
+    for choice, u in zip(choices, uniforms):
+        assert choice.token in set(loose_order.tolist())
+        if np.array_equal(tight_order, loose_order):
+            assert choice.token in plausible_tokens(order, probs, u)
