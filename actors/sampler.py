@@ -475,7 +475,8 @@ def _candidate_table(
         # mass needs at least `missing / that weight` more tokens: a wide nucleus (hot
         # temperature, top_p near 1) of tens of thousands is reached in a few widenings.
         weight_at_threshold = np.exp((threshold - row_peak) * inv_temp)
-        with np.errstate(divide="ignore", invalid="ignore"):  # a weight of 0: inf more
+        # A weight of 0 (or one so small the quotient overflows): inf more.
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             more = np.where(missing > 0, missing / weight_at_threshold, 0.0)
         at_least = np.minimum(_WIDEN_MARGIN * (count + more), vocab)
         wider = np.maximum(threshold_at * _WIDEN_FACTOR, np.ceil(at_least / stride))
