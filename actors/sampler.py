@@ -640,10 +640,10 @@ def _nucleus_pass(
     # alone: so is the path it picks.
     shift = peak[nucleus_rows, None].astype(np.float32)  # float32: a guess, and a cheap one
     scaled = (sample - shift) * inv_temp[:, None].astype(np.float32)
-    mass_below = stride * np.cumsum(np.exp(scaled), axis=1)
+    sample_weights = stride * np.exp(scaled)
     wide_below = size - min(size, -(-_WIDE_NUCLEUS // stride))  # a sample position
     can_be_wide = (scaled < log_min_p[:, None]).sum(axis=1) < wide_below
-    mass_below_wide = mass_below[:, max(wide_below - 1, 0)]
+    mass_below_wide = sample_weights[:, :wide_below].sum(axis=1)
     dropped_share = 1 - rows.top_p[nucleus_rows]
     parts = []
     for part, chunk_logits, weights in _weighed_chunks(logits, nucleus_rows, peak, rows.inv_temp):
@@ -651,7 +651,8 @@ def _nucleus_pass(
         dropped = dropped_share[part] * z[part]
         wide[part] = can_be_wide[part] & (mass_below_wide[part] > dropped)
         if wide[part].any():
-            start[part] = (mass_below[part] <= dropped[:, None]).sum(axis=1)
+            mass_below = np.cumsum(sample_weights[part], axis=1)
+            start[part] = (mass_below <= dropped[:, None]).sum(axis=1)
             bounds = _bracket_bounds(sample[part], start[part], _BRACKET, floor[part])
             low[part], high[part] = (np.where(wide[part], bound, np.inf) for bound in bounds)
             above_sums[part], entries = _bracket_chunk(
