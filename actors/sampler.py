@@ -367,6 +367,7 @@ def _weighed_chunks(
         weights = buf.reshape(part.size, n_blocks, _BLOCK)
         yield slice(start, start + part.size), chunk_logits, weights
 
+
 def _rows_of(logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """`logits[rows]`, as a view (no copy) when the rows are consecutive."""
     if rows[-1] - rows[0] == rows.size - 1:
