@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
 
 
-def kernel_family_for(cpuinfo: str) -> str | None:
-    """The OpenBLAS core type to ask for on the CPU `cpuinfo` (the text of /proc/cpuinfo)
-    describes, or None to keep OpenBLAS's own choice."""
+def kernel_family_for(first_processor: Iterable[str]) -> str | None:
+    """The OpenBLAS core type to ask for on the CPU whose /proc/cpuinfo lines these are (read
+    up to the first blank line: the first processor's block describes them all), or None to
+    keep OpenBLAS's own choice."""
     fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
+    for line in first_processor:
         if not line.strip():
-            break  # the first processor's block describes them all
+            break
         name, _, value = line.partition(":")
         fields[name.strip()] = value.strip()
     is_amd = fields.get("vendor_id") == "AuthenticAMD"
@@ -32,16 +34,17 @@ def kernel_family_for(cpuinfo: str) -> str | None:
     return "Zen" if is_amd and has_avx512 else None
 
 
-def choose_openblas_kernels() -> str | None:
+def choose_openblas_kernels() -> None:
     """Set OPENBLAS_CORETYPE for this CPU if numpy has not loaded OpenBLAS yet and the user
-    has not chosen; return the family set, or None when nothing was changed."""
+    has not chosen."""
     if "numpy" in sys.modules or "OPENBLAS_CORETYPE" in os.environ:
-        return None
+        return
     try:
-        cpuinfo = CPUINFO.read_text()
+        # Only the first block is read: on a many-core machine the file is hundreds of KB,
+        # and this runs on every `import actors`.
+        with CPUINFO.open() as cpuinfo:
+            family = kernel_family_for(cpuinfo)
     except OSError:  # not Linux: keep OpenBLAS's choice
-        return None
-    family = kernel_family_for(cpuinfo)
+        return
     if family is not None:
         os.environ["OPENBLAS_CORETYPE"] = family
-    return family

@@ -302,15 +302,15 @@ def _choose(
     wide = np.zeros(n, dtype=bool)
     in_nucleus = nucleus[table_rows]
     if in_nucleus.any():
-        nucleus_rows = table_rows[in_nucleus]
-        nuclei = _nucleus_pass(logits, nucleus_rows, sample[in_nucleus], peak, rows)
+        nucleus_rows, nucleus_sample = table_rows[in_nucleus], sample[in_nucleus]
+        nuclei = _nucleus_pass(logits, nucleus_rows, nucleus_sample, peak, rows)
         log_z[nucleus_rows] = nuclei.log_z
         if nuclei.wide.any():
             wide_rows = nucleus_rows[nuclei.wide]
             wide[wide_rows] = True
-            wide_sample = sample[in_nucleus][nuclei.wide]
             tokens[wide_rows] = _draw_from_wide_nuclei(
-                logits, wide_rows, nuclei, wide_sample, peak, rows, log_z, uniforms
+                logits, wide_rows, nuclei, nucleus_sample[nuclei.wide], peak, rows, log_z,
+                uniforms,
             )
     # A wide nucleus's row stays in the table only for its logprobs, without its filters.
     in_table = ~wide[table_rows] | wants_logprobs[table_rows]

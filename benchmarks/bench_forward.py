@@ -30,6 +30,8 @@ ANCHORS = {"prefill_512": 501.0, "decode_1": 49.0, "decode_16": 155.0, "decode_6
 TARGETS = {"prefill_512": 800.0, "decode_1": 22.0, "decode_16": 120.0, "decode_64": 280.0}
 RSS_LIMIT_MB = 1600.0
 PROMPT_TOKENS = 16
+PREFILL_TOKENS = 512
+DECODE_STREAMS = (1, 16, 64)
 
 
 def resident_mb() -> float:
@@ -133,13 +135,13 @@ def main() -> None:
     print(f"resident memory with the model loaded: {rss:.0f} MB "
           f"(limit {RSS_LIMIT_MB:.0f}; weights {model.weights.n_bytes / 2**20:.0f} MiB)")
 
-    figures = {"prefill_512": prefill_rate(model, 512, args.repeats)}
-    for streams in (1, 16, 64):
+    figures = {f"prefill_{PREFILL_TOKENS}": prefill_rate(model, PREFILL_TOKENS, args.repeats)}
+    for streams in DECODE_STREAMS:
         figures[f"decode_{streams}"] = decode_rate(model, streams, args.decode_tokens,
                                                    args.repeats)
     # (rows a step carries, rows it projects to logits) for each figure's steps
-    shapes = {"prefill_512": (512, 1), "decode_1": (1, 1), "decode_16": (16, 16),
-              "decode_64": (64, 64)}
+    shapes = {f"prefill_{PREFILL_TOKENS}": (PREFILL_TOKENS, 1),
+              **{f"decode_{streams}": (streams, streams) for streams in DECODE_STREAMS}}
     for name, (rate, median) in figures.items():
         ceiling = ""
         if args.ceiling:

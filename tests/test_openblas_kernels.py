@@ -21,13 +21,13 @@ SKYLAKE_X = ZEN4.replace("AuthenticAMD", "GenuineIntel")
 
 
 def test_amd_with_avx512_gets_the_zen_kernels() -> None:
-    assert kernel_family_for(ZEN4) == "Zen"
+    assert kernel_family_for(ZEN4.splitlines()) == "Zen"
 
 
 def test_other_cpus_keep_openblas_own_choice() -> None:
-    assert kernel_family_for(ZEN3) is None
-    assert kernel_family_for(SKYLAKE_X) is None
-    assert kernel_family_for("") is None
+    assert kernel_family_for(ZEN3.splitlines()) is None
+    assert kernel_family_for(SKYLAKE_X.splitlines()) is None
+    assert kernel_family_for([]) is None
 
 
 def _coretype_after_import(env: dict[str, str], first_import: str) -> str:
@@ -39,7 +39,7 @@ def _coretype_after_import(env: dict[str, str], first_import: str) -> str:
 
 def test_importing_actors_first_sets_the_family_for_this_cpu() -> None:
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
-    expected = kernel_family_for(CPUINFO.read_text()) if CPUINFO.exists() else None
+    expected = kernel_family_for(CPUINFO.read_text().splitlines()) if CPUINFO.exists() else None
     assert _coretype_after_import(env, "sys") == str(expected)
 
 
