@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from actors.model.gguf import open_gguf
@@ -248,6 +248,9 @@ def test_spm_matches_llama_cpp_port(gemma3: Tokenizer, text: str, parse_special:
 
 @SETTINGS
 @given(text=TEXT, parse_special=st.booleans())
+# 0x16's byte-level character is not in SmolLM2's vocabulary: it must split its piece, not
+# vanish and let "><" merge (found by this test).
+@example(text="<b>\x16<b>", parse_special=False)
 def test_bpe_matches_llama_cpp_port(smollm2: Tokenizer, text: str, parse_special: bool) -> None:
     assert smollm2.encode(text, parse_special=parse_special) == llama_cpp_encode(
         smollm2, text, parse_special

@@ -18,7 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from actors.errors import InvalidRequest
-from actors.model.tokenizer_bpe import build_bpe_model, byte_level_bytes
+from actors.model.tokenizer_bpe import build_bpe_model, byte_level_bytes, unknown_char_id
 from actors.model.tokenizer_special import Fragment, SpecialTokenSplitter
 from actors.model.tokenizer_spm import build_spm_model
 from actors.model.tokenizer_vocab import (
@@ -122,7 +122,9 @@ class Tokenizer:
                 ids += next(encoded).ids
             else:
                 ids.append(fragment)
-        return ids
+        # llama.cpp drops a character its BPE vocabulary lacks (SPM's byte fallback has them all).
+        unknown = unknown_char_id(self.vocab)
+        return [token for token in ids if token != unknown] if unknown in ids else ids
 
     def decode(self, ids: Iterable[int], *, special: bool = False) -> str:
         """Text of `ids` as llama.cpp detokenizes it; `special` also renders control tokens.

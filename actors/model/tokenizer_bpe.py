@@ -5,6 +5,11 @@ llama.cpp's llm_tokenizer_bpe splits text with the pre-tokenizer regexes of
 between matches), maps bytes to GPT-2's printable characters, then merges by rank. A
 `tokenizers` pipeline of `Split(regex, "isolated")` steps, `ByteLevel` without its own regex
 and a BPE model over the GGUF's vocabulary and merges does the same in Rust.
+
+A character whose byte-level form is not in the vocabulary splits its piece in llama.cpp (it
+stays a symbol that no merge joins, and is dropped at the end), where a `tokenizers` BPE without
+an unknown token would drop it first and merge its neighbours. So the model gets an unknown
+token outside the vocabulary, `unknown_char_id(vocab)`, which the caller drops.
 """
 
 from __future__ import annotations
@@ -15,8 +20,18 @@ from actors.errors import UnsupportedModelError
 from actors.model.tokenizer_vocab import Vocab
 
 
+# Text of the unknown token; NUL-led, so no GGUF vocabulary holds it.
+_UNKNOWN_CHAR = "\x00q4k-unknown-char"
+
+
+def unknown_char_id(vocab: Vocab) -> int:
+    """The id the BPE model gives a character missing from `vocab`: past its last token."""
+    return vocab.size
+
+
 def build_bpe_model(vocab: Vocab) -> Tokenizer:
-    """A `tokenizers.Tokenizer` that cuts one raw text fragment like llama.cpp."""
+    """A `tokenizers.Tokenizer` that cuts one raw text fragment like llama.cpp, except that it
+    yields `unknown_char_id(vocab)` for a character missing from the vocabulary."""
     assert vocab.pre is not None
     token_to_id = vocab.token_to_id
     merges = []
@@ -28,7 +43,12 @@ def build_bpe_model(vocab: Vocab) -> Tokenizer:
                 f"BPE merge #{rank} {merge!r} joins or makes text that is not in the vocabulary"
             )
         merges.append((left, right))
-    model = models.BPE(vocab=token_to_id, merges=merges, ignore_merges=vocab.ignore_merges)
+    model = models.BPE(
+        vocab={**token_to_id, _UNKNOWN_CHAR: unknown_char_id(vocab)},
+        merges=merges,
+        unk_token=_UNKNOWN_CHAR,
+        ignore_merges=vocab.ignore_merges,
+    )
     tokenizer = Tokenizer(model)
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in vocab.pre.regexes]
