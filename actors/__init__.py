@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.openblas_kernels import choose_openblas_kernels
+from actors.compute.openblas_kernels import choose_openblas_kernels
 
 # Before anything imports numpy: OpenBLAS picks its kernels once, when numpy loads it.
 choose_openblas_kernels()
 
 from actors.errors import (  # noqa: E402
+    BackendUnavailable,
     ComputeError,
     ContextLengthExceeded,
     EngineClosed,
@@ -42,6 +43,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BackendUnavailable",
     "ComputeError",
     "ContextLengthExceeded",
     "EngineClosed",

@@ -5,16 +5,17 @@
             print(chunk.text, end="")
 
 Actors, all tasks of one task group, each with a bounded inbox of frozen msgspec messages:
-the loader (loads the model in a thread of its own and hands the backend factory to the compute
-actor), the compute actor (one thread owning the backend and its KV arrays; answers logits
-rows), the sampler (one thread choosing tokens from those rows) and the scheduler (admission,
-batching, KV block accounting). Each request is a session running in the caller's task.
+the loader (opens the model in a thread of its own and hands the backend factory to the compute
+actor), the compute actor (one thread owning the backend, its weights and KV cache; answers
+each step's token candidates), the sampler (one thread choosing tokens from the candidates)
+and the scheduler (admission, batching, KV block accounting). Each request is a session running in the caller's task.
 Everything a request can get wrong is checked here, before any work starts.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager, nullcontext
 from functools import partial
@@ -25,18 +26,19 @@ import anyio
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from actors.compute.protocol import (
+from actors.compute.actor import ComputeActor, ComputeAnswer
+from actors.compute.contract import (
     BuildBackend,
-    ComputeActor,
     ComputeBackend,
     ComputeInfo,
+    FetchRows,
+    KVRequest,
     RunStep,
     Shutdown,
     StartFailed,
-    StepDone,
-    StepFailed,
 )
 from actors.errors import (
+    ComputeError,
     ContextLengthExceeded,
     EngineClosed,
     EngineOverloaded,
@@ -49,7 +51,14 @@ from actors.logs import get_logger, logging_to
 from actors.messages import Chunk, Completion, EngineStats
 from actors.model.loaded import Model
 from actors.params import SamplingParams
-from actors.sampler import SampleStep, SamplerActor, SamplingFailed, StepSampled
+from actors.sampler import (
+    RowsWanted,
+    SampleRows,
+    SampleStep,
+    SamplerActor,
+    SamplingFailed,
+    StepSampled,
+)
 from actors.scheduler import Admission, Scheduler
 from actors.session import Session, new_request_id
 
@@ -104,9 +113,11 @@ class Engine:
         """Load a GGUF model (None = the default model; or pass a loaded `Model` to share it)
         and serve it until the block ends.
 
-        `backend`: "auto" | "cpu" | "cuda" (an unusable GPU is a notice and a CPU fallback).
-        `kv_blocks`: KV pool size in blocks of `block_size` positions (None: from a 1 GiB
-        budget). `log_level` / `log_file`: where the engine's JSON-line logs go (None: leave the
+        `backend`: "auto" (the best that runs here; passing over a GPU is a notice) or a name
+        of `actors.compute.backends.BACKENDS` ("cpu", "cuda"), which raises
+        `BackendUnavailable` where it cannot run. `kv_blocks`: KV pool size in blocks of
+        `block_size` positions (None: the backend sizes it from its memory, on the CPU a
+        1 GiB budget). `log_level` / `log_file`: where the engine's JSON-line logs go (None: leave the
         logging configuration as it is)."""
         _check_count("block_size", block_size, 1)
         if kv_blocks is not None:
@@ -120,9 +131,7 @@ class Engine:
             load_gguf,
             path,
             backend,
-            kv_blocks=kv_blocks,
-            block_size=block_size,
-            max_sequences=max_sequences,
+            kv=KVRequest(blocks=kv_blocks, block_size=block_size, max_sequences=max_sequences),
         )
         with logging:
             async with cls._serve(
@@ -191,13 +200,13 @@ class Engine:
         loaded_send, loaded_receive = anyio.create_memory_object_stream[
             ModelLoaded | LoadFailed
         ](1)
-        compute_send, compute_receive = anyio.create_memory_object_stream[RunStep | Shutdown](1)
-        answer_send, answer_receive = anyio.create_memory_object_stream[
-            ComputeInfo | StartFailed | StepDone | StepFailed
+        compute_send, compute_receive = anyio.create_memory_object_stream[
+            RunStep | FetchRows | Shutdown
         ](1)
-        rows_send, rows_receive = anyio.create_memory_object_stream[SampleStep](1)
+        answer_send, answer_receive = anyio.create_memory_object_stream[ComputeAnswer](1)
+        rows_send, rows_receive = anyio.create_memory_object_stream[SampleStep | SampleRows](1)
         choices_send, choices_receive = anyio.create_memory_object_stream[
-            StepSampled | SamplingFailed
+            StepSampled | RowsWanted | SamplingFailed
         ](1)
         # The scheduler's streams; closed here instead when it never starts.
         scheduler_streams = (inbox_receive, compute_send, answer_receive, rows_send, choices_receive)
@@ -208,6 +217,7 @@ class Engine:
             tasks.start_soon(LoaderActor(load, build_send, loaded_send).run)
             tasks.start_soon(ComputeActor(build_receive, compute_receive, answer_send).run)
             tasks.start_soon(SamplerActor(rows_receive, choices_send).run)
+            started = time.perf_counter()
             try:
                 model, info = await _started(loaded_receive, answer_receive)
             except BaseException as exc:
@@ -239,6 +249,16 @@ class Engine:
                     scheduler_inbox=inbox_send,
                     admission=admission,
                     notices=tuple(dict.fromkeys((*model.notices, *info.notices))),
+                )
+                engine._log.info(
+                    "model_loaded",
+                    arch=info.arch,
+                    quant_mix=model.quant_mix,
+                    load_ms=round((time.perf_counter() - started) * 1e3, 3),
+                    backend=model.backend,
+                    path=model.model_name,
+                    kv_blocks=info.num_blocks,
+                    kv_dtype=info.kv_dtype,
                 )
                 engine._log.info(
                     "engine_started", backend=model.backend, model=model.model_name, arch=info.arch
@@ -318,6 +338,7 @@ class Engine:
             kv_blocks_cached=pool.cached,
             steps=self._scheduler.steps,
             tokens=self._scheduler.tokens,
+            bytes_from_compute=self._scheduler.bytes_from_compute,
         )
 
     # --- checks at the door ---------------------------------------------------------------
@@ -326,10 +347,18 @@ class Engine:
         if self._closed:
             raise EngineClosed("this engine is closed; open a new one")
 
+
     def _start_session(self, prompt_ids: list[int], params: SamplingParams | None) -> AsyncIterator[Chunk]:
         params = SamplingParams() if params is None else params
         request_id = new_request_id()
         log = self._log.bind(request_id=request_id)
+        if self._scheduler.lost is not None:
+            error = ComputeError(
+                f"the compute backend was lost ({self._scheduler.lost}); this engine cannot "
+                "serve any more requests: close it and open a new one"
+            )
+            log.error("request_rejected", reason="backend_lost", error=str(error))
+            raise error
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(
                 f"params must be a SamplingParams, not {type(params).__name__}", field="params"
@@ -414,7 +443,7 @@ class Engine:
 
 async def _started(
     loaded: MemoryObjectReceiveStream[ModelLoaded | LoadFailed],
-    answers: MemoryObjectReceiveStream[ComputeInfo | StartFailed | StepDone | StepFailed],
+    answers: MemoryObjectReceiveStream[ComputeAnswer],
 ) -> tuple[ModelLoaded, ComputeInfo]:
     """Wait for the loader's result, then for the compute actor's report; raise what failed."""
     with loaded:
@@ -424,6 +453,8 @@ async def _started(
     info = await answers.receive()
     if isinstance(info, StartFailed):
         raise info.error
+    if not isinstance(info, ComputeInfo):
+        raise ComputeError(f"the compute actor answered {type(info).__name__} before it started")
     return model, info
 
 

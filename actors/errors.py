@@ -38,6 +38,10 @@ class EngineClosed(Q4KError):
     """The engine has been closed (or never started); open a new one."""
 
 
+class BackendUnavailable(Q4KError):
+    """The compute backend asked for cannot run on this machine (the message says why)."""
+
+
 class ComputeError(Q4KError):
     """A forward step failed and replaying it did not help."""
 
@@ -54,6 +58,7 @@ __all__ = [
     "ContextLengthExceeded",
     "EngineOverloaded",
     "EngineClosed",
+    "BackendUnavailable",
     "ComputeError",
     "TemplateError",
 ]

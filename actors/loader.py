@@ -1,17 +1,17 @@
-"""The loader actor: GGUF file -> model (spec, tokenizer, weights) and the backend to run it.
+"""The loader actor: GGUF file -> opened model (spec, tokenizer) and the backend to run it.
 
-It is the first task of the engine's task group. Its blocking load runs in a thread of its own,
-which is joined, and awaited even when the engine is cancelled (a load cannot be interrupted,
-and no thread may outlive the engine). Then it hands over what it loaded, one message each:
-`BuildBackend` to the compute actor (a factory the compute actor calls inside its own thread:
-a CUDA backend must create its context and upload weights in the thread that will use them)
-and `ModelLoaded` (tokenizer, chat template, notices) to the engine; or `LoadFailed`.
+It is the first task of the engine's task group. Its blocking work (opening the file, choosing
+the backend, building the tokenizer's encoder) runs in a thread of its own, which is joined,
+and awaited even when the engine is cancelled (it cannot be interrupted, and no thread may
+outlive the engine). Then it hands over, one message each: `BuildBackend` to the compute actor
+(the backend factory, which the compute actor calls inside its own thread: it loads the weights
+its own way, and a CUDA backend must create its context and upload weights in the thread that
+will use them) and `ModelLoaded` (tokenizer, chat template, notices) to the engine; or
+`LoadFailed`.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -22,18 +22,12 @@ import anyio.lowlevel
 import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
-from actors.compute.protocol import BuildBackend, ComputeBackend, run_in_own_thread
-from actors.errors import InvalidRequest
+from actors.compute.actor import run_in_own_thread
+from actors.compute.backends import choose_backend
+from actors.compute.contract import BuildBackend, KVRequest
 from actors.logs import get_logger
 from actors.model.chat import ChatTemplate
-from actors.model.loaded import Model, load_model
-from actors.progress import progress_callback
-
-BACKENDS = ("auto", "cpu", "cuda")
-# KV cache budget when the caller does not size it in blocks.
-DEFAULT_KV_BYTES = 1 << 30
-# The K/V arrays are float32 on the host.
-KV_DTYPE_BYTES = 4
+from actors.model.loaded import Model, open_model
 
 
 class ModelLoaded(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,6 +38,8 @@ class ModelLoaded(msgspec.Struct, frozen=True, kw_only=True):
     model_name: str
     backend: str
     notices: tuple[str, ...]
+    arch: str = ""
+    quant_mix: dict[str, int] = {}
 
 
 class LoadFailed(msgspec.Struct, frozen=True, kw_only=True):
@@ -105,80 +101,35 @@ def load_gguf(
     source: str | Path | Model | None,
     backend: str,
     *,
-    kv_blocks: int | None,
-    block_size: int,
-    max_sequences: int,
+    kv: KVRequest,
 ) -> Loaded:
-    """Open the model (or take an already loaded one), choose its backend and size its KV pool
-    (`kv_blocks` None: from DEFAULT_KV_BYTES). Blocking: the loader actor runs it in its
-    thread."""
-    if backend not in BACKENDS:
-        raise InvalidRequest(
-            f"backend {backend!r} is not one of {', '.join(BACKENDS)}", field="backend"
-        )
-    if isinstance(source, Model):
-        model = source
-    else:
-        with progress_callback("loading the model weights") as report:
-            model = load_model(source, progress=report)
+    """Open the model (or take an already loaded one) and choose its backend, whose factory
+    the compute actor then builds in its own thread (the factory loads the weights its way and
+    sizes its KV pool from `kv`). Blocking: the loader actor runs it in its thread."""
+    factory, notices = choose_backend(backend)
+    model = source if isinstance(source, Model) else open_model(source)
     # The engine opened the file, so the engine closes it, once the backend is done with it.
     release = model.gguf.close if model is not source else None
     try:
-        chosen, make_backend, notices = _choose_backend(model, backend)
-        num_blocks = kv_blocks or kv_blocks_for_budget(model, block_size, max_sequences)
+        log = get_logger("actors.loader")
+        for notice in notices:
+            log.info("notice", message=notice)
+        # Built here, in the loader's thread: on the first request it would stall the event
+        # loop (about 1 s for gemma3's 262k-token vocabulary).
+        model.tokenizer.prepare_encoder()
     except BaseException:
         if release is not None:
             release()
         raise
-    log = get_logger("actors.loader")
-    log.info(
-        "model_loaded",
-        arch=model.spec.arch,
-        quant_mix=model.quant_mix,
-        load_ms=round(model.load_ms, 3),
-        backend=chosen,
-        path=str(model.path),
-    )
-    for notice in notices:
-        log.info("notice", message=notice)
-    # Built here, in the loader's thread: on the first request it would stall the event
-    # loop (about 1 s for gemma3's 262k-token vocabulary).
-    model.tokenizer.prepare_encoder()
     return Loaded(
         model=ModelLoaded(
             tokenizer=model.tokenizer,
             chat_template=partial(ChatTemplate.from_model_metadata, model.gguf),
             model_name=str(model.path),
-            backend=chosen,
+            backend=factory.name,
+            arch=model.spec.arch,
+            quant_mix=model.quant_mix,
             notices=notices,
         ),
-        build=BuildBackend(
-            make_backend=partial(make_backend, num_blocks, block_size), release=release
-        ),
+        build=BuildBackend(make_backend=partial(factory.build, model, kv), release=release),
     )
-
-
-def kv_blocks_for_budget(model: Model, block_size: int, max_sequences: int) -> int:
-    """As many blocks as DEFAULT_KV_BYTES holds, but no more than max_sequences full contexts."""
-    block_bytes = model.spec.kv_bytes_per_token(KV_DTYPE_BYTES) * block_size
-    useful = max_sequences * -(-model.spec.context_length // block_size)
-    return max(1, min(DEFAULT_KV_BYTES // block_bytes, useful))
-
-
-def _choose_backend(
-    model: Model, requested: str
-) -> tuple[str, Callable[[int, int], ComputeBackend], tuple[str, ...]]:
-    """The backend to run on, its factory, and the notices that explain the choice."""
-    from actors.compute.cpu import CpuBackend
-
-    if requested in ("auto", "cuda"):
-        if importlib.util.find_spec("actors.compute.cuda") is not None:
-            cuda = importlib.import_module("actors.compute.cuda")
-            reason = cuda.unavailable_reason()
-            if reason is None:
-                return "cuda", lambda blocks, size: cuda.make_backend(model, blocks, size), ()
-        else:
-            reason = "this build has no CUDA backend"
-        notice = f"backend {requested}: CUDA not used ({reason}); running on the CPU"
-        return "cpu", lambda blocks, size: CpuBackend(model, blocks, size, (notice,)), (notice,)
-    return "cpu", lambda blocks, size: CpuBackend(model, blocks, size), ()

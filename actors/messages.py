@@ -99,3 +99,6 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_blocks_cached: int
     steps: int
     tokens: int
+    # What crossed from the compute actor to the host for token choice: candidates, and the
+    # whole rows the sampler asked for.
+    bytes_from_compute: int = 0

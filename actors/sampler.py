@@ -1,15 +1,17 @@
-"""Token choice: logits rows + each sequence's SamplingParams -> the next tokens, batched.
+"""Token choice: each row's candidates + its sequence's SamplingParams -> the next tokens.
 
-`choose_tokens` is the pure function; `SamplerActor` runs it for the engine: the scheduler
-sends it each step's logits rows (`SampleStep`) and it answers the step's choices
-(`StepSampled`), or `SamplingFailed`, which the scheduler treats as a failed step.
+The backend hands over, per logits row, its most likely tokens after the penalties and the
+row's log-partition value (see actors.model.candidates); most rows are decided from those
+alone. A row its candidates cannot decide asks for its whole (penalized) row, and only that
+row crosses: `start_choice` decides what it can and names the rows it needs,
+`finish_choice` decides those from their rows. `choose_tokens` runs the whole pipeline on
+full rows (the reference for tests and benchmarks); `SamplerActor` runs it for the engine.
 
 One row goes through (the Hugging Face / vLLM order):
 
-1. penalties on the raw logits: repetition (llama.cpp style, over the distinct tokens among the
-   last `repetition_window` of prompt + generated: a positive logit is divided by the penalty,
-   a negative one multiplied), then presence and frequency (OpenAI style, over the generated
-   tokens: `l -= presence * (count > 0) + frequency * count`);
+1. penalties on the raw logits (applied by the backend: repetition over the distinct tokens
+   of the last `repetition_window` of prompt + generated, then presence and frequency over
+   the generated tokens);
 2. temperature: `l / T`; T = 0 (or below 1e-5) is greedy: the argmax of the penalized logits,
    lowest id on ties;
 3. top-k; then top-p over the distribution renormalized to the top-k survivors (to the whole
@@ -17,25 +19,27 @@ One row goes through (the Hugging Face / vLLM order):
    most likely one. The most likely token always survives;
 4. one uniform from the sequence's own Generator, inverted through the survivors' CDF, so a
    seeded sequence gets the same tokens whatever else shares its batch. The CDF runs most
-   likely first (ties by id), or in vocabulary order for an unfiltered row and for a top-p
-   nucleus guessed too wide to sort (see Cost): either way a choice of the row's own logits and
-   params alone.
+   likely first (ties by id); an unfiltered row's runs through its candidates first, then the
+   rest of the vocabulary in id order (so only a uniform past the candidates' mass needs the
+   row); a top-p nucleus too wide to sort is inverted in vocabulary order (see Cost). Which
+   order a row uses depends on its own logits and params alone.
+
+When a row's candidates decide it: greedy rows always; top-k rows whose k they hold; top-p
+rows whose nucleus mass they reach; min-p rows whose floor they cross; unfiltered rows whose
+uniform lands within their mass.
 
 Logprobs are the log-softmax, over the whole vocabulary, of step 2's distribution (penalties and
 temperature applied, before top-k/top-p/min-p); greedy rows use T = 1, i.e. the penalized model
 distribution.
 
-Cost: one argmax pass over the batch; greedy rows need nothing else, penalties touch only the
-histories' distinct tokens. Rows that sample never sort a whole row: a strided sample of each row
+Cost of a whole row (`finish_choice`): rows never sort a whole row: a strided sample of each row
 guesses a logit threshold, one comparison pass gathers the tokens above it into a small sorted
 candidate table, and a row's threshold is lowered only while its table cannot decide it exactly
-(fewer than top_k or logprobs tokens, or less mass than top-p's nucleus). Rows that need the
-partition function (top-p without top-k, logprobs, or no filter at all) pay one exp pass over
-their row; an unfiltered row then re-reads one block of it to find its token. A top-p nucleus
+(fewer than top_k or logprobs tokens, or less mass than top-p's nucleus). A top-p nucleus
 without top-k that the sample guesses wider than a few thousand tokens (a hot temperature, top_p
-near 1) is neither gathered nor sorted: the same exp pass sums its row's weights above a bracket
+near 1) is neither gathered nor sorted: an exp pass sums its row's weights above a bracket
 of logits around the guessed cutoff by blocks and gathers the few tokens inside the bracket;
-sorting only those finds the cutoff token exactly, and the row is drawn as an unfiltered one is,
+sorting only those finds the cutoff token exactly, and the row is drawn in vocabulary order
 from its survivors' block sums. A bracket that misses the cutoff is widened, for one more pass
 over its row.
 """
@@ -43,8 +47,7 @@ over its row.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -53,14 +56,29 @@ import numpy as np
 from anyio.from_thread import BlockingPortal
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.compute.protocol import receive_from_loop, run_in_own_thread, send_to_loop
+from actors.compute.actor import receive_from_loop, run_in_own_thread, send_to_loop
+from actors.compute.contract import Candidates, RowInputs, apply_penalties, top_candidates
 from actors.errors import ComputeError, InvalidRequest
+from actors.model.candidates import (
+    BLOCK,
+    block_sums,
+    sampled_logit,
+    sort_by_likelihood,
+    sorted_sample,
+    stride_of,
+    tokens_above,
+    weighed_chunks,
+)
+from actors.model.candidates import n_blocks as block_count
 from actors.params import SamplingParams
 
 # Temperatures below this are greedy (as in vLLM): 1 / T would overflow float32 long before 0.
 _GREEDY_BELOW = 1e-5
-# A row's candidate threshold is guessed from about this many of its logits (a strided sample).
-_SAMPLE_SIZE = 4096
+# Candidates a sampled row without top-k asks for: enough to hold most nuclei at everyday
+# temperatures, and ~1 KB a row next to a 1 MB row of a 262k vocabulary.
+DEFAULT_CANDIDATES = 128
+# The most candidates a row asks for; a larger top_k is decided from its whole row.
+MAX_CANDIDATES = 1024
 # A top-p row without top-k first assumes its nucleus has at most this many tokens.
 _NUCLEUS_GUESS = 128
 # The first threshold aims for this many times the candidates a row needs: the guess from a
@@ -79,11 +97,6 @@ _WIDE_NUCLEUS = 2048
 # every row than the rows whose guess was further off (on gemma3's hot rows, one in seven)
 # lose to a second bracket.
 _BRACKET = 16
-# The partition function is summed in blocks of this many tokens: the blocks' sums let an
-# unfiltered row invert its CDF by re-reading one block instead of the whole row.
-_BLOCK = 1024
-# Rows handled per exp pass, so the float32 scratch stays in cache.
-_SCRATCH_BYTES = 2 << 20
 
 
 class TokenChoice(msgspec.Struct, frozen=True):
@@ -92,6 +105,13 @@ class TokenChoice(msgspec.Struct, frozen=True):
     token: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+class RowFailed(msgspec.Struct, frozen=True):
+    """No token could be chosen for this row (its logits are NaN or infinite); only its
+    sequence's step failed."""
+
+    error: str
 
 
 class SequenceSampling:
@@ -103,11 +123,15 @@ class SequenceSampling:
         self.params = params
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(params.seed)
+        self.greedy = params.temperature < _GREEDY_BELOW
+        # 1 / T; 1 for greedy rows (their logprobs use T = 1).
+        self.inv_temp = 1.0 if self.greedy else 1.0 / params.temperature
         window = params.repetition_window if params.repetition_penalty != 1.0 else 0
         tail = prompt_ids[max(0, len(prompt_ids) - window) :] if window else ()
         self._recent = deque((self._checked(t) for t in tail), maxlen=window)
         self._counts_generated = params.presence_penalty != 0 or params.frequency_penalty != 0
         self._generated: Counter[int] = Counter()
+        self._inputs = self._fixed_inputs()
 
     def record(self, token_id: int) -> None:
         """Add a generated token to the history the penalties see."""
@@ -127,6 +151,37 @@ class SequenceSampling:
         counts = np.fromiter(self._generated.values(), dtype=np.int64, count=len(self._generated))
         return ids, counts
 
+    def row_inputs(self) -> RowInputs:
+        """What the backend needs for this sequence's next logits row: its penalties as they
+        stand, how many candidates the sampler will look at and whether it needs log_z."""
+        if not self._recent and not self._generated:
+            return self._inputs
+        return msgspec.structs.replace(
+            self._inputs,
+            repeated=tuple(dict.fromkeys(self._recent)),
+            generated=tuple(self._generated),
+            generated_counts=tuple(self._generated.values()),
+        )
+
+    def _fixed_inputs(self) -> RowInputs:
+        params = self.params
+        n_top = params.logprobs or 0
+        if self.greedy:
+            candidates, want_log_z = max(1, n_top), params.logprobs is not None
+        else:
+            wanted = params.top_k if params.top_k else DEFAULT_CANDIDATES
+            candidates = min(max(wanted, n_top), MAX_CANDIDATES, self.vocab_size)
+            # top-k's survivors are weighed among themselves; everything else needs Z.
+            want_log_z = params.logprobs is not None or not 0 < params.top_k <= candidates
+        return RowInputs(
+            candidates=candidates,
+            inv_temp=self.inv_temp,
+            want_log_z=want_log_z,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+        )
+
     def _checked(self, token_id: int) -> int:
         if not 0 <= token_id < self.vocab_size:
             raise InvalidRequest(
@@ -136,22 +191,24 @@ class SequenceSampling:
         return int(token_id)
 
 
-def choose_tokens(logits: np.ndarray, states: Sequence[SequenceSampling]) -> list[TokenChoice]:
-    """Choose one token per row of `logits` (n, vocab) for the n sequences of `states`.
-
-    Does not `record` the choices (the caller keeps or drops them). `logits` is left as it
-    was given; it is patched in place with the penalties for the duration of the call when
-    writable (copied otherwise).
-    """
+def choose_tokens(
+    logits: np.ndarray, states: Sequence[SequenceSampling]
+) -> list[TokenChoice | RowFailed]:
+    """Choose one token per row of `logits` (n, vocab) for the n sequences of `states`: the
+    whole pipeline of a step on full rows (penalties, candidates, choice), as the engine runs
+    it across the backend and the sampler actor. Does not `record` the choices (the caller
+    keeps or drops them); `logits` is left as it was given."""
     logits = _checked_logits(logits, states)
     if not states:
         return []
-    rows = _RowParams.of(states)
-    edits = _penalty_edits(logits, states, rows)
-    if edits is not None and not logits.flags.writeable:
-        logits = logits.copy()
-    with _patched(logits, edits):
-        return _choose(logits, states, rows)
+    inputs = [s.row_inputs() for s in states]
+    penalized = logits.copy() if any(r.repeated or r.generated for r in inputs) else logits
+    apply_penalties(penalized, inputs)
+    candidates = top_candidates(penalized, inputs)
+    pending = start_choice(candidates, states)
+    if not pending.needed_rows:
+        return list(pending.choices)
+    return finish_choice(pending, penalized[list(pending.needed_rows)], states)
 
 
 class _RowParams(NamedTuple):
@@ -163,9 +220,6 @@ class _RowParams(NamedTuple):
     top_p: np.ndarray
     log_min_p: np.ndarray  # -inf = off
     n_top: np.ndarray  # top logprobs wanted; -1 = no logprobs
-    repetition: np.ndarray
-    presence: np.ndarray
-    frequency: np.ndarray
 
     @classmethod
     def of(cls, states: Sequence[SequenceSampling]) -> _RowParams:
@@ -175,22 +229,21 @@ class _RowParams(NamedTuple):
         def column(name: str) -> np.ndarray:
             return np.array([getattr(p, name) for p in params], dtype=np.float64)
 
-        temperature = column("temperature")
-        greedy = temperature < _GREEDY_BELOW
+        greedy = np.array([s.greedy for s in states], dtype=bool)
         with np.errstate(divide="ignore"):
             log_min_p = np.log(column("min_p"))
         # Filters mean nothing to a greedy row: switching them off keeps its logprobs simple.
         return cls(
             greedy=greedy,
-            inv_temp=1.0 / np.where(greedy, 1.0, temperature),
+            inv_temp=np.array([s.inv_temp for s in states], dtype=np.float64),
             top_k=np.where(greedy, 0, np.minimum(column("top_k"), vocab)).astype(np.int64),
             top_p=np.where(greedy, 1.0, column("top_p")),
             log_min_p=np.where(greedy, -np.inf, log_min_p),
             n_top=np.array([-1 if p.logprobs is None else p.logprobs for p in params]),
-            repetition=column("repetition_penalty"),
-            presence=column("presence_penalty"),
-            frequency=column("frequency_penalty"),
         )
+
+    def subset(self, rows: np.ndarray) -> _RowParams:
+        return _RowParams(*(column[rows] for column in self))
 
 
 def _checked_logits(logits: np.ndarray, states: Sequence[SequenceSampling]) -> np.ndarray:
@@ -209,96 +262,218 @@ def _checked_logits(logits: np.ndarray, states: Sequence[SequenceSampling]) -> n
     return logits
 
 
-class _Edits(NamedTuple):
-    """Logits overwritten by the penalties: (row, token) pairs and their new values."""
-
-    rows: np.ndarray
-    ids: np.ndarray
-    values: np.ndarray
+# --- choosing from candidates ---------------------------------------------------------------
 
 
-def _penalty_edits(
-    logits: np.ndarray, states: Sequence[SequenceSampling], rows: _RowParams
-) -> _Edits | None:
-    """The penalized values of the few (row, token) pairs in the rows' histories."""
-    vocab = logits.shape[1]
-    # (row, token) pairs are keyed row * vocab + token, so one sorted array covers the batch.
-    repeated = [i * vocab + s.recent_tokens() for i, s in enumerate(states)]
-    repeated_keys = np.unique(np.concatenate(repeated))
-    counted = [s.generated_counts() for s in states]
-    counted_keys = np.concatenate([i * vocab + ids for i, (ids, _) in enumerate(counted)])
-    counts_of_keys = np.concatenate([counts for _, counts in counted])
-    keys = np.union1d(repeated_keys, counted_keys)
-    if keys.size == 0:
-        return None
-    row, ids = np.divmod(keys, vocab)
-    values = logits[row, ids].astype(np.float64)
-    penalty = rows.repetition[row]
-    repeated_mask = np.isin(keys, repeated_keys, assume_unique=True)
-    values = np.where(
-        repeated_mask, np.where(values > 0, values / penalty, values * penalty), values
-    )
-    counts = np.zeros(keys.size)
-    counts[np.searchsorted(keys, counted_keys)] = counts_of_keys
-    values -= rows.presence[row] * (counts > 0) + rows.frequency[row] * counts
-    return _Edits(row, ids, values.astype(np.float32))
+class PendingChoice(msgspec.Struct, frozen=True, kw_only=True):
+    """A step's choices as far as its candidates go: None where `needed_rows` (positions in
+    the step's rows) need their whole row. Carries the rows' uniforms, drawn once."""
+
+    choices: tuple[TokenChoice | RowFailed | None, ...]
+    needed_rows: tuple[int, ...]
+    uniforms: Any  # np.ndarray (rows,), 0 for rows that do not sample
+    candidates: Candidates
 
 
-@contextmanager
-def _patched(logits: np.ndarray, edits: _Edits | None) -> Iterator[None]:
-    """Write the penalized values into `logits` and put the originals back afterwards: a few
-    hundred writes instead of a copy of the whole batch."""
-    if edits is None:
-        yield
-        return
-    original = logits[edits.rows, edits.ids]
-    logits[edits.rows, edits.ids] = edits.values
-    try:
-        yield
-    finally:
-        logits[edits.rows, edits.ids] = original
+def draw_uniforms(states: Sequence[SequenceSampling], drawn: np.ndarray) -> np.ndarray:
+    """Exactly one uniform per drawn row, from the row's own Generator: its stream never
+    depends on the batch, on the row's path or on how many widening rounds it needed."""
+    return np.array([s.rng.random() if draw else 0.0 for s, draw in zip(states, drawn)])
 
 
-def _choose(
-    logits: np.ndarray, states: Sequence[SequenceSampling], rows: _RowParams
-) -> list[TokenChoice]:
-    n, vocab = logits.shape
-    best = np.argmax(logits, axis=1)
-    peak = logits[np.arange(n), best].astype(np.float64)
-    if not np.isfinite(peak).all():
-        bad = np.flatnonzero(~np.isfinite(peak)).tolist()
-        raise ComputeError(f"logits rows {bad} hold NaN or infinite values")
+def start_choice(candidates: Candidates, states: Sequence[SequenceSampling]) -> PendingChoice:
+    """Decide every row its candidates can decide (see the module docstring)."""
+    n = len(states)
+    if candidates.ids.shape[0] != n:
+        raise ComputeError(f"{candidates.ids.shape[0]} candidate rows for {n} sequences")
+    rows = _RowParams.of(states)
+    peak = candidates.logits[:, 0].astype(np.float64)
+    finite = np.isfinite(peak)
+    uniforms = draw_uniforms(states, ~rows.greedy & finite)
+    width = candidates.ids.shape[1]
+    count = candidates.count.astype(np.int64)
+    real = np.arange(width) < count[:, None]
+    with np.errstate(invalid="ignore"):
+        scaled = np.where(
+            real, (candidates.logits - peak[:, None]) * rows.inv_temp[:, None], -np.inf
+        )
+    weights = np.exp(scaled)
+    cdf = np.cumsum(weights, axis=1)
+    log_z = candidates.log_z
+    z = np.exp(log_z)
+    vocab = states[0].vocab_size
 
     sampled = ~rows.greedy
-    filtered = (rows.top_k > 0) | (rows.top_p < 1) | np.isfinite(rows.log_min_p)
-    unfiltered_sampled = sampled & ~filtered
+    whole_vocab = count >= vocab
+    k_held = (rows.top_k > 0) & (rows.top_k <= count)
+    no_top_k = rows.top_k == 0
+    unfiltered = sampled & no_top_k & (rows.top_p >= 1) & ~np.isfinite(rows.log_min_p)
+    mass_held = cdf[np.arange(n), count - 1]
+    with np.errstate(invalid="ignore"):
+        nucleus_held = no_top_k & (rows.top_p < 1) & (mass_held >= rows.top_p * z)
+        floor_crossed = no_top_k & (scaled[np.arange(n), count - 1] < rows.log_min_p)
+        uniform_held = unfiltered & (uniforms * z < mass_held)
+    decided = finite & (
+        ~sampled | whole_vocab | k_held | nucleus_held | floor_crossed | uniform_held
+    )
+    tokens = candidates.ids[:, 0].astype(np.int64)
+    drawn = np.flatnonzero(decided & sampled)
+    if drawn.size:
+        tokens[drawn] = _draw_from_candidates(
+            candidates.ids[drawn], cdf[drawn], scaled[drawn], count[drawn], z[drawn],
+            rows.subset(drawn), uniforms[drawn], unfiltered[drawn] & ~whole_vocab[drawn],
+        )
+    token_scaled = scaled[np.arange(n), np.argmax(candidates.ids == tokens[:, None], axis=1)]
+    choices: list[TokenChoice | RowFailed | None] = [None] * n
+    for row in np.flatnonzero(decided).tolist():
+        choices[row] = _choice(
+            int(tokens[row]), token_scaled[row], candidates.ids[row], scaled[row], log_z[row],
+            rows.n_top[row],
+        )
+    for row in np.flatnonzero(~finite):
+        choices[row] = RowFailed(error=f"the logits row holds {peak[row]} values")
+    return PendingChoice(
+        choices=tuple(choices),
+        needed_rows=tuple(np.flatnonzero(finite & ~decided).tolist()),
+        uniforms=uniforms,
+        candidates=candidates,
+    )
+
+
+def _draw_from_candidates(
+    ids: np.ndarray,
+    cdf: np.ndarray,
+    scaled: np.ndarray,
+    count: np.ndarray,
+    z: np.ndarray,
+    rows: _RowParams,
+    uniforms: np.ndarray,
+    unfiltered: np.ndarray,
+) -> np.ndarray:
+    """Apply top-k, top-p and min-p within each row's candidates and sample the survivors;
+    an unfiltered row's uniform is a share of the whole vocabulary's mass `z`."""
+    width = cdf.shape[1]
+    keep_k = np.where(rows.top_k > 0, np.minimum(rows.top_k, count), count)
+    # top-p's mass is relative to the top-k survivors, or to the whole vocabulary without top-k.
+    k_mass = np.take_along_axis(cdf, (keep_k - 1)[:, None], axis=1)[:, 0]
+    total = np.where(rows.top_k > 0, k_mass, z)
+    keep_p = np.where(
+        rows.top_p < 1, (cdf < (rows.top_p * total)[:, None]).sum(axis=1) + 1, width
+    )
+    keep_min_p = (scaled >= rows.log_min_p[:, None]).sum(axis=1)
+    keep = np.maximum(np.minimum(np.minimum(keep_k, keep_p), keep_min_p), 1)
+    survivors_mass = np.take_along_axis(cdf, (keep - 1)[:, None], axis=1)[:, 0]
+    target = uniforms * np.where(unfiltered, z, survivors_mass)
+    allowed = (np.arange(width) < keep[:, None]) & (scaled > -np.inf)
+    column = _invert_cdf(cdf, target, allowed)
+    return np.take_along_axis(ids, column[:, None], axis=1)[:, 0].astype(np.int64)
+
+
+def _choice(
+    token: int,
+    token_scaled: float,
+    ids: np.ndarray,
+    scaled: np.ndarray,
+    log_z: float,
+    n_top: int,
+) -> TokenChoice:
+    """A row's TokenChoice, with its logprobs from its candidates when asked for."""
+    if n_top < 0:
+        return TokenChoice(token=token)
+    top = tuple(zip(ids[:n_top].tolist(), (scaled[:n_top] - log_z).tolist()))
+    return TokenChoice(token=token, logprob=float(token_scaled - log_z), top_logprobs=top)
+
+
+def finish_choice(
+    pending: PendingChoice, rows_logits: np.ndarray, states: Sequence[SequenceSampling]
+) -> list[TokenChoice | RowFailed]:
+    """Decide the rows `start_choice` could not, from their whole penalized rows
+    (`rows_logits`, one per entry of `pending.needed_rows`, in that order)."""
+    needed = np.asarray(pending.needed_rows, dtype=np.int64)
+    rows_logits = np.ascontiguousarray(rows_logits, dtype=np.float32)
+    if rows_logits.shape[0] != needed.size:
+        raise ComputeError(f"{rows_logits.shape[0]} rows fetched for {needed.size} wanted")
+    choices = list(pending.choices)
+    rows = _RowParams.of([states[i] for i in needed])
+    cands = pending.candidates
+    unfiltered = ~rows.greedy & (rows.top_k == 0) & (rows.top_p >= 1) & ~np.isfinite(
+        rows.log_min_p
+    )
+    past = np.flatnonzero(unfiltered)
+    for at, choice in zip(past, _draw_past_candidates(
+        rows_logits[past], cands, needed[past], rows.subset(past), pending.uniforms[needed[past]]
+    )):
+        choices[needed[at]] = choice
+    filtered = np.flatnonzero(~unfiltered)
+    if filtered.size:
+        chosen = _choose(
+            rows_logits[filtered], rows.subset(filtered), pending.uniforms[needed[filtered]]
+        )
+        for at, choice in zip(filtered, chosen):
+            choices[needed[at]] = choice
+    return choices
+
+
+def _draw_past_candidates(
+    rows_logits: np.ndarray,
+    cands: Candidates,
+    batch_rows: np.ndarray,
+    rows: _RowParams,
+    uniforms: np.ndarray,
+) -> list[TokenChoice]:
+    """Unfiltered rows whose uniform fell past their candidates' mass: the CDF goes on
+    through the rest of the vocabulary in id order."""
+    choices = []
+    for logits, row, inv_temp, u, n_top in zip(
+        rows_logits, batch_rows, rows.inv_temp, uniforms, rows.n_top
+    ):
+        count = int(cands.count[row])
+        peak = float(cands.logits[row, 0])
+        scaled = (logits.astype(np.float64) - peak) * inv_temp
+        weights = np.exp(scaled)
+        held = cands.ids[row, :count]
+        held_mass = weights[held].sum()
+        weights[held] = 0.0
+        cdf = np.cumsum(weights)
+        target = u * np.exp(cands.log_z[row]) - held_mass
+        rest = weights > 0
+        # The rest weighs nothing in float64 (only rounding sent u past the candidates):
+        # the least likely candidate is where the CDF ends.
+        token = (
+            int(_invert_cdf(cdf[None], np.array([target]), rest[None])[0]) if rest.any()
+            else int(held[-1])
+        )
+        cand_scaled = np.where(
+            np.arange(cands.ids.shape[1]) < count,
+            (cands.logits[row].astype(np.float64) - peak) * inv_temp, -np.inf,
+        )
+        choices.append(
+            _choice(token, scaled[token], cands.ids[row], cand_scaled, cands.log_z[row], n_top)
+        )
+    return choices
+
+
+def _choose(logits: np.ndarray, rows: _RowParams, uniforms: np.ndarray) -> list[TokenChoice]:
+    """Choose from whole (penalized, finite) rows: the path of the rows whose candidates
+    could not decide them, every one filtered (top-k, top-p or min-p)."""
+    n = logits.shape[0]
+    best = np.argmax(logits, axis=1)
+    peak = logits[np.arange(n), best].astype(np.float64)
+    sampled = ~rows.greedy
     wants_logprobs = rows.n_top >= 0
     # top-p over the whole vocabulary: its nucleus is a share of the partition function.
     nucleus = sampled & (rows.top_k == 0) & (rows.top_p < 1)
-    needs_partition = wants_logprobs | unfiltered_sampled | nucleus
-    # Exactly one uniform per sampled row, from the row's own Generator: its stream never
-    # depends on the batch or on how many widening rounds the row needed.
-    uniforms = np.array([s.rng.random() if draw else 0.0 for s, draw in zip(states, sampled)])
-
     tokens = best.copy()
     log_z = np.zeros(n)
     # A top-p row without top-k gets its partition function from `_nucleus_pass`.
-    z_rows = np.flatnonzero(needs_partition & ~nucleus)
+    z_rows = np.flatnonzero(wants_logprobs & ~nucleus)
     if z_rows.size:
-        block_sums = _block_sums(logits, z_rows, peak, rows.inv_temp)
-        log_z[z_rows] = np.log(block_sums.sum(axis=1))
-        drawn = unfiltered_sampled[z_rows]
-        if drawn.any():
-            chosen = z_rows[drawn]
-            every_token = np.full(chosen.size, -np.inf), np.full(chosen.size, vocab)
-            tokens[chosen] = _draw_from_blocks(
-                logits, chosen, block_sums[drawn], peak, rows.inv_temp, uniforms, *every_token
-            )
+        log_z[z_rows] = np.log(block_sums(logits, z_rows, peak, rows.inv_temp).sum(axis=1))
 
-    table_rows = np.flatnonzero((sampled & filtered) | wants_logprobs)
+    table_rows = np.flatnonzero(sampled | wants_logprobs)
     if not table_rows.size:
         return _token_choices(logits, tokens, peak, rows, log_z, None)
-    sample = _sorted_sample(logits, table_rows)
+    sample = sorted_sample(logits, table_rows)
     wide = np.zeros(n, dtype=bool)
     in_nucleus = nucleus[table_rows]
     if in_nucleus.any():
@@ -322,57 +497,10 @@ def _choose(
         table = _candidate_table(
             logits, table_rows[in_table], sample[in_table], peak, table_params, log_z
         )
-        drawn = sampled[table.rows] & filtered[table.rows] & ~wide[table.rows]
+        drawn = sampled[table.rows] & ~wide[table.rows]
         if drawn.any():
             tokens[table.rows[drawn]] = _draw_from_table(table, drawn, rows, log_z, uniforms)
     return _token_choices(logits, tokens, peak, rows, log_z, table)
-
-
-def _block_sums(
-    logits: np.ndarray, z_rows: np.ndarray, peak: np.ndarray, inv_temp: np.ndarray
-) -> np.ndarray:
-    """Per row of `z_rows`, the sums of exp((logit - peak) / T) over blocks of `_BLOCK` tokens
-    (float64, shape (len(z_rows), blocks)); their total is the partition function."""
-    sums = np.empty((z_rows.size, _n_blocks(logits.shape[1])))
-    for part, _, weights in _weighed_chunks(logits, z_rows, peak, inv_temp):
-        sums[part] = weights.sum(axis=2)
-    return sums
-
-
-def _n_blocks(vocab: int) -> int:
-    return -(-vocab // _BLOCK)
-
-
-def _weighed_chunks(
-    logits: np.ndarray, some_rows: np.ndarray, peak: np.ndarray, inv_temp: np.ndarray
-) -> Iterator[tuple[slice, np.ndarray, np.ndarray]]:
-    """`some_rows` a few at a time, so the float32 scratch stays in cache: yields the chunk's
-    slice of `some_rows`, its logits, and its weights exp((logit - peak) / T) as (rows, blocks,
-    `_BLOCK`), the last block padded with zeros. The next chunk overwrites the weights."""
-    vocab = logits.shape[1]
-    n_blocks = _n_blocks(vocab)
-    chunk = max(1, _SCRATCH_BYTES // (4 * n_blocks * _BLOCK))
-    scratch = np.empty((chunk, n_blocks * _BLOCK), dtype=np.float32)
-    shift = peak.astype(np.float32)
-    scale = inv_temp.astype(np.float32)
-    for start in range(0, some_rows.size, chunk):
-        part = some_rows[start : start + chunk]
-        buf = scratch[: part.size]
-        chunk_logits = _rows_of(logits, part)
-        # Subtract before scaling: a small temperature would magnify the rounding of l / T.
-        np.subtract(chunk_logits, shift[part, None], out=buf[:, :vocab])
-        buf[:, :vocab] *= scale[part, None]
-        buf[:, vocab:] = -np.inf  # the last block's padding weighs exp(-inf) = 0
-        np.exp(buf, out=buf)
-        weights = buf.reshape(part.size, n_blocks, _BLOCK)
-        yield slice(start, start + part.size), chunk_logits, weights
-
-
-def _rows_of(logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """`logits[rows]`, as a view (no copy) when the rows are consecutive."""
-    if rows[-1] - rows[0] == rows.size - 1:
-        return logits[rows[0] : rows[-1] + 1]
-    return logits[rows]
 
 
 def _draw_from_blocks(
@@ -387,21 +515,21 @@ def _draw_from_blocks(
 ) -> np.ndarray:
     """Sample each of `drawn_rows` in vocabulary order among its survivors: the tokens up to a
     cutoff token in (logit desc, id asc) order (`cut_logit` -inf and `cut_id` past the
-    vocabulary: every token), whose weights `block_sums` sums by blocks of `_BLOCK` tokens.
+    vocabulary: every token), whose weights `block_sums` sums by blocks of `BLOCK` tokens.
     Picks the block holding u * (the survivors' mass), then re-reads that one block."""
     vocab = logits.shape[1]
     cdf = np.cumsum(block_sums, axis=1)
     target = uniforms[drawn_rows] * cdf[:, -1]
     block = _invert_cdf(cdf, target, block_sums > 0)
     before = np.where(block > 0, np.take_along_axis(cdf, (block - 1)[:, None], 1)[:, 0], 0.0)
-    ids = block[:, None] * _BLOCK + np.arange(_BLOCK)
+    ids = block[:, None] * BLOCK + np.arange(BLOCK)
     block_logits = logits[drawn_rows[:, None], np.minimum(ids, vocab - 1)]
     scaled = (block_logits - peak[drawn_rows, None]) * inv_temp[drawn_rows, None]
     cut = cut_logit[:, None]
     survives = (block_logits > cut) | ((block_logits == cut) & (ids <= cut_id[:, None]))
     weights = np.where(survives & (ids < vocab), np.exp(scaled), 0.0)
     offset = _invert_cdf(np.cumsum(weights, axis=1), target - before, weights > 0)
-    return block * _BLOCK + offset
+    return block * BLOCK + offset
 
 
 def _invert_cdf(cdf: np.ndarray, target: np.ndarray, allowed: np.ndarray) -> np.ndarray:
@@ -431,9 +559,9 @@ def _candidate_table(
 ) -> _Candidates:
     """The tokens above a per-row threshold, lowered until the table decides every row:
     it holds top-k's k tokens, the logprobs' n, min-p's survivors and top-p's nucleus.
-    `sample` is the rows' `_sorted_sample`."""
+    `sample` is the rows' `sorted_sample`."""
     vocab = logits.shape[1]
-    stride = _stride(vocab)
+    stride = stride_of(vocab)
     inv_temp = rows.inv_temp[table_rows]
     top_k = rows.top_k[table_rows]
     row_peak = peak[table_rows]
@@ -456,12 +584,12 @@ def _candidate_table(
     threshold = np.empty(table_rows.size)
     while pending.any():
         # About `threshold_at * stride` tokens of a row lie above this sampled logit.
-        at = _sampled_logit(sample, sample.shape[1] - threshold_at)
+        at = sampled_logit(sample, sample.shape[1] - threshold_at)
         guess = np.minimum(at, highest_start)
         threshold[pending] = guess[pending]
         bound = np.full(logits.shape[0], np.inf)  # decided rows keep what they gathered
         bound[table_rows[pending]] = threshold[pending]
-        batch_row, ids = _above(logits, bound)
+        batch_row, ids = tokens_above(logits, bound)
         table_row = slot_of[batch_row]
         values = logits.reshape(-1)[batch_row * vocab + ids]
         count = np.where(pending, np.bincount(table_row, minlength=count.size), count)
@@ -483,80 +611,10 @@ def _candidate_table(
         wider = np.maximum(threshold_at * _WIDEN_FACTOR, np.ceil(at_least / stride))
         threshold_at = np.where(pending, wider, threshold_at).astype(np.int64)
     table_row, ids, values = (np.concatenate(part) for part in zip(*decided_parts))
-    return _sorted_table(table_rows, table_row, ids, values, count, peak, rows.inv_temp)
-
-
-def _stride(vocab: int) -> int:
-    """A row's sample takes every `_stride(vocab)`-th logit: about `_SAMPLE_SIZE` of them."""
-    return max(1, vocab // _SAMPLE_SIZE)
-
-
-def _sorted_sample(logits: np.ndarray, sample_rows: np.ndarray) -> np.ndarray:
-    """Every `_stride`-th logit of each of `sample_rows`, sorted ascending: about
-    `stride * (size - position)` tokens of a row lie at or above its `position`-th."""
-    return np.sort(logits[sample_rows, :: _stride(logits.shape[1])], axis=1)
-
-
-def _sampled_logit(sample: np.ndarray, position: np.ndarray) -> np.ndarray:
-    """Each row's sampled logit at `position` (float64); -inf at or below the sample's first
-    position (the row's lower tokens were not sampled), +inf past its last."""
-    size = sample.shape[1]
-    at = np.take_along_axis(sample, np.clip(position, 0, size - 1)[:, None], axis=1)[:, 0]
-    at = at.astype(np.float64)
-    return np.where(position <= 0, -np.inf, np.where(position >= size, np.inf, at))
-
-
-def _above(logits: np.ndarray, threshold: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(row, token id) of every logit at or above its row's threshold (+inf: none), row by
-    row and ascending ids within a row: one comparison pass over the batch, no sort and no
-    copy of its rows."""
-    # Rounded down to float32, so no token at or above the float64 threshold is missed.
-    bound = threshold.astype(np.float32)
-    bound = np.where(bound > threshold, np.nextafter(bound, np.float32(-np.inf)), bound)
-    return np.divmod(np.flatnonzero(logits >= bound[:, None]), logits.shape[1])
-
-
-def _sorted_table(
-    table_rows: np.ndarray,
-    table_row: np.ndarray,
-    ids: np.ndarray,
-    values: np.ndarray,
-    count: np.ndarray,
-    peak: np.ndarray,
-    inv_temp: np.ndarray,
-) -> _Candidates:
-    """Sort each row's candidates, most likely first and ties by lowest id (as argmax does).
-
-    One int64 key per candidate, (the logit's bits in descending order, id), sorted by value:
-    far faster than an argsort when a hot top-p makes the table as wide as the vocabulary, and
-    the sorted keys give back both the ids and the logits.
-    """
-    keys = (~_float_order(values + np.float32(0.0))).astype(np.int64) << 32 | ids  # -0.0 -> 0.0
-    # One padded row per table row (any column order will do: the rows get sorted); the
-    # padding key sorts last.
-    width = max(int(count.max()), 1)
-    grouped = np.argsort(table_row, kind="stable")
-    column = np.empty_like(grouped)
-    column[grouped] = np.arange(grouped.size) - (np.cumsum(count) - count)[table_row[grouped]]
-    dense = np.full((table_rows.size, width), np.iinfo(np.int64).max)
-    dense.reshape(-1)[table_row * width + column] = keys
-    dense.sort(axis=1)
-    real = np.arange(width) < count[:, None]
-    sorted_logits = _float_order(~(dense >> 32).astype(np.int32)).view(np.float32)
-    scaled = (sorted_logits - peak[table_rows, None]) * inv_temp[table_rows, None]
-    return _Candidates(
-        rows=table_rows,
-        ids=np.where(real, dense & 0xFFFFFFFF, 0),
-        scaled=np.where(real, scaled, -np.inf),
-        count=count,
-    )
-
-
-def _float_order(bits: np.ndarray) -> np.ndarray:
-    """float32 values (viewed as int32) -> int32 in the same order, and back: the map is its
-    own inverse."""
-    as_int = bits.view(np.int32)
-    return np.where(as_int >= 0, as_int, as_int ^ np.int32(0x7FFFFFFF))
+    sorted_ids, sorted_logits = sort_by_likelihood(table_row, ids, values, count)
+    scaled = (sorted_logits - peak[table_rows, None]) * rows.inv_temp[table_rows, None]
+    return _Candidates(rows=table_rows, ids=sorted_ids.astype(np.int64), scaled=scaled,
+                       count=count)
 
 
 def _draw_from_table(
@@ -599,7 +657,7 @@ class _Brackets(NamedTuple):
     slot: np.ndarray  # the tokens inside, bracket by bracket and ascending ids: their bracket,
     ids: np.ndarray  # id,
     values: np.ndarray  # logit
-    weights: np.ndarray  # and float32 weight, as `_weighed_chunks` has it
+    weights: np.ndarray  # and float32 weight, as `weighed_chunks` has it
 
 
 class _Nuclei(NamedTuple):
@@ -621,10 +679,10 @@ def _nucleus_pass(
 ) -> _Nuclei:
     """One pass over the top-p rows without top-k: each row's partition function then, once
     that tells how much mass top-p drops, the guess of where its nucleus starts in its
-    `_sorted_sample` and, for a nucleus guessed too wide to sort, a first bracket, while the
+    `sorted_sample` and, for a nucleus guessed too wide to sort, a first bracket, while the
     row's weights are still in cache."""
     vocab = logits.shape[1]
-    stride = _stride(vocab)
+    stride = stride_of(vocab)
     size = sample.shape[1]
     inv_temp = rows.inv_temp[nucleus_rows]
     log_min_p = rows.log_min_p[nucleus_rows]
@@ -634,7 +692,7 @@ def _nucleus_pass(
     floor = _min_p_floor(peak[nucleus_rows], log_min_p, inv_temp)
     low = np.full(nucleus_rows.size, np.inf)  # narrow rows: an empty bracket, nothing above it
     high = np.full(nucleus_rows.size, np.inf)
-    above_sums = np.zeros((nucleus_rows.size, _n_blocks(vocab)))
+    above_sums = np.zeros((nucleus_rows.size, block_count(vocab)))
     # The nucleus is guessed to start where the sampled logits below it, each standing for
     # `stride` tokens, weigh what top-p drops; it is wide when that is below the top sampled
     # logits that stand for `_WIDE_NUCLEUS` tokens, and min-p keeps them. A guess from the row
@@ -647,7 +705,7 @@ def _nucleus_pass(
     mass_below_wide = sample_weights[:, :wide_below].sum(axis=1)
     dropped_share = 1 - rows.top_p[nucleus_rows]
     parts = []
-    for part, chunk_logits, weights in _weighed_chunks(logits, nucleus_rows, peak, rows.inv_temp):
+    for part, chunk_logits, weights in weighed_chunks(logits, nucleus_rows, peak, rows.inv_temp):
         z[part] = weights.sum(axis=2).sum(axis=1, dtype=np.float64)
         dropped = dropped_share[part] * z[part]
         wide[part] = can_be_wide[part] & (mass_below_wide[part] > dropped)
@@ -675,15 +733,15 @@ def _bracket_bounds(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The brackets `half_width` sample positions either side of `start`, raised to min-p's
     floor: float32 values, or infinite past the sample's ends."""
-    low = _sampled_logit(sample, start - half_width)
-    high = _sampled_logit(sample, start + half_width)
+    low = sampled_logit(sample, start - half_width)
+    high = sampled_logit(sample, start + half_width)
     return np.maximum(low, floor), np.maximum(high, floor)
 
 
 def _bracket_chunk(
     chunk_logits: np.ndarray, weights: np.ndarray, low: np.ndarray, high: np.ndarray, offset: int
 ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-    """For a chunk of `_weighed_chunks` (whose `weights` it overwrites): the block sums of each
+    """For a chunk of `weighed_chunks` (whose `weights` it overwrites): the block sums of each
     row's weights at or above its `high`, and (row + offset, id, logit, weight) of its tokens
     in [low, high). The bounds are float32 values, so the float32 comparisons are exact."""
     vocab = chunk_logits.shape[1]
@@ -708,9 +766,9 @@ def _bracket_pass(
     high: np.ndarray,
 ) -> _Brackets:
     """The brackets [low, high) of `bracket_rows`, in one pass over their weights."""
-    above_sums = np.empty((bracket_rows.size, _n_blocks(logits.shape[1])))
+    above_sums = np.empty((bracket_rows.size, block_count(logits.shape[1])))
     parts = []
-    for part, chunk_logits, weights in _weighed_chunks(logits, bracket_rows, peak, inv_temp):
+    for part, chunk_logits, weights in weighed_chunks(logits, bracket_rows, peak, inv_temp):
         above_sums[part], entries = _bracket_chunk(
             chunk_logits, weights, low[part], high[part], part.start
         )
@@ -743,7 +801,7 @@ def _draw_from_wide_nuclei(
     nucleus_mass = rows.top_p[wide_rows] * np.exp(log_z[wide_rows])
     cut_logit = np.empty(wide_rows.size)
     cut_id = np.empty(wide_rows.size, dtype=np.int64)
-    survivor_sums = np.empty((wide_rows.size, _n_blocks(logits.shape[1])))
+    survivor_sums = np.empty((wide_rows.size, block_count(logits.shape[1])))
     pending = np.arange(wide_rows.size)  # positions in wide_rows
     brackets = nuclei.brackets
     half_width = _BRACKET
@@ -784,7 +842,7 @@ def _cutoffs(
     negated[slot, np.arange(slot.size) - (np.cumsum(count) - count)[slot]] = -values
     negated.sort(axis=1)
     descending = -negated
-    # The same float32 weights as `_weighed_chunks`, so the mass above the bracket and its
+    # The same float32 weights as `weighed_chunks`, so the mass above the bracket and its
     # tokens' add up as the partition function does.
     shift = peak[brackets.rows, None].astype(np.float32)
     scale = rows.inv_temp[brackets.rows, None].astype(np.float32)
@@ -811,7 +869,7 @@ def _cutoffs(
     cut_id[tied_slot[is_cut]] = ids[tied[is_cut]]
     survives[tied[rank_in_row <= np.where(found, rank, tied.size)[tied_slot]]] = True
     prefix_sums = np.bincount(
-        (slot * n_blocks + ids // _BLOCK)[survives],
+        (slot * n_blocks + ids // BLOCK)[survives],
         brackets.weights[survives],
         minlength=n_brackets * n_blocks,
     ).reshape(n_brackets, n_blocks)
@@ -870,23 +928,41 @@ def _token_choices(
 
 
 class SampleStep(msgspec.Struct, frozen=True, kw_only=True):
-    """One step's logits rows (float32, (rows, vocab)) and, row by row, the sampling state of
-    the sequence each row belongs to."""
+    """One step's candidates and, row by row, the sampling state of the sequence each row
+    belongs to."""
 
     step_id: int
-    logits: Any  # np.ndarray
+    candidates: Candidates
     samplers: tuple[Any, ...]  # SequenceSampling
 
 
-class StepSampled(msgspec.Struct, frozen=True, kw_only=True):
-    """One choice per row of the step, in row order; each is recorded in its sequence."""
+class RowsWanted(msgspec.Struct, frozen=True, kw_only=True):
+    """The candidates could not decide these rows: the scheduler fetches their whole rows
+    from the backend and answers `SampleRows` with them."""
 
     step_id: int
-    choices: tuple[TokenChoice, ...]
+    pending: PendingChoice
+
+
+class SampleRows(msgspec.Struct, frozen=True, kw_only=True):
+    """The rows a `RowsWanted` asked for (float32 (rows, vocab), penalized, in its order)."""
+
+    step_id: int
+    pending: PendingChoice
+    logits: Any  # np.ndarray
+    samplers: tuple[Any, ...]  # SequenceSampling, as in the step's SampleStep
+
+
+class StepSampled(msgspec.Struct, frozen=True, kw_only=True):
+    """One choice per row of the step, in row order; each TokenChoice is recorded in its
+    sequence, a RowFailed fails only its own sequence's step."""
+
+    step_id: int
+    choices: tuple[TokenChoice | RowFailed, ...]
 
 
 class SamplingFailed(msgspec.Struct, frozen=True, kw_only=True):
-    """No token could be chosen (e.g. NaN logits); nothing was recorded."""
+    """The sampler raised; nothing was recorded and the whole step counts as failed."""
 
     step_id: int
     error: str
@@ -895,7 +971,7 @@ class SamplingFailed(msgspec.Struct, frozen=True, kw_only=True):
 class SamplerActor:
     """Chooses and records each step's tokens in one dedicated thread of its own.
 
-    Off the event loop because a batch of vocabulary-wide rows takes milliseconds, which the
+    Off the event loop because deciding a batch of rows takes milliseconds, which the
     sessions' streaming would otherwise wait behind. A dedicated thread rather than a pooled
     worker per step: it is joined when the engine closes (no pooled thread outlives the
     engine), and no other user of the default thread limiter can make a step wait for a slot.
@@ -903,8 +979,8 @@ class SamplerActor:
 
     def __init__(
         self,
-        inbox: MemoryObjectReceiveStream[SampleStep],
-        outbox: MemoryObjectSendStream[StepSampled | SamplingFailed],
+        inbox: MemoryObjectReceiveStream[SampleStep | SampleRows],
+        outbox: MemoryObjectSendStream[StepSampled | RowsWanted | SamplingFailed],
     ) -> None:
         self._inbox = inbox
         self._outbox = outbox
@@ -916,23 +992,35 @@ class SamplerActor:
                 await run_in_own_thread("q4k-sampler", partial(self._serve, portal))
 
     def _serve(self, portal: BlockingPortal) -> None:
-        while (step := receive_from_loop(portal, self._inbox)) is not None:
-            if not send_to_loop(portal, self._outbox, sample_step(step)):
+        while (message := receive_from_loop(portal, self._inbox)) is not None:
+            if not send_to_loop(portal, self._outbox, sample(message)):
                 return
 
 
-def sample_step(step: SampleStep) -> StepSampled | SamplingFailed:
-    """Choose and record the step's tokens; any failure is an answer, never a crash."""
+def sample(message: SampleStep | SampleRows) -> StepSampled | RowsWanted | SamplingFailed:
+    """Choose what can be chosen (recording the step's tokens once all are chosen), or ask
+    for the rows still needed; any failure is an answer, never a crash."""
     try:
-        choices = choose_tokens(step.logits, step.samplers)
+        if isinstance(message, SampleStep):
+            pending = start_choice(message.candidates, message.samplers)
+            if pending.needed_rows:
+                return RowsWanted(step_id=message.step_id, pending=pending)
+            choices = list(pending.choices)
+        else:
+            choices = finish_choice(message.pending, message.logits, message.samplers)
+        for sampler, choice in zip(message.samplers, choices):
+            if isinstance(choice, TokenChoice):
+                sampler.record(choice.token)
     except Exception as exc:
-        return SamplingFailed(step_id=step.step_id, error=f"{type(exc).__name__}: {exc}")
-    for sampler, choice in zip(step.samplers, choices):
-        sampler.record(choice.token)
-    return StepSampled(step_id=step.step_id, choices=tuple(choices))
+        return SamplingFailed(step_id=message.step_id, error=f"{type(exc).__name__}: {exc}")
+    return StepSampled(step_id=message.step_id, choices=tuple(choices))
 
 
 __all__ = [
+    "PendingChoice",
+    "RowFailed",
+    "RowsWanted",
+    "SampleRows",
     "SampleStep",
     "SamplerActor",
     "SamplingFailed",
@@ -940,5 +1028,7 @@ __all__ = [
     "StepSampled",
     "TokenChoice",
     "choose_tokens",
-    "sample_step",
+    "finish_choice",
+    "sample",
+    "start_choice",
 ]

@@ -2,15 +2,18 @@
 
 It owns every sequence's bookkeeping (tokens, how many positions its KV holds, its block
 table) and turns the advances sessions ask for into one `RunStep` at a time: decode items
-first, then prefill chunks under a token budget. The compute actor answers the step's logits
-rows, the sampler actor the tokens chosen from them. It then hands each sequence its token and
-briefly gathers the next advances, so N decoding sequences ride in ~N-item steps instead of
-fragmenting into many small ones; a sequence whose caller is slow simply misses steps.
+first, then prefill chunks under a token budget, each row with its sequence's penalty inputs.
+The compute actor answers the step's token candidates, the sampler actor the tokens chosen
+from them (asking, through the scheduler, for the few whole rows the candidates cannot
+decide). It then hands each sequence its token and briefly gathers the next advances, so N
+decoding sequences ride in ~N-item steps instead of fragmenting into many small ones; a
+sequence whose caller is slow simply misses steps.
 
-The compute contract lives here: a forward resumes exactly at what a sequence's KV holds; a
-failed step leaves every sequence in it holding nothing, to be replayed once from scratch, and
-a second failure in a row fails that sequence alone. A step whose tokens could not be chosen
-(e.g. NaN logits) counts as a failed step for its sequences.
+It keeps the replay rules of the compute contract (actors.compute.contract): a forward resumes
+exactly at what a sequence's KV holds; a failed step (or a row whose token could not be
+chosen, for its own sequence) leaves the sequence holding nothing, to be replayed from scratch,
+and failing MAX_STEP_FAILURES times in a row fails that sequence alone. A lost backend fails
+every sequence and takes no more steps.
 """
 
 from __future__ import annotations
@@ -24,7 +27,17 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.compute.protocol import ForwardItem, RunStep, Shutdown, StepDone, StepFailed
+from actors.compute.contract import (
+    MAX_STEP_FAILURES,
+    BackendLost,
+    FetchRows,
+    RowsFetched,
+    RunStep,
+    Shutdown,
+    StepDone,
+    StepFailed,
+    StepItem,
+)
 from actors.errors import EngineOverloaded
 from actors.kv_blocks import ROOT_HASH, BlockPool, chain_hashes
 from actors.logs import get_logger
@@ -35,7 +48,14 @@ from actors.messages import (
     SequenceFailed,
     TokenReady,
 )
-from actors.sampler import SampleStep, SamplingFailed, StepSampled
+from actors.sampler import (
+    RowFailed,
+    RowsWanted,
+    SampleRows,
+    SampleStep,
+    SamplingFailed,
+    StepSampled,
+)
 
 # How long the scheduler keeps waiting for sequences that just got a token to ask for the next
 # one, measured from the last one that did; past it, the stragglers miss this step. Generous
@@ -43,8 +63,6 @@ from actors.sampler import SampleStep, SamplingFailed, StepSampled
 # floor and a fraction of the last step's time (a loaded machine slows consumers too).
 GATHER_IDLE_MIN_S = 0.002
 GATHER_IDLE_STEP_FRACTION = 0.02
-# A sequence whose steps fail this many times in a row is failed with ComputeError.
-MAX_STEP_FAILURES = 2
 
 
 class Admission:
@@ -105,10 +123,10 @@ class Scheduler:
         max_sequences: int,
         prefill_chunk: int,
         inbox: MemoryObjectReceiveStream[OpenSequence | Advance | CloseSequence],
-        compute_inbox: MemoryObjectSendStream[RunStep | Shutdown],
-        compute_outbox: MemoryObjectReceiveStream[StepDone | StepFailed],
-        sampler_inbox: MemoryObjectSendStream[SampleStep],
-        sampler_outbox: MemoryObjectReceiveStream[StepSampled | SamplingFailed],
+        compute_inbox: MemoryObjectSendStream[RunStep | FetchRows | Shutdown],
+        compute_outbox: MemoryObjectReceiveStream[Any],
+        sampler_inbox: MemoryObjectSendStream[SampleStep | SampleRows],
+        sampler_outbox: MemoryObjectReceiveStream[StepSampled | RowsWanted | SamplingFailed],
     ) -> None:
         self.pool = pool
         self.admission = admission
@@ -128,6 +146,9 @@ class Scheduler:
         self._last_step_s = 0.0
         self.steps = 0
         self.tokens = 0
+        self.bytes_from_compute = 0
+        # Why the backend can no longer run (BackendLost), once it cannot.
+        self.lost: str | None = None
         self._log = get_logger("actors.scheduler")
 
     @property
@@ -188,6 +209,9 @@ class Scheduler:
         self._outstanding.discard(message.seq_id)
         if isinstance(message, Advance):
             seq = self._sequences[message.seq_id]
+            if self.lost is not None:
+                self._reply(seq, SequenceFailed(error=f"the compute backend was lost: {self.lost}"))
+                return
             seq.tokens.extend(message.tokens)
             seq.pending = True
             return
@@ -215,8 +239,10 @@ class Scheduler:
     # --- building a step ------------------------------------------------------------------
 
     def _build_step(self) -> RunStep | None:
+        if self.lost is not None:
+            return None
         self._admit()
-        items: list[ForwardItem] = []
+        items: list[StepItem] = []
         in_step: set[int] = set()
         pending = [seq for seq in self._running if seq.pending]
         decoding = [seq for seq in pending if len(seq.tokens) - seq.held == 1]
@@ -239,10 +265,14 @@ class Scheduler:
         if not items:
             return None
         self.steps += 1
-        return RunStep(step_id=self.steps, items=tuple(items))
+        rows = tuple(
+            self._sequences[item.seq_id].sampler.row_inputs()
+            for item in items if item.want_logits
+        )
+        return RunStep(step_id=self.steps, items=tuple(items), rows=rows)
 
-    def _item(self, seq: _Sequence, end: int) -> ForwardItem:
-        return ForwardItem(
+    def _item(self, seq: _Sequence, end: int) -> StepItem:
+        return StepItem(
             seq_id=seq.seq_id,
             tokens=tuple(seq.tokens[seq.held : end]),
             start=seq.held,
@@ -319,28 +349,55 @@ class Scheduler:
 
     async def _run_step(
         self, step: RunStep
-    ) -> tuple[StepSampled | StepFailed | SamplingFailed, float]:
-        """The forward, then the token choice for the items that wanted logits."""
+    ) -> tuple[StepSampled | StepFailed | SamplingFailed | BackendLost, float]:
+        """The forward, then the token choice for the items that wanted logits (fetching the
+        whole rows the sampler asks for)."""
         started = time.perf_counter()
-        await self._compute_inbox.send(step)
-        result: StepDone | StepFailed | StepSampled | SamplingFailed
-        result = await self._compute_outbox.receive()
+        result = await self._ask_compute(step)
         if isinstance(result, StepDone):
             samplers = tuple(
                 self._sequences[item.seq_id].sampler for item in step.items if item.want_logits
             )
             if samplers:
-                await self._sampler_inbox.send(
-                    SampleStep(step_id=step.step_id, logits=result.logits, samplers=samplers)
+                result = await self._ask_sampler(
+                    SampleStep(step_id=step.step_id, candidates=result.candidates,
+                               samplers=samplers)
                 )
-                result = await self._sampler_outbox.receive()
             else:
                 result = StepSampled(step_id=step.step_id, choices=())
+            if isinstance(result, RowsWanted):
+                rows = await self._ask_compute(
+                    FetchRows(step_id=step.step_id, rows=result.pending.needed_rows)
+                )
+                if isinstance(rows, RowsFetched):
+                    rows = await self._ask_sampler(
+                        SampleRows(step_id=step.step_id, pending=result.pending,
+                                   logits=rows.logits, samplers=samplers)
+                    )
+                result = rows
         self._last_step_s = time.perf_counter() - started
         return result, self._last_step_s * 1000.0
 
+    async def _ask_compute(self, message: RunStep | FetchRows) -> Any:
+        await self._compute_inbox.send(message)
+        answer = await self._compute_outbox.receive()
+        if isinstance(answer, StepDone):
+            self.bytes_from_compute += answer.candidates.nbytes
+        elif isinstance(answer, RowsFetched):
+            self.bytes_from_compute += answer.logits.nbytes
+        return answer
+
+    async def _ask_sampler(
+        self, message: SampleStep | SampleRows
+    ) -> StepSampled | RowsWanted | SamplingFailed:
+        await self._sampler_inbox.send(message)
+        return await self._sampler_outbox.receive()
+
     def _apply(
-        self, step: RunStep, result: StepSampled | StepFailed | SamplingFailed, ms: float
+        self,
+        step: RunStep,
+        result: StepSampled | StepFailed | SamplingFailed | BackendLost,
+        ms: float,
     ) -> None:
         n_tokens = sum(len(item.tokens) for item in step.items)
         decode_items = sum(1 for item in step.items if len(item.tokens) == 1)
@@ -355,17 +412,23 @@ class Scheduler:
             ms=round(ms, 3),
         )
         sequences = [self._sequences[item.seq_id] for item in step.items]
+        if isinstance(result, BackendLost):
+            self._lose_backend(result.error)
+            return
         if not isinstance(result, StepSampled):
             self._fail(sequences, result.error)
             return
         choices = iter(result.choices)
         for seq, item in zip(sequences, step.items):
+            choice = next(choices) if item.want_logits else None
+            if isinstance(choice, RowFailed):
+                self._fail([seq], choice.error)
+                continue
             seq.held = item.start + len(item.tokens)
             seq.failures = 0
             self._publish_full_blocks(seq, item.start)
-            if not item.want_logits:
+            if choice is None:
                 continue
-            choice = next(choices)
             seq.pending = False
             self._outstanding.add(seq.seq_id)
             self._reply(
@@ -377,6 +440,17 @@ class Scheduler:
                     cached_tokens=seq.cached_tokens,
                 ),
             )
+
+    def _lose_backend(self, error: str) -> None:
+        """The backend can no longer run: fail every sequence, take no more steps."""
+        self.lost = error
+        self._log.error("backend_lost", error=error)
+        for seq in self._sequences.values():
+            self._drop_blocks(seq)
+            # The others hold an unread token; their next advance is answered in `_handle`.
+            if seq.pending:
+                seq.pending = False
+                self._reply(seq, SequenceFailed(error=f"the compute backend was lost: {error}"))
 
     def _publish_full_blocks(self, seq: _Sequence, start: int) -> None:
         """Name the blocks this step filled, so later sequences can reuse them."""

@@ -1,10 +1,12 @@
-"""Aggregate generation throughput through the engine vs bare `Model.step` stepping.
+"""Aggregate generation throughput through the engine vs bare stepping of its backend.
 
 For each concurrency N: N requests with distinct prompts, each generating --tokens tokens
-(greedy, EOS ignored), all at once. "bare" drives Model.step + choose_tokens directly with the
-same batches (prompts prefilled under the same token budget, then one decode step for all N
-per token); "engine" runs the same requests through Engine.complete. Overhead = how much
-longer the engine takes than the bare loop. Each figure is the best of --repeats runs, bare and
+(greedy, EOS ignored), all at once. "bare" drives the CPU backend through the compute contract
+(run -> candidates -> the sampler's choice) directly with the same batches (prompts prefilled
+under the same token budget, then one decode step for all N per token); "engine" runs the same
+requests through Engine.complete. Overhead = how much longer the engine takes than the bare
+loop. `row_share` is what crossed from the compute actor to the host per token chosen, as a
+share of a whole float32 logits row (the contract's goal: at most 1%). Each figure is the best of --repeats runs, bare and
 engine interleaved, because the machine may be shared. Anchors (llama-server, same machine class):
 49 / 155 / 171 tok/s at 1 / 16 / 64 clients.
 
@@ -20,9 +22,10 @@ import time
 import anyio
 
 from actors import Engine, SamplingParams, load_model
-from actors.model.forward import StepItem
+from actors.compute.cpu import CpuBackend
 from actors.model.loaded import Model
-from actors.sampler import SequenceSampling, choose_tokens
+from actors.model.step import StepItem
+from actors.sampler import SequenceSampling, start_choice
 
 BLOCK_SIZE = 16
 PREFILL_CHUNK = 512
@@ -34,38 +37,50 @@ def prompts_for(model: Model, count: int) -> list[list[int]]:
 
 
 def bare(model: Model, prompts: list[list[int]], tokens: int) -> float:
-    """Seconds to generate `tokens` for every prompt by stepping the model directly."""
+    """Seconds to generate `tokens` for every prompt by stepping the CPU backend directly."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     per_seq = -(-(max(map(len, prompts)) + tokens) // BLOCK_SIZE)
-    kv = model.new_kv_pool(per_seq * len(prompts), BLOCK_SIZE)
+    backend = CpuBackend(model, per_seq * len(prompts), BLOCK_SIZE)
     tables = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
     states = [SequenceSampling(params, prompt, model.spec.vocab_size) for prompt in prompts]
+
+    def choose(items: list[StepItem], some: list[SequenceSampling]) -> list[int]:
+        candidates = backend.run(items, [state.row_inputs() for state in some])
+        choices = start_choice(candidates, some).choices  # greedy: candidates decide all
+        for state, choice in zip(some, choices):
+            state.record(choice.token)
+        return [choice.token for choice in choices]
+
     started = time.perf_counter()
     last: list[int] = []
     per_step = max(1, PREFILL_CHUNK // len(prompts[0]))
     for first in range(0, len(prompts), per_step):
         batch = range(first, min(len(prompts), first + per_step))
-        logits = model.step([StepItem(tuple(prompts[i]), 0, tables[i]) for i in batch], kv)
-        last += [choice.token for choice in choose_tokens(logits, [states[i] for i in batch])]
+        last += choose([StepItem(tuple(prompts[i]), 0, tables[i]) for i in batch],
+                       [states[i] for i in batch])
     positions = [len(prompt) for prompt in prompts]
     for _ in range(tokens - 1):
-        for state, token in zip(states, last):
-            state.record(token)
-        items = [StepItem((t,), p, table) for t, p, table in zip(last, positions, tables)]
-        last = [choice.token for choice in choose_tokens(model.step(items, kv), states)]
+        last = choose([StepItem((t,), p, table) for t, p, table in zip(last, positions, tables)],
+                      states)
         positions = [p + 1 for p in positions]
     return time.perf_counter() - started
 
 
-async def through_engine(model: Model, prompts: list[list[int]], tokens: int) -> float:
+async def through_engine(
+    model: Model, prompts: list[list[int]], tokens: int
+) -> tuple[float, int]:
+    """Seconds for the requests through the engine, and the bytes that crossed from its
+    compute actor meanwhile."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     async with Engine.open(model, max_sequences=64, prefill_chunk=PREFILL_CHUNK) as engine:
         await engine.complete([2, 3, 4], SamplingParams(max_tokens=2))  # warm the thread
+        bytes_before = engine.stats().bytes_from_compute
         started = time.perf_counter()
         async with anyio.create_task_group() as tasks:
             for prompt in prompts:
                 tasks.start_soon(engine.complete, prompt, params)
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        return seconds, engine.stats().bytes_from_compute - bytes_before
 
 
 def main() -> None:
@@ -84,14 +99,18 @@ def main() -> None:
         bare_s = engine_s = float("inf")
         for _ in range(args.repeats):
             bare_s = min(bare_s, bare(model, prompts, args.tokens))
-            engine_s = min(engine_s, anyio.run(through_engine, model, prompts, args.tokens))
+            seconds, crossed = anyio.run(through_engine, model, prompts, args.tokens)
+            engine_s = min(engine_s, seconds)
         generated = count * args.tokens
+        row_bytes = model.spec.vocab_size * 4
         rows.append(
             {
                 "concurrency": count,
                 "bare_tok_s": round(generated / bare_s, 1),
                 "engine_tok_s": round(generated / engine_s, 1),
                 "overhead_pct": round((engine_s / bare_s - 1) * 100, 1),
+                "bytes_per_token": round(crossed / generated, 1),
+                "row_share_pct": round(crossed / generated / row_bytes * 100, 4),
             }
         )
         print(json.dumps(rows[-1]), flush=True)

@@ -1,12 +1,14 @@
-"""Benchmark of the numpy forward on gemma-3-270m: prefill, decode, batched decode, memory.
+"""Benchmark of the CPU backend on gemma-3-270m: prefill, decode, batched decode, memory.
 
     python benchmarks/bench_forward.py [--model PATH] [--decode-tokens 64] [--repeats 3]
                                        [--ceiling]
 
 Prints each figure with its ratio to the llama.cpp anchor measured on the 2-core target
 (tests/reference/README.md), best and median of `--repeats` runs (best, because other work
-on a shared machine only ever slows a run down). Decode is greedy (argmax), as the engine's
-temperature-0 path; the 16 and 64 stream figures step every stream together each step.
+on a shared machine only ever slows a run down). Steps go through the compute contract, as
+the engine runs them (`CpuBackend.run`: the forward, then each row's candidates); decode is
+greedy (the argmax candidate), as the engine's temperature-0 path; the 16 and 64 stream
+figures step every stream together each step.
 `--ceiling` adds, per figure, the rate its steps' float32 matmuls alone reach on the model's own
 weights: the bound no arrangement of the rest of the forward can pass on this machine.
 """
@@ -21,8 +23,10 @@ from collections.abc import Callable
 import actors  # noqa: F401  # first: it picks OpenBLAS's kernels before numpy loads them
 import numpy as np
 
-from actors.model.forward import KVPool, StepItem
+from actors.compute.contract import RowInputs
+from actors.compute.cpu import CpuBackend
 from actors.model.loaded import Model, load_model
+from actors.model.step import StepItem
 
 # llama.cpp on this machine class (2 threads, AVX2): llama-bench pp512 / tg128, and
 # llama-server's aggregate throughput with 16 and 64 parallel clients.
@@ -32,6 +36,7 @@ RSS_LIMIT_MB = 1600.0
 PROMPT_TOKENS = 16
 PREFILL_TOKENS = 512
 DECODE_STREAMS = (1, 16, 64)
+GREEDY = RowInputs(candidates=1)
 
 
 def resident_mb() -> float:
@@ -58,9 +63,9 @@ def timed(action: Callable[[], object]) -> float:
 def prefill_rate(model: Model, n_tokens: int, repeats: int) -> tuple[float, float]:
     rng = np.random.default_rng(0)
     tokens = tuple(int(t) for t in rng.integers(1000, 200000, n_tokens))
-    kv = model.new_kv_pool(-(-n_tokens // 16))
-    item = StepItem(tokens, 0, tuple(range(kv.num_blocks)))
-    return best_rate(n_tokens, lambda: timed(lambda: model.step([item], kv)), repeats)
+    backend = CpuBackend(model, -(-n_tokens // 16), 16)
+    item = StepItem(tokens, 0, tuple(range(backend.info.num_blocks)))
+    return best_rate(n_tokens, lambda: timed(lambda: backend.run([item], [GREEDY])), repeats)
 
 
 def decode_rate(model: Model, n_streams: int, n_decode: int, repeats: int) -> tuple[float, float]:
@@ -68,7 +73,7 @@ def decode_rate(model: Model, n_streams: int, n_decode: int, repeats: int) -> tu
     step advancing all of them together (their prompts are prefilled first, untimed)."""
     block_size = 16
     blocks_per_seq = -(-(PROMPT_TOKENS + n_streams + n_decode) // block_size)
-    kv = KVPool(model.spec, n_streams * blocks_per_seq, block_size)
+    backend = CpuBackend(model, n_streams * blocks_per_seq, block_size)
     tables = [tuple(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
               for s in range(n_streams)]
     rng = np.random.default_rng(1)
@@ -77,14 +82,14 @@ def decode_rate(model: Model, n_streams: int, n_decode: int, repeats: int) -> tu
                for s in range(n_streams)]
 
     def run() -> float:
-        logits = model.step([StepItem(p, 0, t) for p, t in zip(prompts, tables)], kv)
+        candidates = backend.run([StepItem(p, 0, t) for p, t in zip(prompts, tables)],
+                                 [GREEDY] * n_streams)
         lengths = [len(p) for p in prompts]
         started = time.perf_counter()
         for _ in range(n_decode):
-            next_tokens = logits.argmax(axis=1)
             items = [StepItem((int(tok),), length, table)
-                     for tok, length, table in zip(next_tokens, lengths, tables)]
-            logits = model.step(items, kv)
+                     for tok, length, table in zip(candidates.ids[:, 0], lengths, tables)]
+            candidates = backend.run(items, [GREEDY] * n_streams)
             lengths = [length + 1 for length in lengths]
         return time.perf_counter() - started
 

@@ -4,11 +4,14 @@ The fake is what the real backends are tested against for bookkeeping: it keeps 
 record of the tokens written at each position, and its "logits" pick a token that is a
 function of everything the sequence's block table says the KV holds. So a wrong block table,
 a bad prefix reuse or a lost position changes the output, exactly as it would with a model.
+It is written against actors.compute.contract alone: the proof that a backend needs nothing
+else (no import of the CPU backend or the forward).
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import random
 import threading
 import time
@@ -19,8 +22,17 @@ import numpy as np
 import pytest
 
 from actors import EngineClosed, EngineOverloaded, InvalidRequest
-from actors.compute.protocol import ComputeInfo, ForwardItem
+from actors.compute.contract import (
+    BackendLostError,
+    Candidates,
+    ComputeInfo,
+    RowInputs,
+    StepItem,
+    apply_penalties,
+    top_candidates,
+)
 from actors.engine import Engine
+from actors.logs import logging_to
 from actors.errors import ComputeError, ContextLengthExceeded
 from actors.params import SamplingParams
 
@@ -32,7 +44,7 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 class CountingBackend:
     """Counts forward passes and records what every step carried. A step `fail_when` picks
     fails: `failure="raise"` raises from the forward, `"nan"` answers NaN logits (the KV is
-    written; the sampler cannot choose)."""
+    written; the sampler cannot choose), `"lost"` raises BackendLostError."""
 
     def __init__(
         self,
@@ -41,7 +53,7 @@ class CountingBackend:
         block_size: int = 4,
         context_length: int = 256,
         step_seconds: float = 0.0,
-        fail_when: Callable[[Sequence[ForwardItem]], bool] | None = None,
+        fail_when: Callable[[Sequence[StepItem]], bool] | None = None,
         failure: str = "raise",
     ) -> None:
         self.info = ComputeInfo(
@@ -53,14 +65,24 @@ class CountingBackend:
             block_size=block_size,
         )
         self.kv = np.full((num_blocks, block_size), -1, dtype=np.int64)
-        self.steps: list[tuple[ForwardItem, ...]] = []
-        self.failed_steps: list[tuple[ForwardItem, ...]] = []
+        self.steps: list[tuple[StepItem, ...]] = []
+        self.failed_steps: list[tuple[StepItem, ...]] = []
         self.closed = False
+        self.last_rows = np.zeros((0, VOCAB), dtype=np.float32)
         self._step_seconds = step_seconds
         self._fail_when = fail_when
         self._failure = failure
 
-    def forward(self, items: Sequence[ForwardItem]) -> np.ndarray:
+    def run(self, items: Sequence[StepItem], rows: Sequence[RowInputs]) -> Candidates:
+        logits = self._logits(items)
+        apply_penalties(logits, rows)
+        self.last_rows = logits
+        return top_candidates(logits, rows)
+
+    def fetch_rows(self, indices: Sequence[int]) -> np.ndarray:
+        return self.last_rows[list(indices)]
+
+    def _logits(self, items: Sequence[StepItem]) -> np.ndarray:
         if self._step_seconds:
             time.sleep(self._step_seconds)
         failing = self._fail_when is not None and self._fail_when(items)
@@ -68,6 +90,8 @@ class CountingBackend:
             self.failed_steps.append(tuple(items))
             if self._failure == "raise":
                 raise RuntimeError("injected failure")
+            if self._failure == "lost":
+                raise BackendLostError("injected: the device is gone")
         else:
             self.steps.append(tuple(items))
         size = self.info.block_size
@@ -399,7 +423,7 @@ async def test_overload_is_refused_at_once() -> None:
 async def test_one_failed_step_is_replayed_for_its_sequences_only(failure: str) -> None:
     failures = []
 
-    def fail_once(items: Sequence[ForwardItem]) -> bool:
+    def fail_once(items: Sequence[StepItem]) -> bool:
         hit = not failures and len(items) == 2 and items[0].start == 6
         if hit:
             failures.append(len(backend.steps))  # where the next step will be recorded
@@ -434,7 +458,7 @@ async def test_one_failed_step_is_replayed_for_its_sequences_only(failure: str) 
 
 @pytest.mark.parametrize("failure", ["raise", "nan"])
 async def test_repeated_failure_fails_only_that_sequence(failure: str) -> None:
-    def fail_for_60(items: Sequence[ForwardItem]) -> bool:
+    def fail_for_60(items: Sequence[StepItem]) -> bool:
         return any(item.start == 0 and item.tokens[0] == 60 for item in items)
 
     backend = CountingBackend(fail_when=fail_for_60, failure=failure)
@@ -524,6 +548,44 @@ async def test_errors_in_the_callers_block_are_not_wrapped() -> None:
             stream = engine.generate(PROMPT, greedy(3))
             await stream.__anext__()
             engine.generate(PROMPT, greedy(3))
+
+
+async def test_a_lost_backend_fails_what_is_in_flight_and_refuses_new_work(
+    tmp_path,
+) -> None:
+    """A backend that can no longer run (a sticky device error) is never replayed onto:
+    every request in flight fails with ComputeError, later ones are refused at once."""
+    lost = False
+
+    def lose_device(items: Sequence[StepItem]) -> bool:
+        nonlocal lost
+        lost = lost or any(item.start >= 4 for item in items)
+        return lost
+
+    backend = CountingBackend(fail_when=lose_device, failure="lost")
+    log_file = tmp_path / "engine.jsonl"
+    with logging_to("info", log_file):
+        async with open_fake(backend) as engine:
+            outcomes: list[str] = []
+
+            async def one(first: int) -> None:
+                try:
+                    await engine.complete([first, 3], greedy(8))
+                    outcomes.append("finished")
+                except ComputeError as exc:
+                    outcomes.append("lost" if "lost" in str(exc) else str(exc))
+
+            async with anyio.create_task_group() as tasks:
+                for first in (5, 6, 7):
+                    tasks.start_soon(one, first)
+            with pytest.raises(ComputeError, match="lost"):
+                engine.generate([9, 9], greedy(2))
+            assert engine.stats().running == 0
+    assert outcomes == ["lost"] * 3
+    # One failing step, and nothing after it: no replay onto a dead device.
+    assert len(backend.failed_steps) == 1
+    events = [json.loads(line)["event"] for line in log_file.read_text().splitlines()]
+    assert "backend_lost" in events
 
 
 async def test_a_backend_that_fails_to_start_fails_open() -> None:

@@ -17,10 +17,10 @@ import pytest
 import actors.loader
 from actors import EngineOverloaded, load_model
 from actors.compute.cpu import CpuBackend
-from actors.compute.protocol import ForwardItem
+from actors.compute.contract import Candidates, RowInputs, StepItem
 from actors.engine import Engine
 from actors.errors import ContextLengthExceeded
-from actors.model.loaded import Model
+from actors.model.loaded import Model, OpenedModel, open_model
 from actors.params import SamplingParams
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -156,13 +156,13 @@ class FlakyCpuBackend(CpuBackend):
     def __init__(self, model: Model, fail_at: int) -> None:
         super().__init__(model, 64, 16)
         self.fail_at = fail_at
-        self.failed: list[tuple[ForwardItem, ...]] = []
+        self.failed: list[tuple[StepItem, ...]] = []
 
-    def forward(self, items: Sequence[ForwardItem]) -> np.ndarray:
+    def run(self, items: Sequence[StepItem], rows: Sequence[RowInputs]) -> Candidates:
         if not self.failed and any(item.start == self.fail_at for item in items):
             self.failed.append(tuple(items))
             raise RuntimeError("injected failure")
-        return super().forward(items)
+        return super().run(items, rows)
 
 
 async def test_injected_failure_replays_only_that_steps_sequences(smollm2: Model) -> None:
@@ -209,17 +209,17 @@ async def test_cancelling_open_waits_for_the_load_and_leaves_no_thread(
 ) -> None:
     """Cancelled before, during or after a (slowed) load: `open` returns once the load is done,
     with the model file closed and the loader, compute and sampler threads gone."""
-    loads: list[Model] = []
-    finished: list[Model] = []
+    loads: list[OpenedModel] = []
+    finished: list[OpenedModel] = []
 
-    def slow_load(path: Path, **options: Any) -> Model:
-        model = load_model(path, **options)
+    def slow_load(path: Path) -> OpenedModel:
+        model = open_model(path)
         loads.append(model)
         time.sleep(0.2)
         finished.append(model)
         return model
 
-    monkeypatch.setattr(actors.loader, "load_model", slow_load)
+    monkeypatch.setattr(actors.loader, "open_model", slow_load)
     threads_before = threading.active_count()
     with anyio.move_on_after(cancel_after) as scope:
         async with Engine.open(tiny_model_paths["llama-q4k-tiny"], "cpu") as engine:
@@ -230,3 +230,19 @@ async def test_cancelling_open_waits_for_the_load_and_leaves_no_thread(
     assert all(model.gguf._file.closed for model in loads)
     assert not [thread for thread in threading.enumerate() if thread.name.startswith("q4k-")]
     assert threading.active_count() <= threads_before
+
+
+async def test_64_streams_move_candidates_not_logits_rows(gemma3_model_path: Path) -> None:
+    """What crosses from the compute actor per chosen token, at 64 streams on gemma-3-270m
+    (greedy and top-k rows, as the engine benchmark and most clients ask): at most 1% of a
+    whole float32 logits row."""
+    async with Engine.open(gemma3_model_path, max_sequences=64) as engine:
+        params = [greedy(3, ignore_eos=True),
+                  SamplingParams(max_tokens=3, temperature=0.7, top_k=40, ignore_eos=True)]
+        async with anyio.create_task_group() as tasks:
+            for index in range(64):
+                tasks.start_soon(engine.complete, f"Story number {index}:", params[index % 2])
+        stats = engine.stats()
+        row_bytes = engine.info.vocab_size * 4
+    chosen = 64 * 3
+    assert stats.bytes_from_compute / chosen <= 0.01 * row_bytes

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from actors.openblas_kernels import CPUINFO, kernel_family_for
+from actors.compute.openblas_kernels import CPUINFO, kernel_family_for
 
 ZEN4 = """processor\t: 0
 vendor_id\t: AuthenticAMD

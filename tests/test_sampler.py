@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors import sampler
+from actors.model import candidates
 from actors.errors import ComputeError, InvalidRequest
 from actors.params import SamplingParams
-from actors.sampler import SequenceSampling, TokenChoice, choose_tokens
+from actors.sampler import RowFailed, SequenceSampling, TokenChoice, choose_tokens
 
 
 class FixedUniforms:
@@ -76,6 +77,19 @@ def reference_survivors_by_id(
     return order[by_id], probs[by_id]
 
 
+def reference_unfiltered_order(
+    row: np.ndarray, state: SequenceSampling
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every token in the order an unfiltered row is drawn: its candidates (the row's
+    `row_inputs().candidates` most likely, ties by id) first, then the rest by id."""
+    probs = np.exp(reference_log_softmax(row, state))
+    ranked = np.lexsort((np.arange(row.size), -penalized(row, state)))
+    held = ranked[: state.row_inputs().candidates]
+    rest = np.setdiff1d(np.arange(row.size), held)
+    order = np.concatenate([held, rest])
+    return order, probs[order]
+
+
 def is_nucleus(params: SamplingParams) -> bool:
     """top-p over the whole vocabulary: a row that the sampler draws in vocabulary order when
     its nucleus is wide."""
@@ -89,7 +103,9 @@ def nucleus_path(request, monkeypatch) -> str:
     exact: every nucleus is then wider than none)."""
     if request.param == "wide":
         monkeypatch.setattr(sampler, "_WIDE_NUCLEUS", 0)
-        monkeypatch.setattr(sampler, "_SAMPLE_SIZE", 2**62)
+        monkeypatch.setattr(candidates, "SAMPLE_SIZE", 2**62)
+        # One candidate: every nucleus wider than one token needs its whole row.
+        monkeypatch.setattr(sampler, "DEFAULT_CANDIDATES", 1)
     else:
         monkeypatch.setattr(sampler, "_WIDE_NUCLEUS", 2**62)
     return request.param
@@ -247,8 +263,8 @@ def test_sampled_tokens_invert_the_reference_cdf(case, lm_rows, nucleus_path):
     unfiltered = params.top_k == 0 and params.top_p == 1 and params.min_p == 0
     references = []
     for row, state in zip(rows, states):
-        if unfiltered:  # inverted in vocabulary order, over every token
-            references.append((np.arange(vocab), np.exp(reference_log_softmax(row, state))))
+        if unfiltered:
+            references.append(reference_unfiltered_order(row, state))
         elif nucleus_path == "wide" and is_nucleus(params):
             references.append(reference_survivors_by_id(row, state))
         else:
@@ -408,13 +424,16 @@ def test_no_logprobs_unless_asked(lm_rows):
 # --- bad input -----------------------------------------------------------------------------
 
 
-def test_nan_or_infinite_logits_are_a_compute_error():
-    logits = np.zeros((3, 100), dtype=np.float32)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_or_infinite_logits_fail_only_their_own_row(temperature):
+    logits = np.zeros((4, 100), dtype=np.float32)
     logits[1, 17] = np.nan
     logits[2, :] = -np.inf
-    states = states_for(SamplingParams(temperature=0.0), 100, n=3)
-    with pytest.raises(ComputeError, match=r"\[1, 2\]"):
-        choose_tokens(logits, states)
+    logits[3, 5] = np.inf
+    states = states_for(SamplingParams(temperature=temperature, seed=1), 100, n=4)
+    choices = choose_tokens(logits, states)
+    assert isinstance(choices[0], TokenChoice)
+    assert all(isinstance(choice, RowFailed) for choice in choices[1:])
 
 
 def test_logits_that_do_not_match_the_sequences_are_refused():
@@ -529,9 +548,6 @@ def test_a_wide_nucleus_keeps_exactly_the_reference_survivors(case):
     survivors instead, the path being the row's own either way."""
     logits, params, uniforms, sample_size, bracket = case
     vocab = logits.shape[1]
-    states = states_for(params, vocab, n=len(uniforms))
-    for state, u in zip(states, uniforms):
-        state.rng = FixedUniforms([u])
     wide_rows = []
     draw_wide = sampler._draw_from_wide_nuclei
 
@@ -541,9 +557,13 @@ def test_a_wide_nucleus_keeps_exactly_the_reference_survivors(case):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sampler, "_WIDE_NUCLEUS", 0)
-        patch.setattr(sampler, "_SAMPLE_SIZE", sample_size)
+        patch.setattr(candidates, "SAMPLE_SIZE", sample_size)
+        patch.setattr(sampler, "DEFAULT_CANDIDATES", 1)
         patch.setattr(sampler, "_BRACKET", bracket)
         patch.setattr(sampler, "_draw_from_wide_nuclei", spied)
+        states = states_for(params, vocab, n=len(uniforms))
+        for state, u in zip(states, uniforms):
+            state.rng = FixedUniforms([u])
         choices = choose_tokens(np.repeat(logits, len(uniforms), axis=0), states)
     assert wide_rows in ([], list(range(len(uniforms))))  # the same row takes the same path
     reference = reference_survivors_by_id if wide_rows else reference_sorted_survivors

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from actors.compute.backends import BACKEND_NAMES
 from actors.errors import InvalidRequest
 from actors.logs import LEVELS, configure_logging
 
@@ -123,7 +124,7 @@ def console() -> Console:
 
 
 def add_backend_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
+    parser.add_argument("--backend", choices=BACKEND_NAMES, default="auto",
                         help="where the model runs (default auto: the GPU when one is usable)")
 
 

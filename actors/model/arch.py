@@ -46,6 +46,19 @@ class ModelSpec:
     sliding_window: int = 0
     rope_base_local: float = 0.0
     global_every: int = 0
+    # Architecture quirks, so every backend reads them from one place.
+    embedding_scale: float = 1.0  # Gemma multiplies the embedding by sqrt(d_model)
+    activation: str = "silu"  # the FFN gate: "silu" or "gelu_tanh" (Gemma)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Gemma 3)
+    post_norms: bool = False  # RMSNorm of the attention and FFN outputs (Gemma 3)
+    qkv_bias: bool = False  # q, k and v projections have biases (Qwen2)
+    tied_output: bool = True  # the output projection is the token embedding
+
+    @property
+    def query_scale(self) -> float:
+        """Queries are scaled by 1/sqrt(head_dim) in all three architectures (Gemma 3's
+        query_pre_attn_scalar is head_dim in every release llama.cpp runs)."""
+        return 1.0 / math.sqrt(self.head_dim)
 
     @property
     def q_dim(self) -> int:
@@ -135,6 +148,7 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
             f"{vocab_size} rows"
         )
     is_gemma3 = arch == "gemma3"
+    has = gguf.tensors.__contains__
     return ModelSpec(
         arch=arch,
         n_layers=_int(meta, f"{arch}.block_count", path, 1, MAX_LAYERS),
@@ -154,4 +168,10 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         ),
         rope_base_local=GEMMA3_LOCAL_ROPE_BASE if is_gemma3 else 0.0,
         global_every=GEMMA3_GLOBAL_EVERY if is_gemma3 else 0,
+        embedding_scale=math.sqrt(d_model) if is_gemma3 else 1.0,
+        activation="gelu_tanh" if is_gemma3 else "silu",
+        qk_norm=has("blk.0.attn_q_norm.weight") or has("blk.0.attn_k_norm.weight"),
+        post_norms=has("blk.0.post_attention_norm.weight") or has("blk.0.post_ffw_norm.weight"),
+        qkv_bias=any(has(f"blk.0.attn_{part}.bias") for part in "qkv"),
+        tied_output=not has("output.weight"),
     )

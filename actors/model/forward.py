@@ -1,7 +1,7 @@
 """The forward pass of llama, qwen2 and gemma3 in numpy, stepping many sequences at once.
 
-One step advances any mix of sequences (whole prompts, prefill chunks, single decode tokens).
-All tokens of all items go through the big matmuls together as one (T, d_model) matrix; only
+One step (a `StepPlan`, see actors.model.step) advances any mix of sequences (whole prompts,
+prefill chunks, single decode tokens). All tokens of all items go through the big matmuls together as one (T, d_model) matrix; only
 attention is per sequence, over keys gathered from the sequence's own blocks of a shared
 `KVPool`. Single-token (decode) items are attended together in one padded batch so 64
 streams cost a few array ops per layer, not 64.
@@ -15,30 +15,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.errors import ContextLengthExceeded, InvalidRequest
+from actors.errors import InvalidRequest
 from actors.model.arch import ModelSpec
 from actors.model.attention import attend
 from actors.model.rope import apply_rope, inverse_frequencies, rotation
+from actors.model.step import StepPlan
 from actors.model.weights import ModelWeights
 
-# Queries of one sequence attended at a time (see plan_step).
+# Queries of one sequence attended at a time (see attention_groups).
 QUERY_CHUNK = 128
-
-
-@dataclass(frozen=True)
-class StepItem:
-    """One sequence's part of a step.
-
-    The sequence's KV holds positions [0, start); `tokens` go at positions start, start+1...
-    `blocks` is its block table: block i of the pool holds positions
-    [i * block_size, (i + 1) * block_size) and must cover every position up to the last token.
-    `want_logits=False` (a non-final prefill chunk) skips the output projection.
-    """
-
-    tokens: tuple[int, ...]
-    start: int
-    blocks: tuple[int, ...]
-    want_logits: bool = True
 
 
 class KVPool:
@@ -82,64 +67,6 @@ class AttentionGroup:
     local_keys: KeySpan
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """A validated step laid out as flat arrays over its T tokens."""
-
-    token_ids: np.ndarray  # (T,)
-    positions: np.ndarray  # (T,)
-    slot_blocks: np.ndarray  # (T,) pool block each token's K/V is written to
-    slot_offsets: np.ndarray  # (T,) position within that block
-    groups: tuple[AttentionGroup, ...]
-    logit_rows: np.ndarray  # rows of the last token of each item that wants logits
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-def _check_item(item: object, index: int, spec: ModelSpec, kv: KVPool) -> tuple[int, int]:
-    """Validate one item's shape (not its token values); return (start, end)."""
-    if not isinstance(item, StepItem):
-        raise InvalidRequest(f"items[{index}] is a {type(item).__name__}, not a StepItem",
-                             field="items")
-    if not isinstance(item.tokens, (tuple, list)) or not isinstance(item.blocks, (tuple, list)):
-        raise InvalidRequest(f"items[{index}] tokens and blocks must be tuples of ints",
-                             field="tokens")
-    start, n = item.start, len(item.tokens)
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise InvalidRequest(f"items[{index}].start must be an integer >= 0, got {start!r}",
-                             field="start")
-    if n == 0:
-        raise InvalidRequest(f"items[{index}] has no tokens to advance", field="tokens")
-    end = start + n
-    if end > spec.context_length:
-        raise ContextLengthExceeded(
-            f"items[{index}] reaches position {end}, past the model's context length "
-            f"{spec.context_length}",
-            field="tokens",
-        )
-    needed = -(-end // kv.block_size)
-    if len(item.blocks) < needed:
-        raise InvalidRequest(
-            f"items[{index}] covers positions up to {end - 1} and needs {needed} blocks of "
-            f"{kv.block_size}, but its block table has {len(item.blocks)}",
-            field="blocks",
-        )
-    return start, end
-
-
-def _int_array(values: np.ndarray, what: str, field: str, low: int, high: int) -> np.ndarray:
-    """`values` (from np.asarray of the caller's sequence) as int64 in [low, high), or
-    InvalidRequest naming `what`. Floats, bools and strings are refused, not truncated."""
-    if values.ndim != 1 or values.dtype.kind not in "iu":
-        raise InvalidRequest(f"{what} must all be integers", field=field)
-    if values.size and (values.min() < low or values.max() >= high):
-        bad = int(values[(values < low) | (values >= high)][0])
-        raise InvalidRequest(f"{what} contain {bad}, outside [{low}, {high})", field=field)
-    return values.astype(np.int64, copy=False)
-
-
 def _key_span(
     tables: np.ndarray, query_pos: np.ndarray, block_size: int, window: int
 ) -> KeySpan:
@@ -171,63 +98,25 @@ def _attention_group(
     return AttentionGroup(rows, keys, local_keys)
 
 
-def plan_step(items: Sequence[StepItem], spec: ModelSpec, kv: KVPool) -> StepPlan:
-    """Validate `items` against the model and pool and lay the step out for `Transformer`.
-
-    Raises `InvalidRequest` (naming the field) for a malformed item, a token id outside the
-    vocabulary, a block table too short or naming blocks outside the pool, or two items
-    writing the same slot; `ContextLengthExceeded` past the context length.
-    """
-    if kv.spec != spec:
-        raise InvalidRequest("the KV pool was made for a different model", field="kv")
-    if len(items) == 0:
-        raise InvalidRequest("a step needs at least one item", field="items")
-    spans = [_check_item(item, i, spec, kv) for i, item in enumerate(items)]
-    lengths = np.array([end - start for start, end in spans], dtype=np.int64)
-    starts = np.array([start for start, _ in spans], dtype=np.int64)
-    first_rows = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    n_tokens = int(lengths.sum())
-    token_ids = _int_array(np.concatenate([np.asarray(item.tokens) for item in items]),
-                           "token ids", "tokens", 0, spec.vocab_size)
-    blocks_needed = -(-(starts + lengths) // kv.block_size)
-    table = np.zeros((len(items), int(blocks_needed.max())), dtype=np.int64)
-    for i, item in enumerate(items):
-        table[i, : blocks_needed[i]] = _int_array(
-            np.asarray(item.blocks[: blocks_needed[i]]), f"items[{i}].blocks", "blocks", 0,
-            kv.num_blocks,
-        )
-
-    item_of_row = np.repeat(np.arange(len(items)), lengths)
-    positions = np.arange(n_tokens) - first_rows[item_of_row] + starts[item_of_row]
-    slot_blocks = table[item_of_row, positions // kv.block_size]
-    slot_offsets = positions % kv.block_size
-    slots = slot_blocks * kv.block_size + slot_offsets
-    if np.unique(slots).size != n_tokens:
-        raise InvalidRequest("two items of one step write the same KV slot", field="blocks")
-
-    window = spec.sliding_window
+def attention_groups(plan: StepPlan, window: int) -> tuple[AttentionGroup, ...]:
+    """The CPU's attention batches for a step: single-token (decode) items all together in
+    one padded group; longer items in query chunks of QUERY_CHUNK, each attending to the keys
+    up to its own last position (that skips most of the causal mask's upper triangle and
+    bounds the score arrays)."""
+    block_size = plan.block_size
     groups = []
-    decode = np.flatnonzero(lengths == 1)
+    decode = np.flatnonzero(plan.lengths == 1)
     if decode.size:
-        groups.append(_attention_group(first_rows[decode][:, None], table[decode],
-                                       starts[decode][:, None], kv.block_size, window))
-    # Longer items attend in query chunks, each to the keys up to its own last position:
-    # that skips most of the causal mask's upper triangle and bounds the score arrays.
-    for i in np.flatnonzero(lengths > 1):
-        for first in range(0, lengths[i], QUERY_CHUNK):
-            rows = first_rows[i] + np.arange(first, min(first + QUERY_CHUNK, lengths[i]))
-            groups.append(_attention_group(rows[None], table[i : i + 1],
-                                           positions[rows][None], kv.block_size, window))
-
-    want = np.array([item.want_logits for item in items], dtype=bool)
-    return StepPlan(
-        token_ids=token_ids,
-        positions=positions,
-        slot_blocks=slot_blocks,
-        slot_offsets=slot_offsets,
-        groups=tuple(groups),
-        logit_rows=(first_rows + lengths - 1)[want],
-    )
+        groups.append(_attention_group(plan.first_rows[decode][:, None],
+                                       plan.block_tables[decode],
+                                       plan.starts[decode][:, None], block_size, window))
+    for i in np.flatnonzero(plan.lengths > 1):
+        for first in range(0, plan.lengths[i], QUERY_CHUNK):
+            rows = plan.first_rows[i] + np.arange(first, min(first + QUERY_CHUNK,
+                                                             plan.lengths[i]))
+            groups.append(_attention_group(rows[None], plan.block_tables[i : i + 1],
+                                           plan.positions[rows][None], block_size, window))
+    return tuple(groups)
 
 
 def rms_norm(
@@ -269,6 +158,13 @@ def gelu_tanh(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     return np.divide(x, out, out=out)
 
 
+# ModelSpec.activation -> the gate's function.
+ACTIVATIONS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "silu": silu,
+    "gelu_tanh": gelu_tanh,
+}
+
+
 @dataclass(frozen=True)
 class StepBuffers:
     """The per-layer arrays of one step, allocated once and reused by every layer: fresh
@@ -284,9 +180,11 @@ class StepBuffers:
     gathered: tuple[np.ndarray, ...]  # attention group g's gathered keys and values
 
     @classmethod
-    def for_step(cls, spec: ModelSpec, plan: StepPlan, block_size: int) -> StepBuffers:
+    def for_step(
+        cls, spec: ModelSpec, plan: StepPlan, groups: Sequence[AttentionGroup]
+    ) -> StepBuffers:
         n = plan.n_tokens
-        block_elements = block_size * spec.kv_dim
+        block_elements = plan.block_size * spec.kv_dim
 
         def empty(*shape: int) -> np.ndarray:
             return np.empty(shape, dtype=np.float32)
@@ -299,7 +197,7 @@ class StepBuffers:
             gate_up=empty(n, 2 * spec.ffn_dim),
             gated=empty(n, spec.ffn_dim),
             gathered=tuple(empty(2 * group.keys.table.size * block_elements)
-                           for group in plan.groups),
+                           for group in groups),
         )
 
 
@@ -313,20 +211,17 @@ class Transformer:
     def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
         self.spec = spec
         self.weights = weights
-        is_gemma3 = spec.arch == "gemma3"
         self.inv_freq = inverse_frequencies(spec.rope_base, spec.rope_dim,
                                             weights.rope_freq_factors)
         self.inv_freq_local = (
             inverse_frequencies(spec.rope_base_local, spec.rope_dim)
             if spec.sliding_window else self.inv_freq
         )
-        # Gemma scales the embedding by sqrt(d_model); its query_pre_attn_scalar is head_dim
-        # for every release llama.cpp runs, so all three scale queries by 1/sqrt(head_dim).
-        self.embed_scale = np.float32(math.sqrt(spec.d_model)) if is_gemma3 else np.float32(1)
-        self.query_scale = np.float32(1.0 / math.sqrt(spec.head_dim))
-        self.activation: Callable[[np.ndarray, np.ndarray], np.ndarray] = (
-            gelu_tanh if is_gemma3 else silu
-        )
+        self.embed_scale = np.float32(spec.embedding_scale)
+        self.query_scale = np.float32(spec.query_scale)
+        self.activation: Callable[[np.ndarray, np.ndarray], np.ndarray] = ACTIVATIONS[
+            spec.activation
+        ]
         # q and k sit side by side in the fused qkv output: one per-head weight table lets a
         # single norm call (and a single RoPE call) cover both.
         self.qk_norms = tuple(
@@ -347,11 +242,12 @@ class Transformer:
             rotation(plan.positions, self.inv_freq_local) if self.spec.sliding_window
             else rope_global
         )
-        buffers = StepBuffers.for_step(self.spec, plan, kv.block_size)
+        groups = attention_groups(plan, self.spec.sliding_window)
+        buffers = StepBuffers.for_step(self.spec, plan, groups)
         for index in range(self.spec.n_layers):
             sliding = self.spec.is_sliding(index)
-            self._layer(x, index, rope_local if sliding else rope_global, sliding, plan, kv,
-                        buffers)
+            self._layer(x, index, rope_local if sliding else rope_global, sliding, plan,
+                        groups, kv, buffers)
         return x
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -366,6 +262,7 @@ class Transformer:
         rope: np.ndarray,
         sliding: bool,
         plan: StepPlan,
+        groups: Sequence[AttentionGroup],
         kv: KVPool,
         buffers: StepBuffers,
     ) -> None:
@@ -391,7 +288,7 @@ class Transformer:
         keys[plan.slot_blocks, plan.slot_offsets] = k
         values[plan.slot_blocks, plan.slot_offsets] = v
         attn = buffers.attn
-        for group, buffer in zip(plan.groups, buffers.gathered):
+        for group, buffer in zip(groups, buffers.gathered):
             span = group.local_keys if sliding else group.keys
             gathered = buffer[: 2 * span.table.size * kv.block_size * kv_dim].reshape(
                 2, *span.table.shape, kv.block_size, spec.n_kv_heads, spec.head_dim

@@ -12,7 +12,8 @@ import numpy as np
 
 from actors.errors import ContextLengthExceeded, InvalidRequest, UnsupportedModelError
 from actors.model.arch import ModelSpec, spec_from_gguf
-from actors.model.forward import KVPool, StepItem, Transformer, plan_step
+from actors.model.forward import KVPool, Transformer
+from actors.model.step import StepItem, StepPlan, plan_step
 from actors.model.gguf import GGUFFile, open_gguf
 from actors.model.inventory import type_mix
 from actors.model.weights import ModelWeights, load_weights
@@ -26,17 +27,15 @@ LOGITS_CHUNK_TOKENS = 512
 LOGITS_BLOCK_SIZE = 16
 
 
-class Model:
-    """A model ready to run: `.logits(ids)` for teacher-forced scoring, `.step(items, kv)`
-    for the engine's batched stepping over a block KV cache."""
+class OpenedModel:
+    """A GGUF file opened and understood, weights not loaded: its `spec` (every architecture
+    quirk included), tokenizer and chat template. Each backend loads the weights its own way
+    from `gguf` (the CPU as float32 arrays, a GPU as the file's quantized blocks)."""
 
-    def __init__(self, gguf: GGUFFile, spec: ModelSpec, weights: ModelWeights,
-                 load_ms: float) -> None:
+    def __init__(self, gguf: GGUFFile, spec: ModelSpec, load_ms: float) -> None:
         self.gguf = gguf
         self.spec = spec
-        self.weights = weights
         self.load_ms = load_ms
-        self._transformer = Transformer(spec, weights)
 
     @property
     def path(self) -> Path:
@@ -58,6 +57,17 @@ class Model:
         """Tensor type name -> number of tensors of that type in the file."""
         return {name: share.count for name, share in type_mix(self.gguf).items()}
 
+
+class Model(OpenedModel):
+    """A model ready to run on the CPU: `.logits(ids)` for teacher-forced scoring,
+    `.step(items, kv)` for batched stepping over a block KV cache."""
+
+    def __init__(self, gguf: GGUFFile, spec: ModelSpec, weights: ModelWeights,
+                 load_ms: float) -> None:
+        super().__init__(gguf, spec, load_ms)
+        self.weights = weights
+        self._transformer = Transformer(spec, weights)
+
     def new_kv_pool(self, num_blocks: int, block_size: int = 16) -> KVPool:
         return KVPool(self.spec, num_blocks, block_size)
 
@@ -68,7 +78,12 @@ class Model:
         item's last token, in item order. Raises `InvalidRequest` / `ContextLengthExceeded`
         for a bad item before anything is written.
         """
-        plan = plan_step(items, self.spec, kv)
+        if kv.spec != self.spec:
+            raise InvalidRequest("the KV pool was made for a different model", field="kv")
+        return self.run_plan(plan_step(items, self.spec, kv.num_blocks, kv.block_size), kv)
+
+    def run_plan(self, plan: StepPlan, kv: KVPool) -> np.ndarray:
+        """`step` for a plan already validated against this model and `kv`."""
         hidden = self._transformer.hidden_states(plan, kv)
         return self._transformer.logits(hidden[plan.logit_rows])
 
@@ -88,7 +103,8 @@ class Model:
         out = np.empty((n, self.spec.vocab_size), dtype=np.float32)
         for start in range(0, n, LOGITS_CHUNK_TOKENS):
             chunk = tuple(token_ids[start : start + LOGITS_CHUNK_TOKENS])
-            plan = plan_step([StepItem(chunk, start, blocks)], self.spec, kv)
+            plan = plan_step([StepItem(chunk, start, blocks)], self.spec, kv.num_blocks,
+                             kv.block_size)
             hidden = self._transformer.hidden_states(plan, kv)
             out[start : start + len(chunk)] = self._transformer.logits(hidden)
         return out
@@ -105,6 +121,37 @@ def _refuse_rope_scaling(gguf: GGUFFile, arch: str) -> None:
         )
 
 
+def open_model(path: str | Path | None = None) -> OpenedModel:
+    """Open a GGUF file (None = the default gemma-3-270m) and read its spec, without loading
+    any weights. Raises `ModelFormatError` for a broken file and `UnsupportedModelError` for an
+    architecture we do not run."""
+    if path is None:
+        from actors.model.default_model import default_model_path
+
+        path = default_model_path()
+    started = time.perf_counter()
+    gguf = open_gguf(path)
+    try:
+        spec = spec_from_gguf(gguf)
+        _refuse_rope_scaling(gguf, spec.arch)
+    except BaseException:
+        gguf.close()
+        raise
+    return OpenedModel(gguf, spec, load_ms=(time.perf_counter() - started) * 1e3)
+
+
+def load_float32(
+    opened: OpenedModel, progress: Callable[[int, int], None] | None = None
+) -> Model:
+    """Dequantize an opened model's weights to float32 for the CPU path; `progress(done,
+    total)` is called as layers load. Raises `UnsupportedModelError` for a tensor type we do
+    not run and `ModelFormatError` for a missing or misshapen tensor."""
+    started = time.perf_counter()
+    weights = load_weights(opened.gguf, opened.spec, progress)
+    load_ms = opened.load_ms + (time.perf_counter() - started) * 1e3
+    return Model(opened.gguf, opened.spec, weights, load_ms=load_ms)
+
+
 def load_model(
     path: str | Path | None = None,
     *,
@@ -115,13 +162,9 @@ def load_model(
     `progress(done, total)` is called as layers load. Raises `ModelFormatError` for a broken
     file and `UnsupportedModelError` for an architecture or tensor type we do not run.
     """
-    if path is None:
-        from actors.model.default_model import default_model_path
-
-        path = default_model_path()
-    started = time.perf_counter()
-    gguf = open_gguf(path)
-    spec = spec_from_gguf(gguf)
-    _refuse_rope_scaling(gguf, spec.arch)
-    weights = load_weights(gguf, spec, progress)
-    return Model(gguf, spec, weights, load_ms=(time.perf_counter() - started) * 1e3)
+    opened = open_model(path)
+    try:
+        return load_float32(opened, progress)
+    except BaseException:
+        opened.gguf.close()
+        raise

@@ -146,13 +146,19 @@ def _load_layer(read: _Reader, spec: ModelSpec, index: int) -> LayerWeights:
     )
     qkv_orders = (q_order, k_order, np.arange(kv_dim))
     qkv_bias = None
-    if any(read.has(name) for name in bias_names):
+    if spec.qkv_bias:
         qkv_bias = np.concatenate([
             read.vector(name, rows)[order]
             for name, (_, rows), order in zip(bias_names, qkv_parts, qkv_orders)
         ])
-    q_norm = read.optional_vector(prefix + "attn_q_norm.weight", spec.head_dim)
-    k_norm = read.optional_vector(prefix + "attn_k_norm.weight", spec.head_dim)
+    q_norm, k_norm = (
+        read.vector(prefix + name, spec.head_dim) if spec.qk_norm else None
+        for name in ("attn_q_norm.weight", "attn_k_norm.weight")
+    )
+    post_attn_norm, post_ffn_norm = (
+        read.vector(prefix + name, d) if spec.post_norms else None
+        for name in ("post_attention_norm.weight", "post_ffw_norm.weight")
+    )
     return LayerWeights(
         attn_norm=read.vector(prefix + "attn_norm.weight", d),
         qkv=read.fused(qkv_parts, d, qkv_orders),
@@ -160,11 +166,11 @@ def _load_layer(read: _Reader, spec: ModelSpec, index: int) -> LayerWeights:
         q_norm=None if q_norm is None else q_norm[head_order],
         k_norm=None if k_norm is None else k_norm[head_order],
         attn_out=read.matrix(prefix + "attn_output.weight", d, q_dim),
-        post_attn_norm=read.optional_vector(prefix + "post_attention_norm.weight", d),
+        post_attn_norm=post_attn_norm,
         ffn_norm=read.vector(prefix + "ffn_norm.weight", d),
         gate_up=read.fused([(prefix + "ffn_gate.weight", ffn), (prefix + "ffn_up.weight", ffn)], d),
         down=read.matrix(prefix + "ffn_down.weight", d, ffn),
-        post_ffn_norm=read.optional_vector(prefix + "post_ffw_norm.weight", d),
+        post_ffn_norm=post_ffn_norm,
     )
 
 
@@ -182,9 +188,8 @@ def load_weights(
     total = spec.n_layers + 1
     token_embd = read.matrix("token_embd.weight", spec.vocab_size, spec.d_model)
     output = (
-        read.matrix("output.weight", spec.vocab_size, spec.d_model)
-        if read.has("output.weight")
-        else token_embd
+        token_embd if spec.tied_output
+        else read.matrix("output.weight", spec.vocab_size, spec.d_model)
     )
     if progress is not None:
         progress(1, total)

@@ -1,12 +1,13 @@
-"""The message protocol every compute actor speaks, and the one-thread actor that speaks it.
+"""The compute actor: one thread that builds a backend and runs every step in it.
 
-A backend (CPU now, CUDA later) is a plain synchronous object built and used inside ONE thread
-for the engine's lifetime, because a CUDA context is bound to the thread that made it.
-The actor's first message, `BuildBackend` from the loader, says how to build it; the actor
-reports its `ComputeInfo` (or `StartFailed`). Then it receives `RunStep` from the scheduler,
-runs the forward in the thread and answers `StepDone` (the logits rows) or `StepFailed`; the
-sampler actor chooses the tokens. Work in flight is never abandoned; `Shutdown` (or closing the
-inbox) ends it.
+A backend (see actors.compute.contract) is built and used inside ONE thread for the engine's
+lifetime, because a CUDA context is bound to the thread that made it. The actor's first
+message, `BuildBackend` from the loader, says how to build it; the actor reports its
+`ComputeInfo` (or `StartFailed`). Then it receives `RunStep` from the scheduler and answers
+`StepDone` (the step's candidates) or `StepFailed`, and `FetchRows` with `RowsFetched`; the
+sampler actor chooses the tokens. Once the backend raises `BackendLostError` every message is
+answered `BackendLost`. Work in flight is never abandoned; `Shutdown` (or closing the inbox)
+ends it.
 
 `run_in_own_thread`, `receive_from_loop` and `send_to_loop` are the bridge every actor with a
 thread of its own uses (the loader's and the sampler's too).
@@ -17,97 +18,33 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
-import msgspec
 import numpy as np
 from anyio.from_thread import BlockingPortal
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from actors.compute.contract import (
+    BackendLost,
+    BackendLostError,
+    BuildBackend,
+    ComputeBackend,
+    ComputeInfo,
+    FetchRows,
+    RowsFetched,
+    RunStep,
+    Shutdown,
+    StartFailed,
+    StepDone,
+    StepFailed,
+)
+
 T = TypeVar("T")
-
-
-class ComputeInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """What a backend reports once it is ready."""
-
-    arch: str
-    on_gpu: bool
-    context_length: int
-    vocab_size: int
-    num_blocks: int
-    block_size: int
-    notices: tuple[str, ...] = ()
-
-
-class ForwardItem(msgspec.Struct, frozen=True, kw_only=True):
-    """Advance one sequence: its KV holds positions [0, start); `tokens` go at start...;
-    `blocks` cover positions 0 .. start + len(tokens) - 1."""
-
-    seq_id: int
-    tokens: tuple[int, ...]
-    start: int
-    blocks: tuple[int, ...]
-    want_logits: bool = True
-
-
-class BuildBackend(msgspec.Struct, frozen=True, kw_only=True):
-    """The compute actor's first message (from the loader): how to build its backend."""
-
-    make_backend: Any  # Callable[[], ComputeBackend], called in the compute thread
-    # Called in the compute thread after the backend is closed (or failed to build): the model
-    # file the engine opened, whose mapped weights only the backend knows it has stopped reading.
-    release: Any = None  # Callable[[], None] | None
-
-
-class RunStep(msgspec.Struct, frozen=True, kw_only=True):
-    """One batched forward."""
-
-    step_id: int
-    items: tuple[ForwardItem, ...]
-
-
-class StepDone(msgspec.Struct, frozen=True, kw_only=True):
-    """The step ran: `logits` is float32 (rows, vocab), one row per item that wanted logits,
-    in item order."""
-
-    step_id: int
-    logits: Any  # np.ndarray
-
-
-class StepFailed(msgspec.Struct, frozen=True, kw_only=True):
-    """The step raised: the KV of every sequence in it is unknown now."""
-
-    step_id: int
-    error: str
-
-
-class StartFailed(msgspec.Struct, frozen=True, kw_only=True):
-    """The backend could not be built; the engine does not start."""
-
-    error: Exception
-
-
-class Shutdown(msgspec.Struct, frozen=True):
-    """Leave the worker thread once the step in flight (if any) is answered."""
-
-
-class ComputeBackend(Protocol):
-    """The synchronous side of a compute actor, living in its worker thread."""
-
-    info: ComputeInfo
-
-    def forward(self, items: Sequence[ForwardItem]) -> np.ndarray:
-        """Logits (one float32 row per item with want_logits, in item order)."""
-        ...
-
-    def close(self) -> None:
-        """Release what the backend holds (device memory, KV arrays)."""
-        ...
 
 
 # What a worker thread sees when the loop side goes away: the stream ended, or the host task
@@ -128,8 +65,8 @@ class ComputeActor:
     def __init__(
         self,
         builds: MemoryObjectReceiveStream[BuildBackend],
-        inbox: MemoryObjectReceiveStream[RunStep | Shutdown],
-        outbox: MemoryObjectSendStream[ComputeInfo | StartFailed | StepDone | StepFailed],
+        inbox: MemoryObjectReceiveStream[RunStep | FetchRows | Shutdown],
+        outbox: MemoryObjectSendStream[ComputeAnswer],
     ) -> None:
         self._builds = builds
         self._inbox = inbox
@@ -158,11 +95,15 @@ class ComputeActor:
             try:
                 if not send_to_loop(portal, self._outbox, backend.info):
                     return
+                lost: BackendLost | None = None
                 while True:
                     message = receive_from_loop(portal, self._inbox)
                     if message is None or isinstance(message, Shutdown):
                         return
-                    if not send_to_loop(portal, self._outbox, _run_step(backend, message)):
+                    answer = lost or _answer(backend, message)
+                    if isinstance(answer, BackendLost):
+                        lost = answer
+                    if not send_to_loop(portal, self._outbox, answer):
                         return
             finally:
                 backend.close()
@@ -171,12 +112,24 @@ class ComputeActor:
                 build.release()
 
 
-def _run_step(backend: ComputeBackend, step: RunStep) -> StepDone | StepFailed:
+# What the compute actor answers the scheduler.
+ComputeAnswer = ComputeInfo | StartFailed | StepDone | RowsFetched | StepFailed | BackendLost
+
+
+def _answer(
+    backend: ComputeBackend, message: RunStep | FetchRows
+) -> StepDone | RowsFetched | StepFailed | BackendLost:
+    """Run one message on the backend; a failure is an answer, not a crash (the contract)."""
     try:
-        logits = np.ascontiguousarray(backend.forward(step.items), dtype=np.float32)
-    except Exception as exc:  # the compute contract: a failed step is an answer, not a crash
-        return StepFailed(step_id=step.step_id, error=f"{type(exc).__name__}: {exc}")
-    return StepDone(step_id=step.step_id, logits=logits)
+        if isinstance(message, RunStep):
+            return StepDone(step_id=message.step_id,
+                            candidates=backend.run(message.items, message.rows))
+        logits = np.ascontiguousarray(backend.fetch_rows(message.rows), dtype=np.float32)
+        return RowsFetched(step_id=message.step_id, logits=logits)
+    except BackendLostError as exc:
+        return BackendLost(error=f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        return StepFailed(step_id=message.step_id, error=f"{type(exc).__name__}: {exc}")
 
 
 # --- the bridge between an actor's own thread and the event loop ------------------------------

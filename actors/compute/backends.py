@@ -1,0 +1,96 @@
+"""The registry of compute backends: one list of names, one factory per name.
+
+`choose_backend("auto")` takes the first backend in `PREFERENCE` that can run here and says
+why it passed over the others; naming a backend that cannot run is an error, never a silent
+change of backend. Importing this module is cheap (the command line lists the names): each
+factory imports its backend when it builds one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from actors.errors import BackendUnavailable, InvalidRequest
+
+if TYPE_CHECKING:
+    from actors.compute.contract import BackendFactory, ComputeBackend, KVRequest
+    from actors.model.loaded import OpenedModel
+
+
+class CpuFactory:
+    """The numpy backend: runs everywhere."""
+
+    name = "cpu"
+
+    def __init__(self, notices: Sequence[str] = ()) -> None:
+        self._notices = tuple(notices)
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    def build(self, model: OpenedModel, kv: KVRequest) -> ComputeBackend:
+        from actors.compute.cpu import build_cpu_backend
+
+        return build_cpu_backend(model, kv, self._notices)
+
+
+class CudaFactory:
+    """The CUDA backend's entry: whether PyCUDA and a device are here."""
+
+    name = "cuda"
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import pycuda.driver as cuda
+        except ImportError as exc:
+            if "libcuda" in str(exc):
+                return "no CUDA driver on this machine (libcuda.so.1 not found)"
+            return "pycuda is not installed (pip install 'q4k-actors[cuda]')"
+        try:
+            cuda.init()
+            if cuda.Device.count() == 0:
+                return "the CUDA driver sees no device"
+        except cuda.Error as exc:
+            return f"CUDA cannot start: {exc}"
+        return "this build has no CUDA kernels yet (the CUDA actor is issue 12)"
+
+    def build(self, model: OpenedModel, kv: KVRequest) -> ComputeBackend:
+        raise BackendUnavailable(f"backend 'cuda' cannot run: {self.unavailable_reason()}")
+
+
+BACKENDS: dict[str, BackendFactory] = {"cuda": CudaFactory(), "cpu": CpuFactory()}
+# What "auto" tries, best first.
+PREFERENCE = ("cuda", "cpu")
+BACKEND_NAMES = ("auto", *BACKENDS)
+
+
+def choose_backend(requested: str) -> tuple[BackendFactory, tuple[str, ...]]:
+    """The factory to build for `requested` ("auto" or a name of BACKENDS) and the notices
+    that explain the choice. Raises `InvalidRequest` for an unknown name and
+    `BackendUnavailable` for a named backend that cannot run here."""
+    if requested not in BACKEND_NAMES:
+        raise InvalidRequest(
+            f"backend {requested!r} is not one of {', '.join(BACKEND_NAMES)}", field="backend"
+        )
+    if requested != "auto":
+        factory = BACKENDS[requested]
+        reason = factory.unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailable(
+                f"backend {requested!r} cannot run here: {reason}; use backend='auto' to "
+                "fall back to what can"
+            )
+        return factory, ()
+    passed_over = []
+    for name in PREFERENCE[:-1]:
+        reason = BACKENDS[name].unavailable_reason()
+        if reason is None:
+            return BACKENDS[name], ()
+        passed_over.append((name, reason))
+    # The last choice, the CPU, always runs; it reports why it was chosen.
+    notices = tuple(
+        f"backend auto: {name} not used ({reason}); running on the CPU"
+        for name, reason in passed_over
+    )
+    return CpuFactory(notices), notices
