@@ -74,11 +74,14 @@ from actors.params import SamplingParams
 
 # Temperatures below this are greedy (as in vLLM): 1 / T would overflow float32 long before 0.
 _GREEDY_BELOW = 1e-5
-# Candidates a sampled row without top-k asks for: enough to hold most nuclei at everyday
-# temperatures, and ~1 KB a row next to a 1 MB row of a 262k vocabulary.
-DEFAULT_CANDIDATES = 128
-# The most candidates a row asks for; a larger top_k is decided from its whole row.
+# Candidates a sampled row without top-k asks for at least (a top-p row: and its nucleus).
+DEFAULT_CANDIDATES = 64
+# The most candidates a row asks for (8 KB, under 1% of a gemma-3 row's 1 MB); a larger top_k
+# or nucleus is decided from the whole row.
 MAX_CANDIDATES = 1024
+# An unfiltered row's candidates hold this much of its probability: only a uniform past it
+# needs the whole row.
+UNFILTERED_MASS = 0.99
 # A top-p row without top-k first assumes its nucleus has at most this many tokens.
 _NUCLEUS_GUESS = 128
 # The first threshold aims for this many times the candidates a row needs: the guess from a
@@ -166,6 +169,7 @@ class SequenceSampling:
     def _fixed_inputs(self) -> RowInputs:
         params = self.params
         n_top = params.logprobs or 0
+        mass = 0.0
         if self.greedy:
             candidates, want_log_z = max(1, n_top), params.logprobs is not None
         else:
@@ -173,8 +177,14 @@ class SequenceSampling:
             candidates = min(max(wanted, n_top), MAX_CANDIDATES, self.vocab_size)
             # top-k's survivors are weighed among themselves; everything else needs Z.
             want_log_z = params.logprobs is not None or not 0 < params.top_k <= candidates
+            if not params.top_k:
+                # A top-p row asks for its nucleus; a min-p row for most of its mass, which
+                # its floor usually cuts.
+                mass = UNFILTERED_MASS if params.top_p >= 1 else params.top_p
         return RowInputs(
             candidates=candidates,
+            mass=mass,
+            max_candidates=MAX_CANDIDATES if mass else candidates,
             inv_temp=self.inv_temp,
             want_log_z=want_log_z,
             repetition_penalty=params.repetition_penalty,

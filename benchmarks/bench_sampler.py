@@ -1,11 +1,14 @@
-"""choose_tokens on a full decode batch of real logits, next to the forward step that made them.
+"""Token choice on a full decode batch of real logits, next to the forward step that made them.
 
 Run: python benchmarks/bench_sampler.py [--model PATH] [--rows 64] [--repeats 10]
 
 It prefills `rows` short prompts on the model (the default gemma3-270m: 262,144 logits per row),
-times one decode step of all rows on the CPU forward, then times choose_tokens on that step's
-logits for each sampling setting: milliseconds per call (median and min) and the share of a
-decode step. Two shared cores make every figure noisy: compare the columns of one run.
+times one decode step of all rows on the CPU forward, then for each sampling setting times
+choose_tokens on that step's logits (the whole pipeline: penalties, candidates, choice, whole
+rows where candidates cannot decide) in milliseconds per call (median and min) and as a share
+of the decode step, and counts what would cross from the compute actor: the rows that need
+their whole logits, and the bytes against whole rows. Two shared cores make every figure
+noisy: compare the columns of one run.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from actors.model.forward import StepItem
+from actors.model.candidates import apply_penalties, top_candidates
 from actors.model.loaded import load_model
+from actors.model.step import StepItem
 from actors.params import SamplingParams
-from actors.sampler import SequenceSampling, choose_tokens
+from actors.sampler import SequenceSampling, choose_tokens, start_choice
 
 SETTINGS = {
     "greedy": SamplingParams(temperature=0.0),
@@ -78,7 +82,7 @@ def main() -> None:
     encoded = [model.tokenizer.encode(text) for text in prompts(args.rows)]
     longest = max(len(ids) for ids in encoded) + 1
     per_row = -(-longest // BLOCK_SIZE)
-    kv = model.new_kv_pool(args.rows * per_row, BLOCK_SIZE)
+    kv = model.new_kv_pool(args.rows * per_row, BLOCK_SIZE)  # the forward alone, as the yardstick
     tables = [tuple(range(i * per_row, (i + 1) * per_row)) for i in range(args.rows)]
     prefill = [StepItem(tuple(ids), 0, table) for ids, table in zip(encoded, tables)]
     next_tokens = np.argmax(model.step(prefill, kv), axis=1)
@@ -91,15 +95,29 @@ def main() -> None:
 
     print(f"choose_tokens on {args.rows} x {vocab} logits of {model.spec.arch} (one decode step)")
     print(f"  forward decode step of {args.rows} rows: median {step_ms:.0f} ms")
+    full_bytes = logits.nbytes
     for name, params in SETTINGS.items():
         states = [SequenceSampling(params, ids, vocab) for ids in encoded]
         choose_tokens(logits, states)  # warm-up
         times = timed(lambda: choose_tokens(logits, states), args.repeats)
         median = statistics.median(times)
+        rows_fetched, crossed = what_crosses(logits, states)
         print(
             f"  {name:38s} median {median:6.1f} ms  min {min(times):6.1f} ms"
-            f"  = {100 * median / step_ms:4.1f}% of the step"
+            f"  = {100 * median / step_ms:4.1f}% of the step;  whole rows {rows_fetched:2d}"
+            f"  crossed {crossed / 1024:7.1f} KiB = {100 * crossed / full_bytes:5.2f}% of the rows"
         )
+
+
+def what_crosses(logits: np.ndarray, states: list[SequenceSampling]) -> tuple[int, int]:
+    """How many whole rows one step of these states asks for, and the bytes that cross from
+    the compute actor for it (candidates and those rows)."""
+    inputs = [state.row_inputs() for state in states]
+    penalized = logits.copy()
+    apply_penalties(penalized, inputs)
+    candidates = top_candidates(penalized, inputs)
+    needed = start_choice(candidates, states).needed_rows
+    return len(needed), candidates.nbytes + len(needed) * logits.shape[1] * 4
 
 
 if __name__ == "__main__":

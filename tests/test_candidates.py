@@ -169,8 +169,10 @@ def chi_square_critical(df: int, z: float = 3.719) -> float:
         (SamplingParams(temperature=1.0), "both"),
         (SamplingParams(temperature=1.3, top_p=0.85), "rows"),
         (SamplingParams(temperature=0.3, top_p=0.5), "candidates"),
-        # The candidates hold 64% of the mass: just short of this nucleus.
-        (SamplingParams(temperature=0.4, top_p=0.7), "rows"),
+        # A nucleus of 5: past the 4 candidates a row asks for at least, within the cap of 8.
+        (SamplingParams(temperature=0.4, top_p=0.7), "candidates"),
+        # A nucleus of 9: the 8 candidates hold 87% of the mass, just short of it.
+        (SamplingParams(temperature=0.4, top_p=0.9), "rows"),
         (SamplingParams(temperature=1.0, min_p=0.03), "rows"),
         (SamplingParams(temperature=0.5, min_p=0.6), "candidates"),
         (SamplingParams(temperature=0.9, top_k=6, top_p=0.9), "candidates"),
@@ -178,15 +180,16 @@ def chi_square_critical(df: int, z: float = 3.719) -> float:
         (SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.5,
                         presence_penalty=0.3), "rows"),
     ],
-    ids=["unfiltered", "wide top_p", "narrow top_p", "top_p just past the candidates", "wide min_p", "narrow min_p",
+    ids=["unfiltered", "wide top_p", "narrow top_p", "top_p within the cap",
+         "top_p just past the cap", "wide min_p", "narrow min_p",
          "top_k+top_p", "top_k past the candidates", "penalties"],
 )
 def test_sampled_tokens_follow_the_exact_distribution(
     params: SamplingParams, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A chi-square test on a 40-token vocabulary, with so few candidates (4; a top_k past 8
-    is decided from the whole row) that rows are decided both from candidates and from whole
-    rows. The penalties apply to a prompt's tokens."""
+    """A chi-square test on a 40-token vocabulary, with so few candidates (at least 4, at most
+    8: a top_k or nucleus past 8 is decided from the whole row) that rows are decided both
+    from candidates and from whole rows. The penalties apply to a prompt's tokens."""
     monkeypatch.setattr(sampler, "DEFAULT_CANDIDATES", 4)
     monkeypatch.setattr(sampler, "MAX_CANDIDATES", 8)
     vocab, draws = 40, 40_000

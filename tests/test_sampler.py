@@ -106,6 +106,7 @@ def nucleus_path(request, monkeypatch) -> str:
         monkeypatch.setattr(candidates, "SAMPLE_SIZE", 2**62)
         # One candidate: every nucleus wider than one token needs its whole row.
         monkeypatch.setattr(sampler, "DEFAULT_CANDIDATES", 1)
+        monkeypatch.setattr(sampler, "MAX_CANDIDATES", 1)
     else:
         monkeypatch.setattr(sampler, "_WIDE_NUCLEUS", 2**62)
     return request.param
@@ -559,6 +560,7 @@ def test_a_wide_nucleus_keeps_exactly_the_reference_survivors(case):
         patch.setattr(sampler, "_WIDE_NUCLEUS", 0)
         patch.setattr(candidates, "SAMPLE_SIZE", sample_size)
         patch.setattr(sampler, "DEFAULT_CANDIDATES", 1)
+        patch.setattr(sampler, "MAX_CANDIDATES", 1)
         patch.setattr(sampler, "_BRACKET", bracket)
         patch.setattr(sampler, "_draw_from_wide_nuclei", spied)
         states = states_for(params, vocab, n=len(uniforms))

@@ -38,10 +38,18 @@ _CANDIDATE_MARGIN = 4
 
 
 class RowInputs(msgspec.Struct, frozen=True, kw_only=True):
-    """What a backend needs to turn one logits row into the sampler's candidates."""
+    """What a backend needs to turn one logits row into the sampler's candidates.
 
-    candidates: int = 1  # most likely tokens wanted (at least 1; capped at the vocabulary)
-    inv_temp: float = 1.0  # 1 / temperature, for log_z
+    The row's candidates are its most likely tokens: at least `candidates`, and more while
+    they hold less than `mass` of the row's probability at `inv_temp` (their weights
+    exp((logit - peak) * inv_temp) summing to less than mass * exp(log_z)), up to
+    `max_candidates`; a backend may give a few more, never fewer (capped at the vocabulary).
+    """
+
+    candidates: int = 1
+    mass: float = 0.0  # 0: `candidates` exactly; a top-p row asks for its nucleus this way
+    max_candidates: int = 1
+    inv_temp: float = 1.0  # 1 / temperature, for log_z and the mass
     want_log_z: bool = False
     repetition_penalty: float = 1.0
     repeated: tuple[int, ...] = ()  # distinct token ids the repetition penalty applies to
@@ -107,63 +115,96 @@ def apply_penalties(logits: np.ndarray, rows: Sequence[RowInputs]) -> None:
 def top_candidates(logits: np.ndarray, rows: Sequence[RowInputs]) -> Candidates:
     """The candidates of every row of `logits` (n, vocab) float32, already penalized."""
     n, vocab = logits.shape
-    want = np.minimum(np.array([max(1, r.candidates) for r in rows], dtype=np.int64), vocab)
+    least = np.minimum(np.array([max(1, r.candidates) for r in rows], dtype=np.int64), vocab)
+    most = np.minimum(
+        np.array([max(r.candidates, r.max_candidates, 1) for r in rows], dtype=np.int64), vocab
+    )
+    mass = np.array([r.mass for r in rows], dtype=np.float64)
+    inv_temp = np.array([r.inv_temp for r in rows], dtype=np.float64)
     best = np.argmax(logits, axis=1)
     peak = logits[np.arange(n), best]
     finite = np.isfinite(peak)
-    width = int(want[finite].max()) if finite.any() else 1
-    ids = np.zeros((n, width), dtype=np.int32)
-    values = np.full((n, width), -np.inf, dtype=np.float32)
-    ids[:, 0], values[:, 0] = best, peak
-    count = np.where(finite, want, 1).astype(np.int32)
-    wide_rows = np.flatnonzero(finite & (want > 1))
-    if wide_rows.size:
-        top_ids, top_values = _top_k(logits, wide_rows, want[wide_rows])
-        ids[wide_rows, : top_ids.shape[1]] = top_ids
-        values[wide_rows, : top_ids.shape[1]] = top_values
-        padding = np.arange(width) >= count[wide_rows, None]
-        ids[wide_rows] = np.where(padding, 0, ids[wide_rows])
-        values[wide_rows] = np.where(padding, np.float32(-np.inf), values[wide_rows])
     log_z = np.full(n, np.nan)
-    z_rows = np.flatnonzero(finite & np.array([r.want_log_z for r in rows], dtype=bool))
+    asks_z = np.array([r.want_log_z or r.mass > 0 for r in rows], dtype=bool)
+    z_rows = np.flatnonzero(finite & asks_z)
     if z_rows.size:
-        inv_temp = np.array([r.inv_temp for r in rows], dtype=np.float64)
         log_z[z_rows] = np.log(block_sums(logits, z_rows, peak, inv_temp).sum(axis=1))
-    return Candidates(ids=ids, logits=values, count=count, log_z=log_z)
+    count = np.ones(n, dtype=np.int64)
+    gathered = np.flatnonzero(finite & (most > 1))
+    ids = values = None
+    if gathered.size:
+        with np.errstate(invalid="ignore"):  # log_z is NaN where no mass is asked
+            target = np.where(mass > 0, mass * np.exp(log_z), 0.0)
+        tops = _gather_tops(logits, gathered, least[gathered], most[gathered],
+                            target[gathered], peak, inv_temp)
+        count[gathered], ids, values = tops
+    width = int(count.max()) if n else 1
+    out_ids = np.zeros((n, width), dtype=np.int32)
+    out_values = np.full((n, width), -np.inf, dtype=np.float32)
+    out_ids[:, 0], out_values[:, 0] = best, peak
+    if gathered.size:
+        real = np.arange(ids.shape[1]) < count[gathered, None]
+        keep = min(width, ids.shape[1])
+        out_ids[gathered, :keep] = np.where(real, ids, 0)[:, :keep]
+        out_values[gathered, :keep] = np.where(real, values, np.float32(-np.inf))[:, :keep]
+    return Candidates(ids=out_ids, logits=out_values, count=count.astype(np.int32), log_z=log_z)
 
 
-def _top_k(
-    logits: np.ndarray, some_rows: np.ndarray, k: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Each of `some_rows`' k[i] most likely tokens, sorted: (ids, logits), (r, max k), the
-    columns past a row's k holding whatever sorted next. Gathers the tokens above a threshold
-    guessed from the row's sorted sample, lowered until every row has at least its k."""
+def _gather_tops(
+    logits: np.ndarray,
+    some_rows: np.ndarray,
+    least: np.ndarray,
+    most: np.ndarray,
+    target: np.ndarray,
+    peak: np.ndarray,
+    inv_temp: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each of `some_rows`' candidates: (count, ids, logits), sorted most likely first, the
+    columns past a row's count holding whatever sorted next. Gathers the tokens above a
+    threshold guessed from the row's sorted sample, lowered until every row holds at least
+    `least` tokens and `target` weight (or `most` tokens, or the whole row)."""
     vocab = logits.shape[1]
+    stride = stride_of(vocab)
     sample = sorted_sample(logits, some_rows)
-    threshold_at = np.ceil(_CANDIDATE_MARGIN * k / stride_of(vocab)).astype(np.int64)
-    gathered = []
+    row_peak = peak[some_rows].astype(np.float64)
+    row_scale = inv_temp[some_rows]
+    threshold_at = np.ceil(_CANDIDATE_MARGIN * least / stride).astype(np.int64)
+    parts = []
     pending = np.ones(some_rows.size, dtype=bool)
     while pending.any():
+        threshold = sampled_logit(sample, sample.shape[1] - threshold_at)
         bound = np.full(logits.shape[0], np.inf)  # rows not pending gather nothing
-        bound[some_rows[pending]] = sampled_logit(sample, sample.shape[1] - threshold_at)[pending]
+        bound[some_rows[pending]] = threshold[pending]
         batch_row, ids = tokens_above(logits, bound)
         # A row's +inf logits pass even an infinite bound: keep only the pending rows' tokens.
         asked = bound[batch_row] < np.inf
         batch_row, ids = batch_row[asked], ids[asked]
         slot = np.searchsorted(some_rows, batch_row)
+        values = logits[batch_row, ids]
         count = np.bincount(slot, minlength=some_rows.size)
-        enough = pending & ((count >= k) | (bound[some_rows] == -np.inf))
+        weights = np.exp((values - row_peak[slot]) * row_scale[slot])
+        missing = target - np.bincount(slot, weights=weights, minlength=some_rows.size)
+        whole_row = threshold == -np.inf
+        enough = pending & (whole_row | ((count >= least) & ((missing <= 0) | (count >= most))))
         keep = enough[slot]
-        gathered.append((slot[keep], ids[keep]))
+        parts.append((slot[keep], ids[keep], values[keep]))
         pending &= ~enough
-        threshold_at = threshold_at * 2
-    slot, ids = (np.concatenate(part) for part in zip(*gathered))
-    count = np.bincount(slot, minlength=some_rows.size)
-    sorted_ids, sorted_values = sort_by_likelihood(
-        slot, ids, logits[some_rows[slot], ids], count
-    )
-    width = int(k.max())
-    return sorted_ids[:, :width], sorted_values[:, :width]
+        # Every token below a threshold weighs less than one at it: a row short of weight
+        # needs at least `missing / that weight` more tokens.
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            weight_at = np.exp((threshold - row_peak) * row_scale)
+            more = np.where(missing > 0, missing / weight_at, 0.0)
+        wanted = np.minimum(_CANDIDATE_MARGIN * np.maximum(least, count + more), vocab)
+        threshold_at = np.maximum(threshold_at * 2, np.ceil(wanted / stride)).astype(np.int64)
+    slot, ids, values = (np.concatenate(part) for part in zip(*parts))
+    gathered = np.bincount(slot, minlength=some_rows.size)
+    sorted_ids, sorted_values = sort_by_likelihood(slot, ids, values, gathered)
+    # How many of the sorted tokens reach the target weight, plus one against rounding.
+    weights = np.exp((sorted_values - row_peak[:, None]) * row_scale[:, None])
+    reach = (np.cumsum(weights, axis=1) < target[:, None]).sum(axis=1) + 2
+    count = np.minimum(np.maximum(least, np.minimum(reach, most)), gathered)
+    width = int(count.max())
+    return count, sorted_ids[:, :width], sorted_values[:, :width]
 
 
 def n_blocks(vocab: int) -> int:
