@@ -62,6 +62,9 @@ from actors.sampler import (
 from actors.scheduler import Admission, Scheduler
 from actors.session import Session, new_request_id
 
+# A step running this long is failed, and a backend silent for twice as long is lost:
+# generous next to any real step (a 512-token CPU prefill of gemma-3 takes about a second).
+DEFAULT_STEP_TIMEOUT_S = 300.0
 # Messages a live session can have in the scheduler's inbox at once: open, advance, close.
 _INBOX_SLOTS_PER_REQUEST = 3
 
@@ -107,6 +110,7 @@ class Engine:
         kv_blocks: int | None = None,
         block_size: int = 16,
         prefill_chunk: int = 512,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
         log_level: str | None = None,
         log_file: str | os.PathLike[str] | TextIO | None = None,
     ) -> AsyncIterator[Engine]:
@@ -117,7 +121,9 @@ class Engine:
         of `actors.compute.backends.BACKENDS` ("cpu", "cuda"), which raises
         `BackendUnavailable` where it cannot run. `kv_blocks`: KV pool size in blocks of
         `block_size` positions (None: the backend sizes it from its memory, on the CPU a
-        1 GiB budget). `log_level` / `log_file`: where the engine's JSON-line logs go (None: leave the
+        1 GiB budget). `step_timeout_s`: a step still running after this long is failed
+        (its sequences replay), and a backend silent for twice as long is lost.
+        `log_level` / `log_file`: where the engine's JSON-line logs go (None: leave the
         logging configuration as it is)."""
         _check_count("block_size", block_size, 1)
         if kv_blocks is not None:
@@ -139,6 +145,7 @@ class Engine:
                 max_sequences=max_sequences,
                 max_queued=max_queued,
                 prefill_chunk=prefill_chunk,
+                step_timeout_s=step_timeout_s,
             ) as engine:
                 yield engine
 
@@ -155,6 +162,7 @@ class Engine:
         max_sequences: int = 64,
         max_queued: int = 256,
         prefill_chunk: int = 512,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
         notices: Sequence[str] = (),
     ) -> AsyncIterator[Engine]:
         """Serve with a given compute backend factory (called in the compute thread) and
@@ -174,6 +182,7 @@ class Engine:
             max_sequences=max_sequences,
             max_queued=max_queued,
             prefill_chunk=prefill_chunk,
+            step_timeout_s=step_timeout_s,
         ) as engine:
             yield engine
 
@@ -186,12 +195,22 @@ class Engine:
         max_sequences: int,
         max_queued: int,
         prefill_chunk: int,
+        step_timeout_s: float,
     ) -> AsyncIterator[Engine]:
         """Start the actors in one task group: the loader runs `load` and hands the backend
         factory to the compute actor; once that reports ready, the scheduler starts."""
         _check_count("max_sequences", max_sequences, 1)
         _check_count("max_queued", max_queued, 0)
         _check_count("prefill_chunk", prefill_chunk, 1)
+        if (
+            isinstance(step_timeout_s, bool)
+            or not isinstance(step_timeout_s, (int, float))
+            or not 0 < step_timeout_s < float("inf")
+        ):
+            raise InvalidRequest(
+                f"step_timeout_s must be a positive number of seconds, got {step_timeout_s!r}",
+                field="step_timeout_s",
+            )
         limit = max_sequences + max_queued
         inbox_send, inbox_receive = anyio.create_memory_object_stream[Any](
             _INBOX_SLOTS_PER_REQUEST * limit
@@ -215,7 +234,10 @@ class Engine:
         failure: Exception | None = None
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(LoaderActor(load, build_send, loaded_send).run)
-            tasks.start_soon(ComputeActor(build_receive, compute_receive, answer_send).run)
+            compute_hung = anyio.Event()
+            tasks.start_soon(
+                ComputeActor(build_receive, compute_receive, answer_send, compute_hung).run
+            )
             tasks.start_soon(SamplerActor(rows_receive, choices_send).run)
             started = time.perf_counter()
             try:
@@ -234,6 +256,8 @@ class Engine:
                     admission=admission,
                     max_sequences=max_sequences,
                     prefill_chunk=prefill_chunk,
+                    step_timeout_s=step_timeout_s,
+                    compute_hung=compute_hung,
                     inbox=inbox_receive,
                     compute_inbox=compute_send,
                     compute_outbox=answer_receive,

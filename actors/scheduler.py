@@ -122,6 +122,8 @@ class Scheduler:
         admission: Admission,
         max_sequences: int,
         prefill_chunk: int,
+        step_timeout_s: float,
+        compute_hung: anyio.Event,
         inbox: MemoryObjectReceiveStream[OpenSequence | Advance | CloseSequence],
         compute_inbox: MemoryObjectSendStream[RunStep | FetchRows | Shutdown],
         compute_outbox: MemoryObjectReceiveStream[Any],
@@ -132,6 +134,8 @@ class Scheduler:
         self.admission = admission
         self._max_sequences = max_sequences
         self._prefill_chunk = prefill_chunk
+        self._step_timeout_s = step_timeout_s
+        self._compute_hung = compute_hung
         self._inbox = inbox
         self._compute_inbox = compute_inbox
         self._compute_outbox = compute_outbox
@@ -245,6 +249,11 @@ class Scheduler:
         items: list[StepItem] = []
         in_step: set[int] = set()
         pending = [seq for seq in self._running if seq.pending]
+        # A sequence whose last step failed replays alone until it gets a token: a failure it
+        # causes then takes down no sequence batched with it, and theirs cannot take it down.
+        suspects = [seq for seq in pending if seq.failures]
+        if suspects:
+            pending = suspects[:1]
         decoding = [seq for seq in pending if len(seq.tokens) - seq.held == 1]
         prefilling = [seq for seq in pending if len(seq.tokens) - seq.held > 1]
         for seq in decoding:
@@ -379,8 +388,21 @@ class Scheduler:
         return result, self._last_step_s * 1000.0
 
     async def _ask_compute(self, message: RunStep | FetchRows) -> Any:
+        """The compute actor's answer; a step past its deadline is a failed step, and a
+        backend that does not answer within a second deadline either is lost."""
         await self._compute_inbox.send(message)
-        answer = await self._compute_outbox.receive()
+        with anyio.move_on_after(self._step_timeout_s):
+            return self._counted(await self._compute_outbox.receive())
+        late = f"a step ran past its deadline of {self._step_timeout_s:g} s"
+        self._log.error("step_timeout", step=message.step_id, timeout_s=self._step_timeout_s)
+        # The backend still owes this answer; only then can it take the next step.
+        with anyio.move_on_after(self._step_timeout_s):
+            await self._compute_outbox.receive()
+            return StepFailed(step_id=message.step_id, error=late)
+        self._compute_hung.set()
+        return BackendLost(error=f"{late} and gave no answer within another one")
+
+    def _counted(self, answer: Any) -> Any:
         if isinstance(answer, StepDone):
             self.bytes_from_compute += answer.candidates.nbytes
         elif isinstance(answer, RowsFetched):
@@ -425,10 +447,10 @@ class Scheduler:
                 self._fail([seq], choice.error)
                 continue
             seq.held = item.start + len(item.tokens)
-            seq.failures = 0
             self._publish_full_blocks(seq, item.start)
             if choice is None:
                 continue
+            seq.failures = 0
             seq.pending = False
             self._outstanding.add(seq.seq_id)
             self._reply(

@@ -31,6 +31,7 @@ from actors.compute.contract import (
     apply_penalties,
     top_candidates,
 )
+from actors.compute.faults import Fault, FaultyBackend
 from actors.engine import Engine
 from actors.logs import logging_to
 from actors.errors import ComputeError, ContextLengthExceeded
@@ -449,11 +450,11 @@ async def test_one_failed_step_is_replayed_for_its_sequences_only(failure: str) 
     assert [first_token, *rest] == solo_tokens([50, 51], 6)
     (failed,) = backend.failed_steps
     failed_ids = {item.seq_id for item in failed}
-    # The step after the failure replays both of its sequences from an empty KV.
-    after = backend.steps[failures[0]]
-    replays = [item for item in after if item.seq_id in failed_ids]
-    assert len(replays) == 2
-    assert all(item.start == 0 and len(item.tokens) == 7 for item in replays)
+    # The steps after the failure replay each of its sequences alone, from an empty KV.
+    after = backend.steps[failures[0] : failures[0] + 2]
+    assert [len(step) for step in after] == [1, 1]
+    assert {step[0].seq_id for step in after} == failed_ids
+    assert all(step[0].start == 0 and len(step[0].tokens) == 7 for step in after)
 
 
 @pytest.mark.parametrize("failure", ["raise", "nan"])
@@ -548,6 +549,32 @@ async def test_errors_in_the_callers_block_are_not_wrapped() -> None:
             stream = engine.generate(PROMPT, greedy(3))
             await stream.__anext__()
             engine.generate(PROMPT, greedy(3))
+
+
+@pytest.mark.parametrize("kind", ["raise", "nan"])
+async def test_one_bad_sequence_fails_alone_in_a_batch_of_seven(kind: str) -> None:
+    """A backend that fails (or answers NaN) for one sequence's steps only: that request
+    fails with ComputeError, the six batched with it give exactly their solo tokens."""
+    prompts = [[first, 40, 41] for first in range(10, 17)]
+    bad = 3
+    fault = Fault(kind=kind, prompt_prefix=tuple(prompts[bad]))
+    backend = FaultyBackend(CountingBackend(), [fault])
+    results: dict[int, object] = {}
+
+    async def one(index: int) -> None:
+        try:
+            results[index] = list((await engine.complete(prompts[index], greedy(6))).token_ids)
+        except ComputeError:
+            results[index] = "failed"
+
+    async with Engine.open_backend(lambda: backend, FakeTokenizer()) as engine:
+        async with anyio.create_task_group() as tasks:
+            for index in range(7):
+                tasks.start_soon(one, index)
+        await settle()
+        assert engine.stats().kv_blocks_used == 0
+    assert results.pop(bad) == "failed"
+    assert results == {index: solo_tokens(prompts[index], 6) for index in results}
 
 
 async def test_a_lost_backend_fails_what_is_in_flight_and_refuses_new_work(

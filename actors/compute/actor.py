@@ -67,10 +67,14 @@ class ComputeActor:
         builds: MemoryObjectReceiveStream[BuildBackend],
         inbox: MemoryObjectReceiveStream[RunStep | FetchRows | Shutdown],
         outbox: MemoryObjectSendStream[ComputeAnswer],
+        hung: anyio.Event | None = None,
     ) -> None:
         self._builds = builds
         self._inbox = inbox
         self._outbox = outbox
+        # Set by the scheduler when the backend stopped answering: the actor then stops
+        # waiting for its thread, which a blocking call holds (it cannot be interrupted).
+        self._hung = hung
 
     async def run(self) -> None:
         """The actor task: wait for the backend to build, then hold the thread until shutdown."""
@@ -83,7 +87,8 @@ class ComputeActor:
                         build = await self._builds.receive()
                     except anyio.EndOfStream:
                         return  # the load failed; the loader told the engine
-                await run_in_own_thread("q4k-compute", partial(self._serve, portal, build))
+                await run_in_own_thread("q4k-compute", partial(self._serve, portal, build),
+                                        abandon=self._hung)
 
     def _serve(self, portal: BlockingPortal, build: BuildBackend) -> None:
         try:
@@ -135,11 +140,15 @@ def _answer(
 # --- the bridge between an actor's own thread and the event loop ------------------------------
 
 
-async def run_in_own_thread(name: str, work: Callable[[], T]) -> T:
+async def run_in_own_thread(
+    name: str, work: Callable[[], T], abandon: anyio.Event | None = None
+) -> T | None:
     """Run `work()` in a new thread called `name`; return what it returns or raise what it
     raises. The wait is shielded: a cancelled caller still waits for the thread (blocking work
     cannot be interrupted, and no thread is left behind), which is joined before this returns.
-    `work` must end by itself: its streams close, or its portal calls are cancelled."""
+    `work` must end by itself: its streams close, or its portal calls are cancelled. Only when
+    `abandon` is set first (the work is known to hang) does this return None at once, leaving
+    the (daemon) thread behind."""
     outcome: list[tuple[bool, Any]] = []
     finished = anyio.Event()
     token = anyio.lowlevel.current_token()
@@ -150,17 +159,37 @@ async def run_in_own_thread(name: str, work: Callable[[], T]) -> T:
         except BaseException as exc:  # handed to the event loop, raised there
             outcome.append((False, exc))
         finally:
-            anyio.from_thread.run_sync(finished.set, token=token)
+            try:
+                anyio.from_thread.run_sync(finished.set, token=token)
+            except RuntimeError:
+                pass  # abandoned, and the event loop is gone: nobody waits for this thread
 
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     with anyio.CancelScope(shield=True):
-        await finished.wait()
+        await _first_set(finished, abandon)
+    if not finished.is_set():
+        return None
     thread.join()
     ((returned, value),) = outcome
     if not returned:
         raise value
     return value
+
+
+async def _first_set(event: anyio.Event, other: anyio.Event | None) -> None:
+    """Wait until `event` (or `other`, when given) is set."""
+    if other is None:
+        await event.wait()
+        return
+    async with anyio.create_task_group() as waiting:
+
+        async def wait_for(one: anyio.Event) -> None:
+            await one.wait()
+            waiting.cancel_scope.cancel()
+
+        waiting.start_soon(wait_for, event)
+        waiting.start_soon(wait_for, other)
 
 
 def receive_from_loop(portal: BlockingPortal, stream: MemoryObjectReceiveStream[T]) -> T | None:

@@ -109,7 +109,9 @@ def apply_penalties(logits: np.ndarray, rows: Sequence[RowInputs]) -> None:
     counts = np.zeros(keys.size)
     counts[np.searchsorted(keys, counted_keys)] = counts_of_keys
     values -= presence * (counts > 0) + frequency * counts
-    logits[row, ids] = values.astype(np.float32)
+    # A value past float32 becomes inf: its row is then not finite and fails alone.
+    with np.errstate(over="ignore"):
+        logits[row, ids] = values.astype(np.float32)
 
 
 def top_candidates(logits: np.ndarray, rows: Sequence[RowInputs]) -> Candidates:

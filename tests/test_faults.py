@@ -1,0 +1,157 @@
+"""Fault injection on a real model: a step that raises, NaN rows or a hung step for chosen
+sequences. The hit requests replay (alone) or fail with ComputeError; every other request
+completes with exactly the tokens it gives alone, and nothing stays held."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from actors import ComputeError
+from actors.compute.contract import KVRequest
+from actors.compute.cpu import build_cpu_backend
+from actors.compute.faults import Fault, FaultyBackend
+from actors.engine import Engine
+from actors.model.loaded import Model, load_model
+from actors.params import SamplingParams
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "In 1492, Columbus",
+    "My favourite food is",
+    "The quick brown fox",
+    "Dear Sir or Madam,",
+]
+TOKENS = 5
+POISONED = 3  # the request the faults pick
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_model_path: Path) -> Model:
+    return load_model(smollm2_model_path)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2: Model) -> list[list[int]]:
+    # The tokenizer adds no BOS to SmolLM2 prompts, so each prompt's first tokens mark it.
+    return [smollm2.tokenizer.encode(prompt) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def alone(smollm2: Model, prompt_ids: list[list[int]]) -> list[tuple[int, ...]]:
+    async def solo() -> list[tuple[int, ...]]:
+        async with Engine.open(smollm2) as engine:
+            return [(await engine.complete(ids, greedy())).token_ids for ids in prompt_ids]
+
+    return anyio.run(solo)
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+
+
+async def run_all(
+    smollm2: Model, prompt_ids: list[list[int]], fault: Fault, step_timeout_s: float = 300.0
+) -> tuple[list[tuple[int, ...] | str], FaultyBackend, int]:
+    """Every prompt at once through a backend with `fault`; each result is the tokens or
+    "failed". Also the blocks still held once all are done."""
+    kv = KVRequest(blocks=256, block_size=16, max_sequences=8)
+    backend = FaultyBackend(build_cpu_backend(smollm2, kv, ()), [fault])
+    results: list[tuple[int, ...] | str] = [""] * len(prompt_ids)
+
+    async def one(index: int) -> None:
+        try:
+            results[index] = (await engine.complete(prompt_ids[index], greedy())).token_ids
+        except ComputeError:
+            results[index] = "failed"
+
+    async with Engine.open_backend(lambda: backend, smollm2.tokenizer,
+                                   step_timeout_s=step_timeout_s) as engine:
+        async with anyio.create_task_group() as tasks:
+            for index in range(len(prompt_ids)):
+                tasks.start_soon(one, index)
+        await anyio.sleep(0.05)
+        held = engine.stats().kv_blocks_used
+    return results, backend, held
+
+
+@pytest.mark.parametrize("kind", ["raise", "nan"])
+async def test_a_poisoned_sequence_fails_alone(
+    smollm2: Model, prompt_ids: list[list[int]], alone: list[tuple[int, ...]], kind: str
+) -> None:
+    fault = Fault(kind=kind, prompt_prefix=tuple(prompt_ids[POISONED][:2]))
+    results, backend, held = await run_all(smollm2, prompt_ids, fault)
+    assert results[POISONED] == "failed"
+    others = [index for index in range(len(PROMPTS)) if index != POISONED]
+    assert [results[index] for index in others] == [alone[index] for index in others]
+    assert backend.injected[kind] >= 2 and held == 0
+
+
+@pytest.mark.parametrize("kind", ["raise", "nan"])
+async def test_a_passing_fault_is_replayed_away(
+    smollm2: Model, prompt_ids: list[list[int]], alone: list[tuple[int, ...]], kind: str
+) -> None:
+    fault = Fault(kind=kind, prompt_prefix=tuple(prompt_ids[POISONED][:2]), times=1)
+    results, backend, held = await run_all(smollm2, prompt_ids, fault)
+    assert results == alone
+    assert backend.injected[kind] == 1 and held == 0
+
+
+async def test_a_step_past_its_deadline_is_replayed(
+    smollm2: Model, prompt_ids: list[list[int]], alone: list[tuple[int, ...]]
+) -> None:
+    # The late answer comes within the second deadline: the step itself takes well under 5 s
+    # even on a loaded machine.
+    fault = Fault(kind="hang", prompt_prefix=tuple(prompt_ids[POISONED][:2]), times=1,
+                  hang_s=7.0)
+    results, backend, held = await run_all(smollm2, prompt_ids, fault, step_timeout_s=6.0)
+    assert results == alone
+    assert backend.injected["hang"] == 1 and held == 0
+
+
+async def test_a_backend_that_stops_answering_is_lost_not_waited_on(
+    smollm2: Model, prompt_ids: list[list[int]]
+) -> None:
+    """Hung for longer than two deadlines: every request in flight fails, the engine block
+    ends without waiting for the stuck thread."""
+    fault = Fault(kind="hang", prompt_prefix=tuple(prompt_ids[POISONED][:2]), times=1,
+                  hang_s=4.0)
+    with anyio.fail_after(30):
+        results, _, _ = await run_all(smollm2, prompt_ids, fault, step_timeout_s=0.5)
+    assert "failed" in results
+
+
+async def test_a_request_whose_penalty_makes_its_logits_infinite_fails_alone(
+    smollm2: Model, prompt_ids: list[list[int]], alone: list[tuple[int, ...]]
+) -> None:
+    """repetition_penalty=1e-40 divides a repeated positive logit past float32: only that
+    request's row is not finite, so only that request fails."""
+    results: list[tuple[int, ...] | str] = [""] * len(prompt_ids)
+    hostile = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True,
+                             repetition_penalty=1e-40)
+
+    async def one(index: int) -> None:
+        params = hostile if index == POISONED else greedy()
+        try:
+            results[index] = (await engine.complete(prompt_ids[index], params)).token_ids
+        except ComputeError:
+            results[index] = "failed"
+
+    async with Engine.open(smollm2) as engine:
+        async with anyio.create_task_group() as tasks:
+            for index in range(len(prompt_ids)):
+                tasks.start_soon(one, index)
+    assert results[POISONED] == "failed"
+    others = [index for index in range(len(PROMPTS)) if index != POISONED]
+    assert [results[index] for index in others] == [alone[index] for index in others]
