@@ -90,6 +90,17 @@ def test_dequantize_accepts_flat_bytes_and_any_rank() -> None:
     assert _same_bits(dequantize(raw.reshape(-1), "Q4_K", (1536,)), expected.reshape(-1))
 
 
+@pytest.mark.parametrize("type_name", list(FORMATS))
+def test_dequantize_never_writes_its_input(type_name: str) -> None:
+    """One block (a contiguous slice) and a read-only one, as a mapped file gives them."""
+    raw = _random_tensor_bytes(type_name, 1, 256)
+    before = raw.copy()
+    first = dequantize(raw, type_name, (1, 256))
+    assert np.array_equal(raw, before)
+    raw.flags.writeable = False
+    assert _same_bits(dequantize(raw, type_name, (1, 256)), first)
+
+
 def test_dequantize_returns_a_new_array_for_float_tensors() -> None:
     raw = np.arange(8, dtype=np.float32).view(np.uint8)
     out = dequantize(raw, "F32", (2, 4))

@@ -144,7 +144,8 @@ def _fill_q4_k(blocks: np.ndarray, dest: np.ndarray) -> None:
     # Bytes 16..143 are 4 groups of 32: low nibbles -> sub-block 2g, high nibbles -> 2g + 1.
     # Unpacked as two contiguous arrays converted straight into their places: cheaper than
     # interleaving the bytes first.
-    words = np.ascontiguousarray(blocks[:, 16:]).view(np.uint64)
+    # A copy even where the slice is contiguous already (one block): it is shifted in place.
+    words = np.array(blocks[:, 16:], order="C").view(np.uint64)
     pairs = dest.reshape(-1, 4, 2, 32)
     np.copyto(pairs[:, :, 0], (words & _LOW_NIBBLES).view(np.uint8).reshape(-1, 4, 32))
     words >>= np.uint64(4)
