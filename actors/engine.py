@@ -5,10 +5,11 @@
             print(chunk.text, end="")
 
 Actors, all tasks of one task group, each with a bounded inbox of frozen msgspec messages:
-the loader (opens the model in a thread of its own and hands the backend factory to the compute
-actor), the compute actor (one thread owning the backend, its weights and KV cache; answers
-each step's token candidates), the sampler (one thread choosing tokens from the candidates)
-and the scheduler (admission, batching, KV block accounting). Each request is a session running in the caller's task.
+the loader (opens the model in a thread of its own and hands the backend factory to the
+compute actor), the compute actor (one thread owning the backend, its weights and KV cache;
+answers each step's token candidates), the sampler (one thread choosing tokens from the
+candidates) and the scheduler (admission, batching, KV block accounting). Each request is a
+session running in the caller's task.
 Everything a request can get wrong is checked here, before any work starts.
 """
 

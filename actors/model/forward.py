@@ -1,10 +1,11 @@
 """The forward pass of llama, qwen2 and gemma3 in numpy, stepping many sequences at once.
 
-One step (a `StepPlan`, see actors.model.step) advances any mix of sequences (whole prompts,
-prefill chunks, single decode tokens). All tokens of all items go through the big matmuls together as one (T, d_model) matrix; only
-attention is per sequence, over keys gathered from the sequence's own blocks of a shared
-`KVPool`. Single-token (decode) items are attended together in one padded batch so 64
-streams cost a few array ops per layer, not 64.
+One step (a `StepPlan`, see actors.model.step) advances any mix of sequences (whole
+prompts, prefill chunks, single decode tokens). All tokens of all items go through the big
+matmuls together as one (T, d_model) matrix; only attention is per sequence, over keys
+gathered from the sequence's own blocks of a shared `KVPool`. Single-token (decode) items
+are attended together in one padded batch so 64 streams cost a few array ops per layer, not
+64.
 """
 
 from __future__ import annotations
