@@ -1,6 +1,8 @@
 // Device-only helpers shared by the kernels: warp and block reductions.
 #pragma once
 
+#include <stdint.h>
+
 constexpr int WARP = 32;
 constexpr unsigned FULL_MASK = 0xFFFFFFFFu;
 

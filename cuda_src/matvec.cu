@@ -81,6 +81,8 @@ __device__ void mul_mat_vec(const uint8_t* __restrict__ weights, int64_t row_pit
     }
 }
 
+// The occupancy hint (4 blocks per SM) lets ptxas take up to 128 registers; without it the
+// q4_K build capped itself at 64 and spilled.
 #define QK_MATVEC_ENTRY(suffix, type)                                                           \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * WARP, 4) mul_mat_vec_##suffix(     \
         const uint8_t* weights, int64_t row_pitch, const float* x, int x_stride, float* y,      \
