@@ -18,15 +18,11 @@ import pytest
 
 from actors.compute.cuda_plan import kernel_source_dir
 from actors.model.quants import FORMATS, QUANTIZERS, dequantize, quantize
+from tests.cuda_samples import HALF_FIELDS, assert_same_floats, finite_blocks, random_blocks
 
 GROUP = 32
 ALL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32", "F16", "BF16")
 ROWS, ROW_LENGTH = 48, 512
-# Byte offsets of each type's float16 scale fields (d, and m / dmin where the type has one).
-HALF_FIELDS = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-}
 # Half bit patterns at the edges: +-0, the smallest and largest subnormals, the smallest
 # normal, the largest finite, +-inf and a NaN.
 EDGE_HALVES = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x0400, 0x7BFF, 0x7C00, 0xFC00, 0x7E00],
@@ -76,27 +72,10 @@ def _suffix(type_name: str) -> str:
     return type_name.lower().replace("_k", "_K")
 
 
-def _row_bytes(type_name: str, row_length: int) -> int:
-    fmt = FORMATS[type_name]
-    return row_length // fmt.block_size * fmt.type_size
-
-
-def random_blocks(type_name: str, rng: np.random.Generator) -> np.ndarray:
-    """Rows of random bytes (every byte pattern is a block), with the scale halves of the
-    quantized types replaced by random finite halves of sane size."""
-    raw = rng.integers(0, 256, (ROWS, _row_bytes(type_name, ROW_LENGTH)), dtype=np.uint8)
-    if type_name in HALF_FIELDS:
-        blocks = raw.reshape(-1, FORMATS[type_name].type_size)
-        for start in HALF_FIELDS[type_name]:
-            halves = rng.uniform(-2.0, 2.0, len(blocks)).astype(np.float16)
-            blocks[:, start : start + 2] = halves.view(np.uint8).reshape(-1, 2)
-    return raw
-
-
 def edge_blocks(type_name: str, rng: np.random.Generator) -> np.ndarray:
     """Random blocks whose scale fields cycle through EDGE_HALVES (every combination of d and
     m for the two-scale types)."""
-    raw = random_blocks(type_name, rng)
+    raw = random_blocks(type_name, ROWS, ROW_LENGTH, rng)
     blocks = raw.reshape(-1, FORMATS[type_name].type_size)
     fields = HALF_FIELDS[type_name]
     index = np.arange(len(blocks))
@@ -118,33 +97,6 @@ def float_type_bytes(type_name: str, rng: np.random.Generator) -> np.ndarray:
     return bits.view(np.uint8).reshape(ROWS, 4 * ROW_LENGTH)
 
 
-def finite_blocks(type_name: str, rng: np.random.Generator) -> np.ndarray:
-    """Rows of blocks holding only finite values: quantized normal floats where the project
-    has a quantizer, random blocks with sane scales (Q4_0, Q4_1), or converted floats."""
-    values = rng.standard_normal((ROWS, ROW_LENGTH)).astype(np.float32)
-    if type_name in QUANTIZERS:
-        return quantize(values, type_name)
-    if type_name in HALF_FIELDS:
-        return random_blocks(type_name, rng)
-    if type_name == "F16":
-        return values.astype(np.float16).view(np.uint8)
-    if type_name == "BF16":  # the top half of each float32
-        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    return values.view(np.uint8)
-
-
-def assert_same_floats(actual: np.ndarray, expected: np.ndarray) -> None:
-    """Equal bit patterns wherever the value is a number; NaN exactly where numpy has NaN (a
-    NaN's payload is not part of the format: hardware conversions may quiet it)."""
-    nan = np.isnan(expected)
-    np.testing.assert_array_equal(np.isnan(actual), nan)
-    mismatch = actual.view(np.uint32)[~nan] != expected.view(np.uint32)[~nan]
-    assert not mismatch.any(), (
-        f"{mismatch.sum()} values differ, first: host {actual[~nan][mismatch][0]!r} "
-        f"numpy {expected[~nan][mismatch][0]!r}"
-    )
-
-
 def test_suffixes_cover_every_format() -> None:
     assert set(ALL_TYPES) == set(FORMATS)
 
@@ -158,12 +110,13 @@ def test_quantized_blocks_decode_bit_for_bit(blockmath: ctypes.CDLL, type_name: 
     assert_same_floats(host_dequantize(blockmath, raw, type_name, ROWS, ROW_LENGTH), expected)
 
 
-@pytest.mark.parametrize("make", [random_blocks, edge_blocks])
+@pytest.mark.parametrize("edges", [False, True], ids=["random", "edges"])
 @pytest.mark.parametrize("type_name", list(HALF_FIELDS))
 def test_random_and_edge_blocks_decode_bit_for_bit(
-    blockmath: ctypes.CDLL, type_name: str, make: object
+    blockmath: ctypes.CDLL, type_name: str, edges: bool
 ) -> None:
-    raw = make(type_name, np.random.default_rng(7))  # type: ignore[operator]
+    rng = np.random.default_rng(7)
+    raw = edge_blocks(type_name, rng) if edges else random_blocks(type_name, ROWS, ROW_LENGTH, rng)
     with np.errstate(invalid="ignore", over="ignore"):
         expected = dequantize(raw, type_name, (ROWS, ROW_LENGTH))
     assert_same_floats(host_dequantize(blockmath, raw, type_name, ROWS, ROW_LENGTH), expected)
@@ -189,7 +142,7 @@ def test_dot_products_within_float32_bound(blockmath: ctypes.CDLL, type_name: st
     """Each row's dot product (float32, summed in order) is within the classic bound of
     recursive summation: |error| <= n u / (1 - n u) * sum |w_i x_i|, u = 2**-24, n = terms."""
     rng = np.random.default_rng(5)
-    raw = finite_blocks(type_name, rng)
+    raw = finite_blocks(type_name, ROWS, ROW_LENGTH, rng)
     weights = dequantize(raw, type_name, (ROWS, ROW_LENGTH)).astype(np.float64)
     x = rng.standard_normal(ROW_LENGTH).astype(np.float32)
     exact = weights @ x.astype(np.float64)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.compute.cuda_plan import kernel_entry_points, kernel_source_dir
+from actors.compute.cuda_plan import kernel_entry_points, kernel_source_dir, nvcc_options
 
 ARCHS = ("80", "90")
 SOURCES = sorted(kernel_entry_points())
@@ -38,7 +38,7 @@ def compile_cubin(source: Path, arch: str, out_dir: Path) -> subprocess.Complete
     assert NVCC is not None
     cubin = out_dir / f"{source.stem}.sm_{arch}.cubin"
     return subprocess.run(
-        [NVCC, "-cubin", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Werror",
+        [NVCC, *nvcc_options(), "-cubin", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Werror",
          "all-warnings", "-Xptxas", PTXAS_FLAGS, "-o", str(cubin), str(source)],
         capture_output=True, text=True,
     )

@@ -14,13 +14,16 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from actors.errors import ComputeError, InvalidRequest
-from actors.model.arch import ModelSpec
-from actors.model.gguf import TensorInfo
 from actors.model.quants import row_bytes
+
+if TYPE_CHECKING:  # annotations only: the GPU machine's tests import this without `gguf`
+    from actors.model.arch import ModelSpec
+    from actors.model.gguf import TensorInfo
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
@@ -64,6 +67,13 @@ def kernel_source_dir() -> Path:
         f"no CUDA kernel sources next to {_PACKAGE_DIR} (looked for _cuda_src/ in the package "
         "and cuda_src/ beside it); reinstall q4k-actors"
     )
+
+
+def nvcc_options() -> list[str]:
+    """nvcc options for compiling a cuda_src file (PyCUDA's SourceModule(options=...), with
+    no_extern_c=True and include_dirs=[kernel_source_dir()]). No fast-math: the block decode
+    must round as quants.py does, and expf / division must keep their accuracy."""
+    return ["-std=c++17", "-O3"]
 
 
 def kernel_entry_points() -> dict[str, tuple[str, ...]]:
