@@ -5,7 +5,10 @@
 // out[t][i] = act(gate_up[t][i]) * gate_up[t][ffn + i]: each row of gate_up holds the gate
 // projection, then the up projection (two matvecs into one buffer with y_stride = 2 * ffn).
 // out: [n_tokens][ffn]. Grid-stride: any grid and block size.
-constexpr float GELU_C = 0.7978845608028654f;  // sqrt(2 / pi)
+// forward.py's constants, formed in float64 and rounded once, as numpy forms them.
+constexpr double GELU_C = 0.7978845608028654;  // sqrt(2 / pi)
+constexpr float GELU_CUBIC = float(-2.0 * GELU_C * 0.044715);
+constexpr float GELU_LINEAR = float(2.0 * GELU_C);
 
 struct silu_op {
     static __device__ float apply(float g) { return g / (1.0f + expf(-g)); }
@@ -13,7 +16,7 @@ struct silu_op {
 
 struct gelu_tanh_op {
     static __device__ float apply(float g) {
-        const float inner = (g * g * (-2.0f * GELU_C * 0.044715f) - 2.0f * GELU_C) * g;
+        const float inner = (g * g * GELU_CUBIC - GELU_LINEAR) * g;
         return g / (1.0f + expf(inner));
     }
 };

@@ -39,8 +39,10 @@ __device__ bool sorted_contains(const int* ids, int n, int id) {
     return low < n && ids[low] == id;
 }
 
+// The float64 steps are explicit (_rn intrinsics) so that none is fused into an FMA: each
+// rounds as numpy's does, and the penalized logits equal the sampler's bit for bit.
 __device__ double repeated(double value, double penalty) {
-    return value > 0 ? value / penalty : value * penalty;
+    return value > 0 ? __ddiv_rn(value, penalty) : __dmul_rn(value, penalty);
 }
 
 extern "C" __global__ void apply_penalties(
@@ -60,7 +62,8 @@ extern "C" __global__ void apply_penalties(
         const int id = counted[k], count = counts[count_offsets[row] + k];
         double value = l[id];
         if (sorted_contains(reps, n_reps, id)) value = repeated(value, repetition[row]);
-        value -= presence[row] * (count > 0) + frequency[row] * count;
+        value = __dsub_rn(value, __dadd_rn(__dmul_rn(presence[row], count > 0 ? 1.0 : 0.0),
+                                           __dmul_rn(frequency[row], double(count))));
         l[id] = float(value);
     }
     // ... and the repeated tokens that are not counted here.
