@@ -21,6 +21,7 @@
 //     l_max * inv_temp for the absolute one). float32 exp terms, each thread summing its
 //     strided share in order, then a tree: |error| <= about 1e-4 for vocabularies up to 262144
 //     (the relative error of a float32 sum of that many positive terms, plus expf's 2 ulp).
+//     A row whose logits are all -inf has no partition: its log_z is NaN.
 //   Selection is exact: a 4-pass radix select on order-preserving 32-bit keys finds the k-th
 //   largest value, one pass gathers the values above it and, in id order, the lowest ids of
 //   those equal to it, and a rank sort orders the k candidates.

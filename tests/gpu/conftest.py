@@ -4,7 +4,7 @@ compiled from cuda_src/ (each file once)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +39,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def cuda_context() -> Iterator[Any]:
-    import pycuda.driver as cuda
+def cuda_context() -> Any:
+    """Device 0's primary context, current for the session; PyCUDA releases it at exit, after
+    the tests' device arrays are gone."""
+    import pycuda.autoprimaryctx
 
-    cuda.init()
-    context = cuda.Device(0).make_context()
-    try:
-        yield context
-    finally:
-        context.pop()
-        context.detach()
+    return pycuda.autoprimaryctx.context
 
 
 @pytest.fixture(scope="session")
