@@ -14,10 +14,11 @@
 //     [n_seqs][n_heads][n_splits](head_dim); splits past the keys write (-inf, 0, 0).
 //   attention_decode_combine, grid (n_heads, n_seqs), 256 threads: merges the splits.
 // Prefill (items of several tokens at positions item_start + i, query rows item_first_row + i):
-//   attention_prefill, grid (ceil(max item_tokens / ATTN_WARPS), n_heads, n_items),
-//   ATTN_WARPS * 32 threads: one warp per query, causal, its keys streamed in 32-key chunks
-//   (one key per lane for the scores, one feature per lane for the values) with an online
-//   softmax; a block's queries are consecutive, so they share the chunks through the L1 cache.
+//   attention_prefill, grid (ceil(max item_tokens / PREFILL_QUERIES), n_heads, n_items),
+//   ATTN_WARPS * 32 threads: a block takes PREFILL_QUERIES consecutive queries of one item and
+//   head, causal. It walks the keys its queries see in tiles of 32, staged in shared memory
+//   once for all of them; each warp folds a tile into the online softmax of each of its
+//   queries (one key per lane for the scores, one feature per lane for the values).
 #include <cuda_fp16.h>
 
 #include "device_common.cuh"
@@ -26,6 +27,11 @@ constexpr int MAX_HEAD_DIM = 256;
 constexpr int DIMS_PER_LANE = MAX_HEAD_DIM / WARP;
 constexpr int ATTN_WARPS = 4;
 constexpr int COMBINE_THREADS = 256;
+constexpr int QUERIES_PER_WARP = 2;
+constexpr int PREFILL_QUERIES = ATTN_WARPS * QUERIES_PER_WARP;
+// Staged key rows are padded by one 4-byte word: lanes reading rows j at the same feature
+// then hit 32 different banks.
+constexpr int KEY_TILE_LD = MAX_HEAD_DIM + 2;
 
 // One sequence's keys and values of one KV head in one layer's cache.
 struct PagedHead {
@@ -64,8 +70,35 @@ __device__ float key_score(const float* q, const __half* key, int head_dim) {
     return score;
 }
 
+// Fold a chunk of up to 32 keys into the warp's softmax state: lane j holds key j's score
+// (-inf where the query must not see it), value_row(j) gives key j's value row (every lane
+// calls it with the same j). A chunk with nothing visible changes nothing.
+template <class ValueRow>
+__device__ void fold_chunk(OnlineSoftmax& state, float score, int keys_here, int head_dim,
+                           ValueRow value_row) {
+    const int lane = threadIdx.x % WARP;
+    const float chunk_max = warp_max(score);
+    if (chunk_max == -INFINITY) return;
+    const float new_max = fmaxf(state.max, chunk_max);
+    const float correction = expf(state.max - new_max);  // 0 while the state is empty
+    const float weight = expf(score - new_max);          // 0 for an invisible key
+    state.sum = state.sum * correction + warp_sum(weight);
+#pragma unroll
+    for (int i = 0; i < DIMS_PER_LANE; ++i) state.acc[i] *= correction;
+    for (int j = 0; j < keys_here; ++j) {
+        const float w = __shfl_sync(FULL_MASK, weight, j);
+        const __half* value = value_row(j);
+#pragma unroll
+        for (int i = 0; i < DIMS_PER_LANE; ++i) {
+            const int d = lane + WARP * i;
+            if (d < head_dim) state.acc[i] += w * __half2float(value[d]);
+        }
+    }
+    state.max = new_max;
+}
+
 // Fold keys first, first + 32, ... (chunks of 32 starting every `chunk_stride` keys) up to
-// `last` into the warp's softmax state; q (scaled) is in shared memory.
+// `last`, read straight from the paged cache; q (scaled) is in shared memory.
 __device__ void attend_keys(const float* q, const PagedHead& head, int head_dim, int first,
                             int last, int chunk_stride, OnlineSoftmax& state) {
     const int lane = threadIdx.x % WARP;
@@ -74,23 +107,8 @@ __device__ void attend_keys(const float* q, const PagedHead& head, int head_dim,
         const bool visible = key <= last;
         const int64_t offset = visible ? head.offset(key) : 0;
         const float score = visible ? key_score(q, head.k + offset, head_dim) : -INFINITY;
-        const float new_max = fmaxf(state.max, warp_max(score));  // finite: key `base` is visible
-        const float correction = expf(state.max - new_max);
-        const float weight = visible ? expf(score - new_max) : 0.0f;
-        state.sum = state.sum * correction + warp_sum(weight);
-#pragma unroll
-        for (int i = 0; i < DIMS_PER_LANE; ++i) state.acc[i] *= correction;
-        const int keys_here = min(WARP, last - base + 1);
-        for (int j = 0; j < keys_here; ++j) {
-            const float w = __shfl_sync(FULL_MASK, weight, j);
-            const __half* value = head.v + __shfl_sync(FULL_MASK, offset, j);
-#pragma unroll
-            for (int i = 0; i < DIMS_PER_LANE; ++i) {
-                const int d = lane + WARP * i;
-                if (d < head_dim) state.acc[i] += w * __half2float(value[d]);
-            }
-        }
-        state.max = new_max;
+        fold_chunk(state, score, min(WARP, last - base + 1), head_dim,
+                   [&](int j) { return head.v + __shfl_sync(FULL_MASK, offset, j); });
     }
 }
 
@@ -176,34 +194,86 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attention_decode_c
     }
 }
 
-// The occupancy hint (4 blocks per SM) lets ptxas take up to 128 registers; without it sm_80's
-// build capped itself at 64 and spilled.
-extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP, 4) attention_prefill(
+// q . k for a key row staged in shared memory (KEY_TILE_LD layout), q scaled in shared memory.
+__device__ float staged_key_score(const float* q, const __half* key, int head_dim) {
+    const __half2* pairs = reinterpret_cast<const __half2*>(key);
+    float score = 0.0f;
+    for (int d = 0; d < head_dim; d += 2) {
+        const float2 k = __half22float2(pairs[d / 2]);
+        score += q[d] * k.x + q[d + 1] * k.y;
+    }
+    return score;
+}
+
+// Copy keys [base, base + count) of the paged head into the tiles, 16 bytes at a time.
+__device__ void stage_keys(const PagedHead& head, int base, int count, int head_dim,
+                           __half (*k_tile)[KEY_TILE_LD], __half (*v_tile)[MAX_HEAD_DIM]) {
+    const int vectors_per_row = head_dim / 8;
+    for (int e = threadIdx.x; e < count * vectors_per_row; e += blockDim.x) {
+        const int j = e / vectors_per_row, d = 8 * (e % vectors_per_row);
+        const int64_t offset = head.offset(base + j) + d;
+        const uint4 k = *reinterpret_cast<const uint4*>(head.k + offset);
+        uint32_t* k_row = reinterpret_cast<uint32_t*>(&k_tile[j][d]);  // padded rows: 4-byte aligned
+        k_row[0] = k.x;
+        k_row[1] = k.y;
+        k_row[2] = k.z;
+        k_row[3] = k.w;
+        *reinterpret_cast<uint4*>(&v_tile[j][d]) = *reinterpret_cast<const uint4*>(head.v + offset);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP) attention_prefill(
     const float* __restrict__ q, int q_stride, const __half* __restrict__ k_cache,
     const __half* __restrict__ v_cache, const int* __restrict__ block_tables, int table_stride,
     const int* __restrict__ item_first_row, const int* __restrict__ item_tokens,
     const int* __restrict__ item_start, int block_size, int n_heads, int n_kv_heads,
     int head_dim, float scale, int window, float* __restrict__ out, int out_stride) {
-    __shared__ float q_scaled[ATTN_WARPS][MAX_HEAD_DIM];
+    __shared__ float q_scaled[PREFILL_QUERIES][MAX_HEAD_DIM];
+    __shared__ __align__(16) __half k_tile[WARP][KEY_TILE_LD];
+    __shared__ __align__(16) __half v_tile[WARP][MAX_HEAD_DIM];
     const int head = blockIdx.y, item = blockIdx.z;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int i = blockIdx.x * ATTN_WARPS + warp;
-    if (i >= item_tokens[item]) return;  // the whole warp leaves: only warp syncs follow
-    const int64_t row = item_first_row[item] + i;
-    const int position = item_start[item] + i;
+    const int first_query = blockIdx.x * PREFILL_QUERIES;
+    const int n_queries = min(PREFILL_QUERIES, item_tokens[item] - first_query);
+    if (n_queries <= 0) return;  // the whole block leaves
+    const int64_t first_row = item_first_row[item] + first_query;
+    const int first_position = item_start[item] + first_query;
 
-    for (int d = lane; d < head_dim; d += WARP) {
-        q_scaled[warp][d] = q[row * q_stride + head * head_dim + d] * scale;
+    for (int e = threadIdx.x; e < n_queries * head_dim; e += blockDim.x) {
+        const int i = e / head_dim, d = e % head_dim;
+        q_scaled[i][d] = q[(first_row + i) * q_stride + head * head_dim + d] * scale;
     }
-    __syncwarp();
     const PagedHead kv = paged_head(k_cache, v_cache, block_tables + int64_t(item) * table_stride,
                                     block_size, n_heads, n_kv_heads, head_dim, head);
-    OnlineSoftmax state;
-    attend_keys(q_scaled[warp], kv, head_dim, first_visible_key(position, window), position, WARP,
-                state);
+    OnlineSoftmax state[QUERIES_PER_WARP];
+    const int last_key = first_position + n_queries - 1;
+    for (int base = first_visible_key(first_position, window); base <= last_key; base += WARP) {
+        const int keys_here = min(WARP, last_key - base + 1);
+        __syncthreads();  // the previous tile is consumed (and, the first time, q is staged)
+        stage_keys(kv, base, keys_here, head_dim, k_tile, v_tile);
+        __syncthreads();
 #pragma unroll
-    for (int k = 0; k < DIMS_PER_LANE; ++k) {
-        const int d = lane + WARP * k;
-        if (d < head_dim) out[row * out_stride + head * head_dim + d] = state.acc[k] / state.sum;
+        for (int r = 0; r < QUERIES_PER_WARP; ++r) {
+            const int i = warp * QUERIES_PER_WARP + r;
+            if (i >= n_queries) break;  // warp-uniform
+            const int position = first_position + i, key = base + lane;
+            const bool visible = lane < keys_here && key <= position &&
+                                 key >= first_visible_key(position, window);
+            const float score =
+                visible ? staged_key_score(q_scaled[i], k_tile[lane], head_dim) : -INFINITY;
+            fold_chunk(state[r], score, keys_here, head_dim, [&](int j) { return v_tile[j]; });
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < QUERIES_PER_WARP; ++r) {
+        const int i = warp * QUERIES_PER_WARP + r;
+        if (i >= n_queries) break;
+#pragma unroll
+        for (int k = 0; k < DIMS_PER_LANE; ++k) {
+            const int d = lane + WARP * k;
+            if (d < head_dim) {
+                out[(first_row + i) * out_stride + head * head_dim + d] = state[r].acc[k] / state[r].sum;
+            }
+        }
     }
 }

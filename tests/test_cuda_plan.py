@@ -125,7 +125,7 @@ def test_launches_cover_their_work() -> None:
     assert plan.elementwise_launch(1 << 40).grid[0] == plan.GRID_LIMIT
     assert plan.attention_decode_launch(4, 32, 16) == plan.Launch((16, 32, 4), (128, 1, 1))
     assert plan.attention_combine_launch(4, 32) == plan.Launch((32, 4, 1), (256, 1, 1))
-    assert plan.attention_prefill_launch(13, 8, 2) == plan.Launch((4, 8, 2), (128, 1, 1))
+    assert plan.attention_prefill_launch(13, 8, 2) == plan.Launch((2, 8, 2), (128, 1, 1))
     assert plan.candidates_launch(3, 64, 1000).grid == (3, 1, 1)
     with pytest.raises(InvalidRequest):
         plan.rope_launch(70000, 8)  # past the grid's y limit

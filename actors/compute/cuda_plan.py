@@ -48,6 +48,7 @@ ROPE_THREADS = 64
 ELEMENTWISE_THREADS = 256
 ATTN_WARPS = 4
 ATTN_KEYS_PER_PASS = ATTN_WARPS * 32  # a decode split's warps take 32-key chunks in turn
+PREFILL_QUERIES = 8  # queries of one item and head per prefill attention block
 MAX_HEAD_DIM = 256
 COMBINE_THREADS = 256
 CANDIDATE_THREADS = 1024
@@ -313,7 +314,7 @@ def attention_combine_launch(n_seqs: int, n_heads: int) -> Launch:
 
 
 def attention_prefill_launch(max_item_tokens: int, n_heads: int, n_items: int) -> Launch:
-    return _check_grid(Launch((_blocks(max_item_tokens, ATTN_WARPS), n_heads, n_items),
+    return _check_grid(Launch((_blocks(max_item_tokens, PREFILL_QUERIES), n_heads, n_items),
                               (ATTN_WARPS * 32, 1, 1)))
 
 
