@@ -43,7 +43,8 @@ struct PagedHead {
     int head_offset;
 
     __device__ int64_t offset(int position) const {
-        const int64_t slot = int64_t(table[position / block_size]) * block_size + position % block_size;
+        const int64_t slot =
+            int64_t(table[position / block_size]) * block_size + position % block_size;
         return slot * kv_dim + head_offset;
     }
 };
@@ -113,7 +114,9 @@ __device__ void attend_keys(const float* q, const PagedHead& head, int head_dim,
 }
 
 // exp(m - overall) as the weight of a partial result with max m; 0 for an empty one.
-__device__ float rescale(float m, float overall) { return m == -INFINITY ? 0.0f : expf(m - overall); }
+__device__ float rescale(float m, float overall) {
+    return m == -INFINITY ? 0.0f : expf(m - overall);
+}
 
 __device__ int first_visible_key(int position, int window) {
     return window > 0 ? max(0, position - window + 1) : 0;
@@ -164,12 +167,16 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP) attention_decode
     const int64_t index = (int64_t(seq) * n_heads + head) * gridDim.x + split;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float acc = 0.0f;
-        for (int w = 0; w < ATTN_WARPS; ++w) acc += rescale(warp_max_of[w], overall) * warp_acc_of[w][d];
+        for (int w = 0; w < ATTN_WARPS; ++w) {
+            acc += rescale(warp_max_of[w], overall) * warp_acc_of[w][d];
+        }
         partial_acc[index * head_dim + d] = acc;
     }
     if (threadIdx.x == 0) {
         float sum = 0.0f;
-        for (int w = 0; w < ATTN_WARPS; ++w) sum += rescale(warp_max_of[w], overall) * warp_sum_of[w];
+        for (int w = 0; w < ATTN_WARPS; ++w) {
+            sum += rescale(warp_max_of[w], overall) * warp_sum_of[w];
+        }
         partial_max[index] = overall;
         partial_sum[index] = sum;
     }
@@ -184,11 +191,14 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attention_decode_c
     float overall = -INFINITY;
     for (int s = 0; s < n_splits; ++s) overall = fmaxf(overall, partial_max[first + s]);
     float sum = 0.0f;
-    for (int s = 0; s < n_splits; ++s) sum += rescale(partial_max[first + s], overall) * partial_sum[first + s];
+    for (int s = 0; s < n_splits; ++s) {
+        sum += rescale(partial_max[first + s], overall) * partial_sum[first + s];
+    }
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float acc = 0.0f;
         for (int s = 0; s < n_splits; ++s) {
-            acc += rescale(partial_max[first + s], overall) * partial_acc[(first + s) * head_dim + d];
+            const float weight = rescale(partial_max[first + s], overall);
+            acc += weight * partial_acc[(first + s) * head_dim + d];
         }
         out[int64_t(seq) * out_stride + head * head_dim + d] = acc / sum;
     }
@@ -213,7 +223,8 @@ __device__ void stage_keys(const PagedHead& head, int base, int count, int head_
         const int j = e / vectors_per_row, d = 8 * (e % vectors_per_row);
         const int64_t offset = head.offset(base + j) + d;
         const uint4 k = *reinterpret_cast<const uint4*>(head.k + offset);
-        uint32_t* k_row = reinterpret_cast<uint32_t*>(&k_tile[j][d]);  // padded rows: 4-byte aligned
+        // Padded rows are only 4-byte aligned: store the vector as words.
+        uint32_t* k_row = reinterpret_cast<uint32_t*>(&k_tile[j][d]);
         k_row[0] = k.x;
         k_row[1] = k.y;
         k_row[2] = k.z;
@@ -272,7 +283,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP) attention_prefil
         for (int k = 0; k < DIMS_PER_LANE; ++k) {
             const int d = lane + WARP * k;
             if (d < head_dim) {
-                out[(first_row + i) * out_stride + head * head_dim + d] = state[r].acc[k] / state[r].sum;
+                out[(first_row + i) * out_stride + head * head_dim + d] =
+                    state[r].acc[k] / state[r].sum;
             }
         }
     }

@@ -70,7 +70,9 @@ extern "C" __global__ void apply_penalties(
     // ... and the repeated tokens that are not counted here.
     for (int k = threadIdx.x; k < n_reps; k += blockDim.x) {
         const int id = reps[k];
-        if (!sorted_contains(counted, n_counted, id)) l[id] = float(repeated(l[id], repetition[row]));
+        if (!sorted_contains(counted, n_counted, id)) {
+            l[id] = float(repeated(l[id], repetition[row]));
+        }
     }
 }
 
@@ -162,7 +164,9 @@ extern "C" __global__ void __launch_bounds__(CANDIDATE_THREADS) top_candidates(
 
     for (int c = threadIdx.x; c < k; c += blockDim.x) {
         int rank = 0;
-        for (int j = 0; j < k; ++j) rank += keys[j] > keys[c] || (keys[j] == keys[c] && ids[j] < ids[c]);
+        for (int j = 0; j < k; ++j) {
+            rank += keys[j] > keys[c] || (keys[j] == keys[c] && ids[j] < ids[c]);
+        }
         cand_ids[int64_t(row) * k + rank] = ids[c];
         cand_logits[int64_t(row) * k + rank] = l[ids[c]];
         if (rank == 0) top_logit = l[ids[c]];

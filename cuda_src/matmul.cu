@@ -70,7 +70,8 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
             stage_row<In>(w_tile[threadIdx.x], values);
         } else {  // warps 2-3: one token's 32 activations each
             const int t = threadIdx.x - TILE_ROWS, token = token0 + t;
-            const float4* src = reinterpret_cast<const float4*>(x + token * x_stride + group * GROUP);
+            const float4* src =
+                reinterpret_cast<const float4*>(x + token * x_stride + group * GROUP);
 #pragma unroll
             for (int i = 0; i < GROUP / 4; ++i) {
                 const float4 v = token < n_tokens ? __ldg(src + i) : make_float4(0, 0, 0, 0);

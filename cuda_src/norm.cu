@@ -35,7 +35,9 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
         __syncthreads();  // every thread's part of x is written before the sums read it
     }
     const float divisor = block_rms_divisor(row, d, eps, scratch);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) out[offset + i] = row[i] / divisor * weight[i];
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        out[offset + i] = row[i] / divisor * weight[i];
+    }
 }
 
 // Per-head RMSNorm in place (gemma-3's q/k norms): head h of token t is

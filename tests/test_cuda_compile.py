@@ -29,6 +29,8 @@ def find_nvcc() -> str | None:
 
 
 NVCC = find_nvcc()
+# (source name, arch) -> (nvcc's return code, its output, the cubin's path)
+Compiled = dict[tuple[str, str], tuple[int, str, Path]]
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed on this machine "
                                 "(pinned nvidia-cuda-nvcc wheels provide one: see "
                                 "../shared/cuda/README.md)")
@@ -45,8 +47,8 @@ def compile_cubin(source: Path, arch: str, out_dir: Path) -> subprocess.Complete
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tuple[int, str, Path]]:
-    """(source name, arch) -> (return code, nvcc output, cubin path), for every pair."""
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> Compiled:
+    """Every source compiled for every arch."""
     out_dir = tmp_path_factory.mktemp("cubins")
     jobs = [(name, arch) for name in SOURCES for arch in ARCHS]
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -65,7 +67,7 @@ def test_every_source_file_is_listed() -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", SOURCES)
-def test_kernel_compiles_clean(compiled: dict, name: str, arch: str) -> None:
+def test_kernel_compiles_clean(compiled: Compiled, name: str, arch: str) -> None:
     returncode, output, cubin = compiled[(name, arch)]
     assert returncode == 0, f"nvcc failed for {name} on sm_{arch}:\n{output}"
     assert "stack frame" in output  # ptxas -v reported every function: the checks did run
