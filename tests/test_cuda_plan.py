@@ -28,6 +28,13 @@ def test_kernel_sources_are_found_in_the_checkout() -> None:
     assert found == set(plan.kernel_entry_points())
 
 
+def test_kernels_compile_without_fast_math() -> None:
+    """Fast math would change expf, division and the decode's rounding: the exact-decode and
+    tolerance claims of the kernels assume IEEE float32."""
+    options = plan.nvcc_options()
+    assert not any("fast" in option or "fmad" in option for option in options)
+
+
 def test_every_block_type_has_a_kernel_suffix() -> None:
     from actors.model.quants import FORMATS
 
