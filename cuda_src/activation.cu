@@ -16,7 +16,10 @@ struct silu_op {
 
 struct gelu_tanh_op {
     static __device__ float apply(float g) {
-        const float inner = (g * g * GELU_CUBIC - GELU_LINEAR) * g;
+        // forward.py's steps, each rounded (no FMA): exp amplifies the exponent's error by its
+        // size (up to ~88), so the exponent must match the CPU's bit for bit.
+        const float inner =
+            __fmul_rn(__fsub_rn(__fmul_rn(__fmul_rn(g, g), GELU_CUBIC), GELU_LINEAR), g);
         return g / (1.0f + expf(inner));
     }
 };
