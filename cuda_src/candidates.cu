@@ -12,16 +12,23 @@
 //   rep_offsets[r + 1]); counted ids count_ids[...] with counts[...] at count_offsets[r] ...
 //   Parameters are float64 per row (repetition 1 and presence = frequency = 0 are no-ops).
 //
-// top_candidates(logits, ...), one block of CANDIDATE_THREADS per row:
-//   - cand_ids / cand_logits [rows][k]: the k largest logits of the row, descending, ties by
-//     the lower id; candidate 0 is therefore the argmax (lowest id on ties).
-//     1 <= k <= min(vocab, MAX_CANDIDATES); -0 and +0 count as equal; logits must not be NaN.
-//   - log_z [rows] = log(sum_i exp((l_i - l_max) * inv_temp[row])), l_max = candidate 0's
-//     logit: the log-partition of the tempered row relative to its max (the sampler adds
-//     l_max * inv_temp for the absolute one). float32 exp terms, each thread summing its
-//     strided share in order, then a tree: |error| <= about 1e-4 for vocabularies up to 262144
-//     (the relative error of a float32 sum of that many positive terms, plus expf's 2 ulp).
-//     A row whose logits are all -inf has no partition: its log_z is NaN.
+// top_candidates(logits, ...), one block of CANDIDATE_THREADS per row, every row's
+//   parameters from device arrays (so a captured graph or any step can reuse the launch):
+//   - the row's top k = most[row] logits (1 <= k <= min(vocab, width, MAX_CANDIDATES)),
+//     descending, ties by the lower id; candidate 0 is therefore the argmax (lowest id on
+//     ties); -0 and +0 count as equal; logits must not be NaN.
+//   - log_z = log(sum_i exp((l_i - l_max) * inv_temp[row])), l_max = candidate 0's logit: the
+//     log-partition of the tempered row relative to its max (the sampler adds l_max *
+//     inv_temp for the absolute one). float32 exp terms, each thread summing its strided
+//     share in order, then a tree: |error| <= about 1e-4 for vocabularies up to 262144 (the
+//     relative error of a float32 sum of that many positive terms, plus expf's 2 ulp). A row
+//     whose logits are all -inf has no partition: its log_z is NaN.
+//   - count: how many of the k candidates the row hands over (RowInputs' rule): at least
+//     least[row], and where mass[row] > 0 enough that their weights exp((l - l_max) *
+//     inv_temp) reach mass * exp(log_z), plus CANDIDATE_MARGIN against the float32 sums'
+//     rounding, never more than k. A row whose top logit is not finite hands over 1.
+//   out: one record of 2 + 2 * width 32-bit words per row: count (int), log_z (float),
+//     ids[width] (int), logits[width] (float); columns past k are left as they were.
 //   Selection is exact: a 4-pass radix select on order-preserving 32-bit keys finds the k-th
 //   largest value, one pass gathers the values above it and, in id order, the lowest ids of
 //   those equal to it, and a rank sort orders the k candidates.
@@ -30,6 +37,8 @@
 constexpr int CANDIDATE_THREADS = 1024;
 constexpr int MAX_CANDIDATES = 1024;
 constexpr int RADIX = 256;
+// Candidates added past the mass target: the device sums in float32, the target is exact.
+constexpr int CANDIDATE_MARGIN = 2;
 
 __device__ bool sorted_contains(const int* ids, int n, int id) {
     int low = 0, high = n;
@@ -123,19 +132,50 @@ __device__ uint2 radix_select(const float* l, int vocab, int k, int* histogram, 
     return make_uint2(prefix, uint32_t(wanted));
 }
 
+// How many of the k sorted candidates reach `target` weight (+ CANDIDATE_MARGIN), by warp 0:
+// each lane sums a run of consecutive candidates, a scan over the lanes gives each run's
+// starting weight, then each lane counts its candidates whose running weight is below target.
+__device__ int candidates_below(const float* sorted_logits, int k, float top, float scale,
+                                float target) {
+    const int lane = threadIdx.x % WARP;
+    const int per_lane = (k + WARP - 1) / WARP;
+    const int first = lane * per_lane, last = min(k, first + per_lane);
+    float run = 0.0f;
+    for (int c = first; c < last; ++c) run += expf((sorted_logits[c] - top) * scale);
+    float before = run;
+#pragma unroll
+    for (int offset = 1; offset < WARP; offset *= 2) {
+        const float other = __shfl_up_sync(FULL_MASK, before, offset);
+        if (lane >= offset) before += other;
+    }
+    before -= run;  // the weight of the runs of the lanes before this one
+    int below = 0;
+    for (int c = first; c < last; ++c) {
+        before += expf((sorted_logits[c] - top) * scale);
+        below += before < target;
+    }
+    return __reduce_add_sync(FULL_MASK, below);
+}
+
 extern "C" __global__ void __launch_bounds__(CANDIDATE_THREADS) top_candidates(
-    const float* __restrict__ logits, int vocab, int k, const float* __restrict__ inv_temp,
-    int* __restrict__ cand_ids, float* __restrict__ cand_logits, float* __restrict__ log_z) {
+    const float* __restrict__ logits, int vocab, const int* __restrict__ least,
+    const int* __restrict__ most, const float* __restrict__ mass,
+    const float* __restrict__ inv_temp, int width, int* __restrict__ out) {
     __shared__ int histogram[RADIX];
     __shared__ uint2 select_result;
     __shared__ int warp_counts[WARP];
     __shared__ float scratch[WARP];
     __shared__ int ids[MAX_CANDIDATES];
     __shared__ uint32_t keys[MAX_CANDIDATES];
+    __shared__ float sorted_logits[MAX_CANDIDATES];
     __shared__ int n_above;
-    __shared__ float top_logit;
+    __shared__ int count;
     const int row = blockIdx.x;
+    const int k = most[row];
     const float* l = logits + int64_t(row) * vocab;
+    int* record = out + int64_t(row) * (2 + 2 * width);
+    int* cand_ids = record + 2;
+    float* cand_logits = reinterpret_cast<float*>(record + 2 + width);
 
     const uint2 selected = radix_select(l, vocab, k, histogram, &select_result);
     const uint32_t threshold = selected.x;
@@ -152,13 +192,13 @@ extern "C" __global__ void __launch_bounds__(CANDIDATE_THREADS) top_candidates(
             keys[slot] = key;
         }
         const bool tie = i < vocab && key == threshold;
-        const int2 count = block_exclusive_count(tie, warp_counts);
-        if (tie && ties_seen + count.x < ties_wanted) {
-            const int slot = k - ties_wanted + ties_seen + count.x;
+        const int2 tied = block_exclusive_count(tie, warp_counts);
+        if (tie && ties_seen + tied.x < ties_wanted) {
+            const int slot = k - ties_wanted + ties_seen + tied.x;
             ids[slot] = i;
             keys[slot] = key;
         }
-        ties_seen += count.y;
+        ties_seen += tied.y;
     }
     __syncthreads();
 
@@ -167,14 +207,28 @@ extern "C" __global__ void __launch_bounds__(CANDIDATE_THREADS) top_candidates(
         for (int j = 0; j < k; ++j) {
             rank += keys[j] > keys[c] || (keys[j] == keys[c] && ids[j] < ids[c]);
         }
-        cand_ids[int64_t(row) * k + rank] = ids[c];
-        cand_logits[int64_t(row) * k + rank] = l[ids[c]];
-        if (rank == 0) top_logit = l[ids[c]];
+        cand_ids[rank] = ids[c];
+        cand_logits[rank] = l[ids[c]];
+        sorted_logits[rank] = l[ids[c]];
     }
     __syncthreads();
+    const float top = sorted_logits[0];
     const float scale = inv_temp[row];
     float sum = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf((l[i] - top_logit) * scale);
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf((l[i] - top) * scale);
     const float total = block_sum(sum, scratch);
-    if (threadIdx.x == 0) log_z[row] = logf(total);
+    const float target = mass[row] * total;
+    if (threadIdx.x < WARP) {
+        // Warp-uniform: every lane of warp 0 sees the same row values.
+        const int reach = target > 0.0f && isfinite(top)
+                              ? candidates_below(sorted_logits, k, top, scale, target) +
+                                    CANDIDATE_MARGIN
+                              : 0;
+        if (threadIdx.x == 0) count = isfinite(top) ? min(k, max(least[row], reach)) : 1;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        record[0] = count;
+        reinterpret_cast<float*>(record)[1] = logf(total);
+    }
 }

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from actors.errors import ComputeError, InvalidRequest
-from actors.model.quants import row_bytes
+from actors.model.quants import dequantize, row_bytes
 
 if TYPE_CHECKING:  # annotations only: the GPU machine's tests import this without `gguf`
     from actors.model.arch import ModelSpec
@@ -91,6 +91,7 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
         "attention.cu": ("attention_decode_split", "attention_decode_combine",
                          "attention_prefill"),
         "candidates.cu": ("apply_penalties", "top_candidates"),
+        "bias.cu": ("add_bias",),
     }
 
 
@@ -181,10 +182,15 @@ def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
         "partial_acc": partials * spec.head_dim * f32,
         "partial_max": partials * f32,
         "partial_sum": partials * f32,
-        "cand_ids": rows * limits.max_candidates * 4,
-        "cand_logits": rows * limits.max_candidates * f32,
-        "log_z": rows * f32,
+        "final": rows * spec.d_model * f32,  # the logits rows' normed states, gathered
+        "candidates": rows * candidate_record_words(limits.max_candidates) * 4,
     }
+
+
+def candidate_record_words(width: int) -> int:
+    """32-bit words of one row's top_candidates record: count, log_z, ids[width],
+    logits[width]."""
+    return 2 + 2 * width
 
 
 @dataclass(frozen=True)
@@ -220,6 +226,56 @@ def plan_memory(free_bytes: int, fraction: float, weights: int, workspace: int,
             "smaller model, a larger fraction or a smaller step"
         )
     return MemoryPlan(weights, workspace, block_bytes, int(blocks))
+
+
+ARENA_ALIGN = 256  # each tensor of the weight arena starts where cuMemAlloc would put it
+
+
+def weight_arena(tensors: Iterable[TensorInfo]) -> tuple[dict[str, int], int]:
+    """Each tensor's byte offset in one device allocation holding them all, and its size."""
+    offsets, cursor = {}, 0
+    for info in tensors:
+        offsets[info.name] = cursor
+        cursor += -(-device_tensor_bytes(info) // ARENA_ALIGN) * ARENA_ALIGN
+    return offsets, cursor
+
+
+def device_bytes_of(raw: np.ndarray, info: TensorInfo,
+                    chunk_rows: int = 4096) -> Iterable[tuple[int, np.ndarray]]:
+    """The device image of a tensor from its raw GGUF bytes, as (byte offset, bytes) chunks:
+    a matrix's blocks as stored at `row_pitch` (the raw view itself where the pitch is the
+    row's size), a vector as float32."""
+    if len(info.shape) == 1:
+        yield 0, np.ascontiguousarray(dequantize(raw, info.type_name, info.shape),
+                                      dtype=np.float32).view(np.uint8)
+        return
+    rows = raw.reshape(-1, raw.shape[-1])
+    pitch = row_pitch(info.type_name, info.shape[-1])
+    if pitch == rows.shape[1]:
+        yield 0, rows.reshape(-1)
+        return
+    for first in range(0, len(rows), chunk_rows):
+        chunk = rows[first : first + chunk_rows]
+        out = np.zeros((len(chunk), pitch), dtype=np.uint8)
+        out[:, : chunk.shape[1]] = chunk
+        yield first * pitch, out.reshape(-1)
+
+
+def kv_pool_blocks(free_bytes: int, fraction: float, weights: int, workspace: int,
+                   block_bytes: int, requested: int | None, useful: int) -> int:
+    """KV blocks for the scheduler: `requested` if memory holds it, else as many as the
+    memory plan holds up to `useful` (what the engine's sequences can use). One more block
+    than this is allocated: the padding rows' block, which the scheduler never hands out."""
+    memory = plan_memory(free_bytes, fraction, weights, workspace + block_bytes, block_bytes)
+    if requested is not None:
+        if requested > memory.kv_blocks:
+            raise ComputeError(
+                f"{requested} KV blocks of {block_bytes / 2**20:.1f} MiB do not fit: "
+                f"{fraction:.0%} of the device's free memory holds {memory.kv_blocks} besides "
+                "the weights and workspace; ask for fewer blocks or a larger fraction"
+            )
+        return requested
+    return min(memory.kv_blocks, useful)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,7 +379,8 @@ def penalties_launch(n_rows: int) -> Launch:
 
 
 def candidates_launch(n_rows: int, k: int, vocab: int) -> Launch:
-    """top_candidates: one block per row; 1 <= k <= min(vocab, MAX_CANDIDATES)."""
+    """top_candidates: one block per row; 1 <= k <= min(vocab, MAX_CANDIDATES) (k: the
+    record width, the most candidates any row asks)."""
     if not 1 <= k <= min(vocab, MAX_CANDIDATES):
         raise InvalidRequest(f"candidates per row must be in [1, {min(vocab, MAX_CANDIDATES)}], "
                              f"got {k}", field="candidates")
@@ -387,16 +444,24 @@ def pack_int32(arrays: Mapping[str, np.ndarray]) -> PackedArrays:
     return PackedArrays(buffer, offsets, shapes)
 
 
-def pack_decode_step(token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                     tables: Sequence[Sequence[int]], bucket: int, table_stride: int,
-                     pad_slot: int, pad_block: int) -> PackedArrays:
+def decode_step_arrays(token_ids: Sequence[int], positions: Sequence[int],
+                       slots: Sequence[int], tables: Sequence[Sequence[int]], bucket: int,
+                       table_stride: int, pad_slot: int, pad_block: int) -> dict[str, np.ndarray]:
     """A decode step (one token per sequence) padded to its graph bucket: token_ids,
     positions, slots (block * block_size + offset) and block_tables. Padding rows read token 0
     at position 0 through `pad_block` and write their K/V to `pad_slot`, a slot of a block the
     scheduler never hands out, so a replayed graph touches no sequence's cache."""
-    return pack_int32({
+    return {
         "token_ids": padded(token_ids, bucket, 0),
         "positions": padded(positions, bucket, 0),
         "slots": padded(slots, bucket, pad_slot),
         "block_tables": block_table_array(tables, bucket, table_stride, pad_block),
-    })
+    }
+
+
+def pack_decode_step(token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                     tables: Sequence[Sequence[int]], bucket: int, table_stride: int,
+                     pad_slot: int, pad_block: int) -> PackedArrays:
+    """`decode_step_arrays` packed into one buffer."""
+    return pack_int32(decode_step_arrays(token_ids, positions, slots, tables, bucket,
+                                         table_stride, pad_slot, pad_block))
