@@ -21,7 +21,6 @@ types as a harmless bad argument, so the type cannot tell) and the backend is lo
 from __future__ import annotations
 
 import ctypes
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -128,19 +127,6 @@ def compile_kernels(capability: tuple[int, int]) -> dict[str, cuda.Function]:
     return functions
 
 
-def tensor_layouts(model: OpenedModel) -> dict[str, launches.MatrixLayout]:
-    """Every tensor of the file as it lies on the device (vectors as one float32 row)."""
-    layouts = {}
-    for info in model.gguf:
-        if len(info.shape) == 1:
-            layouts[info.name] = launches.MatrixLayout("F32", 1, info.shape[0])
-        else:
-            layouts[info.name] = launches.MatrixLayout(info.type_name,
-                                                       math.prod(info.shape[:-1]),
-                                                       info.shape[-1])
-    return layouts
-
-
 class Workspace:
     """The step's device buffers (cuda_plan.workspace_buffers) and the packed input buffer
     with its pinned twin, sized for `limits` and `input_words` int32s."""
@@ -193,7 +179,7 @@ class CudaBackend:
         self._functions = compile_kernels(capability)
         self._driver_graphs = DriverGraphs()
         self._stream = cuda.Stream()
-        self._layouts = tensor_layouts(model)
+        self._layouts = launches.tensor_layouts(model.gguf)
         self._tile_input = launches.tile_input_for(spec)
         self._split_keys = launches.split_keys_for(spec.context_length)
         self._buckets = plan.graph_buckets(min(kv.max_sequences, MAX_GRAPH_BATCH))

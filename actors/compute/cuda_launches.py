@@ -16,7 +16,8 @@ Each layer's residual add is fused into the next RMSNorm (residual_rms_norm's `d
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ import numpy as np
 from actors.compute import cuda_plan as plan
 from actors.errors import InvalidRequest
 from actors.model.arch import ModelSpec
+from actors.model.gguf import TensorInfo
 from actors.model.candidates import Candidates, RowInputs
 from actors.model.step import StepPlan
 
@@ -64,6 +66,15 @@ class MatrixLayout:
     @property
     def pitch(self) -> int:
         return plan.row_pitch(self.type_name, self.row_length)
+
+
+def tensor_layouts(tensors: Iterable[TensorInfo]) -> dict[str, MatrixLayout]:
+    """Every tensor of a file as it lies on the device (vectors as one float32 row)."""
+    return {
+        info.name: MatrixLayout("F32", 1, info.shape[0]) if len(info.shape) == 1
+        else MatrixLayout(info.type_name, math.prod(info.shape[:-1]), info.shape[-1])
+        for info in tensors
+    }
 
 
 @dataclass(frozen=True)
