@@ -1,10 +1,13 @@
-"""Sample blocks of every GGUF block type, shared by the CUDA tests (the host block-math test
-and tests/gpu): random bytes with sane float16 scales, or blocks of finite values only."""
+"""Samples shared by the CUDA tests (the host tests and tests/gpu): blocks of every GGUF block
+type (random bytes with sane float16 scales, or finite values only), random row inputs, and
+the numpy twin of top_candidates."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from actors.compute.cuda_plan import candidate_record_words
+from actors.model.candidates import RowInputs
 from actors.model.quants import FORMATS, QUANTIZERS, quantize, row_bytes
 
 # Byte offsets of each quantized type's float16 scale fields (d, and m / dmin where it has one).
@@ -54,3 +57,47 @@ def assert_same_floats(actual: np.ndarray, expected: np.ndarray) -> None:
         f"{mismatch.sum()} values differ, first: got {actual[~nan][mismatch][0]!r} "
         f"numpy {expected[~nan][mismatch][0]!r}"
     )
+
+
+def random_row_inputs(rng: np.random.Generator, n: int, vocab: int) -> list[RowInputs]:
+    """Rows mixing every kind of candidate and penalty input."""
+    rows = []
+    for _ in range(n):
+        generated = rng.choice(vocab, size=int(rng.integers(0, 12)), replace=False)
+        rows.append(RowInputs(
+            candidates=int(rng.integers(1, 20)), max_candidates=int(rng.integers(1, 300)),
+            mass=float(rng.choice([0.0, 0.5, 0.9, 0.999])), inv_temp=float(rng.uniform(0.3, 3)),
+            want_log_z=bool(rng.integers(2)),
+            repetition_penalty=float(rng.choice([1.0, 1.3])),
+            repeated=tuple(int(i) for i in rng.choice(vocab, size=int(rng.integers(0, 8)),
+                                                      replace=False)),
+            presence_penalty=float(rng.choice([0.0, 0.4])),
+            frequency_penalty=float(rng.choice([0.0, 0.25])),
+            generated=tuple(int(i) for i in generated),
+            generated_counts=tuple(int(c) for c in rng.integers(1, 5, size=generated.size)),
+        ))
+    return rows
+
+
+def top_candidates_twin(logits: np.ndarray, arrays: dict[str, np.ndarray],
+                         width: int) -> np.ndarray:
+    """top_candidates' records, computed as the kernel does: exact top `most`, float32 log_z
+    and running weights, count = min(k, max(least, below + margin))."""
+    least, most = arrays["least"], arrays["most"]
+    mass, inv_temp = arrays["mass"].view(np.float32), arrays["inv_temp"].view(np.float32)
+    records = np.zeros((len(logits), candidate_record_words(width)), dtype=np.int32)
+    for row, values in enumerate(logits):
+        k = int(most[row])
+        order = np.lexsort((np.arange(values.size), -values))[:k]
+        top = values[order[0]]
+        weights = np.exp((values - top) * inv_temp[row], dtype=np.float32)
+        total = weights.sum(dtype=np.float32)
+        target = np.float32(mass[row] * total)
+        running = np.cumsum(np.exp((values[order] - top) * inv_temp[row], dtype=np.float32),
+                            dtype=np.float32)
+        reach = int((running < target).sum()) + 2 if target > 0 else 0
+        records[row, 0] = min(k, max(int(least[row]), reach))
+        records[row, 1] = np.float32(np.log(total)).view(np.int32)
+        records[row, 2 : 2 + k] = order
+        records[row, 2 + width : 2 + width + k] = values[order].view(np.int32)
+    return records

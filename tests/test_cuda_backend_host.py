@@ -29,6 +29,7 @@ from actors.model.gguf import GGUFFile, open_gguf
 from actors.model.quants import dequantize
 from actors.model.step import StepItem, plan_step
 from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
+from tests.cuda_samples import random_row_inputs, top_candidates_twin
 
 BLOCK = 16
 
@@ -249,25 +250,6 @@ def test_step_arrays_lay_out_slots_tables_and_prefill_items(
 # --- rows: penalties and candidates ---------------------------------------------------------
 
 
-def _random_rows(rng: np.random.Generator, n: int, vocab: int) -> list[RowInputs]:
-    rows = []
-    for _ in range(n):
-        generated = rng.choice(vocab, size=int(rng.integers(0, 12)), replace=False)
-        rows.append(RowInputs(
-            candidates=int(rng.integers(1, 20)), max_candidates=int(rng.integers(1, 300)),
-            mass=float(rng.choice([0.0, 0.5, 0.9, 0.999])), inv_temp=float(rng.uniform(0.3, 3)),
-            want_log_z=bool(rng.integers(2)),
-            repetition_penalty=float(rng.choice([1.0, 1.3])),
-            repeated=tuple(int(i) for i in rng.choice(vocab, size=int(rng.integers(0, 8)),
-                                                      replace=False)),
-            presence_penalty=float(rng.choice([0.0, 0.4])),
-            frequency_penalty=float(rng.choice([0.0, 0.25])),
-            generated=tuple(int(i) for i in generated),
-            generated_counts=tuple(int(c) for c in rng.integers(1, 5, size=generated.size)),
-        ))
-    return rows
-
-
 def _penalties_twin(logits: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
     """apply_penalties as candidates.cu computes it from the packed CSR lists."""
     repetition, presence, frequency = (arrays[name].view(np.float64)
@@ -293,7 +275,7 @@ def _penalties_twin(logits: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
 def test_packed_penalties_apply_as_the_reference_does() -> None:
     rng = np.random.default_rng(3)
     vocab = 500
-    rows = _random_rows(rng, 6, vocab)
+    rows = random_row_inputs(rng, 6, vocab)
     logits = rng.normal(0, 3, (6, vocab)).astype(np.float32)
     expected = logits.copy()
     apply_penalties(expected, rows)
@@ -313,39 +295,15 @@ def test_row_inputs_the_kernels_cannot_serve_are_refused() -> None:
     assert caught.value.field == "candidates"
 
 
-def _top_candidates_twin(logits: np.ndarray, arrays: dict[str, np.ndarray],
-                         width: int) -> np.ndarray:
-    """top_candidates' records, computed as the kernel does: exact top `most`, float32 log_z
-    and running weights, count = min(k, max(least, below + margin))."""
-    least, most = arrays["least"], arrays["most"]
-    mass, inv_temp = arrays["mass"].view(np.float32), arrays["inv_temp"].view(np.float32)
-    records = np.zeros((len(logits), plan.candidate_record_words(width)), dtype=np.int32)
-    for row, values in enumerate(logits):
-        k = int(most[row])
-        order = np.lexsort((np.arange(values.size), -values))[:k]
-        top = values[order[0]]
-        weights = np.exp((values - top) * inv_temp[row], dtype=np.float32)
-        total = weights.sum(dtype=np.float32)
-        target = np.float32(mass[row] * total)
-        running = np.cumsum(np.exp((values[order] - top) * inv_temp[row], dtype=np.float32),
-                            dtype=np.float32)
-        reach = int((running < target).sum()) + 2 if target > 0 else 0
-        records[row, 0] = min(k, max(int(least[row]), reach))
-        records[row, 1] = np.float32(np.log(total)).view(np.int32)
-        records[row, 2 : 2 + k] = order
-        records[row, 2 + width : 2 + width + k] = values[order].view(np.int32)
-    return records
-
-
 def test_candidate_counts_follow_the_contract_and_the_reference() -> None:
     rng = np.random.default_rng(11)
     vocab = 3000
     for trial in range(4):
-        rows = _random_rows(rng, 8, vocab)
+        rows = random_row_inputs(rng, 8, vocab)
         logits = (rng.standard_normal((8, vocab)) * rng.uniform(0.5, 6)).astype(np.float32)
         apply_penalties(logits, rows)
         packed = launches.row_arrays(rows, vocab)
-        records = _top_candidates_twin(logits, packed.arrays, packed.width)
+        records = top_candidates_twin(logits, packed.arrays, packed.width)
         got = launches.candidates_from_records(records, packed.width, rows)
         expected = top_candidates(logits, rows)
         for row, inputs in enumerate(rows):

@@ -15,10 +15,17 @@ import numpy as np
 import pytest
 
 from actors.compute import cuda_plan as plan
+from actors.compute.cuda_launches import row_arrays
+from actors.model.candidates import RowInputs
 from actors.model.forward import gelu_tanh, rms_norm, silu
 from actors.model.quants import dequantize
 from actors.model.rope import apply_rope, inverse_frequencies, pair_order, rotation
-from tests.cuda_samples import assert_same_floats, finite_blocks
+from tests.cuda_samples import (
+    assert_same_floats,
+    finite_blocks,
+    random_row_inputs,
+    top_candidates_twin,
+)
 
 Kernel = Callable[[str, str], Any]
 ALL_TYPES = tuple(plan.KERNEL_TYPE_SUFFIX)
@@ -388,10 +395,22 @@ def test_penalties_equal_the_samplers_float64_math(kernel: Kernel) -> None:
     np.testing.assert_array_equal(logits_dev.get().view(np.uint32), expected.view(np.uint32))
 
 
+def top_candidate_records(kernel: Kernel, logits: np.ndarray, arrays: dict[str, np.ndarray],
+                          width: int) -> np.ndarray:
+    """top_candidates' records for rows packed by cuda_launches.row_arrays."""
+    rows, vocab = logits.shape
+    out = to_device(np.full((rows, plan.candidate_record_words(width)), -1, np.int32))
+    run(kernel("candidates.cu", "top_candidates"), plan.candidates_launch(rows, width, vocab),
+        ptr(to_device(logits)), np.int32(vocab), ptr(to_device(arrays["least"])),
+        ptr(to_device(arrays["most"])), ptr(to_device(arrays["mass"])),
+        ptr(to_device(arrays["inv_temp"])), np.int32(width), ptr(out))
+    return out.get()
+
+
 @pytest.mark.parametrize("k", [1, 7, 64, 1024])
 def test_top_candidates_argmax_and_log_partition(kernel: Kernel, k: int) -> None:
     """Rows: plain normal; heavy ties (5 distinct values); signed zeros and -inf; all equal.
-    Candidates and their order are exact; log_z within 1e-4."""
+    Candidates and their order are exact; log_z within 1e-4; no mass asked: count = k."""
     vocab = 3000
     rng = np.random.default_rng(9)
     logits = np.stack([
@@ -402,18 +421,39 @@ def test_top_candidates_argmax_and_log_partition(kernel: Kernel, k: int) -> None
     ]).astype(np.float32)
     logits[2, ::7] = -np.inf
     logits[2, 11] = 0.25
-    inv_temp = np.array([1.0, 0.5, 2.0, 1.0], dtype=np.float32)
-    rows = len(logits)
-    ids, values = to_device(np.full((rows, k), -1, np.int32)), nan_filled(rows, k)
-    log_z = nan_filled(rows)
-    run(kernel("candidates.cu", "top_candidates"), plan.candidates_launch(rows, k, vocab),
-        ptr(to_device(logits)), np.int32(vocab), np.int32(k), ptr(to_device(inv_temp)),
-        ptr(ids), ptr(values), ptr(log_z))
-    for row in range(rows):
+    inv_temp = [1.0, 0.5, 2.0, 1.0]
+    packed = row_arrays([RowInputs(candidates=k, max_candidates=k, inv_temp=t)
+                         for t in inv_temp], vocab)
+    records = top_candidate_records(kernel, logits, packed.arrays, k)
+    for row in range(len(logits)):
         order = np.lexsort((np.arange(vocab), -logits[row]))[:k]
-        np.testing.assert_array_equal(ids.get()[row], order)
-        np.testing.assert_array_equal(values.get()[row].view(np.uint32),
+        assert records[row, 0] == k
+        np.testing.assert_array_equal(records[row, 2 : 2 + k], order)
+        np.testing.assert_array_equal(records[row, 2 + k :].view(np.uint32),
                                       logits[row, order].view(np.uint32))
         top = np.float64(logits[row, order[0]])
         expected = np.log(np.exp((logits[row].astype(np.float64) - top) * inv_temp[row]).sum())
-        assert abs(log_z.get()[row] - expected) <= 1e-4
+        assert abs(records[row, 1:2].view(np.float32)[0] - expected) <= 1e-4
+
+
+def test_top_candidates_count_follows_the_mass_rule(kernel: Kernel) -> None:
+    """Counts as the numpy twin (float32 sums in another order: one either way at a
+    boundary), and never short of the contract: at least `candidates`, the mass reached or
+    the row's most."""
+    vocab = 20000
+    rng = np.random.default_rng(12)
+    rows = random_row_inputs(rng, 16, vocab)
+    logits = (rng.standard_normal((16, vocab)) * 4).astype(np.float32)
+    packed = row_arrays(rows, vocab)
+    records = top_candidate_records(kernel, logits, packed.arrays, packed.width)
+    twin = top_candidates_twin(logits, packed.arrays, packed.width)
+    for row, inputs in enumerate(rows):
+        count, most = int(records[row, 0]), int(packed.arrays["most"][row])
+        assert abs(count - int(twin[row, 0])) <= 1
+        assert min(inputs.candidates, vocab) <= count <= most
+        ids = records[row, 2 : 2 + count]
+        np.testing.assert_array_equal(ids, twin[row, 2 : 2 + count])
+        if inputs.mass > 0 and count < most:
+            weights = np.exp((logits[row].astype(np.float64) - logits[row].max())
+                             * inputs.inv_temp)
+            assert weights[ids].sum() >= inputs.mass * weights.sum() * (1 - 1e-5)
