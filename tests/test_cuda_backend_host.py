@@ -139,6 +139,24 @@ def test_logit_rows_are_gathered_only_when_they_are_not_the_first_rows(
     assert not any(launches.Ref("logits") in call.args for call in none)
 
 
+def test_decode_rows_keep_the_matvec_when_a_prefill_shares_their_step(
+        models: dict[str, GGUFFile]) -> None:
+    spec = spec_from_gguf(models["llama-tiny"])
+    items = [StepItem((5,), 3, (0,)), StepItem((6,), 9, (1,)),
+             StepItem(tuple(range(1, 21)), 0, (2, 3))]
+    _, calls = _calls(models["llama-tiny"], items)
+    down = [c for c in calls if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
+    assert [c.kernel.split("_")[2] for c in down] == ["vec", "tiles"]
+    assert [int(c.args[8]) for c in down] == [2, 20]
+    assert down[1].args[2] == launches.Ref("gated", 2 * spec.ffn_dim * 4)
+    assert down[1].args[4] == launches.Ref("projected", 2 * spec.d_model * 4)
+    output = [c for c in calls if c.args[4] == launches.Ref("logits")]
+    assert [int(c.args[8]) for c in output] == [3]  # three logits rows: one matvec
+    many = [StepItem((i + 1,), 0, (i,)) for i in range(12)]
+    _, decode_only = _calls(models["llama-tiny"], many)
+    assert all("tiles" in c.kernel for c in decode_only if c.kernel.startswith("mul_mat"))
+
+
 def _ptx_signatures(files: list[str]) -> dict[str, list[str]]:
     """Entry point -> its parameters' PTX types, from nvcc -ptx of the kernel sources."""
     signatures = {}

@@ -88,6 +88,7 @@ class StepShape:
     n_prefill: int
     prefill_max_tokens: int  # the longest of the prefill items
     n_logit_rows: int
+    n_decode_logit_rows: int  # the first logits rows, which belong to decode items
     gather_logit_rows: bool  # False: the logits rows are rows 0 .. n_logit_rows - 1
     table_stride: int
     n_splits: int
@@ -151,6 +152,7 @@ def step_shape(step: StepPlan, table_stride: int, split_keys: int,
         n_prefill=len(prefill_lengths),
         prefill_max_tokens=int(prefill_lengths.max()) if prefill_lengths.size else 0,
         n_logit_rows=n_rows,
+        n_decode_logit_rows=int((step.logit_rows < n_decode).sum()),
         gather_logit_rows=not np.array_equal(step.logit_rows, np.arange(n_rows)),
         table_stride=table_stride,
         n_splits=plan.decode_splits(context_length, split_keys),
@@ -164,7 +166,7 @@ def graph_shape(bucket: int, table_stride: int, split_keys: int, context_length:
     """The launch shape a decode graph of `bucket` rows is captured with."""
     return StepShape(
         n_tokens=bucket, n_decode=bucket, n_prefill=0, prefill_max_tokens=0,
-        n_logit_rows=bucket, gather_logit_rows=False, table_stride=table_stride,
+        n_logit_rows=bucket, n_decode_logit_rows=bucket, gather_logit_rows=False, table_stride=table_stride,
         n_splits=plan.decode_splits(context_length, split_keys), split_keys=split_keys,
         block_size=block_size,
     )
@@ -286,6 +288,22 @@ def matmul_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride
     )
 
 
+def matmul_calls(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int,
+                 y: Ref, y_stride: int, n_tokens: int, n_decode: int,
+                 tile_input: str) -> list[KernelCall]:
+    """`matmul_call` over n_tokens rows, of which the first n_decode are decode rows: when
+    the rest push the step onto the tensor-core tiles, the decode rows (up to the matvec's
+    batch) still take the float32 matvec, so a sequence's tokens do not depend on what
+    shares its step."""
+    if plan.uses_matvec(n_tokens) or not 0 < n_decode <= plan.MATVEC_MAX_BATCH:
+        return [matmul_call(weights, name, x, x_stride, y, y_stride, n_tokens, tile_input)]
+    rest_x = Ref(x.name, x.offset + n_decode * x_stride * F32)
+    rest_y = Ref(y.name, y.offset + n_decode * y_stride * F32)
+    return [matmul_call(weights, name, x, x_stride, y, y_stride, n_decode, tile_input),
+            matmul_call(weights, name, rest_x, x_stride, rest_y, y_stride, n_tokens - n_decode,
+                        tile_input)]
+
+
 def _optional(name: str, present: bool) -> Ref:
     return Ref(name) if present else NULL
 
@@ -351,8 +369,8 @@ def layer_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: Ste
                                 NULL if first else _post_ffn_norm(spec, layer - 1),
                                 Ref(p + "attn_norm.weight"), Ref("normed"))]
     for part, y in (("q", Ref("qkv")), ("k", k_at), ("v", v_at)):
-        calls.append(matmul_call(weights, f"{p}attn_{part}.weight", Ref("normed"), d, y,
-                                 qkv_stride, t, tile_input))
+        calls += matmul_calls(weights, f"{p}attn_{part}.weight", Ref("normed"), d, y,
+                              qkv_stride, t, shape.n_decode, tile_input)
     if spec.qkv_bias:
         for part, y, n in (("q", Ref("qkv"), q_dim), ("k", k_at, kv_dim), ("v", v_at, kv_dim)):
             calls.append(KernelCall("add_bias", plan.elementwise_launch(t * n),
@@ -377,18 +395,18 @@ def layer_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: Ste
                             (k_at, v_at, _i32(qkv_stride), Ref("step.slots"), _i32(t),
                              _i32(kv_dim), Ref(f"k_cache.{layer}"), Ref(f"v_cache.{layer}"))))
     calls += attention_calls(spec, shape, layer)
-    calls.append(matmul_call(weights, p + "attn_output.weight", Ref("attn"), q_dim,
-                             Ref("projected"), d, t, tile_input))
+    calls += matmul_calls(weights, p + "attn_output.weight", Ref("attn"), q_dim,
+                          Ref("projected"), d, t, shape.n_decode, tile_input)
     calls.append(residual_norm_call(
         spec, t, Ref("projected"), _optional(p + "post_attention_norm.weight", spec.post_norms),
         Ref(p + "ffn_norm.weight"), Ref("normed")))
     for part, y in (("gate", Ref("gate_up")), ("up", Ref("gate_up", ffn * F32))):
-        calls.append(matmul_call(weights, f"{p}ffn_{part}.weight", Ref("normed"), d, y, 2 * ffn,
-                                 t, tile_input))
+        calls += matmul_calls(weights, f"{p}ffn_{part}.weight", Ref("normed"), d, y, 2 * ffn,
+                              t, shape.n_decode, tile_input)
     calls.append(KernelCall(f"gated_{spec.activation}", plan.elementwise_launch(t * ffn),
                             (Ref("gate_up"), Ref("gated"), _i32(t), _i32(ffn))))
-    calls.append(matmul_call(weights, p + "ffn_down.weight", Ref("gated"), ffn,
-                             Ref("projected"), d, t, tile_input))
+    calls += matmul_calls(weights, p + "ffn_down.weight", Ref("gated"), ffn,
+                          Ref("projected"), d, t, shape.n_decode, tile_input)
     return calls
 
 
@@ -416,8 +434,9 @@ def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: S
              Ref("step.logit_rows"), final, _i32(spec.d_model), np.float32(1.0))))
     if shape.n_logit_rows:
         output = "token_embd.weight" if spec.tied_output else "output.weight"
-        calls.append(matmul_call(weights, output, final, spec.d_model, Ref("logits"),
-                                 spec.vocab_size, shape.n_logit_rows, tile_input))
+        calls += matmul_calls(weights, output, final, spec.d_model, Ref("logits"),
+                              spec.vocab_size, shape.n_logit_rows, shape.n_decode_logit_rows,
+                              tile_input)
     return calls
 
 
