@@ -230,6 +230,19 @@ def test_gated_activations(kernel: Kernel, name: str, twin: Callable) -> None:
     np.testing.assert_allclose(out.get(), expected, rtol=5e-6, atol=1e-30)
 
 
+def test_add_bias_touches_only_its_columns(kernel: Kernel) -> None:
+    tokens, stride, n = 4, 384, 256
+    rng = np.random.default_rng(6)
+    y = rng.standard_normal((tokens, stride)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    y_dev = to_device(y)
+    run(kernel("bias.cu", "add_bias"), plan.elementwise_launch(tokens * n), ptr(y_dev),
+        np.int32(stride), ptr(to_device(bias)), np.int32(tokens), np.int32(n))
+    expected = y.copy()
+    expected[:, :n] += bias
+    np.testing.assert_array_equal(y_dev.get(), expected)
+
+
 def test_kv_write_rounds_into_the_paged_layout(kernel: Kernel) -> None:
     tokens, kv_dim, stride, blocks, block_size = 5, 256, 3 * 256, 4, 16
     rng = np.random.default_rng(6)
