@@ -1,12 +1,19 @@
-"""GPU kernel benchmark: the Q4_K decode matrix-vector product's effective bandwidth (weight
+"""GPU benchmark. Kernels: the Q4_K decode matrix-vector product's effective bandwidth (weight
 bytes read / time) on Llama-3-8B's FFN shapes, beside the device's own copy bandwidth, and the
-tensor-core tiles at prefill size. Timed with CUDA events over many launches; the weights
-cycle through enough copies that every launch reads them from HBM, not from L2.
+tensor-core tiles at prefill size, timed with CUDA events over many launches (the weights
+cycle through enough copies that every launch reads them from HBM, not from L2). Whole models
+through the CUDA backend (wall clock per step, each step ending in its one synchronization):
+decode tok/s at 1 and 32 streams and prefill-512 tok/s on a Llama-3-8B-shaped file
+(benchmarks/synthetic_gguf.py), one-stream decode on gemma-3-270m, and the stream operations
+and kernels of a decode step.
 
-    python benchmarks/bench_cuda.py [--json OUT.json] [--repeats N]
+    python benchmarks/bench_cuda.py [--json OUT.json] [--repeats N] [--model-8b PATH]
+                                    [--gemma3 PATH]
 
-Needs pycuda and a CUDA device (imported when run, so `--help` works anywhere). The anchor
-from issue 12: Q4_K matvec on 4096 x 14336 >= 3.4 TB/s effective (copy: about 4.3 TB/s).
+Needs pycuda and a CUDA device (imported when run, so `--help` works anywhere). Anchors from
+issue 12: Q4_K matvec on 4096 x 14336 >= 3.4 TB/s effective (copy: about 4.3 TB/s); 8B decode
+>= 450 tok/s one stream, >= 4,000 tok/s at 32 streams, prefill 512 >= 10,000 tok/s;
+gemma-3-270m >= 300 tok/s one stream.
 """
 
 from __future__ import annotations
@@ -28,7 +35,13 @@ MATVEC_SHAPES = ((14336, 4096), (4096, 14336))  # (output rows, inputs): gate/up
 MATVEC_BATCHES = (1, 8)
 PREFILL_TOKENS = 512
 COPY_BYTES = 1 << 30
-ANCHORS = {"matvec_q4_K_effective_TBps": 3.4, "copy_TBps_seen_on_h200": 4.3}
+ANCHORS = {"matvec_q4_K_effective_TBps": 3.4, "copy_TBps_seen_on_h200": 4.3,
+           "llama3_8b_decode_1_stream_tok_s": 450, "llama3_8b_decode_32_streams_tok_s": 4000,
+           "llama3_8b_prefill_512_tok_s": 10000, "gemma3_270m_decode_1_stream_tok_s": 300}
+DECODE_PROMPT = 32  # tokens each stream holds before its timed decode steps
+DECODE_STEPS = 64
+DECODE_STREAMS = (1, 32)
+MODEL_BLOCK = 16
 
 
 def compile_module(file_name: str) -> Any:
@@ -124,13 +137,87 @@ def bench_tiles(module: Any, rng: np.random.Generator, repeats: int) -> list[dic
     return results
 
 
+def decode_tok_s(backend: Any, vocab: int, streams: int, steps: int,
+                 rng: np.random.Generator) -> dict[str, Any]:
+    """Each of `streams` sequences prefilled with DECODE_PROMPT tokens, then `steps` timed
+    decode steps of one token per stream (after two that capture the bucket's graph)."""
+    from actors.compute.contract import RowInputs, StepItem
+
+    per_stream = -(-(DECODE_PROMPT + steps + 2) // MODEL_BLOCK)
+    tables = [tuple(range(i * per_stream, (i + 1) * per_stream)) for i in range(streams)]
+    rows = [RowInputs()] * streams
+    prompt = [StepItem(tuple(int(t) for t in rng.integers(0, vocab, DECODE_PROMPT)), 0, table)
+              for table in tables]
+    backend.run(prompt, rows)
+
+    def step(position: int) -> None:
+        backend.run([StepItem((int(rng.integers(0, vocab)),), position, table)
+                     for table in tables], rows)
+
+    step(DECODE_PROMPT)
+    step(DECODE_PROMPT + 1)
+    started = time.perf_counter()
+    for position in range(DECODE_PROMPT + 2, DECODE_PROMPT + 2 + steps):
+        step(position)
+    seconds = time.perf_counter() - started
+    return {"streams": streams, "steps": steps, "tok_s": streams * steps / seconds,
+            "ms_per_step": seconds / steps * 1e3,
+            "launches_per_step": backend.launches_per_step,
+            "kernels_per_step": backend.kernels_per_step}
+
+
+def prefill_tok_s(backend: Any, vocab: int, tokens: int, repeats: int,
+                  rng: np.random.Generator) -> dict[str, Any]:
+    """One sequence's `tokens`-token prompt in one step, timed over `repeats` steps (after a
+    first one), each rewriting the same blocks."""
+    from actors.compute.contract import RowInputs, StepItem
+
+    item = StepItem(tuple(int(t) for t in rng.integers(0, vocab, tokens)), 0,
+                    tuple(range(-(-tokens // MODEL_BLOCK))))
+    backend.run([item], [RowInputs()])
+    started = time.perf_counter()
+    for _ in range(repeats):
+        backend.run([item], [RowInputs()])
+    seconds = (time.perf_counter() - started) / repeats
+    return {"tokens": tokens, "tok_s": tokens / seconds, "ms": seconds * 1e3,
+            "launches_per_step": backend.launches_per_step}
+
+
+def bench_model(path: Path, streams: tuple[int, ...], prefill: int | None,
+                rng: np.random.Generator) -> dict[str, Any]:
+    """Decode (and prefill) figures of the model file at `path` on the CUDA backend."""
+    from actors.compute.backends import BACKENDS
+    from actors.compute.contract import KVRequest
+    from actors.model.loaded import open_model
+
+    model = open_model(path)
+    per_stream = -(-(DECODE_PROMPT + DECODE_STEPS + 2) // MODEL_BLOCK)
+    blocks = max(max(streams) * per_stream, -(-(prefill or 0) // MODEL_BLOCK))
+    started = time.perf_counter()
+    backend = BACKENDS["cuda"].build(model, KVRequest(blocks=blocks, block_size=MODEL_BLOCK,
+                                                      max_sequences=max(streams)))
+    report: dict[str, Any] = {"model": str(path), "build_s": time.perf_counter() - started}
+    try:
+        vocab = model.spec.vocab_size
+        report["decode"] = [decode_tok_s(backend, vocab, n, DECODE_STEPS, rng) for n in streams]
+        if prefill:
+            report["prefill"] = prefill_tok_s(backend, vocab, prefill, 5, rng)
+    finally:
+        backend.close()
+        model.gguf.close()
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--model-8b", type=Path, help="a Llama-3-8B-shaped GGUF "
+                        "(benchmarks/synthetic_gguf.py) for the whole-model figures")
+    parser.add_argument("--gemma3", type=Path, help="gemma-3-270m's GGUF for its decode figure")
     args = parser.parse_args()
 
-    import pycuda.autoinit  # noqa: F401  (creates the context)
+    import pycuda.autoprimaryctx  # noqa: F401  (the primary context, which the backend shares)
     import pycuda.driver as cuda
 
     device = cuda.Context.get_device()
@@ -149,6 +236,10 @@ def main() -> None:
         "tiles": bench_tiles(compiled["matmul.cu"], rng, args.repeats),
         "anchors": ANCHORS,
     }
+    if args.model_8b:
+        report["llama3_8b"] = bench_model(args.model_8b, DECODE_STREAMS, 512, rng)
+    if args.gemma3:
+        report["gemma3_270m"] = bench_model(args.gemma3, (1,), None, rng)
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
