@@ -2,13 +2,16 @@
 # Every device check of issue 12 in one run, on the GPU machine, from the repo root, with
 # .cudacarry/ carried (made here by tests/gpu/prepare_carry.sh):
 #   1. PyCUDA from the bundle (.cudacarry/device_setup.sh) and the carried wheels;
-#   2. pytest tests/gpu (each kernel against its numpy twin);
-#   3. benchmarks/bench_cuda.py (Q4_K matvec effective TB/s, copy bandwidth, tensor-core tiles);
-#   4. benchmarks/synthetic_gguf.py: how long the Llama-3-8B-shaped Q4_K_M file takes there
-#      (SYNTHETIC_LAYERS, default 32; the file is deleted afterwards).
-# Results under $OUT: gpu_tests.log, gpu_tests.xml, bench_cuda.log, bench_cuda.json and
-# device_check.json (exit codes and seconds of each part). Budget: tests 300 s, bench 150 s,
-# synthetic model 120 s.
+#   2. pytest tests/gpu (each kernel against its numpy twin; the CUDA backend against the CPU
+#      on the reference sequences; the engine on backend="cuda");
+#   3. benchmarks/synthetic_gguf.py: the Llama-3-8B-shaped Q4_K_M file and how long it takes
+#      there (SYNTHETIC_LAYERS, default 32; the file is deleted afterwards);
+#   4. benchmarks/bench_cuda.py (Q4_K matvec effective TB/s, copy bandwidth, tensor-core tiles;
+#      whole-model decode / prefill tok/s on that file and, where its file is here,
+#      gemma-3-270m; launches per decode step).
+# Results under $OUT: gpu_tests.log, gpu_tests.xml, synthetic_gguf.log, bench_cuda.log,
+# bench_cuda.json and device_check.json (exit codes and seconds of each part). Budget (the
+# whole run under 8 minutes): tests 240 s, synthetic model 45 s, bench 150 s.
 # Rehearsal without a GPU: PYCUDA_CHECK=import with LD_LIBRARY_PATH at a libcuda stub
 # (.cudacarry/make_libcuda_stub.sh): PyCUDA installs and imports, tests/gpu skips, no bench.
 set -uo pipefail
@@ -23,23 +26,31 @@ started=$(date +%s)
 export PYTHONPATH=".:$PYTHONPATH"  # the checkout's actors, not an installed one
 setup_s=$(( $(date +%s) - started ))
 
-timeout 300 "$py" -m pytest -q -p no:cacheprovider -rs tests/gpu --junitxml="$OUT/gpu_tests.xml" \
+timeout 240 "$py" -m pytest -q -p no:cacheprovider -rs tests/gpu --junitxml="$OUT/gpu_tests.xml" \
     2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 tests_s=$(( $(date +%s) - started - setup_s ))
 
-if [ "${PYCUDA_CHECK:-}" = import ]; then
-    bench_rc='"skipped: PYCUDA_CHECK=import (no device)"'
-else
-    timeout 150 "$py" benchmarks/bench_cuda.py --json "$OUT/bench_cuda.json" 2>&1 | tee "$OUT/bench_cuda.log"
-    bench_rc=${PIPESTATUS[0]}
-fi
+model_8b=/tmp/llama3-8b-synthetic.gguf
 synthetic_started=$(date +%s)
-timeout 120 "$py" benchmarks/synthetic_gguf.py /tmp/llama3-8b-synthetic.gguf \
+timeout 45 "$py" benchmarks/synthetic_gguf.py "$model_8b" \
     --layers "${SYNTHETIC_LAYERS:-32}" 2>&1 | tee "$OUT/synthetic_gguf.log"
 synthetic_rc=${PIPESTATUS[0]}
 synthetic_s=$(( $(date +%s) - synthetic_started ))
-rm -f /tmp/llama3-8b-synthetic.gguf
+
+if [ "${PYCUDA_CHECK:-}" = import ]; then
+    bench_rc='"skipped: PYCUDA_CHECK=import (no device)"'
+else
+    # gemma-3-270m's file comes from a PyPI package: benched only where it is installed.
+    gemma3=$("$py" -c 'from tests.conftest import gemma3_path; print(gemma3_path())' 2>/dev/null)
+    model_args=()
+    [ "$synthetic_rc" = 0 ] && model_args+=(--model-8b "$model_8b")
+    [ -n "$gemma3" ] && model_args+=(--gemma3 "$gemma3")
+    timeout 150 "$py" benchmarks/bench_cuda.py --json "$OUT/bench_cuda.json" "${model_args[@]}" \
+        2>&1 | tee "$OUT/bench_cuda.log"
+    bench_rc=${PIPESTATUS[0]}
+fi
+rm -f "$model_8b"
 total_s=$(( $(date +%s) - started ))
 printf '{"setup_s": %s, "tests_rc": %s, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "total_s": %s}\n' \
     "$setup_s" "$tests_rc" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$total_s" \
