@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from actors.compute.contract import BackendLostError, KVRequest, RowInputs, StepItem
-from actors.errors import InvalidRequest
+from actors.errors import ComputeError, InvalidRequest
 from actors.model.loaded import OpenedModel, open_model
 from tests.conftest import TINY_MODELS
 
@@ -279,4 +279,25 @@ def test_errors_fail_the_step_unless_the_context_is_gone(fake: Any, tiny: Opened
     with pytest.raises(BackendLostError, match="illegal memory access"):
         backend.run([StepItem((7, 8), 0, (0,))], [RowInputs()])
     driver.fail_kernel, driver.context_broken = None, False
+    backend.close()
+
+
+def test_a_failed_build_frees_what_it_allocated(fake: Any, tiny: OpenedModel,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda_module, driver, _ = fake
+    monkeypatch.setattr(driver, "mem_get_info", lambda: (1 << 20, 141 * GIB))
+    monkeypatch.setattr(cuda_module.cuda, "mem_get_info", driver.mem_get_info)
+    with pytest.raises(ComputeError, match="short of one KV block"):
+        _backend(cuda_module, tiny)
+    assert driver.live == set() and driver.detached == 1 and driver.context_stack == []
+
+
+def test_decode_rows_without_logits_still_fit_the_attention_partials(
+        fake: Any, tiny: OpenedModel) -> None:
+    cuda_module, driver, _ = fake
+    backend = _backend(cuda_module, tiny, blocks=64)
+    rows_before = backend._workspace.limits.max_rows
+    silent = [StepItem((7,), 0, (i,), want_logits=False) for i in range(rows_before + 3)]
+    backend.run([*silent, StepItem((1, 2), 0, (63,))], [RowInputs()])
+    assert backend._workspace.limits.max_rows >= rows_before + 3
     backend.close()

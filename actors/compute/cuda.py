@@ -166,8 +166,12 @@ class CudaBackend:
         self._last_rows = 0
         self.launches_per_step = 0  # stream operations the last step enqueued (copies, launches)
         self.kernels_per_step = 0  # kernels the last step ran on the device
-        with self._current():
-            self._set_up(model, kv, memory_fraction, device, notices)
+        try:
+            with self._current():
+                self._set_up(model, kv, memory_fraction, device, notices)
+        except BaseException:
+            self.close()  # what was allocated before the failure, and the context
+            raise
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -379,12 +383,14 @@ class CudaBackend:
 
     def _fit_workspace(self, shape: launches.StepShape, n_rows: int, input_words: int) -> None:
         workspace = self._workspace
-        if workspace.covers(shape.n_tokens, max(n_rows, shape.n_logit_rows), input_words):
+        # Rows: the logits rows and the decode rows (attention partials are per decode row).
+        rows = max(n_rows, shape.n_logit_rows, shape.n_decode)
+        if workspace.covers(shape.n_tokens, rows, input_words):
             return
         limits = workspace.limits
         self._set_workspace(
             plan.StepLimits(max_tokens=max(limits.max_tokens, shape.n_tokens),
-                            max_rows=max(limits.max_rows, n_rows, shape.n_logit_rows),
+                            max_rows=max(limits.max_rows, rows),
                             max_splits=limits.max_splits,
                             max_candidates=limits.max_candidates),
             max(workspace.input_words, input_words))

@@ -21,8 +21,11 @@ py=${PY:-python3}
 started=$(date +%s)
 
 . ./.cudacarry/device_setup.sh || exit 1
-"$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
-    --upgrade --target "${SITE:-/tmp/site}" .cudacarry/wheels/*.whl || exit 1
+# The carried wheels, where the interpreter lacks them (the GPU image does; a rehearsal's has them).
+"$py" -c 'import gguf, msgspec, structlog' 2>/dev/null ||
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --disable-pip-version-check --upgrade --target "${SITE:-/tmp/site}" \
+        .cudacarry/wheels/*.whl || exit 1
 export PYTHONPATH=".:$PYTHONPATH"  # the checkout's actors, not an installed one
 setup_s=$(( $(date +%s) - started ))
 
