@@ -51,8 +51,9 @@ CACHE_DIR = Path.home() / ".cache" / "q4k-actors" / "cuda"
 FIRST_STEP_TOKENS = 512
 # Decode graphs are captured for batch buckets up to this many sequences.
 MAX_GRAPH_BATCH = 64
-# CUstreamCaptureMode: only this thread's calls are checked during a capture.
-CAPTURE_THREAD_LOCAL = 1
+# CUstreamCaptureMode RELAXED: PyCUDA's launch also calls cuFuncSetBlockShape (a legacy,
+# not stream-ordered call) before each cuLaunchKernel; the stricter modes may refuse it.
+CAPTURE_RELAXED = 2
 
 
 class DriverError(RuntimeError):
@@ -93,7 +94,7 @@ class DriverGraphs:
     def capture(self, stream: cuda.Stream, enqueue: Any) -> int:
         """Capture what `enqueue()` puts on `stream` into an executable graph (its handle)."""
         handle = ctypes.c_void_p(stream.handle)
-        self._check("cuStreamBeginCapture_v2", handle, CAPTURE_THREAD_LOCAL)
+        self._check("cuStreamBeginCapture_v2", handle, CAPTURE_RELAXED)
         graph = ctypes.c_void_p()
         try:
             enqueue()
