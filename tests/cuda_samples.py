@@ -1,6 +1,6 @@
 """Samples shared by the CUDA tests (the host tests and tests/gpu): blocks of every GGUF block
 type (random bytes with sane float16 scales, or finite values only), random row inputs, and
-the numpy twin of top_candidates."""
+the numpy twins of apply_penalties and top_candidates."""
 
 from __future__ import annotations
 
@@ -101,3 +101,25 @@ def top_candidates_twin(logits: np.ndarray, arrays: dict[str, np.ndarray],
         records[row, 2 : 2 + k] = order
         records[row, 2 + width : 2 + width + k] = values[order].view(np.int32)
     return records
+
+
+def penalties_twin(logits: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+    """apply_penalties as candidates.cu computes it from the packed CSR lists."""
+    repetition, presence, frequency = (arrays[name].view(np.float64)
+                                       for name in ("repetition", "presence", "frequency"))
+    for row in range(logits.shape[0]):
+        reps = arrays["rep_ids"][arrays["rep_offsets"][row] : arrays["rep_offsets"][row + 1]]
+        first, last = arrays["count_offsets"][row], arrays["count_offsets"][row + 1]
+        counted, counts = arrays["count_ids"][first:last], arrays["counts"][first:last]
+        assert (np.diff(reps) > 0).all() and (np.diff(counted) > 0).all()  # the kernel's search
+
+        def repeated(value: float) -> float:
+            return value / repetition[row] if value > 0 else value * repetition[row]
+
+        for token, count in zip(counted, counts):
+            value = float(logits[row, token])
+            if token in reps:
+                value = repeated(value)
+            logits[row, token] = value - (presence[row] * (count > 0) + frequency[row] * count)
+        for token in set(reps.tolist()) - set(counted.tolist()):
+            logits[row, token] = repeated(float(logits[row, token]))

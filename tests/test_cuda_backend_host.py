@@ -29,7 +29,7 @@ from actors.model.gguf import GGUFFile, open_gguf
 from actors.model.quants import dequantize
 from actors.model.step import StepItem, plan_step
 from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
-from tests.cuda_samples import random_row_inputs, top_candidates_twin
+from tests.cuda_samples import penalties_twin, random_row_inputs, top_candidates_twin
 
 BLOCK = 16
 
@@ -57,7 +57,7 @@ def _calls(gguf: GGUFFile, items: list[StepItem]) -> tuple[ModelSpec, list[launc
     shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
                                 spec.context_length)
     return spec, launches.forward_calls(spec, launches.tensor_layouts(gguf), shape,
-                                        launches.tile_input_for(spec))
+                                        launches.TILE_INPUT)
 
 
 def _layer_slices(calls: list[launches.KernelCall]) -> list[list[launches.KernelCall]]:
@@ -125,7 +125,6 @@ def test_gemma3_quirks(models: dict[str, GGUFFile]) -> None:
     assert final_norm.args[2].name == f"blk.{spec.n_layers - 1}.post_ffw_norm.weight"
     assert final_norm.args[3].name == "output_norm.weight"
     assert calls[-1].args[0].name == "token_embd.weight"  # tied output
-    assert launches.tile_input_for(spec) == "bf16"
 
 
 def test_logit_rows_are_gathered_only_when_they_are_not_the_first_rows(
@@ -268,28 +267,6 @@ def test_step_arrays_lay_out_slots_tables_and_prefill_items(
 # --- rows: penalties and candidates ---------------------------------------------------------
 
 
-def _penalties_twin(logits: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
-    """apply_penalties as candidates.cu computes it from the packed CSR lists."""
-    repetition, presence, frequency = (arrays[name].view(np.float64)
-                                       for name in ("repetition", "presence", "frequency"))
-    for row in range(logits.shape[0]):
-        reps = arrays["rep_ids"][arrays["rep_offsets"][row] : arrays["rep_offsets"][row + 1]]
-        first, last = arrays["count_offsets"][row], arrays["count_offsets"][row + 1]
-        counted, counts = arrays["count_ids"][first:last], arrays["counts"][first:last]
-        assert (np.diff(reps) > 0).all() and (np.diff(counted) > 0).all()  # the kernel's search
-
-        def repeated(value: float) -> float:
-            return value / repetition[row] if value > 0 else value * repetition[row]
-
-        for token, count in zip(counted, counts):
-            value = float(logits[row, token])
-            if token in reps:
-                value = repeated(value)
-            logits[row, token] = value - (presence[row] * (count > 0) + frequency[row] * count)
-        for token in set(reps.tolist()) - set(counted.tolist()):
-            logits[row, token] = repeated(float(logits[row, token]))
-
-
 def test_packed_penalties_apply_as_the_reference_does() -> None:
     rng = np.random.default_rng(3)
     vocab = 500
@@ -298,7 +275,7 @@ def test_packed_penalties_apply_as_the_reference_does() -> None:
     expected = logits.copy()
     apply_penalties(expected, rows)
     packed = launches.row_arrays(rows, vocab)
-    _penalties_twin(logits, packed.arrays)
+    penalties_twin(logits, packed.arrays)
     np.testing.assert_array_equal(logits, expected)
     assert packed.any_penalty == any(r.repetition_penalty != 1 and r.repeated or
                                      (r.presence_penalty or r.frequency_penalty) and r.generated

@@ -185,7 +185,6 @@ class CudaBackend:
         self._driver_graphs = DriverGraphs()
         self._stream = cuda.Stream()
         self._layouts = launches.tensor_layouts(model.gguf)
-        self._tile_input = launches.tile_input_for(spec)
         self._split_keys = launches.split_keys_for(spec.context_length)
         self._buckets = plan.graph_buckets(min(kv.max_sequences, MAX_GRAPH_BATCH))
         weight_addresses, weight_bytes = self._upload_weights(model)
@@ -361,7 +360,7 @@ class CudaBackend:
                           for name, offset in packed.offsets.items()}
         operations = 1
         if bucket is None:
-            calls = launches.forward_calls(spec, self._layouts, shape, self._tile_input)
+            calls = launches.forward_calls(spec, self._layouts, shape, launches.TILE_INPUT)
             self._launch(calls, step_addresses)
             operations += len(calls)
             kernels = len(calls)
@@ -413,7 +412,7 @@ class CudaBackend:
         """Launch the bucket's decode graph (captured now if this is its first step); the
         number of kernels it holds."""
         if bucket not in self._graphs:
-            calls = launches.forward_calls(self._spec, self._layouts, shape, self._tile_input)
+            calls = launches.forward_calls(self._spec, self._layouts, shape, launches.TILE_INPUT)
             executable = self._driver_graphs.capture(
                 self._stream, lambda: self._launch(calls, step_addresses))
             self._graphs[bucket] = (executable, dict(step_addresses), len(calls))
