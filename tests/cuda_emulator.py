@@ -21,6 +21,7 @@ import pytest
 from actors.compute import cuda_plan as plan
 from actors.model.forward import gelu_tanh, silu
 from actors.model.quants import dequantize, row_bytes
+from tests.cuda_samples import penalties_twin, tile_product, top_candidates_twin
 
 GIB = 1 << 30
 TYPE_OF_SUFFIX = {suffix: name for name, suffix in plan.KERNEL_TYPE_SUFFIX.items()}
@@ -53,15 +54,6 @@ class Memory:
         block = self.blocks[base]
         assert start + size <= block.size, "a kernel reads past its allocation"
         return block[start : start + size].view(dtype)
-
-
-def _to_input(values: np.ndarray, tile_input: str) -> np.ndarray:
-    """float32 rounded as mul_mat_tiles stages it (float16, or bfloat16 to nearest even)."""
-    if tile_input == "f16":
-        return values.astype(np.float16).astype(np.float32)
-    bits = values.astype(np.float32).view(np.uint32)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return rounded.astype(np.uint32).view(np.float32)
 
 
 class KernelTwins:
@@ -108,10 +100,9 @@ class KernelTwins:
     def matmul(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
                x_stride: int, y: Any, y_stride: int, rows: int, n_in: int, n: int) -> None:
         w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in))
-        xs = self.rows(x, int(n), int(x_stride), int(n_in)).copy()
-        if tile_input is not None:
-            w, xs = _to_input(w, tile_input), _to_input(xs, tile_input)
-        self.rows(y, int(n), int(y_stride), int(rows))[:] = xs @ w.T
+        xs = self.rows(x, int(n), int(x_stride), int(n_in))
+        self.rows(y, int(n), int(y_stride), int(rows))[:] = (
+            xs @ w.T if tile_input is None else tile_product(w, xs, tile_input))
 
     @staticmethod
     def _rms(v: np.ndarray, eps: float) -> np.ndarray:
@@ -267,8 +258,6 @@ class KernelTwins:
     def apply_penalties(self, grid: tuple[int, ...], logits: Any, vocab: int,
                         rep_offsets: Any, rep_ids: Any, repetition: Any, count_offsets: Any,
                         count_ids: Any, counts: Any, presence: Any, frequency: Any) -> None:
-        from tests.cuda_samples import penalties_twin
-
         n, vocab = grid[0], int(vocab)
         rep_end = int(self.i32(rep_offsets, n + 1)[n])
         count_end = int(self.i32(count_offsets, n + 1)[n])
@@ -283,8 +272,6 @@ class KernelTwins:
 
     def top_candidates(self, grid: tuple[int, ...], logits: Any, vocab: int, least: Any,
                        most: Any, mass: Any, inv_temp: Any, width: int, out: Any) -> None:
-        from tests.cuda_samples import top_candidates_twin
-
         n, vocab, width = grid[0], int(vocab), int(width)
         arrays = {name: self.i32(address, n) for name, address in
                   (("least", least), ("most", most), ("mass", mass), ("inv_temp", inv_temp))}

@@ -123,3 +123,24 @@ def penalties_twin(logits: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
             logits[row, token] = value - (presence[row] * (count > 0) + frequency[row] * count)
         for token in set(reps.tolist()) - set(counted.tolist()):
             logits[row, token] = repeated(float(logits[row, token]))
+
+
+def rounded_input(values: np.ndarray, tile_input: str) -> np.ndarray:
+    """float32 values rounded to nearest-even float16 ("f16") or bfloat16, back as float64."""
+    if tile_input == "f16":
+        return values.astype(np.float16).astype(np.float64)
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def tile_product(w: np.ndarray, x: np.ndarray, tile_input: str) -> np.ndarray:
+    """x @ w.T from the inputs mul_mat_tiles_<tile_input> feeds the tensor cores, summed
+    exactly (float64): rounded once, or for "f16x3" split into float16 hi + lo parts with
+    the lo x lo product left out, as the kernel does."""
+    if tile_input != "f16x3":
+        return rounded_input(x, tile_input) @ rounded_input(w, tile_input).T
+    w_hi, x_hi = rounded_input(w, "f16"), rounded_input(x, "f16")
+    w_lo = rounded_input((w - w_hi).astype(np.float32), "f16")
+    x_lo = rounded_input((x - x_hi).astype(np.float32), "f16")
+    return x_hi @ w_lo.T + x_lo @ w_hi.T + x_hi @ w_hi.T

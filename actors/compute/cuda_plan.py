@@ -33,7 +33,8 @@ KERNEL_TYPE_SUFFIX = {
     "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
     "Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K", "F32": "f32", "F16": "f16", "BF16": "bf16",
 }
-TILE_INPUTS = ("f16", "bf16")  # the element types mul_mat_tiles feeds the tensor cores
+# What mul_mat_tiles feeds the tensor cores: float16, bfloat16, or float16 hi + lo parts.
+TILE_INPUTS = ("f16", "bf16", "f16x3")
 
 # Constants the kernels are compiled with (cuda_src/*.cu); launches must agree with them.
 GROUP = 32  # elements decoded at a time: every row length must be a multiple
