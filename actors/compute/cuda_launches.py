@@ -166,7 +166,8 @@ def graph_shape(bucket: int, table_stride: int, split_keys: int, context_length:
     """The launch shape a decode graph of `bucket` rows is captured with."""
     return StepShape(
         n_tokens=bucket, n_decode=bucket, n_prefill=0, prefill_max_tokens=0,
-        n_logit_rows=bucket, n_decode_logit_rows=bucket, gather_logit_rows=False, table_stride=table_stride,
+        n_logit_rows=bucket, n_decode_logit_rows=bucket, gather_logit_rows=False,
+        table_stride=table_stride,
         n_splits=plan.decode_splits(context_length, split_keys), split_keys=split_keys,
         block_size=block_size,
     )
