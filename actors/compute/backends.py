@@ -8,6 +8,7 @@ factory imports its backend when it builds one.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -35,10 +36,21 @@ class CpuFactory:
         return build_cpu_backend(model, kv, self._notices)
 
 
+# The kernels' tensor-core tiles (WMMA on bfloat16 / float16) need sm_80 or newer.
+MIN_COMPUTE_CAPABILITY = (8, 0)
+# Share of the device's free memory (measured before loading) the CUDA backend may use.
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+
+
 class CudaFactory:
-    """The CUDA backend's entry: whether PyCUDA and a device are here."""
+    """The CUDA backend's entry: whether PyCUDA, nvcc and a capable device are here."""
 
     name = "cuda"
+
+    def __init__(self, memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
+                 notices: Sequence[str] = ()) -> None:
+        self._memory_fraction = memory_fraction
+        self._notices = tuple(notices)
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -51,12 +63,21 @@ class CudaFactory:
             cuda.init()
             if cuda.Device.count() == 0:
                 return "the CUDA driver sees no device"
+            capability = cuda.Device(0).compute_capability()
         except cuda.Error as exc:
             return f"CUDA cannot start: {exc}"
-        return "this build has no CUDA kernels yet (the CUDA actor is issue 12)"
+        if tuple(capability) < MIN_COMPUTE_CAPABILITY:
+            return (f"the GPU's compute capability {capability[0]}.{capability[1]} is below "
+                    f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}, which the "
+                    "kernels' tensor-core tiles need")
+        if shutil.which("nvcc") is None:
+            return "nvcc is not on the PATH (PyCUDA compiles the kernels with it once)"
+        return None
 
     def build(self, model: OpenedModel, kv: KVRequest) -> ComputeBackend:
-        raise BackendUnavailable(f"backend 'cuda' cannot run: {self.unavailable_reason()}")
+        from actors.compute.cuda import build_cuda_backend
+
+        return build_cuda_backend(model, kv, self._memory_fraction, self._notices)
 
 
 BACKENDS: dict[str, BackendFactory] = {"cuda": CudaFactory(), "cpu": CpuFactory()}

@@ -1,0 +1,431 @@
+"""The CUDA backend: PyCUDA-compiled kernels over the file's quantized weights and a paged
+float16 KV cache, behind the compute contract (actors.compute.contract).
+
+Only this module imports pycuda; the registry imports it when a CUDA backend is built, inside
+the compute actor's thread. Every device call happens with the device's primary context made
+current for the call (push / pop), so several backends of one process (tests) share it.
+
+A step: `plan_step` validates it; its int32 arrays and the rows' penalty / candidate inputs
+are packed into one pinned buffer and copied to the device once; the forward kernels run
+(`cuda_launches.forward_calls`), replayed from a CUDA graph when every item is one token that
+wants logits (a graph per batch bucket, captured on first use over fixed device buffers);
+penalties and candidates follow; the candidate records come back in one copy, and the host
+synchronizes once. The penalized logits rows stay on the device for `fetch_rows`.
+
+Errors: out of memory or any other CUDA error in a step fails the step; when the context then
+fails a probe (a synchronize and a memory query), the error was sticky (an illegal address, a
+kernel fault, a destroyed context: PyCUDA raises those as LaunchError or LogicError, the same
+types as a harmless bad argument, so the type cannot tell) and the backend is lost.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pycuda.driver as cuda
+from pycuda.compiler import SourceModule
+
+from actors.compute import cuda_launches as launches
+from actors.compute import cuda_plan as plan
+from actors.compute.contract import (
+    BackendLostError,
+    Candidates,
+    ComputeInfo,
+    KVRequest,
+    RowInputs,
+    StepItem,
+    plan_step,
+)
+from actors.errors import InvalidRequest
+from actors.model.loaded import OpenedModel
+from actors.progress import progress_callback
+
+CACHE_DIR = Path.home() / ".cache" / "q4k-actors" / "cuda"
+# The workspace is first sized for a step of this many tokens (the engine's prefill chunk)
+# beside the largest decode batch; a larger step grows it.
+FIRST_STEP_TOKENS = 512
+# Decode graphs are captured for batch buckets up to this many sequences.
+MAX_GRAPH_BATCH = 64
+# CUstreamCaptureMode RELAXED: PyCUDA's launch also calls cuFuncSetBlockShape (a legacy,
+# not stream-ordered call) before each cuLaunchKernel; the stricter modes may refuse it.
+CAPTURE_RELAXED = 2
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call made through ctypes (the graph API) returned an error."""
+
+
+class DriverGraphs:
+    """CUDA graph capture and replay through libcuda itself: the PyCUDA build this project
+    ships (2026.1) wraps no graph API. The calls act on the current context, which is
+    PyCUDA's, so captured launches are PyCUDA's kernel launches on a PyCUDA stream."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        void_p, p_void_p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+        signatures = {
+            "cuStreamBeginCapture_v2": (void_p, ctypes.c_int),
+            "cuStreamEndCapture": (void_p, p_void_p),
+            "cuGraphInstantiateWithFlags": (p_void_p, void_p, ctypes.c_ulonglong),
+            "cuGraphLaunch": (void_p, void_p),
+            "cuGraphExecDestroy": (void_p,),
+            "cuGraphDestroy": (void_p,),
+            "cuGetErrorString": (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)),
+        }
+        for name, argtypes in signatures.items():
+            function = getattr(lib, name)
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int
+        self._lib = lib
+
+    def _check(self, name: str, *args: Any) -> None:
+        code = getattr(self._lib, name)(*args)
+        if code != 0:
+            text = ctypes.c_char_p()
+            self._lib.cuGetErrorString(code, ctypes.byref(text))
+            message = text.value.decode() if text.value else "unknown error"
+            raise DriverError(f"{name} failed: {message} (CUresult {code})")
+
+    def capture(self, stream: cuda.Stream, enqueue: Any) -> int:
+        """Capture what `enqueue()` puts on `stream` into an executable graph (its handle)."""
+        handle = ctypes.c_void_p(stream.handle)
+        self._check("cuStreamBeginCapture_v2", handle, CAPTURE_RELAXED)
+        graph = ctypes.c_void_p()
+        try:
+            enqueue()
+        finally:  # a failed capture must still end, or the stream stays in capture mode
+            self._check("cuStreamEndCapture", handle, ctypes.byref(graph))
+        try:
+            executable = ctypes.c_void_p()
+            self._check("cuGraphInstantiateWithFlags", ctypes.byref(executable), graph, 0)
+        finally:
+            self._check("cuGraphDestroy", graph)
+        return int(executable.value)
+
+    def launch(self, executable: int, stream: cuda.Stream) -> None:
+        self._check("cuGraphLaunch", ctypes.c_void_p(executable), ctypes.c_void_p(stream.handle))
+
+    def destroy(self, executable: int) -> None:
+        self._check("cuGraphExecDestroy", ctypes.c_void_p(executable))
+
+
+def compile_kernels(capability: tuple[int, int]) -> dict[str, cuda.Function]:
+    """Every entry point of cuda_src, each file compiled once for this device (PyCUDA keeps
+    the cubins in CACHE_DIR)."""
+    source_dir = plan.kernel_source_dir()
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    functions = {}
+    for file_name, entry_points in plan.kernel_entry_points().items():
+        module = SourceModule((source_dir / file_name).read_text(), no_extern_c=True,
+                              options=plan.nvcc_options(), include_dirs=[str(source_dir)],
+                              arch="sm_%d%d" % capability, cache_dir=str(CACHE_DIR))
+        functions.update((name, module.get_function(name)) for name in entry_points)
+    return functions
+
+
+class Workspace:
+    """The step's device buffers (cuda_plan.workspace_buffers) and the packed input buffer
+    with its pinned twin, sized for `limits` and `input_words` int32s."""
+
+    def __init__(self, spec: Any, limits: plan.StepLimits, input_words: int) -> None:
+        self.limits = limits
+        self.input_words = input_words
+        self.buffers = {name: cuda.mem_alloc(max(size, 4))
+                        for name, size in plan.workspace_buffers(spec, limits).items()}
+        self.input = cuda.mem_alloc(input_words * 4)
+        self.pinned_input = cuda.pagelocked_empty(input_words, np.int32)
+        record = plan.candidate_record_words(limits.max_candidates)
+        self.pinned_candidates = cuda.pagelocked_empty(limits.max_rows * record, np.int32)
+
+    def covers(self, tokens: int, rows: int, input_words: int) -> bool:
+        return (tokens <= self.limits.max_tokens and rows <= self.limits.max_rows
+                and input_words <= self.input_words)
+
+    def free(self) -> None:
+        for allocation in (*self.buffers.values(), self.input):
+            allocation.free()
+        self.pinned_input.base.free()
+        self.pinned_candidates.base.free()
+
+
+class CudaBackend:
+    """Owns the device's weights, KV pool, workspace, kernels and decode graphs."""
+
+    def __init__(self, model: OpenedModel, kv: KVRequest, memory_fraction: float,
+                 notices: Sequence[str] = ()) -> None:
+        cuda.init()
+        device = cuda.Device(0)
+        self._context = device.retain_primary_context()
+        self._allocations: list[Any] = []
+        self._graphs: dict[int, tuple[int, dict[str, int], int]] = {}
+        self._workspace: Workspace | None = None
+        self._last_rows = 0
+        self.launches_per_step = 0  # stream operations the last step enqueued (copies, launches)
+        self.kernels_per_step = 0  # kernels the last step ran on the device
+        try:
+            with self._current():
+                self._set_up(model, kv, memory_fraction, device, notices)
+        except BaseException:
+            self.close()  # what was allocated before the failure, and the context
+            raise
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    def _set_up(self, model: OpenedModel, kv: KVRequest, memory_fraction: float,
+                device: cuda.Device, notices: Sequence[str]) -> None:
+        spec = self._spec = model.spec
+        capability = device.compute_capability()
+        free_bytes, _ = cuda.mem_get_info()
+        self._functions = compile_kernels(capability)
+        self._driver_graphs = DriverGraphs()
+        self._stream = cuda.Stream()
+        self._layouts = launches.tensor_layouts(model.gguf)
+        self._split_keys = launches.split_keys_for(spec.context_length)
+        self._buckets = plan.graph_buckets(min(kv.max_sequences, MAX_GRAPH_BATCH))
+        weight_addresses, weight_bytes = self._upload_weights(model)
+        self._addresses = {"null": 0, **weight_addresses}
+        limits = plan.StepLimits(
+            max_tokens=FIRST_STEP_TOKENS + self._buckets[-1], max_rows=self._buckets[-1],
+            max_splits=plan.decode_splits(spec.context_length, self._split_keys),
+            max_candidates=plan.MAX_CANDIDATES)
+        first_input = 1 << 16
+        workspace_bytes = sum(plan.workspace_buffers(spec, limits).values()) + 4 * first_input
+        block_bytes = plan.kv_block_bytes(spec, kv.block_size)
+        self.num_blocks = plan.kv_pool_blocks(
+            free_bytes, memory_fraction, weight_bytes, workspace_bytes, block_bytes,
+            kv.blocks, kv.max_sequences * -(-spec.context_length // kv.block_size))
+        self.block_size = kv.block_size
+        self._table_stride = launches.table_stride_for(spec.context_length, kv.block_size,
+                                                       self.num_blocks)
+        self._addresses.update(self._allocate_kv(block_bytes))
+        self._set_workspace(limits, first_input)
+        self.info = ComputeInfo(
+            arch=spec.arch, on_gpu=True, context_length=spec.context_length,
+            vocab_size=spec.vocab_size, num_blocks=self.num_blocks, block_size=kv.block_size,
+            kv_dtype="float16",
+            notices=(*notices, f"CUDA backend on {device.name()} (sm_{capability[0]}"
+                               f"{capability[1]}): {self.num_blocks} KV blocks of "
+                               f"{kv.block_size} positions, decode graphs for batches "
+                               f"{list(self._buckets)}"),
+        )
+
+    def _allocate(self, size: int) -> Any:
+        allocation = cuda.mem_alloc(max(size, 1))
+        self._allocations.append(allocation)
+        return allocation
+
+    def _upload_weights(self, model: OpenedModel) -> tuple[dict[str, int], int]:
+        """Every tensor into one allocation, blocks as stored (cuda_plan.device_bytes_of):
+        each tensor's address, and the allocation's size."""
+        offsets, size = plan.weight_arena(model.gguf)
+        base = int(self._allocate(size))
+        with progress_callback("uploading the weights to the GPU") as report:
+            total = len(offsets)
+            for done, info in enumerate(model.gguf, start=1):
+                for at, data in plan.device_bytes_of(model.gguf.raw(info.name), info):
+                    cuda.memcpy_htod(base + offsets[info.name] + at, data)
+                report(done, total)
+        return {name: base + offset for name, offset in offsets.items()}, size
+
+    def _allocate_kv(self, block_bytes: int) -> dict[str, int]:
+        """K and V of each layer: (num_blocks + 1) blocks, the last one the padding rows'."""
+        layer_bytes = block_bytes // (2 * self._spec.n_layers) * (self.num_blocks + 1)
+        base = int(self._allocate(2 * self._spec.n_layers * layer_bytes))
+        addresses = {}
+        for layer in range(self._spec.n_layers):
+            addresses[f"k_cache.{layer}"] = base + 2 * layer * layer_bytes
+            addresses[f"v_cache.{layer}"] = base + (2 * layer + 1) * layer_bytes
+        return addresses
+
+    def _set_workspace(self, limits: plan.StepLimits, input_words: int) -> None:
+        """(Re)allocate the workspace; graphs captured over the old one are dropped."""
+        self._drop_graphs()
+        if self._workspace is not None:
+            self._workspace.free()
+            self._workspace = None
+        self._workspace = Workspace(self._spec, limits, input_words)
+        self._addresses.update((name, int(allocation))
+                               for name, allocation in self._workspace.buffers.items())
+
+    def _drop_graphs(self) -> None:
+        for executable, _, _ in self._graphs.values():
+            self._driver_graphs.destroy(executable)
+        self._graphs.clear()
+
+    @contextmanager
+    def _current(self) -> Iterator[None]:
+        self._context.push()
+        try:
+            yield
+        finally:
+            cuda.Context.pop()
+
+    # --- the contract ---------------------------------------------------------------------
+
+    def run(self, items: Sequence[StepItem], rows: Sequence[RowInputs]) -> Candidates:
+        # Forget the last step's rows first: a failed step leaves nothing to fetch.
+        self._last_rows = 0
+        step = plan_step(items, self._spec, self.num_blocks, self.block_size)
+        if len(rows) != len(step.logit_rows):
+            raise InvalidRequest(
+                f"{len(rows)} row inputs for {len(step.logit_rows)} items that want logits",
+                field="rows",
+            )
+        row_pack = launches.row_arrays(rows, self._spec.vocab_size)
+        with self._current(), self._lost_on_sticky_errors():
+            candidates = self._run(step, row_pack, rows)
+        self._last_rows = len(rows)
+        return candidates
+
+    def fetch_rows(self, indices: Sequence[int]) -> np.ndarray:
+        index = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if index.size and (index.min() < 0 or index.max() >= self._last_rows):
+            raise InvalidRequest(
+                f"rows {list(indices)} are not all rows of the last step "
+                f"({self._last_rows} rows)", field="rows",
+            )
+        vocab = self._spec.vocab_size
+        out = np.empty((index.size, vocab), dtype=np.float32)
+        with self._current(), self._lost_on_sticky_errors():
+            logits = int(self._workspace.buffers["logits"])
+            for i, row in enumerate(index):
+                cuda.memcpy_dtoh(out[i], logits + int(row) * vocab * 4)
+        return out
+
+    def close(self) -> None:
+        if self._context is None:
+            return
+        try:
+            with self._current():
+                self._drop_graphs()
+                if self._workspace is not None:
+                    self._workspace.free()
+                for allocation in self._allocations:
+                    allocation.free()
+        finally:
+            self._workspace, self._allocations = None, []
+            self._context.detach()
+            self._context = None
+
+    # --- a step ---------------------------------------------------------------------------
+
+    @contextmanager
+    def _lost_on_sticky_errors(self) -> Iterator[None]:
+        """A CUDA error fails the step; when the context then fails a probe too, the error
+        was sticky and the backend is lost (BackendLostError)."""
+        try:
+            yield
+        except cuda.MemoryError:
+            raise  # out of memory: the step failed, the context is fine
+        except (cuda.Error, DriverError) as error:
+            try:
+                cuda.Context.synchronize()
+                cuda.mem_get_info()
+            except cuda.Error as probe:
+                raise BackendLostError(
+                    f"the CUDA context is unusable after {type(error).__name__}: {error} "
+                    f"(probe: {probe})") from error
+            raise
+
+    def _run(self, step: Any, row_pack: launches.RowArrays,
+             rows: Sequence[RowInputs]) -> Candidates:
+        spec = self._spec
+        bucket = launches.graph_bucket(step, self._buckets)
+        if bucket is None:
+            shape = launches.step_shape(step, self._table_stride, self._split_keys,
+                                        spec.context_length)
+            arrays = launches.step_arrays(step, shape.n_decode, self._table_stride)
+        else:
+            shape = launches.graph_shape(bucket, self._table_stride, self._split_keys,
+                                         spec.context_length, self.block_size)
+            pad_block = self.num_blocks  # the extra block past the scheduler's pool
+            arrays = plan.decode_step_arrays(
+                step.token_ids, step.positions, step.slot_blocks * self.block_size +
+                step.slot_offsets, [table[:1 + p // self.block_size] for table, p in
+                                    zip(step.block_tables, step.positions)],
+                bucket, self._table_stride, pad_block * self.block_size, pad_block)
+        packed = plan.pack_int32({**{f"step.{k}": v for k, v in arrays.items()},
+                                  **{f"rows.{k}": v for k, v in row_pack.arrays.items()}})
+        self._fit_workspace(shape, len(rows), packed.buffer.size)
+        workspace = self._workspace
+        workspace.pinned_input[: packed.buffer.size] = packed.buffer
+        cuda.memcpy_htod_async(workspace.input, workspace.pinned_input[: packed.buffer.size],
+                               self._stream)
+        step_addresses = {name: int(workspace.input) + 4 * offset
+                          for name, offset in packed.offsets.items()}
+        operations = 1
+        if bucket is None:
+            calls = launches.forward_calls(spec, self._layouts, shape, launches.TILE_INPUT)
+            self._launch(calls, step_addresses)
+            operations += len(calls)
+            kernels = len(calls)
+        else:
+            kernels = self._replay(bucket, shape, step_addresses)
+            operations += 1
+        n_rows = len(rows)
+        record = plan.candidate_record_words(row_pack.width)
+        out = workspace.pinned_candidates[: n_rows * record]
+        if n_rows:
+            tail = launches.candidate_calls(spec, n_rows, row_pack.width, row_pack.any_penalty)
+            self._launch(tail, step_addresses)
+            cuda.memcpy_dtoh_async(out, workspace.buffers["candidates"], self._stream)
+            operations += len(tail) + 1
+            kernels += len(tail)
+        self._stream.synchronize()  # the step's one wait
+        self.launches_per_step, self.kernels_per_step = operations, kernels
+        return launches.candidates_from_records(out.reshape(n_rows, record).copy(),
+                                                row_pack.width, rows)
+
+    def _fit_workspace(self, shape: launches.StepShape, n_rows: int, input_words: int) -> None:
+        workspace = self._workspace
+        # Rows: the logits rows and the decode rows (attention partials are per decode row).
+        rows = max(n_rows, shape.n_logit_rows, shape.n_decode)
+        if workspace.covers(shape.n_tokens, rows, input_words):
+            return
+        limits = workspace.limits
+        self._set_workspace(
+            plan.StepLimits(max_tokens=max(limits.max_tokens, shape.n_tokens),
+                            max_rows=max(limits.max_rows, rows),
+                            max_splits=limits.max_splits,
+                            max_candidates=limits.max_candidates),
+            max(workspace.input_words, input_words))
+
+    def _launch(self, calls: Sequence[launches.KernelCall], step_addresses: dict[str, int]) -> None:
+        for call in calls:
+            args = [self._resolve(arg, step_addresses) for arg in call.args]
+            self._functions[call.kernel](*args, grid=call.launch.grid, block=call.launch.block,
+                                         stream=self._stream)
+
+    def _resolve(self, arg: launches.Arg, step_addresses: dict[str, int]) -> Any:
+        if not isinstance(arg, launches.Ref):
+            return arg
+        base = step_addresses[arg.name] if arg.name in step_addresses else self._addresses[arg.name]
+        return np.uintp(base + arg.offset)
+
+    def _replay(self, bucket: int, shape: launches.StepShape,
+                step_addresses: dict[str, int]) -> int:
+        """Launch the bucket's decode graph (captured now if this is its first step); the
+        number of kernels it holds."""
+        if bucket not in self._graphs:
+            calls = launches.forward_calls(self._spec, self._layouts, shape, launches.TILE_INPUT)
+            executable = self._driver_graphs.capture(
+                self._stream, lambda: self._launch(calls, step_addresses))
+            self._graphs[bucket] = (executable, dict(step_addresses), len(calls))
+        executable, captured_addresses, kernels = self._graphs[bucket]
+        forward_addresses = {k: v for k, v in step_addresses.items() if k.startswith("step.")}
+        if any(captured_addresses[k] != v for k, v in forward_addresses.items()):
+            raise RuntimeError(f"the decode graph of bucket {bucket} was captured over other "
+                               "step-array addresses")
+        self._driver_graphs.launch(executable, self._stream)
+        return kernels
+
+
+def build_cuda_backend(model: OpenedModel, kv: KVRequest, memory_fraction: float,
+                       notices: Sequence[str] = ()) -> CudaBackend:
+    """The CUDA backend for `model` (called in the compute actor's thread)."""
+    return CudaBackend(model, kv, memory_fraction, notices)

@@ -1,0 +1,468 @@
+"""Host-side planning for the CUDA backend: pure Python and numpy, no pycuda.
+
+Everything the CUDA actor decides before it touches the device lives here, so it is tested on
+every machine: where the kernel sources are and what their entry points are called, which
+CUDA-graph batch bucket a step uses, how device memory splits into weights, workspace and KV
+pool, the launch geometry of each kernel, and how a step's int32 arrays are packed into one
+buffer for a single host-to-device copy. The layouts named here are the kernels' (see the
+comment at the top of each cuda_src/*.cu file).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from actors.errors import ComputeError, InvalidRequest
+from actors.model.quants import dequantize, row_bytes
+
+if TYPE_CHECKING:  # annotations only: the GPU machine's tests import this without `gguf`
+    from actors.model.arch import ModelSpec
+    from actors.model.gguf import TensorInfo
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+
+# Block types, GGUF spelling -> the kernels' entry-point suffix (llama.cpp style: lower case
+# but the K-quants' K).
+KERNEL_TYPE_SUFFIX = {
+    "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
+    "Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K", "F32": "f32", "F16": "f16", "BF16": "bf16",
+}
+# What mul_mat_tiles feeds the tensor cores: float16, bfloat16, or float16 hi + lo parts.
+TILE_INPUTS = ("f16", "bf16", "f16x3")
+
+# Constants the kernels are compiled with (cuda_src/*.cu); launches must agree with them.
+GROUP = 32  # elements decoded at a time: every row length must be a multiple
+ROW_ALIGN = 16  # weight rows start on 16-byte boundaries (matvec's vector loads)
+MATVEC_WARPS = 4
+MATVEC_MAX_BATCH = 8
+TILE_ROWS = TILE_TOKENS = 64
+TILE_THREADS = 128
+NORM_THREADS = 256
+HEAD_NORM_HEADS_PER_BLOCK = 4
+ROPE_THREADS = 64
+ELEMENTWISE_THREADS = 256
+ATTN_WARPS = 4
+ATTN_KEYS_PER_PASS = ATTN_WARPS * 32  # a decode split's warps take 32-key chunks in turn
+PREFILL_QUERIES = 8  # queries of one item and head per prefill attention block
+MAX_HEAD_DIM = 256
+COMBINE_THREADS = 256
+CANDIDATE_THREADS = 1024
+MAX_CANDIDATES = 1024
+PENALTY_THREADS = 256
+KV_BYTES_PER_VALUE = 2  # float16 cache
+GRID_LIMIT = 65535  # grid y / z limit; elementwise kernels stride, so x is capped here too
+
+
+def kernel_source_dir() -> Path:
+    """The folder holding the .cu/.cuh kernel sources: `actors/_cuda_src` in an installed
+    wheel, the checkout's top-level `cuda_src/` otherwise (including editable installs)."""
+    for candidate in (_PACKAGE_DIR / "_cuda_src", _PACKAGE_DIR.parent / "cuda_src"):
+        if any(candidate.glob("*.cu")):
+            return candidate
+    raise FileNotFoundError(
+        f"no CUDA kernel sources next to {_PACKAGE_DIR} (looked for _cuda_src/ in the package "
+        "and cuda_src/ beside it); reinstall q4k-actors"
+    )
+
+
+def nvcc_options() -> list[str]:
+    """nvcc options for compiling a cuda_src file (PyCUDA's SourceModule(options=...), with
+    no_extern_c=True and include_dirs=[kernel_source_dir()]). No fast-math: the block decode
+    must round as quants.py does, and expf / division must keep their accuracy."""
+    return ["-std=c++17", "-O3"]
+
+
+def kernel_entry_points() -> dict[str, tuple[str, ...]]:
+    """Source file name -> the `extern "C"` kernels it defines (what `get_function` takes)."""
+    suffixes = tuple(KERNEL_TYPE_SUFFIX.values())
+    return {
+        "matvec.cu": tuple(f"mul_mat_vec_{s}" for s in suffixes),
+        "matmul.cu": tuple(f"mul_mat_tiles_{i}_{s}" for s in suffixes for i in TILE_INPUTS),
+        "embedding.cu": tuple(f"get_rows_{s}" for s in suffixes),
+        "norm.cu": ("residual_rms_norm", "head_rms_norm"),
+        "rope.cu": ("rope",),
+        "activation.cu": ("gated_silu", "gated_gelu_tanh"),
+        "kv_cache.cu": ("kv_write",),
+        "attention.cu": ("attention_decode_split", "attention_decode_combine",
+                         "attention_prefill"),
+        "candidates.cu": ("apply_penalties", "top_candidates"),
+        "bias.cu": ("add_bias",),
+    }
+
+
+def kernel_suffix(type_name: str) -> str:
+    """The entry-point suffix of a GGUF block type; InvalidRequest for one with no kernels."""
+    try:
+        return KERNEL_TYPE_SUFFIX[type_name]
+    except KeyError:
+        raise InvalidRequest(f"no CUDA kernels for tensor type {type_name!r}",
+                             field="type") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA-graph batch buckets
+
+
+def graph_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes decode graphs are captured for: 1, 2, 4, ... up to the first power of two
+    >= max_batch. A step of n sequences replays the smallest bucket >= n, padded."""
+    if max_batch < 1:
+        raise InvalidRequest(f"max_batch must be >= 1, got {max_batch}", field="max_batch")
+    return tuple(1 << i for i in range((max_batch - 1).bit_length() + 1))
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= n (buckets ascending)."""
+    index = int(np.searchsorted(np.asarray(buckets), n))
+    if n < 1 or index == len(buckets):
+        raise InvalidRequest(f"no graph bucket holds a batch of {n} (buckets {list(buckets)})",
+                             field="batch")
+    return int(buckets[index])
+
+
+# ---------------------------------------------------------------------------------------------
+# Device memory
+
+
+def row_pitch(type_name: str, row_length: int) -> int:
+    """Bytes between consecutive weight rows on the device: the row's bytes rounded up to 16."""
+    if row_length % GROUP:
+        raise InvalidRequest(f"rows of {row_length} elements are not a whole number of "
+                             f"{GROUP}-element groups: no CUDA kernel decodes them", field="shape")
+    return -(-row_bytes(type_name, row_length) // ROW_ALIGN) * ROW_ALIGN
+
+
+def device_tensor_bytes(info: TensorInfo) -> int:
+    """Device bytes of one GGUF tensor: matrices keep their blocks at a 16-byte row pitch;
+    vectors (norms, biases, RoPE factors) are float32."""
+    if len(info.shape) == 1:
+        return info.shape[0] * 4
+    return math.prod(info.shape[:-1]) * row_pitch(info.type_name, info.shape[-1])
+
+
+def weight_bytes(tensors: Iterable[TensorInfo]) -> int:
+    """Device bytes of all of a file's tensors (about the file's size)."""
+    return sum(device_tensor_bytes(info) for info in tensors)
+
+
+def kv_block_bytes(spec: ModelSpec, block_size: int) -> int:
+    """Device bytes of one KV block: K and V, every layer, float16."""
+    return 2 * spec.n_layers * block_size * spec.kv_dim * KV_BYTES_PER_VALUE
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """The largest step the workspace is sized for."""
+
+    max_tokens: int  # tokens of one step (decode items + prefill chunk)
+    max_rows: int  # logits rows of one step (items wanting a token)
+    max_splits: int  # flash-decoding splits per (sequence, head)
+    max_candidates: int  # candidates per row
+
+
+def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
+    """Bytes of each float32 / int32 device buffer a step uses, by name (forward.py's
+    StepBuffers plus the logits, attention partials and candidate outputs)."""
+    t, rows, f32 = limits.max_tokens, limits.max_rows, 4
+    partials = rows * spec.n_heads * limits.max_splits
+    return {
+        "x": t * spec.d_model * f32,
+        "normed": t * spec.d_model * f32,
+        "qkv": t * (spec.q_dim + 2 * spec.kv_dim) * f32,
+        "attn": t * spec.q_dim * f32,
+        "projected": t * spec.d_model * f32,
+        "gate_up": t * 2 * spec.ffn_dim * f32,
+        "gated": t * spec.ffn_dim * f32,
+        "logits": rows * spec.vocab_size * f32,
+        "partial_acc": partials * spec.head_dim * f32,
+        "partial_max": partials * f32,
+        "partial_sum": partials * f32,
+        "final": rows * spec.d_model * f32,  # the logits rows' normed states, gathered
+        "candidates": rows * candidate_record_words(limits.max_candidates) * 4,
+    }
+
+
+def candidate_record_words(width: int) -> int:
+    """32-bit words of one row's top_candidates record: count, log_z, ids[width],
+    logits[width]."""
+    return 2 + 2 * width
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How the device memory is spent."""
+
+    weight_bytes: int
+    workspace_bytes: int
+    kv_block_bytes: int
+    kv_blocks: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_blocks * self.kv_block_bytes
+
+
+def plan_memory(free_bytes: int, fraction: float, weights: int, workspace: int,
+                block_bytes: int) -> MemoryPlan:
+    """KV blocks = (free memory * fraction - weights - workspace) // block bytes, where
+    `free_bytes` is measured before anything is allocated. ComputeError if not even one block
+    fits (the message says how much more is needed)."""
+    if not 0 < fraction <= 1:
+        raise InvalidRequest(f"the device memory fraction must be in (0, 1], got {fraction}",
+                             field="gpu_memory_fraction")
+    budget = int(free_bytes * fraction)
+    blocks = (budget - weights - workspace) // block_bytes
+    if blocks < 1:
+        short = weights + workspace + block_bytes - budget
+        raise ComputeError(
+            f"the model needs {weights / 2**30:.2f} GiB of weights and {workspace / 2**30:.2f} "
+            f"GiB of workspace, but {fraction:.0%} of the device's free memory is "
+            f"{budget / 2**30:.2f} GiB: {short / 2**20:.0f} MiB short of one KV block; use a "
+            "smaller model, a larger fraction or a smaller step"
+        )
+    return MemoryPlan(weights, workspace, block_bytes, int(blocks))
+
+
+ARENA_ALIGN = 256  # each tensor of the weight arena starts where cuMemAlloc would put it
+
+
+def weight_arena(tensors: Iterable[TensorInfo]) -> tuple[dict[str, int], int]:
+    """Each tensor's byte offset in one device allocation holding them all, and its size."""
+    offsets, cursor = {}, 0
+    for info in tensors:
+        offsets[info.name] = cursor
+        cursor += -(-device_tensor_bytes(info) // ARENA_ALIGN) * ARENA_ALIGN
+    return offsets, cursor
+
+
+def device_bytes_of(raw: np.ndarray, info: TensorInfo,
+                    chunk_rows: int = 4096) -> Iterable[tuple[int, np.ndarray]]:
+    """The device image of a tensor from its raw GGUF bytes, as (byte offset, bytes) chunks:
+    a matrix's blocks as stored at `row_pitch` (the raw view itself where the pitch is the
+    row's size), a vector as float32."""
+    if len(info.shape) == 1:
+        yield 0, np.ascontiguousarray(dequantize(raw, info.type_name, info.shape),
+                                      dtype=np.float32).view(np.uint8)
+        return
+    rows = raw.reshape(-1, raw.shape[-1])
+    pitch = row_pitch(info.type_name, info.shape[-1])
+    if pitch == rows.shape[1]:
+        yield 0, rows.reshape(-1)
+        return
+    for first in range(0, len(rows), chunk_rows):
+        chunk = rows[first : first + chunk_rows]
+        out = np.zeros((len(chunk), pitch), dtype=np.uint8)
+        out[:, : chunk.shape[1]] = chunk
+        yield first * pitch, out.reshape(-1)
+
+
+def kv_pool_blocks(free_bytes: int, fraction: float, weights: int, workspace: int,
+                   block_bytes: int, requested: int | None, useful: int) -> int:
+    """KV blocks for the scheduler: `requested` if memory holds it, else as many as the
+    memory plan holds up to `useful` (what the engine's sequences can use). One more block
+    than this is allocated: the padding rows' block, which the scheduler never hands out."""
+    memory = plan_memory(free_bytes, fraction, weights, workspace + block_bytes, block_bytes)
+    if requested is not None:
+        if requested > memory.kv_blocks:
+            raise ComputeError(
+                f"{requested} KV blocks of {block_bytes / 2**20:.1f} MiB do not fit: "
+                f"{fraction:.0%} of the device's free memory holds {memory.kv_blocks} besides "
+                "the weights and workspace; ask for fewer blocks or a larger fraction"
+            )
+        return requested
+    return min(memory.kv_blocks, useful)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch geometry
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A kernel's grid and block, as PyCUDA's `grid=` and `block=` take them."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+
+
+def _blocks(n: int, per_block: int) -> int:
+    return -(-n // per_block)
+
+
+def _check_grid(launch: Launch) -> Launch:
+    if min(launch.grid) < 1 or max(launch.grid[1:]) > GRID_LIMIT:
+        raise InvalidRequest(f"grid {launch.grid} is outside the device's limits",
+                             field="shape")
+    return launch
+
+
+def uses_matvec(n_tokens: int) -> bool:
+    """Up to MATVEC_MAX_BATCH tokens read each weight block once in mul_mat_vec; more go to
+    the tensor-core tiles."""
+    return n_tokens <= MATVEC_MAX_BATCH
+
+
+def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = "f16") -> str:
+    """The entry point multiplying a `type_name` matrix by n_tokens activation rows."""
+    suffix = kernel_suffix(type_name)
+    if uses_matvec(n_tokens):
+        return f"mul_mat_vec_{suffix}"
+    if tile_input not in TILE_INPUTS:
+        raise InvalidRequest(f"tile input must be one of {TILE_INPUTS}, got {tile_input!r}",
+                             field="tile_input")
+    return f"mul_mat_tiles_{tile_input}_{suffix}"
+
+
+def matmul_launch(rows: int, n_tokens: int) -> Launch:
+    """mul_mat_vec (one warp per output row) or mul_mat_tiles (64 x 64 tiles of y)."""
+    if uses_matvec(n_tokens):
+        return _check_grid(Launch((_blocks(rows, MATVEC_WARPS), 1, 1), (MATVEC_WARPS * 32, 1, 1)))
+    return _check_grid(Launch((_blocks(rows, TILE_ROWS), _blocks(n_tokens, TILE_TOKENS), 1),
+                              (TILE_THREADS, 1, 1)))
+
+
+def get_rows_launch(n_ids: int, d_model: int) -> Launch:
+    """One block per id, a thread per 32-element group (at most 128, a multiple of 32)."""
+    threads = min(128, _blocks(d_model // GROUP, 32) * 32)
+    return _check_grid(Launch((n_ids, 1, 1), (threads, 1, 1)))
+
+
+def norm_launch(n_rows: int) -> Launch:
+    return _check_grid(Launch((n_rows, 1, 1), (NORM_THREADS, 1, 1)))
+
+
+def head_norm_launch(n_tokens: int, n_heads: int) -> Launch:
+    return _check_grid(Launch((_blocks(n_heads, HEAD_NORM_HEADS_PER_BLOCK), n_tokens, 1),
+                              (HEAD_NORM_HEADS_PER_BLOCK * 32, 1, 1)))
+
+
+def rope_launch(n_tokens: int, n_heads: int) -> Launch:
+    return _check_grid(Launch((n_heads, n_tokens, 1), (ROPE_THREADS, 1, 1)))
+
+
+def elementwise_launch(n_elements: int) -> Launch:
+    """Grid-stride kernels (gated activations, kv_write): enough blocks to cover n_elements,
+    capped (the kernels loop)."""
+    return Launch((min(_blocks(n_elements, ELEMENTWISE_THREADS), GRID_LIMIT), 1, 1),
+                  (ELEMENTWISE_THREADS, 1, 1))
+
+
+def decode_splits(context_length: int, split_keys: int) -> int:
+    """Splits per (sequence, head) so that any sequence's keys fit. A decode graph keeps this
+    grid for every step; splits past a sequence's keys return at once."""
+    if split_keys < 1 or split_keys % ATTN_KEYS_PER_PASS:
+        raise InvalidRequest(f"split_keys must be a positive multiple of {ATTN_KEYS_PER_PASS}, "
+                             f"got {split_keys}", field="split_keys")
+    return _blocks(context_length, split_keys)
+
+
+def attention_decode_launch(n_seqs: int, n_heads: int, n_splits: int) -> Launch:
+    return _check_grid(Launch((n_splits, n_heads, n_seqs), (ATTN_WARPS * 32, 1, 1)))
+
+
+def attention_combine_launch(n_seqs: int, n_heads: int) -> Launch:
+    return _check_grid(Launch((n_heads, n_seqs, 1), (COMBINE_THREADS, 1, 1)))
+
+
+def attention_prefill_launch(max_item_tokens: int, n_heads: int, n_items: int) -> Launch:
+    return _check_grid(Launch((_blocks(max_item_tokens, PREFILL_QUERIES), n_heads, n_items),
+                              (ATTN_WARPS * 32, 1, 1)))
+
+
+def penalties_launch(n_rows: int) -> Launch:
+    return _check_grid(Launch((n_rows, 1, 1), (PENALTY_THREADS, 1, 1)))
+
+
+def candidates_launch(n_rows: int, k: int, vocab: int) -> Launch:
+    """top_candidates: one block per row; 1 <= k <= min(vocab, MAX_CANDIDATES) (k: the
+    record width, the most candidates any row asks)."""
+    if not 1 <= k <= min(vocab, MAX_CANDIDATES):
+        raise InvalidRequest(f"candidates per row must be in [1, {min(vocab, MAX_CANDIDATES)}], "
+                             f"got {k}", field="candidates")
+    return _check_grid(Launch((n_rows, 1, 1), (CANDIDATE_THREADS, 1, 1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Step packing
+
+
+def padded(values: Sequence[int] | np.ndarray, length: int, fill: int) -> np.ndarray:
+    """values as int32, padded with `fill` to `length`."""
+    values = np.asarray(values, dtype=np.int32)
+    if values.ndim != 1 or values.size > length:
+        raise InvalidRequest(f"{values.size} values do not fit {length} rows", field="batch")
+    out = np.full(length, fill, dtype=np.int32)
+    out[: values.size] = values
+    return out
+
+
+def block_table_array(tables: Sequence[Sequence[int]], rows: int, stride: int,
+                      fill: int) -> np.ndarray:
+    """Ragged block tables -> int32 (rows, stride), each padded with `fill`."""
+    lengths = np.array([len(table) for table in tables], dtype=np.int64)
+    if len(tables) > rows or (lengths.size and lengths.max() > stride):
+        raise InvalidRequest(f"block tables do not fit ({rows}, {stride})", field="blocks")
+    out = np.full((rows, stride), fill, dtype=np.int32)
+    if lengths.sum():
+        flat = np.concatenate([np.asarray(table, dtype=np.int32) for table in tables])
+        row = np.repeat(np.arange(len(tables)), lengths)
+        column = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out[row, column] = flat
+    return out
+
+
+@dataclass(frozen=True)
+class PackedArrays:
+    """Named int32 arrays laid out in one buffer: copy `buffer` into a pinned host buffer and
+    on to the device once; array `name` starts `offsets[name]` int32s in (a multiple of 4, so
+    every array is 16-byte aligned) with shape `shapes[name]`."""
+
+    buffer: np.ndarray
+    offsets: dict[str, int]
+    shapes: dict[str, tuple[int, ...]]
+
+    def view(self, name: str) -> np.ndarray:
+        start = self.offsets[name]
+        shape = self.shapes[name]
+        return self.buffer[start : start + math.prod(shape)].reshape(shape)
+
+
+def pack_int32(arrays: Mapping[str, np.ndarray]) -> PackedArrays:
+    """Lay `arrays` (in the mapping's order) end to end in one int32 buffer."""
+    offsets, shapes, cursor = {}, {}, 0
+    for name, array in arrays.items():
+        offsets[name], shapes[name] = cursor, tuple(array.shape)
+        cursor += -(-array.size // 4) * 4
+    buffer = np.zeros(cursor, dtype=np.int32)
+    for name, array in arrays.items():
+        buffer[offsets[name] : offsets[name] + array.size] = array.ravel()
+    return PackedArrays(buffer, offsets, shapes)
+
+
+def decode_step_arrays(token_ids: Sequence[int], positions: Sequence[int],
+                       slots: Sequence[int], tables: Sequence[Sequence[int]], bucket: int,
+                       table_stride: int, pad_slot: int, pad_block: int) -> dict[str, np.ndarray]:
+    """A decode step (one token per sequence) padded to its graph bucket: token_ids,
+    positions, slots (block * block_size + offset) and block_tables. Padding rows read token 0
+    at position 0 through `pad_block` and write their K/V to `pad_slot`, a slot of a block the
+    scheduler never hands out, so a replayed graph touches no sequence's cache."""
+    return {
+        "token_ids": padded(token_ids, bucket, 0),
+        "positions": padded(positions, bucket, 0),
+        "slots": padded(slots, bucket, pad_slot),
+        "block_tables": block_table_array(tables, bucket, table_stride, pad_block),
+    }
+
+
+def pack_decode_step(token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                     tables: Sequence[Sequence[int]], bucket: int, table_stride: int,
+                     pad_slot: int, pad_block: int) -> PackedArrays:
+    """`decode_step_arrays` packed into one buffer."""
+    return pack_int32(decode_step_arrays(token_ids, positions, slots, tables, bucket,
+                                         table_stride, pad_slot, pad_block))

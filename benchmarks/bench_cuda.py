@@ -1,0 +1,250 @@
+"""GPU benchmark. Kernels: the Q4_K decode matrix-vector product's effective bandwidth (weight
+bytes read / time) on Llama-3-8B's FFN shapes, beside the device's own copy bandwidth, and the
+tensor-core tiles at prefill size, timed with CUDA events over many launches (the weights
+cycle through enough copies that every launch reads them from HBM, not from L2). Whole models
+through the CUDA backend (wall clock per step, each step ending in its one synchronization):
+decode tok/s at 1 and 32 streams and prefill-512 tok/s on a Llama-3-8B-shaped file
+(benchmarks/synthetic_gguf.py), one-stream decode on gemma-3-270m, and the stream operations
+and kernels of a decode step.
+
+    python benchmarks/bench_cuda.py [--json OUT.json] [--repeats N] [--model-8b PATH]
+                                    [--gemma3 PATH]
+
+Needs pycuda and a CUDA device (imported when run, so `--help` works anywhere). Anchors from
+issue 12: Q4_K matvec on 4096 x 14336 >= 3.4 TB/s effective (copy: about 4.3 TB/s); 8B decode
+>= 450 tok/s one stream, >= 4,000 tok/s at 32 streams, prefill 512 >= 10,000 tok/s;
+gemma-3-270m >= 300 tok/s one stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from synthetic_gguf import random_blocks
+
+from actors.compute import cuda_plan as plan
+from actors.model.quants import row_bytes
+
+MATVEC_SHAPES = ((14336, 4096), (4096, 14336))  # (output rows, inputs): gate/up, down
+MATVEC_BATCHES = (1, 8)
+PREFILL_TOKENS = 512
+COPY_BYTES = 1 << 30
+ANCHORS = {"matvec_q4_K_effective_TBps": 3.4, "copy_TBps_seen_on_h200": 4.3,
+           "llama3_8b_decode_1_stream_tok_s": 450, "llama3_8b_decode_32_streams_tok_s": 4000,
+           "llama3_8b_prefill_512_tok_s": 10000, "gemma3_270m_decode_1_stream_tok_s": 300}
+DECODE_PROMPT = 32  # tokens each stream holds before its timed decode steps
+DECODE_STEPS = 64
+DECODE_STREAMS = (1, 32)
+MODEL_BLOCK = 16
+
+
+def compile_module(file_name: str) -> Any:
+    from pycuda.compiler import SourceModule
+
+    source = (plan.kernel_source_dir() / file_name).read_text()
+    return SourceModule(source, no_extern_c=True, options=plan.nvcc_options(),
+                        include_dirs=[str(plan.kernel_source_dir())])
+
+
+def time_launches(launch: Any, repeats: int) -> float:
+    """Seconds per call of launch(i), from CUDA events around `repeats` calls (after a warmup
+    of a tenth as many)."""
+    import pycuda.driver as cuda
+
+    for i in range(max(repeats // 10, 1)):
+        launch(i)
+    start, end = cuda.Event(), cuda.Event()
+    start.record()
+    for i in range(repeats):
+        launch(i)
+    end.record()
+    end.synchronize()
+    return end.time_since(start) / 1e3 / repeats
+
+
+def weight_copies(matrix: np.ndarray, l2_bytes: int) -> list[Any]:
+    """Enough device copies of `matrix` that cycling through them overflows L2 four times."""
+    import pycuda.driver as cuda
+
+    count = max(2, math.ceil(4 * l2_bytes / matrix.nbytes))
+    return [cuda.to_device(matrix) for _ in range(count)]
+
+
+def bench_copy(repeats: int) -> dict[str, float]:
+    import pycuda.driver as cuda
+
+    src, dst = cuda.mem_alloc(COPY_BYTES), cuda.mem_alloc(COPY_BYTES)
+    seconds = time_launches(lambda i: cuda.memcpy_dtod(dst, src, COPY_BYTES), repeats)
+    return {"bytes": COPY_BYTES, "us": seconds * 1e6,
+            "TBps_read_plus_write": 2 * COPY_BYTES / seconds / 1e12}
+
+
+def bench_matvec(module: Any, rng: np.random.Generator, l2_bytes: int,
+                 repeats: int) -> list[dict[str, Any]]:
+    import pycuda.driver as cuda
+
+    function = module.get_function("mul_mat_vec_q4_K")
+    results = []
+    for rows, n_in in MATVEC_SHAPES:
+        matrix = random_blocks(rng, "Q4_K", rows * n_in // 256).reshape(rows, -1)
+        copies = weight_copies(matrix, l2_bytes)
+        pitch = np.int64(plan.row_pitch("Q4_K", n_in))
+        launch = plan.matmul_launch(rows, 1)
+        for batch in MATVEC_BATCHES:
+            x = cuda.to_device(rng.standard_normal((batch, n_in)).astype(np.float32))
+            y = cuda.mem_alloc(batch * rows * 4)
+            seconds = time_launches(
+                lambda i: function(copies[i % len(copies)], pitch, x, np.int32(n_in), y,
+                                   np.int32(rows), np.int32(rows), np.int32(n_in),
+                                   np.int32(batch), grid=launch.grid, block=launch.block),
+                repeats)
+            weight_bytes = rows * row_bytes("Q4_K", n_in)
+            results.append({"kernel": "mul_mat_vec_q4_K", "rows": rows, "n_in": n_in,
+                            "batch": batch, "copies": len(copies), "us": seconds * 1e6,
+                            "weight_bytes": weight_bytes,
+                            "effective_TBps": weight_bytes / seconds / 1e12})
+        for copy in copies:
+            copy.free()
+    return results
+
+
+def bench_tiles(module: Any, rng: np.random.Generator, repeats: int) -> list[dict[str, Any]]:
+    import pycuda.driver as cuda
+
+    rows, n_in = MATVEC_SHAPES[0]
+    weights = cuda.to_device(random_blocks(rng, "Q4_K", rows * n_in // 256))
+    x = cuda.to_device(rng.standard_normal((PREFILL_TOKENS, n_in)).astype(np.float32))
+    y = cuda.mem_alloc(PREFILL_TOKENS * rows * 4)
+    launch = plan.matmul_launch(rows, PREFILL_TOKENS)
+    results = []
+    for tile_input in plan.TILE_INPUTS:
+        name = plan.matmul_kernel("Q4_K", PREFILL_TOKENS, tile_input)
+        function = module.get_function(name)
+        seconds = time_launches(
+            lambda i: function(weights, np.int64(plan.row_pitch("Q4_K", n_in)), x, np.int32(n_in),
+                               y, np.int32(rows), np.int32(rows), np.int32(n_in),
+                               np.int32(PREFILL_TOKENS), grid=launch.grid, block=launch.block),
+            max(repeats // 10, 3))
+        results.append({"kernel": name, "rows": rows, "n_in": n_in, "tokens": PREFILL_TOKENS,
+                        "us": seconds * 1e6,
+                        "TFLOPs": 2 * rows * n_in * PREFILL_TOKENS / seconds / 1e12})
+    return results
+
+
+def decode_tok_s(backend: Any, vocab: int, streams: int, steps: int,
+                 rng: np.random.Generator) -> dict[str, Any]:
+    """Each of `streams` sequences prefilled with DECODE_PROMPT tokens, then `steps` timed
+    decode steps of one token per stream (after two that capture the bucket's graph)."""
+    from actors.compute.contract import RowInputs, StepItem
+
+    per_stream = -(-(DECODE_PROMPT + steps + 2) // MODEL_BLOCK)
+    tables = [tuple(range(i * per_stream, (i + 1) * per_stream)) for i in range(streams)]
+    rows = [RowInputs()] * streams
+    prompt = [StepItem(tuple(int(t) for t in rng.integers(0, vocab, DECODE_PROMPT)), 0, table)
+              for table in tables]
+    backend.run(prompt, rows)
+
+    def step(position: int) -> None:
+        backend.run([StepItem((int(rng.integers(0, vocab)),), position, table)
+                     for table in tables], rows)
+
+    step(DECODE_PROMPT)
+    step(DECODE_PROMPT + 1)
+    started = time.perf_counter()
+    for position in range(DECODE_PROMPT + 2, DECODE_PROMPT + 2 + steps):
+        step(position)
+    seconds = time.perf_counter() - started
+    return {"streams": streams, "steps": steps, "tok_s": streams * steps / seconds,
+            "ms_per_step": seconds / steps * 1e3,
+            "launches_per_step": backend.launches_per_step,
+            "kernels_per_step": backend.kernels_per_step}
+
+
+def prefill_tok_s(backend: Any, vocab: int, tokens: int, repeats: int,
+                  rng: np.random.Generator) -> dict[str, Any]:
+    """One sequence's `tokens`-token prompt in one step, timed over `repeats` steps (after a
+    first one), each rewriting the same blocks."""
+    from actors.compute.contract import RowInputs, StepItem
+
+    item = StepItem(tuple(int(t) for t in rng.integers(0, vocab, tokens)), 0,
+                    tuple(range(-(-tokens // MODEL_BLOCK))))
+    backend.run([item], [RowInputs()])
+    started = time.perf_counter()
+    for _ in range(repeats):
+        backend.run([item], [RowInputs()])
+    seconds = (time.perf_counter() - started) / repeats
+    return {"tokens": tokens, "tok_s": tokens / seconds, "ms": seconds * 1e3,
+            "launches_per_step": backend.launches_per_step}
+
+
+def bench_model(path: Path, streams: tuple[int, ...], prefill: int | None,
+                rng: np.random.Generator) -> dict[str, Any]:
+    """Decode (and prefill) figures of the model file at `path` on the CUDA backend."""
+    from actors.compute.backends import BACKENDS
+    from actors.compute.contract import KVRequest
+    from actors.model.loaded import open_model
+
+    model = open_model(path)
+    per_stream = -(-(DECODE_PROMPT + DECODE_STEPS + 2) // MODEL_BLOCK)
+    blocks = max(max(streams) * per_stream, -(-(prefill or 0) // MODEL_BLOCK))
+    started = time.perf_counter()
+    backend = BACKENDS["cuda"].build(model, KVRequest(blocks=blocks, block_size=MODEL_BLOCK,
+                                                      max_sequences=max(streams)))
+    report: dict[str, Any] = {"model": str(path), "build_s": time.perf_counter() - started}
+    try:
+        vocab = model.spec.vocab_size
+        report["decode"] = [decode_tok_s(backend, vocab, n, DECODE_STEPS, rng) for n in streams]
+        if prefill:
+            report["prefill"] = prefill_tok_s(backend, vocab, prefill, 5, rng)
+    finally:
+        backend.close()
+        model.gguf.close()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--model-8b", type=Path, help="a Llama-3-8B-shaped GGUF "
+                        "(benchmarks/synthetic_gguf.py) for the whole-model figures")
+    parser.add_argument("--gemma3", type=Path, help="gemma-3-270m's GGUF for its decode figure")
+    args = parser.parse_args()
+
+    import pycuda.autoprimaryctx  # noqa: F401  (the primary context, which the backend shares)
+    import pycuda.driver as cuda
+
+    device = cuda.Context.get_device()
+    l2_bytes = device.get_attribute(cuda.device_attribute.L2_CACHE_SIZE)
+    rng = np.random.default_rng(0)
+    started = time.perf_counter()
+    compiled = {name: compile_module(name) for name in ("matvec.cu", "matmul.cu")}
+    compile_s = time.perf_counter() - started
+    report = {
+        "device": device.name(),
+        "compute_capability": list(device.compute_capability()),
+        "l2_bytes": l2_bytes,
+        "compile_s": compile_s,
+        "copy": bench_copy(args.repeats // 4),
+        "matvec": bench_matvec(compiled["matvec.cu"], rng, l2_bytes, args.repeats),
+        "tiles": bench_tiles(compiled["matmul.cu"], rng, args.repeats),
+        "anchors": ANCHORS,
+    }
+    if args.model_8b:
+        report["llama3_8b"] = bench_model(args.model_8b, DECODE_STREAMS, 512, rng)
+    if args.gemma3:
+        report["gemma3_270m"] = bench_model(args.gemma3, (1,), None, rng)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

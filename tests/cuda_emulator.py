@@ -1,0 +1,474 @@
+"""A fake pycuda for the CUDA backend's host tests: device memory as numpy byte arrays at fake
+addresses, copies that move bytes, decode graphs that record and replay launches, and kernels
+that are numpy twins of cuda_src (run) or are only recorded (not run). With `run_kernels` the
+backend's whole step, from packing to the candidate records and fetch_rows, is computed on the
+host and can be checked against the CPU model; the kernels themselves are checked against the
+same twins' semantics on the device by tests/gpu/test_kernels.py."""
+
+from __future__ import annotations
+
+import bisect
+import importlib
+import math
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from actors.compute import cuda_plan as plan
+from actors.model.forward import gelu_tanh, silu
+from actors.model.quants import dequantize, row_bytes
+from tests.cuda_samples import penalties_twin, tile_product, top_candidates_twin
+
+GIB = 1 << 30
+TYPE_OF_SUFFIX = {suffix: name for name, suffix in plan.KERNEL_TYPE_SUFFIX.items()}
+
+
+class Memory:
+    """Allocations at fake device addresses; `view(address, dtype, count)` is a writable numpy
+    view of the bytes there."""
+
+    def __init__(self) -> None:
+        self.bases: list[int] = []
+        self.blocks: dict[int, np.ndarray] = {}
+        self.next_address = 1 << 20
+
+    def allocate(self, size: int) -> int:
+        address = self.next_address
+        self.next_address += -(-max(size, 1) // 256) * 256 + 256
+        bisect.insort(self.bases, address)
+        self.blocks[address] = np.zeros(max(size, 1), dtype=np.uint8)
+        return address
+
+    def free(self, address: int) -> None:
+        self.bases.remove(address)
+        del self.blocks[address]
+
+    def view(self, address: int, dtype: Any, count: int) -> np.ndarray:
+        base = self.bases[bisect.bisect_right(self.bases, int(address)) - 1]
+        start = int(address) - base
+        size = count * np.dtype(dtype).itemsize
+        block = self.blocks[base]
+        assert start + size <= block.size, "a kernel reads past its allocation"
+        return block[start : start + size].view(dtype)
+
+
+class KernelTwins:
+    """numpy twins of the cuda_src entry points, reading and writing `Memory`."""
+
+    def __init__(self, memory: Memory) -> None:
+        self.m = memory
+
+    def f32(self, address: Any, count: int) -> np.ndarray:
+        return self.m.view(address, np.float32, count)
+
+    def i32(self, address: Any, count: int) -> np.ndarray:
+        return self.m.view(address, np.int32, count)
+
+    def rows(self, address: Any, n: int, stride: int, width: int) -> np.ndarray:
+        """(n, width) float32 view of rows `stride` floats apart."""
+        flat = self.f32(address, (n - 1) * stride + width) if n else self.f32(address, 0)
+        return np.lib.stride_tricks.as_strided(flat, (n, width), (4 * stride, 4), writeable=True)
+
+    def matrix(self, address: Any, pitch: int, type_name: str, rows: int, n_in: int) -> np.ndarray:
+        raw = self.m.view(address, np.uint8, rows * pitch).reshape(rows, pitch)
+        # A copy: quants' Q4_K decode shifts a single block's bytes in place.
+        return dequantize(raw[:, : row_bytes(type_name, n_in)].copy(), type_name, (rows, n_in))
+
+    def launch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
+        if name.startswith("get_rows_"):
+            self.get_rows(TYPE_OF_SUFFIX[name[len("get_rows_"):]], grid, *args)
+        elif name.startswith("mul_mat_vec_"):
+            self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args)
+        elif name.startswith("mul_mat_tiles_"):
+            tile_input, suffix = name[len("mul_mat_tiles_"):].split("_", 1)
+            self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args)
+        else:
+            getattr(self, name)(grid, *args)
+
+    def get_rows(self, type_name: str, grid: tuple[int, ...], table: Any, pitch: int, ids: Any,
+                 out: Any, d: int, scale: float) -> None:
+        n = grid[0]
+        for i, token in enumerate(self.i32(ids, n)):
+            raw = self.m.view(int(table) + int(token) * int(pitch), np.uint8,
+                              row_bytes(type_name, d)).copy()  # see `matrix`
+            self.f32(int(out) + 4 * i * d, d)[:] = dequantize(raw, type_name, (d,)) * scale
+
+    def matmul(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
+               x_stride: int, y: Any, y_stride: int, rows: int, n_in: int, n: int) -> None:
+        w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in))
+        xs = self.rows(x, int(n), int(x_stride), int(n_in))
+        self.rows(y, int(n), int(y_stride), int(rows))[:] = (
+            xs @ w.T if tile_input is None else tile_product(w, xs, tile_input))
+
+    @staticmethod
+    def _rms(v: np.ndarray, eps: float) -> np.ndarray:
+        return np.sqrt((v * v).sum(axis=-1, keepdims=True) / np.float32(v.shape[-1]) +
+                       np.float32(eps))
+
+    def residual_rms_norm(self, grid: tuple[int, ...], x: Any, delta: Any, delta_weight: Any,
+                          weight: Any, out: Any, d: int, eps: float) -> None:
+        n, d = grid[0], int(d)
+        rows = self.f32(x, n * d).reshape(n, d)
+        if int(delta):
+            add = self.f32(delta, n * d).reshape(n, d)
+            if int(delta_weight):
+                add = add / self._rms(add, eps) * self.f32(delta_weight, d)
+            rows += add
+        self.f32(out, n * d).reshape(n, d)[:] = rows / self._rms(rows, eps) * self.f32(weight, d)
+
+    def head_rms_norm(self, grid: tuple[int, ...], x: Any, stride: int, heads: int,
+                      head_dim: int, weight: Any, eps: float) -> None:
+        n, heads, head_dim = grid[1], int(heads), int(head_dim)
+        v = self.rows(x, n, int(stride), heads * head_dim).reshape(n, heads, head_dim)
+        v[:] = v / self._rms(v, eps) * self.f32(weight, head_dim)
+
+    def rope(self, grid: tuple[int, ...], x: Any, stride: int, positions: Any, heads: int,
+             head_dim: int, rope_dim: int, base: float, factors: Any, neox: int) -> None:
+        n, heads, head_dim, half = grid[1], int(heads), int(head_dim), int(rope_dim) // 2
+        v = self.rows(x, n, int(stride), heads * head_dim).reshape(n, heads, head_dim)
+        inv_freq = float(base) ** (-np.arange(0, 2 * half, 2, dtype=np.float64) / int(rope_dim))
+        if int(factors):
+            inv_freq = inv_freq / self.f32(factors, half).astype(np.float64)
+        angles = self.i32(positions, n).astype(np.float64)[:, None] * inv_freq
+        cos, sin = (f(angles).astype(np.float32)[:, None, :] for f in (np.cos, np.sin))
+        first, second = ((v[..., :half], v[..., half : 2 * half]) if int(neox)
+                         else (v[..., 0 : 2 * half : 2], v[..., 1 : 2 * half : 2]))
+        x0, x1 = first.copy(), second.copy()
+        first[:] = x0 * cos - x1 * sin
+        second[:] = x0 * sin + x1 * cos
+
+    def add_bias(self, grid: tuple[int, ...], y: Any, stride: int, bias: Any, n: int,
+                 width: int) -> None:
+        self.rows(y, int(n), int(stride), int(width))[:] += self.f32(bias, int(width))
+
+    def kv_write(self, grid: tuple[int, ...], k: Any, v: Any, stride: int, slots: Any, n: int,
+                 kv_dim: int, k_cache: Any, v_cache: Any) -> None:
+        n, kv_dim = int(n), int(kv_dim)
+        for t, slot in enumerate(self.i32(slots, n)):
+            for source, cache in ((k, k_cache), (v, v_cache)):
+                row = self.f32(int(source) + 4 * t * int(stride), kv_dim)
+                self.m.view(int(cache) + 2 * int(slot) * kv_dim, np.float16, kv_dim)[:] = row
+
+    def _keys_and_values(self, k_cache: Any, v_cache: Any, table: np.ndarray,
+                         block_size: int, kv_heads: int, head_dim: int, keys: range
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """K and V at positions `keys` through the block table: (S, kv_heads, head_dim)."""
+        kv_dim = kv_heads * head_dim
+        slots = [int(table[p // block_size]) * block_size + p % block_size for p in keys]
+        k_rows, v_rows = (
+            [self.m.view(int(cache) + 2 * s * kv_dim, np.float16, kv_dim) for s in slots]
+            for cache in (k_cache, v_cache))
+        return tuple(np.stack(rows).astype(np.float32).reshape(len(slots), kv_heads, -1)
+                     for rows in (k_rows, v_rows))
+
+    def _head_attention(self, q_row: np.ndarray, kv: tuple[Any, Any], table: np.ndarray,
+                        block_size: int, heads: int, kv_heads: int, head_dim: int,
+                        keys: Callable[[int], range], scale: float
+                        ) -> list[tuple[float, float, np.ndarray]]:
+        """Per query head: (max, sum of exp(score - max), sum of exp(score - max) * v)."""
+        out = []
+        group = heads // kv_heads
+        for head in range(heads):
+            span = keys(head)
+            if not len(span):
+                out.append((-np.inf, 0.0, np.zeros(head_dim, dtype=np.float32)))
+                continue
+            k, v = self._keys_and_values(kv[0], kv[1], table, block_size, kv_heads, head_dim,
+                                         span)
+            q = q_row[head * head_dim : (head + 1) * head_dim] * np.float32(scale)
+            scores = k[:, head // group] @ q
+            peak = scores.max()
+            weights = np.exp(scores - peak)
+            out.append((float(peak), float(weights.sum()), weights @ v[:, head // group]))
+        return out
+
+    def attention_decode_split(self, grid: tuple[int, ...], q: Any, q_stride: int, k_cache: Any,
+                               v_cache: Any, tables: Any, table_stride: int, positions: Any,
+                               block_size: int, heads: int, kv_heads: int, head_dim: int,
+                               scale: float, window: int, split_keys: int, acc: Any, best: Any,
+                               total: Any) -> None:
+        splits, heads, n = grid[0], int(heads), grid[2]
+        head_dim, table_stride = int(head_dim), int(table_stride)
+        for s in range(n):
+            position = int(self.i32(positions, n)[s])
+            table = self.i32(int(tables) + 4 * s * table_stride, table_stride)
+            first = max(0, position - int(window) + 1) if int(window) else 0
+            q_row = self.f32(int(q) + 4 * s * int(q_stride), heads * head_dim)
+            for split in range(splits):
+                low = first + split * int(split_keys)
+                span = range(low, min(position, low + int(split_keys) - 1) + 1)
+                parts = self._head_attention(q_row, (k_cache, v_cache), table, int(block_size),
+                                             heads, int(kv_heads), head_dim,
+                                             lambda head, span=span: span, scale)
+                for head, (peak, weight, values) in enumerate(parts):
+                    index = (s * heads + head) * splits + split
+                    self.f32(int(best) + 4 * index, 1)[0] = peak
+                    self.f32(int(total) + 4 * index, 1)[0] = weight
+                    self.f32(int(acc) + 4 * index * head_dim, head_dim)[:] = values
+
+    def attention_decode_combine(self, grid: tuple[int, ...], acc: Any, best: Any, total: Any,
+                                 splits: int, heads: int, head_dim: int, out: Any,
+                                 out_stride: int) -> None:
+        heads, n, splits, head_dim = int(heads), grid[1], int(splits), int(head_dim)
+        count = n * heads * splits
+        peaks = self.f32(best, count).reshape(n, heads, splits)
+        sums = self.f32(total, count).reshape(n, heads, splits)
+        values = self.f32(acc, count * head_dim).reshape(n, heads, splits, head_dim)
+        overall = peaks.max(axis=2, keepdims=True)
+        scale = np.where(np.isneginf(peaks), 0.0, np.exp(peaks - overall))
+        merged = (scale[..., None] * values).sum(axis=2) / (scale * sums).sum(axis=2)[..., None]
+        self.rows(out, n, int(out_stride), heads * head_dim)[:] = merged.reshape(n, -1)
+
+    def attention_prefill(self, grid: tuple[int, ...], q: Any, q_stride: int, k_cache: Any,
+                          v_cache: Any, tables: Any, table_stride: int, first_rows: Any,
+                          tokens: Any, starts: Any, block_size: int, heads: int, kv_heads: int,
+                          head_dim: int, scale: float, window: int, out: Any,
+                          out_stride: int) -> None:
+        items, heads, head_dim, table_stride = grid[2], int(heads), int(head_dim), int(table_stride)
+        for item in range(items):
+            table = self.i32(int(tables) + 4 * item * table_stride, table_stride)
+            first_row = int(self.i32(first_rows, items)[item])
+            for i in range(int(self.i32(tokens, items)[item])):
+                position = int(self.i32(starts, items)[item]) + i
+                low = max(0, position - int(window) + 1) if int(window) else 0
+                q_row = self.f32(int(q) + 4 * (first_row + i) * int(q_stride), heads * head_dim)
+                parts = self._head_attention(q_row, (k_cache, v_cache), table, int(block_size),
+                                             heads, int(kv_heads), head_dim,
+                                             lambda head: range(low, position + 1), scale)
+                row = self.f32(int(out) + 4 * (first_row + i) * int(out_stride), heads * head_dim)
+                row[:] = np.concatenate([values / weight for _, weight, values in parts])
+
+    def _gated(self, act: Callable[[np.ndarray, np.ndarray], np.ndarray], gate_up: Any, out: Any,
+               n: int, ffn: int) -> None:
+        both = self.f32(gate_up, int(n) * 2 * int(ffn)).reshape(int(n), 2, int(ffn))
+        gate = both[:, 0].copy()
+        self.f32(out, int(n) * int(ffn)).reshape(int(n), int(ffn))[:] = (
+            act(gate, np.empty_like(gate)) * both[:, 1])
+
+    def gated_silu(self, grid: tuple[int, ...], *args: Any) -> None:
+        self._gated(silu, *args)
+
+    def gated_gelu_tanh(self, grid: tuple[int, ...], *args: Any) -> None:
+        self._gated(gelu_tanh, *args)
+
+    def apply_penalties(self, grid: tuple[int, ...], logits: Any, vocab: int,
+                        rep_offsets: Any, rep_ids: Any, repetition: Any, count_offsets: Any,
+                        count_ids: Any, counts: Any, presence: Any, frequency: Any) -> None:
+        n, vocab = grid[0], int(vocab)
+        rep_end = int(self.i32(rep_offsets, n + 1)[n])
+        count_end = int(self.i32(count_offsets, n + 1)[n])
+        arrays = {
+            "rep_offsets": self.i32(rep_offsets, n + 1), "rep_ids": self.i32(rep_ids, rep_end),
+            "count_offsets": self.i32(count_offsets, n + 1),
+            "count_ids": self.i32(count_ids, count_end), "counts": self.i32(counts, count_end),
+            **{name: self.m.view(address, np.int32, 2 * n) for name, address in
+               (("repetition", repetition), ("presence", presence), ("frequency", frequency))},
+        }
+        penalties_twin(self.f32(logits, n * vocab).reshape(n, vocab), arrays)
+
+    def top_candidates(self, grid: tuple[int, ...], logits: Any, vocab: int, least: Any,
+                       most: Any, mass: Any, inv_temp: Any, width: int, out: Any) -> None:
+        n, vocab, width = grid[0], int(vocab), int(width)
+        arrays = {name: self.i32(address, n) for name, address in
+                  (("least", least), ("most", most), ("mass", mass), ("inv_temp", inv_temp))}
+        records = top_candidates_twin(self.f32(logits, n * vocab).reshape(n, vocab), arrays,
+                                      width)
+        self.i32(out, records.size)[:] = records.ravel()
+
+
+class EmulatedDevice:
+    """The pycuda.driver and pycuda.compiler the backend imports, and the graph API it calls
+    through libcuda, over `Memory`. Counts what the backend asks for; `fail_kernel` makes that
+    kernel's launches raise, `context_broken` makes the context probe fail."""
+
+    class Error(Exception):
+        pass
+
+    class MemoryError(Error):
+        pass
+
+    class LogicError(Error):
+        pass
+
+    def __init__(self, run_kernels: bool, free_bytes: int = 100 * GIB) -> None:
+        self.memory = Memory()
+        self.twins = KernelTwins(self.memory)
+        self.run_kernels = run_kernels
+        self.free_bytes = free_bytes
+        self.launches: list[str] = []
+        self.copies = self.synchronizations = self.detached = 0
+        self.context_stack: list[Any] = []
+        self.fail_kernel: str | None = None
+        self.context_broken = False
+        self.capturing: list[tuple[str, tuple[int, ...], tuple[Any, ...]]] | None = None
+        self.graphs: dict[int, list[tuple[str, tuple[int, ...], tuple[Any, ...]]]] = {}
+        self.captures = self.replays = self.destroyed = 0
+        self.compiled: list[tuple[str, dict[str, Any]]] = []
+
+    @property
+    def live(self) -> set[int]:
+        return set(self.memory.bases)
+
+    # --- pycuda.driver ------------------------------------------------------------------
+
+    def driver_module(self) -> types.ModuleType:
+        device = self
+        module = types.ModuleType("pycuda.driver")
+        module.Error, module.MemoryError, module.LogicError = (self.Error, self.MemoryError,
+                                                                self.LogicError)
+
+        class Allocation:
+            def __init__(self, size: int) -> None:
+                self.address = device.memory.allocate(size)
+
+            def __int__(self) -> int:
+                return self.address
+
+            def free(self) -> None:
+                device.memory.free(self.address)
+
+        class HostBuffer(bytearray):
+            def free(self) -> None:
+                pass
+
+        class Context:
+            def push(self) -> None:
+                device.context_stack.append(self)
+
+            def detach(self) -> None:
+                device.detached += 1
+
+            @staticmethod
+            def pop() -> None:
+                device.context_stack.pop()
+
+            @staticmethod
+            def synchronize() -> None:
+                device.probe()
+
+        class Device:
+            def __init__(self, ordinal: int) -> None:
+                pass
+
+            def compute_capability(self) -> tuple[int, int]:
+                return (9, 0)
+
+            def name(self) -> str:
+                return "Emulated H200"
+
+            def retain_primary_context(self) -> Context:
+                return Context()
+
+        class Stream:
+            handle = 77
+
+            def synchronize(self) -> None:
+                device.synchronizations += 1
+
+        module.Context, module.Device, module.Stream = Context, Device, Stream
+        module.init = lambda: None
+        module.mem_get_info = self.mem_get_info
+        module.mem_alloc = Allocation
+        module.pagelocked_empty = lambda n, dtype: np.ndarray(  # .base: the "allocation"
+            (n,), dtype, buffer=HostBuffer(n * np.dtype(dtype).itemsize))
+        module.memcpy_htod = self.copy_in
+        module.memcpy_htod_async = lambda address, data, stream: self.copy_in(address, data)
+        module.memcpy_dtoh = self.copy_out
+        module.memcpy_dtoh_async = lambda data, address, stream: self.copy_out(data, address)
+        module.Function = object
+        return module
+
+    def probe(self) -> None:
+        if self.context_broken:
+            raise self.LogicError("cuCtxSynchronize failed: an illegal memory access was "
+                                  "encountered")
+
+    def mem_get_info(self) -> tuple[int, int]:
+        self.probe()
+        return self.free_bytes, 141 * GIB
+
+    def copy_in(self, address: Any, data: np.ndarray) -> None:
+        self.copies += 1
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        self.memory.view(address, np.uint8, raw.size)[:] = raw
+
+    def copy_out(self, data: np.ndarray, address: Any) -> None:
+        self.copies += 1
+        out = data.view(np.uint8).reshape(-1)
+        out[:] = self.memory.view(address, np.uint8, out.size)
+
+    # --- pycuda.compiler ----------------------------------------------------------------
+
+    def compiler_module(self) -> types.ModuleType:
+        device = self
+        module = types.ModuleType("pycuda.compiler")
+
+        class SourceModule:
+            def __init__(self, source: str, **options: Any) -> None:
+                device.compiled.append((source, options))
+
+            def get_function(self, name: str) -> Callable[..., None]:
+                def function(*args: Any, grid: tuple[int, ...], block: tuple[int, ...],
+                             stream: Any) -> None:
+                    assert all(isinstance(a, (np.uintp, np.int32, np.int64, np.float32,
+                                              np.float64)) for a in args), name
+                    assert math.prod(block) <= 1024 and min(grid) >= 1, (name, grid, block)
+                    device.launch(name, grid, args)
+                return function
+
+        module.SourceModule = SourceModule
+        return module
+
+    def launch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
+        if name == self.fail_kernel:
+            raise self.LogicError(f"cuLaunchKernel failed: {name}")
+        if self.capturing is not None:
+            self.capturing.append((name, grid, args))
+            return
+        self.launches.append(name)
+        if self.run_kernels:
+            self.twins.launch(name, grid, args)
+
+    # --- the graph API (actors.compute.cuda.DriverGraphs) -------------------------------
+
+    def capture(self, stream: Any, enqueue: Callable[[], None]) -> int:
+        self.capturing = []
+        try:
+            enqueue()
+            self.captures += 1
+            self.graphs[self.captures] = self.capturing
+        finally:
+            self.capturing = None
+        return self.captures
+
+    def launch_graph(self, executable: int, stream: Any) -> None:
+        self.replays += 1
+        for name, grid, args in self.graphs[executable]:
+            self.launch(name, grid, args)
+
+    def destroy(self, executable: int) -> None:
+        self.destroyed += 1
+        del self.graphs[executable]
+
+    def graph_api(self) -> Any:
+        api = types.SimpleNamespace(capture=self.capture, launch=self.launch_graph,
+                                    destroy=self.destroy)
+        return lambda: api
+
+
+def install(monkeypatch: pytest.MonkeyPatch, device: EmulatedDevice) -> Any:
+    """Import actors.compute.cuda over `device` (undone by the monkeypatch, except the module,
+    which the caller drops from sys.modules); returns the module."""
+    package = types.ModuleType("pycuda")
+    package.driver, package.compiler = device.driver_module(), device.compiler_module()
+    monkeypatch.setitem(sys.modules, "pycuda", package)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", package.driver)
+    monkeypatch.setitem(sys.modules, "pycuda.compiler", package.compiler)
+    monkeypatch.delitem(sys.modules, "actors.compute.cuda", raising=False)
+    module = importlib.import_module("actors.compute.cuda")
+    monkeypatch.setattr(module, "DriverGraphs", device.graph_api())
+    return module

@@ -1,0 +1,146 @@
+"""Samples shared by the CUDA tests (the host tests and tests/gpu): blocks of every GGUF block
+type (random bytes with sane float16 scales, or finite values only), random row inputs, and
+the numpy twins of apply_penalties and top_candidates."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from actors.compute.cuda_plan import candidate_record_words
+from actors.model.candidates import RowInputs
+from actors.model.quants import FORMATS, QUANTIZERS, quantize, row_bytes
+
+# Byte offsets of each quantized type's float16 scale fields (d, and m / dmin where it has one).
+HALF_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+
+
+def random_blocks(type_name: str, rows: int, row_length: int,
+                  rng: np.random.Generator) -> np.ndarray:
+    """(rows, row bytes) of random bytes (every byte pattern is a block), with the scale
+    halves of the quantized types replaced by random finite halves in [-2, 2]."""
+    raw = rng.integers(0, 256, (rows, row_bytes(type_name, row_length)), dtype=np.uint8)
+    if type_name in HALF_FIELDS:
+        blocks = raw.reshape(-1, FORMATS[type_name].type_size)
+        for start in HALF_FIELDS[type_name]:
+            halves = rng.uniform(-2.0, 2.0, len(blocks)).astype(np.float16)
+            blocks[:, start : start + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def finite_blocks(type_name: str, rows: int, row_length: int,
+                  rng: np.random.Generator) -> np.ndarray:
+    """(rows, row bytes) of blocks holding only finite values: standard normal floats
+    quantized where the project has a quantizer, random blocks with sane scales (Q4_0, Q4_1),
+    or the floats converted (BF16 by truncation)."""
+    values = rng.standard_normal((rows, row_length)).astype(np.float32)
+    if type_name in QUANTIZERS:
+        return quantize(values, type_name)
+    if type_name in HALF_FIELDS:
+        return random_blocks(type_name, rows, row_length, rng)
+    if type_name == "F16":
+        return values.astype(np.float16).view(np.uint8)
+    if type_name == "BF16":
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    return values.view(np.uint8)
+
+
+def assert_same_floats(actual: np.ndarray, expected: np.ndarray) -> None:
+    """Equal bit patterns wherever the value is a number; NaN exactly where numpy has NaN (a
+    NaN's payload is not part of the format: hardware conversions may quiet it)."""
+    nan = np.isnan(expected)
+    np.testing.assert_array_equal(np.isnan(actual), nan)
+    mismatch = actual.view(np.uint32)[~nan] != expected.view(np.uint32)[~nan]
+    assert not mismatch.any(), (
+        f"{mismatch.sum()} values differ, first: got {actual[~nan][mismatch][0]!r} "
+        f"numpy {expected[~nan][mismatch][0]!r}"
+    )
+
+
+def random_row_inputs(rng: np.random.Generator, n: int, vocab: int) -> list[RowInputs]:
+    """Rows mixing every kind of candidate and penalty input."""
+    rows = []
+    for _ in range(n):
+        generated = rng.choice(vocab, size=int(rng.integers(0, 12)), replace=False)
+        rows.append(RowInputs(
+            candidates=int(rng.integers(1, 20)), max_candidates=int(rng.integers(1, 300)),
+            mass=float(rng.choice([0.0, 0.5, 0.9, 0.999])), inv_temp=float(rng.uniform(0.3, 3)),
+            want_log_z=bool(rng.integers(2)),
+            repetition_penalty=float(rng.choice([1.0, 1.3])),
+            repeated=tuple(int(i) for i in rng.choice(vocab, size=int(rng.integers(0, 8)),
+                                                      replace=False)),
+            presence_penalty=float(rng.choice([0.0, 0.4])),
+            frequency_penalty=float(rng.choice([0.0, 0.25])),
+            generated=tuple(int(i) for i in generated),
+            generated_counts=tuple(int(c) for c in rng.integers(1, 5, size=generated.size)),
+        ))
+    return rows
+
+
+def top_candidates_twin(logits: np.ndarray, arrays: dict[str, np.ndarray],
+                         width: int) -> np.ndarray:
+    """top_candidates' records, computed as the kernel does: exact top `most`, float32 log_z
+    and running weights, count = min(k, max(least, below + margin))."""
+    least, most = arrays["least"], arrays["most"]
+    mass, inv_temp = arrays["mass"].view(np.float32), arrays["inv_temp"].view(np.float32)
+    records = np.zeros((len(logits), candidate_record_words(width)), dtype=np.int32)
+    for row, values in enumerate(logits):
+        k = int(most[row])
+        order = np.lexsort((np.arange(values.size), -values))[:k]
+        top = values[order[0]]
+        weights = np.exp((values - top) * inv_temp[row], dtype=np.float32)
+        total = weights.sum(dtype=np.float32)
+        target = np.float32(mass[row] * total)
+        running = np.cumsum(np.exp((values[order] - top) * inv_temp[row], dtype=np.float32),
+                            dtype=np.float32)
+        reach = int((running < target).sum()) + 2 if target > 0 else 0
+        records[row, 0] = min(k, max(int(least[row]), reach))
+        records[row, 1] = np.float32(np.log(total)).view(np.int32)
+        records[row, 2 : 2 + k] = order
+        records[row, 2 + width : 2 + width + k] = values[order].view(np.int32)
+    return records
+
+
+def penalties_twin(logits: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+    """apply_penalties as candidates.cu computes it from the packed CSR lists."""
+    repetition, presence, frequency = (arrays[name].view(np.float64)
+                                       for name in ("repetition", "presence", "frequency"))
+    for row in range(logits.shape[0]):
+        reps = arrays["rep_ids"][arrays["rep_offsets"][row] : arrays["rep_offsets"][row + 1]]
+        first, last = arrays["count_offsets"][row], arrays["count_offsets"][row + 1]
+        counted, counts = arrays["count_ids"][first:last], arrays["counts"][first:last]
+        assert (np.diff(reps) > 0).all() and (np.diff(counted) > 0).all()  # the kernel's search
+
+        def repeated(value: float) -> float:
+            return value / repetition[row] if value > 0 else value * repetition[row]
+
+        for token, count in zip(counted, counts):
+            value = float(logits[row, token])
+            if token in reps:
+                value = repeated(value)
+            logits[row, token] = value - (presence[row] * (count > 0) + frequency[row] * count)
+        for token in set(reps.tolist()) - set(counted.tolist()):
+            logits[row, token] = repeated(float(logits[row, token]))
+
+
+def rounded_input(values: np.ndarray, tile_input: str) -> np.ndarray:
+    """float32 values rounded to nearest-even float16 ("f16") or bfloat16, back as float64."""
+    if tile_input == "f16":
+        return values.astype(np.float16).astype(np.float64)
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def tile_product(w: np.ndarray, x: np.ndarray, tile_input: str) -> np.ndarray:
+    """x @ w.T from the inputs mul_mat_tiles_<tile_input> feeds the tensor cores, summed
+    exactly (float64): rounded once, or for "f16x3" split into float16 hi + lo parts with
+    the lo x lo product left out, as the kernel does."""
+    if tile_input != "f16x3":
+        return rounded_input(x, tile_input) @ rounded_input(w, tile_input).T
+    w_hi, x_hi = rounded_input(w, "f16"), rounded_input(x, "f16")
+    w_lo = rounded_input((w - w_hi).astype(np.float32), "f16")
+    x_lo = rounded_input((x - x_hi).astype(np.float32), "f16")
+    return x_hi @ w_lo.T + x_lo @ w_hi.T + x_hi @ w_hi.T

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Every device check of issue 12 in one run, on the GPU machine, from the repo root, with
+# .cudacarry/ carried (made here by tests/gpu/prepare_carry.sh):
+#   1. PyCUDA from the bundle (.cudacarry/device_setup.sh) and the carried wheels;
+#   2. pytest tests/gpu (each kernel against its numpy twin; the CUDA backend against the CPU
+#      on the reference sequences; the engine on backend="cuda");
+#   3. benchmarks/synthetic_gguf.py: the Llama-3-8B-shaped Q4_K_M file and how long it takes
+#      there (SYNTHETIC_LAYERS, default 32; the file is deleted afterwards);
+#   4. benchmarks/bench_cuda.py (Q4_K matvec effective TB/s, copy bandwidth, tensor-core tiles;
+#      whole-model decode / prefill tok/s on that file and, where its file is here,
+#      gemma-3-270m; launches per decode step).
+# Results under $OUT: gpu_tests.log, gpu_tests.xml, synthetic_gguf.log, bench_cuda.log,
+# bench_cuda.json and device_check.json (exit codes and seconds of each part). Budget (the
+# whole run under 8 minutes): tests 240 s, synthetic model 45 s, bench 150 s.
+# Rehearsal without a GPU: PYCUDA_CHECK=import with LD_LIBRARY_PATH at a libcuda stub
+# (.cudacarry/make_libcuda_stub.sh): PyCUDA installs and imports, tests/gpu skips, no bench.
+set -uo pipefail
+OUT=${OUT:-$(mktemp -d)}
+export PYTHONUNBUFFERED=1
+py=${PY:-python3}
+started=$(date +%s)
+
+. ./.cudacarry/device_setup.sh || exit 1
+# The carried wheels, where the interpreter lacks them (the GPU image does; a rehearsal's has them).
+"$py" -c 'import gguf, msgspec, structlog' 2>/dev/null ||
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --disable-pip-version-check --upgrade --target "${SITE:-/tmp/site}" \
+        .cudacarry/wheels/*.whl || exit 1
+export PYTHONPATH=".:$PYTHONPATH"  # the checkout's actors, not an installed one
+setup_s=$(( $(date +%s) - started ))
+
+timeout 240 "$py" -m pytest -q -p no:cacheprovider -rs tests/gpu --junitxml="$OUT/gpu_tests.xml" \
+    2>&1 | tee "$OUT/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+tests_s=$(( $(date +%s) - started - setup_s ))
+
+model_8b=/tmp/llama3-8b-synthetic.gguf
+synthetic_started=$(date +%s)
+timeout 45 "$py" benchmarks/synthetic_gguf.py "$model_8b" \
+    --layers "${SYNTHETIC_LAYERS:-32}" 2>&1 | tee "$OUT/synthetic_gguf.log"
+synthetic_rc=${PIPESTATUS[0]}
+synthetic_s=$(( $(date +%s) - synthetic_started ))
+
+if [ "${PYCUDA_CHECK:-}" = import ]; then
+    bench_rc='"skipped: PYCUDA_CHECK=import (no device)"'
+else
+    # gemma-3-270m's file comes from a PyPI package: benched only where it is installed.
+    gemma3=$("$py" -c 'from tests.conftest import gemma3_path; print(gemma3_path())' 2>/dev/null)
+    model_args=()
+    [ "$synthetic_rc" = 0 ] && model_args+=(--model-8b "$model_8b")
+    [ -n "$gemma3" ] && model_args+=(--gemma3 "$gemma3")
+    timeout 150 "$py" benchmarks/bench_cuda.py --json "$OUT/bench_cuda.json" "${model_args[@]}" \
+        2>&1 | tee "$OUT/bench_cuda.log"
+    bench_rc=${PIPESTATUS[0]}
+fi
+rm -f "$model_8b"
+total_s=$(( $(date +%s) - started ))
+printf '{"setup_s": %s, "tests_rc": %s, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "total_s": %s}\n' \
+    "$setup_s" "$tests_rc" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$total_s" \
+    | tee "$OUT/device_check.json"
+[ "$tests_rc" = 0 ] && [ "$synthetic_rc" = 0 ] && { [ "${PYCUDA_CHECK:-}" = import ] || [ "$bench_rc" = 0 ]; }

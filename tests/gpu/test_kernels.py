@@ -1,0 +1,464 @@
+"""Every cuda_src kernel against its numpy twin, on the device (skipped without one).
+
+Exactness where the kernel promises it (block decoding, KV rounding, penalties, candidate
+selection), else the classic float32 summation bound or a stated tolerance. Launch geometry
+and argument orders come from actors.compute.cuda_plan and the comments atop each .cu file:
+these tests are also the executable statement of that contract for the CUDA backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from actors.compute import cuda_plan as plan
+from actors.compute.cuda_launches import row_arrays
+from actors.model.candidates import RowInputs
+from actors.model.forward import gelu_tanh, rms_norm, silu
+from actors.model.quants import dequantize
+from actors.model.rope import apply_rope, inverse_frequencies, pair_order, rotation
+from tests.cuda_samples import (
+    assert_same_floats,
+    finite_blocks,
+    random_row_inputs,
+    tile_product,
+    top_candidates_twin,
+)
+
+Kernel = Callable[[str, str], Any]
+ALL_TYPES = tuple(plan.KERNEL_TYPE_SUFFIX)
+NULL = np.uintp(0)
+U = 2.0**-24  # float32 unit roundoff
+
+
+def to_device(array: np.ndarray) -> Any:
+    from pycuda import gpuarray
+
+    return gpuarray.to_gpu(np.ascontiguousarray(array))
+
+
+def nan_filled(*shape: int) -> Any:
+    """A float32 device array of NaN: whatever a kernel fails to write stays visible."""
+    return to_device(np.full(shape, np.nan, dtype=np.float32))
+
+
+def ptr(array: Any) -> np.uintp:
+    return np.uintp(int(array.gpudata))
+
+
+def run(function: Any, launch: plan.Launch, *args: Any) -> None:
+    import pycuda.driver as cuda
+
+    function(*args, grid=launch.grid, block=launch.block)
+    cuda.Context.synchronize()
+
+
+def pitched(raw: np.ndarray, type_name: str, row_length: int) -> np.ndarray:
+    """Weight rows (rows, row bytes) laid out at the device row pitch."""
+    out = np.zeros((raw.shape[0], plan.row_pitch(type_name, row_length)), dtype=np.uint8)
+    out[:, : raw.shape[1]] = raw
+    return out
+
+
+def summation_bound(w: np.ndarray, x: np.ndarray, factor: float = 1.0) -> np.ndarray:
+    """factor * n u / (1 - n u) * sum |x w| per (activation row, weight row): the worst error
+    of a float32 dot product of n terms summed in any order."""
+    nu = factor * w.shape[1] * U
+    return nu / (1 - nu) * (np.abs(x) @ np.abs(w).T)
+
+
+# --------------------------------------------------------------------------------------------
+# Block decoding and matrix products
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_get_rows_decodes_bit_for_bit(kernel: Kernel, type_name: str, scale: float) -> None:
+    vocab, d = 40, 512
+    raw = finite_blocks(type_name, vocab, d, np.random.default_rng(1))
+    ids = np.array([3, 0, 39, 3, 17], dtype=np.int32)
+    table, ids_dev, out = to_device(pitched(raw, type_name, d)), to_device(ids), nan_filled(5, d)
+    run(kernel("embedding.cu", f"get_rows_{plan.kernel_suffix(type_name)}"),
+        plan.get_rows_launch(len(ids), d), ptr(table),
+        np.int64(plan.row_pitch(type_name, d)), ptr(ids_dev), ptr(out), np.int32(d),
+        np.float32(scale))
+    expected = dequantize(raw[ids], type_name, (len(ids), d)) * np.float32(scale)
+    assert_same_floats(out.get(), expected)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_matvec_within_the_summation_bound(kernel: Kernel, type_name: str, batch: int) -> None:
+    """70 rows (not a multiple of the 4 rows per block), 2304 inputs (9 K-blocks: a full and a
+    partial staging run), strided x and y whose gaps must stay untouched."""
+    rows, n_in = 70, 2304
+    rng = np.random.default_rng(batch)
+    raw = finite_blocks(type_name, rows, n_in, rng)
+    x = np.zeros((batch, n_in + 4), dtype=np.float32)
+    x[:, :n_in] = rng.standard_normal((batch, n_in))
+    weights, y = to_device(pitched(raw, type_name, n_in)), nan_filled(batch, rows + 3)
+    assert plan.matmul_kernel(type_name, batch).startswith("mul_mat_vec_")
+    run(kernel("matvec.cu", plan.matmul_kernel(type_name, batch)),
+        plan.matmul_launch(rows, batch), ptr(weights), np.int64(plan.row_pitch(type_name, n_in)),
+        ptr(to_device(x)), np.int32(n_in + 4), ptr(y), np.int32(rows + 3), np.int32(rows),
+        np.int32(n_in), np.int32(batch))
+    w = dequantize(raw, type_name, (rows, n_in)).astype(np.float64)
+    x64 = x[:, :n_in].astype(np.float64)
+    got = y.get()
+    assert np.isnan(got[:, rows:]).all()
+    error = np.abs(got[:, :rows] - x64 @ w.T)
+    assert (error <= summation_bound(w, x64)).all()
+
+
+@pytest.mark.parametrize("tile_input", plan.TILE_INPUTS)
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_tensor_core_tiles_match_rounded_inputs(kernel: Kernel, type_name: str,
+                                                tile_input: str) -> None:
+    """100 rows x 70 tokens (partial 64 x 64 tiles at both edges). The products of rounded
+    inputs (or of their float16 parts) are exact in float32; the bound allows the tensor
+    cores' accumulation 4x the classic one."""
+    rows, tokens, n_in = 100, 70, 512
+    rng = np.random.default_rng(7)
+    raw = finite_blocks(type_name, rows, n_in, rng)
+    x = rng.standard_normal((tokens, n_in)).astype(np.float32)
+    y = nan_filled(tokens, rows)
+    name = plan.matmul_kernel(type_name, tokens, tile_input)
+    run(kernel("matmul.cu", name), plan.matmul_launch(rows, tokens),
+        ptr(to_device(pitched(raw, type_name, n_in))), np.int64(plan.row_pitch(type_name, n_in)),
+        ptr(to_device(x)), np.int32(n_in), ptr(y), np.int32(rows), np.int32(rows),
+        np.int32(n_in), np.int32(tokens))
+    w = dequantize(raw, type_name, (rows, n_in))
+    error = np.abs(y.get() - tile_product(w, x, tile_input))
+    assert (error <= summation_bound(w.astype(np.float64), x.astype(np.float64), factor=4.0)
+            + 1e-30).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Norms, RoPE, activations, KV
+
+
+@pytest.mark.parametrize("delta_kind", ["none", "plain", "post_norm"])
+def test_residual_rms_norm(kernel: Kernel, delta_kind: str) -> None:
+    rows, d, eps = 5, 640, 1e-6
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((rows, d)) * 3).astype(np.float32)
+    delta = rng.standard_normal((rows, d)).astype(np.float32)
+    delta_weight = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    weight = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    x_dev, out = to_device(x), nan_filled(rows, d)
+    run(kernel("norm.cu", "residual_rms_norm"), plan.norm_launch(rows), ptr(x_dev),
+        NULL if delta_kind == "none" else ptr(to_device(delta)),
+        ptr(to_device(delta_weight)) if delta_kind == "post_norm" else NULL,
+        ptr(to_device(weight)), ptr(out), np.int32(d), np.float32(eps))
+    expected_x = x.copy()
+    if delta_kind == "plain":
+        expected_x += delta
+    elif delta_kind == "post_norm":
+        expected_x += rms_norm(delta, delta_weight, eps)
+    np.testing.assert_allclose(x_dev.get(), expected_x, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.get(), rms_norm(expected_x, weight, eps), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_head_rms_norm_touches_only_its_heads(kernel: Kernel) -> None:
+    tokens, heads, head_dim, stride, eps = 3, 9, 64, 1000, 1e-6
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((tokens, stride)).astype(np.float32)
+    weight = rng.uniform(0.5, 1.5, head_dim).astype(np.float32)
+    x_dev = to_device(x)
+    run(kernel("norm.cu", "head_rms_norm"), plan.head_norm_launch(tokens, heads), ptr(x_dev),
+        np.int32(stride), np.int32(heads), np.int32(head_dim), ptr(to_device(weight)),
+        np.float32(eps))
+    got = x_dev.get()
+    span = heads * head_dim
+    expected = rms_norm(x[:, :span].reshape(tokens, heads, head_dim), weight, eps)
+    np.testing.assert_allclose(got[:, :span].reshape(tokens, heads, head_dim), expected,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[:, span:], x[:, span:])
+
+
+@pytest.mark.parametrize("rope_dim", [64, 32])
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("with_factors", [False, True])
+@pytest.mark.parametrize("base", [10000.0, 1000000.0])
+def test_rope_matches_rope_py(kernel: Kernel, rope_dim: int, neox: bool, with_factors: bool,
+                              base: float) -> None:
+    """On the GGUF feature order; rope.py's twin rotates pair_order-permuted features."""
+    tokens, heads, head_dim, stride = 4, 3, 64, 3 * 64 + 8
+    rng = np.random.default_rng(4)
+    positions = np.array([0, 1, 777, 8191], dtype=np.int32)
+    factors = rng.uniform(1.0, 8.0, rope_dim // 2).astype(np.float32) if with_factors else None
+    x = rng.standard_normal((tokens, stride)).astype(np.float32)
+    x_dev = to_device(x)
+    run(kernel("rope.cu", "rope"), plan.rope_launch(tokens, heads), ptr(x_dev), np.int32(stride),
+        ptr(to_device(positions)), np.int32(heads), np.int32(head_dim), np.int32(rope_dim),
+        np.float64(base), ptr(to_device(factors)) if with_factors else NULL, np.int32(neox))
+    order = pair_order(head_dim, rope_dim, neox)
+    permuted = x[:, : heads * head_dim].reshape(tokens, heads, head_dim)[..., order].copy()
+    apply_rope(permuted, rotation(positions, inverse_frequencies(base, rope_dim, factors)))
+    expected = np.empty_like(permuted)
+    expected[..., order] = permuted
+    got = x_dev.get()
+    np.testing.assert_allclose(got[:, : heads * head_dim].reshape(expected.shape), expected,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[:, heads * head_dim :], x[:, heads * head_dim :])
+
+
+@pytest.mark.parametrize(("name", "twin"), [("gated_silu", silu),
+                                             ("gated_gelu_tanh", gelu_tanh)])
+def test_gated_activations(kernel: Kernel, name: str, twin: Callable) -> None:
+    tokens, ffn = 3, 1000
+    rng = np.random.default_rng(5)
+    gate_up = (rng.standard_normal((tokens, 2 * ffn)) * 4).astype(np.float32)
+    gate_up[0, :3] = [-100.0, 100.0, 0.0]  # exp overflow and the zero
+    out = nan_filled(tokens, ffn)
+    run(kernel("activation.cu", name), plan.elementwise_launch(tokens * ffn),
+        ptr(to_device(gate_up)), ptr(out), np.int32(tokens), np.int32(ffn))
+    gate = gate_up[:, :ffn]
+    expected = twin(gate, np.empty_like(gate)) * gate_up[:, ffn:]
+    np.testing.assert_allclose(out.get(), expected, rtol=5e-6, atol=1e-30)
+
+
+def test_add_bias_touches_only_its_columns(kernel: Kernel) -> None:
+    tokens, stride, n = 4, 384, 256
+    rng = np.random.default_rng(6)
+    y = rng.standard_normal((tokens, stride)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    y_dev = to_device(y)
+    run(kernel("bias.cu", "add_bias"), plan.elementwise_launch(tokens * n), ptr(y_dev),
+        np.int32(stride), ptr(to_device(bias)), np.int32(tokens), np.int32(n))
+    expected = y.copy()
+    expected[:, :n] += bias
+    np.testing.assert_array_equal(y_dev.get(), expected)
+
+
+def test_kv_write_rounds_into_the_paged_layout(kernel: Kernel) -> None:
+    tokens, kv_dim, stride, blocks, block_size = 5, 256, 3 * 256, 4, 16
+    rng = np.random.default_rng(6)
+    qkv = rng.standard_normal((tokens, stride)).astype(np.float32)
+    slots = np.array([0, 17, 63, 5, 40], dtype=np.int32)
+    sentinel = np.full((blocks * block_size, kv_dim), -7.0, dtype=np.float16)
+    k_cache, v_cache, qkv_dev = to_device(sentinel), to_device(sentinel), to_device(qkv)
+    k_at = np.uintp(int(qkv_dev.gpudata) + 4 * 256)  # k and v sit after q in each row
+    v_at = np.uintp(int(qkv_dev.gpudata) + 4 * 512)
+    run(kernel("kv_cache.cu", "kv_write"), plan.elementwise_launch(tokens * kv_dim), k_at, v_at,
+        np.int32(stride), ptr(to_device(slots)), np.int32(tokens), np.int32(kv_dim),
+        ptr(k_cache), ptr(v_cache))
+    for cache, first in ((k_cache, 256), (v_cache, 512)):
+        expected = sentinel.copy()
+        expected[slots] = qkv[:, first : first + kv_dim].astype(np.float16)
+        np.testing.assert_array_equal(cache.get().view(np.uint16), expected.view(np.uint16))
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+
+
+class PagedSequences:
+    """Random float16 K/V for sequences of the given lengths, each in its own shuffled blocks
+    of one pool, and the float64 attention they should produce."""
+
+    def __init__(self, lengths: list[int], kv_heads: int, head_dim: int, block_size: int,
+                 rng: np.random.Generator) -> None:
+        self.block_size = block_size
+        needed = [-(-n // block_size) for n in lengths]
+        pool = rng.permutation(sum(needed) + 3)  # a few blocks belong to nobody
+        self.tables = plan.block_table_array(
+            [pool[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(lengths))],
+            rows=len(lengths), stride=max(needed), fill=0)
+        shape = (len(pool), block_size, kv_heads, head_dim)
+        self.k = rng.standard_normal(shape).astype(np.float16)
+        self.v = rng.standard_normal(shape).astype(np.float16)
+
+    def attend(self, seq: int, q: np.ndarray, position: int, window: int,
+               scale: float) -> np.ndarray:
+        """q (heads, head_dim) float32 at `position` -> (heads * head_dim,) float64."""
+        first = max(0, position - window + 1) if window else 0
+        keys = np.arange(first, position + 1)
+        blocks = self.tables[seq, keys // self.block_size]
+        k = self.k[blocks, keys % self.block_size].astype(np.float64)  # (S, kv_heads, dim)
+        v = self.v[blocks, keys % self.block_size].astype(np.float64)
+        heads, kv_heads = q.shape[0], k.shape[1]
+        kv_of_head = np.arange(heads) // (heads // kv_heads)
+        scores = np.einsum("hd,shd->hs", (q * np.float32(scale)).astype(np.float64),
+                           k[:, kv_of_head])
+        weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+        weights /= weights.sum(axis=1, keepdims=True)
+        return np.einsum("hs,shd->hd", weights, v[:, kv_of_head]).ravel()
+
+
+HEAD_SHAPES = [(8, 2, 128), (4, 1, 256), (4, 4, 64)]
+
+
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), HEAD_SHAPES)
+def test_flash_decoding_over_paged_kv(kernel: Kernel, heads: int, kv_heads: int,
+                                      head_dim: int, window: int) -> None:
+    rng = np.random.default_rng(heads + head_dim + window)
+    lengths, block_size, split_keys = [1, 130, 300], 16, 128
+    cache = PagedSequences(lengths, kv_heads, head_dim, block_size, rng)
+    positions = np.array(lengths, dtype=np.int32) - 1
+    q_stride, out_stride = heads * head_dim + 32, heads * head_dim + 16
+    q = rng.standard_normal((len(lengths), q_stride)).astype(np.float32)
+    scale = 1.0 / np.sqrt(head_dim)
+    splits = plan.decode_splits(max(lengths), split_keys)
+    partials = len(lengths) * heads * splits
+    acc, best, total = nan_filled(partials * head_dim), nan_filled(partials), nan_filled(partials)
+    out = nan_filled(len(lengths), out_stride)
+    run(kernel("attention.cu", "attention_decode_split"),
+        plan.attention_decode_launch(len(lengths), heads, splits), ptr(to_device(q)),
+        np.int32(q_stride), ptr(to_device(cache.k)), ptr(to_device(cache.v)),
+        ptr(to_device(cache.tables)), np.int32(cache.tables.shape[1]),
+        ptr(to_device(positions)), np.int32(block_size), np.int32(heads), np.int32(kv_heads),
+        np.int32(head_dim), np.float32(scale), np.int32(window), np.int32(split_keys), ptr(acc),
+        ptr(best), ptr(total))
+    run(kernel("attention.cu", "attention_decode_combine"),
+        plan.attention_combine_launch(len(lengths), heads), ptr(acc), ptr(best), ptr(total),
+        np.int32(splits), np.int32(heads), np.int32(head_dim), ptr(out), np.int32(out_stride))
+    got = out.get()
+    for s, position in enumerate(positions):
+        expected = cache.attend(s, q[s, : heads * head_dim].reshape(heads, head_dim),
+                                int(position), window, scale)
+        np.testing.assert_allclose(got[s, : heads * head_dim], expected, rtol=1e-4, atol=1e-5)
+    assert np.isnan(got[:, heads * head_dim :]).all()
+
+
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), HEAD_SHAPES)
+def test_causal_prefill_over_a_cached_prefix(kernel: Kernel, heads: int, kv_heads: int,
+                                             head_dim: int, window: int) -> None:
+    """Item 0: a fresh 37-token prompt; item 1: 20 tokens after a 100-token cached prefix."""
+    rng = np.random.default_rng(heads * head_dim + window)
+    starts, counts, block_size = [0, 100], [37, 20], 16
+    cache = PagedSequences([s + n for s, n in zip(starts, counts)], kv_heads, head_dim,
+                           block_size, rng)
+    first_rows = np.array([0, counts[0]], dtype=np.int32)
+    width = heads * head_dim
+    q = rng.standard_normal((sum(counts), width)).astype(np.float32)
+    out = nan_filled(sum(counts), width)
+    scale = 1.0 / np.sqrt(head_dim)
+    run(kernel("attention.cu", "attention_prefill"),
+        plan.attention_prefill_launch(max(counts), heads, len(counts)), ptr(to_device(q)),
+        np.int32(width), ptr(to_device(cache.k)), ptr(to_device(cache.v)),
+        ptr(to_device(cache.tables)), np.int32(cache.tables.shape[1]),
+        ptr(to_device(first_rows)), ptr(to_device(np.array(counts, dtype=np.int32))),
+        ptr(to_device(np.array(starts, dtype=np.int32))), np.int32(block_size), np.int32(heads),
+        np.int32(kv_heads), np.int32(head_dim), np.float32(scale), np.int32(window), ptr(out),
+        np.int32(width))
+    got = out.get()
+    for item, (start, count) in enumerate(zip(starts, counts)):
+        for i in range(count):
+            row = first_rows[item] + i
+            expected = cache.attend(item, q[row].reshape(heads, head_dim), start + i, window,
+                                    scale)
+            np.testing.assert_allclose(got[row], expected, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Token candidates
+
+
+def csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.concatenate([[0], np.cumsum([len(v) for v in lists])]).astype(np.int32)
+    flat = np.array([i for v in lists for i in v], dtype=np.int32)
+    return offsets, flat if flat.size else np.zeros(1, dtype=np.int32)
+
+
+def test_penalties_equal_the_samplers_float64_math(kernel: Kernel) -> None:
+    vocab = 5000
+    rng = np.random.default_rng(8)
+    logits = (rng.standard_normal((3, vocab)) * 5).astype(np.float32)
+    logits[0, 5] = 0.0
+    repeated = [[5, 17, 900], [], [1, 2, 3, 4999]]
+    counted = [[17, 40], [7], []]
+    counts = [[2, 1], [3], []]
+    repetition = np.array([1.3, 1.0, 0.8])
+    presence = np.array([0.5, 0.2, 0.0])
+    frequency = np.array([0.1, 0.3, 0.0])
+    rep_offsets, rep_ids = csr(repeated)
+    count_offsets, count_ids = csr(counted)
+    _, count_values = csr(counts)
+    logits_dev = to_device(logits)
+    run(kernel("candidates.cu", "apply_penalties"), plan.penalties_launch(3), ptr(logits_dev),
+        np.int32(vocab), ptr(to_device(rep_offsets)), ptr(to_device(rep_ids)),
+        ptr(to_device(repetition)), ptr(to_device(count_offsets)), ptr(to_device(count_ids)),
+        ptr(to_device(count_values)), ptr(to_device(presence)), ptr(to_device(frequency)))
+    expected = logits.copy()
+    for row in range(3):
+        ids = sorted(set(repeated[row]) | set(counted[row]))
+        values = logits[row, ids].astype(np.float64)
+        in_rep = np.isin(ids, repeated[row])
+        values = np.where(in_rep, np.where(values > 0, values / repetition[row],
+                                           values * repetition[row]), values)
+        c = np.zeros(len(ids))
+        c[np.searchsorted(ids, counted[row])] = counts[row]
+        values -= presence[row] * (c > 0) + frequency[row] * c
+        expected[row, ids] = values.astype(np.float32)
+    np.testing.assert_array_equal(logits_dev.get().view(np.uint32), expected.view(np.uint32))
+
+
+def top_candidate_records(kernel: Kernel, logits: np.ndarray, arrays: dict[str, np.ndarray],
+                          width: int) -> np.ndarray:
+    """top_candidates' records for rows packed by cuda_launches.row_arrays."""
+    rows, vocab = logits.shape
+    out = to_device(np.full((rows, plan.candidate_record_words(width)), -1, np.int32))
+    run(kernel("candidates.cu", "top_candidates"), plan.candidates_launch(rows, width, vocab),
+        ptr(to_device(logits)), np.int32(vocab), ptr(to_device(arrays["least"])),
+        ptr(to_device(arrays["most"])), ptr(to_device(arrays["mass"])),
+        ptr(to_device(arrays["inv_temp"])), np.int32(width), ptr(out))
+    return out.get()
+
+
+@pytest.mark.parametrize("k", [1, 7, 64, 1024])
+def test_top_candidates_argmax_and_log_partition(kernel: Kernel, k: int) -> None:
+    """Rows: plain normal; heavy ties (5 distinct values); signed zeros and -inf; all equal.
+    Candidates and their order are exact; log_z within 1e-4; no mass asked: count = k."""
+    vocab = 3000
+    rng = np.random.default_rng(9)
+    logits = np.stack([
+        rng.standard_normal(vocab),
+        rng.integers(0, 5, vocab),
+        np.where(rng.random(vocab) < 0.5, -0.0, 0.0),
+        np.full(vocab, 1.5),
+    ]).astype(np.float32)
+    logits[2, ::7] = -np.inf
+    logits[2, 11] = 0.25
+    inv_temp = [1.0, 0.5, 2.0, 1.0]
+    packed = row_arrays([RowInputs(candidates=k, max_candidates=k, inv_temp=t)
+                         for t in inv_temp], vocab)
+    records = top_candidate_records(kernel, logits, packed.arrays, k)
+    for row in range(len(logits)):
+        order = np.lexsort((np.arange(vocab), -logits[row]))[:k]
+        assert records[row, 0] == k
+        np.testing.assert_array_equal(records[row, 2 : 2 + k], order)
+        np.testing.assert_array_equal(records[row, 2 + k :].view(np.uint32),
+                                      logits[row, order].view(np.uint32))
+        top = np.float64(logits[row, order[0]])
+        expected = np.log(np.exp((logits[row].astype(np.float64) - top) * inv_temp[row]).sum())
+        assert abs(records[row, 1:2].view(np.float32)[0] - expected) <= 1e-4
+
+
+def test_top_candidates_count_follows_the_mass_rule(kernel: Kernel) -> None:
+    """Counts as the numpy twin (float32 sums in another order: one either way at a
+    boundary), and never short of the contract: at least `candidates`, the mass reached or
+    the row's most."""
+    vocab = 20000
+    rng = np.random.default_rng(12)
+    rows = random_row_inputs(rng, 16, vocab)
+    logits = (rng.standard_normal((16, vocab)) * 4).astype(np.float32)
+    packed = row_arrays(rows, vocab)
+    records = top_candidate_records(kernel, logits, packed.arrays, packed.width)
+    twin = top_candidates_twin(logits, packed.arrays, packed.width)
+    for row, inputs in enumerate(rows):
+        count, most = int(records[row, 0]), int(packed.arrays["most"][row])
+        assert abs(count - int(twin[row, 0])) <= 1
+        assert min(inputs.candidates, vocab) <= count <= most
+        ids = records[row, 2 : 2 + count]
+        np.testing.assert_array_equal(ids, twin[row, 2 : 2 + count])
+        if inputs.mass > 0 and count < most:
+            weights = np.exp((logits[row].astype(np.float64) - logits[row].max())
+                             * inputs.inv_temp)
+            assert weights[ids].sum() >= inputs.mass * weights.sum() * (1 - 1e-5)

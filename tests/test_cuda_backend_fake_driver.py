@@ -1,0 +1,144 @@
+"""actors.compute.cuda driven through an emulated pycuda whose kernels are only recorded
+(tests/cuda_emulator.py): its control flow on any machine. The build compiles every file,
+uploads the weights into one arena and sizes the KV pool from the free memory; a decode step replays its bucket's graph (captured
+once) in a handful of stream operations with one synchronization; a prefill step launches
+its kernels one by one; a step too large for the workspace grows it and drops the graphs;
+CUDA errors fail the step, or lose the backend when the context fails the probe after them;
+close frees everything and releases the context."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from actors.compute.contract import BackendLostError, KVRequest, RowInputs, StepItem
+from actors.errors import ComputeError, InvalidRequest
+from actors.model.loaded import OpenedModel, open_model
+from tests.conftest import TINY_MODELS
+from tests.cuda_emulator import EmulatedDevice, install
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, EmulatedDevice]]:
+    device = EmulatedDevice(run_kernels=False)
+    yield install(monkeypatch, device), device
+    sys.modules.pop("actors.compute.cuda", None)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[OpenedModel]:
+    model = open_model(TINY_MODELS["qwen2-q4k-tiny"])
+    yield model
+    model.gguf.close()
+
+
+def _backend(cuda_module: Any, model: OpenedModel, blocks: int | None = 32) -> Any:
+    kv = KVRequest(blocks=blocks, block_size=16, max_sequences=8)
+    return cuda_module.build_cuda_backend(model, kv, 0.9)
+
+
+def test_build_compiles_uploads_and_sizes_the_pool(fake: Any, tiny: OpenedModel) -> None:
+    cuda_module, driver = fake
+    backend = _backend(cuda_module, tiny, blocks=None)
+    info = backend.info
+    assert info.on_gpu and info.kv_dtype == "float16" and info.arch == "qwen2"
+    useful = 8 * -(-tiny.spec.context_length // 16)  # memory holds far more
+    assert info.num_blocks == useful
+    assert driver.copies == len(list(tiny.gguf))  # every tensor fits one copy
+    assert driver.context_stack == []  # the context is current only during calls
+    backend.close()
+    assert driver.live == set() and driver.detached == 1
+
+
+def test_decode_steps_replay_one_graph_per_bucket(fake: Any, tiny: OpenedModel) -> None:
+    cuda_module, driver = fake
+    backend = _backend(cuda_module, tiny)
+    prompt = [StepItem((1, 2, 3), 0, (0,)), StepItem((4, 5), 0, (1,))]
+    backend.run(prompt, [RowInputs(), RowInputs()])
+    prefill_kernels = len(driver.launches)
+    assert backend.launches_per_step == prefill_kernels + 2 and not driver.captures
+    synchronizations = driver.synchronizations
+    for position in range(3, 6):
+        decode = [StepItem((7,), position, (0,)), StepItem((8,), position - 1, (1,))]
+        backend.run(decode, [RowInputs(), RowInputs()])
+        # host -> device, the graph, top_candidates, device -> host
+        assert backend.launches_per_step == 4
+        assert backend.kernels_per_step > 4 * tiny.spec.n_layers
+    assert driver.captures == 1 and driver.replays == 3
+    assert driver.synchronizations == synchronizations + 3  # one per step
+    backend.run([StepItem((7,), 6, (0,))], [RowInputs()])
+    assert driver.captures == 2  # bucket 1
+    backend.close()
+    assert driver.destroyed == 2
+
+
+def test_penalties_add_a_launch(fake: Any, tiny: OpenedModel) -> None:
+    cuda_module, driver = fake
+    backend = _backend(cuda_module, tiny)
+    backend.run([StepItem((7,), 0, (0,))], [RowInputs(repetition_penalty=1.3, repeated=(5,))])
+    assert driver.launches[-2:] == ["apply_penalties", "top_candidates"]
+    backend.close()
+
+
+def test_a_larger_step_grows_the_workspace_and_drops_the_graphs(fake: Any,
+                                                                tiny: OpenedModel) -> None:
+    cuda_module, driver = fake
+    backend = _backend(cuda_module, tiny, blocks=64)
+    backend.run([StepItem((7,), 0, (0,))], [RowInputs()])
+    long_prompt = tuple(range(1, cuda_module.FIRST_STEP_TOKENS + 40))
+    backend.run([StepItem(long_prompt, 0, tuple(range(1, 40)))], [RowInputs()])
+    assert driver.destroyed == 1
+    backend.close()
+    assert driver.live == set()
+
+
+def test_rows_are_checked_before_anything_runs(fake: Any, tiny: OpenedModel) -> None:
+    cuda_module, driver = fake
+    backend = _backend(cuda_module, tiny)
+    with pytest.raises(InvalidRequest, match="row inputs"):
+        backend.run([StepItem((7,), 0, (0,))], [])
+    with pytest.raises(InvalidRequest):
+        backend.run([StepItem((7,), 0, (99,))], [RowInputs()])
+    assert driver.launches == []
+    backend.run([StepItem((7,), 0, (0,))], [RowInputs()])
+    assert backend.fetch_rows([0]).shape == (1, tiny.spec.vocab_size)
+    with pytest.raises(InvalidRequest):
+        backend.fetch_rows([1])
+    backend.close()
+
+
+def test_errors_fail_the_step_unless_the_context_is_gone(fake: Any, tiny: OpenedModel) -> None:
+    cuda_module, driver = fake
+    backend = _backend(cuda_module, tiny)
+    driver.fail_kernel = "rope"
+    with pytest.raises(driver.LogicError):
+        backend.run([StepItem((7, 8), 0, (0,))], [RowInputs()])
+    with pytest.raises(InvalidRequest):
+        backend.fetch_rows([0])  # a failed step leaves no rows
+    assert driver.context_stack == []
+    driver.context_broken = True
+    with pytest.raises(BackendLostError, match="illegal memory access"):
+        backend.run([StepItem((7, 8), 0, (0,))], [RowInputs()])
+    driver.fail_kernel, driver.context_broken = None, False
+    backend.close()
+
+
+def test_a_failed_build_frees_what_it_allocated(fake: Any, tiny: OpenedModel) -> None:
+    cuda_module, driver = fake
+    driver.free_bytes = 1 << 20
+    with pytest.raises(ComputeError, match="short of one KV block"):
+        _backend(cuda_module, tiny)
+    assert driver.live == set() and driver.detached == 1 and driver.context_stack == []
+
+
+def test_decode_rows_without_logits_still_fit_the_attention_partials(
+        fake: Any, tiny: OpenedModel) -> None:
+    cuda_module, _ = fake
+    backend = _backend(cuda_module, tiny, blocks=64)
+    rows_before = backend._workspace.limits.max_rows
+    silent = [StepItem((7,), 0, (i,), want_logits=False) for i in range(rows_before + 3)]
+    backend.run([*silent, StepItem((1, 2), 0, (63,))], [RowInputs()])
+    assert backend._workspace.limits.max_rows >= rows_before + 3
+    backend.close()

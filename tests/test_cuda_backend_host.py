@@ -1,0 +1,436 @@
+"""The CUDA backend's host side, without a device: the launches a step makes (checked against
+each architecture's quirks and against the kernels' own compiled signatures), the packing of
+step and row inputs, the candidate-count rule of top_candidates (a numpy twin against the
+contract and actors.model.candidates), graph eligibility, KV sizing, the weight upload layout
+and the registry's reasons."""
+
+from __future__ import annotations
+
+import builtins
+import math
+import re
+import shutil
+import subprocess
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.compute import cuda_launches as launches
+from actors.compute import cuda_plan as plan
+from actors.compute.backends import CudaFactory
+from actors.errors import ComputeError, InvalidRequest
+from actors.model.arch import ModelSpec, spec_from_gguf
+from actors.model.candidates import RowInputs, apply_penalties, top_candidates
+from actors.model.gguf import GGUFFile, open_gguf
+from actors.model.quants import dequantize
+from actors.model.step import StepItem, plan_step
+from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
+from tests.cuda_samples import penalties_twin, random_row_inputs, top_candidates_twin
+
+BLOCK = 16
+
+
+def _open(path: Path) -> GGUFFile:
+    return open_gguf(path)
+
+
+@pytest.fixture(scope="module")
+def models() -> Iterator[dict[str, GGUFFile]]:
+    files = {"llama": _open(smollm2_path()), "qwen2": _open(TINY_MODELS["qwen2-q4k-tiny"]),
+             "gemma3": _open(gemma3_path()), "llama-tiny": _open(TINY_MODELS["llama-q4k-tiny"])}
+    yield files
+    for gguf in files.values():
+        gguf.close()
+
+
+def _plan(spec: ModelSpec, items: list[StepItem], num_blocks: int = 64):
+    return plan_step(items, spec, num_blocks, BLOCK)
+
+
+def _calls(gguf: GGUFFile, items: list[StepItem]) -> tuple[ModelSpec, list[launches.KernelCall]]:
+    spec = spec_from_gguf(gguf)
+    step = _plan(spec, items)
+    shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
+                                spec.context_length)
+    return spec, launches.forward_calls(spec, launches.tensor_layouts(gguf), shape,
+                                        launches.TILE_INPUT)
+
+
+def _layer_slices(calls: list[launches.KernelCall]) -> list[list[launches.KernelCall]]:
+    """The calls of each layer: from one norm on the attention input to the next."""
+    starts = [i for i, call in enumerate(calls) if call.kernel == "residual_rms_norm"
+              and call.args[3].name.endswith("attn_norm.weight")]
+    return [calls[a:b] for a, b in zip(starts, [*starts[1:], len(calls)])]
+
+
+DECODE_AND_PREFILL = [StepItem((5,), 3, (0,)), StepItem((7, 8, 9), 0, (1,))]
+
+
+def test_llama_layer_runs_the_kernels_in_order(models: dict[str, GGUFFile]) -> None:
+    spec, calls = _calls(models["llama"], DECODE_AND_PREFILL)
+    layers = _layer_slices(calls)
+    assert len(layers) == spec.n_layers
+    kinds = ["mul_mat_vec" if call.kernel.startswith("mul_mat_vec_") else call.kernel
+             for call in layers[0]]
+    assert kinds == ["residual_rms_norm", "mul_mat_vec", "mul_mat_vec", "mul_mat_vec", "rope",
+                     "kv_write", "attention_decode_split", "attention_decode_combine",
+                     "attention_prefill", "mul_mat_vec", "residual_rms_norm", "mul_mat_vec",
+                     "mul_mat_vec", "gated_silu", "mul_mat_vec"]
+    rope = next(c for c in layers[0] if c.kernel == "rope")
+    assert rope.args[6] == np.float64(spec.rope_base) and rope.args[8] == 0  # NORM pairs
+    assert rope.args[3] == spec.n_heads + spec.n_kv_heads
+    assert calls[0].kernel.startswith("get_rows_") and calls[0].args[5] == np.float32(1.0)
+    assert calls[-1].args[0].name == ("token_embd.weight" if spec.tied_output
+                                      else "output.weight")
+
+
+def test_qwen2_adds_the_three_biases_after_their_projections(models: dict[str, GGUFFile]) -> None:
+    spec, calls = _calls(models["qwen2"], DECODE_AND_PREFILL)
+    layer = _layer_slices(calls)[1]
+    biases = [call for call in layer if call.kernel == "add_bias"]
+    assert [b.args[2].name for b in biases] == [f"blk.1.attn_{p}.bias" for p in "qkv"]
+    assert [(b.args[0].offset, int(b.args[4])) for b in biases] == [
+        (0, spec.q_dim), (4 * spec.q_dim, spec.kv_dim), (4 * (spec.q_dim + spec.kv_dim),
+                                                         spec.kv_dim)]
+    first_bias = layer.index(biases[0])
+    assert all(c.kernel.startswith("mul_mat") for c in layer[first_bias - 3 : first_bias])
+    assert next(c for c in layer if c.kernel == "rope").args[8] == 1  # NEOX
+
+
+def test_gemma3_quirks(models: dict[str, GGUFFile]) -> None:
+    spec, calls = _calls(models["gemma3"], DECODE_AND_PREFILL)
+    assert calls[0].args[5] == np.float32(spec.embedding_scale)
+    for index, layer in enumerate(_layer_slices(calls)):
+        sliding = spec.is_sliding(index)
+        norms = [c for c in layer if c.kernel == "head_rms_norm"]
+        assert [c.args[4].name for c in norms] == [f"blk.{index}.attn_{p}_norm.weight"
+                                                   for p in "qk"]
+        rope = next(c for c in layer if c.kernel == "rope")
+        assert rope.args[6] == (spec.rope_base_local if sliding else spec.rope_base)
+        for attention in (c for c in layer if c.kernel.startswith("attention_")
+                          and c.kernel != "attention_decode_combine"):
+            window = attention.args[12 if attention.kernel == "attention_decode_split" else 14]
+            assert window == (spec.sliding_window if sliding else 0)
+        assert any(c.kernel == "gated_gelu_tanh" for c in layer)
+        opening, ffn_norm = [c for c in layer if c.kernel == "residual_rms_norm"][:2]
+        assert ffn_norm.args[2].name == f"blk.{index}.post_attention_norm.weight"
+        expected = launches.NULL if index == 0 else launches.Ref(
+            f"blk.{index - 1}.post_ffw_norm.weight")
+        assert opening.args[2] == expected
+    final_norm = next(c for c in reversed(calls) if c.kernel == "residual_rms_norm")
+    assert final_norm.args[2].name == f"blk.{spec.n_layers - 1}.post_ffw_norm.weight"
+    assert final_norm.args[3].name == "output_norm.weight"
+    assert calls[-1].args[0].name == "token_embd.weight"  # tied output
+
+
+def test_logit_rows_are_gathered_only_when_they_are_not_the_first_rows(
+        models: dict[str, GGUFFile]) -> None:
+    gguf = models["llama-tiny"]
+    _, gathered = _calls(gguf, DECODE_AND_PREFILL)  # logit rows 0 and 3
+    assert gathered[-2].kernel == "get_rows_f32" and gathered[-1].args[2].name == "final"
+    _, decode = _calls(gguf, [StepItem((5,), 3, (0,)), StepItem((6,), 0, (1,))])
+    assert decode[-2].kernel != "get_rows_f32" and decode[-1].args[2].name == "normed"
+    _, none = _calls(gguf, [StepItem((5, 6), 0, (0,), want_logits=False)])
+    assert not any(launches.Ref("logits") in call.args for call in none)
+
+
+def test_decode_rows_keep_the_matvec_when_a_prefill_shares_their_step(
+        models: dict[str, GGUFFile]) -> None:
+    spec = spec_from_gguf(models["llama-tiny"])
+    items = [StepItem((5,), 3, (0,)), StepItem((6,), 9, (1,)),
+             StepItem(tuple(range(1, 21)), 0, (2, 3))]
+    _, calls = _calls(models["llama-tiny"], items)
+    down = [c for c in calls if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
+    assert [c.kernel.split("_")[2] for c in down] == ["vec", "tiles"]
+    assert [int(c.args[8]) for c in down] == [2, 20]
+    assert down[1].args[2] == launches.Ref("gated", 2 * spec.ffn_dim * 4)
+    assert down[1].args[4] == launches.Ref("projected", 2 * spec.d_model * 4)
+    output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
+    assert [int(c.args[8]) for c in output] == [3]  # three logits rows: one matvec
+    many = [StepItem((i + 1,), 0, (i,)) for i in range(12)]
+    _, decode_only = _calls(models["llama-tiny"], many)
+    assert all("tiles" in c.kernel for c in decode_only if c.kernel.startswith("mul_mat"))
+
+
+def _ptx_signatures(files: list[str]) -> dict[str, list[str]]:
+    """Entry point -> its parameters' PTX types, from nvcc -ptx of the kernel sources."""
+    signatures = {}
+    for name in files:
+        ptx = subprocess.run(
+            ["nvcc", "-ptx", "-arch=sm_80", *plan.nvcc_options(),
+             f"-I{plan.kernel_source_dir()}", str(plan.kernel_source_dir() / name), "-o", "-"],
+            check=True, capture_output=True, text=True).stdout
+        for entry, params in re.findall(r"\.entry (\w+)\(([^)]*)\)", ptx):
+            signatures[entry] = re.findall(r"\.param\s+\.(\w+)", params)
+    return signatures
+
+
+PTX_TYPE = {launches.Ref: "u64", np.int64: "u64", np.int32: "u32", np.float32: "f32",
+            np.float64: "f64"}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+def test_every_launch_matches_its_kernels_compiled_signature(
+        models: dict[str, GGUFFile]) -> None:
+    calls = {}
+    for arch in ("llama", "qwen2", "gemma3"):
+        spec, forward = _calls(models[arch], DECODE_AND_PREFILL)
+        tail = launches.candidate_calls(spec, 2, 16, any_penalty=True)
+        calls.update((call.kernel, call) for call in [*forward, *tail])
+    files = [name for name, entries in plan.kernel_entry_points().items()
+             if any(entry in calls for entry in entries)]
+    signatures = _ptx_signatures(files)
+    for kernel, call in calls.items():
+        assert [PTX_TYPE[type(arg)] for arg in call.args] == signatures[kernel], kernel
+
+
+def test_every_address_names_something_the_backend_holds(models: dict[str, GGUFFile]) -> None:
+    for arch in ("llama", "qwen2", "gemma3"):
+        gguf = models[arch]
+        spec = spec_from_gguf(gguf)
+        step = _plan(spec, DECODE_AND_PREFILL)
+        rows = launches.row_arrays([RowInputs(), RowInputs()], spec.vocab_size)
+        held = {"null", *(info.name for info in gguf),
+                *plan.workspace_buffers(spec, plan.StepLimits(4, 2, 2, 16)),
+                *(f"{kv}_cache.{layer}" for kv in "kv" for layer in range(spec.n_layers)),
+                *(f"step.{name}" for name in launches.step_arrays(step, 1, 8)),
+                *(f"rows.{name}" for name in rows.arrays)}
+        _, forward = _calls(gguf, DECODE_AND_PREFILL)
+        tail = launches.candidate_calls(spec, 2, rows.width, any_penalty=True)
+        named = {arg.name for call in [*forward, *tail] for arg in call.args
+                 if isinstance(arg, launches.Ref)}
+        assert named <= held, named - held
+
+
+def test_a_decode_graph_reads_only_the_decode_step_arrays(models: dict[str, GGUFFile]) -> None:
+    spec = spec_from_gguf(models["gemma3"])
+    shape = launches.graph_shape(8, 16, 256, spec.context_length, BLOCK)
+    calls = launches.forward_calls(spec, launches.tensor_layouts(models["gemma3"]), shape, "f16")
+    graph_arrays = plan.decode_step_arrays([1], [0], [0], [[0]], 8, 16, 0, 0)
+    step_names = {arg.name for call in calls for arg in call.args
+                  if isinstance(arg, launches.Ref) and arg.name.startswith("step.")}
+    assert step_names == {f"step.{name}" for name in graph_arrays}
+    assert not any(call.kernel == "attention_prefill" for call in calls)
+
+
+# --- decisions ------------------------------------------------------------------------------
+
+
+def test_graph_buckets_serve_steps_of_single_tokens_that_all_want_logits(
+        models: dict[str, GGUFFile]) -> None:
+    spec = spec_from_gguf(models["llama-tiny"])
+    buckets = plan.graph_buckets(8)
+    decode = [StepItem((i + 1,), 2, (i,)) for i in range(3)]
+    assert launches.graph_bucket(_plan(spec, decode), buckets) == 4
+    assert launches.graph_bucket(_plan(spec, decode[:1]), buckets) == 1
+    with_prefill = [*decode, StepItem((1, 2), 0, (9,))]
+    assert launches.graph_bucket(_plan(spec, with_prefill), buckets) is None
+    silent = [*decode[:2], StepItem((4,), 0, (9,), want_logits=False)]
+    assert launches.graph_bucket(_plan(spec, silent), buckets) is None
+    many = [StepItem((1,), 0, (i,)) for i in range(9)]
+    assert launches.graph_bucket(_plan(spec, many), buckets) is None
+
+
+def test_only_the_leading_single_token_items_take_the_decode_kernels() -> None:
+    assert launches.leading_decode_items(np.array([1, 1, 5, 1])) == 2
+    assert launches.leading_decode_items(np.array([3, 1])) == 0
+    assert launches.leading_decode_items(np.array([1, 1])) == 2
+
+
+def test_split_keys_bound_the_graph_grid() -> None:
+    for context in (128, 2048, 8192, 32768, 131072):
+        keys = launches.split_keys_for(context)
+        assert keys % plan.ATTN_KEYS_PER_PASS == 0 and keys >= 2 * plan.ATTN_KEYS_PER_PASS
+        assert plan.decode_splits(context, keys) <= 32
+    assert launches.table_stride_for(8192, 16, 100) == 100
+    assert launches.table_stride_for(100, 16, 1000) == 7
+
+
+def test_step_arrays_lay_out_slots_tables_and_prefill_items(
+        models: dict[str, GGUFFile]) -> None:
+    spec = spec_from_gguf(models["llama-tiny"])
+    step = _plan(spec, [StepItem((5,), 17, (3, 4)), StepItem((7, 8, 9), 15, (6, 2))])
+    arrays = launches.step_arrays(step, 1, 4)
+    assert arrays["slots"].tolist() == [4 * BLOCK + 1, 6 * BLOCK + 15, 2 * BLOCK, 2 * BLOCK + 1]
+    assert arrays["block_tables"].tolist() == [[3, 4, 0, 0], [6, 2, 0, 0]]
+    assert arrays["positions"].tolist() == [17, 15, 16, 17]
+    assert (arrays["prefill_first_row"].tolist(), arrays["prefill_tokens"].tolist(),
+            arrays["prefill_start"].tolist()) == ([1], [3], [15])
+    assert arrays["logit_rows"].tolist() == [0, 3]
+    assert all(a.dtype == np.int32 for a in arrays.values())
+
+
+# --- rows: penalties and candidates ---------------------------------------------------------
+
+
+def test_packed_penalties_apply_as_the_reference_does() -> None:
+    rng = np.random.default_rng(3)
+    vocab = 500
+    rows = random_row_inputs(rng, 6, vocab)
+    logits = rng.normal(0, 3, (6, vocab)).astype(np.float32)
+    expected = logits.copy()
+    apply_penalties(expected, rows)
+    packed = launches.row_arrays(rows, vocab)
+    penalties_twin(logits, packed.arrays)
+    np.testing.assert_array_equal(logits, expected)
+    assert packed.any_penalty == any(r.repetition_penalty != 1 and r.repeated or
+                                     (r.presence_penalty or r.frequency_penalty) and r.generated
+                                     for r in rows)
+
+
+def test_row_inputs_the_kernels_cannot_serve_are_refused() -> None:
+    with pytest.raises(InvalidRequest, match="outside"):
+        launches.row_arrays([RowInputs(repetition_penalty=1.2, repeated=(7, 100))], 100)
+    with pytest.raises(InvalidRequest) as caught:
+        launches.row_arrays([RowInputs(candidates=2000, max_candidates=2000)], 5000)
+    assert caught.value.field == "candidates"
+
+
+def test_candidate_counts_follow_the_contract_and_the_reference() -> None:
+    rng = np.random.default_rng(11)
+    vocab = 3000
+    for trial in range(4):
+        rows = random_row_inputs(rng, 8, vocab)
+        logits = (rng.standard_normal((8, vocab)) * rng.uniform(0.5, 6)).astype(np.float32)
+        apply_penalties(logits, rows)
+        packed = launches.row_arrays(rows, vocab)
+        records = top_candidates_twin(logits, packed.arrays, packed.width)
+        got = launches.candidates_from_records(records, packed.width, rows)
+        expected = top_candidates(logits, rows)
+        for row, inputs in enumerate(rows):
+            count = int(got.count[row])
+            most = min(max(inputs.candidates, inputs.max_candidates, 1), vocab)
+            assert min(inputs.candidates, vocab) <= count <= most
+            # The same tokens in the same order as the reference, as far as both go.
+            shared = min(count, int(expected.count[row]))
+            np.testing.assert_array_equal(got.ids[row, :shared], expected.ids[row, :shared])
+            if inputs.mass > 0 and count < most:
+                peak = float(logits[row].max())
+                weights = np.exp((logits[row].astype(np.float64) - peak) * inputs.inv_temp)
+                taken = weights[got.ids[row, :count]].sum()
+                assert taken >= inputs.mass * weights.sum() * (1 - 1e-5)
+            assert abs(count - int(expected.count[row])) <= 1 or count == most
+            assert (got.ids[row, count:] == 0).all()
+            assert np.isneginf(got.logits[row, count:]).all()
+        asked = np.array([r.want_log_z or r.mass > 0 for r in rows])
+        assert np.isnan(got.log_z[~asked]).all()
+        np.testing.assert_allclose(got.log_z[asked], expected.log_z[asked], atol=1e-4)
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+
+def test_kv_pool_fills_the_memory_fraction_up_to_what_sequences_use() -> None:
+    gib = 1 << 30
+    blocks = plan.kv_pool_blocks(80 * gib, 0.9, 5 * gib, gib, 2 << 20, None, useful=10**9)
+    assert blocks == (int(80 * gib * 0.9) - 6 * gib - (2 << 20)) // (2 << 20)
+    assert plan.kv_pool_blocks(80 * gib, 0.9, 5 * gib, gib, 2 << 20, None, useful=64) == 64
+    assert plan.kv_pool_blocks(80 * gib, 0.9, 5 * gib, gib, 2 << 20, 500, useful=64) == 500
+    with pytest.raises(ComputeError, match="do not fit"):
+        plan.kv_pool_blocks(8 * gib, 0.9, 5 * gib, gib, 2 << 20, 10**6, useful=64)
+    with pytest.raises(ComputeError, match="short of one KV block"):
+        plan.kv_pool_blocks(6 * gib, 0.9, 5 * gib, gib, 2 << 20, None, useful=64)
+
+
+def test_weights_upload_as_stored_blocks_at_the_row_pitch(models: dict[str, GGUFFile]) -> None:
+    for name in ("llama-tiny", "qwen2", "llama"):
+        gguf = models[name]
+        offsets, size = plan.weight_arena(gguf)
+        arena = np.zeros(size, dtype=np.uint8)
+        for info in gguf:
+            assert offsets[info.name] % plan.ARENA_ALIGN == 0
+            for at, data in plan.device_bytes_of(gguf.raw(info.name), info, chunk_rows=100):
+                start = offsets[info.name] + at
+                arena[start : start + data.size] = data
+        for info in gguf:
+            start = offsets[info.name]
+            if len(info.shape) == 1:
+                stored = arena[start : start + 4 * info.shape[0]].view(np.float32)
+                np.testing.assert_array_equal(
+                    stored, dequantize(gguf.raw(info.name), info.type_name, info.shape))
+                continue
+            rows = math.prod(info.shape[:-1])
+            pitch = plan.row_pitch(info.type_name, info.shape[-1])
+            device_rows = arena[start : start + rows * pitch].reshape(rows, pitch)
+            raw = gguf.raw(info.name).reshape(rows, -1)
+            np.testing.assert_array_equal(device_rows[:, : raw.shape[1]], raw)
+        file_bytes = sum(info.n_bytes for info in gguf)
+        assert size <= 1.1 * file_bytes + plan.ARENA_ALIGN * len(offsets)
+
+
+# --- the registry ---------------------------------------------------------------------------
+
+
+class FakeCudaError(Exception):
+    pass
+
+
+def _fake_pycuda(monkeypatch: pytest.MonkeyPatch, *, count: int = 1,
+                 capability: tuple[int, int] = (9, 0), init_error: bool = False) -> None:
+    driver = types.ModuleType("pycuda.driver")
+    driver.Error = FakeCudaError
+
+    def init() -> None:
+        if init_error:
+            raise FakeCudaError("cuInit failed: no CUDA-capable device is detected")
+
+    class Device:
+        def __init__(self, ordinal: int) -> None:
+            self.ordinal = ordinal
+
+        @staticmethod
+        def count() -> int:
+            return count
+
+        def compute_capability(self) -> tuple[int, int]:
+            return capability
+
+    driver.init, driver.Device = init, Device
+    package = types.ModuleType("pycuda")
+    package.driver = driver
+    monkeypatch.setitem(sys.modules, "pycuda", package)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", driver)
+
+
+def test_registry_reason_without_pycuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pycuda", None)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", None)
+    assert "pycuda is not installed" in CudaFactory().unavailable_reason()
+
+
+def test_registry_reason_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    package = types.ModuleType("pycuda")
+    monkeypatch.setitem(sys.modules, "pycuda", package)
+    monkeypatch.delitem(sys.modules, "pycuda.driver", raising=False)
+
+    def failing_import(name: str, *args: object, **kwargs: object) -> object:
+        if name == "pycuda.driver":
+            raise ImportError("libcuda.so.1: cannot open shared object file")
+        return real_import(name, *args, **kwargs)
+
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", failing_import)
+    assert "no CUDA driver" in CudaFactory().unavailable_reason()
+
+
+@pytest.mark.parametrize(("fake", "words"), [
+    ({"count": 0}, "sees no device"),
+    ({"init_error": True}, "CUDA cannot start: cuInit failed"),
+    ({"capability": (7, 5)}, "compute capability 7.5 is below 8.0"),
+])
+def test_registry_reasons_from_the_driver(monkeypatch: pytest.MonkeyPatch, fake: dict,
+                                          words: str) -> None:
+    _fake_pycuda(monkeypatch, **fake)
+    assert words in CudaFactory().unavailable_reason()
+
+
+def test_registry_needs_nvcc_and_then_has_no_objection(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_pycuda(monkeypatch)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert "nvcc is not on the PATH" in CudaFactory().unavailable_reason()
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvcc")
+    assert CudaFactory().unavailable_reason() is None

@@ -1,0 +1,152 @@
+"""The block math of cuda_src/quant_blocks.cuh, compiled for the host with g++ and checked bit
+for bit against actors.model.quants.dequantize on every block type.
+
+The kernels decode with the very same `__host__ __device__` functions (with __fmul_rn /
+__fadd_rn on the device, which round like the host's -ffp-contract=off build), so this proves
+the quant math in CI without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.compute.cuda_plan import kernel_source_dir
+from actors.model.quants import FORMATS, QUANTIZERS, dequantize, quantize
+from tests.cuda_samples import HALF_FIELDS, assert_same_floats, finite_blocks, random_blocks
+
+GROUP = 32
+ALL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32", "F16", "BF16")
+ROWS, ROW_LENGTH = 48, 512
+# Half bit patterns at the edges: +-0, the smallest and largest subnormals, the smallest
+# normal, the largest finite, +-inf and a NaN.
+EDGE_HALVES = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x0400, 0x7BFF, 0x7C00, 0xFC00, 0x7E00],
+                       dtype=np.uint16)
+HOST_SOURCE = Path(__file__).parent / "cuda_blockmath_host.cpp"
+
+
+@pytest.fixture(scope="module")
+def blockmath(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("g++ is not on the PATH: cannot build the host block-math library")
+    library = tmp_path_factory.mktemp("blockmath") / "blockmath.so"
+    subprocess.run(
+        [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-Wall",
+         "-Wextra", "-Werror", f"-I{kernel_source_dir()}", str(HOST_SOURCE), "-o", str(library)],
+        check=True, capture_output=True, text=True,
+    )
+    return ctypes.CDLL(str(library))
+
+
+def _pointer(array: np.ndarray) -> ctypes.c_void_p:
+    return ctypes.c_void_p(array.ctypes.data)
+
+
+def host_dequantize(lib: ctypes.CDLL, raw: np.ndarray, type_name: str, rows: int,
+                    row_length: int) -> np.ndarray:
+    out = np.empty((rows, row_length), dtype=np.float32)
+    raw = np.ascontiguousarray(raw)
+    getattr(lib, f"dequantize_{_suffix(type_name)}")(
+        _pointer(raw), ctypes.c_int64(rows), ctypes.c_int64(row_length // GROUP), _pointer(out))
+    return out
+
+
+def host_dot(lib: ctypes.CDLL, raw: np.ndarray, type_name: str, x: np.ndarray) -> np.ndarray:
+    rows = raw.shape[0]
+    out = np.empty(rows, dtype=np.float32)
+    raw, x = np.ascontiguousarray(raw), np.ascontiguousarray(x, dtype=np.float32)
+    getattr(lib, f"dot_{_suffix(type_name)}")(
+        _pointer(raw), ctypes.c_int64(rows), ctypes.c_int64(x.size // GROUP), _pointer(x),
+        _pointer(out))
+    return out
+
+
+def _suffix(type_name: str) -> str:
+    """GGUF name -> the kernels' suffix: lower case except the K-quants' K (llama.cpp style)."""
+    return type_name.lower().replace("_k", "_K")
+
+
+def edge_blocks(type_name: str, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks whose scale fields cycle through EDGE_HALVES (every combination of d and
+    m for the two-scale types)."""
+    raw = random_blocks(type_name, ROWS, ROW_LENGTH, rng)
+    blocks = raw.reshape(-1, FORMATS[type_name].type_size)
+    fields = HALF_FIELDS[type_name]
+    index = np.arange(len(blocks))
+    for k, start in enumerate(fields):
+        chosen = EDGE_HALVES[(index // len(EDGE_HALVES) ** k) % len(EDGE_HALVES)]
+        blocks[:, start : start + 2] = chosen.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def float_type_bytes(type_name: str, rng: np.random.Generator) -> np.ndarray:
+    """F16 and BF16: every 16-bit pattern; F32: random bits plus the special values."""
+    if type_name in ("F16", "BF16"):
+        every = np.arange(1 << 16, dtype=np.uint16)
+        return every.view(np.uint8).reshape(-1, 2 * ROW_LENGTH)
+    bits = rng.integers(0, 1 << 32, ROWS * ROW_LENGTH, dtype=np.uint64).astype(np.uint32)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 3.4e38],
+                        dtype=np.float32)
+    bits[: specials.size] = specials.view(np.uint32)
+    return bits.view(np.uint8).reshape(ROWS, 4 * ROW_LENGTH)
+
+
+def test_suffixes_cover_every_format() -> None:
+    assert set(ALL_TYPES) == set(FORMATS)
+
+
+@pytest.mark.parametrize("type_name", [t for t in ALL_TYPES if t in QUANTIZERS])
+def test_quantized_blocks_decode_bit_for_bit(blockmath: ctypes.CDLL, type_name: str) -> None:
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((ROWS, ROW_LENGTH)) * rng.uniform(1e-3, 10, (ROWS, 1)))
+    raw = quantize(x.astype(np.float32), type_name)
+    expected = dequantize(raw, type_name, (ROWS, ROW_LENGTH))
+    assert_same_floats(host_dequantize(blockmath, raw, type_name, ROWS, ROW_LENGTH), expected)
+
+
+@pytest.mark.parametrize("edges", [False, True], ids=["random", "edges"])
+@pytest.mark.parametrize("type_name", list(HALF_FIELDS))
+def test_random_and_edge_blocks_decode_bit_for_bit(
+    blockmath: ctypes.CDLL, type_name: str, edges: bool
+) -> None:
+    rng = np.random.default_rng(7)
+    raw = edge_blocks(type_name, rng) if edges else random_blocks(type_name, ROWS, ROW_LENGTH, rng)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = dequantize(raw, type_name, (ROWS, ROW_LENGTH))
+    assert_same_floats(host_dequantize(blockmath, raw, type_name, ROWS, ROW_LENGTH), expected)
+
+
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16"])
+def test_float_types_decode_bit_for_bit(blockmath: ctypes.CDLL, type_name: str) -> None:
+    raw = float_type_bytes(type_name, np.random.default_rng(3))
+    rows = raw.shape[0]
+    expected = dequantize(raw, type_name, (rows, ROW_LENGTH))
+    assert_same_floats(host_dequantize(blockmath, raw, type_name, rows, ROW_LENGTH), expected)
+
+
+def test_edge_halves_reach_both_scales_of_two_scale_types() -> None:
+    """The edge generator really puts every (d, m) edge pair into some block."""
+    raw = edge_blocks("Q4_K", np.random.default_rng(0)).reshape(-1, 144)
+    pairs = {(int(d), int(m)) for d, m in raw[:, :4].view(np.uint16)}
+    assert len(pairs) == len(EDGE_HALVES) ** 2
+
+
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_dot_products_within_float32_bound(blockmath: ctypes.CDLL, type_name: str) -> None:
+    """Each row's dot product (float32, summed in order) is within the classic bound of
+    recursive summation: |error| <= n u / (1 - n u) * sum |w_i x_i|, u = 2**-24, n = terms."""
+    rng = np.random.default_rng(5)
+    raw = finite_blocks(type_name, ROWS, ROW_LENGTH, rng)
+    weights = dequantize(raw, type_name, (ROWS, ROW_LENGTH)).astype(np.float64)
+    x = rng.standard_normal(ROW_LENGTH).astype(np.float32)
+    exact = weights @ x.astype(np.float64)
+    nu = ROW_LENGTH * 2.0**-24
+    bound = nu / (1 - nu) * (np.abs(weights) @ np.abs(x.astype(np.float64)))
+    error = np.abs(host_dot(blockmath, raw, type_name, x).astype(np.float64) - exact)
+    assert (error <= bound).all(), f"worst error / bound {(error / bound).max():.3g}"
