@@ -20,10 +20,9 @@ from pathlib import Path
 
 import anyio
 
-from actors import ComputeError, Engine, SamplingParams, load_model
-from actors.compute.contract import KVRequest
-from actors.compute.cpu import build_cpu_backend
-from actors.compute.faults import Fault, FaultyBackend
+from actors import Engine, SamplingParams, load_model
+from actors.compute.faults import Fault
+from actors.fault_drill import run_with_fault
 from actors.model.loaded import Model
 
 OPENINGS = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
@@ -54,31 +53,6 @@ async def solo_tokens(model: Model, prompts: list[list[int]]) -> list[tuple[int,
         return [(await engine.complete(ids, greedy())).token_ids for ids in prompts]
 
 
-async def one_round(
-    model: Model, prompts: list[list[int]], fault: Fault
-) -> tuple[list[tuple[int, ...] | None], int, FaultyBackend]:
-    """Every prompt at once with `fault`: the tokens each got (None: ComputeError) and the
-    KV blocks still held after."""
-    kv = KVRequest(blocks=512, block_size=16, max_sequences=len(prompts))
-    backend = FaultyBackend(build_cpu_backend(model, kv, ()), [fault])
-    results: list[tuple[int, ...] | None] = [None] * len(prompts)
-
-    async def one(index: int) -> None:
-        try:
-            results[index] = (await engine.complete(prompts[index], greedy())).token_ids
-        except ComputeError:
-            results[index] = None
-
-    async with Engine.open_backend(lambda: backend, model.tokenizer,
-                                   step_timeout_s=STEP_TIMEOUT_S) as engine:
-        async with anyio.create_task_group() as tasks:
-            for index in range(len(prompts)):
-                tasks.start_soon(one, index)
-        await anyio.sleep(0.05)
-        held = engine.stats().kv_blocks_used
-    return results, held, backend
-
-
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     model = load_model(args.model or default_model())
     prompts = [model.tokenizer.encode(text) for text in OPENINGS[: args.requests]]
@@ -92,8 +66,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         hit = rng.randrange(len(prompts))
         fault = Fault(kind=kind, prompt_prefix=tuple(prompts[hit][:2]),
                       times=1 if once else None, hang_s=HANG_S)
-        results, held, backend = await one_round(model, prompts, fault)
-        tally[f"injected {kind}"] += backend.injected[kind]
+        drill = await run_with_fault(model, prompts, fault, greedy(),
+                                     step_timeout_s=STEP_TIMEOUT_S)
+        results, held = drill.tokens, drill.blocks_held
+        tally[f"injected {kind}"] += drill.injected[kind]
         expected_hit = alone[hit] if once else None
         tally["hit requests as the contract says"] += results[hit] == expected_hit
         tally["hit requests otherwise"] += results[hit] != expected_hit

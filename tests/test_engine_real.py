@@ -8,7 +8,6 @@ import time
 from collections.abc import Sequence
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
 
 import anyio
 import numpy as np

@@ -10,10 +10,9 @@ import anyio
 import pytest
 
 from actors import ComputeError
-from actors.compute.contract import KVRequest
-from actors.compute.cpu import build_cpu_backend
-from actors.compute.faults import Fault, FaultyBackend
+from actors.compute.faults import Fault
 from actors.engine import Engine
+from actors.fault_drill import DrillResult, run_with_fault
 from actors.model.loaded import Model, load_model
 from actors.params import SamplingParams
 
@@ -63,27 +62,11 @@ def greedy() -> SamplingParams:
 
 async def run_all(
     smollm2: Model, prompt_ids: list[list[int]], fault: Fault, step_timeout_s: float = 300.0
-) -> tuple[list[tuple[int, ...] | str], FaultyBackend, int]:
-    """Every prompt at once through a backend with `fault`; each result is the tokens or
-    "failed". Also the blocks still held once all are done."""
-    kv = KVRequest(blocks=256, block_size=16, max_sequences=8)
-    backend = FaultyBackend(build_cpu_backend(smollm2, kv, ()), [fault])
-    results: list[tuple[int, ...] | str] = [""] * len(prompt_ids)
-
-    async def one(index: int) -> None:
-        try:
-            results[index] = (await engine.complete(prompt_ids[index], greedy())).token_ids
-        except ComputeError:
-            results[index] = "failed"
-
-    async with Engine.open_backend(lambda: backend, smollm2.tokenizer,
-                                   step_timeout_s=step_timeout_s) as engine:
-        async with anyio.create_task_group() as tasks:
-            for index in range(len(prompt_ids)):
-                tasks.start_soon(one, index)
-        await anyio.sleep(0.05)
-        held = engine.stats().kv_blocks_used
-    return results, backend, held
+) -> tuple[list[tuple[int, ...] | str], DrillResult]:
+    """Every prompt at once with `fault`: each result is the tokens or "failed"."""
+    drill = await run_with_fault(smollm2, prompt_ids, fault, greedy(),
+                                 step_timeout_s=step_timeout_s)
+    return ["failed" if got is None else got for got in drill.tokens], drill
 
 
 @pytest.mark.parametrize("kind", ["raise", "nan"])
@@ -91,11 +74,11 @@ async def test_a_poisoned_sequence_fails_alone(
     smollm2: Model, prompt_ids: list[list[int]], alone: list[tuple[int, ...]], kind: str
 ) -> None:
     fault = Fault(kind=kind, prompt_prefix=tuple(prompt_ids[POISONED][:2]))
-    results, backend, held = await run_all(smollm2, prompt_ids, fault)
+    results, drill = await run_all(smollm2, prompt_ids, fault)
     assert results[POISONED] == "failed"
     others = [index for index in range(len(PROMPTS)) if index != POISONED]
     assert [results[index] for index in others] == [alone[index] for index in others]
-    assert backend.injected[kind] >= 2 and held == 0
+    assert drill.injected[kind] >= 2 and drill.blocks_held == 0
 
 
 @pytest.mark.parametrize("kind", ["raise", "nan"])
@@ -103,9 +86,9 @@ async def test_a_passing_fault_is_replayed_away(
     smollm2: Model, prompt_ids: list[list[int]], alone: list[tuple[int, ...]], kind: str
 ) -> None:
     fault = Fault(kind=kind, prompt_prefix=tuple(prompt_ids[POISONED][:2]), times=1)
-    results, backend, held = await run_all(smollm2, prompt_ids, fault)
+    results, drill = await run_all(smollm2, prompt_ids, fault)
     assert results == alone
-    assert backend.injected[kind] == 1 and held == 0
+    assert drill.injected[kind] == 1 and drill.blocks_held == 0
 
 
 async def test_a_step_past_its_deadline_is_replayed(
@@ -115,9 +98,9 @@ async def test_a_step_past_its_deadline_is_replayed(
     # even on a loaded machine.
     fault = Fault(kind="hang", prompt_prefix=tuple(prompt_ids[POISONED][:2]), times=1,
                   hang_s=7.0)
-    results, backend, held = await run_all(smollm2, prompt_ids, fault, step_timeout_s=6.0)
+    results, drill = await run_all(smollm2, prompt_ids, fault, step_timeout_s=6.0)
     assert results == alone
-    assert backend.injected["hang"] == 1 and held == 0
+    assert drill.injected["hang"] == 1 and drill.blocks_held == 0
 
 
 async def test_a_backend_that_stops_answering_is_lost_not_waited_on(
@@ -128,7 +111,7 @@ async def test_a_backend_that_stops_answering_is_lost_not_waited_on(
     fault = Fault(kind="hang", prompt_prefix=tuple(prompt_ids[POISONED][:2]), times=1,
                   hang_s=4.0)
     with anyio.fail_after(30):
-        results, _, _ = await run_all(smollm2, prompt_ids, fault, step_timeout_s=0.5)
+        results, _ = await run_all(smollm2, prompt_ids, fault, step_timeout_s=0.5)
     assert "failed" in results
 
 
