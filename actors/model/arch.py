@@ -92,6 +92,17 @@ def _float(meta: dict[str, Any], key: str, path: object, default: float) -> floa
     return float(value)
 
 
+def _check_tokenizer_size(meta: dict[str, Any], path: object, vocab_size: int) -> None:
+    """The tokenizer and the embedding must agree on the vocabulary: a token without an
+    embedding row would fail inside a step (llama.cpp refuses such files too)."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and len(tokens) != vocab_size:
+        raise ModelFormatError(
+            f"{path}: the tokenizer has {len(tokens)} tokens (tokenizer.ggml.tokens) but "
+            f"token_embd.weight has {vocab_size} rows; they must be equal"
+        )
+
+
 def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
     """Read a ModelSpec from a GGUF file's metadata and tensor shapes.
 
@@ -127,7 +138,12 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
             f"{path}: key length {head_dim} differs from value length {value_dim}"
         )
     rope_dim = _int(meta, f"{arch}.rope.dimension_count", path, 2, head_dim, head_dim)
+    if rope_dim % 2:
+        raise ModelFormatError(
+            f"{path}: {arch}.rope.dimension_count = {rope_dim} is odd; RoPE rotates pairs"
+        )
     vocab_size = gguf.tensor("token_embd.weight").shape[0]
+    _check_tokenizer_size(meta, path, vocab_size)
     declared_vocab = _int(meta, f"{arch}.vocab_size", path, 1, 1 << 31, vocab_size)
     if declared_vocab != vocab_size:
         raise ModelFormatError(
