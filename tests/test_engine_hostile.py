@@ -16,6 +16,7 @@ import actors.engine
 import actors.session
 from actors import Engine, SamplingParams
 from actors.errors import ContextLengthExceeded, InvalidRequest, TemplateError
+from actors.logreader import parse_log, request_rows
 from actors.loop_stall import watch_loop
 from tests.conftest import TINY_MODELS
 
@@ -190,3 +191,16 @@ async def test_a_slow_template_times_out_while_another_stream_keeps_flowing(monk
 async def _drain(chunks: AsyncIterator[Any]) -> list[Any]:
     async with aclosing(chunks):
         return [chunk async for chunk in chunks]
+
+
+async def test_a_cancelled_request_logs_its_time_to_first_token(tmp_path) -> None:
+    """Issue 14: `q4k logs requests` showed no TTFT for cancelled requests with tokens."""
+    log_path = tmp_path / "engine.log"
+    async with tiny_engine(log_file=log_path) as engine:
+        params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+        async with aclosing(engine.generate("hello", params)) as chunks:
+            async for _ in chunks:
+                break
+    log = parse_log([("engine", log_path.read_text().splitlines())])
+    (row,) = request_rows(log)
+    assert row.status == "cancelled" and row.ttft_ms is not None and row.ttft_ms > 0
