@@ -124,6 +124,17 @@ class Engine:
         if kv_blocks is not None:
             _check_count("kv_blocks", kv_blocks, 1, _MAX_KV_POSITIONS // block_size)
         _check_limits(max_sequences, max_queued, prefill_chunk)
+        if log_level is not None and not isinstance(log_level, str):
+            raise InvalidRequest(
+                f"log_level must be a level name, not {type(log_level).__name__}", field="log_level"
+            )
+        if log_file is not None and not isinstance(log_file, str | os.PathLike) and not hasattr(
+            log_file, "write"
+        ):
+            raise InvalidRequest(
+                f"log_file must be a path or a text stream, not {type(log_file).__name__}",
+                field="log_file",
+            )
         logging = (
             logging_to(log_level or "info", log_file)
             if log_level is not None or log_file is not None

@@ -8,11 +8,8 @@ and real models, and hypothesis properties on hand-made files.
 from __future__ import annotations
 
 import os
-import signal
 import struct
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,12 +25,11 @@ from actors.model.gguf import open_gguf
 from actors.model.loaded import load_model
 from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
 from tests.fuzz import FUZZ_EXAMPLES, gguf_structure
+from tests.fuzz.target import hang_guard
 
 # Mutated cases per model: many on the tiny files (a few ms each), fewer on the real headers
 # (6.5 MB for gemma3, mostly its 262k-token vocabulary).
 CASES = {"llama-q4k-tiny": 500, "qwen2-q4k-tiny": 500, "smollm2-135m": 150, "gemma3-270m": 100}
-# A hang guard, not a speed requirement: a case normally takes milliseconds.
-HANG_GUARD_S = 60
 # Little-endian u64 windows below this are likely lengths, counts, dims or offsets.
 FIELD_LIKE_BELOW = 1 << 32
 INTERESTING_U64 = (0, 1, 7, 255, 1 << 31, (1 << 32) - 1, 1 << 32, 1 << 60, 1 << 63, (1 << 64) - 1)
@@ -126,20 +122,6 @@ def mutate(seed: Seed, rng: np.random.Generator) -> tuple[str, bytearray, int]:
     at, span = int(rng.integers(low, high)), int(rng.integers(1, 17))
     del data[at : at + span]
     return f"deleted {span} bytes at {at}", data, size
-
-
-@contextmanager
-def hang_guard(what: str) -> Iterator[None]:
-    def expire(signum: int, frame: object) -> None:
-        raise TimeoutError(f"{what} ran past {HANG_GUARD_S} s: a hang")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(HANG_GUARD_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def read_everything(path: Path) -> None:

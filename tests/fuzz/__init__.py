@@ -6,4 +6,4 @@ check that passes when the project answers with its own error (or works), and ra
 import os
 
 # Examples per hypothesis fuzz test in CI; `benchmarks/fuzz.py` runs each target longer.
-FUZZ_EXAMPLES = int(os.environ.get("Q4K_FUZZ_EXAMPLES", "60"))
+FUZZ_EXAMPLES = int(os.environ.get("Q4K_FUZZ_EXAMPLES", "150"))

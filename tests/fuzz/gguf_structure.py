@@ -184,7 +184,7 @@ mutations = st.one_of(
 
 def apply(parts: ModelParts, mutation: Mutation) -> ModelParts:
     metadata = dict(parts.metadata)
-    arch = metadata["general.architecture"].data
+    arch = metadata.get("general.architecture", Value(T.STRING, "llama")).data
     key = mutation.key.format(arch=arch if isinstance(arch, str) else "llama")
     if mutation.op == "set":
         metadata[key] = mutation.value
