@@ -291,14 +291,13 @@ class Engine:
 
         Raises at once: InvalidRequest (bad params or prompt), ContextLengthExceeded,
         EngineOverloaded (running and queued limits reached), EngineClosed. A text longer than
-        16 KiB characters is tokenized in a worker thread, so a prompt that turns out too long
-        once tokenized raises ContextLengthExceeded from the first iteration instead. Close the
+        16 Ki characters is measured and tokenized in a worker thread, so a prompt too long for
+        the context raises ContextLengthExceeded from the first iteration instead. Close the
         iterator (or `break` and drop it) to cancel; `contextlib.aclosing` cancels
         deterministically."""
         self._check_open()
         params = self._checked_params(params)
         if isinstance(prompt, str) and len(prompt) > _TOKENIZE_INLINE_CHARS:
-            self._check_fits_by_size(prompt)
             return self._stream_when_ready(partial(self._encode_in_worker, prompt), params)
         return self._start_session(self._prompt_ids(prompt), params)
 
@@ -413,7 +412,8 @@ class Engine:
 
     def _check_fits_by_size(self, text: str) -> None:
         """Refuse a text whose bytes alone prove it cannot fit the context (each token stands
-        for at most the tokenizer's longest token text), without tokenizing it."""
+        for at most the tokenizer's longest token text), without tokenizing it. Linear in the
+        text: worker threads call it."""
         min_tokens = getattr(self._tokenizer, "min_tokens", None)  # test doubles have none
         if min_tokens is None:
             return
@@ -428,15 +428,19 @@ class Engine:
             )
 
     async def _encode_in_worker(self, text: str, *, parse_special: bool = False) -> list[int]:
-        encode = partial(self._tokenizer.encode, text, parse_special=parse_special)
         # Abandoned on cancel: the thread only computes, and ends on its own.
-        return await anyio.to_thread.run_sync(encode, abandon_on_cancel=True)
+        return await anyio.to_thread.run_sync(
+            self._encode_if_it_can_fit, text, parse_special, abandon_on_cancel=True
+        )
+
+    def _encode_if_it_can_fit(self, text: str, parse_special: bool) -> list[int]:
+        self._check_fits_by_size(text)
+        return self._tokenizer.encode(text, parse_special=parse_special)
 
     async def _chat_prompt_ids(self, messages: list[dict[str, Any]], template: str | None) -> list[int]:
         text = await anyio.to_thread.run_sync(
             self._render_chat, messages, template, abandon_on_cancel=True
         )
-        self._check_fits_by_size(text)
         ids = await self._encode_in_worker(text, parse_special=True)
         bos = self._tokenizer.bos_id
         # Templates that write the BOS themselves would otherwise get a second one.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 
@@ -25,19 +25,24 @@ class LoopWatch:
     interval_s: float
     ticks: int = 0
     worst_stall_s: float = 0.0
+    last_tick: float = field(default_factory=time.perf_counter)
 
     @property
     def worst_stall_ms(self) -> float:
         return round(self.worst_stall_s * 1000.0, 1)
 
     async def run(self) -> None:
-        last = time.perf_counter()
         while True:
             await anyio.sleep(self.interval_s)
-            now = time.perf_counter()
-            self.worst_stall_s = max(self.worst_stall_s, now - last - self.interval_s)
+            self.tick()
             self.ticks += 1
-            last = now
+
+    def tick(self) -> None:
+        """Record the gap since the last tick (also called once at the end: a stall that
+        lasts until the block ends would otherwise go unseen)."""
+        now = time.perf_counter()
+        self.worst_stall_s = max(self.worst_stall_s, now - self.last_tick - self.interval_s)
+        self.last_tick = now
 
 
 @asynccontextmanager
@@ -49,6 +54,7 @@ async def watch_loop(interval_s: float = 0.005) -> AsyncIterator[LoopWatch]:
         try:
             yield watch
         finally:
+            watch.tick()
             tasks.cancel_scope.cancel()
 
 

@@ -128,8 +128,9 @@ async def test_a_prompt_whose_bytes_cannot_fit_is_refused_without_tokenizing(mon
     async with tiny_engine() as engine:
         monkeypatch.setattr(engine._tokenizer, "encode", _never_called)
         too_big = "x" * (engine.context_length * engine._tokenizer.max_token_bytes)
-        with pytest.raises(ContextLengthExceeded):
-            engine.generate(too_big, greedy(2))
+        with pytest.raises(ContextLengthExceeded, match="at least"):
+            await _drain(engine.generate(too_big, greedy(2)))
+        assert nothing_held(engine)
 
 
 async def test_a_long_prompt_is_tokenized_off_the_event_loop(monkeypatch) -> None:
