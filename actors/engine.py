@@ -328,6 +328,7 @@ class Engine:
             self._reject(exc)
         params = self._checked_params(params)
         return self._stream_when_ready(partial(self._chat_prompt_ids, messages, template), params)
+
     async def complete(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None
     ) -> Completion:
@@ -387,7 +388,9 @@ class Engine:
             raise
         return params
 
-    def _start_session(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+    def _start_session(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[Chunk]:
         session = Session(
             request_id=new_request_id(),
             prompt_ids=prompt_ids,
@@ -437,7 +440,9 @@ class Engine:
         self._check_fits_by_size(text)
         return self._tokenizer.encode(text, parse_special=parse_special)
 
-    async def _chat_prompt_ids(self, messages: list[dict[str, Any]], template: str | None) -> list[int]:
+    async def _chat_prompt_ids(
+        self, messages: list[dict[str, Any]], template: str | None
+    ) -> list[int]:
         text = await anyio.to_thread.run_sync(
             self._render_chat, messages, template, abandon_on_cancel=True
         )
@@ -503,11 +508,9 @@ class Engine:
         the context anyway)."""
         if self._chat_template is None:
             raise TemplateError("this engine was opened without a chat template source")
-        max_token_bytes = getattr(self._tokenizer, "max_token_bytes", None)
-        limits = RenderLimits(
-            seconds=CHAT_RENDER_SECONDS,
-            chars=RenderLimits().chars if max_token_bytes is None else self.context_length * max_token_bytes,
-        )
+        max_token_bytes = getattr(self._tokenizer, "max_token_bytes", None)  # test doubles
+        chars = RenderLimits().chars if max_token_bytes is None else self.context_length * max_token_bytes
+        limits = RenderLimits(seconds=CHAT_RENDER_SECONDS, chars=chars)
         if template is not None:
             return self._chat_template(template).render(messages, limits=limits)
         if self._default_template is None:
@@ -552,7 +555,8 @@ async def collect(chunks: AsyncIterator[Chunk]) -> Completion:
 
 def _check_count(name: str, value: int, minimum: int, maximum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        shown = f"{value!r:.40}" if not isinstance(value, int) or value.bit_length() <= 64 else "a huge int"
+        huge = isinstance(value, int) and value.bit_length() > 64  # its repr may even raise
+        shown = "a huge int" if huge else f"{value!r:.40}"
         raise InvalidRequest(
             f"{name} must be an int in {minimum}..{maximum:,}, got {shown}", field=name
         )

@@ -29,15 +29,20 @@ from tests.fuzz import gguf_structure  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
 TEMPLATES = {
-    "template: 10^9 empty loop turns": "{% for i in range(30000) %}{% for j in range(30000) %}{% endfor %}{% endfor %}",
-    "template: macro recursing twice a level": "{% macro f(n) %}{{ f(n + 1) }}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "template: 10^9 empty loop turns":
+        "{% for i in range(30000) %}{% for j in range(30000) %}{% endfor %}{% endfor %}",
+    "template: macro recursing twice a level":
+        "{% macro f(n) %}{{ f(n + 1) }}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
     "template: 'a' * 10**9": "{{ 'a' * 10**9 }}",
-    "template: output of 10^10 characters": "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+    "template: output of 10^10 characters":
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
     "template: 25 nested for": "{% for a in x %}" * 25 + "{% endfor %}" * 25,
 }  # fmt: skip
 BAD_FILES = {
-    "model file: 512 embedding rows, 1,024 tokens": gguf_structure.Mutation("tensor_rows", "token_embd.weight", size=512),
-    "model file: 3,000-character special token": gguf_structure.Mutation("token", index=5, text="<" + "x" * 3000 + ">", token_type=3),
+    "model file: 512 embedding rows, 1,024 tokens":
+        gguf_structure.Mutation("tensor_rows", "token_embd.weight", size=512),
+    "model file: 3,000-character special token":
+        gguf_structure.Mutation("token", index=5, text="<" + "x" * 3000 + ">", token_type=3),
 }  # fmt: skip
 
 
@@ -67,7 +72,8 @@ def hostile_inputs(engine: Engine, folder: Path) -> dict[str, Callable[[], Await
         )
     for name, mutation in BAD_FILES.items():
         path = folder / f"{len(inputs)}.gguf"
-        gguf_structure.write_gguf(gguf_structure.apply(gguf_structure.seed_parts("llama-q4k-tiny"), mutation), path)
+        tiny = gguf_structure.seed_parts("llama-q4k-tiny")
+        gguf_structure.write_gguf(gguf_structure.apply(tiny, mutation), path)
         inputs[name] = lambda path=path: _open_and_use(path)
     return inputs
 

@@ -333,7 +333,9 @@ class ChatTemplate:
         budget = _Budget(limits)
         self._environment.set_budget(budget)
         try:
-            return _with_deadline(budget.seconds, lambda: self._render(messages, add_generation_prompt, budget))
+            return _with_deadline(
+                budget.seconds, lambda: self._render(messages, add_generation_prompt, budget)
+            )
         except _RenderTimeout:
             raise TemplateError(
                 f"chat template ran past its time limit of {limits.seconds:g} s"

@@ -138,7 +138,10 @@ scalar_values = st.one_of(
     st.builds(Value, st.just(T.FLOAT64), st.floats()),
     st.builds(Value, st.just(T.BOOL), st.booleans()),
     st.builds(Value, st.just(T.STRING), st.text(max_size=40)),
-    st.builds(Value, st.just(T.STRING), st.sampled_from(["llama", "gpt2", "qwen2", "gemma3", "smollm", "none", "linear"])),
+    st.builds(
+        Value, st.just(T.STRING),
+        st.sampled_from(["llama", "gpt2", "qwen2", "gemma3", "smollm", "none", "linear"]),
+    ),
 )
 array_values = st.one_of(
     st.builds(Value, st.just(T.ARRAY), st.lists(st.booleans(), max_size=6), st.just(T.BOOL)),
@@ -177,8 +180,17 @@ mutations = st.one_of(
         Mutation, st.just("token"), index=st.integers(0, 1023), text=token_texts,
         token_type=st.integers(0, 7),
     ),
-    st.builds(Mutation, st.just("tensor_rows"), st.sampled_from(["token_embd.weight", "output.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight"]), size=st.integers(1, 1100)),
-    st.builds(Mutation, st.just("tensor_drop"), st.sampled_from(["token_embd.weight", "output.weight", "output_norm.weight", "blk.1.ffn_up.weight"])),
+    st.builds(
+        Mutation, st.just("tensor_rows"),
+        st.sampled_from(["token_embd.weight", "output.weight", "blk.0.attn_q.weight",
+                         "blk.0.attn_k.weight"]),
+        size=st.integers(1, 1100),
+    ),
+    st.builds(
+        Mutation, st.just("tensor_drop"),
+        st.sampled_from(["token_embd.weight", "output.weight", "output_norm.weight",
+                         "blk.1.ffn_up.weight"]),
+    ),
 )  # fmt: skip
 
 

@@ -21,7 +21,8 @@ from actors.logreader import (
 from tests.fuzz.target import Target, only_project_errors
 
 EVENTS = ("request_admitted", "prefill_finished", "request_finished", "request_cancelled",
-          "request_failed", "request_rejected", "step", "notice", "model_loaded", "engine_started")  # fmt: skip
+          "request_failed", "request_rejected", "step", "notice", "model_loaded",
+          "engine_started")  # fmt: skip
 FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens", "ttft_ms", "total_ms",
           "decode_tokens_per_s", "items", "ms", "finish_reason", "error", "reason", "message")  # fmt: skip
 
@@ -43,8 +44,14 @@ def _nested(depth: int) -> object:
     return json.loads("[" * depth + "]" * depth)
 
 
-values = st.one_of(numbers, st.text(max_size=12), st.booleans(), st.none(),
-                   st.integers(1, 200).map(_nested), st.dictionaries(st.text(max_size=3), numbers, max_size=2))  # fmt: skip
+values = st.one_of(
+    numbers,
+    st.text(max_size=12),
+    st.booleans(),
+    st.none(),
+    st.integers(1, 200).map(_nested),
+    st.dictionaries(st.text(max_size=3), numbers, max_size=2),
+)
 events = st.fixed_dictionaries(
     {"event": st.one_of(st.sampled_from(EVENTS), st.text(max_size=5)), "timestamp": timestamps},
     optional={
