@@ -148,14 +148,26 @@ class Engine:
             block_size=block_size,
             max_sequences=max_sequences,
         )
+        started = False
         with logging:
-            async with cls._serve(
-                load,
-                max_sequences=max_sequences,
-                max_queued=max_queued,
-                prefill_chunk=prefill_chunk,
-            ) as engine:
-                yield engine
+            try:
+                async with cls._serve(
+                    load,
+                    max_sequences=max_sequences,
+                    max_queued=max_queued,
+                    prefill_chunk=prefill_chunk,
+                ) as engine:
+                    started = True
+                    yield engine
+            except MemoryError as exc:
+                if started:  # the caller's own block ran out of memory
+                    raise
+                # Sizes under the sanity bounds can still exceed this machine.
+                raise InvalidRequest(
+                    f"the model and its KV pool do not fit in memory ({exc}); lower kv_blocks "
+                    f"(now {kv_blocks}, None = a 1 GiB budget) or use a smaller model",
+                    field="kv_blocks" if kv_blocks is not None else "path",
+                ) from None
 
     @classmethod
     @asynccontextmanager

@@ -108,6 +108,14 @@ async def test_absurd_open_options_are_refused_before_loading(monkeypatch, optio
     assert error.value.field == field
 
 
+async def test_a_pool_past_this_machines_memory_is_an_invalid_request(smollm2_model_path) -> None:
+    """Under the sanity bound (2**24 positions), but SmolLM2's pool would take 720 GiB."""
+    with pytest.raises(InvalidRequest, match="do not fit in memory") as error:
+        async with Engine.open(smollm2_model_path, backend="cpu", kv_blocks=2**24 // 16):
+            pass
+    assert error.value.field == "kv_blocks"
+
+
 def _never_called(*args: Any, **kwargs: Any) -> None:
     raise AssertionError("the model was loaded before the options were checked")
 
