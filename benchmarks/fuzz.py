@@ -72,7 +72,9 @@ def main() -> int:
         found += len(escapes)
         kinds = ", ".join(f"{kind} {count:,}" for kind, count in outcomes.most_common())
         if args.markdown:
-            print(f"| fuzz: {target.name} | {inputs:,} inputs ({kinds}) | escapes: {len(escapes)} |")
+            command = f"`python benchmarks/fuzz.py --target {name} --examples {args.examples}`"
+            print(f"| fuzz: {target.name} | {command} | {inputs:,} inputs, "
+                  f"**{len(escapes)} escapes** ({kinds}) |")
         else:
             print(f"{target.name:<32} {inputs:>7,} inputs  {len(escapes)} escapes  {seconds:6.1f} s  {kinds}")
         for escape in escapes:

@@ -108,6 +108,7 @@ async def test_absurd_open_options_are_refused_before_loading(monkeypatch, optio
     assert error.value.field == field
 
 
+@pytest.mark.slow
 async def test_a_pool_past_this_machines_memory_is_an_invalid_request(smollm2_model_path) -> None:
     """Under the sanity bound (2**24 positions), but SmolLM2's pool would take 720 GiB."""
     with pytest.raises(InvalidRequest, match="do not fit in memory") as error:

@@ -296,6 +296,13 @@ SELF_INCONSISTENT = {
             "set", "{arch}.attention.key_length", gguf_structure.Value(gguf.GGUFValueType.UINT32, 32)
         )
     ],
+    "a RoPE scaling type that is an array (found by benchmarks/fuzz.py)": [
+        gguf_structure.Mutation(
+            "set",
+            "{arch}.rope.scaling.type",
+            gguf_structure.Value(gguf.GGUFValueType.ARRAY, [], gguf.GGUFValueType.BOOL),
+        )
+    ],
     "a pre-tokenizer name that is an array": [
         gguf_structure.Mutation(
             "set",

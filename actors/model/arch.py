@@ -103,6 +103,16 @@ def _check_tokenizer_size(meta: dict[str, Any], path: object, vocab_size: int) -
         )
 
 
+def _check_rope_scaling_types(meta: dict[str, Any], path: object, arch: str) -> None:
+    """RoPE scaling keys, where present, are a name and a number (the loader refuses any
+    scaling it does not run; it must be able to read them first)."""
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if not isinstance(kind, str):
+        raise ModelFormatError(f"{path}: metadata '{arch}.rope.scaling.type' is not a string")
+    if f"{arch}.rope.scaling.factor" in meta:
+        _float(meta, f"{arch}.rope.scaling.factor", path, 1.0)
+
+
 def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
     """Read a ModelSpec from a GGUF file's metadata and tensor shapes.
 
@@ -144,6 +154,7 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         )
     vocab_size = gguf.tensor("token_embd.weight").shape[0]
     _check_tokenizer_size(meta, path, vocab_size)
+    _check_rope_scaling_types(meta, path, arch)
     declared_vocab = _int(meta, f"{arch}.vocab_size", path, 1, 1 << 31, vocab_size)
     if declared_vocab != vocab_size:
         raise ModelFormatError(
