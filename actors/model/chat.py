@@ -48,8 +48,9 @@ class RenderLimits(NamedTuple):
     chars: int = 1 << 22
 
 
-class _RenderTimeout(Exception):
-    """Raised inside the rendering thread by the watchdog; never escapes `render`."""
+class _RenderTimeout(TemplateError):
+    """Raised inside the rendering thread by the watchdog; `render` turns it into a plain
+    TemplateError (a project error even if one slipped out)."""
 
 
 class _Budget:
@@ -371,6 +372,11 @@ class ChatTemplate:
             ) from None
 
 
+# After the deadline the watchdog injects again this often until the render returns: an
+# injection can be swallowed (raised inside a GC callback or a __del__, which ignore it).
+_REINJECT_S = 0.05
+
+
 def _with_deadline(seconds: float, run: Callable[[], str]) -> str:
     """`run()` in this thread; past `seconds`, a watchdog raises `_RenderTimeout` inside it.
 
@@ -381,23 +387,25 @@ def _with_deadline(seconds: float, run: Callable[[], str]) -> str:
     thread_id = threading.get_ident()
     lock = threading.Lock()
     running = [True]
+    returned = threading.Event()
 
-    def expire() -> None:
-        with lock:
-            if running[0]:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(thread_id), ctypes.py_object(_RenderTimeout)
-                )
+    def watch() -> None:
+        wait = seconds
+        while not returned.wait(wait):
+            with lock:
+                if running[0]:
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                        ctypes.c_ulong(thread_id), ctypes.py_object(_RenderTimeout)
+                    )
+            wait = _REINJECT_S
 
-    watchdog = threading.Timer(seconds, expire)
-    watchdog.daemon = True
-    watchdog.start()
+    threading.Thread(target=watch, name="chat-template-watchdog", daemon=True).start()
     try:
         return run()
     finally:
         with lock:
             running[0] = False
-        watchdog.cancel()
+        returned.set()
         _checkpoint()
 
 
