@@ -60,6 +60,10 @@ class _Matcher:
         return re.compile(_trie_pattern(list(self.text_to_id))) if self.text_to_id else None
 
     @cached_property
+    def _lengths(self) -> list[int]:
+        return sorted({len(text) for text in self.text_to_id})
+
+    @cached_property
     def _by_prefix(self) -> dict[str, list[str]]:
         index: dict[str, list[str]] = defaultdict(list)
         for text in self.text_to_id:
@@ -86,13 +90,17 @@ class _Matcher:
         matched = set(self._finder.findall(text))
         found: set[str] = set()
         straddling: set[str] = set()
+        lengths = self._lengths
         for token_text in matched:
             size = len(token_text)
             for start in range(size):
+                # Only pieces as long as some special token can be one (not every end: a
+                # special token of thousands of characters made that quadratic per encode).
                 found.update(
                     piece
-                    for end in range(start + 1, size + 1)
-                    if (piece := token_text[start:end]) in self.text_to_id
+                    for length in lengths
+                    if start + length <= size
+                    and (piece := token_text[start : start + length]) in self.text_to_id
                 )
                 if start:
                     straddling.update(self._by_prefix.get(token_text[start:], ()))
