@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import aclosing, asynccontextmanager, nullcontext
+from contextlib import ExitStack, aclosing, asynccontextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -149,7 +149,14 @@ class Engine:
             max_sequences=max_sequences,
         )
         started = False
-        with logging:
+        with ExitStack() as stack:
+            try:
+                stack.enter_context(logging)
+            except (OSError, ValueError) as exc:  # no such folder, a NUL in the name...
+                raise InvalidRequest(
+                    f"log_file {str(log_file)!r:.80} cannot be opened for writing: {exc}",
+                    field="log_file",
+                ) from None
             try:
                 async with cls._serve(
                     load,

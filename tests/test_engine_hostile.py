@@ -98,10 +98,16 @@ async def test_the_issues_locking_request_is_refused_at_the_door() -> None:
         ({"max_queued": 10**15}, "max_queued"),
         ({"max_sequences": 2**80}, "max_sequences"),
         ({"prefill_chunk": 0}, "prefill_chunk"),
+        ({"log_file": "a\x00b"}, "log_file"),  # found by the options fuzzer
+        ({"log_file": 5}, "log_file"),
+        ({"log_level": ["info"]}, "log_level"),
     ],
 )
-async def test_absurd_open_options_are_refused_before_loading(monkeypatch, options, field) -> None:
+async def test_absurd_open_options_are_refused_before_loading(
+    monkeypatch, tmp_path, options, field
+) -> None:
     monkeypatch.setattr(actors.engine, "load_gguf", _never_called)
+    monkeypatch.chdir(tmp_path)  # a log file name must not land in the repository
     with pytest.raises(InvalidRequest) as error:
         async with Engine.open(TINY, **options):
             pass

@@ -26,7 +26,7 @@ OPTION_VALUES: dict[str, st.SearchStrategy] = {
     "block_size": st.one_of(st.integers(1, 64), st.sampled_from([0, 10**9, 4097])),
     "prefill_chunk": st.one_of(st.integers(1, 600), st.sampled_from([0, 2**40])),
     "log_level": st.one_of(st.none(), st.sampled_from(["debug", "info", "warning", "loud"])),
-    "log_file": st.none(),  # a file is tried by the engine tests; a path here would litter
+    "log_file": st.one_of(st.none(), st.sampled_from(["engine.log", "", "..", "a\x00b"])),
 }
 OPTIONS = [name for name in inspect.signature(Engine.open).parameters if name not in ("cls", "path")]
 assert set(OPTION_VALUES) == set(OPTIONS), f"an option is not fuzzed: {set(OPTIONS) ^ set(OPTION_VALUES)}"
@@ -49,14 +49,21 @@ def check(options: dict[str, Any]) -> str:
 
 async def _serve_one(options: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory() as folder:
-        if options.get("log_level") is not None:
-            options = {**options, "log_file": Path(folder) / "engine.log"}
+        options = {**options, "log_file": _inside(Path(folder), options.get("log_file"))}
+        if options.get("log_level") is not None and options["log_file"] is None:
+            options["log_file"] = Path(folder) / "engine.log"
         async with Engine.open(TINY_MODELS["llama-q4k-tiny"], **options) as engine:
             await engine.complete("hello", SamplingParams(max_tokens=3, temperature=0))
             await anyio.sleep(0.01)
             stats = engine.stats()
             if (stats.running, stats.waiting, stats.kv_blocks_used) != (0, 0, 0):
                 raise Escape(f"the engine still holds {stats} after its only request")
+
+
+def _inside(folder: Path, log_file: Any) -> Any:
+    """A log file name kept inside the case's own folder (a fuzzed name must not litter the
+    working directory); '' and '..' still name folders, and NUL stays NUL."""
+    return folder / log_file.replace("/", "_") if isinstance(log_file, str) else log_file
 
 
 TARGET = Target("Engine.open (every option)", cases, check)
