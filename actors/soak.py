@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import resource
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ import numpy as np
 from actors.engine import Engine
 from actors.errors import EngineOverloaded, Q4KError
 from actors.loop_stall import watch_loop
+from actors.messages import Chunk
 from actors.params import SamplingParams
 
 REFERENCE_PROMPT = "The three primary colors are"
@@ -138,7 +140,7 @@ async def _one_request(
         report.cancelled += 1
 
 
-async def _enumerate(chunks):  # type: ignore[no-untyped-def]
+async def _enumerate(chunks: AsyncIterator[Chunk]) -> AsyncIterator[tuple[int, Chunk]]:
     index = 0
     async for chunk in chunks:
         yield index, chunk

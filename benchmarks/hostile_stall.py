@@ -14,7 +14,7 @@ import argparse
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from pathlib import Path
 
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from actors import Engine, SamplingParams  # noqa: E402
 from actors.errors import Q4KError  # noqa: E402
 from actors.loop_stall import watch_loop  # noqa: E402
+from actors.messages import Chunk  # noqa: E402
 from tests.fuzz import gguf_structure  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
@@ -54,7 +55,7 @@ async def outcome_of(action: Callable[[], Awaitable[object]]) -> str:
     return "ok"
 
 
-async def drain(chunks) -> None:  # type: ignore[no-untyped-def]
+async def drain(chunks: AsyncIterator[Chunk]) -> None:
     async with aclosing(chunks):
         async for _ in chunks:
             pass
