@@ -27,7 +27,10 @@ async def test_a_small_soak_leaves_nothing_held_and_the_reference_exact() -> Non
     assert report.requests == 60
     assert report.completed + report.rejected + report.cancelled + report.failed == 60
     assert report.failed == 0, report.failures
-    assert report.completed and report.rejected and report.cancelled
+    # The first max_sequences + max_queued arrivals always get in; the rest of the first
+    # half-second's burst cannot all fit. Which ones are served is up to timing.
+    assert report.completed + report.cancelled >= 2 + 3
+    assert report.rejected
     assert report.leaked == {"running": 0, "waiting": 0, "kv_blocks_used": 0}
     assert report.reference_exact
     assert report.peak_rss_mib > 0
