@@ -80,6 +80,7 @@ async def soak(engine: Engine, plan: SoakPlan) -> SoakReport:
                 for _ in range(count):
                     tasks.start_soon(_one_request, engine, plan, rng.random(), report, latencies)
             report.requests += count
+            await _held_after_settling(engine)  # each wave starts from an idle engine
             rss_after_wave.append((report.requests, _rss_mib()))
         report.worst_loop_stall_ms = watch.worst_stall_ms
     report.leaked = await _held_after_settling(engine)
