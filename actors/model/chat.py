@@ -102,7 +102,7 @@ class _CountingSandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox, but an unsafe attribute raises instead of becoming undefined, and
     every call, filter, attribute, item and operator checks the render's budget."""
 
-    intercepted_binops = frozenset(("*", "**", "%", "+", "//"))
+    intercepted_binops = frozenset(("*", "**", "%", "+"))
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
