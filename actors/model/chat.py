@@ -354,6 +354,7 @@ class ChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             ):
+                budget.check_time()
                 size += len(piece)
                 if size > budget.chars:
                     raise TemplateError(
@@ -372,30 +373,35 @@ class ChatTemplate:
             ) from None
 
 
-# After the deadline the watchdog injects again this often until the render returns: an
-# injection can be swallowed (raised inside a GC callback or a __del__, which ignore it).
-_REINJECT_S = 0.05
-
-
 def _with_deadline(seconds: float, run: Callable[[], str]) -> str:
     """`run()` in this thread; past `seconds`, a watchdog raises `_RenderTimeout` inside it.
 
     The watchdog injects the exception only while `run` has not returned (both sides hold the
     lock), and the thread passes a Python call after `run` returns, where a pending injection
-    is raised, inside this function's caller's `try`. C code (one huge allocation) cannot be
-    interrupted: the counting sandbox refuses those before they start."""
+    is raised, inside this function's caller's `try`. It injects again only while the first
+    has not been raised yet (the thread was in C code): once raised, the thread is unwinding,
+    and another would land in whatever cleanup runs meanwhile. If one is swallowed (raised in
+    a GC callback), the sandbox's hooks still raise at their next check: past the deadline
+    every hook does. C code (one huge allocation) cannot be interrupted: the counting
+    sandbox refuses those before they start."""
     thread_id = threading.get_ident()
     lock = threading.Lock()
     running = [True]
     returned = threading.Event()
+    raised = threading.Event()
+
+    class _ThisRenderTimeout(_RenderTimeout):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)
+            raised.set()  # runs in the render thread, as the injection is raised
 
     def watch() -> None:
         wait = seconds
-        while not returned.wait(wait):
+        while not returned.wait(wait) and not raised.is_set():
             with lock:
                 if running[0]:
                     ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                        ctypes.c_ulong(thread_id), ctypes.py_object(_RenderTimeout)
+                        ctypes.c_ulong(thread_id), ctypes.py_object(_ThisRenderTimeout)
                     )
             wait = _REINJECT_S
 
@@ -407,6 +413,10 @@ def _with_deadline(seconds: float, run: Callable[[], str]) -> str:
             running[0] = False
         returned.set()
         _checkpoint()
+
+
+# While an injection has not been raised yet (the thread is in C code), try again this often.
+_REINJECT_S = 0.05
 
 
 def _checkpoint() -> None:
