@@ -88,11 +88,12 @@ class Tokenizer:
         """bool[256]: text bytes that cannot vanish in encoding. A byte-level BPE drops each
         byte whose character is missing from its vocabulary (as llama.cpp does); a
         SentencePiece vocabulary without all 256 byte tokens may drop whole characters, so
-        then only its ASCII bytes count (every byte of a non-ASCII character is >= 0x80)."""
+        then only the ASCII bytes with a byte token count (a character with no token falls
+        back to its byte tokens; every byte of a non-ASCII character is >= 0x80)."""
         if self.vocab.model != "llama":
             return np.array([char in self.vocab.token_to_id for char in BYTE_LEVEL_CHARS])
         present = np.array([f"<0x{byte:02X}>" in self.vocab.token_to_id for byte in range(256)])
-        return present if present.all() else np.arange(256) < 0x80
+        return present if present.all() else present & (np.arange(256) < 0x80)
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on `len(encode(text))` from the bytes alone, in linear time: so a
