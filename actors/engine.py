@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import aclosing, asynccontextmanager, nullcontext
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import ExitStack, aclosing, asynccontextmanager, nullcontext
 from functools import partial
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import anyio
 import numpy as np
@@ -50,6 +50,8 @@ from actors.kv_blocks import BlockPool
 from actors.loader import Loaded, LoaderActor, LoadFailed, ModelLoaded, load_gguf
 from actors.logs import get_logger, logging_to
 from actors.messages import Chunk, Completion, EngineStats
+from actors.model.arch import MAX_CONTEXT
+from actors.model.chat import RenderLimits, check_messages
 from actors.model.loaded import Model
 from actors.params import SamplingParams
 from actors.sampler import (
@@ -68,6 +70,16 @@ from actors.session import Session, new_request_id
 DEFAULT_STEP_TIMEOUT_S = 300.0
 # Messages a live session can have in the scheduler's inbox at once: open, advance, close.
 _INBOX_SLOTS_PER_REQUEST = 3
+# Text prompts longer than this are tokenized in a worker thread (below it: ~5 ms of work).
+_TOKENIZE_INLINE_CHARS = 16_384
+# Sanity bounds on the options, far above any real use, so a typo cannot size an allocation:
+# KV positions past the largest context a model file may claim (arch.MAX_CONTEXT), counts of
+# requests whose inboxes and tables would be sized by them.
+_MAX_KV_POSITIONS = MAX_CONTEXT
+_MAX_BLOCK_SIZE = 4096
+_MAX_REQUESTS = 1 << 20
+# Seconds one chat template may render.
+CHAT_RENDER_SECONDS = 2.0
 
 
 class Engine:
@@ -126,9 +138,21 @@ class Engine:
         (its sequences replay), and a backend silent for twice as long is lost.
         `log_level` / `log_file`: where the engine's JSON-line logs go (None: leave the
         logging configuration as it is)."""
-        _check_count("block_size", block_size, 1)
+        _check_count("block_size", block_size, 1, _MAX_BLOCK_SIZE)
         if kv_blocks is not None:
-            _check_count("kv_blocks", kv_blocks, 1)
+            _check_count("kv_blocks", kv_blocks, 1, _MAX_KV_POSITIONS // block_size)
+        _check_limits(max_sequences, max_queued, prefill_chunk)
+        if log_level is not None and not isinstance(log_level, str):
+            raise InvalidRequest(
+                f"log_level must be a level name, not {type(log_level).__name__}", field="log_level"
+            )
+        if log_file is not None and not isinstance(log_file, str | os.PathLike) and not hasattr(
+            log_file, "write"
+        ):
+            raise InvalidRequest(
+                f"log_file must be a path or a text stream, not {type(log_file).__name__}",
+                field="log_file",
+            )
         logging = (
             logging_to(log_level or "info", log_file)
             if log_level is not None or log_file is not None
@@ -140,15 +164,34 @@ class Engine:
             backend,
             kv=KVRequest(blocks=kv_blocks, block_size=block_size, max_sequences=max_sequences),
         )
-        with logging:
-            async with cls._serve(
-                load,
-                max_sequences=max_sequences,
-                max_queued=max_queued,
-                prefill_chunk=prefill_chunk,
-                step_timeout_s=step_timeout_s,
-            ) as engine:
-                yield engine
+        started = False
+        with ExitStack() as stack:
+            try:
+                stack.enter_context(logging)
+            except (OSError, ValueError) as exc:  # no such folder, a NUL in the name...
+                raise InvalidRequest(
+                    f"log_file {str(log_file)!r:.80} cannot be opened for writing: {exc}",
+                    field="log_file",
+                ) from None
+            try:
+                async with cls._serve(
+                    load,
+                    max_sequences=max_sequences,
+                    max_queued=max_queued,
+                    prefill_chunk=prefill_chunk,
+                    step_timeout_s=step_timeout_s,
+                ) as engine:
+                    started = True
+                    yield engine
+            except MemoryError as exc:
+                if started:  # the caller's own block ran out of memory
+                    raise
+                # Sizes under the sanity bounds can still exceed this machine.
+                raise InvalidRequest(
+                    f"the model and its KV pool do not fit in memory ({exc}); lower kv_blocks "
+                    f"(now {kv_blocks}, None = a 1 GiB budget) or use a smaller model",
+                    field="kv_blocks" if kv_blocks is not None else "path",
+                ) from None
 
     @classmethod
     @asynccontextmanager
@@ -200,9 +243,7 @@ class Engine:
     ) -> AsyncIterator[Engine]:
         """Start the actors in one task group: the loader runs `load` and hands the backend
         factory to the compute actor; once that reports ready, the scheduler starts."""
-        _check_count("max_sequences", max_sequences, 1)
-        _check_count("max_queued", max_queued, 0)
-        _check_count("prefill_chunk", prefill_chunk, 1)
+        _check_limits(max_sequences, max_queued, prefill_chunk)
         if (
             isinstance(step_timeout_s, bool)
             or not isinstance(step_timeout_s, (int, float))
@@ -313,8 +354,15 @@ class Engine:
         """Stream the completion of `prompt` (text, or token ids) chunk by chunk.
 
         Raises at once: InvalidRequest (bad params or prompt), ContextLengthExceeded,
-        EngineOverloaded (running and queued limits reached), EngineClosed. Close the iterator
-        (or `break` and drop it) to cancel; `contextlib.aclosing` cancels deterministically."""
+        EngineOverloaded (running and queued limits reached), EngineClosed. A text longer than
+        16 Ki characters is measured and tokenized in a worker thread, so a prompt too long for
+        the context raises ContextLengthExceeded from the first iteration instead. Close the
+        iterator (or `break` and drop it) to cancel; `contextlib.aclosing` cancels
+        deterministically."""
+        self._check_open()
+        params = self._checked_params(params)
+        if isinstance(prompt, str) and len(prompt) > _TOKENIZE_INLINE_CHARS:
+            return self._stream_when_ready(partial(self._encode_in_worker, prompt), params)
         return self._start_session(self._prompt_ids(prompt), params)
 
     def chat(
@@ -324,15 +372,26 @@ class Engine:
         template: str | None = None,
     ) -> AsyncIterator[Chunk]:
         """Stream the assistant's answer to `messages`, rendered with the model's chat template
-        (or `template`, a Jinja source run in a sandbox)."""
+        (or `template`, a Jinja source run in a sandbox).
+
+        Bad messages, params or a template that is not a string raise at once; the template
+        renders in a worker thread within a time and size bound, so its errors (TemplateError,
+        ContextLengthExceeded) come from the first iteration."""
         self._check_open()
-        text = self._render_chat(messages, template)
-        ids = self._tokenizer.encode(text, parse_special=True)
-        bos = self._tokenizer.bos_id
-        # Templates that write the BOS themselves would otherwise get a second one.
-        if bos is not None and ids[:2] == [bos, bos]:
-            ids = ids[1:]
-        return self._start_session(self._checked_ids(ids), params)
+        if template is not None and not isinstance(template, str):
+            self._reject(
+                InvalidRequest(
+                    f"template must be a Jinja source string or None (the model's own), not "
+                    f"{type(template).__name__}",
+                    field="template",
+                )
+            )
+        try:
+            check_messages(messages)
+        except InvalidRequest as exc:
+            self._reject(exc)
+        params = self._checked_params(params)
+        return self._stream_when_ready(partial(self._chat_prompt_ids, messages, template), params)
 
     async def complete(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None
@@ -372,34 +431,41 @@ class Engine:
         if self._closed:
             raise EngineClosed("this engine is closed; open a new one")
 
-
-    def _start_session(self, prompt_ids: list[int], params: SamplingParams | None) -> AsyncIterator[Chunk]:
-        params = SamplingParams() if params is None else params
-        request_id = new_request_id()
-        log = self._log.bind(request_id=request_id)
+    def _checked_params(self, params: SamplingParams | None) -> SamplingParams:
+        """The request's params, valid, with room for it: else the error, at once."""
         if self._scheduler.lost is not None:
             error = ComputeError(
                 f"the compute backend was lost ({self._scheduler.lost}); this engine cannot "
                 "serve any more requests: close it and open a new one"
             )
-            log.error("request_rejected", reason="backend_lost", error=str(error))
+            self._log.error("request_rejected", request_id=new_request_id(),
+                            reason="backend_lost", error=str(error))
             raise error
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise InvalidRequest(
-                f"params must be a SamplingParams, not {type(params).__name__}", field="params"
+            self._reject(
+                InvalidRequest(
+                    f"params must be a SamplingParams, not {type(params).__name__}", field="params"
+                )
             )
         try:
             params.validate(self._tokenizer.vocab_size)
         except InvalidRequest as exc:
-            log.warning("request_rejected", reason="invalid_request", error=str(exc))
-            raise
+            self._reject(exc)
         try:
             self._admission.check()
         except EngineOverloaded as exc:
-            log.warning("request_rejected", reason="overloaded", error=str(exc))
+            self._log.warning(
+                "request_rejected", request_id=new_request_id(), reason="overloaded", error=str(exc)
+            )
             raise
+        return params
+
+    def _start_session(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[Chunk]:
         session = Session(
-            request_id=request_id,
+            request_id=new_request_id(),
             prompt_ids=prompt_ids,
             params=params,
             context_length=self.context_length,
@@ -408,6 +474,57 @@ class Engine:
             admission=self._admission,
         )
         return session.stream()
+
+    async def _stream_when_ready(
+        self, prompt_ids: Callable[[], Awaitable[list[int]]], params: SamplingParams
+    ) -> AsyncIterator[Chunk]:
+        """A session whose prompt needs work off the event loop first (a template to render,
+        a long text to tokenize): that work runs on the first iteration."""
+        ids = self._checked_ids(await prompt_ids())
+        self._check_open()
+        async with aclosing(self._start_session(ids, params)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    def _check_fits_by_size(self, text: str) -> None:
+        """Refuse a text whose bytes alone prove it cannot fit the context (each token stands
+        for at most the tokenizer's longest token text), without tokenizing it. Linear in the
+        text: worker threads call it."""
+        min_tokens = getattr(self._tokenizer, "min_tokens", None)  # test doubles have none
+        if min_tokens is None:
+            return
+        at_least = min_tokens(text)
+        if at_least >= self.context_length:
+            self._reject(
+                ContextLengthExceeded(
+                    f"the prompt is at least {at_least:,} tokens ({len(text):,} characters); "
+                    f"it must be shorter than the context ({self.context_length} tokens)",
+                    field="prompt",
+                )
+            )
+
+    async def _encode_in_worker(self, text: str, *, parse_special: bool = False) -> list[int]:
+        # Abandoned on cancel: the thread only computes, and ends on its own.
+        return await anyio.to_thread.run_sync(
+            self._encode_if_it_can_fit, text, parse_special, abandon_on_cancel=True
+        )
+
+    def _encode_if_it_can_fit(self, text: str, parse_special: bool) -> list[int]:
+        self._check_fits_by_size(text)
+        return self._tokenizer.encode(text, parse_special=parse_special)
+
+    async def _chat_prompt_ids(
+        self, messages: list[dict[str, Any]], template: str | None
+    ) -> list[int]:
+        text = await anyio.to_thread.run_sync(
+            self._render_chat, messages, template, abandon_on_cancel=True
+        )
+        ids = await self._encode_in_worker(text, parse_special=True)
+        bos = self._tokenizer.bos_id
+        # Templates that write the BOS themselves would otherwise get a second one.
+        if bos is not None and ids[:2] == [bos, bos]:
+            ids = ids[1:]
+        return ids
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         self._check_open()
@@ -426,7 +543,10 @@ class Engine:
 
     def _checked_token_range(self, token_ids: Sequence[int], field: str) -> list[int]:
         vocab = self._tokenizer.vocab_size
-        ids = np.asarray(token_ids) if isinstance(token_ids, (list, tuple)) else None
+        try:
+            ids = np.asarray(token_ids) if isinstance(token_ids, (list, tuple)) else None
+        except (ValueError, TypeError, OverflowError):  # ragged, or not numbers at all
+            ids = None
         if ids is None or ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             self._reject(InvalidRequest(f"{field} must be a list of int token ids", field=field))
         bad = ids[(ids < 0) | (ids >= vocab)]
@@ -451,19 +571,24 @@ class Engine:
             )
         return ids
 
-    def _reject(self, error: InvalidRequest) -> None:
+    def _reject(self, error: InvalidRequest) -> NoReturn:
         reason = "context_length" if isinstance(error, ContextLengthExceeded) else "invalid_request"
         self._log.warning("request_rejected", request_id=new_request_id(), reason=reason, error=str(error))
         raise error
 
     def _render_chat(self, messages: list[dict[str, Any]], template: str | None) -> str:
+        """Runs in a worker thread; bounded in time and in size (longer output could not fit
+        the context anyway)."""
         if self._chat_template is None:
             raise TemplateError("this engine was opened without a chat template source")
+        max_token_bytes = getattr(self._tokenizer, "max_token_bytes", None)  # test doubles
+        chars = RenderLimits().chars if max_token_bytes is None else self.context_length * max_token_bytes
+        limits = RenderLimits(seconds=CHAT_RENDER_SECONDS, chars=chars)
         if template is not None:
-            return self._chat_template(template).render(messages)
+            return self._chat_template(template).render(messages, limits=limits)
         if self._default_template is None:
             self._default_template = self._chat_template(None)
-        return self._default_template.render(messages)
+        return self._default_template.render(messages, limits=limits)
 
 
 async def _started(
@@ -503,6 +628,16 @@ async def collect(chunks: AsyncIterator[Chunk]) -> Completion:
     raise EngineClosed("the stream ended without a finish reason")
 
 
-def _check_count(name: str, value: int, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidRequest(f"{name} must be an int >= {minimum}, got {value!r}", field=name)
+def _check_count(name: str, value: int, minimum: int, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        huge = isinstance(value, int) and value.bit_length() > 64  # its repr may even raise
+        shown = "a huge int" if huge else f"{value!r:.40}"
+        raise InvalidRequest(
+            f"{name} must be an int in {minimum}..{maximum:,}, got {shown}", field=name
+        )
+
+
+def _check_limits(max_sequences: int, max_queued: int, prefill_chunk: int) -> None:
+    _check_count("max_sequences", max_sequences, 1, _MAX_REQUESTS)
+    _check_count("max_queued", max_queued, 0, _MAX_REQUESTS)
+    _check_count("prefill_chunk", prefill_chunk, 1, _MAX_KV_POSITIONS)

@@ -22,6 +22,13 @@ from actors.errors import InvalidRequest
 MALFORMED_EXAMPLES = 5
 # Longest excerpt of a malformed line kept for the report.
 EXCERPT_CHARS = 80
+# Deeper JSON than this is no engine event (they are flat); it would make views recurse.
+MAX_NESTING = 32
+# Counts past this are no real token counts (and break float arithmetic): not counted.
+MAX_COUNT = 1 << 53
+# Times every view can print: datetime's range, in UTC.
+_EARLIEST = datetime(1, 1, 2, tzinfo=timezone.utc).timestamp()
+_LATEST = datetime(9999, 12, 30, tzinfo=timezone.utc).timestamp()
 # Keys every event has; a timeline shows the others.
 _ENVELOPE_KEYS = frozenset({"event", "timestamp", "level", "request_id", "logger_name"})
 _TERMINAL_STATUS = {
@@ -118,7 +125,9 @@ class LogSummary(msgspec.Struct, frozen=True):
     notices: tuple[str, ...]
     prompt_tokens: int
     completion_tokens: int
-    tokens_per_s: float | None  # completion tokens / wall span of the log
+    tokens_per_s: float | None  # completion tokens / wall span of the log, idle gaps included
+    busy_s: float  # time at least one request was running (union of request intervals)
+    busy_tokens_per_s: float | None  # completion tokens / busy_s: the rate while working
     ttft_ms: Percentiles | None
     per_token_latency_ms: Percentiles | None  # 1000 / decode_tokens_per_s, per request
     steps: int
@@ -135,7 +144,23 @@ def _timestamp_seconds(value: Any) -> float | None:
         return None
     if moment.tzinfo is None:  # the engine writes UTC; a naive stamp is read as UTC too
         moment = moment.replace(tzinfo=timezone.utc)
-    return moment.timestamp()
+    try:
+        seconds = moment.timestamp()
+    except (OverflowError, ValueError):
+        return None
+    # Year 9999 with a negative offset is past year 9999 in UTC, where no view can print it.
+    return seconds if _EARLIEST <= seconds <= _LATEST else None
+
+
+def _nesting(value: Any) -> int:
+    """How deeply `value` nests lists and dicts, counted without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth <= MAX_NESTING and isinstance(item, dict | list):
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def parse_line(text: str, source: str, line: int) -> LogEvent | MalformedLine:
@@ -149,8 +174,13 @@ def parse_line(text: str, source: str, line: int) -> LogEvent | MalformedLine:
         obj = msgspec.json.decode(text)
     except msgspec.DecodeError:
         return malformed("not JSON (truncated or garbage)")
+    except RecursionError:
+        return malformed(f"JSON nested deeper than {MAX_NESTING} levels")
     if not isinstance(obj, dict):
         return malformed("not a JSON object")
+    # Counting brackets is C-speed: only a line with many of them is walked.
+    if text.count("[") + text.count("{") > MAX_NESTING and _nesting(obj) > MAX_NESTING:
+        return malformed(f"JSON nested deeper than {MAX_NESTING} levels")
     event = obj.get("event")
     if not isinstance(event, str) or not event:
         return malformed("no 'event' name")
@@ -196,8 +226,9 @@ def _number(value: Any) -> float | None:
 
 
 def _count(value: Any) -> int | None:
+    """A token count, or None when absent or not a count (negative, or past 2**53)."""
     number = _number(value)
-    return None if number is None else int(number)
+    return int(number) if number is not None and 0 <= number <= MAX_COUNT else None
 
 
 def percentiles(values: Sequence[float]) -> Percentiles | None:
@@ -226,8 +257,10 @@ def request_rows(log: ParsedLog) -> list[RequestRow]:
         if event.event == "request_finished":
             reason = fields.get("finish_reason")
             row["finish_reason"] = str(reason) if reason is not None else None
-            row["ttft_ms"] = _number(fields.get("ttft_ms"))
             row["decode_tokens_per_s"] = _number(fields.get("decode_tokens_per_s"))
+        if event.event in ("request_finished", "request_cancelled"):
+            # A cancelled request logs its ttft_ms once a token came.
+            row["ttft_ms"] = _number(fields.get("ttft_ms"))
         if event.event in ("request_failed", "request_rejected") and "error" in fields:
             row["error"] = str(fields["error"])
         if event.event == "prefill_finished":
@@ -306,6 +339,7 @@ def summarize(log: ParsedLog) -> LogSummary:
     batch = Counter(c for c in (_count(f.get("items")) for f in steps) if c is not None)
     batch_total = sum(batch.values())
     errors = Counter(str(f["error"]) for f in failed + rejected if "error" in f)
+    busy = busy_seconds(by_event.get("request_finished", []) + by_event.get("request_cancelled", []))
     notices = dict.fromkeys(str(f.get("message", "")) for f in fields_of("notice"))
 
     return LogSummary(
@@ -332,12 +366,31 @@ def summarize(log: ParsedLog) -> LogSummary:
         prompt_tokens=prompt,
         completion_tokens=completion,
         tokens_per_s=completion / span if span > 0 else None,
+        busy_s=busy,
+        busy_tokens_per_s=completion / busy if busy > 0 else None,
         ttft_ms=percentiles(ttfts),
         per_token_latency_ms=percentiles(per_token),
         steps=len(steps),
         batch_sizes=dict(sorted(batch.items())),
         mean_batch_size=(sum(k * v for k, v in batch.items()) / batch_total) if batch_total else None,
     )
+
+
+def busy_seconds(ended: Sequence[LogEvent]) -> float:
+    """Seconds at least one of these requests was running: the union of the intervals
+    [end - total_ms, end] of their finish or cancel events, so idle gaps do not count."""
+    intervals = [
+        (event.time - total / 1000.0, event.time)
+        for event in ended
+        if (total := _number(event.fields.get("total_ms"))) is not None and total >= 0
+    ]
+    if not intervals:
+        return 0.0
+    starts, ends = np.array(intervals, dtype=np.float64)[np.argsort([i[0] for i in intervals])].T
+    reach = np.maximum.accumulate(ends)
+    covered_before = np.concatenate(([-np.inf], reach[:-1]))
+    # Each interval adds what it covers past everything that started before it.
+    return float(np.maximum(reach - np.maximum(starts, covered_before), 0.0).sum())
 
 
 def format_event(event: LogEvent) -> str:

@@ -21,9 +21,41 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # the session holds back text that could start a stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
+# Counts reach numpy as int64 (and ranges of positions): anything past this is no real request.
+MAX_COUNT = (1 << 31) - 1
+MAX_SEED = (1 << 64) - 1  # numpy's generators take any int; a u64 is what APIs pass around
+# A penalty divides or multiplies logits; outside this range the logits leave float32.
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class _CheckedCall(type(msgspec.Struct)):  # type: ignore[misc]
+    """Makes `SamplingParams(...)` with an unknown keyword or a positional argument raise
+    `InvalidRequest` naming it, like every other bad value, instead of msgspec's TypeError."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            raise InvalidRequest(
+                f"{cls.__name__} takes keyword arguments only (e.g. max_tokens=64), got "
+                f"{len(args)} positional: {_shown(args[0])}",
+                field="args",
+            )
+        unknown = sorted(set(kwargs) - set(cls.__struct_fields__))
+        if unknown:
+            raise InvalidRequest(
+                f"{cls.__name__} has no field {unknown[0]!r}; the fields are "
+                f"{', '.join(cls.__struct_fields__)}",
+                field=unknown[0],
+            )
+        return super().__call__(**kwargs)
+
+
+class SamplingParams(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    metaclass=_CheckedCall,
+):
     """Per-request sampling settings; see `actors.sampler` for the order they apply in.
 
     temperature 0 (or below 1e-5) means greedy; top_k 0, top_p 1 and min_p 0 switch those
@@ -66,23 +98,29 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             return msgspec.convert(data, cls)
         except msgspec.ValidationError as error:
             raise InvalidRequest(
-                f"invalid sampling parameters: {error}", field=_field_of(error)
+                f"invalid sampling parameters: {error}", field=_field_of(error) or "params"
             ) from None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise `InvalidRequest(field=...)` for the first bad value; `vocab_size`, when
         given, also bounds `stop_token_ids`."""
-        _check_int("max_tokens", self.max_tokens, lambda v: v >= 1, ">= 1")
+        _check_count("max_tokens", self.max_tokens, 1)
         _check_real("temperature", self.temperature, lambda v: v >= 0, ">= 0 (0 = greedy)")
-        _check_int("top_k", self.top_k, lambda v: v >= 0, ">= 0 (0 = off)")
+        _check_count("top_k", self.top_k, 0, " (0 = off)")
         _check_real("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
         _check_real("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
-        _check_real("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0")
-        _check_int("repetition_window", self.repetition_window, lambda v: v >= 0, ">= 0")
+        low, high = REPETITION_PENALTY_RANGE
+        _check_real(
+            "repetition_penalty",
+            self.repetition_penalty,
+            lambda v: low <= v <= high,
+            f"in [{low:g}, {high:g}] (1 = off)",
+        )
+        _check_count("repetition_window", self.repetition_window, 0)
         for field in ("presence_penalty", "frequency_penalty"):  # the OpenAI API's range
             _check_real(field, getattr(self, field), lambda v: -2 <= v <= 2, "in [-2, 2]")
         if self.seed is not None:
-            _check_int("seed", self.seed, lambda v: v >= 0, ">= 0")
+            _check_int("seed", self.seed, lambda v: 0 <= v <= MAX_SEED, f"in 0..{MAX_SEED}")
         _check_stop_strings(self.stop)
         _check_stop_token_ids(self.stop_token_ids, vocab_size)
         if not isinstance(self.ignore_eos, bool):
@@ -95,29 +133,49 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             )
 
 
+def _shown(value: object) -> str:
+    """A short repr for an error message: a bad value can be huge (repr of an int past
+    4,300 digits even raises)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # a hostile __repr__, or a container holding a huge int
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def _check_int(field: str, value: Any, allowed: Callable[[int], bool], bounds: str) -> None:
     if not _is_int(value):
-        raise InvalidRequest(f"{field} must be an integer, got {value!r}", field=field)
+        raise InvalidRequest(f"{field} must be an integer, got {_shown(value)}", field=field)
     if not allowed(value):
-        raise InvalidRequest(f"{field} must be {bounds}, got {value}", field=field)
+        raise InvalidRequest(f"{field} must be {bounds}, got {_shown(value)}", field=field)
+
+
+def _check_count(field: str, value: Any, minimum: int, note: str = "") -> None:
+    _check_int(field, value, lambda v: minimum <= v <= MAX_COUNT, f"in {minimum}..{MAX_COUNT}{note}")
 
 
 def _check_real(field: str, value: Any, allowed: Callable[[float], bool], bounds: str) -> None:
     if not isinstance(value, Real) or isinstance(value, bool):
-        raise InvalidRequest(f"{field} must be a number, got {value!r}", field=field)
-    if not math.isfinite(value):
-        raise InvalidRequest(f"{field} must be a finite number, got {value}", field=field)
-    if not allowed(value):
-        raise InvalidRequest(f"{field} must be {bounds}, got {value}", field=field)
+        raise InvalidRequest(f"{field} must be a number, got {_shown(value)}", field=field)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        number = math.inf
+    if not math.isfinite(number):
+        raise InvalidRequest(f"{field} must be a finite number, got {_shown(value)}", field=field)
+    if not allowed(number):
+        raise InvalidRequest(f"{field} must be {bounds}, got {_shown(value)}", field=field)
 
 
 def _check_stop_strings(stop: object) -> None:
     if not isinstance(stop, tuple) or not all(isinstance(s, str) for s in stop):
-        raise InvalidRequest(f"stop must be a list of strings, got {stop!r}", field="stop")
+        raise InvalidRequest(f"stop must be a list of strings, got {_shown(stop)}", field="stop")
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(
             f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", field="stop"
@@ -136,18 +194,19 @@ def _check_stop_strings(stop: object) -> None:
 def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
     if not isinstance(ids, tuple) or not all(_is_int(i) for i in ids):
         raise InvalidRequest(
-            f"stop_token_ids must be a list of integers, got {ids!r}", field="stop_token_ids"
+            f"stop_token_ids must be a list of integers, got {_shown(ids)}", field="stop_token_ids"
         )
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(
             f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
             field="stop_token_ids",
         )
-    upper = "" if vocab_size is None else f" and < the vocabulary size {vocab_size}"
+    limit = MAX_COUNT + 1 if vocab_size is None else vocab_size
+    upper = f" and < {limit}" if vocab_size is None else f" and < the vocabulary size {limit}"
     for token in ids:
-        if token < 0 or (vocab_size is not None and token >= vocab_size):
+        if not 0 <= token < limit:
             raise InvalidRequest(
-                f"stop_token_ids must be >= 0{upper}, got {token}", field="stop_token_ids"
+                f"stop_token_ids must be >= 0{upper}, got {_shown(token)}", field="stop_token_ids"
             )
 
 

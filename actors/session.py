@@ -144,22 +144,27 @@ class Session:
         except EngineOverloaded as exc:
             self._log.warning("request_rejected", reason="overloaded", error=str(exc))
             raise
+        # From here on the slot is taken: everything, even building the request's state, runs
+        # inside the try whose finally gives it back (an error there once locked the engine).
         seq_id = next(_seq_ids)
         started = time.perf_counter()
-        reply_send, reply_receive = anyio.create_memory_object_stream[
-            TokenReady | SequenceFailed
-        ](1)
-        sampler = SequenceSampling(self._params, self._prompt_ids, self._tokenizer.vocab_size)
-        answer = Answer(self._tokenizer, self._params, self._budget)
+        opened = False
+        answer: Answer | None = None
         first_token_at: float | None = None
         ended = False
         try:
+            reply_send, reply_receive = anyio.create_memory_object_stream[
+                TokenReady | SequenceFailed
+            ](1)
+            sampler = SequenceSampling(self._params, self._prompt_ids, self._tokenizer.vocab_size)
+            answer = Answer(self._tokenizer, self._params, self._budget)
             with reply_receive:
                 self._send(
                     OpenSequence(
                         seq_id=seq_id, request_id=self.request_id, sampler=sampler, reply=reply_send
                     )
                 )
+                opened = True
                 self._send(Advance(seq_id=seq_id, tokens=self._prompt_ids))
                 self._log.info(
                     "request_admitted",
@@ -201,23 +206,39 @@ class Session:
                         chunk, finish_reason=finish, usage=usage, timings=timings
                     )
                     return
-        except (ComputeError, EngineClosed) as exc:
+        except Exception as exc:
             ended = True
-            self._log.error("request_failed", error=str(exc))
+            known = isinstance(exc, ComputeError | EngineClosed)
+            self._log.error("request_failed", error=str(exc) if known else repr(exc))
             raise
         finally:
-            try:
-                # The scheduler frees the admission slot when it has handled this, so a request
-                # counts against the limits until its blocks are really released.
-                self._inbox.send_nowait(CloseSequence(seq_id=seq_id))
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                pass  # the scheduler is gone, and its bookkeeping with it
+            self._release(seq_id, opened)
             if not ended:
-                self._log.info(
-                    "request_cancelled",
-                    completion_tokens=len(answer.token_ids),
-                    total_ms=_ms(time.perf_counter() - started),
-                )
+                self._log_cancelled(started, first_token_at, answer)
+
+    def _release(self, seq_id: int, opened: bool) -> None:
+        """Give the admission slot back: through the scheduler once it knows the sequence (it
+        frees the slot when it has handled the close, so a request counts against the limits
+        until its blocks are really released), or here if it never heard of it."""
+        if not opened:
+            self._admission.leave()
+            return
+        try:
+            self._inbox.send_nowait(CloseSequence(seq_id=seq_id))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # the scheduler is gone, and its bookkeeping with it
+
+    def _log_cancelled(
+        self, started: float, first_token_at: float | None, answer: Answer | None
+    ) -> None:
+        # ttft_ms only when a token came, so `q4k logs` can show it for cancelled requests.
+        first_token = {} if first_token_at is None else {"ttft_ms": _ms(first_token_at - started)}
+        self._log.info(
+            "request_cancelled",
+            completion_tokens=0 if answer is None else len(answer.token_ids),
+            total_ms=_ms(time.perf_counter() - started),
+            **first_token,
+        )
 
     def _log_finished(self, finish: str, usage: Usage, timings: Timings) -> None:
         self._log.info(

@@ -72,10 +72,12 @@ def test_summary_table_names_the_figures(garbage_log: tuple[Path, list[str]]) ->
     out = result.stdout
     expected = recount(lines)
     for heading in ("requests", "latency (ms)", "time to first token", "per token",
-                    "aggregate tokens/s", "batch sizes", "malformed lines", "not JSON"):
+                    "tokens/s while busy", "tokens/s over the whole span", "batch sizes",
+                    "malformed lines", "not JSON"):
         assert heading in out
     assert f"{expected['events']} events, {expected['malformed']} malformed" in out
     assert f"{expected['tokens_per_s']:,.1f}" in out
+    assert f"{expected['busy_tokens_per_s']:,.1f}" in out
     assert f"{np.round(expected['ttft'][0], 1):.1f}" in out
 
 
@@ -226,3 +228,19 @@ def test_invalid_utf8_is_one_malformed_line_from_a_file_or_stdin(tmp_path: Path)
     assert piped.returncode == 0, piped.stderr
     for summary in (from_file, json.loads(piped.stdout)):
         assert (summary["events"], summary["malformed"]) == (2, 1)
+
+
+def test_every_view_survives_hostile_lines(tmp_path: Path) -> None:
+    from test_logreader import HOSTILE_LINES
+
+    path = tmp_path / "hostile.log"
+    lines = write_synthetic_log(path, requests=5, seed=6)
+    with path.open("a") as out:
+        out.write("\n".join(HOSTILE_LINES.values()) + "\n")
+    request_id = json.loads(next(line for line in lines if "request_id" in line))["request_id"]
+    for view in (["summary"], ["summary", "--json"], ["requests"], ["request", request_id],
+                 ["tail", "-n", "50"]):
+        result = run_q4k("logs", *view, str(path))
+        assert result.returncode == 0 and "Traceback" not in result.stderr, (view, result.stderr)
+    summary = json.loads(run_q4k("logs", "summary", "--json", str(path)).stdout)
+    assert summary["malformed"] == len(HOSTILE_LINES)

@@ -8,10 +8,8 @@ and real models, and hypothesis properties on hand-made files.
 from __future__ import annotations
 
 import os
-import signal
 import struct
-from collections.abc import Iterator
-from contextlib import contextmanager
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +22,14 @@ from hypothesis import strategies as st
 from actors.errors import Q4KError
 from actors.model.arch import spec_from_gguf
 from actors.model.gguf import open_gguf
+from actors.model.loaded import load_model
 from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
+from tests.fuzz import FUZZ_EXAMPLES, gguf_structure
+from tests.fuzz.target import hang_guard
 
 # Mutated cases per model: many on the tiny files (a few ms each), fewer on the real headers
 # (6.5 MB for gemma3, mostly its 262k-token vocabulary).
 CASES = {"llama-q4k-tiny": 500, "qwen2-q4k-tiny": 500, "smollm2-135m": 150, "gemma3-270m": 100}
-# A hang guard, not a speed requirement: a case normally takes milliseconds.
-HANG_GUARD_S = 60
 # Little-endian u64 windows below this are likely lengths, counts, dims or offsets.
 FIELD_LIKE_BELOW = 1 << 32
 INTERESTING_U64 = (0, 1, 7, 255, 1 << 31, (1 << 32) - 1, 1 << 32, 1 << 60, 1 << 63, (1 << 64) - 1)
@@ -123,20 +122,6 @@ def mutate(seed: Seed, rng: np.random.Generator) -> tuple[str, bytearray, int]:
     at, span = int(rng.integers(low, high)), int(rng.integers(1, 17))
     del data[at : at + span]
     return f"deleted {span} bytes at {at}", data, size
-
-
-@contextmanager
-def hang_guard(what: str) -> Iterator[None]:
-    def expire(signum: int, frame: object) -> None:
-        raise TimeoutError(f"{what} ran past {HANG_GUARD_S} s: a hang")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(HANG_GUARD_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def read_everything(path: Path) -> None:
@@ -262,3 +247,88 @@ def test_seeds_cover_the_structure(seeds: dict[str, Seed]) -> None:
     for seed in seeds.values():
         assert {8, 16} <= set(seed.field_offsets.tolist()), seed.name
         assert os.path.getsize(model_paths()[seed.name]) == seed.file_size
+
+
+# --- structure-aware mutation: tests/fuzz/gguf_structure.py ------------------------------------
+
+
+@settings(FUZZ_SETTINGS, max_examples=FUZZ_EXAMPLES)
+@given(case=gguf_structure.cases)
+def test_structure_aware_mutations_load_or_fail_with_a_project_error(case) -> None:
+    gguf_structure.check(case)
+
+
+def _mutated(*changes: gguf_structure.Mutation) -> str:
+    return gguf_structure.check(("llama-q4k-tiny", list(changes)))
+
+
+# The issue's examples of self-inconsistent files, each refused with a ModelFormatError.
+SELF_INCONSISTENT = {
+    "embedding rows below the vocabulary": [
+        gguf_structure.Mutation("tensor_rows", "token_embd.weight", size=512)
+    ],
+    "a bool array where a bool goes": [
+        gguf_structure.Mutation(
+            "set",
+            "tokenizer.ggml.add_bos_token",
+            gguf_structure.Value(gguf.GGUFValueType.ARRAY, [True, False], gguf.GGUFValueType.BOOL),
+        )
+    ],
+    "ragged scores": [
+        gguf_structure.Mutation(
+            "set",
+            "tokenizer.ggml.scores",
+            gguf_structure.Value(
+                gguf.GGUFValueType.ARRAY,
+                [(gguf.GGUFValueType.FLOAT32, [1.0]), (gguf.GGUFValueType.FLOAT32, [1.0, 2.0])],
+                gguf.GGUFValueType.ARRAY,
+            ),
+        )
+    ],
+    "a BYTE token not <0xHH>": [gguf_structure.Mutation("token", index=300, text="<0xZZ>", token_type=6)],
+    "an odd rope dimension": [
+        gguf_structure.Mutation(
+            "set", "{arch}.rope.dimension_count", gguf_structure.Value(gguf.GGUFValueType.UINT32, 63)
+        )
+    ],
+    "a key length not the head size": [
+        gguf_structure.Mutation(
+            "set", "{arch}.attention.key_length", gguf_structure.Value(gguf.GGUFValueType.UINT32, 32)
+        )
+    ],
+    "a RoPE scaling type that is an array (found by benchmarks/fuzz.py)": [
+        gguf_structure.Mutation(
+            "set",
+            "{arch}.rope.scaling.type",
+            gguf_structure.Value(gguf.GGUFValueType.ARRAY, [], gguf.GGUFValueType.BOOL),
+        )
+    ],
+    "a pre-tokenizer name that is an array": [
+        gguf_structure.Mutation(
+            "set",
+            "tokenizer.ggml.pre",
+            gguf_structure.Value(gguf.GGUFValueType.ARRAY, ["a", "b"], gguf.GGUFValueType.STRING),
+        )
+    ],
+}
+
+
+@pytest.mark.parametrize("what", list(SELF_INCONSISTENT))
+def test_self_inconsistent_files_are_model_format_errors(what: str) -> None:
+    assert _mutated(*SELF_INCONSISTENT[what]) == "ModelFormatError"
+
+
+@pytest.mark.parametrize("length", [500, 3000])
+@pytest.mark.parametrize("token_type", [3, 4])  # control, user-defined
+def test_a_long_special_token_loads_and_is_matched(length: int, token_type: int) -> None:
+    """~500 characters made the special-token pattern recurse past Python's limit."""
+    text = "<" + "x" * length + ">"
+    assert _mutated(gguf_structure.Mutation("token", index=5, text=text, token_type=token_type)) == "ok"
+    parts = gguf_structure.apply(
+        gguf_structure.seed_parts("llama-q4k-tiny"),
+        gguf_structure.Mutation("token", index=5, text=text, token_type=token_type),
+    )
+    path = Path(tempfile.mkdtemp()) / "long-special.gguf"
+    gguf_structure.write_gguf(parts, path)
+    tokenizer = load_model(path).tokenizer
+    assert tokenizer.encode("a" + text + "b", add_bos=False, parse_special=True).count(5) == 1

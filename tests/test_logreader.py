@@ -4,6 +4,7 @@ done independently from the raw lines."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -70,7 +71,8 @@ def synthetic_log_lines(requests: int = 40, seed: int = 0, *, garbage: bool = Fa
         t1 = t0 + total_ms / 1000
         if outcome == "cancelled":
             events.append((t1, {"event": "request_cancelled", "level": "info", "request_id": rid,
-                                "completion_tokens": tokens, "total_ms": total_ms}))
+                                "completion_tokens": tokens, "ttft_ms": prefill_ms,
+                                "total_ms": total_ms}))
         elif outcome == "failed":
             events.append((t1, {"event": "request_failed", "level": "error", "request_id": rid,
                                 "error": "ComputeError: step failed twice"}))
@@ -120,6 +122,15 @@ def recount(lines: list[str]) -> dict:
     generated = sum(o["completion_tokens"] for o in objs
                     if o["event"] in ("request_finished", "request_cancelled"))
     steps = [o["items"] for o in objs if o["event"] == "step"]
+    ended = sorted(
+        (datetime.fromisoformat(o["timestamp"]).timestamp() - o["total_ms"] / 1000,
+         datetime.fromisoformat(o["timestamp"]).timestamp())
+        for o in objs if o["event"] in ("request_finished", "request_cancelled")
+    )
+    busy, reach = 0.0, -math.inf  # merge the sorted intervals one by one
+    for start, end in ended:
+        busy += max(0.0, end - max(start, reach)) if end > reach else 0.0
+        reach = max(reach, end)
     return {
         "malformed": bad,
         "events": len(objs),
@@ -134,6 +145,8 @@ def recount(lines: list[str]) -> dict:
         "per_token": np.percentile([1000 / o["decode_tokens_per_s"] for o in finished],
                                    [50, 95, 99]),
         "tokens_per_s": generated / (max(times) - min(times)),
+        "busy_s": busy,
+        "busy_tokens_per_s": generated / busy,
         "batch_sizes": {k: steps.count(k) for k in set(steps)},
         "mean_batch": sum(steps) / len(steps) if steps else None,
     }
@@ -161,6 +174,8 @@ def test_summary_agrees_with_a_recount_from_raw_lines(garbage: bool) -> None:
                                expected["per_token"], rtol=1e-9)
     # Timestamps are microseconds, so the span is exact to about 1e-6 s.
     assert summary.tokens_per_s == pytest.approx(expected["tokens_per_s"], rel=1e-6)
+    assert summary.busy_s == pytest.approx(expected["busy_s"], rel=1e-6)
+    assert summary.busy_tokens_per_s == pytest.approx(expected["busy_tokens_per_s"], rel=1e-6)
     assert summary.batch_sizes == expected["batch_sizes"]
     assert summary.mean_batch_size == pytest.approx(expected["mean_batch"])
     assert summary.errors["ComputeError: step failed twice"] == expected["failed"]
@@ -213,6 +228,7 @@ def test_request_rows_one_per_request_with_the_last_outcome() -> None:
             assert row.status == "rejected" and row.error == o["error"]
         elif o["event"] == "request_cancelled":
             assert row.status == "cancelled" and row.completion_tokens == o["completion_tokens"]
+            assert row.ttft_ms == o["ttft_ms"]  # issue 14: it produced tokens, so it has one
         elif o["event"] == "request_failed":
             assert row.status == "failed" and row.error == o["error"]
         elif o["event"] == "prefill_finished":
@@ -263,3 +279,45 @@ def test_time_series_conserves_generated_tokens() -> None:
     generated = sum(series.tokens_per_s) * width
     assert generated == pytest.approx(sum(o["completion_tokens"] for o in finished))
     assert time_series(parse_log([("empty", [])])).tokens_per_s == []
+
+
+def test_the_busy_rate_leaves_idle_gaps_out() -> None:
+    """Two 1-second requests an hour apart: 20 tokens in 2 busy seconds, not in an hour."""
+
+    def finished(at: float) -> str:
+        return json.dumps({"event": "request_finished", "timestamp": _stamp(at), "request_id":
+                           f"r{at}", "completion_tokens": 10, "total_ms": 1000.0})
+
+    summary = summarize(parse_log([("gaps", [finished(1.0), finished(3601.0)])]))
+    assert summary.busy_s == pytest.approx(2.0)
+    assert summary.busy_tokens_per_s == pytest.approx(10.0)
+    assert summary.tokens_per_s == pytest.approx(20 / 3600)
+
+
+HOSTILE_LINES = {
+    "1,000 nested brackets": "[" * 1000 + "]" * 1000,
+    "a deep value in an event": json.dumps(
+        {"event": "step", "timestamp": _stamp(1), "x": json.loads("[" * 200 + "]" * 200)}),
+    "year 9999 with a negative offset": json.dumps(
+        {"event": "step", "timestamp": "9999-12-31T23:00:00-05:00"}),
+    "year 1 with a positive offset": json.dumps(
+        {"event": "step", "timestamp": "0001-01-01T00:00:00+05:00"}),
+}
+
+
+def test_hostile_lines_are_malformed_and_every_view_goes_on() -> None:
+    good = synthetic_log_lines(10, seed=9)
+    huge_counts = json.dumps({"event": "request_finished", "timestamp": _stamp(2),
+                              "request_id": "huge", "completion_tokens": 1e308,
+                              "prompt_tokens": -5, "total_ms": 1e308, "ttft_ms": 1e308})
+    log = parse_log([("hostile", [*good, *HOSTILE_LINES.values(), huge_counts])])
+    assert len(log.malformed) == len(HOSTILE_LINES)
+    assert all("nested" in m.reason or "timestamp" in m.reason for m in log.malformed)
+    summary = summarize(log)
+    assert summary.completion_tokens == summarize(parse_log([("good", good)])).completion_tokens
+    rows = {row.request_id: row for row in request_rows(log)}
+    assert rows["huge"].completion_tokens is None and rows["huge"].prompt_tokens is None
+    request_timeline(log, "huge")
+    time_series(log)
+    for event in log.events:
+        format_event(event)

@@ -33,6 +33,13 @@ BAD_VALUES = [
     ("repetition_penalty", -1.0),
     ("repetition_penalty", math.inf),
     ("repetition_window", -1),
+    ("repetition_window", 2**63),  # passed once, then overflowed after admission (issue 13)
+    ("repetition_penalty", 1e-40),  # its logits leave float32
+    ("repetition_penalty", 1e6),
+    ("temperature", 2**1100),  # an int past float's range
+    ("top_p", 10**400),
+    ("max_tokens", 10**5000),  # its repr alone raises
+    ("top_k", 2**70),
     ("presence_penalty", 2.5),
     ("presence_penalty", math.nan),
     ("frequency_penalty", -3.0),
@@ -40,6 +47,7 @@ BAD_VALUES = [
     ("seed", 1.5),
     ("seed", "42"),
     ("seed", False),
+    ("seed", 2**64),
     ("stop", ("",)),
     ("stop", tuple(f"s{i}" for i in range(17))),
     ("stop", ("x" * 257,)),
@@ -47,6 +55,7 @@ BAD_VALUES = [
     ("stop_token_ids", (-1,)),
     ("stop_token_ids", ("2",)),
     ("stop_token_ids", tuple(range(1025))),
+    ("stop_token_ids", (10**5000,)),
     ("ignore_eos", 1),
     ("ignore_eos", "yes"),
     ("logprobs", -1),
@@ -55,7 +64,16 @@ BAD_VALUES = [
 ]
 
 
-@pytest.mark.parametrize(("field", "value"), BAD_VALUES)
+def _case_id(value: object) -> str | None:
+    # pytest's own ids repr the value, and the repr of a 5,000-digit int raises.
+    if isinstance(value, tuple) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"int{value.bit_length()}bits"
+    return None
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES, ids=_case_id)
 def test_a_bad_value_names_its_field(field, value):
     with pytest.raises(InvalidRequest) as error:
         SamplingParams(**{field: value})
@@ -63,7 +81,7 @@ def test_a_bad_value_names_its_field(field, value):
     assert field in str(error.value)
 
 
-@pytest.mark.parametrize(("field", "value"), BAD_VALUES)
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES, ids=_case_id)
 def test_a_bad_value_in_a_dict_names_its_field(field, value):
     if isinstance(value, tuple):
         value = list(value)
@@ -129,10 +147,23 @@ def test_from_dict_names_an_unknown_field():
     assert error.value.field == "max_token"
 
 
+def test_an_unknown_keyword_is_named_like_a_bad_value():
+    with pytest.raises(InvalidRequest) as error:
+        SamplingParams(max_tokens=5, foo=1)
+    assert error.value.field == "foo"
+    assert "max_tokens" in str(error.value)  # lists what there is
+
+
+def test_positional_arguments_are_refused_with_a_request_error():
+    with pytest.raises(InvalidRequest, match="keyword arguments only") as error:
+        SamplingParams(5)
+    assert error.value.field == "args"
+
+
 def test_from_dict_refuses_what_is_not_a_mapping():
     with pytest.raises(InvalidRequest) as error:
         SamplingParams.from_dict([("max_tokens", 5)])
-    assert error.value.field is None
+    assert error.value.field == "params"
     assert "object" in str(error.value)
 
 

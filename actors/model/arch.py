@@ -105,6 +105,27 @@ def _float(meta: dict[str, Any], key: str, path: object, default: float) -> floa
     return float(value)
 
 
+def _check_tokenizer_size(meta: dict[str, Any], path: object, vocab_size: int) -> None:
+    """The tokenizer and the embedding must agree on the vocabulary: a token without an
+    embedding row would fail inside a step (llama.cpp refuses such files too)."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and len(tokens) != vocab_size:
+        raise ModelFormatError(
+            f"{path}: the tokenizer has {len(tokens)} tokens (tokenizer.ggml.tokens) but "
+            f"token_embd.weight has {vocab_size} rows; they must be equal"
+        )
+
+
+def _check_rope_scaling_types(meta: dict[str, Any], path: object, arch: str) -> None:
+    """RoPE scaling keys, where present, are a name and a number (the loader refuses any
+    scaling it does not run; it must be able to read them first)."""
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if not isinstance(kind, str):
+        raise ModelFormatError(f"{path}: metadata '{arch}.rope.scaling.type' is not a string")
+    if f"{arch}.rope.scaling.factor" in meta:
+        _float(meta, f"{arch}.rope.scaling.factor", path, 1.0)
+
+
 def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
     """Read a ModelSpec from a GGUF file's metadata and tensor shapes.
 
@@ -140,7 +161,13 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
             f"{path}: key length {head_dim} differs from value length {value_dim}"
         )
     rope_dim = _int(meta, f"{arch}.rope.dimension_count", path, 2, head_dim, head_dim)
+    if rope_dim % 2:
+        raise ModelFormatError(
+            f"{path}: {arch}.rope.dimension_count = {rope_dim} is odd; RoPE rotates pairs"
+        )
     vocab_size = gguf.tensor("token_embd.weight").shape[0]
+    _check_tokenizer_size(meta, path, vocab_size)
+    _check_rope_scaling_types(meta, path, arch)
     declared_vocab = _int(meta, f"{arch}.vocab_size", path, 1, 1 << 31, vocab_size)
     if declared_vocab != vocab_size:
         raise ModelFormatError(

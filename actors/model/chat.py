@@ -4,14 +4,25 @@ Templates come from model files, so they are untrusted code: they run in Jinja's
 sandbox (llama-cpp-python's CVE-2024-34359 came from rendering them unsandboxed), and any
 attempt to reach an unsafe attribute (`__class__`, `__globals__`, ...) fails at once instead of
 rendering as an empty string. Every failure is a `TemplateError` saying what went wrong.
+
+A render is also bounded (`RenderLimits`): in time, by a watchdog that raises inside the
+rendering thread once the deadline passes (a pure-Python loop without any call cannot be
+stopped otherwise), and in size, by a sandbox that counts: every call, filter, attribute and
+operator it sees checks the deadline and refuses values and size arguments past the limit
+before they are built, and the output is counted as it streams out.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
-from collections.abc import Mapping
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sized
 from datetime import datetime
-from typing import Any, NoReturn
+from functools import wraps
+from typing import Any, NamedTuple, NoReturn
 
 import jinja2
 from jinja2 import nodes
@@ -21,15 +32,203 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from actors.errors import InvalidRequest, TemplateError
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+# Real chat templates are a few KB; the largest known are ~20 KB.
+MAX_TEMPLATE_CHARS = 1 << 18
+# Exponents past this make numbers no prompt needs, and take unbounded time to compute.
+_MAX_INT_BITS = 4096
+# Numbers in a format spec (`%9999999s`, `{:9999999}`): widths that would build huge strings.
+_FORMAT_NUMBER = re.compile(r"\d+")
 
 
-class _StrictSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, but an unsafe attribute raises instead of becoming undefined."""
+class RenderLimits(NamedTuple):
+    """How long one render may take and how many characters any value or the output may have.
+    The engine sets `chars` from the context: a longer prompt could not fit anyway."""
+
+    seconds: float = 2.0
+    chars: int = 1 << 22
+
+
+class _RenderTimeout(TemplateError):
+    """Raised inside the rendering thread by the watchdog; `render` turns it into a plain
+    TemplateError (a project error even if one slipped out)."""
+
+
+class _Budget:
+    """One render's limits, checked by every hook of the counting sandbox."""
+
+    def __init__(self, limits: RenderLimits) -> None:
+        self.deadline = time.monotonic() + limits.seconds
+        self.seconds = limits.seconds
+        self.chars = limits.chars
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise _RenderTimeout
+
+    def check_size(self, value: Any) -> Any:
+        """`value`, unless it is a string or container past the size limit."""
+        if isinstance(value, str | bytes | list | tuple | dict) and len(value) > self.chars:
+            raise TemplateError(
+                f"chat template built a value of {len(value):,} items; the limit is "
+                f"{self.chars:,} (the longest prompt this context can hold)"
+            )
+        return value
+
+    def check_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Refuse a size argument (a width, a count, a repeat) past the limit before the call
+        builds its result."""
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > self.chars:
+                raise TemplateError(
+                    f"chat template passed the number {_short_int(value)} to a function; "
+                    f"sizes past {self.chars:,} are refused"
+                )
+            self.check_size(value)
+
+    def check_growth(self, parts: int, part_chars: int) -> None:
+        """Refuse an operation that would make `parts` copies of `part_chars` characters."""
+        if parts * part_chars > self.chars:
+            raise TemplateError(
+                f"chat template would build a value of {parts * part_chars:,} characters; the "
+                f"limit is {self.chars:,}"
+            )
+
+
+def _short_int(value: int) -> str:
+    return f"{value:,}" if value.bit_length() <= 64 else f"of {value.bit_length()} bits"
+
+
+class _CountingSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, but an unsafe attribute raises instead of becoming undefined, and
+    every call, filter, attribute, item and operator checks the render's budget."""
+
+    intercepted_binops = frozenset(("*", "**", "%", "+"))
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._renders = threading.local()
+        # Compile-time constant folding runs filters too: it gets the default budget.
+        self._compile_budget = _Budget(RenderLimits(seconds=float("inf")))
+        self.filters = {name: self._bounded(function) for name, function in self.filters.items()}
+
+    def budget(self) -> _Budget:
+        return getattr(self._renders, "budget", None) or self._compile_budget
+
+    def set_budget(self, budget: _Budget | None) -> None:
+        self._renders.budget = budget
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
         raise jinja2.exceptions.SecurityError(
             f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe"
         )
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        budget = __self.budget()
+        budget.check_time()
+        budget.check_arguments(args, kwargs)
+        _check_multiplying_call(budget, __obj, args, kwargs)
+        return budget.check_size(super().call(__context, __obj, *args, **kwargs))
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        budget = self.budget()
+        budget.check_time()
+        return budget.check_size(super().getattr(obj, attribute))
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        budget = self.budget()
+        budget.check_time()
+        return budget.check_size(super().getitem(obj, argument))
+
+    def call_binop(self, context: Any, operator_: str, left: Any, right: Any) -> Any:
+        budget = self.budget()
+        budget.check_time()
+        _check_binop(budget, operator_, left, right)
+        return budget.check_size(super().call_binop(context, operator_, left, right))
+
+    def _bounded(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """A filter that checks the budget before and after it runs (filters are called
+        directly by compiled templates, not through `call`)."""
+
+        @wraps(function)  # keeps jinja's pass_context / pass_environment marks
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            budget = self.budget()
+            budget.check_time()
+            budget.check_arguments(args, kwargs)
+            _check_multiplying_call(budget, function, args, kwargs)
+            return budget.check_size(function(*args, **kwargs))
+
+        return bounded
+
+
+def _check_binop(budget: _Budget, operator_: str, left: Any, right: Any) -> None:
+    """Refuse an operator whose result would be past the limit, before it is computed."""
+    sized = (str, bytes, list, tuple)
+    if operator_ == "*":
+        for seq, times in ((left, right), (right, left)):
+            if isinstance(seq, sized) and isinstance(times, int):
+                budget.check_growth(max(times, 0), len(seq))
+        if isinstance(left, int) and isinstance(right, int):
+            _check_int_bits(left.bit_length() + right.bit_length())
+    elif operator_ == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+        _check_int_bits(left.bit_length() * right)
+    elif operator_ == "%" and isinstance(left, str):
+        _check_format_numbers(budget, left)
+    elif operator_ == "+" and isinstance(left, sized) and isinstance(right, sized):
+        budget.check_growth(1, len(left) + len(right))
+
+
+def _check_int_bits(bits: int) -> None:
+    if bits > _MAX_INT_BITS:
+        raise TemplateError(
+            f"chat template computed a number of about {bits:,} bits; no prompt needs one"
+        )
+
+
+def _check_format_numbers(budget: _Budget, text: str) -> None:
+    for number in _FORMAT_NUMBER.findall(text):
+        if len(number) > 12 or int(number) > budget.chars:
+            raise TemplateError(
+                f"chat template formats with a width of {number[:20]}; widths past "
+                f"{budget.chars:,} are refused"
+            )
+
+
+def _check_multiplying_call(
+    budget: _Budget, function: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> None:
+    """Calls whose result grows with the product of their arguments (the checks on each
+    argument alone do not bound these)."""
+    name = getattr(function, "__name__", "")
+    # A bound str method (or the sandbox's wrapper around `str.format`): its string first.
+    owner = getattr(getattr(function, "__wrapped__", function), "__self__", None)
+    if isinstance(owner, str):
+        args = (owner, *args)
+    strings = [value for value in args if isinstance(value, str)]
+    if name in ("replace", "do_replace") and len(strings) >= 3:
+        text, old, new = strings[-3:]
+        budget.check_growth(len(text) // max(len(old), 1) + 1, max(len(new), 1))
+    elif name in ("join", "do_join"):
+        items = next((value for value in args if isinstance(value, Sized)), ())
+        separator = kwargs.get("d", strings[-1] if strings else "")
+        budget.check_growth(len(items), len(separator) if isinstance(separator, str) else 0)
+    elif name in _WIDTH_FUNCTIONS:
+        text = strings[0] if strings else ""
+        sizes = (*args[1:], *kwargs.values())
+        width = sum(
+            value if isinstance(value, int) else len(value)
+            for value in sizes
+            if isinstance(value, int | str) and not isinstance(value, bool)
+        )
+        budget.check_growth(text.count("\n") + 2, width + 1)
+    elif name in ("format", "do_format", "format_map") and strings:
+        _check_format_numbers(budget, strings[0])
+
+
+# Functions that pad or indent every line of a text by a width argument.
+_WIDTH_FUNCTIONS = frozenset(
+    ("indent", "do_indent", "center", "do_center", "ljust", "rjust", "zfill", "wordwrap",
+     "do_wordwrap", "expandtabs")
+)  # fmt: skip
 
 
 class _GenerationTag(Extension):
@@ -65,11 +264,11 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def _environment() -> _StrictSandbox:
-    environment = _StrictSandbox(
+def _environment() -> _CountingSandbox:
+    environment = _CountingSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
     )
-    environment.filters["tojson"] = _tojson
+    environment.filters["tojson"] = environment._bounded(_tojson)
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
     return environment
@@ -79,13 +278,27 @@ class ChatTemplate:
     """A compiled chat template; `render(messages)` gives the prompt text."""
 
     def __init__(self, source: str, *, bos_token: str, eos_token: str) -> None:
-        if not isinstance(source, str) or not source.strip():
+        if not isinstance(source, str):
+            raise TemplateError(f"the chat template must be a string, not {type(source).__name__}")
+        if not source.strip():
             raise TemplateError("the chat template is empty")
+        if len(source) > MAX_TEMPLATE_CHARS:
+            raise TemplateError(
+                f"the chat template has {len(source):,} characters; at most "
+                f"{MAX_TEMPLATE_CHARS:,} are allowed"
+            )
+        self._environment = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = self._environment.from_string(source)
         except jinja2.TemplateSyntaxError as error:
             raise TemplateError(
                 f"chat template has a syntax error at line {error.lineno}: {error.message}"
+            ) from None
+        except TemplateError:
+            raise
+        except Exception as error:  # the compiler's own limits: nesting, recursion, memory
+            raise TemplateError(
+                f"chat template cannot be compiled: {type(error).__name__}: {error}"[:500]
             ) from None
         self.source = source
         self.bos_token = bos_token
@@ -109,17 +322,48 @@ class ChatTemplate:
             eos_token=_token_text(metadata, "tokenizer.ggml.eos_token_id"),
         )
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt for `messages` (dicts with at least a string `role`)."""
-        _check_messages(messages)
+    def render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        limits: RenderLimits = RenderLimits(),
+    ) -> str:
+        """The prompt for `messages` (dicts with at least a string `role`), within `limits`.
+        It blocks its thread for up to `limits.seconds`: async code runs it in a worker."""
+        check_messages(messages)
+        budget = _Budget(limits)
+        self._environment.set_budget(budget)
         try:
-            return self._template.render(
+            return _with_deadline(
+                budget.seconds, lambda: self._render(messages, add_generation_prompt, budget)
+            )
+        except _RenderTimeout:
+            raise TemplateError(
+                f"chat template ran past its time limit of {limits.seconds:g} s"
+            ) from None
+        finally:
+            self._environment.set_budget(None)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, budget: _Budget) -> str:
+        pieces: list[str] = []
+        size = 0
+        try:
+            for piece in self._template.generate(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
-            )
-        except TemplateError:
+            ):
+                budget.check_time()
+                size += len(piece)
+                if size > budget.chars:
+                    raise TemplateError(
+                        f"chat template output passed {budget.chars:,} characters (the longest "
+                        "prompt this context can hold)"
+                    )
+                pieces.append(piece)
+            return "".join(pieces)
+        except (TemplateError, _RenderTimeout):
             raise
         except jinja2.exceptions.SecurityError as error:
             raise TemplateError(f"chat template tried to leave its sandbox: {error}") from None
@@ -129,7 +373,58 @@ class ChatTemplate:
             ) from None
 
 
-def _check_messages(messages: Any) -> None:
+def _with_deadline(seconds: float, run: Callable[[], str]) -> str:
+    """`run()` in this thread; past `seconds`, a watchdog raises `_RenderTimeout` inside it.
+
+    The watchdog injects the exception only while `run` has not returned (both sides hold the
+    lock), and the thread passes a Python call after `run` returns, where a pending injection
+    is raised, inside this function's caller's `try`. It injects again only while the first
+    has not been raised yet (the thread was in C code): once raised, the thread is unwinding,
+    and another would land in whatever cleanup runs meanwhile. If one is swallowed (raised in
+    a GC callback), the sandbox's hooks still raise at their next check: past the deadline
+    every hook does. C code (one huge allocation) cannot be interrupted: the counting
+    sandbox refuses those before they start."""
+    thread_id = threading.get_ident()
+    lock = threading.Lock()
+    running = [True]
+    returned = threading.Event()
+    raised = threading.Event()
+
+    class _ThisRenderTimeout(_RenderTimeout):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)
+            raised.set()  # runs in the render thread, as the injection is raised
+
+    def watch() -> None:
+        wait = seconds
+        while not returned.wait(wait) and not raised.is_set():
+            with lock:
+                if running[0]:
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                        ctypes.c_ulong(thread_id), ctypes.py_object(_ThisRenderTimeout)
+                    )
+            wait = _REINJECT_S
+
+    threading.Thread(target=watch, name="chat-template-watchdog", daemon=True).start()
+    try:
+        return run()
+    finally:
+        with lock:
+            running[0] = False
+        returned.set()
+        _checkpoint()
+
+
+# While an injection has not been raised yet (the thread is in C code), try again this often.
+_REINJECT_S = 0.05
+
+
+def _checkpoint() -> None:
+    """A Python-level call: the interpreter raises a pending injected exception on entry."""
+
+
+def check_messages(messages: Any) -> None:
+    """Raise `InvalidRequest` unless `messages` is a non-empty list of dicts with a role."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list of dicts", field="messages")
     for index, message in enumerate(messages):

@@ -18,7 +18,12 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from actors.errors import InvalidRequest
-from actors.model.tokenizer_bpe import build_bpe_model, byte_level_bytes, unknown_char_id
+from actors.model.tokenizer_bpe import (
+    BYTE_LEVEL_CHARS,
+    build_bpe_model,
+    byte_level_bytes,
+    unknown_char_id,
+)
 from actors.model.tokenizer_special import Fragment, SpecialTokenSplitter
 from actors.model.tokenizer_spm import build_spm_model
 from actors.model.tokenizer_vocab import (
@@ -72,6 +77,34 @@ class Tokenizer:
         if self.vocab.model == "llama":
             return build_spm_model(self.vocab)
         return build_bpe_model(self.vocab)
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token can stand for (special-token texts included)."""
+        return max(1, max(map(len, self._pieces_special), default=1))
+
+    @cached_property
+    def _bytes_that_count(self) -> np.ndarray:
+        """bool[256]: text bytes that cannot vanish in encoding. A byte-level BPE drops each
+        byte whose character is missing from its vocabulary (as llama.cpp does); a
+        SentencePiece vocabulary without all 256 byte tokens may drop whole characters, so
+        then only the ASCII bytes with a byte token count (a character with no token falls
+        back to its byte tokens; every byte of a non-ASCII character is >= 0x80)."""
+        if self.vocab.model != "llama":
+            return np.array([char in self.vocab.token_to_id for char in BYTE_LEVEL_CHARS])
+        present = np.array([f"<0x{byte:02X}>" in self.vocab.token_to_id for byte in range(256)])
+        return present if present.all() else present & (np.arange(256) < 0x80)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))` from the bytes alone, in linear time: so a
+        prompt that cannot fit a context is refused without tokenizing it."""
+        data = text.encode("utf-8", errors="surrogatepass")
+        counting = self._bytes_that_count
+        if counting.all():
+            kept = len(data)
+        else:
+            kept = int(np.count_nonzero(counting[np.frombuffer(data, np.uint8)]))
+        return -(-kept // self.max_token_bytes)
 
     def prepare_encoder(self) -> None:
         """Build the encoder now (e.g. in a loading thread) instead of on the first encode."""

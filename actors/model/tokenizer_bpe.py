@@ -66,6 +66,8 @@ def _byte_to_char() -> dict[int, str]:
     return mapping
 
 
+# The byte-level character of each byte value, by value.
+BYTE_LEVEL_CHARS = tuple(char for _, char in sorted(_byte_to_char().items()))
 # Translates byte-level characters to latin-1 characters of the same byte value.
 _TO_LATIN1 = {ord(char): byte for byte, char in _byte_to_char().items()}
 

@@ -60,6 +60,10 @@ class _Matcher:
         return re.compile(_trie_pattern(list(self.text_to_id))) if self.text_to_id else None
 
     @cached_property
+    def _lengths(self) -> list[int]:
+        return sorted({len(text) for text in self.text_to_id})
+
+    @cached_property
     def _by_prefix(self) -> dict[str, list[str]]:
         index: dict[str, list[str]] = defaultdict(list)
         for text in self.text_to_id:
@@ -86,13 +90,17 @@ class _Matcher:
         matched = set(self._finder.findall(text))
         found: set[str] = set()
         straddling: set[str] = set()
+        lengths = self._lengths
         for token_text in matched:
             size = len(token_text)
             for start in range(size):
+                # Only pieces as long as some special token can be one (not every end: a
+                # special token of thousands of characters made that quadratic per encode).
                 found.update(
                     piece
-                    for end in range(start + 1, size + 1)
-                    if (piece := token_text[start:end]) in self.text_to_id
+                    for length in lengths
+                    if start + length <= size
+                    and (piece := token_text[start : start + length]) in self.text_to_id
                 )
                 if start:
                     straddling.update(self._by_prefix.get(token_text[start:], ()))
@@ -133,22 +141,38 @@ class _Matcher:
         return fragments
 
 
+# Deeper nesting of groups than this makes Python's regex compiler recurse past its limit (a
+# vocabulary whose special tokens are prefixes of each other, "<a", "<aa", "<aaa", ...).
+_MAX_TRIE_GROUPS = 100
+
+
 def _trie_pattern(texts: list[str]) -> str:
-    """A regex matching the longest of `texts` that starts at a position (a prefix trie)."""
+    """A regex matching the longest of `texts` that starts at a position: a prefix trie, or,
+    where the trie would nest too deep, the texts as alternatives, longest first (the same
+    leftmost-longest matches, slower). Built without recursion: a special token can be
+    thousands of characters long."""
     trie: dict[str, dict] = {}
     for text in texts:
         node = trie
         for char in text:
             node = node.setdefault(char, {})
         node[""] = {}
-
-    def emit(node: dict[str, dict]) -> str:
-        branches = [re.escape(char) + emit(child) for char, child in node.items() if char]
-        if not branches:
-            return ""
-        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
-        if "" not in node:
-            return body
-        return ("(?:" + body + ")" if len(branches) == 1 else body) + "?"
-
-    return emit(trie)
+    pattern: dict[int, str] = {}
+    groups: dict[int, int] = {}
+    stack: list[tuple[dict[str, dict], bool]] = [(trie, False)]
+    while stack:  # post-order: a node's pattern from its children's
+        node, children_done = stack.pop()
+        children = [(char, child) for char, child in node.items() if char]
+        if not children_done:
+            stack.append((node, True))
+            stack.extend((child, False) for _, child in children)
+            continue
+        branches = [re.escape(char) + pattern.pop(id(child)) for char, child in children]
+        depth = max((groups.pop(id(child)) for _, child in children), default=0)
+        grouped = len(branches) > 1 or (bool(branches) and "" in node)
+        body = "(?:" + "|".join(branches) + ")" if grouped else "".join(branches)
+        pattern[id(node)] = body + "?" if branches and "" in node else body
+        groups[id(node)] = depth + grouped
+    if groups[id(trie)] > _MAX_TRIE_GROUPS:
+        return "|".join(map(re.escape, sorted(texts, key=len, reverse=True)))
+    return pattern[id(trie)]

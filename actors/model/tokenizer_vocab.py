@@ -10,6 +10,7 @@ user-defined in the file but treated as a control token, so plain text never mat
 from __future__ import annotations
 
 from collections.abc import Mapping
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,7 +143,10 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
     model = metadata.get("tokenizer.ggml.model")
     if model is None:
         raise ModelFormatError("the model has no tokenizer (metadata 'tokenizer.ggml.model')")
+    _check_text(metadata, "tokenizer.ggml.model")
     tokens = _string_list(metadata, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelFormatError("metadata 'tokenizer.ggml.tokens' is empty: the vocabulary has no tokens")
     n_tokens = len(tokens)
     if model == "llama":
         pre = None
@@ -151,6 +155,8 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
         add_bos, add_space_prefix, clean_spaces, ignore_merges = True, True, False, False
     elif model == "gpt2":
         pre_name = metadata.get("tokenizer.ggml.pre")
+        if pre_name is not None:
+            _check_text(metadata, "tokenizer.ggml.pre")
         if pre_name is None:
             raise UnsupportedModelError(
                 "BPE tokenizer without 'tokenizer.ggml.pre': the pre-tokenizer is unknown "
@@ -171,7 +177,7 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
             f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: "
             "'llama' (SentencePiece BPE) and 'gpt2' (byte-level BPE)"
         )
-    add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
+    add_space_prefix = _flag(metadata, "tokenizer.ggml.add_space_prefix", add_space_prefix)
 
     if "" in tokens:  # llama.cpp names empty tokens so they stay distinct
         tokens = [text or f"[EMPTY_{index}]" for index, text in enumerate(tokens)]
@@ -181,6 +187,7 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
     scores = _numeric_array(metadata, "tokenizer.ggml.scores", n_tokens, np.float32)
     types = _numeric_array(metadata, "tokenizer.ggml.token_type", n_tokens, np.int32, fill=1)
     attrs = _TYPE_TO_ATTR[np.clip(types, 0, 7)].copy()
+    _check_byte_tokens(tokens, attrs)
 
     special = {name: token for name, token in special.items() if token < n_tokens}
     for name, key in _SPECIAL_ID_KEYS:
@@ -191,8 +198,8 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
             raise ModelFormatError(f"metadata 'tokenizer.ggml.{key}' is not an integer: {value!r}")
         if 0 <= value < n_tokens:  # llama.cpp ignores an id outside the vocabulary
             special[name] = int(value)
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    add_bos = _flag(metadata, "tokenizer.ggml.add_bos_token", add_bos)
+    add_eos = _flag(metadata, "tokenizer.ggml.add_eos_token", False)
     for flag, name in ((add_bos, "bos"), (add_eos, "eos")):
         if flag and name not in special:
             raise ModelFormatError(
@@ -262,13 +269,47 @@ def _string_list(metadata: Mapping[str, Any], key: str) -> list[str]:
     return value
 
 
+def _check_text(metadata: Mapping[str, Any], key: str) -> None:
+    if not isinstance(metadata[key], str):
+        raise ModelFormatError(f"metadata {key!r} must be a string, got {_kind(metadata[key])}")
+
+
+def _flag(metadata: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = metadata.get(key, default)
+    if not isinstance(value, bool | np.bool_):
+        raise ModelFormatError(f"metadata {key!r} must be a bool, got {_kind(value)}")
+    return bool(value)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, np.ndarray | list):
+        return f"an array of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _check_byte_tokens(tokens: list[str], attrs: np.ndarray) -> None:
+    """A BYTE token stands for the byte its text names, `<0xHH>` (llama.cpp reads it so)."""
+    for token in np.flatnonzero(attrs & ATTR_BYTE).tolist():
+        if not _BYTE_TOKEN.fullmatch(tokens[token]):
+            raise ModelFormatError(
+                f"token {token} is a BYTE token (tokenizer.ggml.token_type 6) but its text "
+                f"{tokens[token][:40]!r} is not of the form <0xHH>"
+            )
+
+
 def _numeric_array(
     metadata: Mapping[str, Any], key: str, n_tokens: int, dtype: type, fill: float = 0
 ) -> np.ndarray:
     value = metadata.get(key)
     if value is None:
         return np.full(n_tokens, fill, dtype=dtype)
-    array = np.asarray(value)
+    try:
+        array = np.asarray(value)
+    except ValueError:  # nested arrays of different lengths
+        array = np.asarray([])
     if array.ndim != 1 or array.dtype.kind not in "iuf" or len(array) < n_tokens:
         raise ModelFormatError(
             f"metadata {key!r} must be a numeric array of at least {n_tokens} entries"
