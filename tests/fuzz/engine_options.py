@@ -25,6 +25,9 @@ OPTION_VALUES: dict[str, st.SearchStrategy] = {
     "kv_blocks": st.one_of(st.none(), st.integers(1, 40), st.sampled_from([0, 10**12, 2**70])),
     "block_size": st.one_of(st.integers(1, 64), st.sampled_from([0, 10**9, 4097])),
     "prefill_chunk": st.one_of(st.integers(1, 600), st.sampled_from([0, 2**40])),
+    "step_timeout_s": st.one_of(
+        st.floats(5.0, 600.0), st.sampled_from([0, -1.0, float("inf"), float("nan"), True])
+    ),
     "log_level": st.one_of(st.none(), st.sampled_from(["debug", "info", "warning", "loud"])),
     "log_file": st.one_of(st.none(), st.sampled_from(["engine.log", "", "..", "a\x00b"])),
 }
