@@ -9,7 +9,7 @@ import pytest
 from actors.errors import InvalidRequest, TemplateError
 from actors.model.chat import ChatTemplate
 from actors.model.gguf import open_gguf
-from conftest import REFERENCE_DIR, gemma3_path, smollm2_path
+from tests.conftest import REFERENCE_DIR, gemma3_path, smollm2_path
 
 USER = [{"role": "user", "content": "Hi"}]
 

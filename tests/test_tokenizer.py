@@ -11,7 +11,7 @@ import pytest
 from actors.errors import InvalidRequest, ModelFormatError, UnsupportedModelError
 from actors.model.gguf import open_gguf
 from actors.model.tokenizer import Tokenizer
-from conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
+from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
 
 
 def _load(path: Path) -> Tokenizer:

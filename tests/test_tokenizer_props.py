@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from actors.model.gguf import open_gguf
 from actors.model.tokenizer import Tokenizer
 from actors.model.tokenizer_vocab import ATTR_CONTROL, ATTR_UNKNOWN, ATTR_USER_DEFINED, Vocab
-from conftest import gemma3_path, smollm2_path
+from tests.conftest import gemma3_path, smollm2_path
 
 SETTINGS = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
