@@ -318,6 +318,7 @@ class Engine:
             kv_blocks_cached=pool.cached,
             steps=self._scheduler.steps,
             tokens=self._scheduler.tokens,
+            last_step_s=self._scheduler.last_step_s,
         )
 
     # --- checks at the door ---------------------------------------------------------------

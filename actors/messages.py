@@ -99,3 +99,4 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_blocks_cached: int
     steps: int
     tokens: int
+    last_step_s: float = 0.0  # wall time of the latest forward step
