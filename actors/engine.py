@@ -55,6 +55,8 @@ from actors.session import Session, new_request_id
 
 # Messages a live session can have in the scheduler's inbox at once: open, advance, close.
 _INBOX_SLOTS_PER_REQUEST = 3
+# The roles chat templates know; any other is most likely a typo the template would render.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class Engine:
@@ -279,8 +281,10 @@ class Engine:
         template: str | None = None,
     ) -> AsyncIterator[Chunk]:
         """Stream the assistant's answer to `messages`, rendered with the model's chat template
-        (or `template`, a Jinja source run in a sandbox)."""
+        (or `template`, a Jinja source run in a sandbox). Roles: `CHAT_ROLES`; others raise
+        InvalidRequest."""
         self._check_open()
+        self._check_roles(messages)
         text = self._render_chat(messages, template)
         ids = self._tokenizer.encode(text, parse_special=True)
         bos = self._tokenizer.bos_id
@@ -402,6 +406,19 @@ class Engine:
         reason = "context_length" if isinstance(error, ContextLengthExceeded) else "invalid_request"
         self._log.warning("request_rejected", request_id=new_request_id(), reason=reason, error=str(error))
         raise error
+
+    def _check_roles(self, messages: list[dict[str, Any]]) -> None:
+        """Refuse an unknown role; other malformed messages are the template's to report."""
+        for index, message in enumerate(messages if isinstance(messages, list) else ()):
+            role = message.get("role") if isinstance(message, dict) else None
+            if isinstance(role, str) and role not in CHAT_ROLES:
+                self._reject(
+                    InvalidRequest(
+                        f"messages[{index}] has the role {role!r}; the roles are "
+                        f"{', '.join(CHAT_ROLES)}",
+                        field="messages",
+                    )
+                )
 
     def _render_chat(self, messages: list[dict[str, Any]], template: str | None) -> str:
         if self._chat_template is None:

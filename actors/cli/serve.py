@@ -76,9 +76,13 @@ def _serve(args: argparse.Namespace) -> int:
     host, port = listener.getsockname()[:2]
     print(f"q4k serve: {model.name} on http://{host}:{port}/v1 (loading; GET /health says when "
           "it is ready)", file=sys.stderr, flush=True)
-    server.run(sockets=[listener])
+    try:
+        server.run(sockets=[listener])
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the Ctrl-C it shut down on: for a server, the normal way out
     if failures:
         raise failures[0]
+    print("q4k serve: stopped", file=sys.stderr)
     return 0
 
 
