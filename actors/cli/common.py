@@ -21,12 +21,11 @@ if TYPE_CHECKING:
 PIPE_WIDTH = 160
 
 
-def add_model_flag(parser: argparse.ArgumentParser) -> None:
+def add_model_flag(
+    parser: argparse.ArgumentParser, default_help: str = "the gemma3-270m default model"
+) -> None:
     parser.add_argument(
-        "--model",
-        metavar="PATH",
-        default=None,
-        help="GGUF model file (default: the gemma3-270m default model)",
+        "--model", metavar="PATH", default=None, help=f"GGUF model file (default: {default_help})"
     )
 
 
