@@ -276,6 +276,7 @@ def test_metrics_count_requests_and_tokens(server: Server, client: openai.OpenAI
 
 
 def test_one_json_log_line_per_http_request(server: Server, raw: httpx.Client) -> None:
+    raw.post("/v1/completions", json={"model": server.model, "prompt": "Hi", "max_tokens": 2})
     raw.get("/v1/models")
     lines = [json.loads(line) for line in server.log.read_text().splitlines()]
     served = [line for line in lines if line["event"] == "http_request"]

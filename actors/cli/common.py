@@ -45,10 +45,11 @@ def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def configure_logging_from(args: argparse.Namespace) -> None:
-    """Logs go to --log-file as JSON lines, else to stderr only when --log-level asks: a verb
-    reports its own errors as one line, which log lines on stderr would only repeat."""
-    level = args.log_level or ("info" if args.log_file else "critical")
+def configure_logging_from(args: argparse.Namespace, default_level: str | None = None) -> None:
+    """Logs go to --log-file as JSON lines, else to stderr only when --log-level (or the verb's
+    `default_level`) asks: a verb reports its own errors as one line, which log lines on stderr
+    would only repeat."""
+    level = args.log_level or default_level or ("info" if args.log_file else "critical")
     try:
         configure_logging(level, args.log_file)
     except OSError as exc:

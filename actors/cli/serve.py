@@ -14,11 +14,12 @@ from actors.cli.common import (
     add_backend_flag,
     add_logging_flags,
     add_model_flag,
+    configure_logging_from,
     model_path_from,
     open_engine,
 )
 from actors.errors import InvalidRequest, Q4KError
-from actors.logs import LEVELS, configure_logging, get_logger
+from actors.logs import LEVELS, get_logger
 
 # Loopback by default: the server has no authentication.
 DEFAULT_HOST = "127.0.0.1"
@@ -92,16 +93,9 @@ def _stop(server: object, failures: list[Q4KError], exc: Q4KError) -> None:
 
 
 def _configure_server_logging(args: argparse.Namespace) -> None:
-    """JSON lines to --log-file, else to stderr, from info up unless --log-level says;
-    uvicorn's own messages join the same stream as `server_log` events."""
-    try:
-        configure_logging(args.log_level or "info", args.log_file,
-                          as_json=True if args.log_file else None)
-    except OSError as exc:
-        raise InvalidRequest(
-            f"--log-file {args.log_file}: cannot write there ({exc.strerror}); pick another path",
-            field="log_file",
-        ) from None
+    """Logs from info up (unless --log-level says) to --log-file or stderr; uvicorn's own
+    messages join the same stream as `server_log` events."""
+    configure_logging_from(args, default_level="info")
     uvicorn_logger = logging.getLogger("uvicorn")
     uvicorn_logger.handlers = [_IntoEvents()]
     uvicorn_logger.setLevel(LEVELS[args.log_level or "info"])
