@@ -315,7 +315,8 @@ def test_overload_is_429_with_retry_after(tight_server: Server) -> None:
                 "model": tight_server.model, "messages": QUESTION})
         finally:
             running.close()
-            _until_idle(http)
+            metrics = _until_idle(http)
+    assert metrics['q4k_requests_total{outcome="overloaded"}'] == 1
     assert refused.status_code == 429
     assert int(refused.headers["Retry-After"]) >= 1
     assert refused.json()["error"]["code"] == "engine_overloaded"

@@ -32,7 +32,7 @@ from actors.errors import (
 )
 from actors.logs import get_logger
 from actors.messages import Chunk
-from actors.serve.metrics import Metrics
+from actors.serve.metrics import Metrics, outcome_of
 from actors.serve.protocol import Generation, chat_generation, completion_generation
 from actors.serve.replies import ChatShape, CompletionsShape, Reply, Shape, error_event
 
@@ -77,8 +77,8 @@ class EngineHost:
         self._stopped.set()
 
 
-class _NotReady(Q4KError):
-    """The model is still loading (or failed to load)."""
+class _NotReady(EngineClosed):
+    """The model is still loading (or failed to load): the engine is not open yet."""
 
 
 class _UnknownModel(InvalidRequest):
@@ -105,7 +105,7 @@ def error_status(exc: Q4KError) -> tuple[int, dict[str, Any]]:
                                "template_error")
     if isinstance(exc, EngineOverloaded):
         return 429, error_body(str(exc), "rate_limit_error", None, "engine_overloaded")
-    if isinstance(exc, (_NotReady, EngineClosed)):
+    if isinstance(exc, EngineClosed):
         return 503, error_body(str(exc), "server_error", None, "model_not_ready")
     return 500, error_body(str(exc), "server_error", None, "compute_error")
 
@@ -118,16 +118,6 @@ def error_response(exc: Q4KError) -> Response:
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(msgspec.json.encode(body), status, headers, media_type="application/json")
-
-
-OUTCOME_OF_ERROR = (
-    (InvalidRequest, "invalid"), (TemplateError, "invalid"),
-    (EngineOverloaded, "overloaded"), (_NotReady, "unavailable"), (EngineClosed, "unavailable"),
-)
-
-
-def outcome_of(exc: Q4KError) -> str:
-    return next((name for kind, name in OUTCOME_OF_ERROR if isinstance(exc, kind)), "failed")
 
 
 async def cancel_on_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -> T | None:
@@ -237,46 +227,40 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, ChatShape())
 
-    async def _generate(self, request: Request, shape: Shape) -> Response:
+    async def _generate(self, request: Request, shape: Shape) -> Response | EventStream:
         try:
             engine = self._engine()
-            body = await request.body()
-            if isinstance(shape, ChatShape):
-                generation = chat_generation(body, engine.context_length)
-            else:
-                generation = completion_generation(body)
-            if generation.model != self.model_name:
-                raise _UnknownModel(
-                    f"the model {generation.model!r} does not exist here; this server serves "
-                    f"{self.model_name!r} (GET /v1/models)", field="model")
+            generation = await self._generation(request, shape, engine)
             chunks = self._start(engine, generation)
-            reply = Reply(shape, model=self.model_name,
-                          want_logprobs=generation.params.logprobs is not None,
-                          include_usage=generation.include_usage,
-                          token_text=lambda token: engine.detokenize([token]),
-                          on_end=self._count_end)
-            if generation.stream:
-                return await self._stream(request, reply, chunks)
-            whole = await cancel_on_disconnect(request.receive, lambda: reply.whole(chunks))
-            return CLIENT_LEFT if whole is None else json_response(whole)
         except Q4KError as exc:
             self.metrics.count(outcome_of(exc))
             return error_response(exc)
-
-    async def _stream(self, request: Request, reply: Reply,
-                      chunks: AsyncIterator[Chunk]) -> Response | EventStream:
-        """Wait for the first token before answering 200, so that admission and compute errors
-        still get their own status codes."""
+        reply = Reply(shape, model=self.model_name,
+                      want_logprobs=generation.params.logprobs is not None,
+                      include_usage=generation.include_usage,
+                      token_text=lambda token: engine.detokenize([token]),
+                      count=self.metrics.count)
         try:
-            first = await cancel_on_disconnect(request.receive, lambda: anext(chunks))
-        except Q4KError:
+            if generation.stream:
+                first = await cancel_on_disconnect(request.receive, lambda: reply.first(chunks))
+                return CLIENT_LEFT if first is None else EventStream(reply.events(first, chunks))
+            whole = await cancel_on_disconnect(request.receive, lambda: reply.whole(chunks))
+        except Q4KError as exc:  # the reply counted it
             await chunks.aclose()
-            raise
-        if first is None:  # the client left during prefill
-            await chunks.aclose()
-            self.metrics.count("cancelled")
-            return CLIENT_LEFT
-        return EventStream(reply.events(first, chunks))
+            return error_response(exc)
+        return CLIENT_LEFT if whole is None else json_response(whole)
+
+    async def _generation(self, request: Request, shape: Shape, engine: Engine) -> Generation:
+        body = await request.body()
+        if isinstance(shape, ChatShape):
+            generation = chat_generation(body, engine.context_length)
+        else:
+            generation = completion_generation(body)
+        if generation.model != self.model_name:
+            raise _UnknownModel(
+                f"the model {generation.model!r} does not exist here; this server serves "
+                f"{self.model_name!r} (GET /v1/models)", field="model")
+        return generation
 
     def _start(self, engine: Engine, generation: Generation) -> AsyncIterator[Chunk]:
         if generation.messages is not None:
@@ -288,13 +272,6 @@ class OpenAIServer:
         if engine is None:
             raise _NotReady("the model is still loading; retry shortly (GET /health says when)")
         return engine
-
-    def _count_end(self, last: Chunk | None) -> None:
-        if last is None:
-            self.metrics.count("cancelled")
-        else:
-            self.metrics.count("length" if last.finish_reason == "context" else
-                               last.finish_reason, last.usage)
 
 
 async def _not_found(request: Request, exc: HTTPException) -> Response:

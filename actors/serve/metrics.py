@@ -5,10 +5,28 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 
+from actors.errors import (
+    EngineClosed,
+    EngineOverloaded,
+    InvalidRequest,
+    Q4KError,
+    TemplateError,
+)
 from actors.messages import EngineStats, Usage
 
 # How a generation request ended; every outcome is always exported, so its series exists at 0.
 OUTCOMES = ("stop", "length", "cancelled", "invalid", "overloaded", "failed", "unavailable")
+_OUTCOME_OF_ERROR = (
+    (InvalidRequest, "invalid"),
+    (TemplateError, "invalid"),
+    (EngineOverloaded, "overloaded"),
+    (EngineClosed, "unavailable"),
+)
+
+
+def outcome_of(error: Q4KError) -> str:
+    """The outcome a request that raised `error` counts under ("failed": a compute error)."""
+    return next((name for kind, name in _OUTCOME_OF_ERROR if isinstance(error, kind)), "failed")
 
 
 class Metrics:

@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing, contextmanager
 from typing import Any
 
 import msgspec
 
-from actors.errors import EngineClosed
+from actors.errors import EngineClosed, Q4KError
 from actors.messages import Chunk, Usage
+from actors.serve.metrics import outcome_of
 
 # The engine's finish reasons as the OpenAI API names them: running out of context is `length`.
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}
 DONE_EVENT = b"data: [DONE]\n\n"
 
 TokenText = Callable[[int], str]
+CountOutcome = Callable[[str, Usage | None], None]
 
 
 class CompletionsShape:
@@ -101,11 +103,11 @@ def usage_object(usage: Usage) -> dict[str, Any]:
 
 
 class Reply:
-    """One request's response: `whole(chunks)` or `events(first, chunks)`. `on_end` hears how
-    it ended: the last chunk (finished), or None (cancelled or failed)."""
+    """One request's response: `whole(chunks)`, or `first(chunks)` then `events(...)`. Each
+    request's outcome is counted once: its finish reason, the error it raised, or `cancelled`."""
 
     def __init__(self, shape: Shape, *, model: str, want_logprobs: bool, include_usage: bool,
-                 token_text: TokenText, on_end: Callable[[Chunk | None], None]) -> None:
+                 token_text: TokenText, count: CountOutcome) -> None:
         self.shape = shape
         self.id = shape.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
@@ -113,35 +115,38 @@ class Reply:
         self._want_logprobs = want_logprobs
         self._include_usage = include_usage
         self._token_text = token_text
-        self._on_end = on_end
+        self._count = count
 
     async def whole(self, chunks: AsyncIterator[Chunk]) -> dict[str, Any]:
         """The whole response object, once the answer is complete."""
         texts: list[str] = []
         scored: list[Chunk] = []
         last: Chunk | None = None
-        try:
+        with self._counting_failures():
             async with aclosing(chunks):
                 async for last in chunks:
                     texts.append(last.text)
                     scored += self._scored(last)
-        finally:
-            self._on_end(last if last is not None and last.finish_reason else None)
-        if last is None or last.finish_reason is None:
-            raise EngineClosed("the answer ended without a finish reason")
-        logprobs = self._logprobs(scored, 0)
-        choice = self.shape.choice("".join(texts), logprobs, FINISH_REASONS[last.finish_reason])
+            if last is None or last.finish_reason is None:
+                raise EngineClosed("the answer ended without a finish reason")
+        finish = self._finished(last)
+        choice = self.shape.choice("".join(texts), self._logprobs(scored, 0), finish)
         return {**self._head(self.shape.object), "choices": [choice],
                 "usage": usage_object(last.usage)}
+
+    async def first(self, chunks: AsyncIterator[Chunk]) -> Chunk:
+        """The first chunk, taken before a stream answers 200 (so that admission and compute
+        errors still get their own status codes)."""
+        with self._counting_failures():
+            return await anext(chunks)
 
     async def events(self, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
         """Server-sent events: one per chunk that carries text or logprobs, the finish, the
         usage when asked for, then `[DONE]`. `first` was already taken from `chunks`."""
         offset = 0
-        chunk: Chunk | None = None
-        try:
+        chunk = first
+        with self._counting_failures():
             async with aclosing(chunks):
-                chunk = first
                 is_first = True
                 while True:
                     finish = FINISH_REASONS.get(chunk.finish_reason or "")
@@ -156,12 +161,30 @@ class Reply:
                     if finish:
                         break
                     chunk = await anext(chunks)
-        finally:
-            self._on_end(chunk if chunk is not None and chunk.finish_reason else None)
+        self._finished(chunk)
         if self._include_usage:
             yield self._event({**self._head(self.shape.chunk_object), "choices": [],
                                "usage": usage_object(chunk.usage)})
         yield DONE_EVENT
+
+    @contextmanager
+    def _counting_failures(self) -> Iterator[None]:
+        """Count a project error under its outcome, anything else (a cancelled task, a closed
+        generator: the client left) as cancelled; then let it go on."""
+        try:
+            yield
+        except Q4KError as error:
+            self._count(outcome_of(error), None)
+            raise
+        except BaseException:
+            self._count("cancelled", None)
+            raise
+
+    def _finished(self, last: Chunk) -> str:
+        """Count a finished answer; its finish reason as OpenAI names it."""
+        finish = FINISH_REASONS[last.finish_reason]
+        self._count(finish, last.usage)
+        return finish
 
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
