@@ -161,7 +161,7 @@ def _one_prompt(prompt: str | list[Any]) -> str | list[int]:
     """A text or token-id prompt; a batch of one is unwrapped, larger batches are refused."""
     if isinstance(prompt, str) or all(_is_token_id(token) for token in prompt):
         return prompt
-    if len(prompt) == 1 and (isinstance(prompt[0], str) or isinstance(prompt[0], list)):
+    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         return _one_prompt(prompt[0])
     raise InvalidRequest(
         "prompt must be a string or a list of token ids (one prompt per request)", field="prompt"
