@@ -345,5 +345,7 @@ def test_serve_errors_are_one_line(tiny_model_paths: dict[str, Path], tmp_path: 
                           "absent.gguf")
     tiny = str(tiny_model_paths["llama-q4k-tiny"])
     assert_one_line_error(run_q4k("serve", "--model", tiny, "--port", "70000"), "--port")
+    assert_one_line_error(run_q4k("serve", "--model", tiny, "--max-sequences", "0"),
+                          "--max-sequences", "at least 1")
     assert_one_line_error(run_q4k("serve", "--model", tiny, "--host", "256.1.1.1"),
                           "cannot listen on 256.1.1.1")

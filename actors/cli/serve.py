@@ -9,17 +9,22 @@ import socket
 import sys
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from actors.cli.common import (
     add_backend_flag,
     add_logging_flags,
     add_model_flag,
+    at_least,
     configure_logging_from,
     model_path_from,
     open_engine,
 )
 from actors.errors import InvalidRequest, Q4KError
 from actors.logs import LEVELS, get_logger
+
+if TYPE_CHECKING:
+    import uvicorn
 
 # Loopback by default: the server has no authentication.
 DEFAULT_HOST = "127.0.0.1"
@@ -44,9 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"port to listen on (default {DEFAULT_PORT}; 0 = any free port)")
     parser.add_argument("--served-model-name", metavar="NAME", default=None,
                         help="the model id clients send (default: the model file's name)")
-    parser.add_argument("--max-sequences", type=int, default=64, metavar="N",
+    parser.add_argument("--max-sequences", type=at_least(1), default=64, metavar="N",
                         help="requests decoding at once (default 64)")
-    parser.add_argument("--max-queued", type=int, default=256, metavar="N",
+    parser.add_argument("--max-queued", type=at_least(0), default=256, metavar="N",
                         help="requests waiting beyond those; more get 429 (default 256)")
     add_logging_flags(parser)
     parser.set_defaults(handler=_serve)
@@ -87,9 +92,10 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stop(server: object, failures: list[Q4KError], exc: Q4KError) -> None:
+def _stop(server: uvicorn.Server, failures: list[Q4KError], exc: Q4KError) -> None:
+    """The engine could not open: stop serving, and report why once uvicorn is down."""
     failures.append(exc)
-    server.should_exit = True  # type: ignore[attr-defined]
+    server.should_exit = True
 
 
 def _configure_server_logging(args: argparse.Namespace) -> None:
