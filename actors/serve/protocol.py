@@ -116,7 +116,12 @@ def chat_generation(body: bytes, context_length: int) -> Generation:
         (m for m in (request.max_completion_tokens, request.max_tokens) if m is not None),
         context_length,  # up to the end of the context, as OpenAI does without a limit
     )
-    return _generation(request, max_tokens, logprobs, messages=_chat_messages(request.messages))
+    # A bad value is named as the client spelled it.
+    renamed = {"logprobs": "top_logprobs"}
+    if request.max_completion_tokens is not None:
+        renamed["max_tokens"] = "max_completion_tokens"
+    return _generation(request, max_tokens, logprobs, messages=_chat_messages(request.messages),
+                       renamed=renamed)
 
 
 def _generation(
@@ -126,6 +131,7 @@ def _generation(
     *,
     prompt: str | list[int] | None = None,
     messages: list[dict[str, str]] | None = None,
+    renamed: dict[str, str] | None = None,
 ) -> Generation:
     if request.n not in (None, 1):
         raise InvalidRequest(f"n must be 1 (one choice per request), got {request.n}", field="n")
@@ -133,12 +139,18 @@ def _generation(
         raise InvalidRequest("logit_bias is not supported", field="logit_bias")
     given = {name: getattr(request, name) for name in SAMPLING_FIELDS}
     stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
-    params = SamplingParams(
-        **{name: value for name, value in given.items() if value is not None},
-        max_tokens=max_tokens,
-        stop=tuple(stop),
-        logprobs=logprobs,
-    )
+    try:
+        params = SamplingParams(
+            **{name: value for name, value in given.items() if value is not None},
+            max_tokens=max_tokens,
+            stop=tuple(stop),
+            logprobs=logprobs,
+        )
+    except InvalidRequest as error:
+        field = (renamed or {}).get(error.field, error.field)
+        if field == error.field:
+            raise
+        raise InvalidRequest(f"{field}: {error}", field=field) from None
     options = request.stream_options
     return Generation(
         model=request.model,
