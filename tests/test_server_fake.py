@@ -8,6 +8,7 @@ import json
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from functools import partial
 
 import anyio
 import httpx
@@ -135,5 +136,24 @@ async def test_a_disconnect_drops_the_sequence_after_the_step_in_flight() -> Non
         cancelled = await metric(client, 'q4k_requests_total{outcome="cancelled"}')
     # The steps run meanwhile: the one in flight at the close, and at most one the scheduler
     # built before the disconnect reached it; never the remaining ~200.
+    assert len(backend.steps) - steps_before_close <= 2
+    assert cancelled == 1
+
+
+async def test_a_disconnect_cancels_a_whole_answer_too() -> None:
+    backend = CountingBackend(step_seconds=0.02)
+    async with serving(lambda: open_fake(backend)) as client:
+        await until_ready(client)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+        async with anyio.create_task_group() as tasks:
+            async with httpx.AsyncClient(base_url=str(client.base_url)) as leaving:
+                tasks.start_soon(partial(leaving.post, "/v1/completions", json=body))
+                while len(backend.steps) < 3:  # it is decoding
+                    await anyio.sleep(0.01)
+                tasks.cancel_scope.cancel()  # the client gives up: its connection closes
+        steps_before_close = len(backend.steps)
+        while await metric(client, "q4k_requests_running"):
+            await anyio.sleep(0.01)
+        cancelled = await metric(client, 'q4k_requests_total{outcome="cancelled"}')
     assert len(backend.steps) - steps_before_close <= 2
     assert cancelled == 1
