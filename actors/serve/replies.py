@@ -154,7 +154,7 @@ class Reply:
                     if chunk.text or scored or finish or is_first:
                         logprobs = self._logprobs(scored, offset)
                         choice = self.shape.delta(chunk.text, logprobs, finish, is_first)
-                        yield self._event({**self._head(self.shape.chunk_object),
+                        yield sse_event({**self._head(self.shape.chunk_object),
                                            "choices": [choice], **self._no_usage()})
                     offset += len(chunk.text)
                     is_first = False
@@ -163,7 +163,7 @@ class Reply:
                     chunk = await anext(chunks)
         self._finished(chunk)
         if self._include_usage:
-            yield self._event({**self._head(self.shape.chunk_object), "choices": [],
+            yield sse_event({**self._head(self.shape.chunk_object), "choices": [],
                                "usage": usage_object(chunk.usage)})
         yield DONE_EVENT
 
@@ -202,11 +202,11 @@ class Reply:
             return None
         return self.shape.logprobs(scored, self._token_text, offset)
 
-    @staticmethod
-    def _event(payload: dict[str, Any]) -> bytes:
-        return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 def error_event(payload: dict[str, Any]) -> bytes:
     """An error after the stream started: one event with OpenAI's error object, then done."""
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n" + DONE_EVENT
+    return sse_event(payload) + DONE_EVENT
