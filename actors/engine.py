@@ -372,7 +372,8 @@ class Engine:
         template: str | None = None,
     ) -> AsyncIterator[Chunk]:
         """Stream the assistant's answer to `messages`, rendered with the model's chat template
-        (or `template`, a Jinja source run in a sandbox).
+        (or `template`, a Jinja source run in a sandbox). Roles: `actors.model.chat.CHAT_ROLES`;
+        others raise InvalidRequest.
 
         Bad messages, params or a template that is not a string raise at once; the template
         renders in a worker thread within a time and size bound, so its errors (TemplateError,
@@ -423,6 +424,7 @@ class Engine:
             steps=self._scheduler.steps,
             tokens=self._scheduler.tokens,
             bytes_from_compute=self._scheduler.bytes_from_compute,
+            last_step_s=self._scheduler.last_step_s,
         )
 
     # --- checks at the door ---------------------------------------------------------------

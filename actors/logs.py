@@ -2,12 +2,13 @@
 
 The package never touches structlog's global configuration (the embedding application may
 own it): our loggers are wrapped privately and write to the destination chosen by
-`configure_logging`. Until it is called, only warnings and errors go to stderr, so nothing the
-library does ever prints to stdout.
+`configure_logging`, or hand their events to the standard `logging` module after
+`log_to_stdlib()`. Until the application chooses one of them, the library is silent.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -25,14 +26,16 @@ LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 
 @dataclass
 class _Destination:
-    stream: TextIO
+    stream: TextIO | None  # None: records of the standard logging module
     level: int
     as_json: bool
     owns_stream: bool
 
 
 _lock = threading.Lock()
-_destination = _Destination(stream=sys.stderr, level=LEVELS["warning"], as_json=False, owns_stream=False)
+# Until the application configures logging: nothing, not even errors (they are raised anyway).
+_destination = _Destination(stream=None, level=LEVELS["critical"] + 1, as_json=True,
+                            owns_stream=False)
 _json_renderer = structlog.processors.JSONRenderer(sort_keys=False)
 _console_renderer = structlog.dev.ConsoleRenderer(colors=False)
 
@@ -47,6 +50,18 @@ def configure_logging(
     None for stderr) from `level` up. `as_json=None` picks JSON lines unless the stream is a
     terminal."""
     previous = _swap_destination(_open_destination(level, destination, as_json))
+    if previous.owns_stream:
+        previous.stream.close()
+
+
+def log_to_stdlib() -> None:
+    """Hand every event to the standard `logging` module: a record of the logger named after
+    the event's source (`actors.engine`, `actors.session`, ...) at the event's level, whose
+    message is the event as one JSON object (also in the record's `event_dict` attribute).
+    Which records are kept, and where they go, is then the application's logging setup."""
+    previous = _swap_destination(
+        _Destination(stream=None, level=LEVELS["debug"], as_json=True, owns_stream=False)
+    )
     if previous.owns_stream:
         previous.stream.close()
 
@@ -97,33 +112,63 @@ def _swap_destination(new: _Destination) -> _Destination:
     return previous
 
 
-def _drop_below_level(_logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
-    if LEVELS.get(method, 20) < _destination.level:
+def _drop_below_level(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
+    level = LEVELS.get(method, LEVELS["info"])
+    destination = _destination
+    if level < destination.level or (
+        destination.stream is None and not logging.getLogger(logger.name).isEnabledFor(level)
+    ):
         raise structlog.DropEvent
     return event
 
 
-def _render(logger: WrappedLogger, method: str, event: EventDict) -> str:
+def _render(
+    logger: WrappedLogger, method: str, event: EventDict
+) -> tuple[tuple[str], dict[str, EventDict]]:
+    """The line, and the event itself for the standard logging module's records (structlog
+    passes a final (args, kwargs) pair to the writer's method)."""
     renderer = _json_renderer if _destination.as_json else _console_renderer
-    return renderer(logger, method, event)
+    return (renderer(logger, method, dict(event)),), {"event_dict": event}
 
 
 class _Writer:
     """The wrapped logger: writes each rendered line to the current destination."""
 
-    def msg(self, line: str) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _write(self, level: str, line: str, event: EventDict) -> None:
         with _lock:
             stream = _destination.stream
-            stream.write(line + "\n")
-            stream.flush()
+            if stream is not None:
+                stream.write(line + "\n")
+                stream.flush()
+                return
+        logging.getLogger(self.name).log(LEVELS[level], line, extra={"event_dict": event})
 
-    debug = info = warning = error = critical = exception = msg
+    def debug(self, line: str, event_dict: EventDict) -> None:
+        self._write("debug", line, event_dict)
+
+    def info(self, line: str, event_dict: EventDict) -> None:
+        self._write("info", line, event_dict)
+
+    def warning(self, line: str, event_dict: EventDict) -> None:
+        self._write("warning", line, event_dict)
+
+    def error(self, line: str, event_dict: EventDict) -> None:
+        self._write("error", line, event_dict)
+
+    def critical(self, line: str, event_dict: EventDict) -> None:
+        self._write("critical", line, event_dict)
+
+    msg = info
+    exception = error
 
 
 def get_logger(name: str, **bound: Any) -> Any:
     """A structlog logger for the package, with `bound` values on every event."""
     return structlog.wrap_logger(
-        _Writer(),
+        _Writer(name),
         processors=[
             _drop_below_level,
             structlog.processors.add_log_level,

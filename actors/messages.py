@@ -102,3 +102,4 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     # What crossed from the compute actor to the host for token choice: candidates, and the
     # whole rows the sampler asked for.
     bytes_from_compute: int = 0
+    last_step_s: float = 0.0  # wall time of the latest forward step

@@ -98,7 +98,7 @@ class SamplingParams(
             return msgspec.convert(data, cls)
         except msgspec.ValidationError as error:
             raise InvalidRequest(
-                f"invalid sampling parameters: {error}", field=_field_of(error) or "params"
+                f"invalid sampling parameters: {error}", field=field_of(error) or "params"
             ) from None
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -214,7 +214,7 @@ _PATH_FIELD = re.compile(r"at `\$\.(\w+)")
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
 
 
-def _field_of(error: msgspec.ValidationError) -> str | None:
+def field_of(error: msgspec.ValidationError) -> str | None:
     """The top-level field a msgspec error points at (`... - at `$.top_k``)."""
     found = _PATH_FIELD.search(str(error)) or _UNKNOWN_FIELD.search(str(error))
     return found.group(1) if found else None

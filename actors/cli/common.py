@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,12 +23,26 @@ if TYPE_CHECKING:
 PIPE_WIDTH = 160
 
 
-def add_model_flag(parser: argparse.ArgumentParser) -> None:
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= `minimum`."""
+
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
+        return value
+
+    return whole_number
+
+
+def add_model_flag(
+    parser: argparse.ArgumentParser, default_help: str = "the gemma3-270m default model"
+) -> None:
     parser.add_argument(
-        "--model",
-        metavar="PATH",
-        default=None,
-        help="GGUF model file (default: the gemma3-270m default model)",
+        "--model", metavar="PATH", default=None, help=f"GGUF model file (default: {default_help})"
     )
 
 
@@ -47,10 +62,11 @@ def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def configure_logging_from(args: argparse.Namespace) -> None:
-    """Logs go to --log-file as JSON lines, else to stderr only when --log-level asks: a verb
-    reports its own errors as one line, which log lines on stderr would only repeat."""
-    level = args.log_level or ("info" if args.log_file else "critical")
+def configure_logging_from(args: argparse.Namespace, default_level: str | None = None) -> None:
+    """Logs go to --log-file as JSON lines, else to stderr only when --log-level (or the verb's
+    `default_level`) asks: a verb reports its own errors as one line, which log lines on stderr
+    would only repeat."""
+    level = args.log_level or default_level or ("info" if args.log_file else "critical")
     try:
         configure_logging(level, args.log_file)
     except OSError as exc:

@@ -18,6 +18,7 @@ from actors.cli.common import (
     open_engine,
     sampling_params_from,
 )
+from actors.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from actors.messages import Chunk
@@ -45,6 +46,9 @@ def _generate(args: argparse.Namespace) -> int:
     configure_logging_from(args)
     params = sampling_params_from(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:  # checked here, before the model spends seconds loading
+        raise InvalidRequest("the prompt is empty: give some text, or '-' to read it from stdin",
+                             field="prompt")
     return anyio.run(_run, args, prompt, params)
 
 

@@ -423,14 +423,25 @@ def _checkpoint() -> None:
     """A Python-level call: the interpreter raises a pending injected exception on entry."""
 
 
+# The roles chat templates know; any other is most likely a typo the template would render.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def check_messages(messages: Any) -> None:
-    """Raise `InvalidRequest` unless `messages` is a non-empty list of dicts with a role."""
+    """Raise `InvalidRequest` unless `messages` is a non-empty list of dicts, each with one of
+    CHAT_ROLES."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list of dicts", field="messages")
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise InvalidRequest(
                 f"messages[{index}] must be a dict with a string 'role'", field="messages"
+            )
+        if message["role"] not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"messages[{index}] has the role {message['role']!r}; the roles are "
+                f"{', '.join(CHAT_ROLES)}",
+                field="messages",
             )
 
 

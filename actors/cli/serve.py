@@ -1,0 +1,142 @@
+"""`q4k serve`: the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+/health, /metrics) over one engine, on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from actors.cli.common import (
+    add_backend_flag,
+    add_logging_flags,
+    add_model_flag,
+    at_least,
+    configure_logging_from,
+    model_path_from,
+    open_engine,
+)
+from actors.errors import InvalidRequest, Q4KError
+from actors.logs import LEVELS, get_logger
+
+if TYPE_CHECKING:
+    import uvicorn
+
+# Loopback by default: the server has no authentication.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the model over the OpenAI HTTP API",
+        description="Serve the model over the OpenAI HTTP API: POST /v1/completions and "
+        "/v1/chat/completions (streaming or not), GET /v1/models, /health (503 until the model "
+        "is loaded) and /metrics (Prometheus). Logs are JSON lines, one `http_request` line "
+        "per request plus the engine's events, on stderr or --log-file. Needs "
+        "pip install 'q4k-actors[serve]'.",
+    )
+    add_model_flag(parser)
+    add_backend_flag(parser)
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help=f"address to listen on (default {DEFAULT_HOST}: this machine only)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help=f"port to listen on (default {DEFAULT_PORT}; 0 = any free port)")
+    parser.add_argument("--served-model-name", metavar="NAME", default=None,
+                        help="the model id clients send (default: the model file's name)")
+    parser.add_argument("--max-sequences", type=at_least(1), default=64, metavar="N",
+                        help="requests decoding at once (default 64)")
+    parser.add_argument("--max-queued", type=at_least(0), default=256, metavar="N",
+                        help="requests waiting beyond those; more get 429 (default 256)")
+    add_logging_flags(parser)
+    parser.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from actors.serve.app import build_app
+    except ImportError as exc:
+        raise InvalidRequest(
+            f"the server needs the `serve` extra ({exc.name} is missing): "
+            "pip install 'q4k-actors[serve]'"
+        ) from None
+    _configure_server_logging(args)
+    model = _checked_model(args)
+    listener = _listen(args.host, args.port)
+    failures: list[Q4KError] = []
+    config = uvicorn.Config(
+        build_app(partial(open_engine, args, max_sequences=args.max_sequences,
+                          max_queued=args.max_queued),
+                  args.served_model_name or model.stem,
+                  on_failure=lambda exc: _stop(server, failures, exc)),
+        log_config=None, access_log=False, lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    host, port = listener.getsockname()[:2]
+    print(f"q4k serve: {model.name} on http://{host}:{port}/v1 (loading; GET /health says when "
+          "it is ready)", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[listener])
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the Ctrl-C it shut down on: for a server, the normal way out
+    if failures:
+        raise failures[0]
+    print("q4k serve: stopped", file=sys.stderr)
+    return 0
+
+
+def _stop(server: uvicorn.Server, failures: list[Q4KError], exc: Q4KError) -> None:
+    """The engine could not open: stop serving, and report why once uvicorn is down."""
+    failures.append(exc)
+    server.should_exit = True
+
+
+def _configure_server_logging(args: argparse.Namespace) -> None:
+    """Logs from info up (unless --log-level says) to --log-file or stderr; uvicorn's own
+    messages join the same stream as `server_log` events."""
+    configure_logging_from(args, default_level="info")
+    uvicorn_logger = logging.getLogger("uvicorn")
+    uvicorn_logger.handlers = [_IntoEvents()]
+    uvicorn_logger.setLevel(LEVELS[args.log_level or "info"])
+    uvicorn_logger.propagate = False
+
+
+class _IntoEvents(logging.Handler):
+    """A standard-logging handler writing each record as a `server_log` event."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        method = record.levelname.lower() if record.levelname.lower() in LEVELS else "info"
+        getattr(get_logger(record.name), method)("server_log", message=record.getMessage())
+
+
+def _checked_model(args: argparse.Namespace) -> Path:
+    """The model path, its header read before anything starts (a bad file fails here)."""
+    from actors.model.gguf import open_gguf
+
+    path = model_path_from(args)
+    with open_gguf(path):
+        return path
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket, bound before the model loads so a taken port fails at once."""
+    if not 0 <= port <= 65535:
+        raise InvalidRequest(f"--port must be in 0..65535, got {port}", field="port")
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(info[0], socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(info[4])
+        listener.listen(2048)
+    except OSError as exc:
+        raise InvalidRequest(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}", field="port"
+        ) from None
+    return listener

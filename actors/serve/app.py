@@ -1,0 +1,314 @@
+"""The ASGI app of `q4k serve`: the OpenAI HTTP API over one engine (Starlette).
+
+The engine opens in the background once the server runs, so `/health` answers 503 while the
+model loads and 200 after. Each generation request runs in its HTTP request's task and races
+the client's disconnect: a client that goes away cancels its request at once, which drops its
+sequence from the next step. Errors are OpenAI's JSON error objects, never a traceback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from actors.errors import (
+    ContextLengthExceeded,
+    EngineClosed,
+    EngineOverloaded,
+    InvalidRequest,
+    Q4KError,
+    TemplateError,
+)
+from actors.logs import get_logger
+from actors.messages import Chunk
+from actors.serve.metrics import Metrics, outcome_of
+from actors.serve.protocol import Generation, chat_generation, completion_generation
+from actors.serve.replies import ChatShape, CompletionsShape, Reply, Shape, error_event
+
+if TYPE_CHECKING:
+    from actors.engine import Engine
+
+T = TypeVar("T")
+# What a client should wait before retrying an overloaded or still-loading server.
+RETRY_AFTER_S = 1
+# What a request whose client disconnected answers (nginx's 499; nobody reads it).
+CLIENT_LEFT = Response(status_code=499)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+OpenEngine = Callable[[], AbstractAsyncContextManager["Engine"]]
+
+
+class EngineHost:
+    """Opens the engine in the background and holds it until the app stops; a load that fails
+    is logged and handed to `on_failure` (the CLI stops the server with it)."""
+
+    def __init__(self, open_engine: OpenEngine,
+                 on_failure: Callable[[Q4KError], None] | None = None) -> None:
+        self.engine: Engine | None = None
+        self._open_engine = open_engine
+        self._on_failure = on_failure
+        self._stopped = anyio.Event()
+        self._log = get_logger("actors.server")
+
+    async def run(self) -> None:
+        try:
+            async with self._open_engine() as engine:
+                self.engine = engine
+                await self._stopped.wait()
+        except Q4KError as exc:
+            self._log.error("engine_failed", error=str(exc))
+            if self._on_failure is not None:
+                self._on_failure(exc)
+        finally:
+            self.engine = None
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+class _NotReady(EngineClosed):
+    """The model is still loading (or failed to load): the engine is not open yet."""
+
+
+class _UnknownModel(InvalidRequest):
+    """The request names a model this server does not serve."""
+
+
+def error_body(message: str, kind: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_status(exc: Q4KError) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error object for a project error."""
+    param = getattr(exc, "field", None)
+    if isinstance(exc, ContextLengthExceeded):
+        return 400, error_body(str(exc), "invalid_request_error", param,
+                               "context_length_exceeded")
+    if isinstance(exc, _UnknownModel):
+        return 404, error_body(str(exc), "invalid_request_error", "model", "model_not_found")
+    if isinstance(exc, InvalidRequest):
+        return 400, error_body(str(exc), "invalid_request_error", param)
+    if isinstance(exc, TemplateError):
+        return 400, error_body(str(exc), "invalid_request_error", "messages",
+                               "template_error")
+    if isinstance(exc, EngineOverloaded):
+        return 429, error_body(str(exc), "rate_limit_error", None, "engine_overloaded")
+    if isinstance(exc, EngineClosed):
+        return 503, error_body(str(exc), "server_error", None, "model_not_ready")
+    return 500, error_body(str(exc), "server_error", None, "compute_error")
+
+
+def error_response(exc: Q4KError) -> Response:
+    status, body = error_status(exc)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return json_response(body, status, headers)
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(body), status, headers, media_type="application/json")
+
+
+async def cancel_on_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -> T | None:
+    """Run `work` until it ends, or until the client disconnects: then cancel it and return
+    None. Call it once the request body has been read (later messages can only be the end)."""
+    results: list[T] = []
+    errors: list[BaseException] = []
+    async with anyio.create_task_group() as tasks:
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            tasks.cancel_scope.cancel()
+
+        tasks.start_soon(watch)
+        try:
+            results.append(await work())
+        except Exception as exc:  # re-raised bare below, not inside an ExceptionGroup
+            errors.append(exc)
+        tasks.cancel_scope.cancel()
+    if errors:
+        raise errors[0]
+    return results[0] if results else None
+
+
+class EventStream:
+    """A server-sent-events response that stops (closing `events`) when the client leaves,
+    whatever the ASGI server's spec version; a project error mid-stream becomes an error event."""
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        headers += [(k.lower().encode(), v.encode()) for k, v in SSE_HEADERS.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+        async def pump() -> None:
+            async with aclosing(self._events) as events:
+                try:
+                    async for event in events:
+                        await send({"type": "http.response.body", "body": event, "more_body": True})
+                except Q4KError as exc:
+                    event = error_event(error_status(exc)[1])
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await cancel_on_disconnect(receive, pump)
+
+
+class AccessLog:
+    """One `http_request` log line per request: method, path, status, duration."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._log = get_logger("actors.server")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 0
+
+        async def send_noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            client = scope.get("client") or ("", 0)
+            self._log.info("http_request", method=scope["method"], path=scope["path"],
+                           status=status or 500, client=f"{client[0]}:{client[1]}",
+                           ms=round((time.perf_counter() - started) * 1000.0, 3))
+
+
+class OpenAIServer:
+    """The endpoints, over one `EngineHost`."""
+
+    def __init__(self, host: EngineHost, model_name: str) -> None:
+        self.host = host
+        self.model_name = model_name
+        self.metrics = Metrics()
+        self.started = int(time.time())
+
+    async def health(self, request: Request) -> Response:
+        if self.host.engine is None:
+            return error_response(_NotReady("the model is loading"))
+        return json_response({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        model = {"id": self.model_name, "object": "model", "created": self.started,
+                 "owned_by": "q4k-actors"}
+        return json_response({"object": "list", "data": [model]})
+
+    async def metrics_text(self, request: Request) -> Response:
+        engine = self.host.engine
+        text = self.metrics.render(engine.stats() if engine is not None else None)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, CompletionsShape())
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, ChatShape())
+
+    async def _generate(self, request: Request, shape: Shape) -> Response | EventStream:
+        try:
+            engine = self._engine()
+            generation = await self._generation(request, shape, engine)
+            chunks = self._start(engine, generation)
+        except Q4KError as exc:
+            self.metrics.count(outcome_of(exc))
+            return error_response(exc)
+        reply = Reply(shape, model=self.model_name,
+                      want_logprobs=generation.params.logprobs is not None,
+                      include_usage=generation.include_usage,
+                      token_text=lambda token: engine.detokenize([token]),
+                      count=self.metrics.count)
+        try:
+            if generation.stream:
+                first = await cancel_on_disconnect(request.receive, lambda: reply.first(chunks))
+                return CLIENT_LEFT if first is None else EventStream(reply.events(first, chunks))
+            whole = await cancel_on_disconnect(request.receive, lambda: reply.whole(chunks))
+        except Q4KError as exc:  # the reply counted it
+            await chunks.aclose()
+            return error_response(exc)
+        return CLIENT_LEFT if whole is None else json_response(whole)
+
+    async def _generation(self, request: Request, shape: Shape, engine: Engine) -> Generation:
+        body = await request.body()
+        if isinstance(shape, ChatShape):
+            generation = chat_generation(body, engine.context_length)
+        else:
+            generation = completion_generation(body)
+        if generation.model != self.model_name:
+            raise _UnknownModel(
+                f"the model {generation.model!r} does not exist here; this server serves "
+                f"{self.model_name!r} (GET /v1/models)", field="model")
+        return generation
+
+    def _start(self, engine: Engine, generation: Generation) -> AsyncIterator[Chunk]:
+        if generation.messages is not None:
+            return engine.chat(generation.messages, generation.params)
+        return engine.generate(generation.prompt, generation.params)
+
+    def _engine(self) -> Engine:
+        engine = self.host.engine
+        if engine is None:
+            raise _NotReady("the model is still loading; retry shortly (GET /health says when)")
+        return engine
+
+
+async def _not_found(request: Request, exc: HTTPException) -> Response:
+    return json_response(error_body(f"{request.method} {request.url.path}: "
+                                    f"{exc.detail}", "invalid_request_error"), exc.status_code)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    get_logger("actors.server").exception("server_error", path=request.url.path)
+    return json_response(error_body("internal server error (logged)", "server_error"), 500)
+
+
+def build_app(open_engine: OpenEngine, model_name: str,
+              on_failure: Callable[[Q4KError], None] | None = None) -> ASGIApp:
+    """The server's ASGI app: `open_engine()` is entered once the server starts."""
+    host = EngineHost(open_engine, on_failure)
+    server = OpenAIServer(host, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(host.run)
+            try:
+                yield
+            finally:
+                host.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/health", server.health),
+            Route("/metrics", server.metrics_text),
+            Route("/v1/models", server.models),
+            Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        ],
+        exception_handlers={HTTPException: _not_found, Exception: _internal_error},
+        lifespan=lifespan,
+    )
+    app.state.server = server
+    return AccessLog(app)

@@ -1,0 +1,215 @@
+"""The OpenAI HTTP API's request bodies, read into what the engine takes.
+
+`/v1/completions` and `/v1/chat/completions` bodies are decoded into msgspec Structs (a wrong
+type names its field), then checked the way the OpenAI API checks them: one choice only (`n`),
+no features the engine lacks (`echo`, `suffix`, `logit_bias`, `tools`...). Unknown fields are
+ignored, as OpenAI-compatible servers do, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgspec
+
+from actors.errors import InvalidRequest
+from actors.params import SamplingParams, field_of
+
+# OpenAI's default for /v1/completions; chat answers run to the end of the context instead.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Request fields that are SamplingParams fields of the same name and meaning.
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed", "ignore_eos",
+)
+# OpenAI's newer clients send `developer` for what chat templates call `system`.
+ROLE_ALIASES = {"developer": "system"}
+
+
+RequestT = TypeVar("RequestT", bound="_Request")
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = None
+
+
+class _Request(msgspec.Struct, kw_only=True):
+    """Fields both endpoints share (None = not given)."""
+
+    model: str
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    # Extensions other OpenAI-compatible servers (vLLM, llama.cpp) accept too.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatRequest(_Request):
+    messages: list[Any]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class Generation(msgspec.Struct, frozen=True, kw_only=True):
+    """One request, ready for the engine: a prompt (text or token ids) or chat messages."""
+
+    model: str
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+def decode_body(body: bytes, kind: type[RequestT]) -> RequestT:
+    """The request body as `kind`; malformed JSON or a wrongly typed field is InvalidRequest."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as error:
+        raise InvalidRequest(str(error), field=field_of(error)) from None
+    except msgspec.DecodeError:
+        raise InvalidRequest("the request body is not valid JSON") from None
+
+
+def completion_generation(body: bytes) -> Generation:
+    request = decode_body(body, CompletionRequest)
+    _refuse_set(request, echo=bool(request.echo), suffix=request.suffix is not None,
+                best_of=request.best_of not in (None, 1))
+    max_tokens = (
+        request.max_tokens if request.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    )
+    return _generation(request, max_tokens, request.logprobs, prompt=_one_prompt(request.prompt))
+
+
+def chat_generation(body: bytes, context_length: int) -> Generation:
+    request = decode_body(body, ChatRequest)
+    response_format = (request.response_format or {}).get("type", "text")
+    _refuse_set(request, tools=bool(request.tools), response_format=response_format != "text")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs=true", field="top_logprobs")
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    max_tokens = next(
+        (m for m in (request.max_completion_tokens, request.max_tokens) if m is not None),
+        context_length,  # up to the end of the context, as OpenAI does without a limit
+    )
+    # A bad value is named as the client spelled it.
+    renamed = {"logprobs": "top_logprobs"}
+    if request.max_completion_tokens is not None:
+        renamed["max_tokens"] = "max_completion_tokens"
+    return _generation(request, max_tokens, logprobs, messages=_chat_messages(request.messages),
+                       renamed=renamed)
+
+
+def _generation(
+    request: _Request,
+    max_tokens: int,
+    logprobs: int | None,
+    *,
+    prompt: str | list[int] | None = None,
+    messages: list[dict[str, str]] | None = None,
+    renamed: dict[str, str] | None = None,
+) -> Generation:
+    if request.n not in (None, 1):
+        raise InvalidRequest(f"n must be 1 (one choice per request), got {request.n}", field="n")
+    if request.logit_bias:
+        raise InvalidRequest("logit_bias is not supported", field="logit_bias")
+    given = {name: getattr(request, name) for name in SAMPLING_FIELDS}
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    try:
+        params = SamplingParams(
+            **{name: value for name, value in given.items() if value is not None},
+            max_tokens=max_tokens,
+            stop=tuple(stop),
+            logprobs=logprobs,
+        )
+    except InvalidRequest as error:
+        field = (renamed or {}).get(error.field, error.field)
+        if field == error.field:
+            raise
+        raise InvalidRequest(f"{field}: {error}", field=field) from None
+    options = request.stream_options
+    return Generation(
+        model=request.model,
+        prompt=prompt,
+        messages=messages,
+        params=params,
+        stream=bool(request.stream),
+        include_usage=bool(options and options.include_usage),
+    )
+
+
+def _refuse_set(request: _Request, **unsupported: bool) -> None:
+    """InvalidRequest naming the first field that asks for something the engine lacks."""
+    for field, asked in unsupported.items():
+        if asked:
+            raise InvalidRequest(f"{field} is not supported by this server", field=field)
+
+
+def _one_prompt(prompt: str | list[Any]) -> str | list[int]:
+    """A text or token-id prompt; a batch of one is unwrapped, larger batches are refused."""
+    if isinstance(prompt, str) or all(_is_token_id(token) for token in prompt):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return _one_prompt(prompt[0])
+    raise InvalidRequest(
+        "prompt must be a string or a list of token ids (one prompt per request)", field="prompt"
+    )
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _chat_messages(messages: list[Any]) -> list[dict[str, str]]:
+    """Messages as chat templates take them: role and text content."""
+    return [_chat_message(index, message) for index, message in enumerate(messages)]
+
+
+def _chat_message(index: int, message: Any) -> dict[str, str]:
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        raise InvalidRequest(
+            f"messages[{index}] must be an object with a string role", field="messages"
+        )
+    role = ROLE_ALIASES.get(message["role"], message["role"])
+    return {"role": role, "content": _text_content(index, message.get("content"))}
+
+
+def _text_content(index: int, content: Any) -> str:
+    """A message's text: a string, null, or a list of text parts (joined)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(
+        isinstance(part, Mapping) and part.get("type") == "text"
+        and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    raise InvalidRequest(
+        f"messages[{index}].content must be a string or a list of text parts "
+        "(this server reads text only)",
+        field=f"messages[{index}].content",
+    )

@@ -1,0 +1,212 @@
+"""Engine chunks written as OpenAI response objects: whole, or as server-sent events.
+
+The two endpoints differ only in shape (a completion's `text` against a chat `message` /
+`delta`, and their logprobs layouts); `CompletionsShape` and `ChatShape` hold those
+differences and `Reply` does the rest once for both.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing, contextmanager
+from typing import Any
+
+import msgspec
+
+from actors.errors import EngineClosed, Q4KError
+from actors.messages import Chunk, Usage
+from actors.serve.metrics import outcome_of
+
+# The engine's finish reasons as the OpenAI API names them: running out of context is `length`.
+FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}
+DONE_EVENT = b"data: [DONE]\n\n"
+
+TokenText = Callable[[int], str]
+CountOutcome = Callable[[str, Usage | None], None]
+
+
+class CompletionsShape:
+    """`/v1/completions`: choices carry `text`; logprobs are the legacy parallel lists."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    def choice(self, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def delta(self, text: str, logprobs: dict[str, Any] | None, finish: str | None,
+              first: bool) -> dict[str, Any]:
+        return self.choice(text, logprobs, finish)
+
+    def logprobs(self, chunks: list[Chunk], token_text: TokenText, offset: int) -> dict[str, Any]:
+        tokens = [token_text(chunk.token_id) for chunk in chunks]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [chunk.logprob for chunk in chunks],
+            "top_logprobs": [
+                {token_text(token): logprob for token, logprob in chunk.top_logprobs or ()}
+                for chunk in chunks
+            ],
+            "text_offset": offsets,
+        }
+
+
+class ChatShape:
+    """`/v1/chat/completions`: a `message` (whole) or `delta` (streamed); per-token logprobs."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def choice(self, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+    def delta(self, text: str, logprobs: dict[str, Any] | None, finish: str | None,
+              first: bool) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def logprobs(self, chunks: list[Chunk], token_text: TokenText, offset: int) -> dict[str, Any]:
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {
+                    **entry(chunk.token_id, chunk.logprob),
+                    "top_logprobs": [entry(t, lp) for t, lp in chunk.top_logprobs or ()],
+                }
+                for chunk in chunks
+            ]
+        }
+
+
+Shape = CompletionsShape | ChatShape
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+class Reply:
+    """One request's response: `whole(chunks)`, or `first(chunks)` then `events(...)`. Each
+    request's outcome is counted once: its finish reason, the error it raised, or `cancelled`."""
+
+    def __init__(self, shape: Shape, *, model: str, want_logprobs: bool, include_usage: bool,
+                 token_text: TokenText, count: CountOutcome) -> None:
+        self.shape = shape
+        self.id = shape.id_prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self._want_logprobs = want_logprobs
+        self._include_usage = include_usage
+        self._token_text = token_text
+        self._count = count
+
+    async def whole(self, chunks: AsyncIterator[Chunk]) -> dict[str, Any]:
+        """The whole response object, once the answer is complete."""
+        texts: list[str] = []
+        scored: list[Chunk] = []
+        last: Chunk | None = None
+        with self._counting_failures():
+            async with aclosing(chunks):
+                async for last in chunks:
+                    texts.append(last.text)
+                    scored += self._scored(last)
+            if last is None or last.finish_reason is None:
+                raise EngineClosed("the answer ended without a finish reason")
+        finish = self._finished(last)
+        choice = self.shape.choice("".join(texts), self._logprobs(scored, 0), finish)
+        return {**self._head(self.shape.object), "choices": [choice],
+                "usage": usage_object(last.usage)}
+
+    async def first(self, chunks: AsyncIterator[Chunk]) -> Chunk:
+        """The first chunk, taken before a stream answers 200 (so that admission and compute
+        errors still get their own status codes)."""
+        with self._counting_failures():
+            return await anext(chunks)
+
+    async def events(self, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
+        """Server-sent events: one per chunk that carries text or logprobs, the finish, the
+        usage when asked for, then `[DONE]`. `first` was already taken from `chunks`."""
+        offset = 0
+        chunk = first
+        with self._counting_failures():
+            async with aclosing(chunks):
+                is_first = True
+                while True:
+                    finish = FINISH_REASONS.get(chunk.finish_reason or "")
+                    scored = self._scored(chunk)
+                    if chunk.text or scored or finish or is_first:
+                        logprobs = self._logprobs(scored, offset)
+                        choice = self.shape.delta(chunk.text, logprobs, finish, is_first)
+                        yield sse_event({**self._head(self.shape.chunk_object),
+                                           "choices": [choice], **self._no_usage()})
+                    offset += len(chunk.text)
+                    is_first = False
+                    if finish:
+                        break
+                    chunk = await anext(chunks)
+        self._finished(chunk)
+        if self._include_usage:
+            yield sse_event({**self._head(self.shape.chunk_object), "choices": [],
+                               "usage": usage_object(chunk.usage)})
+        yield DONE_EVENT
+
+    @contextmanager
+    def _counting_failures(self) -> Iterator[None]:
+        """Count a project error under its outcome, anything else (a cancelled task, a closed
+        generator: the client left) as cancelled; then let it go on."""
+        try:
+            yield
+        except Q4KError as error:
+            self._count(outcome_of(error), None)
+            raise
+        except BaseException:
+            self._count("cancelled", None)
+            raise
+
+    def _finished(self, last: Chunk) -> str:
+        """Count a finished answer; its finish reason as OpenAI names it."""
+        finish = FINISH_REASONS[last.finish_reason]
+        self._count(finish, last.usage)
+        return finish
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _no_usage(self) -> dict[str, Any]:
+        # With include_usage, OpenAI sends `usage: null` on every chunk but the last.
+        return {"usage": None} if self._include_usage else {}
+
+    def _scored(self, chunk: Chunk) -> list[Chunk]:
+        """The chunk, if it has a token whose logprobs were asked for."""
+        return [chunk] if self._want_logprobs and chunk.token_id is not None else []
+
+    def _logprobs(self, scored: list[Chunk], offset: int) -> dict[str, Any] | None:
+        if not self._want_logprobs:
+            return None
+        return self.shape.logprobs(scored, self._token_text, offset)
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def error_event(payload: dict[str, Any]) -> bytes:
+    """An error after the stream started: one event with OpenAI's error object, then done."""
+    return sse_event(payload) + DONE_EVENT

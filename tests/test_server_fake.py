@@ -1,0 +1,159 @@
+"""The server app in-process (uvicorn on 127.0.0.1) over the counting fake backend: what a real
+model cannot be made to do on demand, fast: a model still loading, failing steps, and exactly
+which steps carried a request whose client disconnected."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from functools import partial
+
+import anyio
+import httpx
+import pytest
+import uvicorn
+
+from actors.compute.protocol import ForwardItem
+from actors.engine import Engine
+from actors.serve.app import build_app
+from test_engine_fake import CountingBackend, open_fake
+
+pytestmark = pytest.mark.anyio
+MODEL = "fake"
+PROMPT = "hello there"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@asynccontextmanager
+async def serving(open_engine: Callable[[], AbstractAsyncContextManager[Engine]]
+                  ) -> AsyncIterator[httpx.AsyncClient]:
+    """The app on a free loopback port, and a client for it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    config = uvicorn.Config(build_app(open_engine, MODEL), log_config=None, lifespan="on")
+    server = uvicorn.Server(config)
+    url = "http://127.0.0.1:%d" % listener.getsockname()[1]
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(server.serve, [listener])
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                yield client
+        finally:
+            server.should_exit = True
+
+
+async def until_ready(client: httpx.AsyncClient) -> None:
+    while (await client.get("/health")).status_code != 200:
+        await anyio.sleep(0.01)
+
+
+def failing_after(steps: int) -> Callable[[Sequence[ForwardItem]], bool]:
+    """A backend failure that starts after `steps` good steps and never stops."""
+    seen = []
+
+    def fail(items: Sequence[ForwardItem]) -> bool:
+        seen.append(items)
+        return len(seen) > steps
+
+    return fail
+
+
+async def metric(client: httpx.AsyncClient, sample: str) -> float:
+    text = (await client.get("/metrics")).text
+    return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines()
+                      if line.startswith(sample + " ")))
+
+
+async def test_health_is_503_until_the_engine_has_opened() -> None:
+    may_open = anyio.Event()
+
+    @asynccontextmanager
+    async def slow_open() -> AsyncIterator[Engine]:
+        await may_open.wait()
+        async with open_fake(CountingBackend()) as engine:
+            yield engine
+
+    async with serving(slow_open) as client:
+        loading = await client.get("/health")
+        refused = await client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT})
+        may_open.set()
+        await until_ready(client)
+        assert (await client.get("/health")).json() == {"status": "ok"}
+    assert loading.status_code == 503 and loading.headers["Retry-After"] == "1"
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "model_not_ready"
+
+
+async def test_a_failing_computation_is_500_whole_or_streamed() -> None:
+    # Every step fails from the start: the request fails before any token, so even a stream
+    # answers with the status code.
+    async with serving(lambda: open_fake(CountingBackend(fail_when=failing_after(0)))) as client:
+        await until_ready(client)
+        whole = await client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT})
+        streamed = await client.post("/v1/completions",
+                                     json={"model": MODEL, "prompt": PROMPT, "stream": True})
+        failed = await metric(client, 'q4k_requests_total{outcome="failed"}')
+    for response in (whole, streamed):
+        assert response.status_code == 500
+        assert response.json()["error"]["code"] == "compute_error"
+        assert "Traceback" not in response.text
+    assert failed == 2
+
+
+async def test_a_failure_mid_stream_is_an_error_event() -> None:
+    async with serving(lambda: open_fake(CountingBackend(fail_when=failing_after(3)))) as client:
+        await until_ready(client)
+        response = await client.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": 50})
+        failed = await metric(client, 'q4k_requests_total{outcome="failed"}')
+    events = [line[len("data: "):] for line in response.text.splitlines() if line]
+    assert response.status_code == 200 and events[-1] == "[DONE]"
+    assert [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-2]] == [None] * 3
+    assert json.loads(events[-2])["error"]["code"] == "compute_error"
+    assert failed == 1
+
+
+async def assert_dropped_within_a_step(client: httpx.AsyncClient, backend: CountingBackend,
+                                       steps_at_close: int) -> None:
+    """Once the cancelled request has left the batch: the steps run since its client left are
+    the one in flight at the close and at most one the scheduler built before the disconnect
+    reached it, never the ~200 its answer had left; and it counts as cancelled."""
+    while await metric(client, "q4k_requests_running"):
+        await anyio.sleep(0.01)
+    assert len(backend.steps) - steps_at_close <= 2
+    assert await metric(client, 'q4k_requests_total{outcome="cancelled"}') == 1
+
+
+async def test_a_disconnect_drops_the_sequence_after_the_step_in_flight() -> None:
+    backend = CountingBackend(step_seconds=0.02)
+    async with serving(lambda: open_fake(backend)) as client:
+        await until_ready(client)
+        body = {"model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": 200,
+                "ignore_eos": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.aiter_lines()
+            assert (await anext(lines)).startswith("data: {")
+            steps_before_close = len(backend.steps)
+        # Leaving the block closed the connection mid-answer.
+        await assert_dropped_within_a_step(client, backend, steps_before_close)
+
+
+async def test_a_disconnect_cancels_a_whole_answer_too() -> None:
+    backend = CountingBackend(step_seconds=0.02)
+    async with serving(lambda: open_fake(backend)) as client:
+        await until_ready(client)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+        async with anyio.create_task_group() as tasks:
+            async with httpx.AsyncClient(base_url=str(client.base_url)) as leaving:
+                tasks.start_soon(partial(leaving.post, "/v1/completions", json=body))
+                while len(backend.steps) < 3:  # it is decoding
+                    await anyio.sleep(0.01)
+                tasks.cancel_scope.cancel()  # the client gives up: its connection closes
+        await assert_dropped_within_a_step(client, backend, len(backend.steps))
