@@ -15,10 +15,10 @@ import httpx
 import pytest
 import uvicorn
 
-from actors.compute.protocol import ForwardItem
+from actors.compute.contract import StepItem
 from actors.engine import Engine
 from actors.serve.app import build_app
-from test_engine_fake import CountingBackend, open_fake
+from tests.test_engine_fake import CountingBackend, open_fake
 
 pytestmark = pytest.mark.anyio
 MODEL = "fake"
@@ -54,11 +54,11 @@ async def until_ready(client: httpx.AsyncClient) -> None:
         await anyio.sleep(0.01)
 
 
-def failing_after(steps: int) -> Callable[[Sequence[ForwardItem]], bool]:
+def failing_after(steps: int) -> Callable[[Sequence[StepItem]], bool]:
     """A backend failure that starts after `steps` good steps and never stops."""
     seen = []
 
-    def fail(items: Sequence[ForwardItem]) -> bool:
+    def fail(items: Sequence[StepItem]) -> bool:
         seen.append(items)
         return len(seen) > steps
 
