@@ -27,7 +27,7 @@ class FixedUniforms:
 
 
 def penalized(row: np.ndarray, state: SequenceSampling) -> np.ndarray:
-    """The reference penalties, one token at a time in float64."""
+    """The reference penalties, one token at a time in float64, rounded to float32."""
     params = state.params
     logits = row.astype(np.float64)
     for token in set(state.recent_tokens().tolist()):
@@ -36,7 +36,9 @@ def penalized(row: np.ndarray, state: SequenceSampling) -> np.ndarray:
         logits[token] = value / penalty if value > 0 else value * penalty
     for token, count in zip(*(a.tolist() for a in state.generated_counts())):
         logits[token] -= params.presence_penalty + params.frequency_penalty * count
-    return logits
+    # The penalized row is float32, as the backend hands it over (a penalty of 1e-95 moves
+    # nothing).
+    return logits.astype(np.float32).astype(np.float64)
 
 
 def reference_log_softmax(row: np.ndarray, state: SequenceSampling) -> np.ndarray:
