@@ -196,7 +196,10 @@ def _gather_tops(
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             weight_at = np.exp((threshold - row_peak) * row_scale)
             more = np.where(missing > 0, missing / weight_at, 0.0)
-        wanted = np.minimum(_CANDIDATE_MARGIN * np.maximum(least, count + more), vocab)
+        # Never more than `most` are kept: a row whose target lies past them stops there.
+        wanted = np.minimum(
+            _CANDIDATE_MARGIN * np.maximum(least, np.minimum(count + more, most)), vocab
+        )
         threshold_at = np.maximum(threshold_at * 2, np.ceil(wanted / stride)).astype(np.int64)
     slot, ids, values = (np.concatenate(part) for part in zip(*parts))
     gathered = np.bincount(slot, minlength=some_rows.size)
