@@ -141,7 +141,7 @@ class Engine:
         _check_count("block_size", block_size, 1, _MAX_BLOCK_SIZE)
         if kv_blocks is not None:
             _check_count("kv_blocks", kv_blocks, 1, _MAX_KV_POSITIONS // block_size)
-        _check_limits(max_sequences, max_queued, prefill_chunk)
+        _check_limits(max_sequences, max_queued, prefill_chunk, step_timeout_s)
         if log_level is not None and not isinstance(log_level, str):
             raise InvalidRequest(
                 f"log_level must be a level name, not {type(log_level).__name__}", field="log_level"
@@ -243,16 +243,7 @@ class Engine:
     ) -> AsyncIterator[Engine]:
         """Start the actors in one task group: the loader runs `load` and hands the backend
         factory to the compute actor; once that reports ready, the scheduler starts."""
-        _check_limits(max_sequences, max_queued, prefill_chunk)
-        if (
-            isinstance(step_timeout_s, bool)
-            or not isinstance(step_timeout_s, (int, float))
-            or not 0 < step_timeout_s < float("inf")
-        ):
-            raise InvalidRequest(
-                f"step_timeout_s must be a positive number of seconds, got {step_timeout_s!r}",
-                field="step_timeout_s",
-            )
+        _check_limits(max_sequences, max_queued, prefill_chunk, step_timeout_s)
         limit = max_sequences + max_queued
         inbox_send, inbox_receive = anyio.create_memory_object_stream[Any](
             _INBOX_SLOTS_PER_REQUEST * limit
@@ -639,7 +630,18 @@ def _check_count(name: str, value: int, minimum: int, maximum: int) -> None:
         )
 
 
-def _check_limits(max_sequences: int, max_queued: int, prefill_chunk: int) -> None:
+def _check_limits(
+    max_sequences: int, max_queued: int, prefill_chunk: int, step_timeout_s: float
+) -> None:
     _check_count("max_sequences", max_sequences, 1, _MAX_REQUESTS)
     _check_count("max_queued", max_queued, 0, _MAX_REQUESTS)
     _check_count("prefill_chunk", prefill_chunk, 1, _MAX_KV_POSITIONS)
+    if (
+        isinstance(step_timeout_s, bool)
+        or not isinstance(step_timeout_s, (int, float))
+        or not 0 < step_timeout_s < float("inf")
+    ):
+        raise InvalidRequest(
+            f"step_timeout_s must be a positive number of seconds, got {step_timeout_s!r}",
+            field="step_timeout_s",
+        )

@@ -61,6 +61,7 @@ from actors.compute.contract import Candidates, RowInputs, apply_penalties, top_
 from actors.errors import ComputeError, InvalidRequest
 from actors.model.candidates import (
     BLOCK,
+    CANDIDATE_MARGIN,
     block_sums,
     sampled_logit,
     sort_by_likelihood,
@@ -84,9 +85,6 @@ MAX_CANDIDATES = 1024
 UNFILTERED_MASS = 0.99
 # A top-p row without top-k first assumes its nucleus has at most this many tokens.
 _NUCLEUS_GUESS = 128
-# The first threshold aims for this many times the candidates a row needs: the guess from a
-# sample is noisy, and a row that comes up short costs a second comparison pass.
-_CANDIDATE_MARGIN = 4
 # Each widening asks for at least this many times more candidates, and this many times what
 # a nucleus short of mass is known to lack.
 _WIDEN_FACTOR = 2
@@ -583,7 +581,7 @@ def _candidate_table(
     # Rows whose top-p is over the whole vocabulary: the table must hold the nucleus's mass.
     nucleus = (top_k == 0) & (rows.top_p[table_rows] < 1)
     nucleus_mass = np.where(nucleus, rows.top_p[table_rows] * np.exp(log_z[table_rows]), 0.0)
-    wanted = _CANDIDATE_MARGIN * np.maximum(need, np.where(nucleus, _NUCLEUS_GUESS, 0))
+    wanted = CANDIDATE_MARGIN * np.maximum(need, np.where(nucleus, _NUCLEUS_GUESS, 0))
     threshold_at = np.ceil(wanted / stride).astype(np.int64)
 
     slot_of = np.zeros(logits.shape[0], dtype=np.int64)  # batch row -> table row

@@ -82,3 +82,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         uses_real_model = REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))
         if uses_real_model or node.startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_model_path: Path):
+    """SmolLM2-135M loaded once for the whole run (a module may define its own `smollm2`,
+    e.g. just its tokenizer)."""
+    from actors.model.loaded import load_model
+
+    return load_model(smollm2_model_path)

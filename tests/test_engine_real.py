@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import actors.loader
-from actors import EngineOverloaded, load_model
+from actors import EngineOverloaded
 from actors.compute.cpu import CpuBackend
 from actors.compute.contract import Candidates, RowInputs, StepItem
 from actors.engine import Engine
@@ -47,11 +47,6 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_model_path: Path) -> Model:
-    return load_model(smollm2_model_path)
 
 
 def greedy(max_tokens: int, **extra: object) -> SamplingParams:

@@ -4,16 +4,14 @@ completes with exactly the tokens it gives alone, and nothing stays held."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import anyio
 import pytest
 
-from actors import ComputeError
 from actors.compute.faults import Fault
 from actors.engine import Engine
 from actors.fault_drill import DrillResult, run_with_fault
-from actors.model.loaded import Model, load_model
+from actors.model.loaded import Model
 from actors.params import SamplingParams
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -34,11 +32,6 @@ POISONED = 3  # the request the faults pick
 @pytest.fixture(scope="module")
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_model_path: Path) -> Model:
-    return load_model(smollm2_model_path)
 
 
 @pytest.fixture(scope="module")

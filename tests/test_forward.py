@@ -29,7 +29,7 @@ from actors.errors import (
 from actors.model.forward import KVPool
 from actors.model.loaded import Model, load_model
 from actors.model.step import StepItem
-from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
+from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path
 
 # Against the CPU model's own full-sequence logits: whole rows on the CPU; a GPU (float16 KV,
 # other summation orders) at each reference row's top GPU_TOP_IDS tokens, within GPU_TOLERANCE.
@@ -141,11 +141,6 @@ def random_bounds(rng: np.random.Generator, n: int, max_chunk: int) -> list[int]
 @pytest.fixture(scope="module")
 def tiny_models() -> dict[str, Model]:
     return {name: load_model(path) for name, path in TINY_MODELS.items()}
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Model:
-    return load_model(smollm2_path())
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ BLOCK = 1024
 _SCRATCH_BYTES = 2 << 20
 # The first threshold aims for this many times the candidates a row needs: the guess from a
 # sample is noisy, and a row that comes up short costs another comparison pass.
-_CANDIDATE_MARGIN = 4
+CANDIDATE_MARGIN = 4
 
 
 class RowInputs(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,7 +170,7 @@ def _gather_tops(
     sample = sorted_sample(logits, some_rows)
     row_peak = peak[some_rows].astype(np.float64)
     row_scale = inv_temp[some_rows]
-    threshold_at = np.ceil(_CANDIDATE_MARGIN * least / stride).astype(np.int64)
+    threshold_at = np.ceil(CANDIDATE_MARGIN * least / stride).astype(np.int64)
     parts = []
     pending = np.ones(some_rows.size, dtype=bool)
     while pending.any():
@@ -198,7 +198,7 @@ def _gather_tops(
             more = np.where(missing > 0, missing / weight_at, 0.0)
         # Never more than `most` are kept: a row whose target lies past them stops there.
         wanted = np.minimum(
-            _CANDIDATE_MARGIN * np.maximum(least, np.minimum(count + more, most)), vocab
+            CANDIDATE_MARGIN * np.maximum(least, np.minimum(count + more, most)), vocab
         )
         threshold_at = np.maximum(threshold_at * 2, np.ceil(wanted / stride)).astype(np.int64)
     slot, ids, values = (np.concatenate(part) for part in zip(*parts))
