@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,9 @@ def main() -> None:
     parser.add_argument("--model-8b", type=Path, help="a Llama-3-8B-shaped GGUF "
                         "(benchmarks/synthetic_gguf.py) for the whole-model figures")
     parser.add_argument("--gemma3", type=Path, help="gemma-3-270m's GGUF for its decode figure")
+    parser.add_argument("--model", type=Path, action="append", default=[],
+                        help="another GGUF (e.g. a shrunk real model) for decode at 1 and 8 "
+                        "streams, reported under its file's stem")
     args = parser.parse_args()
 
     import pycuda.autoprimaryctx  # noqa: F401  (the primary context, which the backend shares)
@@ -223,28 +227,45 @@ def main() -> None:
     device = cuda.Context.get_device()
     l2_bytes = device.get_attribute(cuda.device_attribute.L2_CACHE_SIZE)
     rng = np.random.default_rng(0)
-    started = time.perf_counter()
-    compiled = {name: compile_module(name) for name in ("matvec.cu", "matmul.cu")}
-    compile_s = time.perf_counter() - started
-    report = {
-        "device": device.name(),
-        "compute_capability": list(device.compute_capability()),
-        "l2_bytes": l2_bytes,
-        "compile_s": compile_s,
-        "copy": bench_copy(args.repeats // 4),
-        "matvec": bench_matvec(compiled["matvec.cu"], rng, l2_bytes, args.repeats),
-        "tiles": bench_tiles(compiled["matmul.cu"], rng, args.repeats),
-        "anchors": ANCHORS,
-    }
-    if args.model_8b:
-        report["llama3_8b"] = bench_model(args.model_8b, DECODE_STREAMS, 512, rng)
-    if args.gemma3:
-        report["gemma3_270m"] = bench_model(args.gemma3, (1,), None, rng)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    report: dict[str, Any] = {"device": device.name(),
+                              "compute_capability": list(device.compute_capability()),
+                              "l2_bytes": l2_bytes, "anchors": ANCHORS}
 
+    def section(name: str, measure: Any) -> Any:
+        """One figure of the report, written out as soon as it is known: a device run cut
+        short by its time limit keeps what it measured, and a failing section is recorded
+        with its error instead of losing the others."""
+        started = time.perf_counter()
+        try:
+            report[name] = measure()
+        except Exception as exc:  # noqa: BLE001  (recorded in the report, the run goes on)
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            traceback.print_exc()
+        print(f"bench_cuda: {name} in {time.perf_counter() - started:.1f} s: "
+              f"{json.dumps(report[name])}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        return report[name]
+
+    compiled: dict[str, Any] = {}
+    section("compile_s", lambda: compile_all(compiled))
+    section("copy", lambda: bench_copy(args.repeats // 4))
+    section("matvec", lambda: bench_matvec(compiled["matvec.cu"], rng, l2_bytes, args.repeats))
+    section("tiles", lambda: bench_tiles(compiled["matmul.cu"], rng, args.repeats))
+    if args.model_8b:
+        section("llama3_8b", lambda: bench_model(args.model_8b, DECODE_STREAMS, 512, rng))
+    if args.gemma3:
+        section("gemma3_270m", lambda: bench_model(args.gemma3, (1,), None, rng))
+    for path in args.model:
+        section(path.stem, lambda: bench_model(path, (1, 8), None, rng))
+    print(json.dumps(report, indent=2))
+
+
+def compile_all(compiled: dict[str, Any]) -> float:
+    """Compiles the benchmarked files into `compiled`; the seconds it took."""
+    started = time.perf_counter()
+    compiled.update({name: compile_module(name) for name in ("matvec.cu", "matmul.cu")})
+    return time.perf_counter() - started
 
 if __name__ == "__main__":
     main()

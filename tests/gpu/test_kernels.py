@@ -34,10 +34,24 @@ NULL = np.uintp(0)
 U = 2.0**-24  # float32 unit roundoff
 
 
+# Every device array a test makes lives until the test ends: `ptr(to_device(a))` hands a
+# kernel the address of a temporary, which PyCUDA frees at once and the next allocation reuses
+# (the first device run saw inputs aliasing each other and, later, a sticky address fault).
+_LIVE_ARRAYS: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _device_arrays_live_for_the_test() -> Any:
+    yield
+    _LIVE_ARRAYS.clear()
+
+
 def to_device(array: np.ndarray) -> Any:
     from pycuda import gpuarray
 
-    return gpuarray.to_gpu(np.ascontiguousarray(array))
+    device_array = gpuarray.to_gpu(np.ascontiguousarray(array))
+    _LIVE_ARRAYS.append(device_array)
+    return device_array
 
 
 def nan_filled(*shape: int) -> Any:
