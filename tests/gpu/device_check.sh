@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every device check of issue 12 in one run, on the GPU machine, from the repo root, with
+# Every device check of the CUDA backend in one run, on the GPU machine, from the repo root, with
 # .cudacarry/ carried (made here by tests/gpu/prepare_carry.sh):
 #   1. PyCUDA from the bundle (.cudacarry/device_setup.sh) and the carried wheels;
 #   2. pytest tests/gpu (each kernel against its numpy twin; the CUDA backend against the CPU
@@ -9,10 +9,11 @@
 #   4. benchmarks/bench_cuda.py (Q4_K matvec effective TB/s, copy bandwidth, tensor-core tiles;
 #      whole-model decode / prefill tok/s on that file and, where its file is here,
 #      gemma-3-270m; launches per decode step).
+#   5. Nsight Compute (ncu) on the benchmark's matrix kernels, where ncu is there.
 # Results under $OUT: gpu_tests.log, gpu_tests.xml, synthetic_gguf.log, bench_cuda.log,
-# bench_cuda.json and device_check.json (exit codes and seconds of each part). Budget (the
-# whole run under 8 minutes): tests 240 s, synthetic model 45 s, bench 150 s, each adjustable
-# (TESTS_S, TEST_S a test, SYNTHETIC_S, BENCH_S).
+# bench_cuda.json, ncu.txt and device_check.json (exit codes and seconds of each part).
+# Budget (the whole run under 8 minutes): tests 240 s, synthetic model 45 s, bench 150 s,
+# ncu 60 s, each adjustable (TESTS_S, TEST_S a test, SYNTHETIC_S, BENCH_S, NCU_S; 0 = no ncu).
 # Rehearsal without a GPU: PYCUDA_CHECK=import with LD_LIBRARY_PATH at a libcuda stub
 # (.cudacarry/make_libcuda_stub.sh): PyCUDA installs and imports, tests/gpu skips, no bench.
 set -uo pipefail
@@ -59,8 +60,18 @@ else
     bench_rc=${PIPESTATUS[0]}
 fi
 rm -f "$model_8b"
+# 5. Nsight Compute on the benchmarked matrix kernels (each launched a few times): DRAM
+#    throughput, instructions, time, bytes read, shared-memory bank conflicts, warps active.
+ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+ncu_rc='"skipped: no ncu"'
+if [ -n "$ncu" ] && [ "${PYCUDA_CHECK:-}" != import ] && [ "${NCU_S:-60}" != 0 ]; then
+    timeout "${NCU_S:-60}" "$ncu" --clock-control none -k regex:mul_mat \
+        --metrics dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__warps_active.avg.pct_of_peak_sustained_active \
+        "$py" benchmarks/bench_cuda.py --repeats 4 > "$OUT/ncu.txt" 2>&1
+    ncu_rc=$?
+fi
 total_s=$(( $(date +%s) - started ))
-printf '{"setup_s": %s, "tests_rc": %s, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "total_s": %s}\n' \
-    "$setup_s" "$tests_rc" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$total_s" \
+printf '{"setup_s": %s, "tests_rc": %s, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "ncu_rc": %s, "total_s": %s}\n' \
+    "$setup_s" "$tests_rc" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$ncu_rc" "$total_s" \
     | tee "$OUT/device_check.json"
 [ "$tests_rc" = 0 ] && [ "$synthetic_rc" = 0 ] && { [ "${PYCUDA_CHECK:-}" = import ] || [ "$bench_rc" = 0 ]; }
