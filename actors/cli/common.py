@@ -170,8 +170,8 @@ async def open_engine(args: argparse.Namespace, **options: Any) -> AsyncIterator
         if exc.backend is None:
             raise
         raise BackendUnavailable(
-            f"--backend {exc.backend} cannot run here: {exc.reason}; --backend auto runs on "
-            "what can",
+            f"--backend {exc.backend} cannot run here: {exc.reason}; use --backend auto to "
+            "fall back to what can",
             backend=exc.backend,
             reason=exc.reason,
         ) from None
