@@ -93,7 +93,7 @@ def test_serve_help_says_where_logs_go_by_default() -> None:
     (serve,) = [a for a in subparsers_of(build_parser())["serve"]._actions
                 if "--log-level" in a.option_strings]
     assert "only when a level is given" not in serve.help
-    assert "logs go to stderr" in serve.help
+    assert "without one, to stderr" in serve.help
 
 
 # --- the backend notice ---------------------------------------------------------------------

@@ -38,8 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve the model over the OpenAI HTTP API",
         description="Serve the model over the OpenAI HTTP API: POST /v1/completions and "
-        "/v1/chat/completions (streaming or not), GET /v1/models (and /v1/models/ID), /health (503 until the model "
-        "is loaded) and /metrics (Prometheus). Logs are JSON lines, one `http_request` line "
+        "/v1/chat/completions (streaming or not), GET /v1/models (and /v1/models/ID), "
+        "/health (503 until the model is loaded) and /metrics (Prometheus). Chat needs a chat "
+        "template: the model's own, or --template FILE. Logs are JSON lines, one `http_request` line "
         "per request plus the engine's events, on stderr or --log-file. Needs "
         "pip install 'q4k-actors[serve]'.",
     )
@@ -61,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--template", metavar="FILE", default=None,
                         help="a Jinja chat template for /v1/chat/completions instead of the "
                         "model's own (base models have none)")
-    add_logging_flags(parser, without_file="without one, logs go to stderr")
+    add_logging_flags(parser, without_file="without one, to stderr")
     parser.set_defaults(handler=_serve)
 
 
