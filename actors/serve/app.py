@@ -85,19 +85,6 @@ class _UnknownModel(InvalidRequest):
     """The request names a model this server does not serve."""
 
 
-class _NoChat(TemplateError):
-    """The model has no chat template and the server was given none."""
-
-
-class ServerOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """How `q4k serve` was started: the chat template (None = the model's own), whether there
-    is one at all, and the most tokens one request may ask for (None = up to the context)."""
-
-    chat_template: str | None = None
-    chat_available: bool = True
-    max_tokens_limit: int | None = None
-
-
 def error_body(message: str, kind: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -208,6 +195,19 @@ class AccessLog:
             self._log.info("http_request", method=scope["method"], path=scope["path"],
                            status=status or 500, client=f"{client[0]}:{client[1]}",
                            ms=round((time.perf_counter() - started) * 1000.0, 3))
+
+
+class _NoChat(TemplateError):
+    """The model has no chat template and the server was given none."""
+
+
+class ServerOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How `q4k serve` was started: the chat template (None = the model's own), whether there
+    is one at all, and the most tokens one request may ask for (None = up to the context)."""
+
+    chat_template: str | None = None
+    chat_available: bool = True
+    max_tokens_limit: int | None = None
 
 
 class OpenAIServer:
