@@ -340,7 +340,11 @@ class Engine:
     # --- requests -------------------------------------------------------------------------
 
     def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        strict_max_tokens: bool = False,
     ) -> AsyncIterator[Chunk]:
         """Stream the completion of `prompt` (text, or token ids) chunk by chunk.
 
@@ -349,18 +353,23 @@ class Engine:
         16 Ki characters is measured and tokenized in a worker thread, so a prompt too long for
         the context raises ContextLengthExceeded from the first iteration instead. Close the
         iterator (or `break` and drop it) to cancel; `contextlib.aclosing` cancels
-        deterministically."""
+        deterministically. `strict_max_tokens`: a prompt and `params.max_tokens` that together
+        pass the context raise ContextLengthExceeded (OpenAI's rule) instead of the answer
+        ending at the context (finish reason "context")."""
         self._check_open()
         params = self._checked_params(params)
         if isinstance(prompt, str) and len(prompt) > _TOKENIZE_INLINE_CHARS:
-            return self._stream_when_ready(partial(self._encode_in_worker, prompt), params)
-        return self._start_session(self._prompt_ids(prompt), params)
+            return self._stream_when_ready(partial(self._encode_in_worker, prompt), params,
+                                           strict_max_tokens)
+        return self._start_session(self._prompt_ids(prompt), params, strict_max_tokens)
 
     def chat(
         self,
         messages: list[dict[str, Any]],
         params: SamplingParams | None = None,
         template: str | None = None,
+        *,
+        strict_max_tokens: bool = False,
     ) -> AsyncIterator[Chunk]:
         """Stream the assistant's answer to `messages`, rendered with the model's chat template
         (or `template`, a Jinja source run in a sandbox). Roles: `actors.model.chat.CHAT_ROLES`;
@@ -368,7 +377,8 @@ class Engine:
 
         Bad messages, params or a template that is not a string raise at once; the template
         renders in a worker thread within a time and size bound, so its errors (TemplateError,
-        ContextLengthExceeded) come from the first iteration."""
+        ContextLengthExceeded) come from the first iteration. `strict_max_tokens`: as for
+        `generate`."""
         self._check_open()
         if template is not None and not isinstance(template, str):
             self._reject(
@@ -383,7 +393,8 @@ class Engine:
         except InvalidRequest as exc:
             self._reject(exc)
         params = self._checked_params(params)
-        return self._stream_when_ready(partial(self._chat_prompt_ids, messages, template), params)
+        return self._stream_when_ready(partial(self._chat_prompt_ids, messages, template), params,
+                                       strict_max_tokens)
 
     async def complete(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None
@@ -455,8 +466,10 @@ class Engine:
         return params
 
     def _start_session(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompt_ids: list[int], params: SamplingParams, strict_max_tokens: bool
     ) -> AsyncIterator[Chunk]:
+        if strict_max_tokens:
+            self._check_max_tokens_fit(len(prompt_ids), params.max_tokens)
         session = Session(
             request_id=new_request_id(),
             prompt_ids=prompt_ids,
@@ -469,13 +482,16 @@ class Engine:
         return session.stream()
 
     async def _stream_when_ready(
-        self, prompt_ids: Callable[[], Awaitable[list[int]]], params: SamplingParams
+        self,
+        prompt_ids: Callable[[], Awaitable[list[int]]],
+        params: SamplingParams,
+        strict_max_tokens: bool,
     ) -> AsyncIterator[Chunk]:
         """A session whose prompt needs work off the event loop first (a template to render,
         a long text to tokenize): that work runs on the first iteration."""
         ids = self._checked_ids(await prompt_ids())
         self._check_open()
-        async with aclosing(self._start_session(ids, params)) as chunks:
+        async with aclosing(self._start_session(ids, params, strict_max_tokens)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -563,6 +579,20 @@ class Engine:
                 )
             )
         return ids
+
+    def _check_max_tokens_fit(self, prompt_tokens: int, max_tokens: int) -> None:
+        """ContextLengthExceeded, naming both numbers, when the prompt and all the tokens asked
+        for cannot fit the context together."""
+        if prompt_tokens + max_tokens > self.context_length:
+            self._reject(
+                ContextLengthExceeded(
+                    f"this model's context is {self.context_length} tokens, but the request "
+                    f"needs {prompt_tokens + max_tokens}: {prompt_tokens} in the prompt and "
+                    f"{max_tokens} in max_tokens; ask for at most "
+                    f"{self.context_length - prompt_tokens} or shorten the prompt",
+                    field="max_tokens",
+                )
+            )
 
     def _reject(self, error: InvalidRequest) -> NoReturn:
         reason = "context_length" if isinstance(error, ContextLengthExceeded) else "invalid_request"

@@ -39,7 +39,16 @@ class EngineClosed(Q4KError):
 
 
 class BackendUnavailable(Q4KError):
-    """The compute backend asked for cannot run on this machine (the message says why)."""
+    """The compute backend asked for cannot run on this machine (the message says why).
+
+    `backend` is the name asked for and `reason` why it cannot run, so a caller can say the
+    same in its own words (the command line offers `--backend auto`)."""
+
+    def __init__(self, message: str, *, backend: str | None = None,
+                 reason: str | None = None) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.reason = reason
 
 
 class ComputeError(Q4KError):

@@ -212,11 +212,14 @@ def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
 
 _PATH_FIELD = re.compile(r"at `\$\.(\w+)")
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
 
 
 def field_of(error: msgspec.ValidationError) -> str | None:
-    """The top-level field a msgspec error points at (`... - at `$.top_k``)."""
-    found = _PATH_FIELD.search(str(error)) or _UNKNOWN_FIELD.search(str(error))
+    """The top-level field a msgspec error points at (`... - at `$.top_k``), or names as
+    unknown or missing."""
+    found = next((match for pattern in (_PATH_FIELD, _UNKNOWN_FIELD, _MISSING_FIELD)
+                  if (match := pattern.search(str(error)))), None)
     return found.group(1) if found else None
 
 

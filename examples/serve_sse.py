@@ -15,11 +15,18 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 
 import msgspec
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+
+try:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+except ModuleNotFoundError as missing:
+    raise SystemExit(
+        f"serve_sse.py needs the `serve` extra ({missing.name} is missing): "
+        "pip install 'q4k-actors[serve]' (or pip install -e '.[serve]' in a clone)"
+    ) from None
 
 from actors import Engine, EngineOverloaded, InvalidRequest, SamplingParams
 

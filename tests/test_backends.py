@@ -41,8 +41,21 @@ def test_auto_falls_back_to_the_cpu_and_says_why() -> None:
 
 @needs_no_cuda
 def test_a_named_backend_that_cannot_run_is_an_error() -> None:
-    with pytest.raises(BackendUnavailable, match="backend 'cuda' cannot run here"):
+    with pytest.raises(BackendUnavailable, match="backend 'cuda' cannot run here") as caught:
         choose_backend("cuda")
+    # The parts, for a caller (the command line) to say it in its own words.
+    assert (caught.value.backend, caught.value.reason) == ("cuda", CUDA_REASON)
+    assert "backend='auto'" in str(caught.value)
+
+
+def test_without_pycuda_the_reason_says_what_the_extra_needs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in ("pycuda", "pycuda.driver"):  # `import pycuda.driver` fails
+        monkeypatch.setitem(sys.modules, module, None)
+    reason = BACKENDS["cuda"].unavailable_reason()
+    assert "pycuda is not installed" in reason
+    for needed in ("q4k-actors[cuda]", "nvcc", "cuda.h", "driver", "nvidia-smi"):
+        assert needed in reason
 
 
 def test_an_unknown_backend_names_the_field() -> None:

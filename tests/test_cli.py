@@ -1,17 +1,25 @@
-"""The `q4k` command as a whole: --version, and the README's command lines agree with the
-parser (every flag and argument it shows exists, and every one the parser takes is shown)."""
+"""The `q4k` command as a whole: --version, the README's command lines agree with the
+parser (every flag and argument it shows exists, and every one the parser takes is shown), and
+what every verb that opens an engine shares: the backend notice."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import re
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from actors.cli import build_parser
-from test_cli_logs import run_q4k
+from actors.compute.backends import BACKENDS, nvidia_gpu_present
+from test_cli_chat import CHATML
+from test_cli_logs import CALL_TIMEOUT_S, run_q4k
 
 README = Path(__file__).parent.parent / "README.md"
 OPTION = re.compile(r"\[(-{1,2}[\w-]+)")
@@ -79,3 +87,81 @@ def test_version() -> None:
     result = run_q4k("--version")
     assert result.returncode == 0
     assert result.stdout == f"q4k {importlib.metadata.version('q4k-actors')}\n"
+
+
+def test_serve_help_says_where_logs_go_by_default() -> None:
+    (serve,) = [a for a in subparsers_of(build_parser())["serve"]._actions
+                if "--log-level" in a.option_strings]
+    assert "only when a level is given" not in serve.help
+    assert "without one, to stderr" in serve.help
+
+
+# --- the backend notice ---------------------------------------------------------------------
+
+CUDA_CANNOT_RUN = BACKENDS["cuda"].unavailable_reason()
+NOTICE = re.compile(r"^q4k (\w+): notice: backend auto: cuda not used \(.+\); running on the CPU$")
+
+
+@pytest.fixture
+def gpu_that_cannot_be_used(tmp_path: Path) -> dict[str, str]:
+    """An environment that shows an NVIDIA GPU (`nvidia-smi` on the PATH) where CUDA cannot run."""
+    if CUDA_CANNOT_RUN is None:
+        pytest.skip("CUDA can run on this machine: auto takes the GPU")
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (tools / "nvidia-smi").chmod(0o755)
+    return {"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+
+
+def notices_in(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "notice: backend auto" in line]
+
+
+@pytest.mark.parametrize("verb", ["generate", "chat", "bench"])
+def test_auto_passing_over_a_gpu_is_one_line_on_stderr(
+        verb: str, gpu_that_cannot_be_used: dict[str, str],
+        tiny_model_paths: dict[str, Path], tmp_path: Path) -> None:
+    model = ["--model", str(tiny_model_paths["llama-q4k-tiny"])]
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    command = {
+        "generate": ["generate", "Hello", *model, "--max-tokens", "2"],
+        "chat": ["chat", *model, "--template", str(template)],
+        "bench": ["bench", *model, "--concurrency", "1", "--prompt-tokens", "8",
+                  "--max-tokens", "2"],
+    }[verb]
+    result = run_q4k(*command, stdin="", env=gpu_that_cannot_be_used)
+    assert result.returncode == 0, result.stderr
+    (notice,) = notices_in(result.stderr)
+    assert NOTICE.match(notice).group(1) == verb
+    assert CUDA_CANNOT_RUN in notice
+
+
+def test_serve_says_it_too(gpu_that_cannot_be_used: dict[str, str],
+                           tiny_model_paths: dict[str, Path], tmp_path: Path) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "actors.cli", "serve", "--model",
+         str(tiny_model_paths["llama-q4k-tiny"]), "--port", "0",
+         "--log-file", str(tmp_path / "serve.log")],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, **gpu_that_cannot_be_used})
+    watchdog = threading.Timer(CALL_TIMEOUT_S, process.kill)  # a missing line fails, not hangs
+    watchdog.start()
+    try:
+        lines = [process.stderr.readline() for _ in range(3)]  # banner, no template, backend
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=CALL_TIMEOUT_S)
+    finally:
+        watchdog.cancel()
+        process.kill()
+    assert "has no chat template" in lines[1]
+    assert NOTICE.match(lines[2].rstrip("\n")).group(1) == "serve"
+
+
+@pytest.mark.skipif(nvidia_gpu_present(), reason="this machine shows an NVIDIA GPU")
+def test_no_notice_where_the_cpu_is_what_a_user_expects(
+        tiny_model_paths: dict[str, Path]) -> None:
+    result = run_q4k("generate", "Hello", "--model", str(tiny_model_paths["llama-q4k-tiny"]),
+                     "--max-tokens", "2")
+    assert result.returncode == 0, result.stderr
+    assert notices_in(result.stderr) == []

@@ -4,11 +4,16 @@ errors as one line, and the real log it writes read back by `q4k logs`."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from test_cli_logs import assert_one_line_error, run_q4k
+from actors.compute.backends import BACKENDS
+from test_cli_logs import CALL_TIMEOUT_S, assert_one_line_error, run_q4k
 from test_logreader import recount
 
 GREEDY = ("--temperature", "0", "--max-tokens", "12", "--ignore-eos")
@@ -92,3 +97,36 @@ def test_an_empty_prompt_is_refused_before_the_model_loads(tmp_path: Path) -> No
     assert_one_line_error(run_q4k("generate", "", "--model", absent), "prompt is empty")
     assert_one_line_error(run_q4k("generate", "-", "--model", absent, stdin=""),
                           "prompt is empty")
+
+
+def test_a_log_file_in_a_missing_folder_is_refused(tiny_llama: str, tmp_path: Path) -> None:
+    log = tmp_path / "no-such-folder" / "run.log"
+    assert_one_line_error(run_q4k("generate", "hi", "--model", tiny_llama, "--log-file", str(log)),
+                          "--log-file", "does not exist")
+    assert not log.parent.exists()
+
+
+@pytest.mark.skipif(BACKENDS["cuda"].unavailable_reason() is None,
+                    reason="CUDA can run on this machine")
+def test_a_backend_that_cannot_run_offers_the_flag_that_can(tiny_llama: str) -> None:
+    result = run_q4k("generate", "hi", "--model", tiny_llama, "--backend", "cuda")
+    assert_one_line_error(result, "--backend cuda cannot run here", "--backend auto")
+    assert "backend='auto'" not in result.stderr
+
+
+def test_ctrl_c_puts_interrupted_on_its_own_line(tiny_llama: str) -> None:
+    # stdout and stderr share one pipe, as they share a terminal.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "actors.cli", "generate", "Hello", "--model", tiny_llama,
+         "--backend", "cpu", "--temperature", "0", "--max-tokens", "2000", "--ignore-eos"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy())
+    try:
+        first = process.stdout.read1()  # the text is streaming
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=CALL_TIMEOUT_S)
+    finally:
+        process.kill()
+    assert first and process.returncode == 130
+    lines = (first + rest).decode().splitlines()
+    assert lines[-1] == "q4k generate: interrupted"
+    assert "[length" not in lines[-2]  # it stopped before the end

@@ -137,6 +137,12 @@ def test_tail_prints_the_last_lines_readably(tmp_path: Path) -> None:
     assert len(shown) == len(lines) + 1 and shown[-1].startswith(f"malformed line {len(lines) + 1}")
 
 
+def test_tail_refuses_a_negative_count(tmp_path: Path) -> None:
+    path = tmp_path / "run.log"
+    write_synthetic_log(path, requests=2, seed=4)
+    assert_one_line_error(run_q4k("logs", "tail", "-n", "-3", str(path)), "-n", "at least 0")
+
+
 def _read_until(process: subprocess.Popen[str], wanted: str, deadline: float) -> str:
     """Lines from the process's stdout up to one containing `wanted` (bounded in time by the
     caller's deadline, enforced with a watchdog kill)."""

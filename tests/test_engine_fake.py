@@ -32,7 +32,7 @@ from actors.compute.contract import (
     top_candidates,
 )
 from actors.compute.faults import Fault, FaultyBackend
-from actors.engine import Engine
+from actors.engine import Engine, collect
 from actors.logs import logging_to
 from actors.errors import ComputeError, ContextLengthExceeded
 from actors.params import SamplingParams
@@ -505,6 +505,21 @@ async def test_context_finish_when_the_context_runs_out() -> None:
             engine.generate(list(range(2, 14)), greedy(5))
     assert done.finish_reason == "context"
     assert len(done.token_ids) == 12 - len(PROMPT)
+
+
+async def test_strict_max_tokens_refuses_what_cannot_fit_naming_both_numbers() -> None:
+    backend = CountingBackend(context_length=12)
+    async with open_fake(backend) as engine:
+        with pytest.raises(ContextLengthExceeded) as caught:
+            engine.generate(PROMPT, greedy(6), strict_max_tokens=True)
+        assert backend.steps == []
+        done = await collect(engine.generate(PROMPT, greedy(5), strict_max_tokens=True))
+    assert caught.value.field == "max_tokens"
+    message = str(caught.value)
+    assert "context is 12 tokens" in message and "needs 13" in message
+    assert f"{len(PROMPT)} in the prompt and 6 in max_tokens" in message
+    assert "at most 5" in message
+    assert done.finish_reason == "length" and len(done.token_ids) == 5
 
 
 async def test_bad_requests_are_refused_before_any_work() -> None:

@@ -1,6 +1,7 @@
 """`q4k serve` as a real subprocess on 127.0.0.1, driven with the official `openai` client (sync
-and async, streaming and not, chat and completions) on SmolLM2-135M-Instruct, and with raw HTTP
-(httpx) for errors, overload and a client that disconnects mid-answer."""
+and async, streaming and not, chat and completions) on SmolLM2-135M-Instruct and on the default
+gemma-3-270m given a chat template, and with raw HTTP (httpx) for errors, overload and a client
+that disconnects mid-answer."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import msgspec
 import openai
 import pytest
 
+from actors.model.chat import ChatTemplate
+from actors.model.loaded import open_model
 from test_cli_logs import CALL_TIMEOUT_S, assert_one_line_error, run_q4k
 
 pytestmark = pytest.mark.slow
@@ -24,6 +27,7 @@ pytestmark = pytest.mark.slow
 BANNER = re.compile(r"on http://127\.0\.0\.1:(\d+)/v1 ")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "max_tokens": 24}
+GEMMA3_TEMPLATE = Path(__file__).parent.parent / "examples" / "chat_templates" / "gemma3.jinja"
 # A decode long enough that it is still running while a test looks at it.
 LONG_ANSWER = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 
@@ -86,6 +90,16 @@ def tight_server(smollm2_model_path: Path,
     """One request at a time, none queued: a second concurrent request is overload."""
     running = _start(smollm2_model_path, tmp_path_factory.mktemp("tight") / "serve.log",
                      "--max-sequences", "1", "--max-queued", "0")
+    yield running
+    _stop(running)
+
+
+@pytest.fixture(scope="module")
+def gemma_server(gemma3_model_path: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The default model, a base model without a chat template, given one; and a limit."""
+    running = _start(gemma3_model_path, tmp_path_factory.mktemp("gemma") / "serve.log",
+                     "--template", str(GEMMA3_TEMPLATE), "--max-tokens-limit", "64")
     yield running
     _stop(running)
 
@@ -203,6 +217,67 @@ def test_sampling_fields(server: Server, client: openai.OpenAI) -> None:
                                            max_completion_tokens=3, temperature=0)
     assert short.choices[0].finish_reason == "length"
     assert short.usage.completion_tokens == 3
+
+
+def test_models_retrieve(server: Server, client: openai.OpenAI) -> None:
+    assert client.models.retrieve(server.model).id == server.model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_max_tokens_past_the_context_is_refused(server: Server, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=server.model, messages=QUESTION,
+                                       max_completion_tokens=100000)
+    error = caught.value.body
+    assert (error["code"], error["param"]) == ("context_length_exceeded",
+                                               "max_completion_tokens")
+    assert re.search(r"\d+ in the prompt and 100000 in max_completion_tokens", error["message"])
+
+
+def test_serve_with_a_template_chats_on_gemma3(gemma_server: Server,
+                                               gemma3_model_path: Path) -> None:
+    messages = [{"role": "system", "content": "Answer in one word."}, *QUESTION]
+    with openai.OpenAI(base_url=f"{gemma_server.url}/v1", api_key="unused",
+                       max_retries=0) as gemma:
+        answer = gemma.chat.completions.create(model=gemma_server.model, messages=messages,
+                                               temperature=0, max_tokens=16)
+        with pytest.raises(openai.BadRequestError) as caught:
+            gemma.chat.completions.create(model=gemma_server.model, messages=messages,
+                                          max_tokens=65)
+    (choice,) = answer.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert 0 < answer.usage.completion_tokens <= 16
+    # The prompt was the template's rendering of the messages, token for token.
+    model = open_model(gemma3_model_path)
+    try:
+        template = ChatTemplate.from_model_metadata(model.gguf, GEMMA3_TEMPLATE.read_text())
+        rendered = template.render(messages)
+        prompt = model.tokenizer.encode(rendered, add_bos=False, parse_special=True)
+    finally:
+        model.gguf.close()
+    assert rendered.startswith("<bos><start_of_turn>user\nAnswer in one word.\n\n")
+    assert answer.usage.prompt_tokens == len(prompt)
+    # --max-tokens-limit 64
+    assert caught.value.body["param"] == "max_tokens"
+    assert "max_tokens is 65" in caught.value.body["message"]
+
+
+def test_without_a_template_serve_says_chat_is_unavailable(
+        tiny_model_paths: dict[str, Path], tmp_path: Path) -> None:
+    tiny = _start(tiny_model_paths["llama-q4k-tiny"], tmp_path / "serve.log")
+    try:
+        notice = tiny.process.stderr.readline()
+        with httpx.Client(base_url=tiny.url, timeout=CALL_TIMEOUT_S) as http:
+            refused = http.post("/v1/chat/completions",
+                                json={"model": tiny.model, "messages": QUESTION})
+    finally:
+        _stop(tiny)
+    assert notice.startswith("q4k serve: notice: llama-q4k-tiny.gguf has no chat template")
+    assert "--template FILE" in notice
+    assert refused.status_code == 400
+    assert "--template FILE" in refused.json()["error"]["message"]
 
 
 # --- raw HTTP: errors -----------------------------------------------------------------------

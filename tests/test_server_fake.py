@@ -1,6 +1,7 @@
 """The server app in-process (uvicorn on 127.0.0.1) over the counting fake backend: what a real
-model cannot be made to do on demand, fast: a model still loading, failing steps, and exactly
-which steps carried a request whose client disconnected."""
+model cannot be made to do on demand, fast: a model still loading, failing steps, exactly
+which steps carried a request whose client disconnected, and the server's own limits (the
+context, --max-tokens-limit, chat without a template)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import uvicorn
 
 from actors.compute.contract import StepItem
 from actors.engine import Engine
-from actors.serve.app import build_app
+from actors.serve.app import ServerOptions, build_app
 from tests.test_engine_fake import CountingBackend, open_fake
 
 pytestmark = pytest.mark.anyio
@@ -31,13 +32,14 @@ def anyio_backend() -> str:
 
 
 @asynccontextmanager
-async def serving(open_engine: Callable[[], AbstractAsyncContextManager[Engine]]
-                  ) -> AsyncIterator[httpx.AsyncClient]:
+async def serving(open_engine: Callable[[], AbstractAsyncContextManager[Engine]],
+                  options: ServerOptions = ServerOptions()) -> AsyncIterator[httpx.AsyncClient]:
     """The app on a free loopback port, and a client for it."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
-    config = uvicorn.Config(build_app(open_engine, MODEL), log_config=None, lifespan="on")
+    config = uvicorn.Config(build_app(open_engine, MODEL, options=options), log_config=None,
+                            lifespan="on")
     server = uvicorn.Server(config)
     url = "http://127.0.0.1:%d" % listener.getsockname()[1]
     async with anyio.create_task_group() as tasks:
@@ -157,3 +159,66 @@ async def test_a_disconnect_cancels_a_whole_answer_too() -> None:
                     await anyio.sleep(0.01)
                 tasks.cancel_scope.cancel()  # the client gives up: its connection closes
         await assert_dropped_within_a_step(client, backend, len(backend.steps))
+
+
+async def test_models_retrieve_by_id() -> None:
+    async with serving(lambda: open_fake(CountingBackend())) as client:
+        found = await client.get(f"/v1/models/{MODEL}")
+        missing = await client.get("/v1/models/gpt-4o")
+    assert found.status_code == 200
+    assert (found.json()["id"], found.json()["object"]) == (MODEL, "model")
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert (error["param"], error["code"]) == ("model", "model_not_found")
+    assert "'gpt-4o'" in error["message"]
+
+
+async def test_chat_without_a_template_tells_the_client_which_flag_to_pass() -> None:
+    options = ServerOptions(chat_available=False)
+    async with serving(lambda: open_fake(CountingBackend()), options) as client:
+        await until_ready(client)
+        response = await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        refused = await metric(client, 'q4k_requests_total{outcome="invalid"}')
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "template_error"
+    assert "--template FILE" in error["message"] and "/v1/completions" in error["message"]
+    assert "ChatTemplate" not in error["message"]  # no advice for Python callers
+    assert refused == 1
+
+
+async def test_max_tokens_past_the_context_is_refused_naming_both_numbers() -> None:
+    backend = CountingBackend()  # a 256-token context; the fake tokenizer: a token a character
+    async with serving(lambda: open_fake(backend)) as client:
+        await until_ready(client)
+        refused = await client.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 100000})
+        steps_after_refusal = len(backend.steps)
+        # Without max_tokens the default (16) is cut to what is left of the context.
+        near_the_end = await client.post("/v1/completions", json={
+            "model": MODEL, "prompt": [3] * 250, "ignore_eos": True})
+    assert refused.status_code == 400 and steps_after_refusal == 0
+    error = refused.json()["error"]
+    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+    assert f"{len(PROMPT)} in the prompt and 100000 in max_tokens" in error["message"]
+    assert "context is 256 tokens" in error["message"]
+    assert near_the_end.status_code == 200
+    assert near_the_end.json()["usage"]["completion_tokens"] == 256 - 250
+
+
+async def test_max_tokens_limit_refuses_more_and_caps_the_default() -> None:
+    options = ServerOptions(max_tokens_limit=8)
+    async with serving(lambda: open_fake(CountingBackend()), options) as client:
+        await until_ready(client)
+        refused = await client.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 9})
+        defaulted = await client.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "ignore_eos": True})
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "max_tokens"
+    assert "max_tokens is 9" in error["message"] and "(8;" in error["message"]
+    assert "--max-tokens-limit" in error["message"]
+    assert defaulted.status_code == 200
+    assert defaulted.json()["usage"]["completion_tokens"] == 8

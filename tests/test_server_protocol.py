@@ -44,9 +44,24 @@ def test_prompts_of_one(prompt: object, expected: object) -> None:
 
 
 def test_chat_runs_to_the_end_of_the_context_unless_limited() -> None:
-    assert chat_generation(chat(), CONTEXT).params.max_tokens == CONTEXT
+    unlimited = chat_generation(chat(), CONTEXT)
+    assert unlimited.params.max_tokens == CONTEXT
+    assert unlimited.max_tokens_field is None  # so the engine stops at the context's end
     limited = chat_generation(chat(max_tokens=9, max_completion_tokens=7), CONTEXT)
     assert limited.params.max_tokens == 7
+    assert limited.max_tokens_field == "max_completion_tokens"
+
+
+def test_the_max_tokens_limit_caps_defaults_and_refuses_more() -> None:
+    assert chat_generation(chat(), CONTEXT, max_tokens_limit=100).params.max_tokens == 100
+    assert completion_generation(body(prompt="hi"), max_tokens_limit=4).params.max_tokens == 4
+    assert chat_generation(chat(max_tokens=100), CONTEXT, 100).params.max_tokens == 100
+    for request, field in ((chat(max_completion_tokens=101), "max_completion_tokens"),
+                           (chat(max_tokens=101), "max_tokens")):
+        with pytest.raises(InvalidRequest) as caught:
+            chat_generation(request, CONTEXT, max_tokens_limit=100)
+        assert caught.value.field == field
+        assert f"{field} is 101" in str(caught.value) and "(100;" in str(caught.value)
 
 
 def test_chat_messages_as_templates_take_them() -> None:
@@ -111,5 +126,16 @@ def test_completion_refusals_name_the_field(fields: dict[str, object], field: st
 def test_a_body_that_is_not_a_json_object() -> None:
     with pytest.raises(InvalidRequest, match="not valid JSON"):
         completion_generation(b"{")
-    with pytest.raises(InvalidRequest, match="model"):
+    with pytest.raises(InvalidRequest, match="model") as caught:
         completion_generation(b'{"prompt": "hi"}')
+    assert caught.value.field == "model"
+
+
+def test_an_unknown_role_lists_every_role_the_server_takes() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        chat_generation(body(messages=[{"role": "wizard", "content": "hi"}]), CONTEXT)
+    assert caught.value.field == "messages"
+    message = str(caught.value)
+    assert "'wizard'" in message
+    for role in ("system", "user", "assistant", "tool", "developer"):
+        assert role in message

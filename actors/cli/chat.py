@@ -29,8 +29,9 @@ from actors.cli.common import (
     add_sampling_flags,
     configure_logging_from,
     console,
-    error_line,
+    has_chat_template,
     open_engine,
+    read_template,
     sampling_params_from,
 )
 from actors.errors import InvalidRequest, Q4KError, TemplateError
@@ -70,14 +71,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _chat(args: argparse.Namespace) -> int:
     configure_logging_from(args)
     params = sampling_params_from(args)
-    template = None
-    if args.template is not None:
-        try:
-            template = Path(args.template).read_text(encoding="utf-8")
-        except OSError as exc:
-            return error_line("chat", f"{args.template}: cannot read the template: {exc.strerror}")
+    template = read_template(args.template)
     args.model = str(_chat_model(args.model))
-    _check_template(Path(args.model), template)
+    if not has_chat_template(Path(args.model), template):
+        raise TemplateError(
+            f"{Path(args.model).name} has no chat template (base models usually have none): "
+            "pass one with --template FILE, or use `q4k generate` for plain text"
+        )
     # From here Ctrl-C only sets this flag (the prompt excepted): an interrupt raised inside the
     # portal's machinery, e.g. while the model loads, would leave the engine half started.
     stop_requested = threading.Event()
@@ -111,20 +111,6 @@ def _chat_model(model: str | None) -> Path:
             field="model",
         ) from None
     return Path(package.locate_file(CHAT_MODEL_FILE))
-
-
-def _check_template(model: Path, override: str | None) -> None:
-    """Fail before loading the weights when there is no chat template to use."""
-    from actors.model.chat import ChatTemplate
-    from actors.model.gguf import open_gguf
-
-    with open_gguf(model) as gguf:
-        if override is None and "tokenizer.chat_template" not in gguf.metadata:
-            raise TemplateError(
-                f"{model.name} has no chat template (base models usually have none): pass one "
-                "with --template FILE, or use `q4k generate` for plain text"
-            )
-        ChatTemplate.from_model_metadata(gguf, override)
 
 
 class ChatSession:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from actors.compute.backends import BACKEND_NAMES
-from actors.errors import InvalidRequest
+from actors.compute.backends import BACKEND_NAMES, nvidia_gpu_present
+from actors.errors import BackendUnavailable, InvalidRequest
 from actors.logs import LEVELS, configure_logging
 
 if TYPE_CHECKING:
@@ -46,7 +46,11 @@ def add_model_flag(
     )
 
 
-def add_logging_flags(parser: argparse.ArgumentParser) -> None:
+def add_logging_flags(
+    parser: argparse.ArgumentParser,
+    without_file: str = "without one, logs go to stderr only when a level is given",
+) -> None:
+    """--log-file and --log-level; `without_file` says where logs go without a --log-file."""
     parser.add_argument(
         "--log-file",
         metavar="PATH",
@@ -57,8 +61,7 @@ def add_logging_flags(parser: argparse.ArgumentParser) -> None:
         "--log-level",
         choices=tuple(LEVELS),
         default=None,
-        help="lowest level logged (default: info to --log-file; without one, logs go to "
-        "stderr only when a level is given)",
+        help=f"lowest level logged (default: info to --log-file; {without_file})",
     )
 
 
@@ -67,6 +70,12 @@ def configure_logging_from(args: argparse.Namespace, default_level: str | None =
     `default_level`) asks: a verb reports its own errors as one line, which log lines on stderr
     would only repeat."""
     level = args.log_level or default_level or ("info" if args.log_file else "critical")
+    if args.log_file is not None and not Path(args.log_file).parent.exists():
+        raise InvalidRequest(
+            f"--log-file {args.log_file}: the folder {Path(args.log_file).parent} does not exist; "
+            "create it or pick another path",
+            field="log_file",
+        )
     try:
         configure_logging(level, args.log_file)
     except OSError as exc:
@@ -144,8 +153,59 @@ def add_backend_flag(parser: argparse.ArgumentParser) -> None:
                         help="where the model runs (default auto: the GPU when one is usable)")
 
 
-def open_engine(args: argparse.Namespace, **options: Any) -> AbstractAsyncContextManager[Engine]:
-    """`Engine.open` for the --model and --backend flags; `options` go to the engine."""
+@asynccontextmanager
+async def open_engine(args: argparse.Namespace, **options: Any) -> AsyncIterator[Engine]:
+    """`Engine.open` for the --model and --backend flags; `options` go to the engine. A backend
+    that cannot run is told in the command line's words; once open, `backend_notice` says
+    (one line on stderr) when --backend auto passed over a GPU this machine has."""
     from actors.engine import Engine
 
-    return Engine.open(args.model, backend=args.backend, **options)
+    try:
+        async with Engine.open(args.model, backend=args.backend, **options) as engine:
+            notice = backend_notice(args.backend, engine)
+            if notice is not None:
+                print(f"q4k {args.verb}: notice: {notice}", file=sys.stderr, flush=True)
+            yield engine
+    except BackendUnavailable as exc:
+        if exc.backend is None:
+            raise
+        raise BackendUnavailable(
+            f"--backend {exc.backend} cannot run here: {exc.reason}; use --backend auto to "
+            "fall back to what can",
+            backend=exc.backend,
+            reason=exc.reason,
+        ) from None
+
+
+def backend_notice(requested: str, engine: Engine) -> str | None:
+    """Why --backend auto runs on the CPU of a machine that has an NVIDIA GPU (the engine's
+    notices), or None where the backend is the one a user expects."""
+    if requested != "auto" or engine.info.on_gpu or not engine.notices:
+        return None
+    return "; ".join(engine.notices) if nvidia_gpu_present() else None
+
+
+def read_template(path: str | None) -> str | None:
+    """The text of the --template FILE (None without one)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise InvalidRequest(f"{path}: cannot read the template: {why}",
+                             field="template") from None
+
+
+def has_chat_template(model: Path, override: str | None) -> bool:
+    """Whether `model` can chat: the template to use (`override`, else the model's own) is
+    compiled before any weights load, so a bad one fails here (TemplateError). False when the
+    model has none (base models usually have none) and no `override` is given."""
+    from actors.model.chat import CHAT_TEMPLATE_KEY, ChatTemplate
+    from actors.model.gguf import open_gguf
+
+    with open_gguf(model) as gguf:
+        if override is None and CHAT_TEMPLATE_KEY not in gguf.metadata:
+            return False
+        ChatTemplate.from_model_metadata(gguf, override)
+    return True

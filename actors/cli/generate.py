@@ -49,10 +49,19 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompt:  # checked here, before the model spends seconds loading
         raise InvalidRequest("the prompt is empty: give some text, or '-' to read it from stdin",
                              field="prompt")
-    return anyio.run(_run, args, prompt, params)
+    streamed: list[str] = []
+    try:
+        return anyio.run(_run, args, prompt, params, streamed)
+    except KeyboardInterrupt:
+        if streamed and not streamed[-1].endswith("\n"):  # "interrupted" starts its own line
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
 
 
-async def _run(args: argparse.Namespace, prompt: str, params: SamplingParams) -> int:
+async def _run(args: argparse.Namespace, prompt: str, params: SamplingParams,
+               streamed: list[str]) -> int:
+    """Generate; each text written to stdout is also appended to `streamed`."""
     async with open_engine(args) as engine:
         if args.json:
             completion = await engine.complete(prompt, params)
@@ -62,6 +71,8 @@ async def _run(args: argparse.Namespace, prompt: str, params: SamplingParams) ->
         async for chunk in engine.generate(prompt, params):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
+            if chunk.text:
+                streamed.append(chunk.text)
             last = chunk
         sys.stdout.write("\n")
         if last is not None:

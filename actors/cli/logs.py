@@ -15,7 +15,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from actors.cli.common import add_logging_flags, configure_logging_from, console, error_line
+from actors.cli.common import (
+    add_logging_flags,
+    at_least,
+    configure_logging_from,
+    console,
+    error_line,
+)
 from actors.logreader import (
     LogEvent,
     LogSummary,
@@ -77,7 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tail = view("tail", "print a log human-readably; with -f, keep following it as it grows")
     tail.add_argument("file", metavar="FILE", help="log file, or '-' for stdin")
     tail.add_argument("-f", "--follow", action="store_true", help="wait for new lines")
-    tail.add_argument("-n", "--lines", type=int, default=10, metavar="N",
+    tail.add_argument("-n", "--lines", type=at_least(0), default=10, metavar="N",
                       help="start with the last N lines (default 10; 0 = none)")
     tail.set_defaults(handler=_tail)
 

@@ -17,8 +17,10 @@ from actors.cli.common import (
     add_model_flag,
     at_least,
     configure_logging_from,
+    has_chat_template,
     model_path_from,
     open_engine,
+    read_template,
 )
 from actors.errors import InvalidRequest, Q4KError
 from actors.logs import LEVELS, get_logger
@@ -36,8 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve the model over the OpenAI HTTP API",
         description="Serve the model over the OpenAI HTTP API: POST /v1/completions and "
-        "/v1/chat/completions (streaming or not), GET /v1/models, /health (503 until the model "
-        "is loaded) and /metrics (Prometheus). Logs are JSON lines, one `http_request` line "
+        "/v1/chat/completions (streaming or not), GET /v1/models (and /v1/models/ID), "
+        "/health (503 until the model is loaded) and /metrics (Prometheus). Chat needs a chat "
+        "template: the model's own, or --template FILE. Logs are JSON lines, one `http_request` line "
         "per request plus the engine's events, on stderr or --log-file. Needs "
         "pip install 'q4k-actors[serve]'.",
     )
@@ -53,7 +56,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="requests decoding at once (default 64)")
     parser.add_argument("--max-queued", type=at_least(0), default=256, metavar="N",
                         help="requests waiting beyond those; more get 429 (default 256)")
-    add_logging_flags(parser)
+    parser.add_argument("--max-tokens-limit", type=at_least(1), default=None, metavar="N",
+                        help="the most tokens one request may ask for (max_tokens); more get "
+                        "400 (default: no limit but the context)")
+    parser.add_argument("--template", metavar="FILE", default=None,
+                        help="a Jinja chat template for /v1/chat/completions instead of the "
+                        "model's own (base models have none)")
+    add_logging_flags(parser, without_file="without one, to stderr")
     parser.set_defaults(handler=_serve)
 
 
@@ -61,27 +70,35 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from actors.serve.app import build_app
+        from actors.serve.app import ServerOptions, build_app
     except ImportError as exc:
         raise InvalidRequest(
             f"the server needs the `serve` extra ({exc.name} is missing): "
             "pip install 'q4k-actors[serve]'"
         ) from None
     _configure_server_logging(args)
+    template = read_template(args.template)
     model = _checked_model(args)
+    options = ServerOptions(chat_template=template,
+                            chat_available=has_chat_template(model, template),
+                            max_tokens_limit=args.max_tokens_limit)
     listener = _listen(args.host, args.port)
     failures: list[Q4KError] = []
     config = uvicorn.Config(
         build_app(partial(open_engine, args, max_sequences=args.max_sequences,
                           max_queued=args.max_queued),
                   args.served_model_name or model.stem,
-                  on_failure=lambda exc: _stop(server, failures, exc)),
+                  on_failure=lambda exc: _stop(server, failures, exc), options=options),
         log_config=None, access_log=False, lifespan="on",
     )
     server = uvicorn.Server(config)
     host, port = listener.getsockname()[:2]
     print(f"q4k serve: {model.name} on http://{host}:{port}/v1 (loading; GET /health says when "
           "it is ready)", file=sys.stderr, flush=True)
+    if not options.chat_available:
+        print(f"q4k serve: notice: {model.name} has no chat template, so "
+              "/v1/chat/completions is unavailable (restart with --template FILE to chat; "
+              "/v1/completions works)", file=sys.stderr, flush=True)
     try:
         server.run(sockets=[listener])
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.errors import BackendUnavailable, InvalidRequest
@@ -36,6 +37,11 @@ class CpuFactory:
         return build_cpu_backend(model, kv, self._notices)
 
 
+# What installing the CUDA extra takes: it builds PyCUDA from source (README, "Backends").
+CUDA_EXTRA_NEEDS = (
+    "pip install 'q4k-actors[cuda]' builds it from source and needs the CUDA toolkit (nvcc and "
+    "cuda.h) and an NVIDIA driver: check first with `nvcc --version` and `nvidia-smi`"
+)
 # The kernels' tensor-core tiles (WMMA on bfloat16 / float16) need sm_80 or newer.
 MIN_COMPUTE_CAPABILITY = (8, 0)
 # Share of the device's free memory (measured before loading) the CUDA backend may use.
@@ -58,7 +64,7 @@ class CudaFactory:
         except ImportError as exc:
             if "libcuda" in str(exc):
                 return "no CUDA driver on this machine (libcuda.so.1 not found)"
-            return "pycuda is not installed (pip install 'q4k-actors[cuda]')"
+            return f"pycuda is not installed ({CUDA_EXTRA_NEEDS})"
         try:
             cuda.init()
             if cuda.Device.count() == 0:
@@ -78,6 +84,12 @@ class CudaFactory:
         from actors.compute.cuda import build_cuda_backend
 
         return build_cuda_backend(model, kv, self._memory_fraction, self._notices)
+
+
+def nvidia_gpu_present() -> bool:
+    """Whether the machine shows an NVIDIA GPU (its kernel driver is loaded), whatever PyCUDA
+    can make of it: only there does running on the CPU need saying."""
+    return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
 
 
 BACKENDS: dict[str, BackendFactory] = {"cuda": CudaFactory(), "cpu": CpuFactory()}
@@ -100,7 +112,9 @@ def choose_backend(requested: str) -> tuple[BackendFactory, tuple[str, ...]]:
         if reason is not None:
             raise BackendUnavailable(
                 f"backend {requested!r} cannot run here: {reason}; use backend='auto' to "
-                "fall back to what can"
+                "fall back to what can",
+                backend=requested,
+                reason=reason,
             )
         return factory, ()
     passed_over = []

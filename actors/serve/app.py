@@ -197,12 +197,26 @@ class AccessLog:
                            ms=round((time.perf_counter() - started) * 1000.0, 3))
 
 
+class _NoChat(TemplateError):
+    """The model has no chat template and the server was given none."""
+
+
+class ServerOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How `q4k serve` was started: the chat template (None = the model's own), whether there
+    is one at all, and the most tokens one request may ask for (None = up to the context)."""
+
+    chat_template: str | None = None
+    chat_available: bool = True
+    max_tokens_limit: int | None = None
+
+
 class OpenAIServer:
     """The endpoints, over one `EngineHost`."""
 
-    def __init__(self, host: EngineHost, model_name: str) -> None:
+    def __init__(self, host: EngineHost, model_name: str, options: ServerOptions) -> None:
         self.host = host
         self.model_name = model_name
+        self.options = options
         self.metrics = Metrics()
         self.started = int(time.time())
 
@@ -212,9 +226,22 @@ class OpenAIServer:
         return json_response({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
-        model = {"id": self.model_name, "object": "model", "created": self.started,
-                 "owned_by": "q4k-actors"}
-        return json_response({"object": "list", "data": [model]})
+        return json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id} (the openai client's `models.retrieve`)."""
+        asked = request.path_params["model_id"]
+        if asked != self.model_name:
+            return error_response(self._unknown_model(asked))
+        return json_response(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.started,
+                "owned_by": "q4k-actors"}
+
+    def _unknown_model(self, asked: str) -> _UnknownModel:
+        return _UnknownModel(f"the model {asked!r} does not exist here; this server serves "
+                             f"{self.model_name!r} (GET /v1/models)", field="model")
 
     async def metrics_text(self, request: Request) -> Response:
         engine = self.host.engine
@@ -225,16 +252,24 @@ class OpenAIServer:
         return await self._generate(request, CompletionsShape())
 
     async def chat_completions(self, request: Request) -> Response:
+        if not self.options.chat_available:
+            refusal = _NoChat(
+                f"the model {self.model_name!r} has no chat template, so this server cannot "
+                "answer /v1/chat/completions: restart `q4k serve` with --template FILE (a Jinja "
+                "chat template for this model), or send plain text to /v1/completions")
+            self.metrics.count(outcome_of(refusal))
+            return error_response(refusal)
         return await self._generate(request, ChatShape())
 
     async def _generate(self, request: Request, shape: Shape) -> Response | EventStream:
+        generation = None
         try:
             engine = self._engine()
             generation = await self._generation(request, shape, engine)
             chunks = self._start(engine, generation)
         except Q4KError as exc:
             self.metrics.count(outcome_of(exc))
-            return error_response(exc)
+            return error_response(_as_asked(exc, generation))
         reply = Reply(shape, model=self.model_name,
                       want_logprobs=generation.params.logprobs is not None,
                       include_usage=generation.include_usage,
@@ -247,31 +282,42 @@ class OpenAIServer:
             whole = await cancel_on_disconnect(request.receive, lambda: reply.whole(chunks))
         except Q4KError as exc:  # the reply counted it
             await chunks.aclose()
-            return error_response(exc)
+            return error_response(_as_asked(exc, generation))
         return CLIENT_LEFT if whole is None else json_response(whole)
 
     async def _generation(self, request: Request, shape: Shape, engine: Engine) -> Generation:
         body = await request.body()
+        limit = self.options.max_tokens_limit
         if isinstance(shape, ChatShape):
-            generation = chat_generation(body, engine.context_length)
+            generation = chat_generation(body, engine.context_length, limit)
         else:
-            generation = completion_generation(body)
+            generation = completion_generation(body, limit)
         if generation.model != self.model_name:
-            raise _UnknownModel(
-                f"the model {generation.model!r} does not exist here; this server serves "
-                f"{self.model_name!r} (GET /v1/models)", field="model")
+            raise self._unknown_model(generation.model)
         return generation
 
     def _start(self, engine: Engine, generation: Generation) -> AsyncIterator[Chunk]:
+        # A max_tokens the client gave must fit beside the prompt (OpenAI's rule); without one
+        # the answer runs at most to the end of the context.
+        must_fit = generation.max_tokens_field is not None
         if generation.messages is not None:
-            return engine.chat(generation.messages, generation.params)
-        return engine.generate(generation.prompt, generation.params)
+            return engine.chat(generation.messages, generation.params,
+                               self.options.chat_template, strict_max_tokens=must_fit)
+        return engine.generate(generation.prompt, generation.params, strict_max_tokens=must_fit)
 
     def _engine(self) -> Engine:
         engine = self.host.engine
         if engine is None:
             raise _NotReady("the model is still loading; retry shortly (GET /health says when)")
         return engine
+
+
+def _as_asked(exc: Q4KError, generation: Generation | None) -> Q4KError:
+    """`exc` naming the request's max_tokens field as the client spelled it."""
+    asked = generation.max_tokens_field if generation is not None else None
+    if not isinstance(exc, ContextLengthExceeded) or exc.field != "max_tokens" or asked is None:
+        return exc
+    return ContextLengthExceeded(str(exc).replace("max_tokens", asked), field=asked)
 
 
 async def _not_found(request: Request, exc: HTTPException) -> Response:
@@ -285,10 +331,11 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(open_engine: OpenEngine, model_name: str,
-              on_failure: Callable[[Q4KError], None] | None = None) -> ASGIApp:
+              on_failure: Callable[[Q4KError], None] | None = None,
+              options: ServerOptions = ServerOptions()) -> ASGIApp:
     """The server's ASGI app: `open_engine()` is entered once the server starts."""
     host = EngineHost(open_engine, on_failure)
-    server = OpenAIServer(host, model_name)
+    server = OpenAIServer(host, model_name, options)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -304,6 +351,7 @@ def build_app(open_engine: OpenEngine, model_name: str,
             Route("/health", server.health),
             Route("/metrics", server.metrics_text),
             Route("/v1/models", server.models),
+            Route("/v1/models/{model_id:path}", server.model),
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         ],

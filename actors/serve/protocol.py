@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from actors.errors import InvalidRequest
+from actors.model.chat import CHAT_ROLES
 from actors.params import SamplingParams, field_of
 
 # OpenAI's default for /v1/completions; chat answers run to the end of the context instead.
@@ -25,6 +26,9 @@ SAMPLING_FIELDS = (
 )
 # OpenAI's newer clients send `developer` for what chat templates call `system`.
 ROLE_ALIASES = {"developer": "system"}
+# The roles a request may send, as its role error lists them.
+ROLES_TEXT = ", ".join([*CHAT_ROLES, *(f"{alias} (read as {role})"
+                                       for alias, role in ROLE_ALIASES.items())])
 
 
 RequestT = TypeVar("RequestT", bound="_Request")
@@ -75,7 +79,9 @@ class ChatRequest(_Request):
 
 
 class Generation(msgspec.Struct, frozen=True, kw_only=True):
-    """One request, ready for the engine: a prompt (text or token ids) or chat messages."""
+    """One request, ready for the engine: a prompt (text or token ids) or chat messages.
+    `max_tokens_field` names the field that set `params.max_tokens` (None: the client set none,
+    so the server's default applies)."""
 
     model: str
     prompt: str | list[int] | None
@@ -83,6 +89,7 @@ class Generation(msgspec.Struct, frozen=True, kw_only=True):
     params: SamplingParams
     stream: bool
     include_usage: bool
+    max_tokens_field: str | None = None
 
 
 def decode_body(body: bytes, kind: type[RequestT]) -> RequestT:
@@ -95,38 +102,55 @@ def decode_body(body: bytes, kind: type[RequestT]) -> RequestT:
         raise InvalidRequest("the request body is not valid JSON") from None
 
 
-def completion_generation(body: bytes) -> Generation:
+def completion_generation(body: bytes, max_tokens_limit: int | None = None) -> Generation:
+    """A /v1/completions body; `max_tokens_limit`: the most tokens one request may ask for."""
     request = decode_body(body, CompletionRequest)
     _refuse_set(request, echo=bool(request.echo), suffix=request.suffix is not None,
                 best_of=request.best_of not in (None, 1))
-    max_tokens = (
-        request.max_tokens if request.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-    )
-    return _generation(request, max_tokens, request.logprobs, prompt=_one_prompt(request.prompt))
+    max_tokens, field = _max_tokens({"max_tokens": request.max_tokens},
+                                    COMPLETIONS_DEFAULT_MAX_TOKENS, max_tokens_limit)
+    return _generation(request, max_tokens, field, request.logprobs,
+                       prompt=_one_prompt(request.prompt))
 
 
-def chat_generation(body: bytes, context_length: int) -> Generation:
+def chat_generation(body: bytes, context_length: int,
+                    max_tokens_limit: int | None = None) -> Generation:
+    """A /v1/chat/completions body; without a limit asked, the answer may run to the end of
+    the context (`context_length`), as OpenAI's does."""
     request = decode_body(body, ChatRequest)
     response_format = (request.response_format or {}).get("type", "text")
     _refuse_set(request, tools=bool(request.tools), response_format=response_format != "text")
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true", field="top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    max_tokens = next(
-        (m for m in (request.max_completion_tokens, request.max_tokens) if m is not None),
-        context_length,  # up to the end of the context, as OpenAI does without a limit
-    )
+    max_tokens, field = _max_tokens({"max_completion_tokens": request.max_completion_tokens,
+                                     "max_tokens": request.max_tokens},
+                                    context_length, max_tokens_limit)
     # A bad value is named as the client spelled it.
-    renamed = {"logprobs": "top_logprobs"}
-    if request.max_completion_tokens is not None:
-        renamed["max_tokens"] = "max_completion_tokens"
-    return _generation(request, max_tokens, logprobs, messages=_chat_messages(request.messages),
-                       renamed=renamed)
+    renamed = {"logprobs": "top_logprobs", "max_tokens": field or "max_tokens"}
+    return _generation(request, max_tokens, field, logprobs,
+                       messages=_chat_messages(request.messages), renamed=renamed)
+
+
+def _max_tokens(asked: dict[str, int | None], default: int,
+                limit: int | None) -> tuple[int, str | None]:
+    """(max_tokens, the field that set it): the first of `asked` the client gave, else `default`
+    (within `limit`, and None for the field). A value past `limit` is refused, naming its field."""
+    for field, value in asked.items():
+        if value is None:
+            continue
+        if limit is not None and value > limit:
+            raise InvalidRequest(
+                f"{field} is {value}, more than this server allows one request ({limit}; "
+                "q4k serve --max-tokens-limit)", field=field)
+        return value, field
+    return (default if limit is None else min(default, limit)), None
 
 
 def _generation(
     request: _Request,
     max_tokens: int,
+    max_tokens_field: str | None,
     logprobs: int | None,
     *,
     prompt: str | list[int] | None = None,
@@ -159,6 +183,7 @@ def _generation(
         params=params,
         stream=bool(request.stream),
         include_usage=bool(options and options.include_usage),
+        max_tokens_field=max_tokens_field,
     )
 
 
@@ -194,6 +219,10 @@ def _chat_message(index: int, message: Any) -> dict[str, str]:
         raise InvalidRequest(
             f"messages[{index}] must be an object with a string role", field="messages"
         )
+    if message["role"] not in (*CHAT_ROLES, *ROLE_ALIASES):
+        raise InvalidRequest(
+            f"messages[{index}] has the role {message['role']!r}; the roles are {ROLES_TEXT}",
+            field="messages")
     role = ROLE_ALIASES.get(message["role"], message["role"])
     return {"role": role, "content": _text_content(index, message.get("content"))}
 
