@@ -277,10 +277,36 @@ def _i32(value: int) -> np.int32:
     return np.int32(value)
 
 
-def matmul_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
-                y_stride: int, n_tokens: int, tile_input: str) -> KernelCall:
-    """y[t][r] = W[r] . x[t] for the matrix `name` (matvec up to 8 tokens, else tiles)."""
+def matvec_rows(n_rows: int, n_decode: int) -> int:
+    """How many leading rows of a product take the matvec: every decode row, any number of
+    them, and the prefill rows too when they are few (plan.uses_matvec); the rest take the
+    tensor-core tiles. A decode row never shares a tile with another row and the matvec's
+    rows are independent, so a sequence's tokens do not depend on what shares its step."""
+    return n_rows if plan.uses_matvec(n_rows - n_decode) else n_decode
+
+
+def _rows_in(ref: Ref, rows: int, stride: int) -> Ref:
+    """`ref` moved `rows` rows of `stride` floats on."""
+    return Ref(ref.name, ref.offset + rows * stride * F32)
+
+
+def matvec_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
+                y_stride: int, batch: int) -> KernelCall:
+    """y[b][r] = W[r] . x[b] for the matrix `name`, b < batch, on the matvec."""
     matrix = weights[name]
+    return KernelCall(
+        plan.matvec_kernel(matrix.type_name), plan.matvec_launch(matrix.rows, batch),
+        (Ref(name), np.int64(matrix.pitch), x, _i32(x_stride), y, _i32(y_stride),
+         _i32(matrix.rows), _i32(matrix.row_length), _i32(batch)),
+    )
+
+
+def tiles_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
+               y_stride: int, n_tokens: int, tile_input: str) -> KernelCall:
+    """y[t][r] = W[r] . x[t] for the matrix `name` on the tensor-core tiles (n_tokens past
+    the matvec's prefill rows)."""
+    matrix = weights[name]
+    assert not plan.uses_matvec(n_tokens), n_tokens
     return KernelCall(
         plan.matmul_kernel(matrix.type_name, n_tokens, tile_input),
         plan.matmul_launch(matrix.rows, n_tokens),
@@ -290,19 +316,17 @@ def matmul_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride
 
 
 def matmul_calls(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int,
-                 y: Ref, y_stride: int, n_tokens: int, n_decode: int,
+                 y: Ref, y_stride: int, n_rows: int, n_decode: int,
                  tile_input: str) -> list[KernelCall]:
-    """`matmul_call` over n_tokens rows, of which the first n_decode are decode rows: when
-    the rest push the step onto the tensor-core tiles, the decode rows (up to the matvec's
-    batch) still take the float32 matvec, so a sequence's tokens do not depend on what
-    shares its step."""
-    if plan.uses_matvec(n_tokens) or not 0 < n_decode <= plan.MATVEC_MAX_BATCH:
-        return [matmul_call(weights, name, x, x_stride, y, y_stride, n_tokens, tile_input)]
-    rest_x = Ref(x.name, x.offset + n_decode * x_stride * F32)
-    rest_y = Ref(y.name, y.offset + n_decode * y_stride * F32)
-    return [matmul_call(weights, name, x, x_stride, y, y_stride, n_decode, tile_input),
-            matmul_call(weights, name, rest_x, x_stride, rest_y, y_stride, n_tokens - n_decode,
-                        tile_input)]
+    """y = W x over n_rows rows, of which the first n_decode are decode rows: the matvec's
+    rows (`matvec_rows`) in one launch, the rest on the tiles."""
+    split = matvec_rows(n_rows, n_decode)
+    calls = [matvec_call(weights, name, x, x_stride, y, y_stride, split)] if split else []
+    if split < n_rows:
+        calls.append(tiles_call(weights, name, _rows_in(x, split, x_stride), x_stride,
+                                _rows_in(y, split, y_stride), y_stride, n_rows - split,
+                                tile_input))
+    return calls
 
 
 def _optional(name: str, present: bool) -> Ref:
@@ -357,57 +381,100 @@ def attention_calls(spec: ModelSpec, shape: StepShape, layer: int) -> list[Kerne
     return calls
 
 
+def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
+              layer: int, tile_input: str) -> list[KernelCall]:
+    """q, k and v side by side in each `qkv` row: the matvec's rows in one fused launch
+    (mul_mat_vec_qkv, a block type per segment), the tiles' rows in one launch per matrix."""
+    p, t, d = f"blk.{layer}.", shape.n_tokens, spec.d_model
+    qkv_stride = spec.q_dim + 2 * spec.kv_dim
+    names = [f"{p}attn_{part}.weight" for part in "qkv"]
+    columns = (0, spec.q_dim, spec.q_dim + spec.kv_dim)
+    split = matvec_rows(t, shape.n_decode)
+    calls = []
+    if split:
+        segments = [arg for name in names for arg in (
+            Ref(name), np.int64(weights[name].pitch),
+            _i32(plan.type_code(weights[name].type_name)), _i32(weights[name].rows))]
+        calls.append(KernelCall(
+            "mul_mat_vec_qkv", plan.matvec_launch(qkv_stride, split),
+            (*segments, Ref("normed"), _i32(d), Ref("qkv"), _i32(qkv_stride), _i32(d),
+             _i32(split))))
+    if split < t:
+        calls += [tiles_call(weights, name, _rows_in(Ref("normed"), split, d), d,
+                             _rows_in(Ref("qkv", column * F32), split, qkv_stride), qkv_stride,
+                             t - split, tile_input)
+                  for name, column in zip(names, columns)]
+    return calls
+
+
+def qkv_finish_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
+                    layer: int) -> KernelCall:
+    """Biases (qwen2), q / k head norms (gemma-3), RoPE (k's heads follow q's in the row) and
+    the K/V write of every token of the step, in one launch."""
+    p, sliding = f"blk.{layer}.", spec.is_sliding(layer)
+    biases = [_optional(f"{p}attn_{part}.bias", spec.qkv_bias) for part in "qkv"]
+    norms = [_optional(f"{p}attn_{part}_norm.weight", spec.qk_norm) for part in "qk"]
+    return KernelCall(
+        "qkv_finish",
+        plan.qkv_finish_launch(shape.n_tokens, spec.n_heads + 2 * spec.n_kv_heads),
+        (Ref("qkv"), _i32(spec.q_dim + 2 * spec.kv_dim), _i32(spec.n_heads),
+         _i32(spec.n_kv_heads), _i32(spec.head_dim), *biases, *norms,
+         np.float32(spec.rms_eps), Ref("step.positions"), _i32(spec.rope_dim),
+         np.float64(spec.rope_base_local if sliding else spec.rope_base),
+         _optional("rope_freqs.weight", not sliding and "rope_freqs.weight" in weights),
+         _i32(int(spec.rope_neox)), Ref("step.slots"), Ref(f"k_cache.{layer}"),
+         Ref(f"v_cache.{layer}")))
+
+
+def ffn_up_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
+                 layer: int, tile_input: str) -> list[KernelCall]:
+    """`gated` = act(gate x) * (up x): the matvec's rows in one fused launch where gate and
+    up share a block type, the other rows through `gate_up` (gate, then up, in each row) and
+    gated_<act>."""
+    p, t, d, ffn = f"blk.{layer}.", shape.n_tokens, spec.d_model, spec.ffn_dim
+    gate, up = f"{p}ffn_gate.weight", f"{p}ffn_up.weight"
+    split = matvec_rows(t, shape.n_decode)
+    fused = split if weights[gate].type_name == weights[up].type_name else 0
+    calls = []
+    if fused:
+        suffix = plan.kernel_suffix(weights[gate].type_name)
+        calls.append(KernelCall(
+            plan.gate_up_kernel(spec.activation, suffix), plan.matvec_launch(ffn, fused),
+            (Ref(gate), Ref(up), np.int64(weights[gate].pitch), Ref("normed"), _i32(d),
+             Ref("gated"), _i32(ffn), _i32(ffn), _i32(d), _i32(fused))))
+    if fused < t:
+        rest, decode_rest = t - fused, 0 if fused else shape.n_decode
+        x = _rows_in(Ref("normed"), fused, d)
+        for name, column in ((gate, 0), (up, ffn)):
+            calls += matmul_calls(weights, name, x, d,
+                                  _rows_in(Ref("gate_up", column * F32), fused, 2 * ffn),
+                                  2 * ffn, rest, decode_rest, tile_input)
+        calls.append(KernelCall(f"gated_{spec.activation}", plan.elementwise_launch(rest * ffn),
+                                (_rows_in(Ref("gate_up"), fused, 2 * ffn),
+                                 _rows_in(Ref("gated"), fused, ffn), _i32(rest), _i32(ffn))))
+    return calls
+
+
 def layer_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
                 layer: int, tile_input: str) -> list[KernelCall]:
     """One transformer block, from the norm that opens it (adding the previous block's FFN
     output to the residual) to its down projection (left in `projected`)."""
     p, t = f"blk.{layer}.", shape.n_tokens
-    d, q_dim, kv_dim, ffn = spec.d_model, spec.q_dim, spec.kv_dim, spec.ffn_dim
-    qkv_stride = q_dim + 2 * kv_dim
-    k_at, v_at = Ref("qkv", q_dim * F32), Ref("qkv", (q_dim + kv_dim) * F32)
     first = layer == 0
     calls = [residual_norm_call(spec, t, NULL if first else Ref("projected"),
                                 NULL if first else _post_ffn_norm(spec, layer - 1),
                                 Ref(p + "attn_norm.weight"), Ref("normed"))]
-    for part, y in (("q", Ref("qkv")), ("k", k_at), ("v", v_at)):
-        calls += matmul_calls(weights, f"{p}attn_{part}.weight", Ref("normed"), d, y,
-                              qkv_stride, t, shape.n_decode, tile_input)
-    if spec.qkv_bias:
-        for part, y, n in (("q", Ref("qkv"), q_dim), ("k", k_at, kv_dim), ("v", v_at, kv_dim)):
-            calls.append(KernelCall("add_bias", plan.elementwise_launch(t * n),
-                                    (y, _i32(qkv_stride), Ref(f"{p}attn_{part}.bias"), _i32(t),
-                                     _i32(n))))
-    if spec.qk_norm:
-        for part, x, heads in (("q", Ref("qkv"), spec.n_heads), ("k", k_at, spec.n_kv_heads)):
-            calls.append(KernelCall("head_rms_norm", plan.head_norm_launch(t, heads),
-                                    (x, _i32(qkv_stride), _i32(heads), _i32(spec.head_dim),
-                                     Ref(f"{p}attn_{part}_norm.weight"),
-                                     np.float32(spec.rms_eps))))
-    sliding = spec.is_sliding(layer)
-    # k's heads follow q's in the row: one launch rotates both.
-    calls.append(KernelCall(
-        "rope", plan.rope_launch(t, spec.n_heads + spec.n_kv_heads),
-        (Ref("qkv"), _i32(qkv_stride), Ref("step.positions"),
-         _i32(spec.n_heads + spec.n_kv_heads), _i32(spec.head_dim), _i32(spec.rope_dim),
-         np.float64(spec.rope_base_local if sliding else spec.rope_base),
-         _optional("rope_freqs.weight", not sliding and "rope_freqs.weight" in weights),
-         _i32(int(spec.rope_neox)))))
-    calls.append(KernelCall("kv_write", plan.elementwise_launch(t * kv_dim),
-                            (k_at, v_at, _i32(qkv_stride), Ref("step.slots"), _i32(t),
-                             _i32(kv_dim), Ref(f"k_cache.{layer}"), Ref(f"v_cache.{layer}"))))
+    calls += qkv_calls(spec, weights, shape, layer, tile_input)
+    calls.append(qkv_finish_call(spec, weights, shape, layer))
     calls += attention_calls(spec, shape, layer)
-    calls += matmul_calls(weights, p + "attn_output.weight", Ref("attn"), q_dim,
-                          Ref("projected"), d, t, shape.n_decode, tile_input)
+    calls += matmul_calls(weights, p + "attn_output.weight", Ref("attn"), spec.q_dim,
+                          Ref("projected"), spec.d_model, t, shape.n_decode, tile_input)
     calls.append(residual_norm_call(
         spec, t, Ref("projected"), _optional(p + "post_attention_norm.weight", spec.post_norms),
         Ref(p + "ffn_norm.weight"), Ref("normed")))
-    for part, y in (("gate", Ref("gate_up")), ("up", Ref("gate_up", ffn * F32))):
-        calls += matmul_calls(weights, f"{p}ffn_{part}.weight", Ref("normed"), d, y, 2 * ffn,
-                              t, shape.n_decode, tile_input)
-    calls.append(KernelCall(f"gated_{spec.activation}", plan.elementwise_launch(t * ffn),
-                            (Ref("gate_up"), Ref("gated"), _i32(t), _i32(ffn))))
-    calls += matmul_calls(weights, p + "ffn_down.weight", Ref("gated"), ffn,
-                          Ref("projected"), d, t, shape.n_decode, tile_input)
+    calls += ffn_up_calls(spec, weights, shape, layer, tile_input)
+    calls += matmul_calls(weights, p + "ffn_down.weight", Ref("gated"), spec.ffn_dim,
+                          Ref("projected"), spec.d_model, t, shape.n_decode, tile_input)
     return calls
 
 
