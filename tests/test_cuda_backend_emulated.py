@@ -18,6 +18,7 @@ from actors.compute.contract import KVRequest, RowInputs, StepItem
 from actors.model.loaded import Model, load_model
 from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path
 from tests.cuda_emulator import EmulatedDevice, install
+from tests.cuda_samples import greedy_sharing_steps
 
 TOLERANCE = 0.05  # the issue's top-16 bound for a GPU against the CPU
 BLOCK = 16
@@ -92,3 +93,28 @@ def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice]) -> None:
     tokens = reference_tokens("gemma3-270m", 40)
     assert compare(model, backend, tokens, 30) <= TOLERANCE
     backend.close()
+
+
+INVARIANCE_STREAMS = (1, 8, 9, 32, 64)
+
+
+def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(
+        emulated: tuple[Any, EmulatedDevice]) -> None:
+    """Sequence 0 decoded beside 0, 7, 8, 31 and 63 others (past 8 decode rows the step once
+    switched to the tiles): its tokens, and its logits rows bit for bit, are the same."""
+    module, _ = emulated
+    model = load_model(TINY_MODELS["qwen2-q4k-tiny"])
+    steps, most = 4, max(INVARIANCE_STREAMS)
+    rng = np.random.default_rng(17)
+    prompts = [rng.integers(1, model.spec.vocab_size, 3 + i % 4).tolist() for i in range(most)]
+    backend = module.build_cuda_backend(model, KVRequest(blocks=most * 2, block_size=BLOCK,
+                                                         max_sequences=most), 0.9)
+    try:
+        runs = {n: greedy_sharing_steps(backend, prompts[:n], steps, BLOCK)
+                for n in INVARIANCE_STREAMS}
+    finally:
+        backend.close()
+    alone_tokens, alone_rows = runs[1]
+    for n, (tokens, rows) in runs.items():
+        assert tokens[0] == alone_tokens[0], n
+        np.testing.assert_array_equal(rows.view(np.uint32), alone_rows.view(np.uint32))

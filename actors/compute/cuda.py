@@ -133,7 +133,6 @@ def compile_kernels(capability: tuple[int, int]) -> dict[str, cuda.Function]:
     the cubins in cuda_plan.kernel_cache_dir(), shared with tests/gpu and the benchmark).
     Each function holds its module: dropping the functions unloads the modules."""
     source_dir = plan.kernel_source_dir()
-    plan.kernel_cache_dir().mkdir(parents=True, exist_ok=True)
     functions = {}
     for file_name, entry_points in plan.kernel_entry_points().items():
         module = SourceModule((source_dir / file_name).read_text(),

@@ -76,8 +76,11 @@ def kernel_source_dir() -> Path:
 
 def kernel_cache_dir() -> Path:
     """The one folder where PyCUDA keeps the compiled kernels, for the backend, tests/gpu and
-    the benchmark alike (one compile of each file per source version, not one per user)."""
-    return Path.home() / ".cache" / "q4k-actors" / "cuda"
+    the benchmark alike (one compile of each file per source version, not one per caller);
+    made if absent (PyCUDA makes only its own default folder)."""
+    folder = Path.home() / ".cache" / "q4k-actors" / "cuda"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def source_module_options(capability: tuple[int, int]) -> dict[str, object]:
