@@ -12,6 +12,12 @@ gated activation, the tied output) are tested on any machine, and the backend is
 Layouts are the kernels' (cuda_src/README.md): activations float32 rows; q, k and v side by
 side in one `qkv` row (q heads, then k heads, then v); gate and up side by side in `gate_up`.
 Each layer's residual add is fused into the next RMSNorm (residual_rms_norm's `delta`).
+
+Decode rows always take the matvec, any number of them (`matvec_rows`): a sequence's tokens do
+not depend on how many others share its step. A decode layer is eight launches once attention
+is one kernel: residual_rms_norm, mul_mat_vec_qkv, qkv_finish (biases, q/k norms, RoPE, the K/V
+write), attention, the output matvec, residual_rms_norm, the fused gate+up+activation matvec,
+the down matvec. Prefill rows past the matvec's few take the tiles, a launch per matrix.
 """
 
 from __future__ import annotations

@@ -338,8 +338,9 @@ def _check_grid(launch: Launch) -> Launch:
 
 
 def uses_matvec(n_tokens: int) -> bool:
-    """Up to MATVEC_MAX_BATCH tokens read each weight block once in mul_mat_vec; more go to
-    the tensor-core tiles."""
+    """A prefill chunk of up to MATVEC_MAX_BATCH rows takes mul_mat_vec; more go to the
+    tensor-core tiles. (Decode rows take the matvec whatever their number:
+    cuda_launches.matvec_rows.)"""
     return n_tokens <= MATVEC_MAX_BATCH
 
 
