@@ -49,11 +49,13 @@ ENGINE_TOKENS = 64  # generated per stream through the Engine
 
 
 def compile_module(file_name: str) -> Any:
+    """A cuda_src file compiled as the backend compiles it, into the same cache folder."""
+    import pycuda.driver as cuda
     from pycuda.compiler import SourceModule
 
     source = (plan.kernel_source_dir() / file_name).read_text()
-    return SourceModule(source, no_extern_c=True, options=plan.nvcc_options(),
-                        include_dirs=[str(plan.kernel_source_dir())])
+    capability = cuda.Context.get_device().compute_capability()
+    return SourceModule(source, **plan.source_module_options(capability))
 
 
 def time_launches(launch: Any, repeats: int) -> float:
