@@ -16,7 +16,7 @@ import pytest
 
 from actors.compute.contract import KVRequest, RowInputs, StepItem
 from actors.model.loaded import Model, load_model
-from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path
+from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
 from tests.cuda_emulator import EmulatedDevice, install
 from tests.cuda_samples import greedy_sharing_steps
 
@@ -91,6 +91,18 @@ def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice]) -> None:
     backend = module.build_cuda_backend(model, KVRequest(blocks=16, block_size=BLOCK,
                                                          max_sequences=2), 0.9)
     tokens = reference_tokens("gemma3-270m", 40)
+    assert compare(model, backend, tokens, 30) <= TOLERANCE
+    backend.close()
+
+
+@pytest.mark.slow
+def test_smollm2_matches_the_cpu(emulated: tuple[Any, EmulatedDevice]) -> None:
+    """The fourth model: llama's layout with Q4_1 and Q8_0 blocks and a tied output."""
+    module, _ = emulated
+    model = load_model(smollm2_path())
+    backend = module.build_cuda_backend(model, KVRequest(blocks=16, block_size=BLOCK,
+                                                         max_sequences=2), 0.9)
+    tokens = reference_tokens("smollm2-135m", 40)
     assert compare(model, backend, tokens, 30) <= TOLERANCE
     backend.close()
 
