@@ -190,3 +190,14 @@ def greedy_sharing_steps(backend: Any, prompts: Sequence[Sequence[int]], steps: 
             held.append(int(token))
         rows.append(backend.fetch_rows([0])[0])
     return tokens, np.stack(rows)
+
+
+def short_prompt_alone_and_shared(backend: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A 5-token prompt's logits row prefilled alone, then beside another 5-token prompt and
+    a 20-token one in one step (blocks 0 to 3 of 16 positions)."""
+    prompt = (5, 17, 300, 42, 9)
+    backend.run([StepItem(prompt, 0, (0,))], [RowInputs()])
+    alone = backend.fetch_rows([0])[0]
+    backend.run([StepItem(prompt, 0, (0,)), StepItem((8, 6, 4, 2, 1), 0, (1,)),
+                 StepItem(tuple(range(30, 50)), 0, (2, 3))], [RowInputs()] * 3)
+    return alone, backend.fetch_rows([0])[0]

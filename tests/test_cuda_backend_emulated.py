@@ -18,7 +18,7 @@ from actors.compute.contract import KVRequest, RowInputs, StepItem
 from actors.model.loaded import Model, load_model
 from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
 from tests.cuda_emulator import EmulatedDevice, install
-from tests.cuda_samples import greedy_sharing_steps
+from tests.cuda_samples import greedy_sharing_steps, short_prompt_alone_and_shared
 
 TOLERANCE = 0.05  # the issue's top-16 bound for a GPU against the CPU
 BLOCK = 16
@@ -130,3 +130,18 @@ def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(
     for n, (tokens, rows) in runs.items():
         assert tokens[0] == alone_tokens[0], n
         np.testing.assert_array_equal(rows.view(np.uint32), alone_rows.view(np.uint32))
+
+
+def test_a_prompts_logits_do_not_depend_on_the_prompts_sharing_its_step(
+        emulated: tuple[Any, EmulatedDevice]) -> None:
+    """A 5-token prompt alone, then beside another short one and a 20-token one (30 prefill
+    rows once took the tiles all together): its logits row is the same bits."""
+    module, _ = emulated
+    model = load_model(TINY_MODELS["qwen2-q4k-tiny"])
+    backend = module.build_cuda_backend(model, KVRequest(blocks=8, block_size=BLOCK,
+                                                         max_sequences=4), 0.9)
+    try:
+        alone, together = short_prompt_alone_and_shared(backend)
+    finally:
+        backend.close()
+    np.testing.assert_array_equal(together.view(np.uint32), alone.view(np.uint32))

@@ -232,13 +232,36 @@ def test_decode_rows_keep_the_matvec_when_a_prefill_shares_their_step(
     assert int(fused.args[-1]) == 12
     output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
     assert [int(c.args[8]) for c in output] == [13]  # 12 decode rows and 1 prefill: matvec
-    few = [*decode[:2], StepItem(tuple(range(1, 7)), 0, (12,))]
-    _, small = _calls(models["llama-tiny"], few)  # a short chunk joins the decode rows
-    assert all(c.kernel.startswith("mul_mat_vec") for c in small if "mul_mat" in c.kernel)
     prefill = [StepItem(tuple(range(1, 21)), 0, (12, 13))]
     _, alone = _calls(models["llama-tiny"], prefill)
     assert all("tiles" in c.kernel for c in alone if c.kernel.startswith("mul_mat")
                and c.args[4] != launches.Ref("logits"))
+
+
+def test_each_prefill_item_takes_the_matvec_or_the_tiles_by_its_own_length(
+        models: dict[str, GGUFFile]) -> None:
+    """Two 5-token prompts together take the matvec as each alone does (10 rows would once
+    have gone to the tiles); a 20-token one between them the tiles; neighbours on the same
+    side share a launch; every logits row takes the matvec."""
+    spec = spec_from_gguf(models["llama-tiny"])
+    items = [StepItem((5,), 3, (0,)), StepItem((6,), 4, (1,)),
+             StepItem(tuple(range(1, 6)), 0, (2,)), StepItem(tuple(range(1, 21)), 0, (3, 4)),
+             StepItem(tuple(range(1, 6)), 0, (5,)), StepItem(tuple(range(1, 6)), 0, (6,))]
+    step = _plan(spec, items)
+    shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
+                                spec.context_length)
+    assert launches.row_runs(shape) == [launches.RowRun(0, 7, True),
+                                        launches.RowRun(7, 20, False),
+                                        launches.RowRun(27, 10, True)]
+    _, calls = _calls(models["llama-tiny"], items)
+    down = [c for c in calls if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
+    assert [(_kind(c), c.args[2].offset // (4 * spec.ffn_dim), int(c.args[8])) for c in down] \
+        == [("mul_mat_vec", 0, 7), ("mul_mat_tiles_f16x3_q4_K", 7, 20), ("mul_mat_vec", 27, 10)]
+    output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
+    assert [(_kind(c), int(c.args[8])) for c in output] == [("mul_mat_vec", 6)]
+    two_short = items[2:3] + items[4:5]
+    assert launches.row_runs(launches.step_shape(
+        _plan(spec, two_short), 8, 256, spec.context_length)) == [launches.RowRun(0, 10, True)]
 
 
 def test_gate_and_up_of_different_types_take_two_products_and_the_activation(

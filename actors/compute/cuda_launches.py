@@ -13,8 +13,8 @@ Layouts are the kernels' (cuda_src/README.md): activations float32 rows; q, k an
 side in one `qkv` row (q heads, then k heads, then v); gate and up side by side in `gate_up`.
 Each layer's residual add is fused into the next RMSNorm (residual_rms_norm's `delta`).
 
-Decode rows always take the matvec, any number of them (`matvec_rows`): a sequence's tokens do
-not depend on how many others share its step. A decode layer is eight launches once attention
+Decode rows always take the matvec, any number of them, a short prefill item too, a long one
+the tiles (`row_runs`): a sequence's tokens do not depend on what else shares its step. A decode layer is eight launches once attention
 is one kernel: residual_rms_norm, mul_mat_vec_qkv, qkv_finish (biases, q/k norms, RoPE, the K/V
 write), attention, the output matvec, residual_rms_norm, the fused gate+up+activation matvec,
 the down matvec. Prefill rows past the matvec's few take the tiles, a launch per matrix.
@@ -101,12 +101,12 @@ class StepShape:
     n_prefill: int
     prefill_max_tokens: int  # the longest of the prefill items
     n_logit_rows: int
-    n_decode_logit_rows: int  # the first logits rows, which belong to decode items
     gather_logit_rows: bool  # False: the logits rows are rows 0 .. n_logit_rows - 1
     table_stride: int
     n_splits: int
     split_keys: int
     block_size: int
+    prefill_lengths: tuple[int, ...] = ()  # each prefill item's tokens, in row order
 
 
 # --- decisions about a step -----------------------------------------------------------------
@@ -158,12 +158,12 @@ def step_shape(step: StepPlan, table_stride: int, split_keys: int,
         n_prefill=len(prefill_lengths),
         prefill_max_tokens=int(prefill_lengths.max()) if prefill_lengths.size else 0,
         n_logit_rows=n_rows,
-        n_decode_logit_rows=int((step.logit_rows < n_decode).sum()),
         gather_logit_rows=not np.array_equal(step.logit_rows, np.arange(n_rows)),
         table_stride=table_stride,
         n_splits=plan.decode_splits(context_length, split_keys),
         split_keys=split_keys,
         block_size=step.block_size,
+        prefill_lengths=tuple(int(n) for n in prefill_lengths),
     )
 
 
@@ -172,7 +172,7 @@ def graph_shape(bucket: int, table_stride: int, split_keys: int, context_length:
     """The launch shape a decode graph of `bucket` rows is captured with."""
     return StepShape(
         n_tokens=bucket, n_decode=bucket, n_prefill=0, prefill_max_tokens=0,
-        n_logit_rows=bucket, n_decode_logit_rows=bucket, gather_logit_rows=False,
+        n_logit_rows=bucket, gather_logit_rows=False,
         table_stride=table_stride,
         n_splits=plan.decode_splits(context_length, split_keys), split_keys=split_keys,
         block_size=block_size,
@@ -283,12 +283,33 @@ def _i32(value: int) -> np.int32:
     return np.int32(value)
 
 
-def matvec_rows(n_rows: int, n_decode: int) -> int:
-    """How many leading rows of a product take the matvec: every decode row, any number of
-    them, and the prefill rows too when they are few (plan.uses_matvec); the rest take the
-    tensor-core tiles. A decode row never shares a tile with another row and the matvec's
-    rows are independent, so a sequence's tokens do not depend on what shares its step."""
-    return n_rows if plan.uses_matvec(n_rows - n_decode) else n_decode
+@dataclass(frozen=True)
+class RowRun:
+    """Consecutive rows of a step that one launch per product serves: `rows` rows from
+    `first`, on the matvec or on the tensor-core tiles."""
+
+    first: int
+    rows: int
+    matvec: bool
+
+
+def row_runs(shape: StepShape) -> list[RowRun]:
+    """The step's rows in launches: the decode rows on the matvec, any number of them; each
+    prefill item on the matvec when it is short (plan.uses_matvec of its own length), else on
+    the tiles; neighbours on the same side share a launch. A row's route depends on its own
+    item alone and the matvec's rows are independent of each other, so a sequence's tokens
+    do not depend on what shares its step (a decode row never shares a tile)."""
+    runs: list[RowRun] = []
+    routes = [(shape.n_decode, True)] if shape.n_decode else []
+    routes += [(n, plan.uses_matvec(n)) for n in shape.prefill_lengths]
+    first = 0
+    for rows, matvec in routes:
+        if runs and runs[-1].matvec == matvec:
+            runs[-1] = RowRun(runs[-1].first, runs[-1].rows + rows, matvec)
+        else:
+            runs.append(RowRun(first, rows, matvec))
+        first += rows
+    return runs
 
 
 def _rows_in(ref: Ref, rows: int, stride: int) -> Ref:
@@ -322,17 +343,16 @@ def tiles_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride:
 
 
 def matmul_calls(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int,
-                 y: Ref, y_stride: int, n_rows: int, n_decode: int,
+                 y: Ref, y_stride: int, runs: Sequence[RowRun],
                  tile_input: str) -> list[KernelCall]:
-    """y = W x over n_rows rows, of which the first n_decode are decode rows: the matvec's
-    rows (`matvec_rows`) in one launch, the rest on the tiles."""
-    split = matvec_rows(n_rows, n_decode)
-    calls = [matvec_call(weights, name, x, x_stride, y, y_stride, split)] if split else []
-    if split < n_rows:
-        calls.append(tiles_call(weights, name, _rows_in(x, split, x_stride), x_stride,
-                                _rows_in(y, split, y_stride), y_stride, n_rows - split,
-                                tile_input))
-    return calls
+    """y = W x over the rows of `runs`, one launch per run."""
+    return [
+        (matvec_call(weights, name, _rows_in(x, run.first, x_stride), x_stride,
+                     _rows_in(y, run.first, y_stride), y_stride, run.rows) if run.matvec
+         else tiles_call(weights, name, _rows_in(x, run.first, x_stride), x_stride,
+                         _rows_in(y, run.first, y_stride), y_stride, run.rows, tile_input))
+        for run in runs
+    ]
 
 
 def _optional(name: str, present: bool) -> Ref:
@@ -387,29 +407,29 @@ def attention_calls(spec: ModelSpec, shape: StepShape, layer: int) -> list[Kerne
     return calls
 
 
-def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
+def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequence[RowRun],
               layer: int, tile_input: str) -> list[KernelCall]:
-    """q, k and v side by side in each `qkv` row: the matvec's rows in one fused launch
-    (mul_mat_vec_qkv, a block type per segment), the tiles' rows in one launch per matrix."""
-    p, t, d = f"blk.{layer}.", shape.n_tokens, spec.d_model
-    qkv_stride = spec.q_dim + 2 * spec.kv_dim
-    names = [f"{p}attn_{part}.weight" for part in "qkv"]
+    """q, k and v side by side in each `qkv` row: a matvec run in one fused launch
+    (mul_mat_vec_qkv, a block type per segment), a tiles run in one launch per matrix."""
+    d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
+    names = [f"blk.{layer}.attn_{part}.weight" for part in "qkv"]
+    segments = [arg for name in names for arg in (
+        Ref(name), np.int64(weights[name].pitch),
+        _i32(plan.type_code(weights[name].type_name)), _i32(weights[name].rows))]
     columns = (0, spec.q_dim, spec.q_dim + spec.kv_dim)
-    split = matvec_rows(t, shape.n_decode)
     calls = []
-    if split:
-        segments = [arg for name in names for arg in (
-            Ref(name), np.int64(weights[name].pitch),
-            _i32(plan.type_code(weights[name].type_name)), _i32(weights[name].rows))]
-        calls.append(KernelCall(
-            "mul_mat_vec_qkv", plan.matvec_launch(qkv_stride, split),
-            (*segments, Ref("normed"), _i32(d), Ref("qkv"), _i32(qkv_stride), _i32(d),
-             _i32(split))))
-    if split < t:
-        calls += [tiles_call(weights, name, _rows_in(Ref("normed"), split, d), d,
-                             _rows_in(Ref("qkv", column * F32), split, qkv_stride), qkv_stride,
-                             t - split, tile_input)
-                  for name, column in zip(names, columns)]
+    for run in runs:
+        x = _rows_in(Ref("normed"), run.first, d)
+        if run.matvec:
+            calls.append(KernelCall(
+                "mul_mat_vec_qkv", plan.matvec_launch(qkv_stride, run.rows),
+                (*segments, x, _i32(d), _rows_in(Ref("qkv"), run.first, qkv_stride),
+                 _i32(qkv_stride), _i32(d), _i32(run.rows))))
+        else:
+            calls += [tiles_call(weights, name, x, d,
+                                 _rows_in(Ref("qkv", column * F32), run.first, qkv_stride),
+                                 qkv_stride, run.rows, tile_input)
+                      for name, column in zip(names, columns)]
     return calls
 
 
@@ -432,32 +452,38 @@ def qkv_finish_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape:
          Ref(f"v_cache.{layer}")))
 
 
-def ffn_up_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
-                 layer: int, tile_input: str) -> list[KernelCall]:
-    """`gated` = act(gate x) * (up x): the matvec's rows in one fused launch where gate and
-    up share a block type, the other rows through `gate_up` (gate, then up, in each row) and
-    gated_<act>."""
-    p, t, d, ffn = f"blk.{layer}.", shape.n_tokens, spec.d_model, spec.ffn_dim
-    gate, up = f"{p}ffn_gate.weight", f"{p}ffn_up.weight"
-    split = matvec_rows(t, shape.n_decode)
-    fused = split if weights[gate].type_name == weights[up].type_name else 0
+def gated_ffn_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
+                    runs: Sequence[RowRun], layer: int, tile_input: str) -> list[KernelCall]:
+    """`gated` = act(gate x) * (up x): a matvec run in one fused launch where gate and up
+    share a block type; otherwise the run's gate and up products into `gate_up` (gate, then
+    up, in each row) and gated_<act> over its rows (one over all rows where nothing fuses)."""
+    d, ffn = spec.d_model, spec.ffn_dim
+    gate, up = f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"
+    fuses = weights[gate].type_name == weights[up].type_name
+
+    def gated(first: int, rows: int) -> KernelCall:
+        return KernelCall(f"gated_{spec.activation}", plan.elementwise_launch(rows * ffn),
+                          (_rows_in(Ref("gate_up"), first, 2 * ffn),
+                           _rows_in(Ref("gated"), first, ffn), _i32(rows), _i32(ffn)))
+
     calls = []
-    if fused:
-        suffix = plan.kernel_suffix(weights[gate].type_name)
-        calls.append(KernelCall(
-            plan.gate_up_kernel(spec.activation, suffix), plan.matvec_launch(ffn, fused),
-            (Ref(gate), Ref(up), np.int64(weights[gate].pitch), Ref("normed"), _i32(d),
-             Ref("gated"), _i32(ffn), _i32(ffn), _i32(d), _i32(fused))))
-    if fused < t:
-        rest, decode_rest = t - fused, 0 if fused else shape.n_decode
-        x = _rows_in(Ref("normed"), fused, d)
+    for run in runs:
+        if run.matvec and fuses:
+            suffix = plan.kernel_suffix(weights[gate].type_name)
+            calls.append(KernelCall(
+                plan.gate_up_kernel(spec.activation, suffix), plan.matvec_launch(ffn, run.rows),
+                (Ref(gate), Ref(up), np.int64(weights[gate].pitch),
+                 _rows_in(Ref("normed"), run.first, d), _i32(d),
+                 _rows_in(Ref("gated"), run.first, ffn), _i32(ffn), _i32(ffn), _i32(d),
+                 _i32(run.rows))))
+            continue
         for name, column in ((gate, 0), (up, ffn)):
-            calls += matmul_calls(weights, name, x, d,
-                                  _rows_in(Ref("gate_up", column * F32), fused, 2 * ffn),
-                                  2 * ffn, rest, decode_rest, tile_input)
-        calls.append(KernelCall(f"gated_{spec.activation}", plan.elementwise_launch(rest * ffn),
-                                (_rows_in(Ref("gate_up"), fused, 2 * ffn),
-                                 _rows_in(Ref("gated"), fused, ffn), _i32(rest), _i32(ffn))))
+            calls += matmul_calls(weights, name, Ref("normed"), d, Ref("gate_up", column * F32),
+                                  2 * ffn, [run], tile_input)
+        if fuses:
+            calls.append(gated(run.first, run.rows))
+    if not fuses:
+        calls.append(gated(0, sum(run.rows for run in runs)))
     return calls
 
 
@@ -465,22 +491,22 @@ def layer_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: Ste
                 layer: int, tile_input: str) -> list[KernelCall]:
     """One transformer block, from the norm that opens it (adding the previous block's FFN
     output to the residual) to its down projection (left in `projected`)."""
-    p, t = f"blk.{layer}.", shape.n_tokens
+    p, t, runs = f"blk.{layer}.", shape.n_tokens, row_runs(shape)
     first = layer == 0
     calls = [residual_norm_call(spec, t, NULL if first else Ref("projected"),
                                 NULL if first else _post_ffn_norm(spec, layer - 1),
                                 Ref(p + "attn_norm.weight"), Ref("normed"))]
-    calls += qkv_calls(spec, weights, shape, layer, tile_input)
+    calls += qkv_calls(spec, weights, runs, layer, tile_input)
     calls.append(qkv_finish_call(spec, weights, shape, layer))
     calls += attention_calls(spec, shape, layer)
     calls += matmul_calls(weights, p + "attn_output.weight", Ref("attn"), spec.q_dim,
-                          Ref("projected"), spec.d_model, t, shape.n_decode, tile_input)
+                          Ref("projected"), spec.d_model, runs, tile_input)
     calls.append(residual_norm_call(
         spec, t, Ref("projected"), _optional(p + "post_attention_norm.weight", spec.post_norms),
         Ref(p + "ffn_norm.weight"), Ref("normed")))
-    calls += ffn_up_calls(spec, weights, shape, layer, tile_input)
+    calls += gated_ffn_calls(spec, weights, runs, layer, tile_input)
     calls += matmul_calls(weights, p + "ffn_down.weight", Ref("gated"), spec.ffn_dim,
-                          Ref("projected"), spec.d_model, t, shape.n_decode, tile_input)
+                          Ref("projected"), spec.d_model, runs, tile_input)
     return calls
 
 
@@ -507,10 +533,10 @@ def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: S
             (Ref("normed"), np.int64(plan.row_pitch("F32", spec.d_model)),
              Ref("step.logit_rows"), final, _i32(spec.d_model), np.float32(1.0))))
     if shape.n_logit_rows:
+        # Every logits row on the matvec: one row per item, each independent of the others.
         output = "token_embd.weight" if spec.tied_output else "output.weight"
-        calls += matmul_calls(weights, output, final, spec.d_model, Ref("logits"),
-                              spec.vocab_size, shape.n_logit_rows, shape.n_decode_logit_rows,
-                              tile_input)
+        calls.append(matvec_call(weights, output, final, spec.d_model, Ref("logits"),
+                                 spec.vocab_size, shape.n_logit_rows))
     return calls
 
 

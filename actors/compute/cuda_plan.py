@@ -338,9 +338,9 @@ def _check_grid(launch: Launch) -> Launch:
 
 
 def uses_matvec(n_tokens: int) -> bool:
-    """A prefill chunk of up to MATVEC_MAX_BATCH rows takes mul_mat_vec; more go to the
-    tensor-core tiles. (Decode rows take the matvec whatever their number:
-    cuda_launches.matvec_rows.)"""
+    """A prefill item of up to MATVEC_MAX_BATCH tokens takes mul_mat_vec; a longer one goes
+    to the tensor-core tiles. (Decode rows take the matvec whatever their number:
+    cuda_launches.row_runs.)"""
     return n_tokens <= MATVEC_MAX_BATCH
 
 

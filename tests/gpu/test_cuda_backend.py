@@ -28,7 +28,7 @@ from actors.errors import ModelFormatError
 from actors.model.loaded import Model, load_model, open_model
 from actors.params import SamplingParams
 from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
-from tests.cuda_samples import greedy_sharing_steps
+from tests.cuda_samples import greedy_sharing_steps, short_prompt_alone_and_shared
 
 MODELS = ("llama-q4k-tiny", "qwen2-q4k-tiny", "smollm2-135m", "gemma3-270m")
 TOP16_TOLERANCE = 0.05
@@ -217,6 +217,20 @@ def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step() -> None:
         assert tokens[0] == alone_tokens[0], n
         np.testing.assert_array_equal(rows.view(np.uint32), alone_rows.view(np.uint32),
                                       err_msg=f"{n} streams")
+
+
+def test_a_prompts_logits_do_not_depend_on_the_prompts_sharing_its_step() -> None:
+    """Each prefill item takes the matvec or the tiles by its own length: a 5-token prompt's
+    logits row is the same bits alone and beside a short and a 20-token prompt."""
+    model = open_model(TINY_MODELS["qwen2-q4k-tiny"])
+    backend = BACKENDS["cuda"].build(model, KVRequest(blocks=8, block_size=BLOCK,
+                                                      max_sequences=4))
+    try:
+        alone, together = short_prompt_alone_and_shared(backend)
+    finally:
+        backend.close()
+        model.gguf.close()
+    np.testing.assert_array_equal(together.view(np.uint32), alone.view(np.uint32))
 
 
 # --- the engine on backend="cuda" -----------------------------------------------------------
