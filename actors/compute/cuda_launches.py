@@ -330,8 +330,8 @@ def matvec_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride
 
 def tiles_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
                y_stride: int, n_tokens: int, tile_input: str) -> KernelCall:
-    """y[t][r] = W[r] . x[t] for the matrix `name` on the tensor-core tiles (n_tokens past
-    the matvec's prefill rows)."""
+    """y[t][r] = W[r] . x[t] for the matrix `name` on the tensor-core tiles (a run of
+    prefill items each too long for the matvec)."""
     matrix = weights[name]
     assert not plan.uses_matvec(n_tokens), n_tokens
     return KernelCall(
