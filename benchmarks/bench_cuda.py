@@ -3,9 +3,11 @@ bytes read / time) on Llama-3-8B's FFN shapes, beside the device's own copy band
 tensor-core tiles at prefill size, timed with CUDA events over many launches (the weights
 cycle through enough copies that every launch reads them from HBM, not from L2). Whole models
 through the CUDA backend (wall clock per step, each step ending in its one synchronization):
-decode tok/s at 1 and 32 streams and prefill-512 tok/s on a Llama-3-8B-shaped file
+decode tok/s at 1, 32 and 64 streams and prefill-512 tok/s on a Llama-3-8B-shaped file
 (benchmarks/synthetic_gguf.py), one-stream decode on gemma-3-270m, and the stream operations
-and kernels of a decode step.
+and kernels of a decode step. Whole models through the Engine (actors.Engine.open(path,
+backend="cuda"), greedy, ignore_eos, a fixed token count) at 1, 32 and 64 streams beside the
+bare backend's figures: the difference per decode step is what the actors cost.
 
     python benchmarks/bench_cuda.py [--json OUT.json] [--repeats N] [--model-8b PATH]
                                     [--gemma3 PATH]
@@ -41,16 +43,19 @@ ANCHORS = {"matvec_q4_K_effective_TBps": 3.4, "copy_TBps_seen_on_h200": 4.3,
            "llama3_8b_prefill_512_tok_s": 10000, "gemma3_270m_decode_1_stream_tok_s": 300}
 DECODE_PROMPT = 32  # tokens each stream holds before its timed decode steps
 DECODE_STEPS = 64
-DECODE_STREAMS = (1, 32)
+DECODE_STREAMS = (1, 32, 64)
 MODEL_BLOCK = 16
+ENGINE_TOKENS = 64  # generated per stream through the Engine
 
 
 def compile_module(file_name: str) -> Any:
+    """A cuda_src file compiled as the backend compiles it, into the same cache folder."""
+    import pycuda.driver as cuda
     from pycuda.compiler import SourceModule
 
     source = (plan.kernel_source_dir() / file_name).read_text()
-    return SourceModule(source, no_extern_c=True, options=plan.nvcc_options(),
-                        include_dirs=[str(plan.kernel_source_dir())])
+    capability = cuda.Context.get_device().compute_capability()
+    return SourceModule(source, **plan.source_module_options(capability))
 
 
 def time_launches(launch: Any, repeats: int) -> float:
@@ -209,6 +214,73 @@ def bench_model(path: Path, streams: tuple[int, ...], prefill: int | None,
     return report
 
 
+async def engine_decode(path: Path, streams: tuple[int, ...],
+                        rng: np.random.Generator) -> list[dict[str, Any]]:
+    """Each stream count in turn through one Engine: that many concurrent greedy requests of
+    ENGINE_TOKENS tokens (ignore_eos) after DECODE_PROMPT-token prompts, after a warm-up that
+    captures the decode graphs. Decode figures run from the last stream's first token to the
+    last token (the prefill steps left out)."""
+    import anyio
+
+    from actors.engine import Engine
+    from actors.params import SamplingParams
+
+    params = SamplingParams(max_tokens=ENGINE_TOKENS, temperature=0.0, ignore_eos=True)
+    per_stream = -(-(DECODE_PROMPT + ENGINE_TOKENS) // MODEL_BLOCK)
+    async with Engine.open(path, backend="cuda", max_sequences=max(streams),
+                           kv_blocks=max(streams) * per_stream + 1,
+                           block_size=MODEL_BLOCK) as engine:
+        vocab = engine.info.vocab_size
+
+        async def run(n: int, request: SamplingParams) -> tuple[float, float, float, int]:
+            """(start, last first token, end) wall clocks and the engine steps taken."""
+            firsts: list[float] = []
+
+            async def one() -> None:
+                prompt = [int(t) for t in rng.integers(300, vocab, DECODE_PROMPT)]
+                first = True
+                async for chunk in engine.generate(prompt, request):
+                    if first and chunk.token_id is not None:
+                        firsts.append(time.perf_counter())
+                        first = False
+
+            steps = engine.stats().steps
+            started = time.perf_counter()
+            async with anyio.create_task_group() as tasks:
+                for _ in range(n):
+                    tasks.start_soon(one)
+            return started, max(firsts), time.perf_counter(), engine.stats().steps - steps
+
+        results = []
+        for n in streams:
+            await run(n, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            started, last_first, ended, steps = await run(n, params)
+            decode_s = ended - last_first
+            results.append({
+                "streams": n, "tokens": ENGINE_TOKENS, "steps": steps,
+                "tok_s": n * ENGINE_TOKENS / (ended - started),
+                "decode_tok_s": n * (ENGINE_TOKENS - 1) / decode_s,
+                "ms_per_decode_step": decode_s / (ENGINE_TOKENS - 1) * 1e3})
+        return results
+
+
+def bench_engine(path: Path, streams: tuple[int, ...], bare: Any,
+                 rng: np.random.Generator) -> list[dict[str, Any]]:
+    """engine_decode's figures, each beside the bare backend's decode step at the same
+    stream count (from `bare`, bench_model's report of the same file, where it has one):
+    actors_ms_per_step is what the engine's actors add to a decode step."""
+    import anyio
+
+    results = anyio.run(engine_decode, path, streams, rng)
+    bare_ms = {row["streams"]: row["ms_per_step"]
+               for row in (bare or {}).get("decode", []) if "ms_per_step" in row}
+    for row in results:
+        if row["streams"] in bare_ms:
+            row["bare_ms_per_step"] = bare_ms[row["streams"]]
+            row["actors_ms_per_step"] = row["ms_per_decode_step"] - bare_ms[row["streams"]]
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -217,8 +289,10 @@ def main() -> None:
                         "(benchmarks/synthetic_gguf.py) for the whole-model figures")
     parser.add_argument("--gemma3", type=Path, help="gemma-3-270m's GGUF for its decode figure")
     parser.add_argument("--model", type=Path, action="append", default=[],
-                        help="another GGUF (e.g. a shrunk real model) for decode at 1 and 8 "
+                        help="another GGUF (e.g. a shrunk real model) for decode at 1, 32 and 64 "
                         "streams, reported under its file's stem")
+    parser.add_argument("--engine-streams", type=int, nargs="*", default=[1, 32, 64],
+                        help="stream counts through the whole Engine (none: skip)")
     args = parser.parse_args()
 
     import pycuda.autoprimaryctx  # noqa: F401  (the primary context, which the backend shares)
@@ -252,12 +326,19 @@ def main() -> None:
     section("copy", lambda: bench_copy(args.repeats // 4))
     section("matvec", lambda: bench_matvec(compiled["matvec.cu"], rng, l2_bytes, args.repeats))
     section("tiles", lambda: bench_tiles(compiled["matmul.cu"], rng, args.repeats))
+    engine_streams = tuple(args.engine_streams)
     if args.model_8b:
         section("llama3_8b", lambda: bench_model(args.model_8b, DECODE_STREAMS, 512, rng))
     if args.gemma3:
         section("gemma3_270m", lambda: bench_model(args.gemma3, (1,), None, rng))
     for path in args.model:
-        section(path.stem, lambda: bench_model(path, (1, 8), None, rng))
+        section(path.stem, lambda: bench_model(path, DECODE_STREAMS, None, rng))
+    # Through the Engine after every bare figure: a run cut short keeps those first.
+    for key, path in [("llama3_8b", args.model_8b), ("gemma3_270m", args.gemma3),
+                      *((path.stem, path) for path in args.model)]:
+        if path and engine_streams:
+            section(f"{key}_engine",
+                    lambda: bench_engine(path, engine_streams, report.get(key), rng))
     print(json.dumps(report, indent=2))
 
 

@@ -8,8 +8,9 @@ attn_v / ffn_down tensors of the layers `use_more_bits` picks; norms are F32 one
 
     python benchmarks/synthetic_gguf.py OUT.gguf [--layers N] [--vocab N] [--seed N]
 
-The file has no tokenizer: it serves kernel and step benchmarks fed with token ids, and
-`actors.load_model` opens it. The full 32-layer file is 4.6 GiB; each tensor is generated and
+Its tokenizer is a placeholder SentencePiece vocabulary (the control tokens, the 256 byte
+tokens, then pieces named by their id), enough for the Engine to serve it token ids in and
+out; `actors.load_model` opens it. The full 32-layer file is 4.6 GiB; each tensor is generated and
 written in turn, so memory stays at about the largest tensor.
 """
 
@@ -103,6 +104,26 @@ def tensor_bytes(rng: np.random.Generator, type_name: str, dims: tuple[int, ...]
     return random_blocks(rng, type_name, n_blocks)
 
 
+# GGUF token types: normal, unknown, control, byte.
+NORMAL, UNKNOWN, CONTROL, BYTE = 1, 2, 3, 6
+
+
+def add_placeholder_tokenizer(writer: GGUFWriter, vocab: int) -> None:
+    """A SentencePiece vocabulary of `vocab` tokens: <unk>, <s>, </s>, the byte tokens, then
+    "▁t<id>" pieces (so the Engine can open the file and detokenize what it generates)."""
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    first_piece = len(specials) + len(byte_tokens)
+    tokens = [*specials, *byte_tokens, *(f"\u2581t{i}" for i in range(first_piece, vocab))]
+    types = [UNKNOWN, CONTROL, CONTROL, *[BYTE] * 256, *[NORMAL] * (vocab - first_piece)]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens[:vocab])
+    writer.add_token_scores([-float(i) for i in range(vocab)])
+    writer.add_token_types(types[:vocab])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
 def write_synthetic_gguf(path: Path, shape: LlamaShape, seed: int = 0) -> dict[str, int]:
     """Write the model to `path`; returns its type mix (type -> tensor count)."""
     types = q4_k_m_types(shape)
@@ -120,6 +141,7 @@ def write_synthetic_gguf(path: Path, shape: LlamaShape, seed: int = 0) -> dict[s
     writer.add_vocab_size(shape.vocab)
     writer.add_file_type(int(LlamaFileType.MOSTLY_Q4_K_M))
     writer.add_quantization_version(GGML_QUANT_VERSION)
+    add_placeholder_tokenizer(writer, shape.vocab)
     tensors = tensor_shapes(shape)
     for name, dims in tensors:
         fmt = FORMATS[types[name]]

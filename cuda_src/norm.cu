@@ -1,7 +1,7 @@
 // RMSNorm kernels, float32: norm(v) = v / sqrt(mean(v^2) + eps) * weight, as forward.rms_norm
 // (sum of squares, times 1/n, plus eps, sqrt, divide, times weight; the sum is a float32 tree
 // here, so results match the CPU to float tolerance, not bit for bit).
-#include "device_common.cuh"
+#include "head_ops.cuh"
 
 constexpr int NORM_THREADS = 256;
 
@@ -48,9 +48,6 @@ extern "C" __global__ void __launch_bounds__(4 * WARP)
                   const float* __restrict__ weight, float eps) {
     const int head = blockIdx.x * 4 + threadIdx.x / WARP, lane = threadIdx.x % WARP;
     if (head >= n_heads) return;
-    float* v = x + int64_t(blockIdx.y) * row_stride + head * head_dim;
-    float squares = 0.0f;
-    for (int i = lane; i < head_dim; i += WARP) squares += v[i] * v[i];
-    const float divisor = sqrtf(warp_sum(squares) * (1.0f / float(head_dim)) + eps);
-    for (int i = lane; i < head_dim; i += WARP) v[i] = v[i] / divisor * weight[i];
+    warp_head_rms_norm(x + int64_t(blockIdx.y) * row_stride + head * head_dim, head_dim,
+                       weight, eps, lane);
 }

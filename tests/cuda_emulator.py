@@ -12,6 +12,7 @@ import importlib
 import math
 import sys
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from tests.cuda_samples import penalties_twin, tile_product, top_candidates_twin
 
 GIB = 1 << 30
 TYPE_OF_SUFFIX = {suffix: name for name, suffix in plan.KERNEL_TYPE_SUFFIX.items()}
+GATED = {"silu": silu, "gelu_tanh": gelu_tanh}
 
 
 class Memory:
@@ -81,6 +83,13 @@ class KernelTwins:
     def launch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
         if name.startswith("get_rows_"):
             self.get_rows(TYPE_OF_SUFFIX[name[len("get_rows_"):]], grid, *args)
+        elif name == "mul_mat_vec_qkv":
+            self.mul_mat_vec_qkv(*args)
+        elif name.startswith("mul_mat_vec_gate_up_"):
+            activation, suffix = next(
+                (a, name[len(f"mul_mat_vec_gate_up_{a}_"):]) for a in plan.ACTIVATIONS
+                if name.startswith(f"mul_mat_vec_gate_up_{a}_"))
+            self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args)
         elif name.startswith("mul_mat_vec_"):
             self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args)
         elif name.startswith("mul_mat_tiles_"):
@@ -97,12 +106,41 @@ class KernelTwins:
                               row_bytes(type_name, d)).copy()  # see `matrix`
             self.f32(int(out) + 4 * i * d, d)[:] = dequantize(raw, type_name, (d,)) * scale
 
-    def matmul(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
-               x_stride: int, y: Any, y_stride: int, rows: int, n_in: int, n: int) -> None:
+    def products(self, type_name: str, weights: Any, pitch: int, x: Any, x_stride: int,
+                 rows: int, n_in: int, n: int) -> np.ndarray:
+        """The matvec's (n, rows) products, one activation row at a time: a row's result is
+        the same whatever else shares the launch, as the kernel promises."""
         w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in))
         xs = self.rows(x, int(n), int(x_stride), int(n_in))
-        self.rows(y, int(n), int(y_stride), int(rows))[:] = (
-            xs @ w.T if tile_input is None else tile_product(w, xs, tile_input))
+        return np.stack([w @ row for row in xs]) if int(n) else np.zeros((0, int(rows)),
+                                                                           np.float32)
+
+    def matmul(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
+               x_stride: int, y: Any, y_stride: int, rows: int, n_in: int, n: int) -> None:
+        if tile_input is None:
+            product = self.products(type_name, weights, pitch, x, x_stride, rows, n_in, n)
+        else:
+            w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in))
+            product = tile_product(w, self.rows(x, int(n), int(x_stride), int(n_in)), tile_input)
+        self.rows(y, int(n), int(y_stride), int(rows))[:] = product
+
+    def mul_mat_vec_qkv(self, *args: Any) -> None:
+        """Three matvecs (q, k, v segments, a block type each) into one row of y."""
+        segments, (x, x_stride, y, y_stride, n_in, n) = args[:12], args[12:]
+        column = 0
+        for weights, pitch, code, rows in zip(*[iter(segments)] * 4):
+            type_name = list(plan.KERNEL_TYPE_SUFFIX)[int(code)]
+            self.matmul(type_name, None, weights, pitch, x, x_stride,
+                        int(y) + 4 * column, y_stride, rows, n_in, n)
+            column += int(rows)
+
+    def gate_up(self, act: Callable[[np.ndarray, np.ndarray], np.ndarray], type_name: str,
+                gate: Any, up: Any, pitch: int, x: Any, x_stride: int, y: Any, y_stride: int,
+                rows: int, n_in: int, n: int) -> None:
+        """y = act(gate . x) * (up . x): the two matvecs and the gated activation's twin."""
+        gates, ups = (self.products(type_name, w, pitch, x, x_stride, rows, n_in, n)
+                      for w in (gate, up))
+        self.rows(y, int(n), int(y_stride), int(rows))[:] = act(gates, np.empty_like(gates)) * ups
 
     @staticmethod
     def _rms(v: np.ndarray, eps: float) -> np.ndarray:
@@ -152,6 +190,25 @@ class KernelTwins:
             for source, cache in ((k, k_cache), (v, v_cache)):
                 row = self.f32(int(source) + 4 * t * int(stride), kv_dim)
                 self.m.view(int(cache) + 2 * int(slot) * kv_dim, np.float16, kv_dim)[:] = row
+
+    def qkv_finish(self, grid: tuple[int, ...], qkv: Any, stride: int, heads: int,
+                   kv_heads: int, head_dim: int, q_bias: Any, k_bias: Any, v_bias: Any,
+                   q_norm: Any, k_norm: Any, eps: float, positions: Any, rope_dim: int,
+                   base: float, factors: Any, neox: int, slots: Any, k_cache: Any,
+                   v_cache: Any) -> None:
+        """The separate kernels' twins in their order: biases, head norms, RoPE, KV write."""
+        n, q_dim, kv_dim = grid[1], int(heads) * int(head_dim), int(kv_heads) * int(head_dim)
+        k_at, v_at = int(qkv) + 4 * q_dim, int(qkv) + 4 * (q_dim + kv_dim)
+        for at, bias, width in ((qkv, q_bias, q_dim), (k_at, k_bias, kv_dim),
+                                (v_at, v_bias, kv_dim)):
+            if int(bias):
+                self.add_bias(grid, at, stride, bias, n, width)
+        for at, norm, count in ((qkv, q_norm, heads), (k_at, k_norm, kv_heads)):
+            if int(norm):
+                self.head_rms_norm((1, n), at, stride, count, head_dim, norm, eps)
+        self.rope((1, n), qkv, stride, positions, int(heads) + int(kv_heads), head_dim,
+                  rope_dim, base, factors, neox)
+        self.kv_write(grid, k_at, v_at, stride, slots, n, kv_dim, k_cache, v_cache)
 
     def _keys_and_values(self, k_cache: Any, v_cache: Any, table: np.ndarray,
                          block_size: int, kv_heads: int, head_dim: int, keys: range
@@ -308,6 +365,12 @@ class EmulatedDevice:
         self.graphs: dict[int, list[tuple[str, tuple[int, ...], tuple[Any, ...]]]] = {}
         self.captures = self.replays = self.destroyed = 0
         self.compiled: list[tuple[str, dict[str, Any]]] = []
+        # Streams and modules made, and how each went: released while the context was
+        # current, or later (after the context's detach: PyCUDA then warns from a destructor).
+        self.streams: list[int] = []
+        self.modules_made = 0
+        self.released: list[str] = []
+        self.released_without_context: list[str] = []
 
     @property
     def live(self) -> set[int]:
@@ -366,6 +429,10 @@ class EmulatedDevice:
         class Stream:
             handle = 77
 
+            def __init__(self, flags: int = 0) -> None:
+                device.streams.append(flags)
+                weakref.finalize(self, device.release, "stream")
+
             def synchronize(self) -> None:
                 device.synchronizations += 1
 
@@ -381,6 +448,10 @@ class EmulatedDevice:
         module.memcpy_dtoh_async = lambda data, address, stream: self.copy_out(data, address)
         module.Function = object
         return module
+
+    def release(self, what: str) -> None:
+        (self.released if self.context_stack and not self.detached
+         else self.released_without_context).append(what)
 
     def probe(self) -> None:
         if self.context_broken:
@@ -410,10 +481,13 @@ class EmulatedDevice:
         class SourceModule:
             def __init__(self, source: str, **options: Any) -> None:
                 device.compiled.append((source, options))
+                device.modules_made += 1
+                weakref.finalize(self, device.release, "module")
 
             def get_function(self, name: str) -> Callable[..., None]:
+                # A function holds its module, as PyCUDA's do (custodian and ward).
                 def function(*args: Any, grid: tuple[int, ...], block: tuple[int, ...],
-                             stream: Any) -> None:
+                             stream: Any, module: SourceModule = self) -> None:
                     assert all(isinstance(a, (np.uintp, np.int32, np.int64, np.float32,
                                               np.float64)) for a in args), name
                     assert math.prod(block) <= 1024 and min(grid) >= 1, (name, grid, block)
@@ -470,5 +544,6 @@ def install(monkeypatch: pytest.MonkeyPatch, device: EmulatedDevice) -> Any:
     monkeypatch.setitem(sys.modules, "pycuda.compiler", package.compiler)
     monkeypatch.delitem(sys.modules, "actors.compute.cuda", raising=False)
     module = importlib.import_module("actors.compute.cuda")
+    device.real_driver_graphs = module.DriverGraphs  # for tests of it over a fake libcuda
     monkeypatch.setattr(module, "DriverGraphs", device.graph_api())
     return module

@@ -16,8 +16,9 @@ import pytest
 
 from actors.compute.contract import KVRequest, RowInputs, StepItem
 from actors.model.loaded import Model, load_model
-from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path
+from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
 from tests.cuda_emulator import EmulatedDevice, install
+from tests.cuda_samples import greedy_sharing_steps, short_prompt_alone_and_shared
 
 TOLERANCE = 0.05  # the issue's top-16 bound for a GPU against the CPU
 BLOCK = 16
@@ -92,3 +93,55 @@ def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice]) -> None:
     tokens = reference_tokens("gemma3-270m", 40)
     assert compare(model, backend, tokens, 30) <= TOLERANCE
     backend.close()
+
+
+@pytest.mark.slow
+def test_smollm2_matches_the_cpu(emulated: tuple[Any, EmulatedDevice]) -> None:
+    """The fourth model: llama's layout with Q4_1 and Q8_0 blocks and a tied output."""
+    module, _ = emulated
+    model = load_model(smollm2_path())
+    backend = module.build_cuda_backend(model, KVRequest(blocks=16, block_size=BLOCK,
+                                                         max_sequences=2), 0.9)
+    tokens = reference_tokens("smollm2-135m", 40)
+    assert compare(model, backend, tokens, 30) <= TOLERANCE
+    backend.close()
+
+
+INVARIANCE_STREAMS = (1, 8, 9, 32, 64)
+
+
+def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(
+        emulated: tuple[Any, EmulatedDevice]) -> None:
+    """Sequence 0 decoded beside 0, 7, 8, 31 and 63 others (past 8 decode rows the step once
+    switched to the tiles): its tokens, and its logits rows bit for bit, are the same."""
+    module, _ = emulated
+    model = load_model(TINY_MODELS["qwen2-q4k-tiny"])
+    steps, most = 4, max(INVARIANCE_STREAMS)
+    rng = np.random.default_rng(17)
+    prompts = [rng.integers(1, model.spec.vocab_size, 3 + i % 4).tolist() for i in range(most)]
+    backend = module.build_cuda_backend(model, KVRequest(blocks=most * 2, block_size=BLOCK,
+                                                         max_sequences=most), 0.9)
+    try:
+        runs = {n: greedy_sharing_steps(backend, prompts[:n], steps, BLOCK)
+                for n in INVARIANCE_STREAMS}
+    finally:
+        backend.close()
+    alone_tokens, alone_rows = runs[1]
+    for n, (tokens, rows) in runs.items():
+        assert tokens[0] == alone_tokens[0], n
+        np.testing.assert_array_equal(rows.view(np.uint32), alone_rows.view(np.uint32))
+
+
+def test_a_prompts_logits_do_not_depend_on_the_prompts_sharing_its_step(
+        emulated: tuple[Any, EmulatedDevice]) -> None:
+    """A 5-token prompt alone, then beside another short one and a 20-token one (30 prefill
+    rows once took the tiles all together): its logits row is the same bits."""
+    module, _ = emulated
+    model = load_model(TINY_MODELS["qwen2-q4k-tiny"])
+    backend = module.build_cuda_backend(model, KVRequest(blocks=8, block_size=BLOCK,
+                                                         max_sequences=4), 0.9)
+    try:
+        alone, together = short_prompt_alone_and_shared(backend)
+    finally:
+        backend.close()
+    np.testing.assert_array_equal(together.view(np.uint32), alone.view(np.uint32))

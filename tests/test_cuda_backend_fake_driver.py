@@ -9,6 +9,7 @@ close frees everything and releases the context."""
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,19 +53,73 @@ def test_build_compiles_uploads_and_sizes_the_pool(fake: Any, tiny: OpenedModel)
     assert driver.live == set() and driver.detached == 1
 
 
+def test_one_non_blocking_stream_and_close_releases_it_and_the_modules_first(
+        fake: Any, tiny: OpenedModel) -> None:
+    """A graph captured on a blocking stream is invalidated by any legacy-stream operation
+    in the process; the stream and the modules must go while the context is still current."""
+    cuda_module, driver = fake
+    backend = _backend(cuda_module, tiny)
+    backend.run([StepItem((7,), 0, (0,))], [RowInputs()])
+    assert driver.streams == [cuda_module.STREAM_NON_BLOCKING]
+    backend.close()
+    assert sorted(driver.released) == ["module"] * driver.modules_made + ["stream"]
+    assert driver.released_without_context == []
+
+
+def test_compiles_share_one_cache_folder_with_the_tests(fake: Any, tiny: OpenedModel) -> None:
+    from actors.compute import cuda_plan
+
+    cuda_module, driver = fake
+    _backend(cuda_module, tiny).close()
+    assert {options["cache_dir"] for _, options in driver.compiled} == {
+        str(cuda_plan.kernel_cache_dir())}
+    assert all(options == cuda_plan.source_module_options((9, 0))
+               for _, options in driver.compiled)
+
+
+class FailingCaptureLibrary:
+    """libcuda's graph calls as a broken capture sees them: ending it fails."""
+
+    INVALIDATED = 901  # CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any) -> int:
+            self.calls.append(name)
+            return self.INVALIDATED if name == "cuStreamEndCapture" else 0
+        return call
+
+
+def test_a_failed_capture_ends_it_and_raises_the_original_error(fake: Any) -> None:
+    _, driver = fake
+    graphs = object.__new__(driver.real_driver_graphs)
+    graphs._lib = FailingCaptureLibrary()
+
+    def enqueue() -> None:
+        raise ValueError("a launch failed during capture")
+
+    with pytest.raises(ValueError, match="during capture"):
+        graphs.capture(types.SimpleNamespace(handle=5), enqueue)
+    assert graphs._lib.calls == ["cuStreamBeginCapture_v2", "cuStreamEndCapture"]
+
+
 def test_decode_steps_replay_one_graph_per_bucket(fake: Any, tiny: OpenedModel) -> None:
     cuda_module, driver = fake
     backend = _backend(cuda_module, tiny)
     prompt = [StepItem((1, 2, 3), 0, (0,)), StepItem((4, 5), 0, (1,))]
     backend.run(prompt, [RowInputs(), RowInputs()])
     prefill_kernels = len(driver.launches)
-    assert backend.launches_per_step == prefill_kernels + 2 and not driver.captures
+    # the step arrays' copy, the kernels, the rows' copy, the records' copy
+    assert backend.launches_per_step == prefill_kernels + 3 and not driver.captures
     synchronizations = driver.synchronizations
     for position in range(3, 6):
         decode = [StepItem((7,), position, (0,)), StepItem((8,), position - 1, (1,))]
         backend.run(decode, [RowInputs(), RowInputs()])
-        # host -> device, the graph, top_candidates, device -> host
-        assert backend.launches_per_step == 4
+        # step arrays host -> device, the graph, rows host -> device, top_candidates,
+        # records device -> host
+        assert backend.launches_per_step == 5
         assert backend.kernels_per_step > 4 * tiny.spec.n_layers
     assert driver.captures == 1 and driver.replays == 3
     assert driver.synchronizations == synchronizations + 3  # one per step
@@ -112,7 +167,7 @@ def test_rows_are_checked_before_anything_runs(fake: Any, tiny: OpenedModel) -> 
 def test_errors_fail_the_step_unless_the_context_is_gone(fake: Any, tiny: OpenedModel) -> None:
     cuda_module, driver = fake
     backend = _backend(cuda_module, tiny)
-    driver.fail_kernel = "rope"
+    driver.fail_kernel = "qkv_finish"
     with pytest.raises(driver.LogicError):
         backend.run([StepItem((7, 8), 0, (0,))], [RowInputs()])
     with pytest.raises(InvalidRequest):

@@ -29,7 +29,12 @@ from actors.model.gguf import GGUFFile, open_gguf
 from actors.model.quants import dequantize
 from actors.model.step import StepItem, plan_step
 from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
-from tests.cuda_samples import penalties_twin, random_row_inputs, top_candidates_twin
+from tests.cuda_samples import (
+    AWAITED_SIGNATURES,
+    penalties_twin,
+    random_row_inputs,
+    top_candidates_twin,
+)
 
 BLOCK = 16
 
@@ -70,35 +75,78 @@ def _layer_slices(calls: list[launches.KernelCall]) -> list[list[launches.Kernel
 DECODE_AND_PREFILL = [StepItem((5,), 3, (0,)), StepItem((7, 8, 9), 0, (1,))]
 
 
+def _kind(call: launches.KernelCall) -> str:
+    """A launch's kernel without its block-type suffix."""
+    for fused in ("mul_mat_vec_gate_up", "mul_mat_vec_qkv"):
+        if call.kernel.startswith(fused):
+            return fused
+    return "mul_mat_vec" if call.kernel.startswith("mul_mat_vec_") else call.kernel
+
+
+# qkv_finish's arguments by name, in order.
+QKV_FINISH_ARGS = ("qkv", "stride", "heads", "kv_heads", "head_dim", "q_bias", "k_bias",
+                   "v_bias", "q_norm", "k_norm", "eps", "positions", "rope_dim", "base",
+                   "factors", "neox", "slots", "k_cache", "v_cache")
+
+
+def _finish_args(layer: list[launches.KernelCall]) -> dict[str, launches.Arg]:
+    call = next(c for c in layer if c.kernel == "qkv_finish")
+    return dict(zip(QKV_FINISH_ARGS, call.args, strict=True))
+
+
 def test_llama_layer_runs_the_kernels_in_order(models: dict[str, GGUFFile]) -> None:
     spec, calls = _calls(models["llama"], DECODE_AND_PREFILL)
     layers = _layer_slices(calls)
     assert len(layers) == spec.n_layers
-    kinds = ["mul_mat_vec" if call.kernel.startswith("mul_mat_vec_") else call.kernel
-             for call in layers[0]]
-    assert kinds == ["residual_rms_norm", "mul_mat_vec", "mul_mat_vec", "mul_mat_vec", "rope",
-                     "kv_write", "attention_decode_split", "attention_decode_combine",
-                     "attention_prefill", "mul_mat_vec", "residual_rms_norm", "mul_mat_vec",
-                     "mul_mat_vec", "gated_silu", "mul_mat_vec"]
-    rope = next(c for c in layers[0] if c.kernel == "rope")
-    assert rope.args[6] == np.float64(spec.rope_base) and rope.args[8] == 0  # NORM pairs
-    assert rope.args[3] == spec.n_heads + spec.n_kv_heads
+    assert [_kind(call) for call in layers[0]] == [
+        "residual_rms_norm", "mul_mat_vec_qkv", "qkv_finish", "attention_decode_split",
+        "attention_decode_combine", "attention_prefill", "mul_mat_vec", "residual_rms_norm",
+        "mul_mat_vec_gate_up", "mul_mat_vec"]
+    finish = _finish_args(layers[0])
+    assert finish["base"] == np.float64(spec.rope_base) and finish["neox"] == 0  # NORM pairs
+    assert (finish["heads"], finish["kv_heads"]) == (spec.n_heads, spec.n_kv_heads)
+    assert {finish[k] for k in ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm")} == {
+        launches.NULL}
+    assert (finish["k_cache"], finish["v_cache"]) == (launches.Ref("k_cache.0"),
+                                                      launches.Ref("v_cache.0"))
+    gate_up = next(c for c in layers[0] if _kind(c) == "mul_mat_vec_gate_up")
+    assert gate_up.kernel == "mul_mat_vec_gate_up_silu_q4_1"
+    assert gate_up.args[:2] == (launches.Ref("blk.0.ffn_gate.weight"),
+                                launches.Ref("blk.0.ffn_up.weight"))
+    assert gate_up.args[5] == launches.Ref("gated") and gate_up.args[9] == 4
     assert calls[0].kernel.startswith("get_rows_") and calls[0].args[5] == np.float32(1.0)
     assert calls[-1].args[0].name == ("token_embd.weight" if spec.tied_output
                                       else "output.weight")
 
 
-def test_qwen2_adds_the_three_biases_after_their_projections(models: dict[str, GGUFFile]) -> None:
+def test_qkv_is_one_launch_with_a_block_type_per_segment(models: dict[str, GGUFFile]) -> None:
+    gguf = models["gemma3"]  # Q5_0 q and k, Q8_0 v
+    spec, calls = _calls(gguf, DECODE_AND_PREFILL)
+    qkv = next(c for c in _layer_slices(calls)[0] if c.kernel == "mul_mat_vec_qkv")
+    layouts = launches.tensor_layouts(gguf)
+    for i, part in enumerate("qkv"):
+        layout = layouts[f"blk.0.attn_{part}.weight"]
+        weights, pitch, code, rows = qkv.args[4 * i : 4 * i + 4]
+        assert weights == launches.Ref(f"blk.0.attn_{part}.weight")
+        assert (pitch, rows) == (layout.pitch, layout.rows)
+        assert list(plan.KERNEL_TYPE_SUFFIX)[code] == layout.type_name
+    assert list(qkv.args[6:12:4]) == [plan.type_code("Q5_0"), plan.type_code("Q8_0")]
+    x, x_stride, y, y_stride, n_in, batch = qkv.args[12:]
+    assert (x, x_stride, y, n_in, batch) == (launches.Ref("normed"), spec.d_model,
+                                             launches.Ref("qkv"), spec.d_model, 4)
+    assert y_stride == spec.q_dim + 2 * spec.kv_dim
+
+
+def test_qwen2_finishes_qkv_with_its_three_biases(models: dict[str, GGUFFile]) -> None:
     spec, calls = _calls(models["qwen2"], DECODE_AND_PREFILL)
     layer = _layer_slices(calls)[1]
-    biases = [call for call in layer if call.kernel == "add_bias"]
-    assert [b.args[2].name for b in biases] == [f"blk.1.attn_{p}.bias" for p in "qkv"]
-    assert [(b.args[0].offset, int(b.args[4])) for b in biases] == [
-        (0, spec.q_dim), (4 * spec.q_dim, spec.kv_dim), (4 * (spec.q_dim + spec.kv_dim),
-                                                         spec.kv_dim)]
-    first_bias = layer.index(biases[0])
-    assert all(c.kernel.startswith("mul_mat") for c in layer[first_bias - 3 : first_bias])
-    assert next(c for c in layer if c.kernel == "rope").args[8] == 1  # NEOX
+    finish = _finish_args(layer)
+    assert [finish[f"{p}_bias"] for p in "qkv"] == [launches.Ref(f"blk.1.attn_{p}.bias")
+                                                    for p in "qkv"]
+    assert finish["q_norm"] == finish["k_norm"] == launches.NULL
+    assert finish["neox"] == 1  # NEOX
+    assert _kind(layer[layer.index(next(c for c in layer if c.kernel == "qkv_finish")) - 1]) \
+        == "mul_mat_vec_qkv"
 
 
 def test_gemma3_quirks(models: dict[str, GGUFFile]) -> None:
@@ -106,16 +154,16 @@ def test_gemma3_quirks(models: dict[str, GGUFFile]) -> None:
     assert calls[0].args[5] == np.float32(spec.embedding_scale)
     for index, layer in enumerate(_layer_slices(calls)):
         sliding = spec.is_sliding(index)
-        norms = [c for c in layer if c.kernel == "head_rms_norm"]
-        assert [c.args[4].name for c in norms] == [f"blk.{index}.attn_{p}_norm.weight"
-                                                   for p in "qk"]
-        rope = next(c for c in layer if c.kernel == "rope")
-        assert rope.args[6] == (spec.rope_base_local if sliding else spec.rope_base)
+        finish = _finish_args(layer)
+        assert [finish[f"{p}_norm"] for p in "qk"] == [
+            launches.Ref(f"blk.{index}.attn_{p}_norm.weight") for p in "qk"]
+        assert finish["eps"] == np.float32(spec.rms_eps)
+        assert finish["base"] == (spec.rope_base_local if sliding else spec.rope_base)
         for attention in (c for c in layer if c.kernel.startswith("attention_")
                           and c.kernel != "attention_decode_combine"):
             window = attention.args[12 if attention.kernel == "attention_decode_split" else 14]
             assert window == (spec.sliding_window if sliding else 0)
-        assert any(c.kernel == "gated_gelu_tanh" for c in layer)
+        assert any(c.kernel.startswith("mul_mat_vec_gate_up_gelu_tanh_") for c in layer)
         opening, ffn_norm = [c for c in layer if c.kernel == "residual_rms_norm"][:2]
         assert ffn_norm.args[2].name == f"blk.{index}.post_attention_norm.weight"
         expected = launches.NULL if index == 0 else launches.Ref(
@@ -138,22 +186,107 @@ def test_logit_rows_are_gathered_only_when_they_are_not_the_first_rows(
     assert not any(launches.Ref("logits") in call.args for call in none)
 
 
+def _decode_step(gguf: GGUFFile, streams: int) -> list[launches.KernelCall]:
+    spec = spec_from_gguf(gguf)
+    shape = launches.graph_shape(plan.bucket_for(streams, plan.graph_buckets(64)), 8,
+                                 launches.split_keys_for(spec.context_length),
+                                 spec.context_length, BLOCK)
+    return launches.forward_calls(spec, launches.tensor_layouts(gguf), shape,
+                                  launches.TILE_INPUT)
+
+
+@pytest.mark.parametrize("streams", [1, 8, 9, 32, 64])
+def test_decode_rows_always_take_the_matvec(models: dict[str, GGUFFile], streams: int) -> None:
+    """Batch invariance: however many streams share a decode step, every product of it is
+    one matvec launch over all its rows, never the tiles."""
+    calls = _decode_step(models["llama-tiny"], streams)
+    products = [c for c in calls if c.kernel.startswith("mul_mat")]
+    assert products and all(c.kernel.startswith("mul_mat_vec") for c in products)
+    assert {int(c.args[-1]) for c in products} == {plan.bucket_for(streams,
+                                                                   plan.graph_buckets(64))}
+
+
 def test_decode_rows_keep_the_matvec_when_a_prefill_shares_their_step(
         models: dict[str, GGUFFile]) -> None:
     spec = spec_from_gguf(models["llama-tiny"])
-    items = [StepItem((5,), 3, (0,)), StepItem((6,), 9, (1,)),
-             StepItem(tuple(range(1, 21)), 0, (2, 3))]
+    decode = [StepItem((i + 5,), 3 + i, (i,)) for i in range(12)]
+    items = [*decode, StepItem(tuple(range(1, 21)), 0, (12, 13))]
     _, calls = _calls(models["llama-tiny"], items)
     down = [c for c in calls if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
-    assert [c.kernel.split("_")[2] for c in down] == ["vec", "tiles"]
-    assert [int(c.args[8]) for c in down] == [2, 20]
-    assert down[1].args[2] == launches.Ref("gated", 2 * spec.ffn_dim * 4)
-    assert down[1].args[4] == launches.Ref("projected", 2 * spec.d_model * 4)
+    assert [_kind(c) for c in down] == ["mul_mat_vec", "mul_mat_tiles_f16x3_q4_K"]
+    assert [int(c.args[8]) for c in down] == [12, 20]
+    assert down[1].args[2] == launches.Ref("gated", 12 * spec.ffn_dim * 4)
+    assert down[1].args[4] == launches.Ref("projected", 12 * spec.d_model * 4)
+    layer = _layer_slices(calls)[0]
+    # The prefill rows' q, k and v on the tiles, their gate and up too, then their activation.
+    tiles = [c for c in layer if c.kernel.startswith("mul_mat_tiles_")]
+    assert [c.args[0].name.split(".")[2] for c in tiles] == [
+        "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+    assert [c.args[4] for c in tiles[:3]] == [
+        launches.Ref("qkv", (12 * (spec.q_dim + 2 * spec.kv_dim) + column) * 4)
+        for column in (0, spec.q_dim, spec.q_dim + spec.kv_dim)]
+    gated = next(c for c in layer if c.kernel == "gated_silu")
+    assert gated.args == (launches.Ref("gate_up", 12 * 2 * spec.ffn_dim * 4),
+                          launches.Ref("gated", 12 * spec.ffn_dim * 4), 20, spec.ffn_dim)
+    fused = next(c for c in layer if _kind(c) == "mul_mat_vec_gate_up")
+    assert int(fused.args[-1]) == 12
     output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
-    assert [int(c.args[8]) for c in output] == [3]  # three logits rows: one matvec
-    many = [StepItem((i + 1,), 0, (i,)) for i in range(12)]
-    _, decode_only = _calls(models["llama-tiny"], many)
-    assert all("tiles" in c.kernel for c in decode_only if c.kernel.startswith("mul_mat"))
+    assert [int(c.args[8]) for c in output] == [13]  # 12 decode rows and 1 prefill: matvec
+    prefill = [StepItem(tuple(range(1, 21)), 0, (12, 13))]
+    _, alone = _calls(models["llama-tiny"], prefill)
+    assert all("tiles" in c.kernel for c in alone if c.kernel.startswith("mul_mat")
+               and c.args[4] != launches.Ref("logits"))
+
+
+def test_each_prefill_item_takes_the_matvec_or_the_tiles_by_its_own_length(
+        models: dict[str, GGUFFile]) -> None:
+    """Two 5-token prompts together take the matvec as each alone does (10 rows would once
+    have gone to the tiles); a 20-token one between them the tiles; neighbours on the same
+    side share a launch; every logits row takes the matvec."""
+    spec = spec_from_gguf(models["llama-tiny"])
+    items = [StepItem((5,), 3, (0,)), StepItem((6,), 4, (1,)),
+             StepItem(tuple(range(1, 6)), 0, (2,)), StepItem(tuple(range(1, 21)), 0, (3, 4)),
+             StepItem(tuple(range(1, 6)), 0, (5,)), StepItem(tuple(range(1, 6)), 0, (6,))]
+    step = _plan(spec, items)
+    shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
+                                spec.context_length)
+    assert launches.row_runs(shape) == [launches.RowRun(0, 7, True),
+                                        launches.RowRun(7, 20, False),
+                                        launches.RowRun(27, 10, True)]
+    _, calls = _calls(models["llama-tiny"], items)
+    down = [c for c in calls if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
+    assert [(_kind(c), c.args[2].offset // (4 * spec.ffn_dim), int(c.args[8])) for c in down] \
+        == [("mul_mat_vec", 0, 7), ("mul_mat_tiles_f16x3_q4_K", 7, 20), ("mul_mat_vec", 27, 10)]
+    output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
+    assert [(_kind(c), int(c.args[8])) for c in output] == [("mul_mat_vec", 6)]
+    two_short = items[2:3] + items[4:5]
+    assert launches.row_runs(launches.step_shape(
+        _plan(spec, two_short), 8, 256, spec.context_length)) == [launches.RowRun(0, 10, True)]
+
+
+def test_gate_and_up_of_different_types_take_two_products_and_the_activation(
+        models: dict[str, GGUFFile]) -> None:
+    gguf = models["llama-tiny"]
+    spec = spec_from_gguf(gguf)
+    layouts = launches.tensor_layouts(gguf)
+    up = layouts["blk.0.ffn_up.weight"]
+    layouts["blk.0.ffn_up.weight"] = launches.MatrixLayout("Q8_0", up.rows, up.row_length)
+    shape = launches.step_shape(_plan(spec, DECODE_AND_PREFILL), 8,
+                                launches.split_keys_for(spec.context_length),
+                                spec.context_length)
+    layer = launches.layer_calls(spec, layouts, shape, 0, launches.TILE_INPUT)
+    ffn = [c.kernel for c in layer[layer.index(next(
+        c for c in layer if c.kernel == "residual_rms_norm" and c is not layer[0])) + 1 :]]
+    assert ffn == ["mul_mat_vec_q4_K", "mul_mat_vec_q8_0", "gated_silu", "mul_mat_vec_q4_K"]
+
+
+def test_a_decode_layer_is_a_handful_of_kernels(models: dict[str, GGUFFile]) -> None:
+    """Per decode layer: norm, qkv, qkv_finish, attention (split and combine), o, norm,
+    gate+up, down; per step: the embedding, the final norm and the output product."""
+    for name in ("llama", "qwen2", "gemma3"):
+        spec = spec_from_gguf(models[name])
+        calls = _decode_step(models[name], 32)
+        assert len(calls) == 9 * spec.n_layers + 3, name
 
 
 def _ptx_signatures(files: list[str]) -> dict[str, list[str]]:
@@ -183,7 +316,7 @@ def test_every_launch_matches_its_kernels_compiled_signature(
         calls.update((call.kernel, call) for call in [*forward, *tail])
     files = [name for name, entries in plan.kernel_entry_points().items()
              if any(entry in calls for entry in entries)]
-    signatures = _ptx_signatures(files)
+    signatures = {**AWAITED_SIGNATURES, **_ptx_signatures(files)}
     for kernel, call in calls.items():
         assert [PTX_TYPE[type(arg)] for arg in call.args] == signatures[kernel], kernel
 

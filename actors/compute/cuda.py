@@ -5,12 +5,20 @@ Only this module imports pycuda; the registry imports it when a CUDA backend is 
 the compute actor's thread. Every device call happens with the device's primary context made
 current for the call (push / pop), so several backends of one process (tests) share it.
 
-A step: `plan_step` validates it; its int32 arrays and the rows' penalty / candidate inputs
-are packed into one pinned buffer and copied to the device once; the forward kernels run
-(`cuda_launches.forward_calls`), replayed from a CUDA graph when every item is one token that
-wants logits (a graph per batch bucket, captured on first use over fixed device buffers);
-penalties and candidates follow; the candidate records come back in one copy, and the host
-synchronizes once. The penalized logits rows stay on the device for `fetch_rows`.
+A step: `plan_step` validates it; its int32 arrays are packed into a pinned buffer and copied
+to the device once; the forward kernels run (`cuda_launches.forward_calls`), replayed from a
+CUDA graph when every item is one token that wants logits (a graph per batch bucket, captured
+on first use over fixed device buffers). While the GPU runs the forward, the host packs the
+rows' penalty / candidate inputs into a second pinned buffer (at 64 rows the larger part of
+the host's work) and queues their copy, the penalties and the candidates behind it; the
+candidate records come back in one copy, and the host synchronizes once. The penalized logits
+rows stay on the device for `fetch_rows`. Everything runs on one non-blocking stream, so no
+operation on the legacy stream (anyone's synchronous copy) can break a graph capture.
+
+The compute contract is synchronous (`run` answers the step's candidates), so the host cannot
+pack step n+1 while step n runs: that needs a contract that submits a step and collects its
+candidates later (the engine deciding step n+1's items before step n's tokens are known,
+which only holds for items not waiting on step n, e.g. prefill chunks).
 
 Errors: out of memory or any other CUDA error in a step fails the step; when the context then
 fails a probe (a synchronize and a memory query), the error was sticky (an illegal address, a
@@ -22,8 +30,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import numpy as np
@@ -45,7 +52,6 @@ from actors.errors import InvalidRequest
 from actors.model.loaded import OpenedModel
 from actors.progress import progress_callback
 
-CACHE_DIR = Path.home() / ".cache" / "q4k-actors" / "cuda"
 # The workspace is first sized for a step of this many tokens (the engine's prefill chunk)
 # beside the largest decode batch; a larger step grows it.
 FIRST_STEP_TOKENS = 512
@@ -54,6 +60,8 @@ MAX_GRAPH_BATCH = 64
 # CUstreamCaptureMode RELAXED: PyCUDA's launch also calls cuFuncSetBlockShape (a legacy,
 # not stream-ordered call) before each cuLaunchKernel; the stricter modes may refuse it.
 CAPTURE_RELAXED = 2
+# CU_STREAM_NON_BLOCKING: the stream does not synchronize with the legacy stream.
+STREAM_NON_BLOCKING = 1
 
 
 class DriverError(RuntimeError):
@@ -98,8 +106,14 @@ class DriverGraphs:
         graph = ctypes.c_void_p()
         try:
             enqueue()
-        finally:  # a failed capture must still end, or the stream stays in capture mode
-            self._check("cuStreamEndCapture", handle, ctypes.byref(graph))
+        except BaseException:
+            # End the capture, or the stream stays in capture mode; but raise what enqueue
+            # raised, not the end-capture error the broken capture then gives.
+            self._lib.cuStreamEndCapture(handle, ctypes.byref(graph))
+            if graph.value:
+                self._lib.cuGraphDestroy(graph)
+            raise
+        self._check("cuStreamEndCapture", handle, ctypes.byref(graph))
         try:
             executable = ctypes.c_void_p()
             self._check("cuGraphInstantiateWithFlags", ctypes.byref(executable), graph, 0)
@@ -116,40 +130,59 @@ class DriverGraphs:
 
 def compile_kernels(capability: tuple[int, int]) -> dict[str, cuda.Function]:
     """Every entry point of cuda_src, each file compiled once for this device (PyCUDA keeps
-    the cubins in CACHE_DIR)."""
+    the cubins in cuda_plan.kernel_cache_dir(), shared with tests/gpu and the benchmark).
+    Each function holds its module: dropping the functions unloads the modules."""
     source_dir = plan.kernel_source_dir()
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
     functions = {}
     for file_name, entry_points in plan.kernel_entry_points().items():
-        module = SourceModule((source_dir / file_name).read_text(), no_extern_c=True,
-                              options=plan.nvcc_options(), include_dirs=[str(source_dir)],
-                              arch="sm_%d%d" % capability, cache_dir=str(CACHE_DIR))
+        module = SourceModule((source_dir / file_name).read_text(),
+                              **plan.source_module_options(capability))
         functions.update((name, module.get_function(name)) for name in entry_points)
     return functions
 
 
+class InputBuffer:
+    """A device buffer of int32 words and its pinned host twin: packed arrays go to the
+    device through it in one asynchronous copy."""
+
+    def __init__(self, words: int) -> None:
+        self.words = words
+        self.device = cuda.mem_alloc(words * 4)
+        self.pinned = cuda.pagelocked_empty(words, np.int32)
+
+    def upload(self, packed: plan.PackedArrays, stream: cuda.Stream) -> dict[str, int]:
+        """Queue the copy of `packed` (which must fit); each array's device address. The
+        pinned words must not be rewritten before the stream has run the copy."""
+        words = packed.buffer.size
+        self.pinned[:words] = packed.buffer
+        cuda.memcpy_htod_async(self.device, self.pinned[:words], stream)
+        return {name: int(self.device) + 4 * offset for name, offset in packed.offsets.items()}
+
+    def free(self) -> None:
+        self.device.free()
+        self.pinned.base.free()
+
+
 class Workspace:
-    """The step's device buffers (cuda_plan.workspace_buffers) and the packed input buffer
-    with its pinned twin, sized for `limits` and `input_words` int32s."""
+    """The step's device buffers (cuda_plan.workspace_buffers) and the step arrays' input
+    buffer (the decode graphs read it), sized for `limits` and `input_words` int32s."""
 
     def __init__(self, spec: Any, limits: plan.StepLimits, input_words: int) -> None:
         self.limits = limits
-        self.input_words = input_words
         self.buffers = {name: cuda.mem_alloc(max(size, 4))
                         for name, size in plan.workspace_buffers(spec, limits).items()}
-        self.input = cuda.mem_alloc(input_words * 4)
-        self.pinned_input = cuda.pagelocked_empty(input_words, np.int32)
+        self.input = InputBuffer(input_words)
         record = plan.candidate_record_words(limits.max_candidates)
         self.pinned_candidates = cuda.pagelocked_empty(limits.max_rows * record, np.int32)
 
     def covers(self, tokens: int, rows: int, input_words: int) -> bool:
         return (tokens <= self.limits.max_tokens and rows <= self.limits.max_rows
-                and input_words <= self.input_words)
+                and input_words <= self.input.words)
 
     def free(self) -> None:
-        for allocation in (*self.buffers.values(), self.input):
+        for allocation in self.buffers.values():
             allocation.free()
-        self.pinned_input.base.free()
+        self.input.free()
         self.pinned_candidates.base.free()
 
 
@@ -164,6 +197,9 @@ class CudaBackend:
         self._allocations: list[Any] = []
         self._graphs: dict[int, tuple[int, dict[str, int], int]] = {}
         self._workspace: Workspace | None = None
+        self._row_input: InputBuffer | None = None  # the rows' arrays: graphs never read it
+        self._functions: dict[str, Any] = {}
+        self._stream: Any = None
         self._last_rows = 0
         self.launches_per_step = 0  # stream operations the last step enqueued (copies, launches)
         self.kernels_per_step = 0  # kernels the last step ran on the device
@@ -183,7 +219,7 @@ class CudaBackend:
         free_bytes, _ = cuda.mem_get_info()
         self._functions = compile_kernels(capability)
         self._driver_graphs = DriverGraphs()
-        self._stream = cuda.Stream()
+        self._stream = cuda.Stream(flags=STREAM_NON_BLOCKING)
         self._layouts = launches.tensor_layouts(model.gguf)
         self._split_keys = launches.split_keys_for(spec.context_length)
         self._buckets = plan.graph_buckets(min(kv.max_sequences, MAX_GRAPH_BATCH))
@@ -276,9 +312,8 @@ class CudaBackend:
                 f"{len(rows)} row inputs for {len(step.logit_rows)} items that want logits",
                 field="rows",
             )
-        row_pack = launches.row_arrays(rows, self._spec.vocab_size)
         with self._current(), self._lost_on_sticky_errors():
-            candidates = self._run(step, row_pack, rows)
+            candidates = self._run(step, rows)
         self._last_rows = len(rows)
         return candidates
 
@@ -305,10 +340,16 @@ class CudaBackend:
                 self._drop_graphs()
                 if self._workspace is not None:
                     self._workspace.free()
+                if self._row_input is not None:
+                    self._row_input.free()
                 for allocation in self._allocations:
                     allocation.free()
+                # The stream and the modules (held by their functions) go with their last
+                # reference: now, while the context is current, not in a destructor after
+                # the detach (PyCUDA warns there, possibly from another thread).
+                self._functions, self._stream = {}, None
         finally:
-            self._workspace, self._allocations = None, []
+            self._workspace, self._row_input, self._allocations = None, None, []
             self._context.detach()
             self._context = None
 
@@ -332,8 +373,7 @@ class CudaBackend:
                     f"(probe: {probe})") from error
             raise
 
-    def _run(self, step: Any, row_pack: launches.RowArrays,
-             rows: Sequence[RowInputs]) -> Candidates:
+    def _run(self, step: Any, rows: Sequence[RowInputs]) -> Candidates:
         spec = self._spec
         bucket = launches.graph_bucket(step, self._buckets)
         if bucket is None:
@@ -349,37 +389,54 @@ class CudaBackend:
                 step.slot_offsets, [table[:1 + p // self.block_size] for table, p in
                                     zip(step.block_tables, step.positions)],
                 bucket, self._table_stride, pad_block * self.block_size, pad_block)
-        packed = plan.pack_int32({**{f"step.{k}": v for k, v in arrays.items()},
-                                  **{f"rows.{k}": v for k, v in row_pack.arrays.items()}})
-        self._fit_workspace(shape, len(rows), packed.buffer.size)
-        workspace = self._workspace
-        workspace.pinned_input[: packed.buffer.size] = packed.buffer
-        cuda.memcpy_htod_async(workspace.input, workspace.pinned_input[: packed.buffer.size],
-                               self._stream)
-        step_addresses = {name: int(workspace.input) + 4 * offset
-                          for name, offset in packed.offsets.items()}
-        operations = 1
-        if bucket is None:
-            calls = launches.forward_calls(spec, self._layouts, shape, launches.TILE_INPUT)
-            self._launch(calls, step_addresses)
-            operations += len(calls)
-            kernels = len(calls)
-        else:
-            kernels = self._replay(bucket, shape, step_addresses)
-            operations += 1
+        packed = plan.pack_int32({f"step.{k}": v for k, v in arrays.items()})
         n_rows = len(rows)
-        record = plan.candidate_record_words(row_pack.width)
-        out = workspace.pinned_candidates[: n_rows * record]
-        if n_rows:
-            tail = launches.candidate_calls(spec, n_rows, row_pack.width, row_pack.any_penalty)
-            self._launch(tail, step_addresses)
-            cuda.memcpy_dtoh_async(out, workspace.buffers["candidates"], self._stream)
-            operations += len(tail) + 1
-            kernels += len(tail)
+        self._fit_workspace(shape, n_rows, packed.buffer.size)
+        workspace = self._workspace
+        try:
+            addresses = workspace.input.upload(packed, self._stream)
+            if bucket is None:
+                calls = launches.forward_calls(spec, self._layouts, shape, launches.TILE_INPUT)
+                self._launch(calls, addresses)
+                kernels = len(calls)
+            else:
+                kernels = self._replay(bucket, shape, addresses)
+            operations = 2 if bucket is not None else 1 + kernels
+            # The GPU runs the forward while the host packs the rows' inputs.
+            row_pack = launches.row_arrays(rows, spec.vocab_size)
+            record = plan.candidate_record_words(row_pack.width)
+            out = workspace.pinned_candidates[: n_rows * record]
+            if n_rows:
+                packed_rows = plan.pack_int32({f"rows.{k}": v
+                                               for k, v in row_pack.arrays.items()})
+                addresses.update(self._row_buffer(packed_rows.buffer.size).upload(
+                    packed_rows, self._stream))
+                tail = launches.candidate_calls(spec, n_rows, row_pack.width,
+                                                row_pack.any_penalty)
+                self._launch(tail, addresses)
+                cuda.memcpy_dtoh_async(out, workspace.buffers["candidates"], self._stream)
+                operations += len(tail) + 2
+                kernels += len(tail)
+        except BaseException:
+            # Wait after a failure too, so that no copy still reads the pinned inputs the
+            # next step rewrites; a sticky error here is the probe's to report, not this one.
+            with suppress(cuda.Error):
+                self._stream.synchronize()
+            raise
         self._stream.synchronize()  # the step's one wait
         self.launches_per_step, self.kernels_per_step = operations, kernels
         return launches.candidates_from_records(out.reshape(n_rows, record).copy(),
                                                 row_pack.width, rows)
+
+    def _row_buffer(self, words: int) -> InputBuffer:
+        """The rows' input buffer, grown to hold `words` (no graph reads it: growing it
+        drops none). The last step that used it has ended."""
+        if self._row_input is None or self._row_input.words < words:
+            if self._row_input is not None:
+                self._row_input.free()
+                self._row_input = None
+            self._row_input = InputBuffer(max(words, 1024))
+        return self._row_input
 
     def _fit_workspace(self, shape: launches.StepShape, n_rows: int, input_words: int) -> None:
         workspace = self._workspace
@@ -393,7 +450,7 @@ class CudaBackend:
                             max_rows=max(limits.max_rows, rows),
                             max_splits=limits.max_splits,
                             max_candidates=limits.max_candidates),
-            max(workspace.input_words, input_words))
+            max(workspace.input.words, input_words))
 
     def _launch(self, calls: Sequence[launches.KernelCall], step_addresses: dict[str, int]) -> None:
         for call in calls:

@@ -12,6 +12,12 @@ gated activation, the tied output) are tested on any machine, and the backend is
 Layouts are the kernels' (cuda_src/README.md): activations float32 rows; q, k and v side by
 side in one `qkv` row (q heads, then k heads, then v); gate and up side by side in `gate_up`.
 Each layer's residual add is fused into the next RMSNorm (residual_rms_norm's `delta`).
+
+Decode rows always take the matvec, any number of them, a short prefill item too, a long one
+the tiles (`row_runs`): a sequence's tokens do not depend on what else shares its step. A decode layer is eight launches once attention
+is one kernel: residual_rms_norm, mul_mat_vec_qkv, qkv_finish (biases, q/k norms, RoPE, the K/V
+write), attention, the output matvec, residual_rms_norm, the fused gate+up+activation matvec,
+the down matvec. Prefill rows past the matvec's few take the tiles, a launch per matrix.
 """
 
 from __future__ import annotations
@@ -95,12 +101,12 @@ class StepShape:
     n_prefill: int
     prefill_max_tokens: int  # the longest of the prefill items
     n_logit_rows: int
-    n_decode_logit_rows: int  # the first logits rows, which belong to decode items
     gather_logit_rows: bool  # False: the logits rows are rows 0 .. n_logit_rows - 1
     table_stride: int
     n_splits: int
     split_keys: int
     block_size: int
+    prefill_lengths: tuple[int, ...] = ()  # each prefill item's tokens, in row order
 
 
 # --- decisions about a step -----------------------------------------------------------------
@@ -152,12 +158,12 @@ def step_shape(step: StepPlan, table_stride: int, split_keys: int,
         n_prefill=len(prefill_lengths),
         prefill_max_tokens=int(prefill_lengths.max()) if prefill_lengths.size else 0,
         n_logit_rows=n_rows,
-        n_decode_logit_rows=int((step.logit_rows < n_decode).sum()),
         gather_logit_rows=not np.array_equal(step.logit_rows, np.arange(n_rows)),
         table_stride=table_stride,
         n_splits=plan.decode_splits(context_length, split_keys),
         split_keys=split_keys,
         block_size=step.block_size,
+        prefill_lengths=tuple(int(n) for n in prefill_lengths),
     )
 
 
@@ -166,7 +172,7 @@ def graph_shape(bucket: int, table_stride: int, split_keys: int, context_length:
     """The launch shape a decode graph of `bucket` rows is captured with."""
     return StepShape(
         n_tokens=bucket, n_decode=bucket, n_prefill=0, prefill_max_tokens=0,
-        n_logit_rows=bucket, n_decode_logit_rows=bucket, gather_logit_rows=False,
+        n_logit_rows=bucket, gather_logit_rows=False,
         table_stride=table_stride,
         n_splits=plan.decode_splits(context_length, split_keys), split_keys=split_keys,
         block_size=block_size,
@@ -277,10 +283,57 @@ def _i32(value: int) -> np.int32:
     return np.int32(value)
 
 
-def matmul_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
-                y_stride: int, n_tokens: int, tile_input: str) -> KernelCall:
-    """y[t][r] = W[r] . x[t] for the matrix `name` (matvec up to 8 tokens, else tiles)."""
+@dataclass(frozen=True)
+class RowRun:
+    """Consecutive rows of a step that one launch per product serves: `rows` rows from
+    `first`, on the matvec or on the tensor-core tiles."""
+
+    first: int
+    rows: int
+    matvec: bool
+
+
+def row_runs(shape: StepShape) -> list[RowRun]:
+    """The step's rows in launches: the decode rows on the matvec, any number of them; each
+    prefill item on the matvec when it is short (plan.uses_matvec of its own length), else on
+    the tiles; neighbours on the same side share a launch. A row's route depends on its own
+    item alone and the matvec's rows are independent of each other, so a sequence's tokens
+    do not depend on what shares its step (a decode row never shares a tile)."""
+    runs: list[RowRun] = []
+    routes = [(shape.n_decode, True)] if shape.n_decode else []
+    routes += [(n, plan.uses_matvec(n)) for n in shape.prefill_lengths]
+    first = 0
+    for rows, matvec in routes:
+        if runs and runs[-1].matvec == matvec:
+            runs[-1] = RowRun(runs[-1].first, runs[-1].rows + rows, matvec)
+        else:
+            runs.append(RowRun(first, rows, matvec))
+        first += rows
+    return runs
+
+
+def _rows_in(ref: Ref, rows: int, stride: int) -> Ref:
+    """`ref` moved `rows` rows of `stride` floats on."""
+    return Ref(ref.name, ref.offset + rows * stride * F32)
+
+
+def matvec_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
+                y_stride: int, batch: int) -> KernelCall:
+    """y[b][r] = W[r] . x[b] for the matrix `name`, b < batch, on the matvec."""
     matrix = weights[name]
+    return KernelCall(
+        plan.matvec_kernel(matrix.type_name), plan.matvec_launch(matrix.rows, batch),
+        (Ref(name), np.int64(matrix.pitch), x, _i32(x_stride), y, _i32(y_stride),
+         _i32(matrix.rows), _i32(matrix.row_length), _i32(batch)),
+    )
+
+
+def tiles_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
+               y_stride: int, n_tokens: int, tile_input: str) -> KernelCall:
+    """y[t][r] = W[r] . x[t] for the matrix `name` on the tensor-core tiles (a run of
+    prefill items each too long for the matvec)."""
+    matrix = weights[name]
+    assert not plan.uses_matvec(n_tokens), n_tokens
     return KernelCall(
         plan.matmul_kernel(matrix.type_name, n_tokens, tile_input),
         plan.matmul_launch(matrix.rows, n_tokens),
@@ -290,19 +343,16 @@ def matmul_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride
 
 
 def matmul_calls(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int,
-                 y: Ref, y_stride: int, n_tokens: int, n_decode: int,
+                 y: Ref, y_stride: int, runs: Sequence[RowRun],
                  tile_input: str) -> list[KernelCall]:
-    """`matmul_call` over n_tokens rows, of which the first n_decode are decode rows: when
-    the rest push the step onto the tensor-core tiles, the decode rows (up to the matvec's
-    batch) still take the float32 matvec, so a sequence's tokens do not depend on what
-    shares its step."""
-    if plan.uses_matvec(n_tokens) or not 0 < n_decode <= plan.MATVEC_MAX_BATCH:
-        return [matmul_call(weights, name, x, x_stride, y, y_stride, n_tokens, tile_input)]
-    rest_x = Ref(x.name, x.offset + n_decode * x_stride * F32)
-    rest_y = Ref(y.name, y.offset + n_decode * y_stride * F32)
-    return [matmul_call(weights, name, x, x_stride, y, y_stride, n_decode, tile_input),
-            matmul_call(weights, name, rest_x, x_stride, rest_y, y_stride, n_tokens - n_decode,
-                        tile_input)]
+    """y = W x over the rows of `runs`, one launch per run."""
+    return [
+        (matvec_call(weights, name, _rows_in(x, run.first, x_stride), x_stride,
+                     _rows_in(y, run.first, y_stride), y_stride, run.rows) if run.matvec
+         else tiles_call(weights, name, _rows_in(x, run.first, x_stride), x_stride,
+                         _rows_in(y, run.first, y_stride), y_stride, run.rows, tile_input))
+        for run in runs
+    ]
 
 
 def _optional(name: str, present: bool) -> Ref:
@@ -357,57 +407,106 @@ def attention_calls(spec: ModelSpec, shape: StepShape, layer: int) -> list[Kerne
     return calls
 
 
+def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequence[RowRun],
+              layer: int, tile_input: str) -> list[KernelCall]:
+    """q, k and v side by side in each `qkv` row: a matvec run in one fused launch
+    (mul_mat_vec_qkv, a block type per segment), a tiles run in one launch per matrix."""
+    d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
+    names = [f"blk.{layer}.attn_{part}.weight" for part in "qkv"]
+    segments = [arg for name in names for arg in (
+        Ref(name), np.int64(weights[name].pitch),
+        _i32(plan.type_code(weights[name].type_name)), _i32(weights[name].rows))]
+    columns = (0, spec.q_dim, spec.q_dim + spec.kv_dim)
+    calls = []
+    for run in runs:
+        x = _rows_in(Ref("normed"), run.first, d)
+        if run.matvec:
+            calls.append(KernelCall(
+                "mul_mat_vec_qkv", plan.matvec_launch(qkv_stride, run.rows),
+                (*segments, x, _i32(d), _rows_in(Ref("qkv"), run.first, qkv_stride),
+                 _i32(qkv_stride), _i32(d), _i32(run.rows))))
+        else:
+            calls += [tiles_call(weights, name, x, d,
+                                 _rows_in(Ref("qkv", column * F32), run.first, qkv_stride),
+                                 qkv_stride, run.rows, tile_input)
+                      for name, column in zip(names, columns)]
+    return calls
+
+
+def qkv_finish_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
+                    layer: int) -> KernelCall:
+    """Biases (qwen2), q / k head norms (gemma-3), RoPE (k's heads follow q's in the row) and
+    the K/V write of every token of the step, in one launch."""
+    p, sliding = f"blk.{layer}.", spec.is_sliding(layer)
+    biases = [_optional(f"{p}attn_{part}.bias", spec.qkv_bias) for part in "qkv"]
+    norms = [_optional(f"{p}attn_{part}_norm.weight", spec.qk_norm) for part in "qk"]
+    return KernelCall(
+        "qkv_finish",
+        plan.qkv_finish_launch(shape.n_tokens, spec.n_heads + 2 * spec.n_kv_heads),
+        (Ref("qkv"), _i32(spec.q_dim + 2 * spec.kv_dim), _i32(spec.n_heads),
+         _i32(spec.n_kv_heads), _i32(spec.head_dim), *biases, *norms,
+         np.float32(spec.rms_eps), Ref("step.positions"), _i32(spec.rope_dim),
+         np.float64(spec.rope_base_local if sliding else spec.rope_base),
+         _optional("rope_freqs.weight", not sliding and "rope_freqs.weight" in weights),
+         _i32(int(spec.rope_neox)), Ref("step.slots"), Ref(f"k_cache.{layer}"),
+         Ref(f"v_cache.{layer}")))
+
+
+def gated_ffn_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
+                    runs: Sequence[RowRun], layer: int, tile_input: str) -> list[KernelCall]:
+    """`gated` = act(gate x) * (up x): a matvec run in one fused launch where gate and up
+    share a block type; otherwise the run's gate and up products into `gate_up` (gate, then
+    up, in each row) and gated_<act> over its rows (one over all rows where nothing fuses)."""
+    d, ffn = spec.d_model, spec.ffn_dim
+    gate, up = f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"
+    fuses = weights[gate].type_name == weights[up].type_name
+
+    def gated(first: int, rows: int) -> KernelCall:
+        return KernelCall(f"gated_{spec.activation}", plan.elementwise_launch(rows * ffn),
+                          (_rows_in(Ref("gate_up"), first, 2 * ffn),
+                           _rows_in(Ref("gated"), first, ffn), _i32(rows), _i32(ffn)))
+
+    calls = []
+    for run in runs:
+        if run.matvec and fuses:
+            suffix = plan.kernel_suffix(weights[gate].type_name)
+            calls.append(KernelCall(
+                plan.gate_up_kernel(spec.activation, suffix), plan.matvec_launch(ffn, run.rows),
+                (Ref(gate), Ref(up), np.int64(weights[gate].pitch),
+                 _rows_in(Ref("normed"), run.first, d), _i32(d),
+                 _rows_in(Ref("gated"), run.first, ffn), _i32(ffn), _i32(ffn), _i32(d),
+                 _i32(run.rows))))
+            continue
+        for name, column in ((gate, 0), (up, ffn)):
+            calls += matmul_calls(weights, name, Ref("normed"), d, Ref("gate_up", column * F32),
+                                  2 * ffn, [run], tile_input)
+        if fuses:
+            calls.append(gated(run.first, run.rows))
+    if not fuses:
+        calls.append(gated(0, sum(run.rows for run in runs)))
+    return calls
+
+
 def layer_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
                 layer: int, tile_input: str) -> list[KernelCall]:
     """One transformer block, from the norm that opens it (adding the previous block's FFN
     output to the residual) to its down projection (left in `projected`)."""
-    p, t = f"blk.{layer}.", shape.n_tokens
-    d, q_dim, kv_dim, ffn = spec.d_model, spec.q_dim, spec.kv_dim, spec.ffn_dim
-    qkv_stride = q_dim + 2 * kv_dim
-    k_at, v_at = Ref("qkv", q_dim * F32), Ref("qkv", (q_dim + kv_dim) * F32)
+    p, t, runs = f"blk.{layer}.", shape.n_tokens, row_runs(shape)
     first = layer == 0
     calls = [residual_norm_call(spec, t, NULL if first else Ref("projected"),
                                 NULL if first else _post_ffn_norm(spec, layer - 1),
                                 Ref(p + "attn_norm.weight"), Ref("normed"))]
-    for part, y in (("q", Ref("qkv")), ("k", k_at), ("v", v_at)):
-        calls += matmul_calls(weights, f"{p}attn_{part}.weight", Ref("normed"), d, y,
-                              qkv_stride, t, shape.n_decode, tile_input)
-    if spec.qkv_bias:
-        for part, y, n in (("q", Ref("qkv"), q_dim), ("k", k_at, kv_dim), ("v", v_at, kv_dim)):
-            calls.append(KernelCall("add_bias", plan.elementwise_launch(t * n),
-                                    (y, _i32(qkv_stride), Ref(f"{p}attn_{part}.bias"), _i32(t),
-                                     _i32(n))))
-    if spec.qk_norm:
-        for part, x, heads in (("q", Ref("qkv"), spec.n_heads), ("k", k_at, spec.n_kv_heads)):
-            calls.append(KernelCall("head_rms_norm", plan.head_norm_launch(t, heads),
-                                    (x, _i32(qkv_stride), _i32(heads), _i32(spec.head_dim),
-                                     Ref(f"{p}attn_{part}_norm.weight"),
-                                     np.float32(spec.rms_eps))))
-    sliding = spec.is_sliding(layer)
-    # k's heads follow q's in the row: one launch rotates both.
-    calls.append(KernelCall(
-        "rope", plan.rope_launch(t, spec.n_heads + spec.n_kv_heads),
-        (Ref("qkv"), _i32(qkv_stride), Ref("step.positions"),
-         _i32(spec.n_heads + spec.n_kv_heads), _i32(spec.head_dim), _i32(spec.rope_dim),
-         np.float64(spec.rope_base_local if sliding else spec.rope_base),
-         _optional("rope_freqs.weight", not sliding and "rope_freqs.weight" in weights),
-         _i32(int(spec.rope_neox)))))
-    calls.append(KernelCall("kv_write", plan.elementwise_launch(t * kv_dim),
-                            (k_at, v_at, _i32(qkv_stride), Ref("step.slots"), _i32(t),
-                             _i32(kv_dim), Ref(f"k_cache.{layer}"), Ref(f"v_cache.{layer}"))))
+    calls += qkv_calls(spec, weights, runs, layer, tile_input)
+    calls.append(qkv_finish_call(spec, weights, shape, layer))
     calls += attention_calls(spec, shape, layer)
-    calls += matmul_calls(weights, p + "attn_output.weight", Ref("attn"), q_dim,
-                          Ref("projected"), d, t, shape.n_decode, tile_input)
+    calls += matmul_calls(weights, p + "attn_output.weight", Ref("attn"), spec.q_dim,
+                          Ref("projected"), spec.d_model, runs, tile_input)
     calls.append(residual_norm_call(
         spec, t, Ref("projected"), _optional(p + "post_attention_norm.weight", spec.post_norms),
         Ref(p + "ffn_norm.weight"), Ref("normed")))
-    for part, y in (("gate", Ref("gate_up")), ("up", Ref("gate_up", ffn * F32))):
-        calls += matmul_calls(weights, f"{p}ffn_{part}.weight", Ref("normed"), d, y, 2 * ffn,
-                              t, shape.n_decode, tile_input)
-    calls.append(KernelCall(f"gated_{spec.activation}", plan.elementwise_launch(t * ffn),
-                            (Ref("gate_up"), Ref("gated"), _i32(t), _i32(ffn))))
-    calls += matmul_calls(weights, p + "ffn_down.weight", Ref("gated"), ffn,
-                          Ref("projected"), d, t, shape.n_decode, tile_input)
+    calls += gated_ffn_calls(spec, weights, runs, layer, tile_input)
+    calls += matmul_calls(weights, p + "ffn_down.weight", Ref("gated"), spec.ffn_dim,
+                          Ref("projected"), spec.d_model, runs, tile_input)
     return calls
 
 
@@ -434,10 +533,10 @@ def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: S
             (Ref("normed"), np.int64(plan.row_pitch("F32", spec.d_model)),
              Ref("step.logit_rows"), final, _i32(spec.d_model), np.float32(1.0))))
     if shape.n_logit_rows:
+        # Every logits row on the matvec: one row per item, each independent of the others.
         output = "token_embd.weight" if spec.tied_output else "output.weight"
-        calls += matmul_calls(weights, output, final, spec.d_model, Ref("logits"),
-                              spec.vocab_size, shape.n_logit_rows, shape.n_decode_logit_rows,
-                              tile_input)
+        calls.append(matvec_call(weights, output, final, spec.d_model, Ref("logits"),
+                                 spec.vocab_size, shape.n_logit_rows))
     return calls
 
 

@@ -35,6 +35,8 @@ KERNEL_TYPE_SUFFIX = {
 }
 # What mul_mat_tiles feeds the tensor cores: float16, bfloat16, or float16 hi + lo parts.
 TILE_INPUTS = ("f16", "bf16", "f16x3")
+# The gated activations: activation.cu's gated_<act> and matvec.cu's fused gate+up entries.
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 # Constants the kernels are compiled with (cuda_src/*.cu); launches must agree with them.
 GROUP = 32  # elements decoded at a time: every row length must be a multiple
@@ -45,6 +47,7 @@ TILE_ROWS = TILE_TOKENS = 64
 TILE_THREADS = 128
 NORM_THREADS = 256
 HEAD_NORM_HEADS_PER_BLOCK = 4
+QKV_FINISH_HEADS_PER_BLOCK = 4
 ROPE_THREADS = 64
 ELEMENTWISE_THREADS = 256
 ATTN_WARPS = 4
@@ -71,6 +74,23 @@ def kernel_source_dir() -> Path:
     )
 
 
+def kernel_cache_dir() -> Path:
+    """The one folder where PyCUDA keeps the compiled kernels, for the backend, tests/gpu and
+    the benchmark alike (one compile of each file per source version, not one per caller);
+    made if absent (PyCUDA makes only its own default folder)."""
+    folder = Path.home() / ".cache" / "q4k-actors" / "cuda"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def source_module_options(capability: tuple[int, int]) -> dict[str, object]:
+    """PyCUDA SourceModule's keyword arguments for a cuda_src file on a device of this
+    compute capability: the same for every caller, so they all hit one cache entry."""
+    return {"no_extern_c": True, "options": nvcc_options(),
+            "include_dirs": [str(kernel_source_dir())], "arch": "sm_%d%d" % capability,
+            "cache_dir": str(kernel_cache_dir())}
+
+
 def nvcc_options() -> list[str]:
     """nvcc options for compiling a cuda_src file (PyCUDA's SourceModule(options=...), with
     no_extern_c=True and include_dirs=[kernel_source_dir()]). No fast-math: the block decode
@@ -82,7 +102,9 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
     """Source file name -> the `extern "C"` kernels it defines (what `get_function` takes)."""
     suffixes = tuple(KERNEL_TYPE_SUFFIX.values())
     return {
-        "matvec.cu": tuple(f"mul_mat_vec_{s}" for s in suffixes),
+        "matvec.cu": (*(f"mul_mat_vec_{s}" for s in suffixes),
+                      *(gate_up_kernel(a, s) for a in ACTIVATIONS for s in suffixes),
+                      "mul_mat_vec_qkv"),
         "matmul.cu": tuple(f"mul_mat_tiles_{i}_{s}" for s in suffixes for i in TILE_INPUTS),
         "embedding.cu": tuple(f"get_rows_{s}" for s in suffixes),
         "norm.cu": ("residual_rms_norm", "head_rms_norm"),
@@ -93,7 +115,20 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
                          "attention_prefill"),
         "candidates.cu": ("apply_penalties", "top_candidates"),
         "bias.cu": ("add_bias",),
+        "qkv_finish.cu": ("qkv_finish",),
     }
+
+
+def gate_up_kernel(activation: str, suffix: str) -> str:
+    """matvec.cu's fused entry y = act(gate . x) * (up . x) for one block type's suffix."""
+    return f"mul_mat_vec_gate_up_{activation}_{suffix}"
+
+
+def type_code(type_name: str) -> int:
+    """The block-type code mul_mat_vec_qkv takes per segment: the type's index in
+    KERNEL_TYPE_SUFFIX."""
+    kernel_suffix(type_name)  # InvalidRequest for a type with no kernels
+    return list(KERNEL_TYPE_SUFFIX).index(type_name)
 
 
 def kernel_suffix(type_name: str) -> str:
@@ -303,16 +338,29 @@ def _check_grid(launch: Launch) -> Launch:
 
 
 def uses_matvec(n_tokens: int) -> bool:
-    """Up to MATVEC_MAX_BATCH tokens read each weight block once in mul_mat_vec; more go to
-    the tensor-core tiles."""
+    """A prefill item of up to MATVEC_MAX_BATCH tokens takes mul_mat_vec; a longer one goes
+    to the tensor-core tiles. (Decode rows take the matvec whatever their number:
+    cuda_launches.row_runs.)"""
     return n_tokens <= MATVEC_MAX_BATCH
+
+
+def matvec_kernel(type_name: str) -> str:
+    """The matvec entry point of a `type_name` matrix: any number of activation rows, each
+    row's result independent of the others (decode rows always take it)."""
+    return f"mul_mat_vec_{kernel_suffix(type_name)}"
+
+
+def matvec_launch(rows: int, batch: int) -> Launch:
+    """mul_mat_vec (and its fused entries, `rows` their output rows): one warp per output
+    row, every activation row in the same warp."""
+    return _check_grid(Launch((_blocks(rows, MATVEC_WARPS), 1, 1), (MATVEC_WARPS * 32, 1, 1)))
 
 
 def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = "f16") -> str:
     """The entry point multiplying a `type_name` matrix by n_tokens activation rows."""
     suffix = kernel_suffix(type_name)
     if uses_matvec(n_tokens):
-        return f"mul_mat_vec_{suffix}"
+        return matvec_kernel(type_name)
     if tile_input not in TILE_INPUTS:
         raise InvalidRequest(f"tile input must be one of {TILE_INPUTS}, got {tile_input!r}",
                              field="tile_input")
@@ -322,7 +370,7 @@ def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = "f16") -> str
 def matmul_launch(rows: int, n_tokens: int) -> Launch:
     """mul_mat_vec (one warp per output row) or mul_mat_tiles (64 x 64 tiles of y)."""
     if uses_matvec(n_tokens):
-        return _check_grid(Launch((_blocks(rows, MATVEC_WARPS), 1, 1), (MATVEC_WARPS * 32, 1, 1)))
+        return matvec_launch(rows, n_tokens)
     return _check_grid(Launch((_blocks(rows, TILE_ROWS), _blocks(n_tokens, TILE_TOKENS), 1),
                               (TILE_THREADS, 1, 1)))
 
@@ -340,6 +388,12 @@ def norm_launch(n_rows: int) -> Launch:
 def head_norm_launch(n_tokens: int, n_heads: int) -> Launch:
     return _check_grid(Launch((_blocks(n_heads, HEAD_NORM_HEADS_PER_BLOCK), n_tokens, 1),
                               (HEAD_NORM_HEADS_PER_BLOCK * 32, 1, 1)))
+
+
+def qkv_finish_launch(n_tokens: int, n_heads: int) -> Launch:
+    """qkv_finish: one warp per head (q, k and v heads together) of each token."""
+    return _check_grid(Launch((_blocks(n_heads, QKV_FINISH_HEADS_PER_BLOCK), n_tokens, 1),
+                              (QKV_FINISH_HEADS_PER_BLOCK * 32, 1, 1)))
 
 
 def rope_launch(n_tokens: int, n_heads: int) -> Launch:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from actors.compute.cuda_plan import kernel_source_dir, nvcc_options
+from actors.compute.cuda_plan import kernel_source_dir, source_module_options
 
 GPU_DIR = Path(__file__).parent
 
@@ -49,16 +49,17 @@ def cuda_context() -> Any:
 
 @pytest.fixture(scope="session")
 def kernel(cuda_context: Any) -> Callable[[str, str], Any]:
-    """kernel(file name, entry point) -> the compiled function (each file compiled once)."""
+    """kernel(file name, entry point) -> the compiled function (each file compiled once, into
+    the backend's own cache folder: the backend's tests then compile nothing again)."""
     from pycuda.compiler import SourceModule
 
     modules: dict[str, Any] = {}
+    capability = cuda_context.get_device().compute_capability()
 
     def get(file_name: str, name: str) -> Any:
         if file_name not in modules:
             source = (kernel_source_dir() / file_name).read_text()
-            modules[file_name] = SourceModule(source, no_extern_c=True, options=nvcc_options(),
-                                              include_dirs=[str(kernel_source_dir())])
+            modules[file_name] = SourceModule(source, **source_module_options(capability))
         return modules[file_name].get_function(name)
 
     return get

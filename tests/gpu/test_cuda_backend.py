@@ -28,6 +28,7 @@ from actors.errors import ModelFormatError
 from actors.model.loaded import Model, load_model, open_model
 from actors.params import SamplingParams
 from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
+from tests.cuda_samples import greedy_sharing_steps, short_prompt_alone_and_shared
 
 MODELS = ("llama-q4k-tiny", "qwen2-q4k-tiny", "smollm2-135m", "gemma3-270m")
 TOP16_TOLERANCE = 0.05
@@ -181,13 +182,55 @@ def test_a_decode_step_is_a_handful_of_launches() -> None:
         eager = backend.launches_per_step
         for position in range(2, 5):
             backend.run([StepItem((7,), position, (i,)) for i in range(3)], [RowInputs()] * 3)
-            # host -> device, the graph, top_candidates, device -> host
-            assert backend.launches_per_step == 4
-        assert eager > 10 * model.spec.n_layers
-        assert backend.kernels_per_step > 10 * model.spec.n_layers
+            # step arrays host -> device, the graph, rows host -> device, top_candidates,
+            # records device -> host
+            assert backend.launches_per_step == 5
+        assert eager > 8 * model.spec.n_layers
+        # Per layer: norm, qkv, qkv_finish, attention split and combine, o, norm, gate+up,
+        # down; per step: embedding, final norm, output, top_candidates.
+        assert backend.kernels_per_step <= 9 * model.spec.n_layers + 4
     finally:
         backend.close()
         model.gguf.close()
+
+
+INVARIANCE_STREAMS = (1, 8, 9, 32, 64)
+
+
+def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step() -> None:
+    """Sequence 0 decoded beside 0, 7, 8, 31 and 63 others: decode rows always take the
+    matvec, whose rows are independent, so its tokens and logits rows are the same bits."""
+    model = open_model(TINY_MODELS["qwen2-q4k-tiny"])
+    steps, most = 6, max(INVARIANCE_STREAMS)
+    rng = np.random.default_rng(17)
+    prompts = [rng.integers(1, model.spec.vocab_size, 3 + i % 4).tolist() for i in range(most)]
+    backend = BACKENDS["cuda"].build(model, KVRequest(blocks=most * 2, block_size=BLOCK,
+                                                      max_sequences=most))
+    try:
+        runs = {n: greedy_sharing_steps(backend, prompts[:n], steps, BLOCK)
+                for n in INVARIANCE_STREAMS}
+    finally:
+        backend.close()
+        model.gguf.close()
+    alone_tokens, alone_rows = runs[1]
+    for n, (tokens, rows) in runs.items():
+        assert tokens[0] == alone_tokens[0], n
+        np.testing.assert_array_equal(rows.view(np.uint32), alone_rows.view(np.uint32),
+                                      err_msg=f"{n} streams")
+
+
+def test_a_prompts_logits_do_not_depend_on_the_prompts_sharing_its_step() -> None:
+    """Each prefill item takes the matvec or the tiles by its own length: a 5-token prompt's
+    logits row is the same bits alone and beside a short and a 20-token prompt."""
+    model = open_model(TINY_MODELS["qwen2-q4k-tiny"])
+    backend = BACKENDS["cuda"].build(model, KVRequest(blocks=8, block_size=BLOCK,
+                                                      max_sequences=4))
+    try:
+        alone, together = short_prompt_alone_and_shared(backend)
+    finally:
+        backend.close()
+        model.gguf.close()
+    np.testing.assert_array_equal(together.view(np.uint32), alone.view(np.uint32))
 
 
 # --- the engine on backend="cuda" -----------------------------------------------------------

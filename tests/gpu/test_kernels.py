@@ -267,6 +267,66 @@ def test_kv_write_rounds_into_the_paged_layout(kernel: Kernel) -> None:
         np.testing.assert_array_equal(cache.get().view(np.uint16), expected.view(np.uint16))
 
 
+def at(array: Any, floats: int) -> np.uintp:
+    """The address `floats` float32s into a device array."""
+    return np.uintp(int(array.gpudata) + 4 * floats)
+
+
+@pytest.mark.parametrize("quirks", ["llama", "qwen2", "gemma3"])
+def test_qkv_finish_equals_the_separate_kernels_bit_for_bit(kernel: Kernel, quirks: str) -> None:
+    """qkv_finish against add_bias x3 (qwen2), head_rms_norm x2 (gemma-3), rope and kv_write
+    run one after another on the same rows: the same bits in the rows and in both caches. The
+    llama case rotates part of each head (rope_dim 32 of 64) with frequency factors; padding
+    columns past v and cache slots nobody writes stay as they were."""
+    tokens, heads, kv_heads, head_dim, block_size = 5, 8, 2, 64, 16
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    stride = q_dim + 2 * kv_dim + 8
+    rng = np.random.default_rng({"llama": 1, "qwen2": 2, "gemma3": 3}[quirks])
+    qkv = (rng.standard_normal((tokens, stride)) * 3).astype(np.float32)
+    positions = np.array([0, 1, 77, 4095, 9], dtype=np.int32)
+    slots = np.array([0, 17, 63, 5, 40], dtype=np.int32)
+    sentinel = np.full((4 * block_size, kv_dim), -7.0, dtype=np.float16)
+    rope_dim = 32 if quirks == "llama" else head_dim
+    base = {"llama": 500000.0, "qwen2": 1000000.0, "gemma3": 10000.0}[quirks]
+    neox = np.int32(quirks != "llama")
+    factors = (ptr(to_device(rng.uniform(1.0, 8.0, rope_dim // 2).astype(np.float32)))
+               if quirks == "llama" else NULL)
+    biases = [ptr(to_device(rng.standard_normal(n).astype(np.float32))) if quirks == "qwen2"
+              else NULL for n in (q_dim, kv_dim, kv_dim)]
+    norms = [ptr(to_device(rng.uniform(0.5, 1.5, head_dim).astype(np.float32)))
+             if quirks == "gemma3" else NULL for _ in "qk"]
+    eps, positions_dev, slots_dev = np.float32(1e-6), to_device(positions), to_device(slots)
+
+    separate, k_sep, v_sep = to_device(qkv), to_device(sentinel), to_device(sentinel)
+    for column, bias, n in zip((0, q_dim, q_dim + kv_dim), biases, (q_dim, kv_dim, kv_dim)):
+        if bias != NULL:
+            run(kernel("bias.cu", "add_bias"), plan.elementwise_launch(tokens * n),
+                at(separate, column), np.int32(stride), bias, np.int32(tokens), np.int32(n))
+    for column, norm, count in zip((0, q_dim), norms, (heads, kv_heads)):
+        if norm != NULL:
+            run(kernel("norm.cu", "head_rms_norm"), plan.head_norm_launch(tokens, count),
+                at(separate, column), np.int32(stride), np.int32(count), np.int32(head_dim),
+                norm, eps)
+    run(kernel("rope.cu", "rope"), plan.rope_launch(tokens, heads + kv_heads), ptr(separate),
+        np.int32(stride), ptr(positions_dev), np.int32(heads + kv_heads), np.int32(head_dim),
+        np.int32(rope_dim), np.float64(base), factors, neox)
+    run(kernel("kv_cache.cu", "kv_write"), plan.elementwise_launch(tokens * kv_dim),
+        at(separate, q_dim), at(separate, q_dim + kv_dim), np.int32(stride), ptr(slots_dev),
+        np.int32(tokens), np.int32(kv_dim), ptr(k_sep), ptr(v_sep))
+
+    fused, k_fused, v_fused = to_device(qkv), to_device(sentinel), to_device(sentinel)
+    run(kernel("qkv_finish.cu", "qkv_finish"), plan.qkv_finish_launch(tokens, heads + 2 * kv_heads),
+        ptr(fused), np.int32(stride), np.int32(heads), np.int32(kv_heads), np.int32(head_dim),
+        *biases, *norms, eps, ptr(positions_dev), np.int32(rope_dim), np.float64(base), factors,
+        neox, ptr(slots_dev), ptr(k_fused), ptr(v_fused))
+
+    np.testing.assert_array_equal(fused.get().view(np.uint32), separate.get().view(np.uint32))
+    np.testing.assert_array_equal(fused.get()[:, -8:], qkv[:, -8:])
+    for got, expected in ((k_fused, k_sep), (v_fused, v_sep)):
+        np.testing.assert_array_equal(got.get().view(np.uint16), expected.get().view(np.uint16))
+    assert (k_fused.get()[1] == -7.0).all()  # slot 1: nobody's
+
+
 # --------------------------------------------------------------------------------------------
 # Attention
 
