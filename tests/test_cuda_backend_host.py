@@ -77,9 +77,9 @@ def test_llama_layer_runs_the_kernels_in_order(models: dict[str, GGUFFile]) -> N
     kinds = ["mul_mat_vec" if call.kernel.startswith("mul_mat_vec_") else call.kernel
              for call in layers[0]]
     assert kinds == ["residual_rms_norm", "mul_mat_vec", "mul_mat_vec", "mul_mat_vec", "rope",
-                     "kv_write", "attention_decode_split", "attention_decode_combine",
-                     "attention_prefill", "mul_mat_vec", "residual_rms_norm", "mul_mat_vec",
-                     "mul_mat_vec", "gated_silu", "mul_mat_vec"]
+                     "kv_write", "attention_decode", "attention_prefill", "mul_mat_vec",
+                     "residual_rms_norm", "mul_mat_vec", "mul_mat_vec", "gated_silu",
+                     "mul_mat_vec"]
     rope = next(c for c in layers[0] if c.kernel == "rope")
     assert rope.args[6] == np.float64(spec.rope_base) and rope.args[8] == 0  # NORM pairs
     assert rope.args[3] == spec.n_heads + spec.n_kv_heads
@@ -111,9 +111,8 @@ def test_gemma3_quirks(models: dict[str, GGUFFile]) -> None:
                                                    for p in "qk"]
         rope = next(c for c in layer if c.kernel == "rope")
         assert rope.args[6] == (spec.rope_base_local if sliding else spec.rope_base)
-        for attention in (c for c in layer if c.kernel.startswith("attention_")
-                          and c.kernel != "attention_decode_combine"):
-            window = attention.args[12 if attention.kernel == "attention_decode_split" else 14]
+        for attention in (c for c in layer if c.kernel.startswith("attention_")):
+            window = attention.args[12 if attention.kernel == "attention_decode" else 14]
             assert window == (spec.sliding_window if sliding else 0)
         assert any(c.kernel == "gated_gelu_tanh" for c in layer)
         opening, ffn_norm = [c for c in layer if c.kernel == "residual_rms_norm"][:2]
@@ -244,7 +243,7 @@ def test_only_the_leading_single_token_items_take_the_decode_kernels() -> None:
 def test_split_keys_bound_the_graph_grid() -> None:
     for context in (128, 2048, 8192, 32768, 131072):
         keys = launches.split_keys_for(context)
-        assert keys % plan.ATTN_KEYS_PER_PASS == 0 and keys >= 2 * plan.ATTN_KEYS_PER_PASS
+        assert keys % plan.DECODE_TILE_KEYS == 0 and keys >= 2 * plan.DECODE_TILE_KEYS
         assert plan.decode_splits(context, keys) <= 32
     assert launches.table_stride_for(8192, 16, 100) == 100
     assert launches.table_stride_for(100, 16, 1000) == 7
