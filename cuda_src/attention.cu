@@ -47,6 +47,7 @@ constexpr int MAX_GROUP_HEADS = 8;
 constexpr int DECODE_TILE_HALVES = 4096;
 constexpr int MAX_TILE_KEYS = 2 * WARP;
 constexpr int DECODE_TILE_PADDED = DECODE_TILE_HALVES + 8 * DECODE_THREADS;
+
 // One sequence's keys and values of one KV head in one layer's cache.
 struct PagedHead {
     const __half* k;
