@@ -34,14 +34,15 @@
 //   those equal to it, and a rank sort orders the k candidates.
 //   Rows with k > SMALL_CANDIDATES: block 0 selects over the whole row (the other blocks of
 //   the row leave at once). Rows with k <= SMALL_CANDIDATES (greedy and top-k sampling): the
-//   row is cut into gridDim.x slices of ceil(vocab / gridDim.x) ids; each block selects its
-//   slice's top min(k, slice) in order and its (max, sum of exp((l - max) * inv_temp)), and
-//   writes them to slice_partials[row][slice] (SLICE_WORDS words: max, sum, keys[k],
-//   ids[k]). The last block of the row to finish (counted in counters[row], which must be
-//   zero before the first launch; that block sets it back to zero) selects the top k of the
-//   slices' candidates (which hold the row's top k: each slice's top k holds the row's
-//   top-k members in it) and merges the sums in slice order, so the record does not depend
-//   on which block finished last.
+//   row is cut into gridDim.x <= MAX_SLICES slices of ceil(vocab / gridDim.x) ids (host:
+//   cuda_plan.candidate_slices); each block selects its slice's top min(k, slice) in order
+//   and its (max, sum of exp((l - max) * inv_temp)), and writes them to
+//   slice_partials[row][slice] (SLICE_WORDS words: max, sum, keys[SMALL_CANDIDATES],
+//   ids[SMALL_CANDIDATES]). The last block of the row to finish (counted in counters[row],
+//   which must be zero before the first launch; that block sets it back to zero) selects the
+//   top k of the slices' candidates (they hold the row's top k: a member of it is in its
+//   slice's top k) and merges the sums in a fixed order, so the record does not depend on
+//   which block finished last.
 #include "device_common.cuh"
 
 constexpr int CANDIDATE_THREADS = 1024;
@@ -375,12 +376,13 @@ extern "C" __global__ void __launch_bounds__(CANDIDATE_THREADS) top_candidates(
         offset += k_b;
     }
     if (threadIdx.x < WARP) {
-        // The slices' sums, rescaled to the row's max, summed in slice order (a fixed tree).
+        // The slices' sums, rescaled to the row's max, summed in a fixed order (one tree).
         const int lane = threadIdx.x;
         const float* part = reinterpret_cast<const float*>(partials + lane * SLICE_WORDS);
         const float top = lane < slices ? __ldcg(part) : -INFINITY;
         const float row_max = warp_max(top);
-        const float term = top == -INFINITY ? 0.0f : __ldcg(part + 1) * expf((top - row_max) * scale);
+        const float term =
+            top == -INFINITY ? 0.0f : __ldcg(part + 1) * expf((top - row_max) * scale);
         const float total = warp_sum(term);
         if (lane == 0) row_total = row_max == -INFINITY ? NAN : total;
     }

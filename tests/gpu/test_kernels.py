@@ -535,10 +535,11 @@ def test_top_candidates_argmax_and_log_partition(kernel: Kernel, k: int, vocab: 
 
 
 def test_top_candidates_mixes_sliced_and_whole_rows(kernel: Kernel) -> None:
-    """A 262144-id launch (32 slices) whose rows ask for 1, 64, 65 and 1024 candidates (the
-    first two sliced, the others whole), its top logit placed in the last slice, at the
-    first id, and twice (in a whole row and across slices); a row of -inf: one candidate (id 0), log_z NaN. A second launch
-    over the counters the first left gives the same records."""
+    """A 262144-id launch (32 slices) whose rows ask for 1, 64, 65, 1024, 1 and 33
+    candidates (k <= 64 sliced, the others whole): the top logit in the last slice, at the
+    first id, twice in a whole row and twice across slices; row 4 all -inf: one candidate
+    (id 0), log_z NaN. A second launch over the counters the first left gives the same
+    records."""
     vocab = 262144
     rng = np.random.default_rng(13)
     logits = (rng.standard_normal((6, vocab)) * 3).astype(np.float32)
