@@ -57,7 +57,7 @@ CANDIDATE_THREADS = 1024
 MAX_CANDIDATES = 1024
 SMALL_CANDIDATES = 64  # rows asking for at most this many are selected slice by slice
 MAX_SLICES = 32  # blocks per row for those
-MIN_SLICE = 4096  # ids per slice, at least (while the row has MAX_SLICES or fewer)
+MIN_SLICE = 4096  # ids per slice block, about (fewer blocks than MAX_SLICES)
 SLICE_WORDS = 2 + 2 * SMALL_CANDIDATES  # a slice's partial: max, sum, keys, ids
 PENALTY_THREADS = 256
 KV_BYTES_PER_VALUE = 2  # float16 cache
@@ -396,8 +396,8 @@ def penalties_launch(n_rows: int) -> Launch:
 
 
 def candidate_slices(vocab: int) -> int:
-    """Blocks per row of top_candidates: slices of at least MIN_SLICE ids, at most
-    MAX_SLICES (a row asking for more than SMALL_CANDIDATES uses only the first)."""
+    """Blocks per row of top_candidates: one per MIN_SLICE ids begun, at most MAX_SLICES
+    (a row asking for more than SMALL_CANDIDATES uses only the first)."""
     return min(MAX_SLICES, _blocks(vocab, MIN_SLICE))
 
 
