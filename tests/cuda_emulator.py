@@ -243,42 +243,44 @@ class KernelTwins:
             out.append((float(peak), float(weights.sum()), weights @ v[:, head // group]))
         return out
 
-    def attention_decode_split(self, grid: tuple[int, ...], q: Any, q_stride: int, k_cache: Any,
-                               v_cache: Any, tables: Any, table_stride: int, positions: Any,
-                               block_size: int, heads: int, kv_heads: int, head_dim: int,
-                               scale: float, window: int, split_keys: int, acc: Any, best: Any,
-                               total: Any) -> None:
-        splits, heads, n = grid[0], int(heads), grid[2]
-        head_dim, table_stride = int(head_dim), int(table_stride)
+    def attention_decode(self, grid: tuple[int, ...], q: Any, q_stride: int, k_cache: Any,
+                         v_cache: Any, tables: Any, table_stride: int, positions: Any,
+                         block_size: int, heads: int, kv_heads: int, head_dim: int, scale: float,
+                         window: int, split_keys: int, acc: Any, best: Any, total: Any,
+                         counters: Any, out: Any, out_stride: int) -> None:
+        """Each sequence's used splits (those holding keys) and, where there are several,
+        their partials as the kernel writes them; the output merged in split order. The
+        counters must be zero (the backend zero-fills them; every launch leaves them so)."""
+        splits, head_blocks, n = grid
+        heads, head_dim, split_keys = int(heads), int(head_dim), int(split_keys)
+        table_stride = int(table_stride)
+        group = heads // int(kv_heads)
+        assert head_blocks == int(kv_heads) * -(-group // plan.MAX_GROUP_HEADS)
+        assert not self.i32(counters, n * head_blocks).any(), "attention counters are not zero"
         for s in range(n):
             position = int(self.i32(positions, n)[s])
             table = self.i32(int(tables) + 4 * s * table_stride, table_stride)
             first = max(0, position - int(window) + 1) if int(window) else 0
+            used = min(splits, -(-(position - first + 1) // split_keys))
             q_row = self.f32(int(q) + 4 * s * int(q_stride), heads * head_dim)
-            for split in range(splits):
-                low = first + split * int(split_keys)
-                span = range(low, min(position, low + int(split_keys) - 1) + 1)
-                parts = self._head_attention(q_row, (k_cache, v_cache), table, int(block_size),
-                                             heads, int(kv_heads), head_dim,
-                                             lambda head, span=span: span, scale)
-                for head, (peak, weight, values) in enumerate(parts):
-                    index = (s * heads + head) * splits + split
-                    self.f32(int(best) + 4 * index, 1)[0] = peak
-                    self.f32(int(total) + 4 * index, 1)[0] = weight
-                    self.f32(int(acc) + 4 * index * head_dim, head_dim)[:] = values
-
-    def attention_decode_combine(self, grid: tuple[int, ...], acc: Any, best: Any, total: Any,
-                                 splits: int, heads: int, head_dim: int, out: Any,
-                                 out_stride: int) -> None:
-        heads, n, splits, head_dim = int(heads), grid[1], int(splits), int(head_dim)
-        count = n * heads * splits
-        peaks = self.f32(best, count).reshape(n, heads, splits)
-        sums = self.f32(total, count).reshape(n, heads, splits)
-        values = self.f32(acc, count * head_dim).reshape(n, heads, splits, head_dim)
-        overall = peaks.max(axis=2, keepdims=True)
-        scale = np.where(np.isneginf(peaks), 0.0, np.exp(peaks - overall))
-        merged = (scale[..., None] * values).sum(axis=2) / (scale * sums).sum(axis=2)[..., None]
-        self.rows(out, n, int(out_stride), heads * head_dim)[:] = merged.reshape(n, -1)
+            parts = []
+            for split in range(used):
+                low = first + split * split_keys
+                span = range(low, min(position, low + split_keys - 1) + 1)
+                parts.append(self._head_attention(q_row, (k_cache, v_cache), table,
+                                                  int(block_size), heads, int(kv_heads),
+                                                  head_dim, lambda head, span=span: span, scale))
+            peaks = np.array([[p[0] for p in part] for part in parts], dtype=np.float32)
+            sums = np.array([[p[1] for p in part] for part in parts], dtype=np.float32)
+            values = np.array([[p[2] for p in part] for part in parts], dtype=np.float32)
+            if used > 1:
+                index = (s * heads + np.arange(heads))[None, :] * splits + np.arange(used)[:, None]
+                self.f32(best, n * heads * splits)[index] = peaks
+                self.f32(total, n * heads * splits)[index] = sums
+                self.f32(acc, n * heads * splits * head_dim).reshape(-1, head_dim)[index] = values
+            weight = np.exp(peaks - peaks.max(axis=0))  # (used, heads)
+            merged = (weight[..., None] * values).sum(axis=0) / (weight * sums).sum(axis=0)[:, None]
+            self.f32(int(out) + 4 * s * int(out_stride), heads * head_dim)[:] = merged.ravel()
 
     def attention_prefill(self, grid: tuple[int, ...], q: Any, q_stride: int, k_cache: Any,
                           v_cache: Any, tables: Any, table_stride: int, first_rows: Any,
@@ -328,8 +330,15 @@ class KernelTwins:
         penalties_twin(self.f32(logits, n * vocab).reshape(n, vocab), arrays)
 
     def top_candidates(self, grid: tuple[int, ...], logits: Any, vocab: int, least: Any,
-                       most: Any, mass: Any, inv_temp: Any, width: int, out: Any) -> None:
-        n, vocab, width = grid[0], int(vocab), int(width)
+                       most: Any, mass: Any, inv_temp: Any, width: int, out: Any,
+                       slice_partials: Any, counters: Any) -> None:
+        """The records of top_candidates_twin; the slices' partials must fit their buffer
+        and the counters be zero (the backend zero-fills them; every launch leaves them so)."""
+        slices, n = grid[0], grid[1]
+        vocab, width = int(vocab), int(width)
+        assert slices == plan.candidate_slices(vocab)
+        assert not self.i32(counters, n).any(), "candidate counters are not zero"
+        self.i32(slice_partials, n * plan.MAX_SLICES * plan.SLICE_WORDS)
         arrays = {name: self.i32(address, n) for name, address in
                   (("least", least), ("most", most), ("mass", mass), ("inv_temp", inv_temp))}
         records = top_candidates_twin(self.f32(logits, n * vocab).reshape(n, vocab), arrays,
@@ -446,6 +455,7 @@ class EmulatedDevice:
         module.memcpy_htod_async = lambda address, data, stream: self.copy_in(address, data)
         module.memcpy_dtoh = self.copy_out
         module.memcpy_dtoh_async = lambda data, address, stream: self.copy_out(data, address)
+        module.memset_d32 = self.fill
         module.Function = object
         return module
 
@@ -466,6 +476,9 @@ class EmulatedDevice:
         self.copies += 1
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         self.memory.view(address, np.uint8, raw.size)[:] = raw
+
+    def fill(self, address: Any, value: int, count: int) -> None:
+        self.memory.view(address, np.uint32, count)[:] = value
 
     def copy_out(self, data: np.ndarray, address: Any) -> None:
         self.copies += 1

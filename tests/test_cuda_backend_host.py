@@ -99,8 +99,8 @@ def test_llama_layer_runs_the_kernels_in_order(models: dict[str, GGUFFile]) -> N
     layers = _layer_slices(calls)
     assert len(layers) == spec.n_layers
     assert [_kind(call) for call in layers[0]] == [
-        "residual_rms_norm", "mul_mat_vec_qkv", "qkv_finish", "attention_decode_split",
-        "attention_decode_combine", "attention_prefill", "mul_mat_vec", "residual_rms_norm",
+        "residual_rms_norm", "mul_mat_vec_qkv", "qkv_finish", "attention_decode",
+        "attention_prefill", "mul_mat_vec", "residual_rms_norm",
         "mul_mat_vec_gate_up", "mul_mat_vec"]
     finish = _finish_args(layers[0])
     assert finish["base"] == np.float64(spec.rope_base) and finish["neox"] == 0  # NORM pairs
@@ -159,9 +159,8 @@ def test_gemma3_quirks(models: dict[str, GGUFFile]) -> None:
             launches.Ref(f"blk.{index}.attn_{p}_norm.weight") for p in "qk"]
         assert finish["eps"] == np.float32(spec.rms_eps)
         assert finish["base"] == (spec.rope_base_local if sliding else spec.rope_base)
-        for attention in (c for c in layer if c.kernel.startswith("attention_")
-                          and c.kernel != "attention_decode_combine"):
-            window = attention.args[12 if attention.kernel == "attention_decode_split" else 14]
+        for attention in (c for c in layer if c.kernel.startswith("attention_")):
+            window = attention.args[12 if attention.kernel == "attention_decode" else 14]
             assert window == (spec.sliding_window if sliding else 0)
         assert any(c.kernel.startswith("mul_mat_vec_gate_up_gelu_tanh_") for c in layer)
         opening, ffn_norm = [c for c in layer if c.kernel == "residual_rms_norm"][:2]
@@ -286,7 +285,7 @@ def test_a_decode_layer_is_a_handful_of_kernels(models: dict[str, GGUFFile]) -> 
     for name in ("llama", "qwen2", "gemma3"):
         spec = spec_from_gguf(models[name])
         calls = _decode_step(models[name], 32)
-        assert len(calls) == 9 * spec.n_layers + 3, name
+        assert len(calls) == 8 * spec.n_layers + 3, name
 
 
 def _ptx_signatures(files: list[str]) -> dict[str, list[str]]:
@@ -374,10 +373,57 @@ def test_only_the_leading_single_token_items_take_the_decode_kernels() -> None:
     assert launches.leading_decode_items(np.array([1, 1])) == 2
 
 
+@pytest.mark.parametrize("window", [0, 40])
+def test_the_decode_attention_twin_merges_its_splits_as_one(window: int) -> None:
+    """tests/cuda_emulator's attention_decode over 64-key splits (sequences of 5 and 300
+    keys, groups of 12 q heads: two blocks a KV head) equals one split over everything;
+    partials are written only by the splits holding keys, and only where several do."""
+    from tests.cuda_emulator import KernelTwins, Memory
+
+    rng = np.random.default_rng(window)
+    heads, kv_heads, head_dim, block_size, lengths = 24, 2, 16, 16, [5, 300]
+    memory = Memory()
+    twins = KernelTwins(memory)
+
+    def put(array: np.ndarray) -> int:
+        address = memory.allocate(array.nbytes)
+        memory.view(address, np.uint8, array.nbytes)[:] = array.reshape(-1).view(np.uint8)
+        return address
+
+    blocks = -(-max(lengths) // block_size)
+    cache = [put(rng.standard_normal((2 * blocks * block_size, kv_heads * head_dim))
+                 .astype(np.float16)) for _ in "kv"]
+    tables = put(np.arange(2 * blocks, dtype=np.int32))  # sequence s: blocks s * blocks ...
+    positions = put(np.array(lengths, dtype=np.int32) - 1)
+    q = put(rng.standard_normal((2, heads * head_dim)).astype(np.float32))
+
+    def decode(split_keys: int, splits: int) -> tuple[np.ndarray, np.ndarray]:
+        launch = plan.attention_decode_launch(2, heads, kv_heads, splits)
+        partials = 2 * heads * splits
+        best = put(np.full(partials, np.nan, np.float32))
+        out = put(np.zeros((2, heads * head_dim), np.float32))
+        twins.attention_decode(
+            launch.grid, q, heads * head_dim, *cache, tables, blocks, positions, block_size,
+            heads, kv_heads, head_dim, 0.25, window, split_keys,
+            put(np.zeros(partials * head_dim, np.float32)), best,
+            put(np.zeros(partials, np.float32)), put(np.zeros(2 * launch.grid[1], np.int32)),
+            out, heads * head_dim)
+        return (twins.f32(out, 2 * heads * head_dim).copy(),
+                ~np.isnan(twins.f32(best, partials).reshape(2, heads, splits)))
+
+    split, written = decode(64, 8)
+    whole, none = decode(512, 1)
+    np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-6)
+    assert not none.any()
+    used = -(-(min(lengths[1], window) if window else lengths[1]) // 64)
+    assert not written[0].any() and written[1, :, :used].all() == (used > 1)
+    assert not written[1, :, used:].any()
+
+
 def test_split_keys_bound_the_graph_grid() -> None:
     for context in (128, 2048, 8192, 32768, 131072):
         keys = launches.split_keys_for(context)
-        assert keys % plan.ATTN_KEYS_PER_PASS == 0 and keys >= 2 * plan.ATTN_KEYS_PER_PASS
+        assert keys % plan.DECODE_TILE_KEYS == 0 and keys >= 2 * plan.DECODE_TILE_KEYS
         assert plan.decode_splits(context, keys) <= 32
     assert launches.table_stride_for(8192, 16, 100) == 100
     assert launches.table_stride_for(100, 16, 1000) == 7

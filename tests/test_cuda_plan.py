@@ -95,6 +95,10 @@ def test_workspace_buffers_scale_with_the_step() -> None:
     assert small["gate_up"] == 8 * 2 * 14336 * 4
     assert small["logits"] == 8 * 128256 * 4
     assert small["partial_acc"] == 8 * 32 * 4 * 128 * 4
+    assert small["attention_counters"] == 8 * 32 * 4  # at most one per (sequence, head)
+    assert small["candidate_partials"] == 8 * 32 * (2 + 2 * 64) * 4
+    assert small["candidate_counters"] == 8 * 4
+    assert set(plan.ZEROED_BUFFERS) <= set(small)
     assert big["x"] == 2 * small["x"] and big["logits"] == small["logits"]
 
 
@@ -130,10 +134,14 @@ def test_launches_cover_their_work() -> None:
     assert plan.rope_launch(5, 32) == plan.Launch((32, 5, 1), (64, 1, 1))
     assert plan.elementwise_launch(1000) == plan.Launch((4, 1, 1), (256, 1, 1))
     assert plan.elementwise_launch(1 << 40).grid[0] == plan.GRID_LIMIT
-    assert plan.attention_decode_launch(4, 32, 16) == plan.Launch((16, 32, 4), (128, 1, 1))
-    assert plan.attention_combine_launch(4, 32) == plan.Launch((32, 4, 1), (256, 1, 1))
+    # A block per KV head and split takes the q heads of its group, 8 at most.
+    assert plan.attention_decode_launch(4, 32, 8, 16) == plan.Launch((16, 8, 4), (128, 1, 1))
+    assert plan.attention_decode_launch(2, 4, 4, 3) == plan.Launch((3, 4, 2), (128, 1, 1))
+    assert plan.attention_decode_launch(1, 24, 2, 1).grid == (1, 4, 1)  # groups of 12: 8 + 4
     assert plan.attention_prefill_launch(13, 8, 2) == plan.Launch((2, 8, 2), (128, 1, 1))
-    assert plan.candidates_launch(3, 64, 1000).grid == (3, 1, 1)
+    assert plan.candidates_launch(3, 64, 1000).grid == (1, 3, 1)
+    assert plan.candidates_launch(3, 64, 49152).grid == (12, 3, 1)  # slices of 4096 ids
+    assert plan.candidates_launch(3, 64, 262144).grid == (32, 3, 1)  # at most 32 slices
     with pytest.raises(InvalidRequest):
         plan.rope_launch(70000, 8)  # past the grid's y limit
 
@@ -141,7 +149,7 @@ def test_launches_cover_their_work() -> None:
 def test_decode_splits_cover_the_context() -> None:
     assert plan.decode_splits(8192, 512) == 16
     assert plan.decode_splits(8193, 512) == 17
-    with pytest.raises(InvalidRequest, match="multiple of 128"):
+    with pytest.raises(InvalidRequest, match="multiple of 64"):
         plan.decode_splits(8192, 100)
 
 

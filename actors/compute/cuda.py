@@ -169,8 +169,11 @@ class Workspace:
 
     def __init__(self, spec: Any, limits: plan.StepLimits, input_words: int) -> None:
         self.limits = limits
-        self.buffers = {name: cuda.mem_alloc(max(size, 4))
-                        for name, size in plan.workspace_buffers(spec, limits).items()}
+        sizes = plan.workspace_buffers(spec, limits)
+        self.buffers = {name: cuda.mem_alloc(max(size, 4)) for name, size in sizes.items()}
+        for name in plan.ZEROED_BUFFERS:  # the kernels' cross-block counters start at zero
+            cuda.memset_d32(self.buffers[name], 0, sizes[name] // 4)
+        cuda.Context.synchronize()  # zeroed before any stream's first launch reads them
         self.input = InputBuffer(input_words)
         record = plan.candidate_record_words(limits.max_candidates)
         self.pinned_candidates = cuda.pagelocked_empty(limits.max_rows * record, np.int32)

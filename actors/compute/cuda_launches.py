@@ -134,10 +134,10 @@ def graph_bucket(step: StepPlan, buckets: Sequence[int]) -> int | None:
 
 
 def split_keys_for(context_length: int, max_splits: int = 32) -> int:
-    """Keys per flash-decoding split: whole passes of the split's warps, at least two, and
-    few enough splits that a graph's fixed grid stays small at any context length."""
-    per_pass = plan.ATTN_KEYS_PER_PASS
-    return per_pass * max(2, -(-context_length // (max_splits * per_pass)))
+    """Keys per flash-decoding split: whole decode tiles, at least two, and few enough splits
+    that a graph's fixed grid stays small at any context length."""
+    tile = plan.DECODE_TILE_KEYS
+    return tile * max(2, -(-context_length // (max_splits * tile)))
 
 
 def table_stride_for(context_length: int, block_size: int, num_blocks: int) -> int:
@@ -372,8 +372,9 @@ def _post_ffn_norm(spec: ModelSpec, layer: int) -> Ref:
 
 
 def attention_calls(spec: ModelSpec, shape: StepShape, layer: int) -> list[KernelCall]:
-    """The layer's attention over the paged cache: decode items split and combined, prefill
-    items tiled; q is scaled inside by spec.query_scale."""
+    """The layer's attention over the paged cache: decode items split and combined in one
+    launch (its counters are zero between launches), prefill items tiled; q is scaled inside
+    by spec.query_scale."""
     qkv_stride = spec.q_dim + 2 * spec.kv_dim
     window = _i32(spec.sliding_window if spec.is_sliding(layer) else 0)
     cache = (Ref(f"k_cache.{layer}"), Ref(f"v_cache.{layer}"))
@@ -381,19 +382,14 @@ def attention_calls(spec: ModelSpec, shape: StepShape, layer: int) -> list[Kerne
     scale = np.float32(spec.query_scale)
     calls = []
     if shape.n_decode:
-        calls += [
-            KernelCall("attention_decode_split",
-                       plan.attention_decode_launch(shape.n_decode, spec.n_heads, shape.n_splits),
-                       (Ref("qkv"), _i32(qkv_stride), *cache, Ref("step.block_tables"),
-                        _i32(shape.table_stride), Ref("step.positions"),
-                        _i32(shape.block_size), *heads, scale, window, _i32(shape.split_keys),
-                        Ref("partial_acc"), Ref("partial_max"), Ref("partial_sum"))),
-            KernelCall("attention_decode_combine",
-                       plan.attention_combine_launch(shape.n_decode, spec.n_heads),
-                       (Ref("partial_acc"), Ref("partial_max"), Ref("partial_sum"),
-                        _i32(shape.n_splits), _i32(spec.n_heads), _i32(spec.head_dim),
-                        Ref("attn"), _i32(spec.q_dim))),
-        ]
+        calls.append(KernelCall(
+            "attention_decode",
+            plan.attention_decode_launch(shape.n_decode, spec.n_heads, spec.n_kv_heads,
+                                         shape.n_splits),
+            (Ref("qkv"), _i32(qkv_stride), *cache, Ref("step.block_tables"),
+             _i32(shape.table_stride), Ref("step.positions"), _i32(shape.block_size), *heads,
+             scale, window, _i32(shape.split_keys), Ref("partial_acc"), Ref("partial_max"),
+             Ref("partial_sum"), Ref("attention_counters"), Ref("attn"), _i32(spec.q_dim))))
     if shape.n_prefill:
         calls.append(KernelCall(
             "attention_prefill",
@@ -542,7 +538,8 @@ def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: S
 
 def candidate_calls(spec: ModelSpec, n_rows: int, width: int,
                     any_penalty: bool) -> list[KernelCall]:
-    """Penalties (when a row has any) and the candidates of the logits rows."""
+    """Penalties (when a row has any) and the candidates of the logits rows (several blocks
+    per row where rows ask for few; their counters are zero between launches)."""
     vocab = _i32(spec.vocab_size)
     calls = []
     if any_penalty:
@@ -554,7 +551,8 @@ def candidate_calls(spec: ModelSpec, n_rows: int, width: int,
     calls.append(KernelCall(
         "top_candidates", plan.candidates_launch(n_rows, width, spec.vocab_size),
         (Ref("logits"), vocab, Ref("rows.least"), Ref("rows.most"), Ref("rows.mass"),
-         Ref("rows.inv_temp"), _i32(width), Ref("candidates"))))
+         Ref("rows.inv_temp"), _i32(width), Ref("candidates"), Ref("candidate_partials"),
+         Ref("candidate_counters"))))
     return calls
 
 

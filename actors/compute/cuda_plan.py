@@ -51,12 +51,17 @@ QKV_FINISH_HEADS_PER_BLOCK = 4
 ROPE_THREADS = 64
 ELEMENTWISE_THREADS = 256
 ATTN_WARPS = 4
-ATTN_KEYS_PER_PASS = ATTN_WARPS * 32  # a decode split's warps take 32-key chunks in turn
+DECODE_THREADS = ATTN_WARPS * 32
+MAX_GROUP_HEADS = 8  # q heads of one KV head per decode attention block
+DECODE_TILE_KEYS = 64  # the most keys of a decode tile: splits hold whole ones
 PREFILL_QUERIES = 8  # queries of one item and head per prefill attention block
 MAX_HEAD_DIM = 256
-COMBINE_THREADS = 256
 CANDIDATE_THREADS = 1024
 MAX_CANDIDATES = 1024
+SMALL_CANDIDATES = 64  # rows asking for at most this many are selected slice by slice
+MAX_SLICES = 32  # blocks per row for those
+MIN_SLICE = 4096  # ids per slice block, about (fewer blocks than MAX_SLICES)
+SLICE_WORDS = 2 + 2 * SMALL_CANDIDATES  # a slice's partial: max, sum, keys, ids
 PENALTY_THREADS = 256
 KV_BYTES_PER_VALUE = 2  # float16 cache
 GRID_LIMIT = 65535  # grid y / z limit; elementwise kernels stride, so x is capped here too
@@ -111,8 +116,7 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
         "rope.cu": ("rope",),
         "activation.cu": ("gated_silu", "gated_gelu_tanh"),
         "kv_cache.cu": ("kv_write",),
-        "attention.cu": ("attention_decode_split", "attention_decode_combine",
-                         "attention_prefill"),
+        "attention.cu": ("attention_decode", "attention_prefill"),
         "candidates.cu": ("apply_penalties", "top_candidates"),
         "bias.cu": ("add_bias",),
         "qkv_finish.cu": ("qkv_finish",),
@@ -201,9 +205,15 @@ class StepLimits:
     max_candidates: int  # candidates per row
 
 
+# Workspace buffers the kernels count in across blocks: zero when allocated, and every launch
+# leaves them zero (the last block of each counted group resets its counter).
+ZEROED_BUFFERS = ("attention_counters", "candidate_counters")
+
+
 def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
     """Bytes of each float32 / int32 device buffer a step uses, by name (forward.py's
-    StepBuffers plus the logits, attention partials and candidate outputs)."""
+    StepBuffers plus the logits, attention partials and candidate outputs). The buffers named
+    in ZEROED_BUFFERS must be zero-filled once when allocated."""
     t, rows, f32 = limits.max_tokens, limits.max_rows, 4
     partials = rows * spec.n_heads * limits.max_splits
     return {
@@ -218,8 +228,12 @@ def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
         "partial_acc": partials * spec.head_dim * f32,
         "partial_max": partials * f32,
         "partial_sum": partials * f32,
+        # attention_decode: one counter per (sequence, block row of heads) <= n_heads.
+        "attention_counters": rows * spec.n_heads * 4,
         "final": rows * spec.d_model * f32,  # the logits rows' normed states, gathered
         "candidates": rows * candidate_record_words(limits.max_candidates) * 4,
+        "candidate_partials": rows * MAX_SLICES * SLICE_WORDS * 4,
+        "candidate_counters": rows * 4,
     }
 
 
@@ -409,19 +423,21 @@ def elementwise_launch(n_elements: int) -> Launch:
 
 def decode_splits(context_length: int, split_keys: int) -> int:
     """Splits per (sequence, head) so that any sequence's keys fit. A decode graph keeps this
-    grid for every step; splits past a sequence's keys return at once."""
-    if split_keys < 1 or split_keys % ATTN_KEYS_PER_PASS:
-        raise InvalidRequest(f"split_keys must be a positive multiple of {ATTN_KEYS_PER_PASS}, "
+    grid for every step; splits past a sequence's keys (or before its window) return at once
+    and write nothing."""
+    if split_keys < 1 or split_keys % DECODE_TILE_KEYS:
+        raise InvalidRequest(f"split_keys must be a positive multiple of {DECODE_TILE_KEYS}, "
                              f"got {split_keys}", field="split_keys")
     return _blocks(context_length, split_keys)
 
 
-def attention_decode_launch(n_seqs: int, n_heads: int, n_splits: int) -> Launch:
-    return _check_grid(Launch((n_splits, n_heads, n_seqs), (ATTN_WARPS * 32, 1, 1)))
-
-
-def attention_combine_launch(n_seqs: int, n_heads: int) -> Launch:
-    return _check_grid(Launch((n_heads, n_seqs, 1), (COMBINE_THREADS, 1, 1)))
+def attention_decode_launch(n_seqs: int, n_heads: int, n_kv_heads: int,
+                            n_splits: int) -> Launch:
+    """attention_decode: per split, per KV head the q heads of its group in blocks of up to
+    MAX_GROUP_HEADS, per sequence."""
+    group = n_heads // n_kv_heads
+    head_blocks = n_kv_heads * _blocks(group, MAX_GROUP_HEADS)
+    return _check_grid(Launch((n_splits, head_blocks, n_seqs), (DECODE_THREADS, 1, 1)))
 
 
 def attention_prefill_launch(max_item_tokens: int, n_heads: int, n_items: int) -> Launch:
@@ -433,13 +449,19 @@ def penalties_launch(n_rows: int) -> Launch:
     return _check_grid(Launch((n_rows, 1, 1), (PENALTY_THREADS, 1, 1)))
 
 
+def candidate_slices(vocab: int) -> int:
+    """Blocks per row of top_candidates: one per MIN_SLICE ids begun, at most MAX_SLICES
+    (a row asking for more than SMALL_CANDIDATES uses only the first)."""
+    return min(MAX_SLICES, _blocks(vocab, MIN_SLICE))
+
+
 def candidates_launch(n_rows: int, k: int, vocab: int) -> Launch:
-    """top_candidates: one block per row; 1 <= k <= min(vocab, MAX_CANDIDATES) (k: the
-    record width, the most candidates any row asks)."""
+    """top_candidates: candidate_slices(vocab) blocks per row; 1 <= k <= min(vocab,
+    MAX_CANDIDATES) (k: the record width, the most candidates any row asks)."""
     if not 1 <= k <= min(vocab, MAX_CANDIDATES):
         raise InvalidRequest(f"candidates per row must be in [1, {min(vocab, MAX_CANDIDATES)}], "
                              f"got {k}", field="candidates")
-    return _check_grid(Launch((n_rows, 1, 1), (CANDIDATE_THREADS, 1, 1)))
+    return _check_grid(Launch((candidate_slices(vocab), n_rows, 1), (CANDIDATE_THREADS, 1, 1)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -365,39 +365,100 @@ class PagedSequences:
 
 
 HEAD_SHAPES = [(8, 2, 128), (4, 1, 256), (4, 4, 64)]
+# Decode blocks take a KV head's group of q heads, 8 at most: groups of 8, of 12 (8 + 4 in
+# two blocks, with head_dim 96: 12 vectors a row, so 8 of 128 threads idle) and of 3.
+DECODE_HEAD_SHAPES = [*HEAD_SHAPES, (16, 2, 64), (24, 2, 96), (9, 3, 64)]
+
+
+class DecodeRun:
+    """attention_decode over `cache` for queries at `positions`: NaN-filled partials (what a
+    split leaves unwritten stays NaN), zeroed counters, NaN-filled strided output."""
+
+    def __init__(self, cache: PagedSequences, positions: np.ndarray, heads: int, kv_heads: int,
+                 head_dim: int, split_keys: int, splits: int, rng: np.random.Generator) -> None:
+        self.cache, self.positions, self.splits = cache, positions, splits
+        self.heads, self.kv_heads, self.head_dim, self.split_keys = heads, kv_heads, head_dim, \
+            split_keys
+        n = len(positions)
+        self.q_stride, self.out_stride = heads * head_dim + 32, heads * head_dim + 16
+        self.q = rng.standard_normal((n, self.q_stride)).astype(np.float32)
+        self.launch = plan.attention_decode_launch(n, heads, kv_heads, splits)
+        self.acc = nan_filled(n, heads, splits, head_dim)
+        self.best, self.total = nan_filled(n, heads, splits), nan_filled(n, heads, splits)
+        self.counters = to_device(np.zeros(n * self.launch.grid[1], dtype=np.int32))
+        self.device = {name: to_device(array) for name, array in (
+            ("q", self.q), ("k", cache.k), ("v", cache.v), ("tables", cache.tables),
+            ("positions", positions))}
+
+    def run(self, kernel: Kernel, window: int) -> np.ndarray:
+        """One launch; the output rows (n, out_stride)."""
+        out = nan_filled(len(self.positions), self.out_stride)
+        d = self.device
+        run(kernel("attention.cu", "attention_decode"), self.launch, ptr(d["q"]),
+            np.int32(self.q_stride), ptr(d["k"]), ptr(d["v"]), ptr(d["tables"]),
+            np.int32(self.cache.tables.shape[1]), ptr(d["positions"]),
+            np.int32(self.cache.block_size), np.int32(self.heads), np.int32(self.kv_heads),
+            np.int32(self.head_dim), np.float32(self.scale), np.int32(window),
+            np.int32(self.split_keys), ptr(self.acc), ptr(self.best), ptr(self.total),
+            ptr(self.counters), ptr(out), np.int32(self.out_stride))
+        return out.get()
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / np.sqrt(self.head_dim)
+
+    def check(self, got: np.ndarray, window: int) -> None:
+        """Every row against float64 attention, the gaps untouched, the counters back to
+        zero, and partials written only by the splits that hold keys, where several do."""
+        width = self.heads * self.head_dim
+        for s, position in enumerate(self.positions):
+            expected = self.cache.attend(s, self.q[s, :width].reshape(self.heads, -1),
+                                         int(position), window, self.scale)
+            np.testing.assert_allclose(got[s, :width], expected, rtol=1e-4, atol=1e-5)
+        assert np.isnan(got[:, width:]).all()
+        assert not self.counters.get().any()
+        best = self.best.get()
+        for s, position in enumerate(self.positions):
+            visible = min(int(position) + 1, window) if window else int(position) + 1
+            used = min(self.splits, -(-visible // self.split_keys))
+            written = ~np.isnan(best[s])  # (heads, splits)
+            assert (written[:, :used] == (used > 1)).all() and not written[:, used:].any()
 
 
 @pytest.mark.parametrize("window", [0, 40])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), HEAD_SHAPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), DECODE_HEAD_SHAPES)
 def test_flash_decoding_over_paged_kv(kernel: Kernel, heads: int, kv_heads: int,
                                       head_dim: int, window: int) -> None:
+    """Sequences of 1, 130 and 300 keys over splits of 128: one split written straight to
+    the output, two and three merged by the last block."""
     rng = np.random.default_rng(heads + head_dim + window)
     lengths, block_size, split_keys = [1, 130, 300], 16, 128
     cache = PagedSequences(lengths, kv_heads, head_dim, block_size, rng)
     positions = np.array(lengths, dtype=np.int32) - 1
-    q_stride, out_stride = heads * head_dim + 32, heads * head_dim + 16
-    q = rng.standard_normal((len(lengths), q_stride)).astype(np.float32)
-    scale = 1.0 / np.sqrt(head_dim)
-    splits = plan.decode_splits(max(lengths), split_keys)
-    partials = len(lengths) * heads * splits
-    acc, best, total = nan_filled(partials * head_dim), nan_filled(partials), nan_filled(partials)
-    out = nan_filled(len(lengths), out_stride)
-    run(kernel("attention.cu", "attention_decode_split"),
-        plan.attention_decode_launch(len(lengths), heads, splits), ptr(to_device(q)),
-        np.int32(q_stride), ptr(to_device(cache.k)), ptr(to_device(cache.v)),
-        ptr(to_device(cache.tables)), np.int32(cache.tables.shape[1]),
-        ptr(to_device(positions)), np.int32(block_size), np.int32(heads), np.int32(kv_heads),
-        np.int32(head_dim), np.float32(scale), np.int32(window), np.int32(split_keys), ptr(acc),
-        ptr(best), ptr(total))
-    run(kernel("attention.cu", "attention_decode_combine"),
-        plan.attention_combine_launch(len(lengths), heads), ptr(acc), ptr(best), ptr(total),
-        np.int32(splits), np.int32(heads), np.int32(head_dim), ptr(out), np.int32(out_stride))
-    got = out.get()
-    for s, position in enumerate(positions):
-        expected = cache.attend(s, q[s, : heads * head_dim].reshape(heads, head_dim),
-                                int(position), window, scale)
-        np.testing.assert_allclose(got[s, : heads * head_dim], expected, rtol=1e-4, atol=1e-5)
-    assert np.isnan(got[:, heads * head_dim :]).all()
+    decode = DecodeRun(cache, positions, heads, kv_heads, head_dim, split_keys,
+                       plan.decode_splits(max(lengths), split_keys), rng)
+    decode.check(decode.run(kernel, window), window)
+
+
+@pytest.mark.parametrize("window", [0, 700])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 128), (4, 1, 256),
+                                                             (24, 2, 96)])
+def test_flash_decoding_long_contexts_many_and_empty_splits(
+        kernel: Kernel, heads: int, kv_heads: int, head_dim: int, window: int) -> None:
+    """An 8192-key graph grid (128 splits of 64) over sequences of 5, 1000 and 4097 keys
+    (most splits empty; with a window of 700 all but 11 or 12); blocks of 32 positions. A
+    second launch over the counters the first left gives the same bits, whichever block
+    finished last."""
+    rng = np.random.default_rng(heads * head_dim + window)
+    lengths, block_size, split_keys = [5, 1000, 4097], 32, 64
+    cache = PagedSequences(lengths, kv_heads, head_dim, block_size, rng)
+    positions = np.array(lengths, dtype=np.int32) - 1
+    decode = DecodeRun(cache, positions, heads, kv_heads, head_dim, split_keys,
+                       plan.decode_splits(8192, split_keys), rng)
+    first = decode.run(kernel, window)
+    decode.check(first, window)
+    np.testing.assert_array_equal(decode.run(kernel, window).view(np.uint32),
+                                  first.view(np.uint32))
 
 
 @pytest.mark.parametrize("window", [0, 40])
@@ -476,21 +537,46 @@ def test_penalties_equal_the_samplers_float64_math(kernel: Kernel) -> None:
 
 def top_candidate_records(kernel: Kernel, logits: np.ndarray, arrays: dict[str, np.ndarray],
                           width: int) -> np.ndarray:
-    """top_candidates' records for rows packed by cuda_launches.row_arrays."""
+    """top_candidates' records for rows packed by cuda_launches.row_arrays; the launch must
+    leave its counters zero."""
     rows, vocab = logits.shape
     out = to_device(np.full((rows, plan.candidate_record_words(width)), -1, np.int32))
+    partials = to_device(np.full((rows, plan.MAX_SLICES * plan.SLICE_WORDS), -1, np.int32))
+    counters = to_device(np.zeros(rows, np.int32))
     run(kernel("candidates.cu", "top_candidates"), plan.candidates_launch(rows, width, vocab),
         ptr(to_device(logits)), np.int32(vocab), ptr(to_device(arrays["least"])),
         ptr(to_device(arrays["most"])), ptr(to_device(arrays["mass"])),
-        ptr(to_device(arrays["inv_temp"])), np.int32(width), ptr(out))
+        ptr(to_device(arrays["inv_temp"])), np.int32(width), ptr(out), ptr(partials),
+        ptr(counters))
+    assert not counters.get().any()
     return out.get()
 
 
+def assert_exact_candidates(records: np.ndarray, logits: np.ndarray, ks: list[int],
+                            inv_temp: list[float], width: int) -> None:
+    """Each row's first k ids and logits are the exact top k (ties by the lower id); its
+    log_z within 1e-4 of float64 (NaN for a row with no finite logit)."""
+    vocab = logits.shape[1]
+    for row, k in enumerate(ks):
+        order = np.lexsort((np.arange(vocab), -logits[row]))[:k]
+        np.testing.assert_array_equal(records[row, 2 : 2 + k], order)
+        np.testing.assert_array_equal(records[row, 2 + width : 2 + width + k].view(np.uint32),
+                                      logits[row, order].view(np.uint32))
+        top = np.float64(logits[row, order[0]])
+        log_z = records[row, 1:2].view(np.float32)[0]
+        if not np.isfinite(top):
+            assert np.isnan(log_z)
+            continue
+        expected = np.log(np.exp((logits[row].astype(np.float64) - top) * inv_temp[row]).sum())
+        assert abs(log_z - expected) <= 1e-4
+
+
+@pytest.mark.parametrize("vocab", [3000, 50000])
 @pytest.mark.parametrize("k", [1, 7, 64, 1024])
-def test_top_candidates_argmax_and_log_partition(kernel: Kernel, k: int) -> None:
+def test_top_candidates_argmax_and_log_partition(kernel: Kernel, k: int, vocab: int) -> None:
     """Rows: plain normal; heavy ties (5 distinct values); signed zeros and -inf; all equal.
-    Candidates and their order are exact; log_z within 1e-4; no mass asked: count = k."""
-    vocab = 3000
+    Candidates and their order are exact; log_z within 1e-4; no mass asked: count = k. With
+    50000 ids, k <= 64 rows are cut into 13 slices (ties across slices)."""
     rng = np.random.default_rng(9)
     logits = np.stack([
         rng.standard_normal(vocab),
@@ -504,21 +590,39 @@ def test_top_candidates_argmax_and_log_partition(kernel: Kernel, k: int) -> None
     packed = row_arrays([RowInputs(candidates=k, max_candidates=k, inv_temp=t)
                          for t in inv_temp], vocab)
     records = top_candidate_records(kernel, logits, packed.arrays, k)
-    for row in range(len(logits)):
-        order = np.lexsort((np.arange(vocab), -logits[row]))[:k]
-        assert records[row, 0] == k
-        np.testing.assert_array_equal(records[row, 2 : 2 + k], order)
-        np.testing.assert_array_equal(records[row, 2 + k :].view(np.uint32),
-                                      logits[row, order].view(np.uint32))
-        top = np.float64(logits[row, order[0]])
-        expected = np.log(np.exp((logits[row].astype(np.float64) - top) * inv_temp[row]).sum())
-        assert abs(records[row, 1:2].view(np.float32)[0] - expected) <= 1e-4
+    assert (records[:, 0] == k).all()
+    assert_exact_candidates(records, logits, [k] * len(logits), inv_temp, k)
+
+
+def test_top_candidates_mixes_sliced_and_whole_rows(kernel: Kernel) -> None:
+    """A 262144-id launch (32 slices) whose rows ask for 1, 64, 65, 1024, 1 and 33
+    candidates (k <= 64 sliced, the others whole): the top logit in the last slice, at the
+    first id, twice in a whole row and twice across slices; row 4 all -inf: one candidate
+    (id 0), log_z NaN. A second launch over the counters the first left gives the same
+    records."""
+    vocab = 262144
+    rng = np.random.default_rng(13)
+    logits = (rng.standard_normal((6, vocab)) * 3).astype(np.float32)
+    logits[0, vocab - 5] = 40.0
+    logits[1, 0] = 40.0
+    logits[2, [9000, 200000]] = 40.0
+    logits[5, [100, 250000]] = 40.0
+    logits[4] = -np.inf
+    ks = [1, 64, 65, 1024, 1, 33]
+    inv_temp = [1.0, 0.7, 1.3, 1.0, 1.0, 2.0]
+    packed = row_arrays([RowInputs(candidates=k, max_candidates=k, inv_temp=t)
+                         for k, t in zip(ks, inv_temp)], vocab)
+    records = top_candidate_records(kernel, logits, packed.arrays, packed.width)
+    np.testing.assert_array_equal(records[:, 0], [1, 64, 65, 1024, 1, 33])
+    assert_exact_candidates(records, logits, ks, inv_temp, packed.width)
+    np.testing.assert_array_equal(
+        top_candidate_records(kernel, logits, packed.arrays, packed.width), records)
 
 
 def test_top_candidates_count_follows_the_mass_rule(kernel: Kernel) -> None:
     """Counts as the numpy twin (float32 sums in another order: one either way at a
     boundary), and never short of the contract: at least `candidates`, the mass reached or
-    the row's most."""
+    the row's most. Rows asking for up to 64 (over 5 slices) and for more."""
     vocab = 20000
     rng = np.random.default_rng(12)
     rows = random_row_inputs(rng, 16, vocab)
