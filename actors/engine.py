@@ -352,8 +352,8 @@ class Engine:
         EngineOverloaded (running and queued limits reached), EngineClosed. A text longer than
         16 Ki characters is measured and tokenized in a worker thread, so a prompt too long for
         the context raises ContextLengthExceeded from the first iteration instead; so are the
-        ids of a list longer than 16 Ki ids checked (its length against the context at once). Close the
-        iterator (or `break` and drop it) to cancel; `contextlib.aclosing` cancels
+        ids of a list longer than 16 Ki ids checked (its length against the context at once).
+        Close the iterator (or `break` and drop it) to cancel; `contextlib.aclosing` cancels
         deterministically."""
         self._check_open()
         params = self._checked_params(params)

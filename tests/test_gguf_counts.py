@@ -5,70 +5,20 @@ and `q4k inspect` alike; a file under the bounds still opens."""
 
 from __future__ import annotations
 
-import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from actors.errors import ModelFormatError
 from actors.model import gguf as gguf_module
 from actors.model.gguf import MAX_ARRAYS, MAX_METADATA_KEYS, MAX_TENSORS, open_gguf
 from actors.model.loaded import open_model
+from tests.fuzz.gguf_counts import many_keys, many_tensors, nested_arrays, string_arrays
 
-ARRAY, STRING, UINT8, FLOAT32 = 9, 8, 0, 0
 MILLION = 1 << 20
-
-
-def header(tensors: int, keys: int) -> bytes:
-    return b"GGUF" + struct.pack("<IQQ", 3, tensors, keys)
-
-
-def numbered(prefix: str, count: int) -> np.ndarray:
-    """`count` distinct 8-byte names, as a fixed-width byte array."""
-    width = 8 - len(prefix)
-    return np.char.add(prefix, np.char.zfill(np.arange(count).astype(str), width)).astype("S8")
-
-
-def many_keys(count: int) -> bytes:
-    """`count` metadata keys, each an empty uint8 array (32 bytes an entry)."""
-    entry = np.dtype([("length", "<u8"), ("key", "S8"), ("kind", "<u4"), ("item", "<u4"),
-                      ("count", "<u8")])  # fmt: skip
-    entries = np.zeros(count, entry)
-    entries["length"], entries["key"], entries["kind"] = 8, numbered("k", count), ARRAY
-    return header(0, count) + entries.tobytes()
-
-
-def many_tensors(count: int) -> bytes:
-    """`count` one-element float32 tensors, 4-byte aligned, data included."""
-    alignment = b"\x11\0\0\0\0\0\0\0general.alignment" + struct.pack("<II", 4, 4)
-    entry = np.dtype([("length", "<u8"), ("name", "S8"), ("dims", "<u4"), ("ne", "<u8"),
-                      ("type", "<u4"), ("offset", "<u8")])  # fmt: skip
-    entries = np.zeros(count, entry)
-    entries["length"], entries["name"], entries["dims"], entries["ne"] = 8, numbered("t", count), 1, 1
-    entries["type"], entries["offset"] = FLOAT32, np.arange(count) * 4
-    table = header(count, 1) + alignment + entries.tobytes()
-    return table + bytes(-len(table) % 4) + bytes(4 * count)
-
-
-def nested_arrays(count: int) -> bytes:
-    """One key holding `count` empty arrays (12 bytes each)."""
-    items = np.zeros(count, np.dtype([("item", "<u4"), ("count", "<u8")]))
-    key = struct.pack("<Q", 4) + b"many" + struct.pack("<IIQ", ARRAY, ARRAY, count)
-    return header(0, 1) + key + items.tobytes()
-
-
-def string_arrays(keys: int, strings: int) -> bytes:
-    """`keys` keys, each an array of `strings` one-character strings."""
-    body = b"".join(
-        struct.pack("<Q", 8) + f"s{index:07d}".encode() + struct.pack("<IIQ", ARRAY, STRING, strings)
-        + (struct.pack("<Q", 1) + b"x") * strings
-        for index in range(keys)
-    )  # fmt: skip
-    return header(0, keys) + body
 
 
 HOSTILE = {

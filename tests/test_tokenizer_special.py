@@ -6,11 +6,8 @@ in the loading thread, not on the first encode."""
 from __future__ import annotations
 
 import time
-from functools import cache
-from typing import Any
 
 import anyio
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -18,46 +15,22 @@ from hypothesis import strategies as st
 from actors import Engine, SamplingParams
 from actors.errors import ModelFormatError
 from actors.loop_stall import watch_loop
-from actors.model.gguf import open_gguf
-from actors.model.tokenizer import Tokenizer
 from actors.model.tokenizer_special import _trie_pattern
 from actors.model.tokenizer_vocab import MAX_SPECIAL_CHARS, MAX_TOKEN_CHARS
-from tests.conftest import TINY_MODELS
 from tests.fuzz import gguf_structure
+from tests.fuzz.special_tokens import (
+    CONTROL,
+    FREE_IDS,
+    USER_DEFINED,
+    odd_texts,
+    tiny_metadata,
+    tokenizer_with,
+)
 from tests.test_tokenizer_props import llama_cpp_encode
 
-TINY = TINY_MODELS["llama-q4k-tiny"]
-# Ids of the tiny model's special tokens that no merge uses: free to take any text.
-FREE_IDS = range(3, 17)
-CONTROL, USER_DEFINED = 3, 4  # GGUF token types
-# The code points a placeholder scheme would reach for: controls, noncharacters, private use
-# (the first three were the old splitter's placeholders).
-ODD_CHARS = (
-    "\x00", "\uffff", "\U0010fffe", "\x01", "\x1f", "\x7f", "\ufdd0", "\ufffe", "\U0001fffe",
-    "\U0010ffff", "\ue000", "\uf8ff", "\U000f0000", "\U00100000",
-)  # fmt: skip
-
-
-@cache
-def _tiny_metadata() -> dict[str, Any]:
-    return dict(open_gguf(TINY).metadata)
-
-
-def tokenizer_with(specials: dict[int, tuple[str, int]]) -> Tokenizer:
-    """The tiny model's tokenizer with token id -> (text, GGUF token type) replaced."""
-    metadata = dict(_tiny_metadata())
-    tokens = list(metadata["tokenizer.ggml.tokens"])
-    types = np.array(metadata["tokenizer.ggml.token_type"])
-    for token, (text, kind) in specials.items():
-        tokens[token], types[token] = text, kind
-    metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"] = tokens, types
-    return Tokenizer.from_gguf(type("File", (), {"metadata": metadata})())
-
-
-odd_texts = st.text(st.sampled_from(ODD_CHARS + ("<", ">", "a")), min_size=1, max_size=4)
 special_sets = st.lists(
     st.tuples(
-        odd_texts.filter(lambda text: text not in _tiny_metadata()["tokenizer.ggml.tokens"]),
+        odd_texts.filter(lambda text: text not in tiny_metadata()["tokenizer.ggml.tokens"]),
         st.sampled_from([CONTROL, USER_DEFINED]),
     ),
     min_size=1,
