@@ -225,8 +225,16 @@ class Engine:
             ),
             build=BuildBackend(make_backend=make_backend),
         )
+
+        def load() -> Loaded:
+            # In the loader's thread, as `open` does: not on the first request's event loop.
+            prepare = getattr(tokenizer, "prepare_encoder", None)  # test doubles have none
+            if prepare is not None:
+                prepare()
+            return loaded
+
         async with cls._serve(
-            lambda: loaded,
+            load,
             max_sequences=max_sequences,
             max_queued=max_queued,
             prefill_chunk=prefill_chunk,

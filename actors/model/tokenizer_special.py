@@ -14,8 +14,11 @@ vocabulary bounds that length (tokenizer_vocab.MAX_SPECIAL_CHARS).
 
 from __future__ import annotations
 
+import gc
 import re
 from bisect import bisect_right
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cached_property
 
 import numpy as np
@@ -70,7 +73,9 @@ class _Matcher:
         longest one starting there."""
         if not self.text_to_id:
             return None
-        return re.compile("(?=(" + _trie_pattern(list(self.text_to_id)) + "))")
+        pattern = "(?=(" + _trie_pattern(list(self.text_to_id)) + "))"
+        with _no_collections():
+            return re.compile(pattern)
 
     @cached_property
     def _longest_prefix_token(self) -> dict[str, str]:
@@ -142,6 +147,22 @@ def _fragments(text: str, cuts: list[tuple[int, int, int]]) -> list[Fragment]:
     if previous < len(text):
         fragments.append(text[previous:])
     return fragments
+
+
+@contextmanager
+def _no_collections() -> Iterator[None]:
+    """The garbage collector off for a block that allocates many objects that all live until
+    it ends: a regex compile makes a tuple per pattern character, and each full collection
+    these trigger would walk the whole process's heap holding the GIL (about 150 ms in a
+    process serving gemma-3), so the event loop would stall while a model loads. Collection
+    is left off if it was off."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # Deeper nesting of groups than this makes Python's regex compiler recurse past its limit (a
