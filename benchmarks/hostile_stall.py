@@ -145,7 +145,8 @@ class _DiskFull(io.StringIO):
 
 
 async def _with_failing_log() -> None:
-    async with Engine.open(TINY_MODELS["llama-q4k-tiny"], log_level="debug", log_file=_DiskFull()) as other:
+    tiny = TINY_MODELS["llama-q4k-tiny"]
+    async with Engine.open(tiny, log_level="debug", log_file=_DiskFull()) as other:
         for _ in range(3):
             await other.complete("hello", SamplingParams(max_tokens=2))
 
@@ -192,7 +193,8 @@ def main() -> None:
                         await anyio.sleep(3.0)
                     print(f"{'baseline: a decoding stream alone (3 s)':<48} {'-':<22} "
                           f"{watch.worst_stall_ms:8.1f} ms")
-                    print(f"memory (RSS) before the hostile inputs: {_status_mib('VmRSS'):,.0f} MiB")
+                    print(f"memory (RSS) before the hostile inputs: "
+                          f"{_status_mib('VmRSS'):,.0f} MiB")
                     worst = 0.0
                     chosen = {name: act for name, act in inputs.items() if args.only in name}
                     _reset_peak_rss()  # the peak below is the engine's while inputs run

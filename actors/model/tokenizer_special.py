@@ -68,14 +68,15 @@ class _Matcher:
         self._longest_prefix_token  # noqa: B018
 
     @cached_property
-    def _finder(self) -> re.Pattern[str] | None:
-        """Matches (empty) at every position where a special token starts, its group the
-        longest one starting there."""
+    def _finder(self) -> tuple[re.Pattern[str], dict[str, str]] | None:
+        """A regex matching (empty) at every position where a special token starts, its
+        group the longest one starting there or the cut-short start of a long one; and the
+        cut-short starts -> the token each stands for."""
         if not self.text_to_id:
             return None
-        pattern = "(?=(" + _trie_pattern(list(self.text_to_id)) + "))"
+        trie, cut_short = _trie_pattern(list(self.text_to_id))
         with _no_collections():
-            return re.compile(pattern)
+            return re.compile("(?=(" + trie + "))"), cut_short
 
     @cached_property
     def _longest_prefix_token(self) -> dict[str, str]:
@@ -92,11 +93,16 @@ class _Matcher:
         return parent
 
     def _occurring(self, text: str) -> list[str]:
-        """The special tokens that occur in `text`, in llama.cpp's processing order: the
-        longest one starting at each position, and the special tokens that are its prefixes."""
+        """The special tokens that may occur in `text`, in llama.cpp's processing order: the
+        longest one starting at each position (or the long one whose cut-short start is
+        there), and the special tokens that are its prefixes. A token that turns out absent
+        costs `split` one search."""
         if self._finder is None:
             return []
-        found = {match.group(1) for match in self._finder.finditer(text)}
+        finder, cut_short = self._finder
+        # finditer, not findall: a long text of token starts would be a list as long.
+        starts = (match.group(1) for match in finder.finditer(text))
+        found = {cut_short.get(start, start) for start in starts}
         parent = self._longest_prefix_token
         for token_text in list(found):
             while (token_text := parent.get(token_text)) is not None and token_text not in found:
@@ -118,13 +124,7 @@ class _Matcher:
                 if span >= 0 and at + size <= ends[span]:
                     # Inside a raw fragment: cut it there, look again after the cut.
                     cuts.append((at, at + size, token))
-                    pieces = [
-                        (start, end)
-                        for start, end in ((starts[span], at), (at + size, ends[span]))
-                        if start < end
-                    ]
-                    starts[span : span + 1] = [start for start, _ in pieces]
-                    ends[span : span + 1] = [end for _, end in pieces]
+                    _cut_span(starts, ends, span, at, at + size)
                     at = text.find(token_text, at + size)
                 elif span + 1 < len(starts):
                     # Starts in a cut, or runs past its fragment's end (as would any later
@@ -133,6 +133,22 @@ class _Matcher:
                 else:
                     break
         return _fragments(text, cuts)
+
+
+def _cut_span(starts: list[int], ends: list[int], span: int, cut_start: int, cut_end: int) -> None:
+    """Take [cut_start, cut_end) out of raw span `span`, keeping the pieces left of it and
+    right of it that are not empty."""
+    start, end = starts[span], ends[span]
+    if start < cut_start and cut_end < end:
+        ends[span] = cut_start
+        starts.insert(span + 1, cut_end)
+        ends.insert(span + 1, end)
+    elif start < cut_start:
+        ends[span] = cut_start
+    elif cut_end < end:
+        starts[span] = cut_end
+    else:
+        del starts[span], ends[span]
 
 
 def _fragments(text: str, cuts: list[tuple[int, int, int]]) -> list[Fragment]:
@@ -165,21 +181,29 @@ def _no_collections() -> Iterator[None]:
             gc.enable()
 
 
+# Characters of a text's own tail kept in the trie regex (a match of the rest is left to the
+# search for the token): far longer than any real special token's tail.
+_TAIL_CHARS = 64
 # Deeper nesting of groups than this makes Python's regex compiler recurse past its limit (a
 # vocabulary whose special tokens are prefixes of each other, "<a", "<aa", "<aaa", ...).
 _MAX_TRIE_GROUPS = 100
 
 
-def _trie_pattern(texts: list[str]) -> str:
+def _trie_pattern(texts: list[str]) -> tuple[str, dict[str, str]]:
     """A regex matching the longest of `texts` that starts at a position: a prefix trie whose
     single-child chains are one literal each, or, where the trie would nest too deep, the
     texts as alternatives, longest first (the same longest matches, slower).
+
+    A text's own tail (past the last character it shares with another text) is cut to
+    _TAIL_CHARS, so long tokens cost the regex little: a match of a cut-short text only says
+    the token may start there. Returned beside the pattern: cut-short start -> its text.
 
     Built in one pass over the sorted texts, each trie node's pattern written once into a list
     of pieces (a node's texts are a contiguous run of the sorted list): linear in the texts'
     total length, where joining each node's pattern from its children's was quadratic in a
     long token's length."""
     ordered = sorted(set(texts))
+    cut_short: dict[str, str] = {}
     pieces: list[str] = []
     deepest = 0
     # A str is written as is; (lo, hi, depth, groups) is the node whose texts are
@@ -193,25 +217,32 @@ def _trie_pattern(texts: list[str]) -> str:
         lo, hi, depth, groups = item
         terminal = len(ordered[lo]) == depth  # a text ending here sorts first
         first = lo + terminal
-        branches: list[tuple[str, int, int, int]] = []  # (literal, lo, hi, depth) per child
+        # Per child: its literal, and its node (lo, hi, depth), None where a tail was cut.
+        branches: list[tuple[str, tuple[int, int, int] | None]] = []
         while first < hi:
             char = ordered[first][depth]
             last = bisect_right(ordered, char, first, hi, key=lambda text: text[depth])
             shared = _common_prefix_length(ordered[first], ordered[last - 1], depth + 1)
-            branches.append((re.escape(ordered[first][depth:shared]), first, last, shared))
+            child: tuple[int, int, int] | None = (first, last, shared)
+            if last - first == 1 and shared > depth + _TAIL_CHARS:  # one text's own tail
+                shared, child = depth + _TAIL_CHARS, None
+                cut_short[ordered[first][:shared]] = ordered[first]
+            branches.append((re.escape(ordered[first][depth:shared]), child))
             first = last
         grouped = len(branches) > 1 or (bool(branches) and terminal)
         inner = groups + grouped
         deepest = max(deepest, inner)
         sequence: list[str | tuple[int, int, int, int]] = ["(?:"] if grouped else []
-        for index, (literal, child_lo, child_hi, shared) in enumerate(branches):
-            sequence += ["|"] * (index > 0) + [literal, (child_lo, child_hi, shared, inner)]
+        for index, (literal, child) in enumerate(branches):
+            sequence += ["|"] * (index > 0) + [literal]
+            if child is not None:
+                sequence.append((*child, inner))
         if grouped:
             sequence.append(")?" if terminal else ")")
         stack.extend(reversed(sequence))
     if deepest > _MAX_TRIE_GROUPS:
-        return "|".join(map(re.escape, sorted(ordered, key=len, reverse=True)))
-    return "".join(pieces)
+        return "|".join(map(re.escape, sorted(ordered, key=len, reverse=True))), {}
+    return "".join(pieces), cut_short
 
 
 def _common_prefix_length(first: str, second: str, known: int) -> int:
