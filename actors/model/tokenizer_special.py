@@ -6,10 +6,11 @@ tokens take part only when the caller asks to parse special tokens; user-defined
 
 Trying thousands of special tokens (Gemma has 6k `<unusedN>`) against every text would be slow,
 so one trie regex finds the longest special token starting at each position, and only the
-tokens that occur in the text run llama.cpp's loop. That loop keeps the raw fragments as spans
-of the original text, so no character is ever reserved as a placeholder: a special token may
-hold any code point. Everything here is linear in the special tokens' total length; the
-vocabulary bounds that length (tokenizer_vocab.MAX_SPECIAL_CHARS).
+tokens that can occur in the text run llama.cpp's loop. That loop keeps the raw fragments as
+spans of the original text, so no character is ever reserved as a placeholder: a special token
+may hold any code point. Building the regex is linear in the special tokens' total length,
+which the vocabulary bounds (tokenizer_vocab.MAX_SPECIAL_CHARS), and long tokens' own tails
+are cut short in it.
 """
 
 from __future__ import annotations

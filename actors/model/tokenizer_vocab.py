@@ -107,7 +107,7 @@ _ALWAYS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|
 # longest one, and every token's length bounds what one token can stand for.
 MAX_TOKEN_CHARS = 1024
 # Characters of all special-token texts together (gemma-3's 6.4k: 76k): the trie regexes built
-# from them cost about 1 us and 120 bytes a character to compile.
+# from them cost up to about 1 us and 120 bytes a character to compile.
 MAX_SPECIAL_CHARS = 1 << 19
 
 # Metadata keys of the special ids, in llama.cpp's order (later deprecated keys win).
