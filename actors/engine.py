@@ -72,6 +72,9 @@ DEFAULT_STEP_TIMEOUT_S = 300.0
 _INBOX_SLOTS_PER_REQUEST = 3
 # Text prompts longer than this are tokenized in a worker thread (below it: ~5 ms of work).
 _TOKENIZE_INLINE_CHARS = 16_384
+# Token-id prompts and chat message lists longer than this are checked in a worker thread
+# (below it: ~1 ms of work on the loop).
+_CHECK_INLINE_ITEMS = 16_384
 # Sanity bounds on the options, far above any real use, so a typo cannot size an allocation:
 # KV positions past the largest context a model file may claim (arch.MAX_CONTEXT), counts of
 # requests whose inboxes and tables would be sized by them.
@@ -138,6 +141,7 @@ class Engine:
         (its sequences replay), and a backend silent for twice as long is lost.
         `log_level` / `log_file`: where the engine's JSON-line logs go (None: leave the
         logging configuration as it is)."""
+        _check_model_path(path)
         _check_count("block_size", block_size, 1, _MAX_BLOCK_SIZE)
         if kv_blocks is not None:
             _check_count("kv_blocks", kv_blocks, 1, _MAX_KV_POSITIONS // block_size)
@@ -221,8 +225,16 @@ class Engine:
             ),
             build=BuildBackend(make_backend=make_backend),
         )
+
+        def load() -> Loaded:
+            # In the loader's thread, as `open` does: not on the first request's event loop.
+            prepare = getattr(tokenizer, "prepare_encoder", None)  # test doubles have none
+            if prepare is not None:
+                prepare()
+            return loaded
+
         async with cls._serve(
-            lambda: loaded,
+            load,
             max_sequences=max_sequences,
             max_queued=max_queued,
             prefill_chunk=prefill_chunk,
@@ -351,8 +363,9 @@ class Engine:
         Raises at once: InvalidRequest (bad params or prompt), ContextLengthExceeded,
         EngineOverloaded (running and queued limits reached), EngineClosed. A text longer than
         16 Ki characters is measured and tokenized in a worker thread, so a prompt too long for
-        the context raises ContextLengthExceeded from the first iteration instead. Close the
-        iterator (or `break` and drop it) to cancel; `contextlib.aclosing` cancels
+        the context raises ContextLengthExceeded from the first iteration instead; so are the
+        ids of a list longer than 16 Ki ids checked (its length against the context at once).
+        Close the iterator (or `break` and drop it) to cancel; `contextlib.aclosing` cancels
         deterministically. `strict_max_tokens`: a prompt and `params.max_tokens` that together
         pass the context raise ContextLengthExceeded (OpenAI's rule) instead of the answer
         ending at the context (finish reason "context")."""
@@ -360,6 +373,11 @@ class Engine:
         params = self._checked_params(params)
         if isinstance(prompt, str) and len(prompt) > _TOKENIZE_INLINE_CHARS:
             return self._stream_when_ready(partial(self._encode_in_worker, prompt), params,
+                                           strict_max_tokens)
+        if isinstance(prompt, (list, tuple)) and len(prompt) > _CHECK_INLINE_ITEMS:
+            # The length alone refuses a prompt past the context; the ids' check is linear.
+            self._checked_ids_fit(len(prompt))
+            return self._stream_when_ready(partial(self._ids_in_worker, prompt), params,
                                            strict_max_tokens)
         return self._start_session(self._prompt_ids(prompt), params, strict_max_tokens)
 
@@ -375,10 +393,12 @@ class Engine:
         (or `template`, a Jinja source run in a sandbox). Roles: `actors.model.chat.CHAT_ROLES`;
         others raise InvalidRequest.
 
-        Bad messages, params or a template that is not a string raise at once; the template
-        renders in a worker thread within a time and size bound, so its errors (TemplateError,
-        ContextLengthExceeded) come from the first iteration. `strict_max_tokens`: as for
-        `generate`."""
+        Bad messages, params or a template that is not a string raise at once (the messages
+        of a chat longer than 16 Ki messages are checked in a worker thread, so their errors
+        come from the first iteration; one with more messages than the context has tokens is
+        refused at once); the template renders in a worker thread within a time and size
+        bound, so its errors (TemplateError, ContextLengthExceeded) come from the first
+        iteration. `strict_max_tokens`: as for `generate`."""
         self._check_open()
         if template is not None and not isinstance(template, str):
             self._reject(
@@ -388,13 +408,19 @@ class Engine:
                     field="template",
                 )
             )
-        try:
-            check_messages(messages)
-        except InvalidRequest as exc:
-            self._reject(exc)
+        long_chat = isinstance(messages, list) and len(messages) > _CHECK_INLINE_ITEMS
+        if long_chat:  # its messages are checked in the worker thread, its length here
+            self._check_message_count(len(messages))
+        else:
+            try:
+                check_messages(messages)
+            except InvalidRequest as exc:
+                self._reject(exc)
         params = self._checked_params(params)
-        return self._stream_when_ready(partial(self._chat_prompt_ids, messages, template), params,
-                                       strict_max_tokens)
+        return self._stream_when_ready(
+            partial(self._chat_prompt_ids, messages, template, check=long_chat), params,
+            strict_max_tokens,
+        )
 
     async def complete(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None
@@ -522,11 +548,33 @@ class Engine:
         self._check_fits_by_size(text)
         return self._tokenizer.encode(text, parse_special=parse_special)
 
+    async def _ids_in_worker(self, prompt: Sequence[int]) -> list[int]:
+        return await anyio.to_thread.run_sync(
+            self._checked_token_range, prompt, "prompt", abandon_on_cancel=True
+        )
+
+    def _check_message_count(self, count: int) -> None:
+        """Refuse, from its length alone, a chat with more messages than the context has
+        tokens: every chat template writes at least one token (a role marker) a message."""
+        if count >= self.context_length:
+            self._reject(
+                ContextLengthExceeded(
+                    f"the chat has {count:,} messages; the context holds {self.context_length} "
+                    "tokens, and every message takes at least one",
+                    field="messages",
+                )
+            )
+
     async def _chat_prompt_ids(
-        self, messages: list[dict[str, Any]], template: str | None
+        self, messages: list[dict[str, Any]], template: str | None, *, check: bool = False
     ) -> list[int]:
+        """`check`: the messages are still to be checked (a long list, checked here in the
+        worker thread rather than on the loop)."""
         text = await anyio.to_thread.run_sync(
-            self._render_chat, messages, template, abandon_on_cancel=True
+            self._checked_render_chat if check else self._render_chat,
+            messages,
+            template,
+            abandon_on_cancel=True,
         )
         ids = await self._encode_in_worker(text, parse_special=True)
         bos = self._tokenizer.bos_id
@@ -570,15 +618,18 @@ class Engine:
     def _checked_ids(self, ids: list[int]) -> list[int]:
         if not ids:
             self._reject(InvalidRequest("the prompt is empty", field="prompt"))
-        if len(ids) >= self.context_length:
+        self._checked_ids_fit(len(ids))
+        return ids
+
+    def _checked_ids_fit(self, count: int) -> None:
+        if count >= self.context_length:
             self._reject(
                 ContextLengthExceeded(
-                    f"the prompt is {len(ids)} tokens; it must be shorter than the context "
+                    f"the prompt is {count} tokens; it must be shorter than the context "
                     f"({self.context_length} tokens) to leave room for an answer",
                     field="prompt",
                 )
             )
-        return ids
 
     def _check_max_tokens_fit(self, prompt_tokens: int, max_tokens: int) -> None:
         """ContextLengthExceeded, naming both numbers, when the prompt and all the tokens asked
@@ -598,6 +649,13 @@ class Engine:
         reason = "context_length" if isinstance(error, ContextLengthExceeded) else "invalid_request"
         self._log.warning("request_rejected", request_id=new_request_id(), reason=reason, error=str(error))
         raise error
+
+    def _checked_render_chat(self, messages: list[dict[str, Any]], template: str | None) -> str:
+        try:
+            check_messages(messages)
+        except InvalidRequest as exc:
+            self._reject(exc)
+        return self._render_chat(messages, template)
 
     def _render_chat(self, messages: list[dict[str, Any]], template: str | None) -> str:
         """Runs in a worker thread; bounded in time and in size (longer output could not fit
@@ -649,6 +707,19 @@ async def collect(chunks: AsyncIterator[Chunk]) -> Completion:
                     timings=chunk.timings,
                 )
     raise EngineClosed("the stream ended without a finish reason")
+
+
+def _check_model_path(path: object) -> None:
+    """A model source Engine.open can take: None, a str or os.PathLike path, a loaded Model."""
+    if path is None or isinstance(path, str | Model):
+        return
+    if isinstance(path, os.PathLike) and isinstance(os.fspath(path), str):
+        return
+    raise InvalidRequest(
+        f"path must be a model file path (str or os.PathLike of str), a loaded Model or None, "
+        f"not {type(path).__name__}",
+        field="path",
+    )
 
 
 def _check_count(name: str, value: int, minimum: int, maximum: int) -> None:

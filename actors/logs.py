@@ -30,6 +30,7 @@ class _Destination:
     level: int
     as_json: bool
     owns_stream: bool
+    failed_lines: int = 0  # lines the stream refused (a full disk, a closed pipe)
 
 
 _lock = threading.Lock()
@@ -50,8 +51,7 @@ def configure_logging(
     None for stderr) from `level` up. `as_json=None` picks JSON lines unless the stream is a
     terminal."""
     previous = _swap_destination(_open_destination(level, destination, as_json))
-    if previous.owns_stream:
-        previous.stream.close()
+    _close_if_owned(previous)
 
 
 def log_to_stdlib() -> None:
@@ -62,8 +62,7 @@ def log_to_stdlib() -> None:
     previous = _swap_destination(
         _Destination(stream=None, level=LEVELS["debug"], as_json=True, owns_stream=False)
     )
-    if previous.owns_stream:
-        previous.stream.close()
+    _close_if_owned(previous)
 
 
 @contextmanager
@@ -81,8 +80,7 @@ def logging_to(
         yield
     finally:
         _swap_destination(previous)
-        if ours.owns_stream:
-            ours.stream.close()
+        _close_if_owned(ours)
 
 
 def _open_destination(
@@ -105,11 +103,42 @@ def _open_destination(
     return _Destination(stream, LEVELS[level], as_json, owns_stream)
 
 
+def _close_if_owned(destination: _Destination) -> None:
+    """Close a file we opened; its last flush failing (a full disk) is a failed write too."""
+    if not destination.owns_stream:
+        return
+    try:
+        destination.stream.close()
+    except (OSError, ValueError) as error:
+        _report_failed_write(destination, error)
+
+
 def _swap_destination(new: _Destination) -> _Destination:
     global _destination
     with _lock:
         previous, _destination = _destination, new
     return previous
+
+
+def failed_log_lines() -> int:
+    """Log lines the current destination failed to take (they are dropped, never raised: a
+    full disk must not fail the requests being logged)."""
+    return _destination.failed_lines
+
+
+def _report_failed_write(destination: _Destination, error: Exception) -> None:
+    """Count a line the stream refused; say so on stderr the first time only."""
+    destination.failed_lines += 1
+    if destination.failed_lines > 1:
+        return
+    try:
+        sys.stderr.write(
+            f"q4k: the log destination failed ({type(error).__name__}: {error}); requests go "
+            "on, and log lines are dropped and counted (actors.logs.failed_log_lines())\n"
+        )
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass  # stderr itself is the failing stream, or is gone
 
 
 def _drop_below_level(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
@@ -141,8 +170,11 @@ class _Writer:
         with _lock:
             stream = _destination.stream
             if stream is not None:
-                stream.write(line + "\n")
-                stream.flush()
+                try:
+                    stream.write(line + "\n")
+                    stream.flush()
+                except (OSError, ValueError) as error:  # ValueError: a closed stream
+                    _report_failed_write(_destination, error)
                 return
         logging.getLogger(self.name).log(LEVELS[level], line, extra={"event_dict": event})
 

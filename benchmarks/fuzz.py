@@ -21,7 +21,15 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.fuzz import engine_options, gguf_structure, logs, params, templates  # noqa: E402
+from tests.fuzz import (  # noqa: E402
+    engine_options,
+    gguf_counts,
+    gguf_structure,
+    logs,
+    params,
+    special_tokens,
+    templates,
+)
 from tests.fuzz.target import Escape, Target  # noqa: E402
 
 TARGETS = {
@@ -30,6 +38,8 @@ TARGETS = {
     "engine": engine_options.TARGET,
     "templates": templates.TARGET,
     "logs": logs.TARGET,
+    "special-tokens": special_tokens.TARGET,
+    "gguf-counts": gguf_counts.TARGET,
 }
 
 

@@ -1,8 +1,12 @@
 """The worst event-loop stall while the engine handles hostile inputs, one at a time, with a
 normal stream running beside them: runaway and huge chat templates, prompts of megabytes,
-self-inconsistent model files opened by a second engine. A ticker task records the longest
-gap in the loop during each input (actors.loop_stall); the goal is under 100 ms. The same
-is measured with no hostile input first, as the baseline the engine's own work sets.
+ten million token ids, two million chat messages, self-inconsistent model files opened by a
+second engine (special tokens of 1 MiB, of placeholder code points, hundreds of long ones;
+millions of metadata keys, tensors or nested arrays), model paths of the wrong type, a log
+stream that fails mid-run. A ticker task records the longest gap in the loop during each
+input (actors.loop_stall); the goal is under 100 ms. The same is measured with no hostile
+input first, as the baseline the engine's own work sets. The process's peak memory comes
+last (the goal: under 2 GB).
 
     python benchmarks/hostile_stall.py                    # gemma-3-270m
     python benchmarks/hostile_stall.py --model smollm2.gguf
@@ -11,6 +15,8 @@ is measured with no hostile input first, as the baseline the engine's own work s
 from __future__ import annotations
 
 import argparse
+import io
+import resource
 import sys
 import tempfile
 import time
@@ -26,7 +32,8 @@ from actors import Engine, SamplingParams  # noqa: E402
 from actors.errors import Q4KError  # noqa: E402
 from actors.loop_stall import watch_loop  # noqa: E402
 from actors.messages import Chunk  # noqa: E402
-from tests.fuzz import gguf_structure  # noqa: E402
+from tests.conftest import TINY_MODELS  # noqa: E402
+from tests.fuzz import gguf_counts, gguf_structure  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
 TEMPLATES = {
@@ -44,7 +51,30 @@ BAD_FILES = {
         gguf_structure.Mutation("tensor_rows", "token_embd.weight", size=512),
     "model file: 3,000-character special token":
         gguf_structure.Mutation("token", index=5, text="<" + "x" * 3000 + ">", token_type=3),
+    "model file: 256 KiB user-defined token":
+        gguf_structure.Mutation("token", index=5, text="<" + "x" * 2**18 + ">", token_type=4),
+    "model file: 1 MiB user-defined token":
+        gguf_structure.Mutation("token", index=5, text="<" + "x" * 2**20 + ">", token_type=4),
 }  # fmt: skip
+# Special tokens that open: the old splitter's placeholders as texts; 400 of 1,000 characters
+# (merges dropped, so the merged tokens they replace are free).
+PLACEHOLDER_SPECIALS = [
+    gguf_structure.Mutation("token", index=index, text=text, token_type=4)
+    for index, text in zip(range(3, 6), ("\x00", "\uffff", "\U0010fffe"))
+]
+LONG_SPECIALS = [
+    gguf_structure.Mutation(
+        "set", "tokenizer.ggml.merges",
+        gguf_structure.Value(gguf_structure.T.ARRAY, [], gguf_structure.T.STRING),
+    ),
+    *(gguf_structure.Mutation("token", index=i, text=f"<{i:04d}" + "q" * 1000 + ">", token_type=4)
+      for i in range(600, 1000)),
+]  # fmt: skip
+COUNT_FILES = {
+    "model file: 2 million metadata keys": lambda: gguf_counts.many_keys(2_000_000),
+    "model file: 2 million one-element tensors": lambda: gguf_counts.many_tensors(2_000_000),
+    "model file: 2 million nested arrays": lambda: gguf_counts.nested_arrays(2_000_000),
+}
 
 
 async def outcome_of(action: Callable[[], Awaitable[object]]) -> str:
@@ -71,22 +101,77 @@ def hostile_inputs(engine: Engine, folder: Path) -> dict[str, Callable[[], Await
         inputs[f"prompt: {megabytes} MB of text"] = lambda text=text: drain(
             engine.generate(text, SamplingParams(max_tokens=2))
         )
+    ids, messages = [1] * 10_000_000, MESSAGES * 2_000_000
+    inputs["prompt: 10 million token ids"] = lambda: drain(
+        engine.generate(ids, SamplingParams(max_tokens=2))
+    )
+    inputs["chat: 2 million messages"] = lambda: drain(
+        engine.chat(messages, SamplingParams(max_tokens=2))
+    )
+    tiny = gguf_structure.seed_parts("llama-q4k-tiny")
     for name, mutation in BAD_FILES.items():
         path = folder / f"{len(inputs)}.gguf"
-        tiny = gguf_structure.seed_parts("llama-q4k-tiny")
         gguf_structure.write_gguf(gguf_structure.apply(tiny, mutation), path)
         inputs[name] = lambda path=path: _open_and_use(path)
+    for name, mutations, text in (
+        ("model file: placeholder code points as special texts", PLACEHOLDER_SPECIALS,
+         "a\x00b\uffff\U0010fffe"),
+        ("model file: 400 special tokens of 1,000 characters", LONG_SPECIALS, "hello <0600"),
+    ):  # fmt: skip
+        path = folder / f"{len(inputs)}.gguf"
+        parts = tiny
+        for mutation in mutations:
+            parts = gguf_structure.apply(parts, mutation)
+        gguf_structure.write_gguf(parts, path)
+        inputs[name] = lambda path=path, text=text: _open_and_use(path, text)
+    for name, make in COUNT_FILES.items():
+        path = folder / f"{len(inputs)}.gguf"
+        path.write_bytes(make())
+        inputs[name] = lambda path=path: _open_and_use(path)
+    for source in (b"model.gguf", 42, ["model.gguf"]):
+        inputs[f"Engine.open({source!r})"] = lambda source=source: _open_and_use(source)
+    inputs["log stream failing mid-run (disk full), 3 requests"] = _with_failing_log
     return inputs
 
 
-async def _open_and_use(path: Path) -> None:
-    async with Engine.open(path) as other:
-        await other.complete("hello", SamplingParams(max_tokens=2))
+async def _open_and_use(path: object, text: str = "hello") -> None:
+    async with Engine.open(path) as other:  # type: ignore[arg-type]
+        await other.complete(text, SamplingParams(max_tokens=2))
+
+
+class _DiskFull(io.StringIO):
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+
+async def _with_failing_log() -> None:
+    tiny = TINY_MODELS["llama-q4k-tiny"]
+    async with Engine.open(tiny, log_level="debug", log_file=_DiskFull()) as other:
+        for _ in range(3):
+            await other.complete("hello", SamplingParams(max_tokens=2))
+
+
+def _reset_peak_rss() -> None:
+    """Start the kernel's peak-RSS count afresh (Linux: 5 > /proc/self/clear_refs), so the
+    peak leaves out what building the inputs took."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        print("(cannot reset the peak RSS here: the peak includes building the inputs)")
+
+
+def _status_mib(field: str) -> float:
+    """A memory figure of /proc/self/status (VmRSS, VmHWM), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF file (default: gemma-3-270m)")
+    parser.add_argument("--only", default="", help="run only the inputs whose name holds this")
     args = parser.parse_args()
 
     async def run() -> None:
@@ -108,8 +193,12 @@ def main() -> None:
                         await anyio.sleep(3.0)
                     print(f"{'baseline: a decoding stream alone (3 s)':<48} {'-':<22} "
                           f"{watch.worst_stall_ms:8.1f} ms")
+                    print(f"memory (RSS) before the hostile inputs: "
+                          f"{_status_mib('VmRSS'):,.0f} MiB")
                     worst = 0.0
-                    for name, action in inputs.items():
+                    chosen = {name: act for name, act in inputs.items() if args.only in name}
+                    _reset_peak_rss()  # the peak below is the engine's while inputs run
+                    for name, action in chosen.items():
                         before, started = tokens[0], time.perf_counter()
                         async with watch_loop() as watch:
                             result = await outcome_of(action)
@@ -118,6 +207,8 @@ def main() -> None:
                               f"({time.perf_counter() - started:5.2f} s, the stream got "
                               f"{tokens[0] - before} tokens meanwhile)")
                     print(f"worst loop stall over the hostile inputs: {worst:.1f} ms")
+                    print(f"peak memory (RSS) of the process while they ran: "
+                          f"{_status_mib('VmHWM'):,.0f} MiB")
                     tasks.cancel_scope.cancel()
 
     anyio.run(run)

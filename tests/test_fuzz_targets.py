@@ -1,6 +1,7 @@
 """The fuzz targets of tests/fuzz, bounded for CI (Q4K_FUZZ_EXAMPLES each, default 150):
-SamplingParams over every field, Engine.open over every option, hostile chat templates and
-hostile log files. An input that makes the project raise anything but its own errors fails.
+SamplingParams over every field, Engine.open over every option, hostile chat templates,
+hostile log files, special-token texts and GGUF metadata counts. An input that makes the
+project raise anything but its own errors fails.
 The GGUF structure target runs in tests/test_gguf_fuzz.py; `benchmarks/fuzz.py` runs all of
 them longer."""
 
@@ -9,7 +10,15 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from tests.fuzz import FUZZ_EXAMPLES, engine_options, logs, params, templates
+from tests.fuzz import (
+    FUZZ_EXAMPLES,
+    engine_options,
+    gguf_counts,
+    logs,
+    params,
+    special_tokens,
+    templates,
+)
 from tests.fuzz.target import Target
 
 FUZZ_SETTINGS = settings(
@@ -30,7 +39,14 @@ def _fuzz_test(target: Target):
 
 @pytest.mark.parametrize(
     "target",
-    [params.TARGET, engine_options.TARGET, templates.TARGET, logs.TARGET],
+    [
+        params.TARGET,
+        engine_options.TARGET,
+        templates.TARGET,
+        logs.TARGET,
+        special_tokens.TARGET,
+        gguf_counts.TARGET,
+    ],
     ids=lambda target: target.name,
 )
 def test_no_input_escapes_the_project_errors(target: Target) -> None:

@@ -23,6 +23,7 @@ from actors.errors import Q4KError
 from actors.model.arch import spec_from_gguf
 from actors.model.gguf import open_gguf
 from actors.model.loaded import load_model
+from actors.model.tokenizer_vocab import MAX_TOKEN_CHARS
 from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
 from tests.fuzz import FUZZ_EXAMPLES, gguf_structure
 from tests.fuzz.target import hang_guard
@@ -318,10 +319,11 @@ def test_self_inconsistent_files_are_model_format_errors(what: str) -> None:
     assert _mutated(*SELF_INCONSISTENT[what]) == "ModelFormatError"
 
 
-@pytest.mark.parametrize("length", [500, 3000])
+@pytest.mark.parametrize("length", [500, MAX_TOKEN_CHARS - 2])
 @pytest.mark.parametrize("token_type", [3, 4])  # control, user-defined
 def test_a_long_special_token_loads_and_is_matched(length: int, token_type: int) -> None:
-    """~500 characters made the special-token pattern recurse past Python's limit."""
+    """~500 characters made the special-token pattern recurse past Python's limit; up to the
+    load bound (MAX_TOKEN_CHARS with its brackets) a token loads, past it the file is refused."""
     text = "<" + "x" * length + ">"
     assert _mutated(gguf_structure.Mutation("token", index=5, text=text, token_type=token_type)) == "ok"
     parts = gguf_structure.apply(
@@ -332,3 +334,6 @@ def test_a_long_special_token_loads_and_is_matched(length: int, token_type: int)
     gguf_structure.write_gguf(parts, path)
     tokenizer = load_model(path).tokenizer
     assert tokenizer.encode("a" + text + "b", add_bos=False, parse_special=True).count(5) == 1
+    longer = "<" + "x" * (length + MAX_TOKEN_CHARS) + ">"
+    mutation = gguf_structure.Mutation("token", index=5, text=longer, token_type=token_type)
+    assert _mutated(mutation) == "ModelFormatError"

@@ -33,9 +33,17 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 MAX_NESTING = 4
-# Items of a string (or nested) array: far above any real vocabulary (~262k tokens) or merge
-# list (~500k), so a corrupt count is refused before it builds millions of Python objects.
-MAX_LIST_ITEMS = 1 << 24
+# What one file may hold, whatever its size: every entry costs Python objects and microseconds,
+# so a small file of millions of tiny entries would cost minutes and gigabytes. Each bound is
+# far above real models (tens of metadata keys; ~1,100 tensors for a 405B model; a 262k-token
+# vocabulary, or 200k tokens and 450k merges) and is checked against a count as soon as it is
+# read, before the entries are: past one, the file is refused in milliseconds.
+MAX_METADATA_KEYS = 1 << 16
+MAX_TENSORS = 1 << 16
+# Strings inside arrays, all arrays together (about 0.4 us and 60 bytes each: ~2 s at most).
+MAX_ARRAY_STRINGS = 1 << 22
+# Arrays, nested ones included (each is a numpy array: no real file nests them at all).
+MAX_ARRAYS = 1 << 16
 _U64 = struct.Struct("<Q")
 
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
@@ -89,6 +97,9 @@ class _Cursor:
         self.size = len(buffer)
         self.pos = 0
         self.path = path
+        # What is left of the file's allowance of array strings and arrays.
+        self.strings_left = MAX_ARRAY_STRINGS
+        self.arrays_left = MAX_ARRAYS
 
     def need(self, n_bytes: int, what: str) -> None:
         if n_bytes < 0 or self.pos + n_bytes > self.size:
@@ -170,6 +181,7 @@ class _Cursor:
     def array(self, what: str, depth: int) -> Any:
         if depth >= MAX_NESTING:
             raise ModelFormatError(f"{self.path}: {what} nests arrays deeper than {MAX_NESTING}")
+        self.arrays_left = self._spend(self.arrays_left, 1, MAX_ARRAYS, "arrays", what)
         item_kind = self.value_type(f"items of {what}")
         count = self.u64(f"item count of {what}")
         if item_kind in _SCALAR_DTYPES:
@@ -181,13 +193,23 @@ class _Cursor:
         # Every string or nested array takes at least 8 bytes (its length or count): check the
         # claim against the file before looping over it.
         self.need(count * 8, f"{count} items of {what}")
-        if count > MAX_LIST_ITEMS:
-            raise ModelFormatError(
-                f"{self.path}: {what} claims {count} items (at most {MAX_LIST_ITEMS} allowed)"
-            )
         if item_kind == GGUFValueType.STRING:
+            self.strings_left = self._spend(
+                self.strings_left, count, MAX_ARRAY_STRINGS, "strings in arrays", what
+            )
             return self.strings(count, what)
+        if item_kind == GGUFValueType.ARRAY:  # each item spends one array as it is read
+            self._spend(self.arrays_left, count, MAX_ARRAYS, "arrays", what)
         return [self.value(item_kind, f"{what}[{i}]", depth + 1) for i in range(count)]
+
+    def _spend(self, left: int, count: int, allowed: int, kind: str, what: str) -> int:
+        """What is left of an allowance after `count` more; the file is refused past it."""
+        if count > left:
+            raise ModelFormatError(
+                f"{self.path}: {what} would take the file past {allowed:,} {kind} (a corrupt "
+                "or hostile file: no real model holds that many)"
+            )
+        return left - count
 
 
 class GGUFFile:
@@ -258,6 +280,12 @@ class GGUFFile:
             raise ModelFormatError(
                 f"{self.path}: header claims {kv_count} metadata entries and {tensor_count} "
                 f"tensors, more than a {cursor.size}-byte file can hold (truncated or corrupt)"
+            )
+        if kv_count > MAX_METADATA_KEYS or tensor_count > MAX_TENSORS:
+            raise ModelFormatError(
+                f"{self.path}: header claims {kv_count:,} metadata entries and {tensor_count:,} "
+                f"tensors (at most {MAX_METADATA_KEYS:,} and {MAX_TENSORS:,}: no real model "
+                "holds that many)"
             )
         self.metadata = self._read_metadata(cursor, kv_count)
         infos = self._read_tensor_table(cursor, tensor_count)

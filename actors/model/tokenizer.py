@@ -107,8 +107,10 @@ class Tokenizer:
         return -(-kept // self.max_token_bytes)
 
     def prepare_encoder(self) -> None:
-        """Build the encoder now (e.g. in a loading thread) instead of on the first encode."""
+        """Build the encoder and the special-token patterns now (e.g. in a loading thread)
+        instead of on the first encode, which may run on the event loop."""
         self._encoder  # noqa: B018 - the cached property builds and keeps it
+        self._splitter.prepare()
 
     def encode(
         self, text: str, *, add_bos: bool | None = None, parse_special: bool = False

@@ -102,6 +102,14 @@ _EOG_TEXTS = (
 )  # fmt: skip
 _ALWAYS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
+# Characters of one token's text: real vocabularies stay under ~100 (gemma-3: 31, SmolLM2: 81).
+# A special token is matched by a regex trie whose cost per text position grows with the
+# longest one, and every token's length bounds what one token can stand for.
+MAX_TOKEN_CHARS = 1024
+# Characters of all special-token texts together (gemma-3's 6.4k: 76k): the trie regexes built
+# from them cost up to about 1 us and 120 bytes a character to compile.
+MAX_SPECIAL_CHARS = 1 << 19
+
 # Metadata keys of the special ids, in llama.cpp's order (later deprecated keys win).
 _SPECIAL_ID_KEYS = (
     ("bos", "bos_token_id"), ("eos", "eos_token_id"), ("eot", "eot_token_id"),
@@ -206,6 +214,7 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
                 f"tokenizer.ggml.add_{name}_token is set but the model has no {name} token"
             )
     eog_ids = _mark_special_tokens(token_to_id, attrs, special)
+    _check_token_lengths(tokens, attrs)
     return Vocab(
         model=model,
         tokens=tokens,
@@ -285,6 +294,26 @@ def _kind(value: Any) -> str:
     if isinstance(value, np.ndarray | list):
         return f"an array of {len(value)} items"
     return f"a {type(value).__name__}"
+
+
+def _check_token_lengths(tokens: list[str], attrs: np.ndarray) -> None:
+    """Refuse token texts past MAX_TOKEN_CHARS, and special-token texts past
+    MAX_SPECIAL_CHARS in all, before anything is built from them."""
+    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    longest = int(np.argmax(lengths))
+    if lengths[longest] > MAX_TOKEN_CHARS:
+        raise ModelFormatError(
+            f"token {longest} of tokenizer.ggml.tokens is {lengths[longest]:,} characters long "
+            f"(at most {MAX_TOKEN_CHARS:,}): {tokens[longest][:40]!r}..."
+        )
+    special = attrs & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN) != 0
+    special_chars = int(lengths[special].sum())
+    if special_chars > MAX_SPECIAL_CHARS:
+        raise ModelFormatError(
+            f"the {int(special.sum()):,} special tokens (control, user-defined, unknown) of "
+            f"tokenizer.ggml.tokens hold {special_chars:,} characters (at most "
+            f"{MAX_SPECIAL_CHARS:,} in all)"
+        )
 
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
