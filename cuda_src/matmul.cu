@@ -141,14 +141,16 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const
 // elements are adjacent in memory: one float4 of activations, one word of packed levels.
 
 // The activation fragment (hi and lo parts) of token tile j of the warp for the 16 elements
-// from `k` (split where it is used: the warp's 4 token tiles are not held at once).
-__device__ __forceinline__ void activation_fragment(const float4* stage, int warp_tokens, int j,
+// from `k`: one piece of the split stage.
+__device__ __forceinline__ void activation_fragment(const uint4* stage, int warp_tokens, int j,
                                                     int k, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
     const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
     const int t = warp_tokens + 8 * j + g;
-    const float4 v = stage[t * X_PIECES + ((k / 4 + c) ^ ((t & 1) << 2))];
-    split_pair(v.x, v.z, &hi[0], &lo[0]);
-    split_pair(v.y, v.w, &hi[1], &lo[1]);
+    const uint4 parts = stage[t * X_PIECES + ((k / 4 + c) ^ ((t & 1) << 2))];
+    hi[0] = parts.x;
+    hi[1] = parts.y;
+    lo[0] = parts.z;
+    lo[1] = parts.w;
 }
 
 // Weight fragments of the warp's 2 row tiles for elements e.. of the block at `block`
@@ -197,7 +199,7 @@ __device__ __forceinline__ void split_weight_fragments(const uint8_t* block, int
 // `block` is the stage's weight block in the warp's first row, `e` the stage's first element
 // within it.
 template <class T>
-__device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, const float4* stage,
+__device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, const uint4* stage,
                                                int warp_tokens, float (&acc)[2][4][4]) {
     using L = tile_levels<T>;
     using C = tile_chunk<T>;
@@ -305,22 +307,50 @@ __device__ __forceinline__ void copy_weight_chunk(uint8_t* dest, const uint8_t* 
     }
 }
 
-// Starts copying stage `stage` (elements [32 stage, 32 stage + 32)) of the tile's tokens
-// (`x` at the tile's first token, `tokens` of them): each thread copies one piece of every
-// 16th token, so its piece's swizzle is the same in every pass.
+// The activation stages: each thread copies one piece (4 floats) of every 16th token and,
+// once its copies are in, splits those same pieces in place (cp.async.wait_group makes a
+// thread's own copies visible to it; the barrier after it publishes the split to the block).
+// A piece of elements (e, e+1, e+2, e+3) becomes the halves {hi(e, e+2), hi(e+1, e+3),
+// lo(e, e+2), lo(e+1, e+3)}: a lane's whole activation fragment in one shared load.
+// Pieces are XOR-swizzled by token parity (the 8 lanes of a 16-byte shared access read two
+// tokens: halves 0-3 and 4-7 of the 8 pieces) and each thread's swizzle is the same for all
+// of its tokens.
 constexpr int TOKENS_PER_PASS = TILE_THREADS / X_PIECES;
 static_assert(TOKENS_PER_PASS % 2 == 0 && TILE_TOKENS % TOKENS_PER_PASS == 0, "");
 
-__device__ __forceinline__ void copy_activation_stage(float4* dest, const float* x,
-                                                      int64_t x_stride, int tokens, int stage) {
+__device__ __forceinline__ int own_piece_index() {
     const int piece = threadIdx.x % X_PIECES, first = threadIdx.x / X_PIECES;
-    const float* src = x + first * x_stride + stage * GROUP + 4 * piece;
-    float4* dst = dest + first * X_PIECES + (piece ^ ((first & 1) << 2));
+    return first * X_PIECES + (piece ^ ((first & 1) << 2));
+}
+
+// Starts copying stage `stage` (elements [32 stage, 32 stage + 32)) of the tile's tokens
+// (`x` at the tile's first token, `tokens` of them).
+__device__ __forceinline__ void copy_activation_stage(uint4* dest, const float* x,
+                                                      int64_t x_stride, int tokens, int stage) {
+    const int first = threadIdx.x / X_PIECES;
+    const float* src = x + first * x_stride + stage * GROUP + 4 * (threadIdx.x % X_PIECES);
+    uint4* dst = dest + own_piece_index();
 #pragma unroll
     for (int pass = 0; pass < TILE_TOKENS / TOKENS_PER_PASS; ++pass) {
         if (first + pass * TOKENS_PER_PASS < tokens) {
             copy_piece_async(dst + pass * TOKENS_PER_PASS * X_PIECES,
                              src + pass * TOKENS_PER_PASS * x_stride);
+        }
+    }
+}
+
+// Splits the pieces this thread copied into `stage` (see above), in place.
+__device__ __forceinline__ void split_own_pieces(uint4* stage, int tokens) {
+    uint4* own = stage + own_piece_index();
+#pragma unroll
+    for (int pass = 0; pass < TILE_TOKENS / TOKENS_PER_PASS; ++pass) {
+        if (int(threadIdx.x) / X_PIECES + pass * TOKENS_PER_PASS < tokens) {
+            uint4& piece = own[pass * TOKENS_PER_PASS * X_PIECES];
+            const float4 v = reinterpret_cast<const float4&>(piece);
+            uint4 parts;
+            split_pair(v.x, v.z, &parts.x, &parts.z);
+            split_pair(v.y, v.w, &parts.y, &parts.w);
+            piece = parts;
         }
     }
 }
@@ -333,7 +363,7 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
     // Two chunks of weights (plus a spare piece for shared_word_any's second word) and two
     // stages of activations.
     __shared__ __align__(16) uint8_t weight_chunks[2 * TILE_ROWS * C::ROW_STRIDE + PIECE];
-    __shared__ __align__(16) float4 x_stages[2][TILE_TOKENS * X_PIECES];
+    __shared__ __align__(16) uint4 x_stages[2][TILE_TOKENS * X_PIECES];
 
     const int token0 = blockIdx.x * TILE_TOKENS, row0 = blockIdx.y * TILE_ROWS;
     const int warp = threadIdx.x / WARP;
@@ -355,7 +385,8 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
     commit_copies();
     for (int s = 0; s < n_stages; ++s) {
         wait_copies<PENDING>();
-        __syncthreads();  // stage s is in; every warp is done with stage s - 1's buffers
+        split_own_pieces(x_stages[s % 2], tile_tokens);
+        __syncthreads();  // stage s is in and split; every warp is done with stage s - 1
         if (s + 1 < n_stages) {
             copy_activation_stage(x_stages[(s + 1) % 2], tile_x, x_stride, tile_tokens, s + 1);
         }
