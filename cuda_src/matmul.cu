@@ -50,6 +50,12 @@ constexpr uint32_t HALF_ONE_PAIR = 0x3C003C00u;
 
 __host__ __device__ constexpr int round_up16(int n) { return (n + PIECE - 1) / PIECE * PIECE; }
 
+template <class L>
+constexpr bool has_offsets() {
+    if constexpr (L::KIND == KIND_LEVELS) return L::HAS_MIN;
+    return false;
+}
+
 // How a type's weights are staged: CHUNK_BLOCKS whole blocks per chunk, copied as the 16-byte
 // aligned window holding them (WINDOW bytes at most), ROW_STRIDE bytes apart in shared memory.
 template <class T>
@@ -65,6 +71,12 @@ struct tile_chunk {
     static constexpr int STAGES = ELEMENTS / GROUP;
     // Words of every level field start on 4-byte boundaries in shared memory.
     static constexpr bool WORD_ALIGNED = ALIGNED && T::BLOCK_BYTES % 4 == 0;
+    // Q4_K / Q5_K: each group's scale and offset (~20 instructions of 6-bit unpacking a row)
+    // decoded once per chunk into a shared table, TABLE_STRIDE (odd) entries a row so the 8
+    // rows a fragment flushes read distinct banks.
+    static constexpr bool SCALE_TABLE = has_offsets<tile_levels<T>>() &&
+                                        T::BLOCK_ELEMENTS > GROUP;
+    static constexpr int TABLE_STRIDE = ELEMENTS / GROUP + 1;
 };
 
 __device__ __forceinline__ void copy_piece_async(void* shared_dst, const void* global_src) {
@@ -197,10 +209,11 @@ __device__ __forceinline__ void split_weight_fragments(const uint8_t* block, int
 
 // One 32-element stage of the warp's 32 x 32 tile: acc[i][j] is row tile i, token tile j.
 // `block` is the stage's weight block in the warp's first row, `e` the stage's first element
-// within it.
+// within it, `scales` (SCALE_TABLE types) the stage's group's entry of the warp's first row.
 template <class T>
-__device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, const uint4* stage,
-                                               int warp_tokens, float (&acc)[2][4][4]) {
+__device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, const float2* scales,
+                                               const uint4* stage, int warp_tokens,
+                                               float (&acc)[2][4][4]) {
     using L = tile_levels<T>;
     using C = tile_chunk<T>;
     using Load = typename std::conditional<C::WORD_ALIGNED, shared_word_aligned,
@@ -237,8 +250,14 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     float scale, offset;
-                    L::scale_offset(block + (16 * i + 8 * h + g) * stride, e + first, &scale,
-                                    &offset);
+                    if constexpr (C::SCALE_TABLE) {
+                        const float2 entry = scales[(16 * i + 8 * h + g) * C::TABLE_STRIDE];
+                        scale = entry.x;
+                        offset = entry.y;
+                    } else {
+                        L::scale_offset(block + (16 * i + 8 * h + g) * stride, e + first,
+                                        &scale, &offset);
+                    }
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
 #pragma unroll
@@ -323,6 +342,19 @@ __device__ __forceinline__ int own_piece_index() {
     return first * X_PIECES + (piece ^ ((first & 1) << 2));
 }
 
+// Decodes the scale table of a chunk (SCALE_TABLE types: one block a row) once it is in.
+template <class T>
+__device__ __forceinline__ void decode_scale_table(float2* table, const uint8_t* chunk) {
+    using C = tile_chunk<T>;
+    constexpr int groups = C::ELEMENTS / GROUP;
+    for (int i = threadIdx.x; i < TILE_ROWS * groups; i += TILE_THREADS) {
+        const int r = i / groups, group = i % groups;
+        float scale, offset;
+        tile_levels<T>::scale_offset(chunk + r * C::ROW_STRIDE, group * GROUP, &scale, &offset);
+        table[r * C::TABLE_STRIDE + group] = make_float2(scale, offset);
+    }
+}
+
 // Starts copying stage `stage` (elements [32 stage, 32 stage + 32)) of the tile's tokens
 // (`x` at the tile's first token, `tokens` of them).
 __device__ __forceinline__ void copy_activation_stage(uint4* dest, const float* x,
@@ -364,6 +396,10 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
     // stages of activations.
     __shared__ __align__(16) uint8_t weight_chunks[2 * TILE_ROWS * C::ROW_STRIDE + PIECE];
     __shared__ __align__(16) uint4 x_stages[2][TILE_TOKENS * X_PIECES];
+    // Two chunks' scale tables (one unused entry for the types without).
+    __shared__ float2 scale_tables[C::SCALE_TABLE ? 2 * TILE_ROWS * C::TABLE_STRIDE : 1];
+    constexpr int CHUNK_BYTES = TILE_ROWS * C::ROW_STRIDE, TABLE_ENTRIES = TILE_ROWS *
+                                                                         C::TABLE_STRIDE;
 
     const int token0 = blockIdx.x * TILE_TOKENS, row0 = blockIdx.y * TILE_ROWS;
     const int warp = threadIdx.x / WARP;
@@ -383,6 +419,11 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
     copy_activation_stage(x_stages[0], tile_x, x_stride, tile_tokens, 0);
     commit_copies();
     commit_copies();
+    if constexpr (C::SCALE_TABLE) {  // chunk 0's table (the first stage's barrier publishes it)
+        wait_copies<0>();
+        __syncthreads();
+        decode_scale_table<T>(scale_tables, weight_chunks);
+    }
     for (int s = 0; s < n_stages; ++s) {
         wait_copies<PENDING>();
         split_own_pieces(x_stages[s % 2], tile_tokens);
@@ -392,17 +433,29 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
         }
         commit_copies();
         const int chunk = s / C::STAGES;
-        if (s % C::STAGES == 0 && (chunk + 1) * C::STAGES < n_stages) {
-            copy_weight_chunk<T>(weight_chunks + (chunk + 1) % 2 * TILE_ROWS * C::ROW_STRIDE,
-                                 weights, row_pitch, row0, rows, n_in, chunk + 1);
+        const bool next_chunk = (chunk + 1) * C::STAGES < n_stages;
+        if (s % C::STAGES == 0 && next_chunk) {
+            copy_weight_chunk<T>(weight_chunks + (chunk + 1) % 2 * CHUNK_BYTES, weights,
+                                 row_pitch, row0, rows, n_in, chunk + 1);
         }
         commit_copies();
+        if constexpr (C::SCALE_TABLE) {
+            // The next chunk is in (committed STAGES - 1 stages ago); the next barrier
+            // publishes its table, and the buffer's last reader (chunk - 1) is done.
+            if (s % C::STAGES == C::STAGES - 1 && next_chunk) {
+                decode_scale_table<T>(scale_tables + (chunk + 1) % 2 * TABLE_ENTRIES,
+                                      weight_chunks + (chunk + 1) % 2 * CHUNK_BYTES);
+            }
+        }
 
         const int element = (s % C::STAGES) * GROUP;  // within the chunk
-        const uint8_t* block = weight_chunks + chunk % 2 * TILE_ROWS * C::ROW_STRIDE +
+        const uint8_t* block = weight_chunks + chunk % 2 * CHUNK_BYTES +
                                warp_rows * C::ROW_STRIDE + (chunk * C::BYTES) % PIECE +
                                element / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
-        multiply_stage<T>(block, element % T::BLOCK_ELEMENTS, x_stages[s % 2], warp_tokens, acc);
+        const float2* scales = scale_tables + (C::SCALE_TABLE ? chunk % 2 * TABLE_ENTRIES +
+                                               warp_rows * C::TABLE_STRIDE + s % C::STAGES : 0);
+        multiply_stage<T>(block, element % T::BLOCK_ELEMENTS, scales, x_stages[s % 2],
+                          warp_tokens, acc);
     }
 
     const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
