@@ -148,6 +148,15 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// d = a x b: the first product of a sum, without zeroing d first.
+__device__ __forceinline__ void mma_first(float (&d)[4], const uint32_t (&a)[4],
+                                          const uint32_t (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%10, %10, %10, %10};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
+}
+
 // The MMAs' k order: lane c's k = 2c, 2c+1, 2c+8, 2c+9 are the step's elements 4c, 4c+2, 4c+1,
 // 4c+3 (a permutation of the 16, the same for weights and activations), so a lane's four
 // elements are adjacent in memory: one float4 of activations, one word of packed levels.
@@ -223,7 +232,7 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
         const int g = threadIdx.x % WARP / 4;
 #pragma unroll 1
         for (int first = 0; first < GROUP; first += L::SCALE_ELEMENTS) {
-            float part[2][4][4] = {}, sums[4][4] = {};
+            float part[2][4][4], sums[4][4];
 #pragma unroll 1
             for (int k = first; k < first + L::SCALE_ELEMENTS; k += MMA_K) {
                 uint32_t a[2][4];
@@ -232,17 +241,20 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
                 for (int j = 0; j < 4; ++j) {
                     uint32_t x_hi[2], x_lo[2];
                     activation_fragment(stage, warp_tokens, j, k, x_hi, x_lo);
+                    constexpr uint32_t ones[4] = {HALF_ONE_PAIR, HALF_ONE_PAIR, HALF_ONE_PAIR,
+                                                  HALF_ONE_PAIR};
+                    if (k == first) {
 #pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        mma(part[i][j], a[i], x_lo);
-                        mma(part[i][j], a[i], x_hi);
+                        for (int i = 0; i < 2; ++i) mma_first(part[i][j], a[i], x_lo);
+                        if (L::HAS_MIN) mma_first(sums[j], ones, x_lo);
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) mma(part[i][j], a[i], x_lo);
+                        if (L::HAS_MIN) mma(sums[j], ones, x_lo);
                     }
-                    if constexpr (L::HAS_MIN) {
-                        constexpr uint32_t ones[4] = {HALF_ONE_PAIR, HALF_ONE_PAIR, HALF_ONE_PAIR,
-                                                      HALF_ONE_PAIR};
-                        mma(sums[j], ones, x_lo);
-                        mma(sums[j], ones, x_hi);
-                    }
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) mma(part[i][j], a[i], x_hi);
+                    if (L::HAS_MIN) mma(sums[j], ones, x_hi);
                 }
             }
 #pragma unroll
