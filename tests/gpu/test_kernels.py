@@ -155,7 +155,8 @@ def test_tensor_core_tiles_match_their_twin(kernel: Kernel, type_name: str) -> N
     error = np.abs(got[:, :rows] - twin)
     assert (error <= summation_bound(w, x64, factor=4.0) + 1e-30).all()
     one_rounding = np.abs(x[:, :n_in].astype(np.float16).astype(np.float64) @ w.T - x64 @ w.T)
-    assert error.mean() < 0.01 * one_rounding.mean()
+    # float32 summation here: ~0.0015 of it (numpy model of the kernel's sums); no lo: ~1
+    assert error.mean() < 0.05 * one_rounding.mean()
 
 
 # --------------------------------------------------------------------------------------------
