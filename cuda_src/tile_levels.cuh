@@ -21,10 +21,21 @@ enum TileKind { KIND_LEVELS, KIND_HALVES, KIND_FLOATS };
 
 constexpr uint32_t HALF_1024_PAIR = 0x64006400u;  // float16 1024.0 in both halves
 
+// (bits & mask) | 1024.0 pair: one LOP3 on the device.
+QK_HD uint32_t masked_1024_pair(uint32_t bits, uint32_t mask) {
+#ifdef __CUDA_ARCH__
+    uint32_t out;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(bits), "r"(mask), "r"(HALF_1024_PAIR));
+    return out;
+#else
+    return (bits & mask) | HALF_1024_PAIR;
+#endif
+}
+
 // Two 4-bit fields per pair from 4 packed bytes at bit `shift` of each byte.
 QK_HD void nibble_pairs(uint32_t bytes, int shift, uint32_t* even, uint32_t* odd) {
-    *even = ((bytes >> shift) & 0x000F000Fu) | HALF_1024_PAIR;
-    *odd = ((bytes >> (shift + 8)) & 0x000F000Fu) | HALF_1024_PAIR;
+    *even = masked_1024_pair(bytes >> shift, 0x000F000Fu);
+    *odd = masked_1024_pair(bytes >> (shift + 8), 0x000F000Fu);
 }
 
 // Adds a fifth bit (bit 4) to each level from `bits`: element e + j's bit at bit 8 j.
@@ -75,8 +86,8 @@ struct tile_levels<type_q8_0> {
     template <class Load>
     static QK_HD void pairs(const uint8_t* block, int e, Load load, uint32_t* even, uint32_t* odd) {
         const uint32_t biased = load(block + 2 + e) ^ 0x80808080u;  // int8 + 128, per byte
-        *even = (biased & 0x00FF00FFu) | HALF_1024_PAIR;
-        *odd = ((biased >> 8) & 0x00FF00FFu) | HALF_1024_PAIR;
+        *even = masked_1024_pair(biased, 0x00FF00FFu);
+        *odd = masked_1024_pair(biased >> 8, 0x00FF00FFu);
     }
     static QK_HD void scale_offset(const uint8_t* block, int, float* scale, float* offset) {
         *scale = load_half(block);
