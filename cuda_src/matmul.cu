@@ -21,9 +21,10 @@
 //
 // A block computes 64 rows x 64 tokens with 4 warps of 32 x 32. The inner dimension runs in
 // stages of one 32-element group: activations (64 tokens x 32 floats, 8 KB) double-buffered
-// through cp.async; weights in chunks of whole blocks (a K-quant block, four 32-element blocks,
+// through cp.async and split into hi / lo in place once in; weights in chunks of whole blocks (a K-quant block, four 32-element blocks,
 // or one group of a float type) copied as the 16-byte aligned byte window holding them, also
-// double-buffered and fetched a whole chunk ahead. Shared rows are an odd number of 16-byte
+// double-buffered and fetched a whole chunk ahead (Q4_K / Q5_K: with a table of each group's
+// scale and offset, decoded once per chunk). Shared rows are an odd number of 16-byte
 // units apart and the activations' 16-byte pieces are XOR-swizzled by token parity, so the
 // fragment reads are free of bank conflicts. Tokens and rows past the edges are never loaded
 // (their shared memory holds stale values) and never stored: an MMA keeps rows and tokens apart.
@@ -33,8 +34,8 @@
 #include "tile_levels.cuh"
 
 // Resident blocks per SM the registers are capped for (128 registers a thread at 4): 16 warps
-// on sm_90 (228 KB of shared memory holds four blocks of up to 47 KB); sm_80's 164 KB holds
-// three.
+// on sm_90 (228 KB of shared memory holds four blocks of up to 48 KB of static shared
+// memory); sm_80's 164 KB holds three.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define TILE_BLOCKS_PER_SM 3
 #else
@@ -56,7 +57,7 @@ constexpr bool has_offsets() {
     return false;
 }
 
-// How a type's weights are staged: CHUNK_BLOCKS whole blocks per chunk, copied as the 16-byte
+// How a type's weights are staged: BLOCKS whole blocks per chunk, copied as the 16-byte
 // aligned window holding them (WINDOW bytes at most), ROW_STRIDE bytes apart in shared memory.
 template <class T>
 struct tile_chunk {
