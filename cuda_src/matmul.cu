@@ -21,8 +21,8 @@
 //
 // A block computes 64 rows x 64 tokens with 4 warps of 32 x 32. The inner dimension runs in
 // stages of one 32-element group: activations (64 tokens x 32 floats, 8 KB) double-buffered
-// through cp.async and split into hi / lo in place once in; weights in chunks of whole blocks (a K-quant block, four 32-element blocks,
-// or one group of a float type) copied as the 16-byte aligned byte window holding them, also
+// through cp.async and split into hi / lo in place once in; weights in chunks of whole blocks
+// (a K-quant block, four 32-element blocks, or one group of a float type) copied as the 16-byte aligned byte window holding them, also
 // double-buffered and fetched a whole chunk ahead (Q4_K / Q5_K: with a table of each group's
 // scale and offset, decoded once per chunk). Shared rows are an odd number of 16-byte
 // units apart and the activations' 16-byte pieces are XOR-swizzled by token parity, so the
@@ -190,7 +190,8 @@ __device__ __forceinline__ void weight_fragments(const uint8_t* block, int strid
             L::pairs(block + (16 * i + 8 * h + g) * stride, e + 4 * c, Load(), &even, &odd);
             if constexpr (L::KIND == KIND_LEVELS) {
                 // float16 1024 + OFFSET in both halves (OFFSET < 1024 fills the mantissa)
-                constexpr uint32_t bias_pair = ((HALF_1024_PAIR & 0xFFFFu) | L::OFFSET) * 0x00010001u;
+                constexpr uint32_t bias_pair =
+                    ((HALF_1024_PAIR & 0xFFFFu) | L::OFFSET) * 0x00010001u;
                 even = sub_halves(even, bias_pair);
                 odd = sub_halves(odd, bias_pair);
             }
