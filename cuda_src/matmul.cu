@@ -22,10 +22,10 @@
 // A block computes 64 rows x 64 tokens with 4 warps of 32 x 32. The inner dimension runs in
 // stages of one 32-element group: activations (64 tokens x 32 floats, 8 KB) double-buffered
 // through cp.async and split into hi / lo in place once in; weights in chunks of whole blocks
-// (a K-quant block, four 32-element blocks, or one group of a float type) copied as the 16-byte aligned byte window holding them, also
-// double-buffered and fetched a whole chunk ahead (Q4_K / Q5_K: with a table of each group's
-// scale and offset, decoded once per chunk). Shared rows are an odd number of 16-byte
-// units apart and the activations' 16-byte pieces are XOR-swizzled by token parity, so the
+// (a K-quant block, four 32-element blocks, or one group of a float type) copied as the
+// 16-byte aligned byte window holding them, also double-buffered and fetched a whole chunk
+// ahead (Q4_K / Q5_K: with a table of each group's scale and offset, decoded once per chunk).
+// Shared rows are an odd number of 16-byte units apart and the activations' 16-byte pieces are XOR-swizzled by token parity, so the
 // fragment reads are free of bank conflicts. Tokens and rows past the edges are never loaded
 // (their shared memory holds stale values) and never stored: an MMA keeps rows and tokens apart.
 #include <type_traits>
