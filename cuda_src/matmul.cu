@@ -25,9 +25,10 @@
 // (a K-quant block, four 32-element blocks, or one group of a float type) copied as the
 // 16-byte aligned byte window holding them, also double-buffered and fetched a whole chunk
 // ahead (Q4_K / Q5_K: with a table of each group's scale and offset, decoded once per chunk).
-// Shared rows are an odd number of 16-byte units apart and the activations' 16-byte pieces are XOR-swizzled by token parity, so the
-// fragment reads are free of bank conflicts. Tokens and rows past the edges are never loaded
-// (their shared memory holds stale values) and never stored: an MMA keeps rows and tokens apart.
+// Shared rows are an odd number of 16-byte units apart and the activations' 16-byte pieces
+// are XOR-swizzled by token parity, so the fragment reads are free of bank conflicts. Tokens
+// and rows past the edges are never loaded (their shared memory holds stale values) and never
+// stored: an MMA keeps rows and tokens apart.
 #include <type_traits>
 
 #include "device_common.cuh"
