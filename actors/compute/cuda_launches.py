@@ -40,9 +40,9 @@ F32 = 4  # bytes per activation element
 # float16 hi + lo parts (about 22 bits of each activation; float16's range). Through the
 # emulated backend (tests/test_cuda_backend_emulated.py, and tests/gpu/test_cuda_backend.py run
 # over the emulator), the tiny qwen2's logits are 0.024 from the CPU's with the split and 0.054
-# with the activations rounded once to float16 (0.05 allowed). The inputs (normed activations, attention outputs, gated
-# activations; never Gemma's float32 residual stream) peaked near 300 there, far inside
-# float16's range.
+# with the activations rounded once to float16 (0.05 allowed). The inputs (normed activations,
+# attention outputs, gated activations; never Gemma's float32 residual stream) peaked near 300
+# there, far inside float16's range.
 TILE_INPUT = "f16x2"
 
 
