@@ -393,10 +393,10 @@ __device__ __forceinline__ void split_own_pieces(uint4* stage, int tokens) {
     for (int pass = 0; pass < TILE_TOKENS / TOKENS_PER_PASS; ++pass) {
         if (int(threadIdx.x) / X_PIECES + pass * TOKENS_PER_PASS < tokens) {
             uint4& piece = own[pass * TOKENS_PER_PASS * X_PIECES];
-            const float4 v = reinterpret_cast<const float4&>(piece);
+            const uint4 v = piece;  // 4 floats' bits
             uint4 parts;
-            split_pair(v.x, v.z, &parts.x, &parts.z);
-            split_pair(v.y, v.w, &parts.y, &parts.w);
+            split_pair(__uint_as_float(v.x), __uint_as_float(v.z), &parts.x, &parts.z);
+            split_pair(__uint_as_float(v.y), __uint_as_float(v.w), &parts.y, &parts.w);
             piece = parts;
         }
     }
