@@ -1,155 +1,504 @@
-// Prefill / large-batch matrix x activations on tensor cores (WMMA, 16x16x16, float
-// accumulate): y[t][r] = sum_i W[r][i] * x[t][i] for many tokens t.
+// Prefill matrix x activations on tensor cores: y[t][r] = sum_i W[r][i] * x[t][i] for many
+// tokens t (mma.sync m16n8k16, float16 inputs, float32 accumulation; sm_80+).
 //
-// Each block computes a TILE_ROWS x TILE_TOKENS tile of y. Per 32-element step of the inner
-// dimension it decodes the tile's weight groups (one row per thread of the first half of the
-// block) and converts the activations (one token per thread of the second half) into shared
-// memory as `In` (half or bfloat16), then each of the 4 warps multiplies its 32x32 quarter.
-// Layouts as in matvec.cu (weights at row_pitch bytes per row; x [n_tokens][x_stride] float32,
-// n_in % 32 == 0; y [n_tokens][y_stride] float32). Grid: (ceil(rows / 64), ceil(n_tokens / 64)).
-// Entry points: mul_mat_tiles_f16_<type> (inputs rounded to float16: values must stay within
-// +-65504), mul_mat_tiles_bf16_<type> (float32's range, 8-bit mantissa) and
-// mul_mat_tiles_f16x3_<type>: each input split into float16 parts, v = hi + lo with
-// hi = f16(v), lo = f16(v - hi), and W x = W_lo x_hi + W_hi x_lo + W_hi x_hi (three products
-// per step, the small ones first): about 22 bits of each input instead of 11, within float16's
-// range. The CUDA backend uses this one: a single rounding to float16 of weights and
-// activations moves logits by up to ~0.06 on the reference models, past the 0.05 allowed.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <mma.h>
+// Numerics (entry points mul_mat_tiles_f16x2_<type>): each activation is split into float16
+// parts, x = hi + lo with hi = f16(x) and lo = f16(x - hi) (about 22 bits of x, within
+// float16's range: |x| < 65504), and both parts are multiplied by the weights' levels:
+// - quantized types (tile_levels.cuh): the integer levels are exact in float16, so per scale
+//   group (32 elements, Q6_K 16) the tensor cores sum levels x (hi + lo) and levels' ones x
+//   (hi + lo) in float32, and the block's scale and offset are applied to those sums:
+//   y += scale * sum(level * x) + offset * sum(x). Two MMAs per product (plus two for sum(x)
+//   per token tile where the type has an offset).
+// - F16 weights: exact in float16, W x hi + W x lo.
+// - F32 / BF16 weights: split as the activations, W_hi x_hi + W_hi x_lo + W_lo x_hi.
+// One float16 rounding of the activations moves logits past the 0.05 allowed (the emulated
+// tiny qwen2: 0.054 off the CPU; with the split 0.024).
+//
+// Layouts as in matvec.cu: weights at row_pitch bytes per row (16-byte aligned rows), x
+// [n_tokens][x_stride] float32 with 16-byte aligned rows (x_stride % 4 == 0), n_in % 32 == 0,
+// y [n_tokens][y_stride] float32. Grid: (ceil(n_tokens / 64), ceil(rows / 64)): token tiles
+// fastest, so the blocks sharing a weight tile run together and read it from DRAM once.
+//
+// A block computes 64 rows x 64 tokens with 4 warps of 32 x 32. The inner dimension runs in
+// stages of one 32-element group: activations (64 tokens x 32 floats, 8 KB) double-buffered
+// through cp.async and split into hi / lo in place once in; weights in chunks of whole blocks
+// (a K-quant block, four 32-element blocks, or one group of a float type) copied as the
+// 16-byte aligned byte window holding them, also double-buffered and fetched a whole chunk
+// ahead (Q4_K / Q5_K: with a table of each group's scale and offset, decoded once per chunk).
+// Shared rows are an odd number of 16-byte units apart and the activations' 16-byte pieces
+// are XOR-swizzled by token parity, so the fragment reads are free of bank conflicts. Tokens
+// and rows past the edges are never loaded (their shared memory holds stale values) and never
+// stored: an MMA keeps rows and tokens apart.
+#include <type_traits>
 
 #include "device_common.cuh"
-#include "quant_blocks.cuh"
+#include "tile_levels.cuh"
 
-using namespace nvcuda;
+// Resident blocks per SM the registers are capped for (128 registers a thread at 4): 16 warps
+// on sm_90 (228 KB of shared memory holds four blocks of up to 48 KB of static shared
+// memory); sm_80's 164 KB holds three.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define TILE_BLOCKS_PER_SM 3
+#else
+#define TILE_BLOCKS_PER_SM 4
+#endif
 
-constexpr int TILE_ROWS = 64, TILE_TOKENS = 64, TILE_PAD = 8, WMMA_N = 16;
-constexpr int TILE_THREADS = 128;
-constexpr int TILE_LD = GROUP + TILE_PAD;  // padded row of a staged tile, in elements
+constexpr int TILE_ROWS = 64, TILE_TOKENS = 64, TILE_THREADS = 128;
+constexpr int WARP_TILE = 32;  // each warp: 32 rows x 32 tokens, 2 x 4 MMA tiles of 16 x 8
+constexpr int MMA_K = 16;
+constexpr int PIECE = 16;                  // bytes per cp.async
+constexpr int X_PIECES = GROUP * 4 / PIECE;  // 16-byte pieces of one token's stage
+constexpr uint32_t HALF_ONE_PAIR = 0x3C003C00u;
 
-template <class In>
-__device__ In to_input(float value);
-template <>
-__device__ __half to_input<__half>(float value) { return __float2half_rn(value); }
-template <>
-__device__ __nv_bfloat16 to_input<__nv_bfloat16>(float value) {
-    return __float2bfloat16_rn(value);
+__host__ __device__ constexpr int round_up16(int n) { return (n + PIECE - 1) / PIECE * PIECE; }
+
+template <class L>
+constexpr bool has_offsets() {
+    if constexpr (L::KIND == KIND_LEVELS) return L::HAS_MIN;
+    return false;
 }
 
-// One row of a staged tile: 32 floats converted to In, as PARTS parts (1: the rounded value;
-// 2: hi = In(v) into dest_hi, lo = In(v - hi) into dest_lo).
-template <class In, int PARTS>
-__device__ void stage_row(In* dest_hi, In* dest_lo, const float* values) {
-#pragma unroll
-    for (int i = 0; i < GROUP; ++i) {
-        const In hi = to_input<In>(values[i]);
-        dest_hi[i] = hi;
-        if (PARTS == 2) dest_lo[i] = to_input<In>(values[i] - float(hi));
+// How a type's weights are staged: BLOCKS whole blocks per chunk, copied as the 16-byte
+// aligned window holding them (WINDOW bytes at most), ROW_STRIDE bytes apart in shared memory.
+template <class T>
+struct tile_chunk {
+    static constexpr int BLOCKS =
+        T::BLOCK_ELEMENTS > GROUP || tile_levels<T>::KIND != KIND_LEVELS ? 1 : 4;
+    static constexpr int ELEMENTS = BLOCKS * T::BLOCK_ELEMENTS;
+    static constexpr int BYTES = BLOCKS * T::BLOCK_BYTES;
+    static constexpr bool ALIGNED = BYTES % PIECE == 0;  // every chunk starts on a piece
+    static constexpr int WINDOW = ALIGNED ? BYTES : round_up16(BYTES + PIECE - 1);
+    // An odd number of pieces: the 8 rows of a fragment read 8 distinct groups of 4 banks.
+    static constexpr int ROW_STRIDE = (WINDOW / PIECE) % 2 ? WINDOW : WINDOW + PIECE;
+    static constexpr int STAGES = ELEMENTS / GROUP;
+    // Words of every level field start on 4-byte boundaries in shared memory.
+    static constexpr bool WORD_ALIGNED = ALIGNED && T::BLOCK_BYTES % 4 == 0;
+    // Q4_K / Q5_K: each group's scale and offset (~20 instructions of 6-bit unpacking a row)
+    // decoded once per chunk into a shared table, TABLE_STRIDE (odd) entries a row so the 8
+    // rows a fragment flushes read distinct banks.
+    static constexpr bool SCALE_TABLE = has_offsets<tile_levels<T>>() &&
+                                        T::BLOCK_ELEMENTS > GROUP;
+    static constexpr int TABLE_STRIDE = ELEMENTS / GROUP + 1;
+};
+
+__device__ __forceinline__ void copy_piece_async(void* shared_dst, const void* global_src) {
+    const uint32_t dst = uint32_t(__cvta_generic_to_shared(shared_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src)
+                 : "memory");
+}
+
+__device__ __forceinline__ void commit_copies() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// The little-endian word at any byte of shared memory: two aligned words and a funnel shift
+// (the weight buffer ends in a spare piece, so the second word is always inside it).
+struct shared_word_any {
+    __device__ uint32_t operator()(const uint8_t* p) const {
+        const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+        const uint32_t* word = reinterpret_cast<const uint32_t*>(address & ~uintptr_t(3));
+        return __funnelshift_r(word[0], word[1], uint32_t(address & 3) * 8);
     }
+};
+
+struct shared_word_aligned {
+    __device__ uint32_t operator()(const uint8_t* p) const {
+        return *reinterpret_cast<const uint32_t*>(p);
+    }
+};
+
+// float16x2 bits of (low, high), rounded to nearest even.
+__device__ __forceinline__ uint32_t pack_halves(float low, float high) {
+    uint32_t bits;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(bits) : "f"(high), "f"(low));
+    return bits;
 }
 
-template <class T, class In, int PARTS>
-__device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_pitch,
-                              const float* __restrict__ x, int x_stride, float* __restrict__ y,
-                              int y_stride, int rows, int n_in, int n_tokens) {
-    // [part][row][k]: part 0 the rounded value (hi), part 1 (PARTS == 2) the remainder (lo).
-    __shared__ __align__(32) In w_tile[PARTS][TILE_ROWS][TILE_LD];
-    __shared__ __align__(32) In x_tile[PARTS][TILE_TOKENS][TILE_LD];
-    __shared__ __align__(32) float y_tile[TILE_TOKENS][TILE_ROWS + 4];
+__device__ __forceinline__ float2 unpack_halves(uint32_t bits) {
+    float low, high;
+    asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}"
+        : "=f"(low), "=f"(high)
+        : "r"(bits));
+    return make_float2(low, high);
+}
 
-    const int row0 = blockIdx.x * TILE_ROWS, token0 = blockIdx.y * TILE_TOKENS;
-    const int warp = threadIdx.x / WARP;
-    const int warp_rows = (warp / 2) * 32, warp_tokens = (warp % 2) * 32;
+__device__ __forceinline__ uint32_t sub_halves(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
 
-    wmma::fragment<wmma::accumulator, WMMA_N, WMMA_N, WMMA_N, float> acc[2][2];
+// (low, high) split into float16 hi + lo pairs: hi = f16(v), lo = f16(v - hi).
+__device__ __forceinline__ void split_pair(float low, float high, uint32_t* hi, uint32_t* lo) {
+    *hi = pack_halves(low, high);
+    const float2 rounded = unpack_halves(*hi);
+    *lo = pack_halves(low - rounded.x, high - rounded.y);
+}
+
+// d += a (16 x 16, row-major fragment) x b (16 x 8, column-major fragment). PTX fragments
+// (lane = 4 g + c): a = {(g, 2c..2c+1), (g+8, 2c..), (g, 2c+8..), (g+8, 2c+8..)}, b = {(k
+// 2c..2c+1, n g), (k 2c+8.., n g)}, d = {(g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)}.
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// d = a x b: the first product of a sum, without zeroing d first.
+__device__ __forceinline__ void mma_first(float (&d)[4], const uint32_t (&a)[4],
+                                          const uint32_t (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%10, %10, %10, %10};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
+}
+
+// The MMAs' k order: lane c's k = 2c, 2c+1, 2c+8, 2c+9 are the step's elements 4c, 4c+2, 4c+1,
+// 4c+3 (a permutation of the 16, the same for weights and activations), so a lane's four
+// elements are adjacent in memory: one float4 of activations, one word of packed levels.
+
+// The activation fragment (hi and lo parts) of token tile j of the warp for the 16 elements
+// from `k`: one piece of the split stage.
+__device__ __forceinline__ void activation_fragment(const uint4* stage, int warp_tokens, int j,
+                                                    int k, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
+    const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
+    const int t = warp_tokens + 8 * j + g;
+    const uint4 parts = stage[t * X_PIECES + ((k / 4 + c) ^ ((t & 1) << 2))];
+    hi[0] = parts.x;
+    hi[1] = parts.y;
+    lo[0] = parts.z;
+    lo[1] = parts.w;
+}
+
+// Weight fragments of the warp's 2 row tiles for elements e.. of the block at `block`
+// (rows ROW_STRIDE bytes apart): levels (exact float16 integers) or float16 halves.
+template <class T, class Load>
+__device__ __forceinline__ void weight_fragments(const uint8_t* block, int stride, int e,
+                                                 uint32_t (&a)[2][4]) {
+    using L = tile_levels<T>;
+    const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
-        for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
-    }
-
-    for (int group = 0; group < n_in / GROUP; ++group) {
-        float values[GROUP];
-        if (threadIdx.x < TILE_ROWS) {  // warps 0-1: decode one weight row's group each
-            const int row = row0 + threadIdx.x;
-            if (row < rows) {
-                dequantize_row_group<T>(weights + row * row_pitch, group, values);
-            } else {
-#pragma unroll
-                for (int i = 0; i < GROUP; ++i) values[i] = 0.0f;
+        for (int h = 0; h < 2; ++h) {
+            uint32_t even, odd;
+            L::pairs(block + (16 * i + 8 * h + g) * stride, e + 4 * c, Load(), &even, &odd);
+            if constexpr (L::KIND == KIND_LEVELS) {
+                // float16 1024 + OFFSET in both halves (OFFSET < 1024 fills the mantissa)
+                constexpr uint32_t bias_pair =
+                    ((HALF_1024_PAIR & 0xFFFFu) | L::OFFSET) * 0x00010001u;
+                even = sub_halves(even, bias_pair);
+                odd = sub_halves(odd, bias_pair);
             }
-            stage_row<In, PARTS>(w_tile[0][threadIdx.x], w_tile[PARTS - 1][threadIdx.x], values);
-        } else {  // warps 2-3: one token's 32 activations each
-            const int t = threadIdx.x - TILE_ROWS, token = token0 + t;
-            const float4* src =
-                reinterpret_cast<const float4*>(x + token * x_stride + group * GROUP);
-#pragma unroll
-            for (int i = 0; i < GROUP / 4; ++i) {
-                const float4 v = token < n_tokens ? __ldg(src + i) : make_float4(0, 0, 0, 0);
-                values[4 * i] = v.x;
-                values[4 * i + 1] = v.y;
-                values[4 * i + 2] = v.z;
-                values[4 * i + 3] = v.w;
-            }
-            stage_row<In, PARTS>(x_tile[0][t], x_tile[PARTS - 1][t], values);
+            a[i][h] = even;
+            a[i][2 + h] = odd;
         }
-        __syncthreads();
+    }
+}
+
+// F32 / BF16 weight fragments split into float16 hi and lo parts.
+template <class T, class Load>
+__device__ __forceinline__ void split_weight_fragments(const uint8_t* block, int stride, int e,
+                                                       uint32_t (&hi)[2][4], uint32_t (&lo)[2][4]) {
+    const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
 #pragma unroll
-        for (int k = 0; k < GROUP; k += WMMA_N) {
-            wmma::fragment<wmma::matrix_a, WMMA_N, WMMA_N, WMMA_N, In, wmma::row_major> a[PARTS][2];
-            wmma::fragment<wmma::matrix_b, WMMA_N, WMMA_N, WMMA_N, In, wmma::col_major> b[PARTS][2];
+    for (int i = 0; i < 2; ++i) {
 #pragma unroll
-            for (int p = 0; p < PARTS; ++p) {
+        for (int h = 0; h < 2; ++h) {
+            float v[4];
+            tile_levels<T>::floats(block + (16 * i + 8 * h + g) * stride, e + 4 * c, Load(), v);
+            split_pair(v[0], v[2], &hi[i][h], &lo[i][h]);
+            split_pair(v[1], v[3], &hi[i][2 + h], &lo[i][2 + h]);
+        }
+    }
+}
+
+// One 32-element stage of the warp's 32 x 32 tile: acc[i][j] is row tile i, token tile j.
+// `block` is the stage's weight block in the warp's first row, `e` the stage's first element
+// within it, `scales` (SCALE_TABLE types) the stage's group's entry of the warp's first row.
+template <class T>
+__device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, const float2* scales,
+                                               const uint4* stage, int warp_tokens,
+                                               float (&acc)[2][4][4]) {
+    using L = tile_levels<T>;
+    using C = tile_chunk<T>;
+    using Load = typename std::conditional<C::WORD_ALIGNED, shared_word_aligned,
+                                           shared_word_any>::type;
+    constexpr int stride = C::ROW_STRIDE;
+    if constexpr (L::KIND == KIND_LEVELS) {
+        const int g = threadIdx.x % WARP / 4;
+#pragma unroll 1
+        for (int first = 0; first < GROUP; first += L::SCALE_ELEMENTS) {
+            float part[2][4][4], sums[4][4];
+#pragma unroll 1
+            for (int k = first; k < first + L::SCALE_ELEMENTS; k += MMA_K) {
+                uint32_t a[2][4];
+                weight_fragments<T, Load>(block, stride, e + k, a);
 #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    wmma::load_matrix_sync(a[p][i], &w_tile[p][warp_rows + WMMA_N * i][k], TILE_LD);
-                    wmma::load_matrix_sync(b[p][i], &x_tile[p][warp_tokens + WMMA_N * i][k],
-                                           TILE_LD);
+                for (int j = 0; j < 4; ++j) {
+                    uint32_t x_hi[2], x_lo[2];
+                    activation_fragment(stage, warp_tokens, j, k, x_hi, x_lo);
+                    constexpr uint32_t ones[4] = {HALF_ONE_PAIR, HALF_ONE_PAIR, HALF_ONE_PAIR,
+                                                  HALF_ONE_PAIR};
+                    if (k == first) {
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) mma_first(part[i][j], a[i], x_lo);
+                        if (L::HAS_MIN) mma_first(sums[j], ones, x_lo);
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) mma(part[i][j], a[i], x_lo);
+                        if (L::HAS_MIN) mma(sums[j], ones, x_lo);
+                    }
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) mma(part[i][j], a[i], x_hi);
+                    if (L::HAS_MIN) mma(sums[j], ones, x_hi);
                 }
             }
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
 #pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    if (PARTS == 2) {  // the small products first
-                        wmma::mma_sync(acc[i][j], a[1][i], b[0][j], acc[i][j]);
-                        wmma::mma_sync(acc[i][j], a[0][i], b[1][j], acc[i][j]);
+                for (int h = 0; h < 2; ++h) {
+                    float scale, offset;
+                    if constexpr (C::SCALE_TABLE) {
+                        const float2 entry = scales[(16 * i + 8 * h + g) * C::TABLE_STRIDE];
+                        scale = entry.x;
+                        offset = entry.y;
+                    } else {
+                        L::scale_offset(block + (16 * i + 8 * h + g) * stride, e + first,
+                                        &scale, &offset);
                     }
-                    wmma::mma_sync(acc[i][j], a[0][i], b[0][j], acc[i][j]);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+                        for (int q = 0; q < 2; ++q) {
+                            float& out = acc[i][j][2 * h + q];
+                            out = fmaf(scale, part[i][j][2 * h + q], out);
+                            if (L::HAS_MIN) out = fmaf(offset, sums[j][q], out);
+                        }
+                    }
                 }
             }
         }
-        __syncthreads();  // the tiles are restaged next step
-    }
-    // acc[i][j] element (row m, token n) goes to y_tile[n][m]: column-major storage.
+    } else {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+        for (int k = 0; k < GROUP; k += MMA_K) {
+            if constexpr (L::KIND == KIND_HALVES) {
+                uint32_t a[2][4];
+                weight_fragments<T, Load>(block, stride, e + k, a);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            wmma::store_matrix_sync(&y_tile[warp_tokens + WMMA_N * j][warp_rows + WMMA_N * i],
-                                    acc[i][j], TILE_ROWS + 4, wmma::mem_col_major);
-        }
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < TILE_ROWS * TILE_TOKENS; e += TILE_THREADS) {
-        const int t = e / TILE_ROWS, r = e % TILE_ROWS;
-        if (token0 + t < n_tokens && row0 + r < rows) {
-            y[(token0 + t) * y_stride + row0 + r] = y_tile[t][r];
+                for (int j = 0; j < 4; ++j) {
+                    uint32_t x_hi[2], x_lo[2];
+                    activation_fragment(stage, warp_tokens, j, k, x_hi, x_lo);
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        mma(acc[i][j], a[i], x_lo);
+                        mma(acc[i][j], a[i], x_hi);
+                    }
+                }
+            } else {
+                uint32_t w_hi[2][4], w_lo[2][4];
+                split_weight_fragments<T, Load>(block, stride, e + k, w_hi, w_lo);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    uint32_t x_hi[2], x_lo[2];
+                    activation_fragment(stage, warp_tokens, j, k, x_hi, x_lo);
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {  // the small products first
+                        mma(acc[i][j], w_lo[i], x_hi);
+                        mma(acc[i][j], w_hi[i], x_lo);
+                        mma(acc[i][j], w_hi[i], x_hi);
+                    }
+                }
+            }
         }
     }
 }
 
-#define QK_MATMUL_ENTRY_FOR(in_suffix, in_type, parts, suffix, type)                            \
-    extern "C" __global__ void __launch_bounds__(TILE_THREADS)                                  \
-        mul_mat_tiles_##in_suffix##_##suffix(const uint8_t* weights, int64_t row_pitch,         \
-                                             const float* x, int x_stride, float* y,            \
-                                             int y_stride, int rows, int n_in, int n_tokens) {  \
-        mul_mat_tiles<type, in_type, parts>(weights, row_pitch, x, x_stride, y, y_stride, rows,  \
-                                            n_in, n_tokens);                                    \
+// Starts copying weight chunk `chunk` of the tile's rows into `dest` (the aligned window, in
+// pieces; rows past `rows` are skipped).
+template <class T>
+__device__ __forceinline__ void copy_weight_chunk(uint8_t* dest, const uint8_t* weights,
+                                                  int64_t row_pitch, int row0, int rows,
+                                                  int n_in, int chunk) {
+    using C = tile_chunk<T>;
+    const int row_bytes = n_in / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
+    const int start = chunk * C::BYTES / PIECE * PIECE;
+    const int end = round_up16(min((chunk + 1) * C::BYTES, row_bytes));  // <= row_pitch
+    const int pieces = (end - start) / PIECE;
+    constexpr int MAX_PIECES = C::WINDOW / PIECE;
+    for (int i = threadIdx.x; i < TILE_ROWS * MAX_PIECES; i += TILE_THREADS) {
+        const int r = i / MAX_PIECES, piece = i % MAX_PIECES;
+        if (piece < pieces && row0 + r < rows) {
+            copy_piece_async(dest + r * C::ROW_STRIDE + piece * PIECE,
+                             weights + (row0 + r) * row_pitch + start + piece * PIECE);
+        }
     }
-#define QK_MATMUL_ENTRIES(suffix, type)                          \
-    QK_MATMUL_ENTRY_FOR(f16, __half, 1, suffix, type)            \
-    QK_MATMUL_ENTRY_FOR(bf16, __nv_bfloat16, 1, suffix, type)    \
-    QK_MATMUL_ENTRY_FOR(f16x3, __half, 2, suffix, type)
+}
+
+// The activation stages: each thread copies one piece (4 floats) of every 16th token and,
+// once its copies are in, splits those same pieces in place (cp.async.wait_group makes a
+// thread's own copies visible to it; the barrier after it publishes the split to the block).
+// A piece of elements (e, e+1, e+2, e+3) becomes the halves {hi(e, e+2), hi(e+1, e+3),
+// lo(e, e+2), lo(e+1, e+3)}: a lane's whole activation fragment in one shared load.
+// Pieces are XOR-swizzled by token parity (the 8 lanes of a 16-byte shared access read two
+// tokens: halves 0-3 and 4-7 of the 8 pieces) and each thread's swizzle is the same for all
+// of its tokens.
+constexpr int TOKENS_PER_PASS = TILE_THREADS / X_PIECES;
+static_assert(TOKENS_PER_PASS % 2 == 0 && TILE_TOKENS % TOKENS_PER_PASS == 0, "");
+
+__device__ __forceinline__ int own_piece_index() {
+    const int piece = threadIdx.x % X_PIECES, first = threadIdx.x / X_PIECES;
+    return first * X_PIECES + (piece ^ ((first & 1) << 2));
+}
+
+// Decodes the scale table of a chunk (SCALE_TABLE types: one block a row) once it is in.
+template <class T>
+__device__ __forceinline__ void decode_scale_table(float2* table, const uint8_t* chunk) {
+    using C = tile_chunk<T>;
+    constexpr int groups = C::ELEMENTS / GROUP;
+    for (int i = threadIdx.x; i < TILE_ROWS * groups; i += TILE_THREADS) {
+        const int r = i / groups, group = i % groups;
+        float scale, offset;
+        tile_levels<T>::scale_offset(chunk + r * C::ROW_STRIDE, group * GROUP, &scale, &offset);
+        table[r * C::TABLE_STRIDE + group] = make_float2(scale, offset);
+    }
+}
+
+// Starts copying stage `stage` (elements [32 stage, 32 stage + 32)) of the tile's tokens
+// (`x` at the tile's first token, `tokens` of them).
+__device__ __forceinline__ void copy_activation_stage(uint4* dest, const float* x,
+                                                      int64_t x_stride, int tokens, int stage) {
+    const int first = threadIdx.x / X_PIECES;
+    const float* src = x + first * x_stride + stage * GROUP + 4 * (threadIdx.x % X_PIECES);
+    uint4* dst = dest + own_piece_index();
+#pragma unroll
+    for (int pass = 0; pass < TILE_TOKENS / TOKENS_PER_PASS; ++pass) {
+        if (first + pass * TOKENS_PER_PASS < tokens) {
+            copy_piece_async(dst + pass * TOKENS_PER_PASS * X_PIECES,
+                             src + pass * TOKENS_PER_PASS * x_stride);
+        }
+    }
+}
+
+// Splits the pieces this thread copied into `stage` (see above), in place.
+__device__ __forceinline__ void split_own_pieces(uint4* stage, int tokens) {
+    uint4* own = stage + own_piece_index();
+#pragma unroll
+    for (int pass = 0; pass < TILE_TOKENS / TOKENS_PER_PASS; ++pass) {
+        if (int(threadIdx.x) / X_PIECES + pass * TOKENS_PER_PASS < tokens) {
+            uint4& piece = own[pass * TOKENS_PER_PASS * X_PIECES];
+            const uint4 v = piece;  // 4 floats' bits
+            uint4 parts;
+            split_pair(__uint_as_float(v.x), __uint_as_float(v.z), &parts.x, &parts.z);
+            split_pair(__uint_as_float(v.y), __uint_as_float(v.w), &parts.y, &parts.w);
+            piece = parts;
+        }
+    }
+}
+
+template <class T>
+__device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_pitch,
+                              const float* __restrict__ x, int x_stride, float* __restrict__ y,
+                              int y_stride, int rows, int n_in, int n_tokens) {
+    using C = tile_chunk<T>;
+    // Two chunks of weights (plus a spare piece for shared_word_any's second word) and two
+    // stages of activations.
+    __shared__ __align__(16) uint8_t weight_chunks[2 * TILE_ROWS * C::ROW_STRIDE + PIECE];
+    __shared__ __align__(16) uint4 x_stages[2][TILE_TOKENS * X_PIECES];
+    // Two chunks' scale tables (one unused entry for the types without).
+    __shared__ float2 scale_tables[C::SCALE_TABLE ? 2 * TILE_ROWS * C::TABLE_STRIDE : 1];
+    constexpr int CHUNK_BYTES = TILE_ROWS * C::ROW_STRIDE, TABLE_ENTRIES = TILE_ROWS *
+                                                                         C::TABLE_STRIDE;
+
+    const int token0 = blockIdx.x * TILE_TOKENS, row0 = blockIdx.y * TILE_ROWS;
+    const int warp = threadIdx.x / WARP;
+    const int warp_rows = (warp % 2) * WARP_TILE, warp_tokens = (warp / 2) * WARP_TILE;
+    const int n_stages = n_in / GROUP;
+    const float* tile_x = x + int64_t(token0) * x_stride;
+    const int tile_tokens = n_tokens - token0;
+
+    float acc[2][4][4] = {};
+
+    // cp.async groups: each stage commits its next activation stage, then its weight chunk
+    // (empty unless the stage opens a chunk). A stage needs the activations committed by the
+    // one before and its chunk, committed a whole chunk earlier: every group but the newest.
+    // With one-stage chunks the newest holds that chunk: wait for all.
+    constexpr int PENDING = C::STAGES > 1 ? 1 : 0;
+    copy_weight_chunk<T>(weight_chunks, weights, row_pitch, row0, rows, n_in, 0);
+    copy_activation_stage(x_stages[0], tile_x, x_stride, tile_tokens, 0);
+    commit_copies();
+    commit_copies();
+    if constexpr (C::SCALE_TABLE) {  // chunk 0's table (the first stage's barrier publishes it)
+        wait_copies<0>();
+        __syncthreads();
+        decode_scale_table<T>(scale_tables, weight_chunks);
+    }
+    for (int s = 0; s < n_stages; ++s) {
+        wait_copies<PENDING>();
+        split_own_pieces(x_stages[s % 2], tile_tokens);
+        __syncthreads();  // stage s is in and split; every warp is done with stage s - 1
+        if (s + 1 < n_stages) {
+            copy_activation_stage(x_stages[(s + 1) % 2], tile_x, x_stride, tile_tokens, s + 1);
+        }
+        commit_copies();
+        const int chunk = s / C::STAGES;
+        const bool next_chunk = (chunk + 1) * C::STAGES < n_stages;
+        if (s % C::STAGES == 0 && next_chunk) {
+            copy_weight_chunk<T>(weight_chunks + (chunk + 1) % 2 * CHUNK_BYTES, weights,
+                                 row_pitch, row0, rows, n_in, chunk + 1);
+        }
+        commit_copies();
+        if constexpr (C::SCALE_TABLE) {
+            // The next chunk is in (committed STAGES - 1 stages ago); the next barrier
+            // publishes its table, and the buffer's last reader (chunk - 1) is done.
+            if (s % C::STAGES == C::STAGES - 1 && next_chunk) {
+                decode_scale_table<T>(scale_tables + (chunk + 1) % 2 * TABLE_ENTRIES,
+                                      weight_chunks + (chunk + 1) % 2 * CHUNK_BYTES);
+            }
+        }
+
+        const int element = (s % C::STAGES) * GROUP;  // within the chunk
+        const uint8_t* block = weight_chunks + chunk % 2 * CHUNK_BYTES +
+                               warp_rows * C::ROW_STRIDE + (chunk * C::BYTES) % PIECE +
+                               element / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
+        const float2* scales = scale_tables + (C::SCALE_TABLE ? chunk % 2 * TABLE_ENTRIES +
+                                               warp_rows * C::TABLE_STRIDE + s % C::STAGES : 0);
+        multiply_stage<T>(block, element % T::BLOCK_ELEMENTS, scales, x_stages[s % 2],
+                          warp_tokens, acc);
+    }
+
+    const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + warp_rows + 16 * i + 8 * h + g;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const int token = token0 + warp_tokens + 8 * j + 2 * c + q;
+                    if (row < rows && token < n_tokens) {
+                        y[int64_t(token) * y_stride + row] = acc[i][j][2 * h + q];
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define QK_MATMUL_ENTRIES(suffix, type)                                                          \
+    extern "C" __global__ void __launch_bounds__(TILE_THREADS, TILE_BLOCKS_PER_SM)                \
+        mul_mat_tiles_f16x2_##suffix(const uint8_t* weights, int64_t row_pitch, const float* x,  \
+                                     int x_stride, float* y, int y_stride, int rows, int n_in,   \
+                                     int n_tokens) {                                             \
+        mul_mat_tiles<type>(weights, row_pitch, x, x_stride, y, y_stride, rows, n_in, n_tokens); \
+    }
 
 QK_FOR_EACH_TYPE(QK_MATMUL_ENTRIES)

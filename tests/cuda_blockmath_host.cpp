@@ -2,7 +2,10 @@
 // type, dequantize_<type> decodes whole rows into floats and dot_<type> takes each row's dot
 // product with x, summing the groups' dot products in order. Compiled with g++ and
 // -ffp-contract=off, so the decode rounds exactly as the device code (__fmul_rn / __fadd_rn).
+// tile_values_<type> rebuilds every element from cuda_src/tile_levels.cuh (what the tensor-core
+// tiles multiply): level * scale + offset, rounded as quants.py rounds.
 #include "quant_blocks.cuh"
+#include "tile_levels.cuh"
 
 template <class T>
 int64_t row_bytes(int64_t groups_per_row) {
@@ -31,6 +34,45 @@ void dot_rows(const uint8_t* src, int64_t rows, int64_t groups_per_row, const fl
     }
 }
 
+// The pairs' float16 values, low half first: (element e, e + 2) and (e + 1, e + 3).
+inline void unpair(uint32_t even, uint32_t odd, float* out) {
+    out[0] = half_to_float(uint16_t(even));
+    out[2] = half_to_float(uint16_t(even >> 16));
+    out[1] = half_to_float(uint16_t(odd));
+    out[3] = half_to_float(uint16_t(odd >> 16));
+}
+
+template <class T>
+void tile_values(const uint8_t* block, int e, float* out) {
+    using L = tile_levels<T>;
+    if constexpr (L::KIND == KIND_FLOATS) {
+        L::floats(block, e, load_u32, out);
+    } else {
+        uint32_t even, odd;
+        L::pairs(block, e, load_u32, &even, &odd);
+        unpair(even, odd, out);
+        if constexpr (L::KIND == KIND_LEVELS) {
+            for (int j = 0; j < 4; ++j) {
+                float scale, offset;
+                L::scale_offset(block, e + j, &scale, &offset);
+                const float level = out[j] - float(1024 + L::OFFSET);  // exact: small integers
+                const float scaled = mul_rn(level, scale);
+                out[j] = L::HAS_MIN ? add_rn(scaled, offset) : scaled;
+            }
+        }
+    }
+}
+
+template <class T>
+void tile_values_rows(const uint8_t* src, int64_t rows, int64_t groups_per_row, float* out) {
+    const int64_t blocks = groups_per_row / groups_per_block<T>;
+    for (int64_t b = 0; b < rows * blocks; ++b) {
+        for (int e = 0; e < T::BLOCK_ELEMENTS; e += 4) {
+            tile_values<T>(src + b * T::BLOCK_BYTES, e, out + b * T::BLOCK_ELEMENTS + e);
+        }
+    }
+}
+
 #define QK_EXPORT_HOST(suffix, type)                                                          \
     extern "C" void dequantize_##suffix(const uint8_t* src, int64_t rows, int64_t groups,     \
                                         float* out) {                                         \
@@ -39,6 +81,10 @@ void dot_rows(const uint8_t* src, int64_t rows, int64_t groups_per_row, const fl
     extern "C" void dot_##suffix(const uint8_t* src, int64_t rows, int64_t groups,            \
                                  const float* x, float* out) {                                \
         dot_rows<type>(src, rows, groups, x, out);                                            \
+    }                                                                                         \
+    extern "C" void tile_values_##suffix(const uint8_t* src, int64_t rows, int64_t groups,    \
+                                         float* out) {                                        \
+        tile_values_rows<type>(src, rows, groups, out);                                       \
     }
 
 QK_FOR_EACH_TYPE(QK_EXPORT_HOST)

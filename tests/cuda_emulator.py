@@ -94,6 +94,7 @@ class KernelTwins:
             self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args)
         elif name.startswith("mul_mat_tiles_"):
             tile_input, suffix = name[len("mul_mat_tiles_"):].split("_", 1)
+            assert tile_input in plan.TILE_INPUTS, name
             self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args)
         else:
             getattr(self, name)(grid, *args)
@@ -121,7 +122,7 @@ class KernelTwins:
             product = self.products(type_name, weights, pitch, x, x_stride, rows, n_in, n)
         else:
             w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in))
-            product = tile_product(w, self.rows(x, int(n), int(x_stride), int(n_in)), tile_input)
+            product = tile_product(w, self.rows(x, int(n), int(x_stride), int(n_in)), type_name)
         self.rows(y, int(n), int(y_stride), int(rows))[:] = product
 
     def mul_mat_vec_qkv(self, *args: Any) -> None:

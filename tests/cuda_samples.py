@@ -147,24 +147,26 @@ def penalties_twin(logits: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
             logits[row, token] = repeated(float(logits[row, token]))
 
 
-def rounded_input(values: np.ndarray, tile_input: str) -> np.ndarray:
-    """float32 values rounded to nearest-even float16 ("f16") or bfloat16, back as float64."""
-    if tile_input == "f16":
-        return values.astype(np.float16).astype(np.float64)
-    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+def float16_parts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 values split as the tiles split them: hi = f16(v), lo = f16(v - hi) (nearest
+    even; v - hi is exact in float32), both as float64."""
+    values = np.asarray(values, dtype=np.float32)
+    hi = values.astype(np.float16)
+    lo = (values - hi.astype(np.float32)).astype(np.float16)
+    return hi.astype(np.float64), lo.astype(np.float64)
 
 
-def tile_product(w: np.ndarray, x: np.ndarray, tile_input: str) -> np.ndarray:
-    """x @ w.T from the inputs mul_mat_tiles_<tile_input> feeds the tensor cores, summed
-    exactly (float64): rounded once, or for "f16x3" split into float16 hi + lo parts with
-    the lo x lo product left out, as the kernel does."""
-    if tile_input != "f16x3":
-        return rounded_input(x, tile_input) @ rounded_input(w, tile_input).T
-    w_hi, x_hi = rounded_input(w, "f16"), rounded_input(x, "f16")
-    w_lo = rounded_input((w - w_hi).astype(np.float32), "f16")
-    x_lo = rounded_input((x - x_hi).astype(np.float32), "f16")
+def tile_product(w: np.ndarray, x: np.ndarray, type_name: str) -> np.ndarray:
+    """x @ w.T as mul_mat_tiles_f16x2_<type> multiplies, summed exactly (float64): the
+    activations split into float16 hi + lo, times the weights exactly (a quantized type's
+    integer levels and F16's halves are exact in float16; level * scale + offset is w before
+    quants.py's float32 rounding, within a float32 unit of w), or for F32 / BF16 weights also
+    split, with the lo x lo product left out. The kernel's float32 accumulation is the
+    caller's bound."""
+    x_hi, x_lo = float16_parts(x)
+    if type_name not in ("F32", "BF16"):
+        return (x_hi + x_lo) @ np.asarray(w, dtype=np.float64).T
+    w_hi, w_lo = float16_parts(w)
     return x_hi @ w_lo.T + x_lo @ w_hi.T + x_hi @ w_hi.T
 
 

@@ -1,7 +1,7 @@
 """actors.compute.cuda end to end on the host: the real backend (packing, pinned copies, the
 launches of cuda_launches, graph capture and replay, candidate records, fetch_rows) over an
 emulated device whose kernels are numpy twins of cuda_src (tests/cuda_emulator.py), against
-the CPU model. Float16 KV and the tiles' float16 / bfloat16 inputs are emulated, so this is
+the CPU model. Float16 KV and the tiles' float16 hi + lo activations are emulated, so this is
 also the backend's precision against the CPU, measured before any device runs it."""
 
 from __future__ import annotations

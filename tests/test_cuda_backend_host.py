@@ -212,7 +212,7 @@ def test_decode_rows_keep_the_matvec_when_a_prefill_shares_their_step(
     items = [*decode, StepItem(tuple(range(1, 21)), 0, (12, 13))]
     _, calls = _calls(models["llama-tiny"], items)
     down = [c for c in calls if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
-    assert [_kind(c) for c in down] == ["mul_mat_vec", "mul_mat_tiles_f16x3_q4_K"]
+    assert [_kind(c) for c in down] == ["mul_mat_vec", "mul_mat_tiles_f16x2_q4_K"]
     assert [int(c.args[8]) for c in down] == [12, 20]
     assert down[1].args[2] == launches.Ref("gated", 12 * spec.ffn_dim * 4)
     assert down[1].args[4] == launches.Ref("projected", 12 * spec.d_model * 4)
@@ -255,7 +255,7 @@ def test_each_prefill_item_takes_the_matvec_or_the_tiles_by_its_own_length(
     _, calls = _calls(models["llama-tiny"], items)
     down = [c for c in calls if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
     assert [(_kind(c), c.args[2].offset // (4 * spec.ffn_dim), int(c.args[8])) for c in down] \
-        == [("mul_mat_vec", 0, 7), ("mul_mat_tiles_f16x3_q4_K", 7, 20), ("mul_mat_vec", 27, 10)]
+        == [("mul_mat_vec", 0, 7), ("mul_mat_tiles_f16x2_q4_K", 7, 20), ("mul_mat_vec", 27, 10)]
     output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
     assert [(_kind(c), int(c.args[8])) for c in output] == [("mul_mat_vec", 6)]
     two_short = items[2:3] + items[4:5]

@@ -57,6 +57,15 @@ def host_dequantize(lib: ctypes.CDLL, raw: np.ndarray, type_name: str, rows: int
     return out
 
 
+def host_tile_values(lib: ctypes.CDLL, raw: np.ndarray, type_name: str, rows: int,
+                     row_length: int) -> np.ndarray:
+    out = np.empty((rows, row_length), dtype=np.float32)
+    raw = np.ascontiguousarray(raw)
+    getattr(lib, f"tile_values_{_suffix(type_name)}")(
+        _pointer(raw), ctypes.c_int64(rows), ctypes.c_int64(row_length // GROUP), _pointer(out))
+    return out
+
+
 def host_dot(lib: ctypes.CDLL, raw: np.ndarray, type_name: str, x: np.ndarray) -> np.ndarray:
     rows = raw.shape[0]
     out = np.empty(rows, dtype=np.float32)
@@ -128,6 +137,28 @@ def test_float_types_decode_bit_for_bit(blockmath: ctypes.CDLL, type_name: str) 
     rows = raw.shape[0]
     expected = dequantize(raw, type_name, (rows, ROW_LENGTH))
     assert_same_floats(host_dequantize(blockmath, raw, type_name, rows, ROW_LENGTH), expected)
+
+
+@pytest.mark.parametrize(("type_name", "kind"), [
+    (t, kind) for t in ALL_TYPES for kind in ("quantized", "random", "edges")
+    if t in HALF_FIELDS or kind == "quantized"])  # float types: no scale fields to vary
+def test_tile_levels_rebuild_every_value_bit_for_bit(blockmath: ctypes.CDLL, type_name: str,
+                                                     kind: str) -> None:
+    """The tiles' levels (four elements in two float16 pairs), scales and offsets of
+    tile_levels.cuh give back quants.py's values: the pairing, the bit extraction and the
+    per-element scale group are right for every element of every block type."""
+    rng = np.random.default_rng(11)
+    if type_name not in HALF_FIELDS:
+        raw = float_type_bytes(type_name, rng)
+    elif kind == "quantized":
+        raw = finite_blocks(type_name, ROWS, ROW_LENGTH, rng)
+    else:
+        raw = edge_blocks(type_name, rng) if kind == "edges" else random_blocks(
+            type_name, ROWS, ROW_LENGTH, rng)
+    rows = raw.shape[0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = dequantize(raw, type_name, (rows, ROW_LENGTH))
+    assert_same_floats(host_tile_values(blockmath, raw, type_name, rows, ROW_LENGTH), expected)
 
 
 def test_edge_halves_reach_both_scales_of_two_scale_types() -> None:

@@ -120,11 +120,15 @@ def test_memory_plan_refuses_a_model_that_does_not_fit() -> None:
 
 def test_matmul_kernel_and_launch_switch_at_the_matvec_batch() -> None:
     assert plan.matmul_kernel("Q4_K", 8) == "mul_mat_vec_q4_K"
-    assert plan.matmul_kernel("Q6_K", 9) == "mul_mat_tiles_f16_q6_K"
-    assert plan.matmul_kernel("BF16", 512, "bf16") == "mul_mat_tiles_bf16_bf16"
+    assert plan.matmul_kernel("Q6_K", 9) == "mul_mat_tiles_f16x2_q6_K"
+    assert plan.matmul_kernel("BF16", 512, "f16x2") == "mul_mat_tiles_f16x2_bf16"
+    with pytest.raises(InvalidRequest, match="tile input"):
+        plan.matmul_kernel("Q4_K", 512, "f16")
     assert plan.matmul_launch(14336, 1) == plan.Launch((3584, 1, 1), (128, 1, 1))
-    assert plan.matmul_launch(4096, 512) == plan.Launch((64, 8, 1), (128, 1, 1))
+    # token tiles fastest: the 8 blocks sharing a 64-row weight tile run together
+    assert plan.matmul_launch(4096, 512) == plan.Launch((8, 64, 1), (128, 1, 1))
     assert plan.matmul_launch(100, 65) == plan.Launch((2, 2, 1), (128, 1, 1))
+    assert plan.matmul_launch(262144, 9) == plan.Launch((1, 4096, 1), (128, 1, 1))
 
 
 def test_launches_cover_their_work() -> None:

@@ -33,8 +33,9 @@ KERNEL_TYPE_SUFFIX = {
     "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
     "Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K", "F32": "f32", "F16": "f16", "BF16": "bf16",
 }
-# What mul_mat_tiles feeds the tensor cores: float16, bfloat16, or float16 hi + lo parts.
-TILE_INPUTS = ("f16", "bf16", "f16x3")
+# What mul_mat_tiles feeds the tensor cores: exact float16 weight levels and the activations
+# split into float16 hi + lo parts (see cuda_src/matmul.cu).
+TILE_INPUTS = ("f16x2",)
 # The gated activations: activation.cu's gated_<act> and matvec.cu's fused gate+up entries.
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -43,7 +44,7 @@ GROUP = 32  # elements decoded at a time: every row length must be a multiple
 ROW_ALIGN = 16  # weight rows start on 16-byte boundaries (matvec's vector loads)
 MATVEC_WARPS = 4
 MATVEC_MAX_BATCH = 8
-TILE_ROWS = TILE_TOKENS = 64
+TILE_ROWS = TILE_TOKENS = 64  # a tiles block's share of y; its grid runs token tiles fastest
 TILE_THREADS = 128
 NORM_THREADS = 256
 HEAD_NORM_HEADS_PER_BLOCK = 4
@@ -370,7 +371,7 @@ def matvec_launch(rows: int, batch: int) -> Launch:
     return _check_grid(Launch((_blocks(rows, MATVEC_WARPS), 1, 1), (MATVEC_WARPS * 32, 1, 1)))
 
 
-def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = "f16") -> str:
+def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = TILE_INPUTS[0]) -> str:
     """The entry point multiplying a `type_name` matrix by n_tokens activation rows."""
     suffix = kernel_suffix(type_name)
     if uses_matvec(n_tokens):
@@ -382,10 +383,11 @@ def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = "f16") -> str
 
 
 def matmul_launch(rows: int, n_tokens: int) -> Launch:
-    """mul_mat_vec (one warp per output row) or mul_mat_tiles (64 x 64 tiles of y)."""
+    """mul_mat_vec (one warp per output row) or mul_mat_tiles (64 x 64 tiles of y, token tiles
+    fastest: the blocks sharing a weight tile run together and read it from DRAM once)."""
     if uses_matvec(n_tokens):
         return matvec_launch(rows, n_tokens)
-    return _check_grid(Launch((_blocks(rows, TILE_ROWS), _blocks(n_tokens, TILE_TOKENS), 1),
+    return _check_grid(Launch((_blocks(n_tokens, TILE_TOKENS), _blocks(rows, TILE_ROWS), 1),
                               (TILE_THREADS, 1, 1)))
 
 
