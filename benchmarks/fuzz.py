@@ -21,7 +21,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.fuzz import engine_options, gguf_structure, logs, params, templates  # noqa: E402
+from tests.fuzz import (  # noqa: E402
+    engine_options,
+    gguf_structure,
+    logs,
+    params,
+    template_operations,
+    templates,
+)
 from tests.fuzz.target import Escape, Target  # noqa: E402
 
 TARGETS = {
@@ -29,6 +36,7 @@ TARGETS = {
     "params": params.TARGET,
     "engine": engine_options.TARGET,
     "templates": templates.TARGET,
+    "template-operations": template_operations.TARGET,
     "logs": logs.TARGET,
 }
 

@@ -1,6 +1,6 @@
 """The fuzz targets of tests/fuzz, bounded for CI (Q4K_FUZZ_EXAMPLES each, default 150):
-SamplingParams over every field, Engine.open over every option, hostile chat templates and
-hostile log files. An input that makes the project raise anything but its own errors fails.
+SamplingParams over every field, Engine.open over every option, hostile chat templates, chat
+template operations sized before C builds them, and hostile log files. An input that makes the project raise anything but its own errors fails.
 The GGUF structure target runs in tests/test_gguf_fuzz.py; `benchmarks/fuzz.py` runs all of
 them longer."""
 
@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from tests.fuzz import FUZZ_EXAMPLES, engine_options, logs, params, templates
+from tests.fuzz import (
+    FUZZ_EXAMPLES,
+    engine_options,
+    logs,
+    params,
+    template_operations,
+    templates,
+)
 from tests.fuzz.target import Target
 
 FUZZ_SETTINGS = settings(
@@ -30,7 +37,13 @@ def _fuzz_test(target: Target):
 
 @pytest.mark.parametrize(
     "target",
-    [params.TARGET, engine_options.TARGET, templates.TARGET, logs.TARGET],
+    [
+        params.TARGET,
+        engine_options.TARGET,
+        templates.TARGET,
+        template_operations.TARGET,
+        logs.TARGET,
+    ],
     ids=lambda target: target.name,
 )
 def test_no_input_escapes_the_project_errors(target: Target) -> None:
