@@ -111,7 +111,8 @@ def test_tojson_matches_json_dumps_piece_by_piece() -> None:
         ("", {}),
         ("indent=2", {"indent": 2}),
         ("indent='\\t', sort_keys=true", {"indent": "\t", "sort_keys": True}),
-        ("ensure_ascii=true, separators=(',', ':')", {"ensure_ascii": True, "separators": (",", ":")}),
+        ("ensure_ascii=true, separators=(',', ':')",
+         {"ensure_ascii": True, "separators": (",", ":")}),
     ):  # fmt: skip
         source = "{{ messages|tojson(" + arguments + ") }}"
         rendered = ChatTemplate(source, bos_token="", eos_token="").render(messages)

@@ -1,6 +1,7 @@
 """The fuzz targets of tests/fuzz, bounded for CI (Q4K_FUZZ_EXAMPLES each, default 150):
 SamplingParams over every field, Engine.open over every option, hostile chat templates, chat
-template operations sized before C builds them, and hostile log files. An input that makes the project raise anything but its own errors fails.
+template operations sized before C builds them, and hostile log files. An input that makes
+the project raise anything but its own errors fails.
 The GGUF structure target runs in tests/test_gguf_fuzz.py; `benchmarks/fuzz.py` runs all of
 them longer."""
 

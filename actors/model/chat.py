@@ -280,9 +280,10 @@ class _CountingSandbox(ImmutableSandboxedEnvironment):
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
         """`str.format` and `str.format_map` through a formatter that sizes every field (its
         width and precision, nested ones filled in, and its value's text) before formatting."""
-        if not isinstance(value, types.MethodType | types.BuiltinMethodType) or value.__name__ not in (
-            "format", "format_map"
-        ) or not isinstance(value.__self__, str):  # fmt: skip
+        method_types = types.MethodType | types.BuiltinMethodType
+        if not isinstance(value, method_types) or value.__name__ not in ("format", "format_map"):
+            return None
+        if not isinstance(value.__self__, str):
             return None
         text: str = value.__self__
         is_format_map = value.__name__ == "format_map"

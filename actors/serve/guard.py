@@ -1,9 +1,9 @@
 """What the server checks before a request reaches its endpoint: the API key, the body's
 content type, its size and how long it takes to arrive.
 
-`RequestGuard` is ASGI middleware (it needs no Starlette to import). It reads the whole body itself, bounded in size (the
-`Content-Length` before anything is read, the bytes counted as they come for chunked bodies)
-and in time, then hands the endpoint the buffered body. Every refusal is an OpenAI error
+`RequestGuard` is ASGI middleware (it needs no Starlette to import). It reads the whole body
+itself, bounded in size (the `Content-Length` before anything is read, the bytes counted as
+they come for chunked bodies) and in time, then hands the endpoint the buffered body. Every refusal is an OpenAI error
 object with its status (401, 408, 413, 415); a client that leaves while its body is arriving
 is dropped quietly (status 499 in the access log, no error line).
 """
@@ -33,7 +33,7 @@ CLIENT_LEFT_STATUS = 499
 # A refused body is read to its end (up to this much, kept nowhere) before the refusal is
 # sent: a server that closes while the client still sends resets the connection, and the
 # client never sees the refusal.
-DISCARD_BYTES = 64 << 20
+DISCARD_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
