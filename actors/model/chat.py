@@ -55,7 +55,7 @@ _MAX_INT_BITS = 4096
 # indent times its depth.
 MAX_JSON_INDENT = 16
 # All renders in flight together (each in its own worker thread) build at most this many bytes.
-ALL_RENDERS_MEMORY = 1 << 30
+ALL_RENDERS_MEMORY = 1 << 29
 
 
 class RenderLimits(NamedTuple):
@@ -65,7 +65,7 @@ class RenderLimits(NamedTuple):
 
     seconds: float = 2.0
     chars: int = 1 << 22
-    memory: int = 1 << 28
+    memory: int = 1 << 27
 
 
 class _RenderTimeout(TemplateError):
