@@ -126,13 +126,14 @@ def test_renders_in_flight_share_one_memory_ceiling(monkeypatch) -> None:
 
     shared = chat._SharedMemory(ceiling=8 << 20)
     monkeypatch.setattr(chat, "_ALL_RENDERS", shared)
-    shared.take(6 << 20)  # another render in flight holds 6 MB
+    other = object()
+    shared.take(other, 6 << 20)  # another render in flight holds 6 MB
     source = "{% set x = 'a' * 3000000 %}{{ x|length }}"
     template = ChatTemplate(source, bos_token="", eos_token="")
     with pytest.raises(TemplateError, match="rendering now have built"):
         template.render(USER)
     assert shared.used == 6 << 20  # the failed render gave back what it had counted
-    shared.give_back(6 << 20)
+    shared.give_back(other)
     assert template.render(USER) == "3000000"
     assert shared.used == 0
 

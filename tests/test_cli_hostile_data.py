@@ -131,6 +131,7 @@ def test_the_summary_streams_in_flat_memory_and_agrees_with_the_whole_parse(
     tmp_path: Path,
 ) -> None:
     small, big = _log_of(tmp_path / "small.log", 2_000), _log_of(tmp_path / "big.log", 20_000)
+    _streamed_summary([str(small)])  # first use: imports and caches, not the log's memory
     peaks = []
     for log in (small, big):
         tracemalloc.start()
@@ -140,8 +141,8 @@ def test_the_summary_streams_in_flat_memory_and_agrees_with_the_whole_parse(
         finally:
             tracemalloc.stop()
     # Ten times the events (60,000 lines, 11 MB): a few numbers more per request (its id's
-    # hash, latencies, busy interval: under 100 bytes), not its events (a kilobyte each).
-    assert peaks[1] < peaks[0] + 100 * 18_000, peaks
+    # hash, latencies, busy interval: about 100 bytes), not its three events (a KB each).
+    assert (peaks[1] - peaks[0]) / 18_000 < 250, peaks
     whole = summarize(parse_log([(str(big), big.read_text().split("\n"))]))
     assert streamed == whole
     assert streamed.requests_seen == 20_000 and streamed.steps == 20_000

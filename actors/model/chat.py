@@ -74,25 +74,32 @@ class _RenderTimeout(TemplateError):
 
 
 class _SharedMemory:
-    """The bytes that all renders in flight have built, against one ceiling."""
+    """The bytes that all renders in flight have built, against one ceiling. Each render's
+    count changes in one store (the watchdog's injected timeout can land between any two), and
+    goes away whole when the render ends."""
 
     def __init__(self, ceiling: int) -> None:
         self.ceiling = ceiling
-        self.used = 0
+        self._built: dict[object, int] = {}
         self._lock = threading.Lock()
 
-    def take(self, size: int) -> None:
-        with self._lock:
-            if self.used + size > self.ceiling:
-                raise TemplateError(
-                    f"chat templates rendering now have built {self.used:,} bytes; together "
-                    f"they may build at most {self.ceiling:,}"
-                )
-            self.used += size
+    @property
+    def used(self) -> int:
+        return sum(self._built.values())
 
-    def give_back(self, size: int) -> None:
+    def take(self, render: object, size: int) -> None:
         with self._lock:
-            self.used -= size
+            used = self.used
+            if used + size > self.ceiling:
+                raise TemplateError(
+                    f"chat templates rendering now have built {used:,} bytes; together they "
+                    f"may build at most {self.ceiling:,}"
+                )
+            self._built[render] = self._built.get(render, 0) + size
+
+    def give_back(self, render: object) -> None:
+        with self._lock:
+            self._built.pop(render, None)
 
 
 _ALL_RENDERS = _SharedMemory(ALL_RENDERS_MEMORY)
@@ -119,15 +126,14 @@ class _Budget:
                 f"is {self.memory:,}"
             )
         if self._shared is not None:
-            self._shared.take(size)
+            self._shared.take(self, size)
         self.built += size
         return value
 
     def release(self) -> None:
         """The render ended: its values no longer count against all renders' ceiling."""
         if self._shared is not None:
-            self._shared.give_back(self.built)
-        self.built = 0
+            self._shared.give_back(self)
 
     def check_time(self) -> None:
         if time.monotonic() > self.deadline:
