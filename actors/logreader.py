@@ -202,20 +202,26 @@ def parse_line(text: str, source: str, line: int) -> LogEvent | MalformedLine:
 
 def parse_log(sources: Iterable[tuple[str, Iterable[str]]]) -> ParsedLog:
     """Parse (name, lines) pairs; blank lines are skipped, not counted as malformed."""
+    return gather_log(
+        (name, (parse_line(text, name, number)
+                for number, text in enumerate(lines, start=1) if text.strip()))
+        for name, lines in sources
+    )  # fmt: skip
+
+
+def gather_log(
+    sources: Iterable[tuple[str, Iterable[LogEvent | MalformedLine]]],
+) -> ParsedLog:
+    """(name, parsed lines) pairs as one log, its events in time order."""
     names: list[str] = []
     events: list[LogEvent] = []
     malformed: list[MalformedLine] = []
-    total = 0
-    for name, lines in sources:
+    for name, parsed_lines in sources:
         names.append(name)
-        for number, text in enumerate(lines, start=1):
-            if not text.strip():
-                continue
-            total += 1
-            parsed = parse_line(text, name, number)
+        for parsed in parsed_lines:
             (events if isinstance(parsed, LogEvent) else malformed).append(parsed)
     events.sort(key=lambda e: e.time)
-    return ParsedLog(tuple(names), total, tuple(events), tuple(malformed))
+    return ParsedLog(tuple(names), len(events) + len(malformed), tuple(events), tuple(malformed))
 
 
 def iso(seconds: float) -> str:

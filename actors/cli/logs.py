@@ -29,8 +29,8 @@ from actors.logreader import (
     clip,
     format_event,
     format_value,
+    gather_log,
     parse_line,
-    parse_log,
     request_rows,
     request_timeline,
     summarize,
@@ -164,15 +164,7 @@ def _each_input(files: list[str]) -> Iterator[tuple[str, Iterator[LogEvent | Mal
 
 
 def _read_inputs(files: list[str]) -> ParsedLog:
-    names: list[str] = []
-    events: list[LogEvent] = []
-    malformed: list[MalformedLine] = []
-    for source, lines in _each_input(files):
-        names.append(source)
-        for parsed in lines:
-            (events if isinstance(parsed, LogEvent) else malformed).append(parsed)
-    events.sort(key=lambda e: e.time)
-    return ParsedLog(tuple(names), len(events) + len(malformed), tuple(events), tuple(malformed))
+    return gather_log(_each_input(files))
 
 
 def _streamed_summary(files: list[str]) -> LogSummary:
