@@ -8,6 +8,7 @@ skipped, never fatal: logs get truncated by crashes and interleaved by careless 
 from __future__ import annotations
 
 import math
+from array import array
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
@@ -29,6 +30,14 @@ MAX_COUNT = 1 << 53
 # Times every view can print: datetime's range, in UTC.
 _EARLIEST = datetime(1, 1, 2, tzinfo=timezone.utc).timestamp()
 _LATEST = datetime(9999, 12, 30, tzinfo=timezone.utc).timestamp()
+# A summary keeps at most this many distinct texts of one kind (errors, reasons, models,
+# notices), each cut to TEXT_CHARS; the rest are counted under _OTHER_TEXTS.
+MAX_DISTINCT = 1000
+TEXT_CHARS = 500
+_OTHER_TEXTS = "(other texts, past the first 1,000)"
+_TEXT_KINDS = ("finish_reasons", "rejection_reasons", "errors", "notices", "models")
+# A field value shown on one line (tail, a timeline) is cut to this many characters.
+VALUE_CHARS = 300
 # Keys every event has; a timeline shows the others.
 _ENVELOPE_KEYS = frozenset({"event", "timestamp", "level", "request_id", "logger_name"})
 _TERMINAL_STATUS = {
@@ -193,20 +202,26 @@ def parse_line(text: str, source: str, line: int) -> LogEvent | MalformedLine:
 
 def parse_log(sources: Iterable[tuple[str, Iterable[str]]]) -> ParsedLog:
     """Parse (name, lines) pairs; blank lines are skipped, not counted as malformed."""
+    return gather_log(
+        (name, (parse_line(text, name, number)
+                for number, text in enumerate(lines, start=1) if text.strip()))
+        for name, lines in sources
+    )  # fmt: skip
+
+
+def gather_log(
+    sources: Iterable[tuple[str, Iterable[LogEvent | MalformedLine]]],
+) -> ParsedLog:
+    """(name, parsed lines) pairs as one log, its events in time order."""
     names: list[str] = []
     events: list[LogEvent] = []
     malformed: list[MalformedLine] = []
-    total = 0
-    for name, lines in sources:
+    for name, parsed_lines in sources:
         names.append(name)
-        for number, text in enumerate(lines, start=1):
-            if not text.strip():
-                continue
-            total += 1
-            parsed = parse_line(text, name, number)
+        for parsed in parsed_lines:
             (events if isinstance(parsed, LogEvent) else malformed).append(parsed)
     events.sort(key=lambda e: e.time)
-    return ParsedLog(tuple(names), total, tuple(events), tuple(malformed))
+    return ParsedLog(tuple(names), len(events) + len(malformed), tuple(events), tuple(malformed))
 
 
 def iso(seconds: float) -> str:
@@ -231,9 +246,9 @@ def _count(value: Any) -> int | None:
     return int(number) if number is not None and 0 <= number <= MAX_COUNT else None
 
 
-def percentiles(values: Sequence[float]) -> Percentiles | None:
+def percentiles(values: Sequence[float] | array) -> Percentiles | None:
     """p50/p95/p99 with numpy's default (linear) interpolation; None without data."""
-    if not values:
+    if not len(values):
         return None
     p50, p95, p99 = np.percentile(np.asarray(values, dtype=np.float64), [50, 95, 99])
     return Percentiles(len(values), float(p50), float(p95), float(p99))
@@ -304,89 +319,153 @@ def request_timeline(log: ParsedLog, request_id: str) -> tuple[str, list[Timelin
     return match, entries
 
 
-def _model_names(log: ParsedLog) -> tuple[str, ...]:
-    names: dict[str, None] = {}  # ordered set
-    for event in log.events:
-        if event.event == "model_loaded":
-            arch = event.fields.get("arch", "?")
-            where = event.fields.get("path") or event.fields.get("model") or "?"
-            backend = event.fields.get("backend", "?")
-            names[f"{where} ({arch}, {backend})"] = None
-    return tuple(names)
+class SummaryBuilder:
+    """The figures of `summarize`, gathered one event at a time: `q4k logs summary` streams a
+    log of any length through it without keeping its events. It keeps counts, a few numbers
+    per request (latencies, busy intervals, an 8-byte hash of each id) and at most
+    `MAX_DISTINCT` texts of at most `TEXT_CHARS` characters per kind (errors, reasons,
+    models, notices): a log of a million distinct 50 MB error messages costs what one does."""
+
+    def __init__(self, sources: Sequence[str] = ()) -> None:
+        self.sources = tuple(sources)
+        self.lines = 0
+        self.events = 0
+        self.malformed = 0
+        self.malformed_examples: list[MalformedLine] = []
+        self.first = math.inf
+        self.last = -math.inf
+        self.request_hashes = array("q")
+        self.counts: Counter[str] = Counter()
+        self.error_events = 0
+        self.texts: dict[str, Counter[str]] = {kind: Counter() for kind in _TEXT_KINDS}
+        self.ttfts = array("d")
+        self.per_token = array("d")
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.busy_starts = array("d")
+        self.busy_ends = array("d")
+        self.batch: Counter[int] = Counter()
+
+    def add_source(self, name: str) -> None:
+        self.sources += (name,)
+
+    def add(self, parsed: LogEvent | MalformedLine) -> None:
+        """One non-blank line, parsed."""
+        self.lines += 1
+        if isinstance(parsed, MalformedLine):
+            self.malformed += 1
+            if len(self.malformed_examples) < MALFORMED_EXAMPLES:
+                self.malformed_examples.append(parsed)
+            return
+        self.events += 1
+        self.first = min(self.first, parsed.time)
+        self.last = max(self.last, parsed.time)
+        if parsed.request_id is not None:
+            self.request_hashes.append(hash(parsed.request_id))
+        self.error_events += parsed.level in ("error", "critical")
+        self.counts[parsed.event] += 1
+        self._add_fields(parsed)
+
+    def _add_fields(self, event: LogEvent) -> None:
+        fields = event.fields
+        name = event.event
+        if name == "request_finished":
+            self._note("finish_reasons", str(fields.get("finish_reason")))
+            if (ttft := _number(fields.get("ttft_ms"))) is not None:
+                self.ttfts.append(ttft)
+            if (rate := _number(fields.get("decode_tokens_per_s"))) and rate > 0:
+                self.per_token.append(1000.0 / rate)
+            self.prompt_tokens += _count(fields.get("prompt_tokens")) or 0
+        if name in ("request_finished", "request_cancelled"):
+            self.completion_tokens += _count(fields.get("completion_tokens")) or 0
+            total = _number(fields.get("total_ms"))
+            if total is not None and total >= 0:
+                self.busy_starts.append(event.time - total / 1000.0)
+                self.busy_ends.append(event.time)
+        if name in ("request_failed", "request_rejected") and "error" in fields:
+            self._note("errors", str(fields["error"]))
+        if name == "request_rejected":
+            self._note("rejection_reasons", str(fields.get("reason")))
+        if name == "notice":
+            self._note("notices", str(fields.get("message", "")))
+        if name == "model_loaded":
+            where = fields.get("path") or fields.get("model") or "?"
+            arch, backend = fields.get("arch", "?"), fields.get("backend", "?")
+            self._note("models", f"{where} ({arch}, {backend})")
+        if name == "step" and (items := _count(fields.get("items"))) is not None:
+            self.batch[items] += 1
+
+    def _note(self, kind: str, text: str) -> None:
+        counter = self.texts[kind]
+        key = clip(text, TEXT_CHARS)
+        if key in counter or len(counter) < MAX_DISTINCT:
+            counter[key] += 1
+        else:
+            counter[_OTHER_TEXTS] += 1
+
+    def summary(self) -> LogSummary:
+        has_events = self.events > 0
+        span = self.last - self.first if has_events else 0.0
+        busy = _union_seconds(np.frombuffer(self.busy_starts, np.float64),
+                              np.frombuffer(self.busy_ends, np.float64))
+        completion = self.completion_tokens
+        batch_total = sum(self.batch.values())
+        finished = self.counts["request_finished"]
+        return LogSummary(
+            sources=self.sources,
+            lines=self.lines,
+            events=self.events,
+            malformed=self.malformed,
+            malformed_examples=tuple(self.malformed_examples),
+            first_timestamp=iso(self.first) if has_events else None,
+            last_timestamp=iso(self.last) if has_events else None,
+            span_s=span,
+            models=tuple(self.texts["models"]),
+            requests_seen=int(np.unique(np.frombuffer(self.request_hashes, np.int64)).size),
+            admitted=self.counts["request_admitted"],
+            finished=finished,
+            finish_reasons=dict(self.texts["finish_reasons"]),
+            cancelled=self.counts["request_cancelled"],
+            failed=self.counts["request_failed"],
+            rejected=self.counts["request_rejected"],
+            rejection_reasons=dict(self.texts["rejection_reasons"]),
+            errors=dict(self.texts["errors"].most_common()),
+            error_events=self.error_events,
+            notices=tuple(self.texts["notices"]),
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion,
+            tokens_per_s=completion / span if span > 0 else None,
+            busy_s=busy,
+            busy_tokens_per_s=completion / busy if busy > 0 else None,
+            ttft_ms=percentiles(self.ttfts),
+            per_token_latency_ms=percentiles(self.per_token),
+            steps=self.counts["step"],
+            batch_sizes=dict(sorted(self.batch.items())),
+            mean_batch_size=(
+                sum(k * v for k, v in self.batch.items()) / batch_total if batch_total else None
+            ),
+        )
 
 
 def summarize(log: ParsedLog) -> LogSummary:
     """Figures of a whole log: outcomes, errors, latency percentiles, throughput, batching."""
-    by_event: dict[str, list[LogEvent]] = {}
-    for event in log.events:
-        by_event.setdefault(event.event, []).append(event)
-
-    def fields_of(name: str) -> list[dict[str, Any]]:
-        return [e.fields for e in by_event.get(name, [])]
-
-    finished = fields_of("request_finished")
-    cancelled = fields_of("request_cancelled")
-    failed = fields_of("request_failed")
-    rejected = fields_of("request_rejected")
-    steps = fields_of("step")
-
-    ttfts = [v for v in (_number(f.get("ttft_ms")) for f in finished) if v is not None]
-    rates = [v for v in (_number(f.get("decode_tokens_per_s")) for f in finished) if v]
-    per_token = [1000.0 / r for r in rates if r > 0]
-    completion = sum(_count(f.get("completion_tokens")) or 0 for f in finished + cancelled)
-    prompt = sum(_count(f.get("prompt_tokens")) or 0 for f in finished)
-    span = log.events[-1].time - log.events[0].time if log.events else 0.0
-    batch = Counter(c for c in (_count(f.get("items")) for f in steps) if c is not None)
-    batch_total = sum(batch.values())
-    errors = Counter(str(f["error"]) for f in failed + rejected if "error" in f)
-    busy = busy_seconds(by_event.get("request_finished", []) + by_event.get("request_cancelled", []))
-    notices = dict.fromkeys(str(f.get("message", "")) for f in fields_of("notice"))
-
-    return LogSummary(
-        sources=log.sources,
-        lines=log.lines,
-        events=len(log.events),
-        malformed=len(log.malformed),
-        malformed_examples=log.malformed[:MALFORMED_EXAMPLES],
-        first_timestamp=iso(log.events[0].time) if log.events else None,
-        last_timestamp=iso(log.events[-1].time) if log.events else None,
-        span_s=span,
-        models=_model_names(log),
-        requests_seen=len({e.request_id for e in log.events if e.request_id is not None}),
-        admitted=len(by_event.get("request_admitted", [])),
-        finished=len(finished),
-        finish_reasons=dict(Counter(str(f.get("finish_reason")) for f in finished)),
-        cancelled=len(cancelled),
-        failed=len(failed),
-        rejected=len(rejected),
-        rejection_reasons=dict(Counter(str(f.get("reason")) for f in rejected)),
-        errors=dict(errors.most_common()),
-        error_events=sum(e.level in ("error", "critical") for e in log.events),
-        notices=tuple(notices),
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        tokens_per_s=completion / span if span > 0 else None,
-        busy_s=busy,
-        busy_tokens_per_s=completion / busy if busy > 0 else None,
-        ttft_ms=percentiles(ttfts),
-        per_token_latency_ms=percentiles(per_token),
-        steps=len(steps),
-        batch_sizes=dict(sorted(batch.items())),
-        mean_batch_size=(sum(k * v for k, v in batch.items()) / batch_total) if batch_total else None,
-    )
+    builder = SummaryBuilder(log.sources)
+    for item in (*log.events, *log.malformed):
+        builder.add(item)
+    return builder.summary()
 
 
-def busy_seconds(ended: Sequence[LogEvent]) -> float:
-    """Seconds at least one of these requests was running: the union of the intervals
-    [end - total_ms, end] of their finish or cancel events, so idle gaps do not count."""
-    intervals = [
-        (event.time - total / 1000.0, event.time)
-        for event in ended
-        if (total := _number(event.fields.get("total_ms"))) is not None and total >= 0
-    ]
-    if not intervals:
+def clip(text: str, chars: int) -> str:
+    """`text` cut to `chars` characters, the cut marked."""
+    return text if len(text) <= chars else text[: chars - 1] + "\u2026"
+
+
+def _union_seconds(starts: np.ndarray, ends: np.ndarray) -> float:
+    """The length of the union of the intervals [starts[i], ends[i]]."""
+    if not starts.size:
         return 0.0
-    starts, ends = np.array(intervals, dtype=np.float64)[np.argsort([i[0] for i in intervals])].T
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
     reach = np.maximum.accumulate(ends)
     covered_before = np.concatenate(([-np.inf], reach[:-1]))
     # Each interval adds what it covers past everything that started before it.
@@ -397,17 +476,22 @@ def format_event(event: LogEvent) -> str:
     """One human-readable line for `q4k logs tail`: time, level, event, then key=value pairs."""
     clock = datetime.fromtimestamp(event.time, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
     pairs = [
-        f"{k}={format_value(v)}" for k, v in event.fields.items() if k not in _ENVELOPE_KEYS
+        f"{clip(k, VALUE_CHARS)}={format_value(v)}"
+        for k, v in event.fields.items()
+        if k not in _ENVELOPE_KEYS
     ]
-    request = f"[{event.request_id}] " if event.request_id is not None else ""
-    return f"{clock} {event.level:<7} {event.event:<18} {request}{' '.join(pairs)}".rstrip()
+    request = f"[{clip(event.request_id, VALUE_CHARS)}] " if event.request_id is not None else ""
+    level, name = clip(event.level, VALUE_CHARS), clip(event.event, VALUE_CHARS)
+    return f"{clock} {level:<7} {name:<18} {request}{' '.join(pairs)}".rstrip()
 
 
 def format_value(value: Any) -> str:
-    """A field value for a one-line display: floats to 4 significant digits, no spaces unquoted."""
+    """A field value for a one-line display: floats to 4 significant digits, no spaces unquoted,
+    at most VALUE_CHARS characters."""
     if isinstance(value, float):
         return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.0f}"
     text = value if isinstance(value, str) else msgspec.json.encode(value).decode()
+    text = clip(text, VALUE_CHARS)
     return text if " " not in text else repr(text)
 
 

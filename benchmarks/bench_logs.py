@@ -1,6 +1,6 @@
 """How long `q4k logs requests` and `q4k logs summary` take on a big log: a synthetic log of
 N requests (admitted, prefill, finished or cancelled; steps in between), written once, then
-each view run as a user runs it, its output sent to a file.
+each view run as a user runs it, its output sent to a file: its time and its peak memory.
 
     python benchmarks/bench_logs.py --requests 100000
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -62,12 +63,17 @@ def main() -> None:
         for view in (["requests"], ["requests", "--json"], ["summary"]):
             started = time.perf_counter()
             with open(Path(folder) / "out.txt", "w") as out:
-                done = subprocess.run([sys.executable, "-m", "actors.cli", "logs", *view, str(log)],
-                                      stdout=out, stderr=subprocess.PIPE, text=True)
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "actors.cli", "logs", *view, str(log)],
+                    stdout=out, stderr=subprocess.DEVNULL,
+                )
+                # This child's own peak resident memory (Linux reports KiB).
+                _, status, usage = os.wait4(process.pid, 0)
             seconds = time.perf_counter() - started
-            status = "ok" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr[-200:]}"
-            print(f"q4k logs {' '.join(view):<16} {seconds:6.2f} s  {status}")
-
+            code = os.waitstatus_to_exitcode(status)
+            outcome = "ok" if code == 0 else f"exit {code}"
+            print(f"q4k logs {' '.join(view):<16} {seconds:6.2f} s  peak RSS "
+                  f"{usage.ru_maxrss / 1024:7.1f} MiB  {outcome}")
 
 if __name__ == "__main__":
     main()

@@ -28,6 +28,7 @@ from tests.fuzz import (  # noqa: E402
     logs,
     params,
     special_tokens,
+    template_operations,
     templates,
 )
 from tests.fuzz.target import Escape, Target  # noqa: E402
@@ -37,6 +38,7 @@ TARGETS = {
     "params": params.TARGET,
     "engine": engine_options.TARGET,
     "templates": templates.TARGET,
+    "template-operations": template_operations.TARGET,
     "logs": logs.TARGET,
     "special-tokens": special_tokens.TARGET,
     "gguf-counts": gguf_counts.TARGET,

@@ -1,12 +1,16 @@
 """The worst event-loop stall while the engine handles hostile inputs, one at a time, with a
-normal stream running beside them: runaway and huge chat templates, prompts of megabytes,
-ten million token ids, two million chat messages, self-inconsistent model files opened by a
-second engine (special tokens of 1 MiB, of placeholder code points, hundreds of long ones;
-millions of metadata keys, tensors or nested arrays), model paths of the wrong type, a log
-stream that fails mid-run. A ticker task records the longest gap in the loop during each
-input (actors.loop_stall); the goal is under 100 ms. The same is measured with no hostile
-input first, as the baseline the engine's own work sets. The process's peak memory comes
-last (the goal: under 2 GB).
+normal stream running beside them: runaway and huge chat templates, templates whose
+operations would build gigabytes inside one C call (%-formatting and str.format widths, `~`
+chains, str.translate, tojson indent, str() of containers), prompts of megabytes, ten million
+token ids, two million chat messages, self-inconsistent model files opened by a second engine
+(special tokens of 1 MiB, of placeholder code points, hundreds of long ones; millions of
+metadata keys, tensors or nested arrays), model paths of the wrong type, a log stream that
+fails mid-run, and hostile HTTP requests to `q4k serve`'s app running on the same loop (deep
+JSON, bodies too large, slow or abandoned bodies, wrong content types, no API key). A ticker
+task records the longest gap in the loop during each input (actors.loop_stall); the goal is
+under 100 ms. The same is measured with no hostile input first, as the baseline the engine's
+own work sets. The process's peak memory is printed after each input and last (the goal:
+under 2 GB).
 
     python benchmarks/hostile_stall.py                    # gemma-3-270m
     python benchmarks/hostile_stall.py --model smollm2.gguf
@@ -17,14 +21,17 @@ from __future__ import annotations
 import argparse
 import io
 import resource
+import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 
 import anyio
+import httpx
+import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -32,10 +39,13 @@ from actors import Engine, SamplingParams  # noqa: E402
 from actors.errors import Q4KError  # noqa: E402
 from actors.loop_stall import watch_loop  # noqa: E402
 from actors.messages import Chunk  # noqa: E402
+from actors.serve.app import build_app  # noqa: E402
+from actors.serve.guard import RequestLimits  # noqa: E402
 from tests.conftest import TINY_MODELS  # noqa: E402
 from tests.fuzz import gguf_counts, gguf_structure  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
+BIG = "{% set x = 'a' * 1000000 %}"
 TEMPLATES = {
     "template: 10^9 empty loop turns":
         "{% for i in range(30000) %}{% for j in range(30000) %}{% endfor %}{% endfor %}",
@@ -45,6 +55,36 @@ TEMPLATES = {
     "template: output of 10^10 characters":
         "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
     "template: 25 nested for": "{% for a in x %}" * 25 + "{% endfor %}" * 25,
+    "template: '%999999999s' % 'x'": "{{ '%999999999s' % 'x' }}",
+    "template: '%*s' % (10**9, 'x')": "{{ '%*s' % (999999999, 'x') }}",
+    "template: str.format, width from a variable":
+        "{% set w = 1000000 %}{{ ('{:{w}}' * 1000).format(*range(1000), w=w) }}",
+    # Values of 1 MB, each within gemma-3's limit (32,768 tokens x 48 bytes: 1.5 M characters).
+    "template: 1,000-long ~ chain of 1 MB": BIG + "{{ x" + " ~ x" * 1000 + " }}",
+    "template: str.translate, expanding table": "{{ ('a' * 1000000).translate({97: 'b' * 1000}) }}",
+    "template: tojson(indent=10**6)": "{{ messages|tojson(indent=1000000) }}",
+    "template: str() of 1,000 x 1 MB": BIG + "{% set many = [x] * 1000 %}{{ many }}",
+    "template: |join, |tojson of 1,000 x 1 MB":
+        BIG + "{% set many = [x] * 1000 %}{{ many|join }}{{ many|tojson }}",
+    "template: 1 MB values piled in a list (memory ceiling)": BIG
+        + "{% set ns = namespace(l=[]) %}{% for i in range(100000) %}"
+        "{% set ns.l = ns.l + [x ~ i] %}{% endfor %}",
+}  # fmt: skip
+# Hostile HTTP requests: (headers, body parts), each posted to /v1/completions; bodies are
+# made in the sending thread, as they are sent (not held by this process).
+KEY = "bench-key"
+JSON = {"content-type": "application/json", "authorization": f"Bearer {KEY}"}
+SMALL = '{"model": "m", "prompt": "hi"}'
+REQUESTS = {
+    "http: JSON nested 1,000,000 deep (2 MB)":
+        (JSON, lambda: iter([b'{"x": ', b"[" * 10**6, b"]" * 10**6, b"}"])),
+    "http: a 100 MB body (Content-Length)": ({**JSON, "content-length": str(100 << 20)},
+                                             lambda: (b" " * (1 << 20) for _ in range(100))),
+    "http: a 100 MB body (chunked)": (JSON, lambda: (b" " * (1 << 20) for _ in range(100))),
+    "http: text/plain body":
+        ({**JSON, "content-type": "text/plain"}, lambda: iter([SMALL.encode()])),
+    "http: no API key": ({"content-type": "application/json", "content-length": str(len(SMALL))},
+                         lambda: iter([SMALL.encode()])),
 }  # fmt: skip
 BAD_FILES = {
     "model file: 512 embedding rows, 1,024 tokens":
@@ -78,11 +118,12 @@ COUNT_FILES = {
 
 
 async def outcome_of(action: Callable[[], Awaitable[object]]) -> str:
+    """The project error's name, an HTTP status, or "ok"."""
     try:
-        await action()
+        result = await action()
     except Q4KError as exc:
         return type(exc).__name__
-    return "ok"
+    return f"HTTP {result}" if isinstance(result, str) else "ok"
 
 
 async def drain(chunks: AsyncIterator[Chunk]) -> None:
@@ -168,6 +209,57 @@ def _status_mib(field: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+@asynccontextmanager
+async def serving(engine: Engine) -> AsyncIterator[str]:
+    """`q4k serve`'s app over `engine`, on this event loop: its base URL."""
+
+    @asynccontextmanager
+    async def the_engine() -> AsyncIterator[Engine]:
+        yield engine
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    limits = RequestLimits(body_timeout_s=1.0, api_key=KEY)
+    app = build_app(the_engine, "m", limits=limits)
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(server.serve, [listener])
+        while not server.started:
+            await anyio.sleep(0.01)
+        yield "http://127.0.0.1:%d" % listener.getsockname()[1]
+        server.should_exit = True
+
+
+def http_inputs(url: str) -> dict[str, Callable[[], Awaitable[object]]]:
+    """Each request sent from a worker thread (the client's own work stays off the loop)."""
+
+    def send(headers: dict[str, str], body: Callable[[], Iterator[bytes]]) -> str:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            response = client.post("/v1/completions", headers=headers, content=body())
+            return str(response.status_code)
+
+    def slow_body() -> str:  # a body that never finishes, then one abandoned mid-way
+        host, port = url.removeprefix("http://").split(":")
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        with socket.create_connection((host, int(port))) as slow:
+            slow.sendall(head.encode())
+            status = slow.recv(100).split(b" ")[1].decode()
+        with socket.create_connection((host, int(port))) as leaving:
+            leaving.sendall(head.encode())
+        return status
+
+    inputs: dict[str, Callable[[], Awaitable[object]]] = {
+        name: (lambda request=request: anyio.to_thread.run_sync(send, *request))
+        for name, request in REQUESTS.items()
+    }
+    inputs["http: a slow body (1 s limit), then one abandoned"] = (
+        lambda: anyio.to_thread.run_sync(slow_body)
+    )
+    return inputs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF file (default: gemma-3-270m)")
@@ -186,7 +278,8 @@ def main() -> None:
 
             with tempfile.TemporaryDirectory() as folder:
                 inputs = hostile_inputs(engine, Path(folder))
-                async with anyio.create_task_group() as tasks:
+                async with serving(engine) as url, anyio.create_task_group() as tasks:
+                    inputs |= http_inputs(url)
                     tasks.start_soon(bystander)
                     await anyio.sleep(2.0)  # past the prefill: a steady decode
                     async with watch_loop() as watch:
@@ -205,7 +298,8 @@ def main() -> None:
                         worst = max(worst, watch.worst_stall_ms)
                         print(f"{name:<48} {result:<22} {watch.worst_stall_ms:8.1f} ms  "
                               f"({time.perf_counter() - started:5.2f} s, the stream got "
-                              f"{tokens[0] - before} tokens meanwhile)")
+                              f"{tokens[0] - before} tokens meanwhile; peak RSS so far "
+                              f"{_status_mib('VmHWM'):,.0f} MiB)", flush=True)
                     print(f"worst loop stall over the hostile inputs: {worst:.1f} ms")
                     print(f"peak memory (RSS) of the process while they ran: "
                           f"{_status_mib('VmHWM'):,.0f} MiB")

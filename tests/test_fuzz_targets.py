@@ -1,7 +1,7 @@
 """The fuzz targets of tests/fuzz, bounded for CI (Q4K_FUZZ_EXAMPLES each, default 150):
-SamplingParams over every field, Engine.open over every option, hostile chat templates,
-hostile log files, special-token texts and GGUF metadata counts. An input that makes the
-project raise anything but its own errors fails.
+SamplingParams over every field, Engine.open over every option, hostile chat templates, chat
+template operations sized before C builds them, hostile log files, special-token texts and
+GGUF metadata counts. An input that makes the project raise anything but its own errors fails.
 The GGUF structure target runs in tests/test_gguf_fuzz.py; `benchmarks/fuzz.py` runs all of
 them longer."""
 
@@ -17,6 +17,7 @@ from tests.fuzz import (
     logs,
     params,
     special_tokens,
+    template_operations,
     templates,
 )
 from tests.fuzz.target import Target
@@ -43,6 +44,7 @@ def _fuzz_test(target: Target):
         params.TARGET,
         engine_options.TARGET,
         templates.TARGET,
+        template_operations.TARGET,
         logs.TARGET,
         special_tokens.TARGET,
         gguf_counts.TARGET,

@@ -319,7 +319,8 @@ def test_chat_errors_name_the_parameter(server: Server, raw: httpx.Client, messa
 
 
 def test_malformed_bodies_and_paths_get_openai_errors(raw: httpx.Client) -> None:
-    broken = raw.post("/v1/chat/completions", content=b"{not json")
+    broken = raw.post("/v1/chat/completions", content=b"{not json",
+                      headers={"content-type": "application/json"})
     assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
     missing = raw.get("/v1/nothing-here")
     assert missing.status_code == 404 and missing.json()["error"]["message"]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rich.table import Table
+from rich.text import Text
 
 from actors.cli.common import console
 from actors.model.gguf import open_gguf
@@ -76,7 +77,7 @@ def _print_tables(report: Inventory) -> None:
     summary.add_column(style="bold")
     summary.add_column()
     rows = [
-        ("file", report.path),
+        ("file", str(report.path)),
         ("name", report.name or "-"),
         ("size", f"{_size(report.file_bytes)}, GGUF v{report.gguf_version}, "
                  f"{report.tensor_count} tensors, {report.metadata_count} metadata keys"),
@@ -99,7 +100,8 @@ def _print_tables(report: Inventory) -> None:
         ("KV cache", f"{_size(report.kv_bytes_per_token)} per token (float32)"),
     ]
     for field, value in rows:
-        summary.add_row(field, value)
+        # Every value holds text from the file (a name, a tokenizer): never rich markup.
+        summary.add_row(field, Text(value))
     out.print(summary)
 
     mix = Table(title="tensor types", title_justify="left")
@@ -107,5 +109,5 @@ def _print_tables(report: Inventory) -> None:
         mix.add_column(header, justify="left" if header == "type" else "right")
     for type_name, share in report.tensor_types.items():
         fraction = share.n_bytes / report.weight_bytes if report.weight_bytes else 0.0
-        mix.add_row(type_name, str(share.count), _size(share.n_bytes), f"{fraction:.1%}")
+        mix.add_row(Text(type_name), str(share.count), _size(share.n_bytes), f"{fraction:.1%}")
     out.print(mix)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -23,15 +25,18 @@ from actors.cli.common import (
     error_line,
 )
 from actors.logreader import (
+    EXCERPT_CHARS,
     LogEvent,
     LogSummary,
     MalformedLine,
     ParsedLog,
     Percentiles,
+    SummaryBuilder,
+    clip,
     format_event,
     format_value,
+    gather_log,
     parse_line,
-    parse_log,
     request_rows,
     request_timeline,
     summarize,
@@ -40,6 +45,10 @@ from actors.logreader import (
 
 # How often `tail -f` looks for new lines.
 POLL_S = 0.2
+# A line longer than this is no engine event: counted as malformed, its bytes not kept.
+MAX_LINE_BYTES = 4 << 20
+# A text cell of a table (an id, a reason, an error) shows at most this many characters.
+CELL_CHARS = 200
 _LEVEL_STYLES = {"debug": "dim", "warning": "yellow", "error": "bold red", "critical": "bold red"}
 
 
@@ -91,25 +100,88 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # --- input ---------------------------------------------------------------------------------
 
 
-def _read_inputs(files: list[str]) -> ParsedLog:
-    sources: list[tuple[str, list[str]]] = []
+def _open_input(name: str) -> tuple[str, BinaryIO]:
+    """(source name, binary stream) for a FILE argument: a regular file, or stdin ('-') when
+    it is a file, a pipe or a terminal. Devices (/dev/zero), FIFOs and sockets are refused
+    before anything is read: they can be endless or block forever."""
+    if name == "-":
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or sys.stdin.isatty()):
+            raise _NoInput("<stdin>: is a device or socket, not a log (pipe or redirect a file)")
+        return "<stdin>", sys.stdin.buffer
+    try:
+        # Non-blocking: opening a FIFO without a writer would wait forever.
+        descriptor = os.open(name, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise _NoInput(f"{name}: no such log file") from None
+    except OSError as exc:
+        raise _NoInput(f"{name}: cannot read: {exc.strerror}") from None
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a device, FIFO or socket"
+        raise _NoInput(f"{name}: is {kind}, not a log file")
+    os.set_blocking(descriptor, True)
+    return name, os.fdopen(descriptor, "rb")
+
+
+def _parsed_lines(source: str, stream: BinaryIO) -> Iterator[LogEvent | MalformedLine]:
+    """The stream's non-blank lines, parsed one at a time; a line past MAX_LINE_BYTES is
+    malformed, and read past without keeping it."""
+    number = 0
+    while raw := stream.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if _cut_short(raw):
+            _skip_rest_of_line(stream)
+        if (parsed := _parse_raw(raw, source, number)) is not None:
+            yield parsed
+
+
+def _cut_short(raw: bytes) -> bool:
+    """Whether `readline(MAX_LINE_BYTES + 1)` stopped at its limit inside a longer line."""
+    return len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n")
+
+
+def _skip_rest_of_line(stream: BinaryIO) -> None:
+    while (rest := stream.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+        pass
+
+
+def _parse_raw(raw: bytes, source: str, number: int) -> LogEvent | MalformedLine | None:
+    """One line's bytes parsed (None when blank); past MAX_LINE_BYTES, malformed."""
+    if len(raw.removesuffix(b"\n")) > MAX_LINE_BYTES:
+        excerpt = raw[:EXCERPT_CHARS].decode("utf-8", errors="replace")
+        return MalformedLine(source, number, f"longer than {MAX_LINE_BYTES:,} bytes",
+                             "".join(c if c.isprintable() else "\ufffd" for c in excerpt))
+    # Garbage bytes become U+FFFD and then a malformed line, never a decode crash.
+    text = raw.decode("utf-8", errors="replace").removesuffix("\n")
+    return parse_line(text, source, number) if text.strip() else None
+
+
+def _each_input(files: list[str]) -> Iterator[tuple[str, Iterator[LogEvent | MalformedLine]]]:
+    """(source name, its parsed lines) per FILE, each opened as its turn comes."""
     for name in files:
-        if name == "-":
-            stdin = sys.stdin.buffer.read().decode("utf-8", errors="replace")
-            sources.append(("<stdin>", stdin.split("\n")))
-            continue
+        source, stream = _open_input(name)
         try:
-            # Garbage bytes become U+FFFD and then a malformed line, never a decode crash.
-            text = Path(name).read_text(encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            raise _NoInput(f"{name}: no such log file") from None
-        except IsADirectoryError:
-            raise _NoInput(f"{name}: is a directory, not a log file") from None
-        except OSError as exc:
-            raise _NoInput(f"{name}: cannot read: {exc.strerror}") from None
-        # Only "\n" ends a line: str.splitlines would also cut at characters such as U+2028.
-        sources.append((name, text.split("\n")))
-    return parse_log(sources)
+            yield source, _parsed_lines(source, stream)
+        finally:
+            if stream is not sys.stdin.buffer:
+                stream.close()
+
+
+def _read_inputs(files: list[str]) -> ParsedLog:
+    return gather_log(_each_input(files))
+
+
+def _streamed_summary(files: list[str]) -> LogSummary:
+    """The summary, each line parsed, counted and dropped: memory stays flat however long
+    the log."""
+    builder = SummaryBuilder()
+    for source, lines in _each_input(files):
+        builder.add_source(source)
+        for parsed in lines:
+            builder.add(parsed)
+    return builder.summary()
 
 
 def _with_log(args: argparse.Namespace, show: Callable[[ParsedLog], int]) -> int:
@@ -131,18 +203,25 @@ def _print_json(value: Any) -> None:
 
 def _summary(args: argparse.Namespace) -> int:
     def show(log: ParsedLog) -> int:
-        summary = summarize(log)
-        if args.plot:
-            problem = _write_plot(log, Path(args.plot))
-            if problem:
-                return error_line("logs summary", problem)
+        problem = _write_plot(log, Path(args.plot))
+        if problem:
+            return error_line("logs summary", problem)
+        return show_summary(summarize(log))
+
+    def show_summary(summary: LogSummary) -> int:
         if args.json:
             _print_json(summary)
         else:
             _render_summary(summary, console())
         return 0
 
-    return _with_log(args, show)
+    if args.plot:  # the plot needs every event: the whole log is held
+        return _with_log(args, show)
+    configure_logging_from(args)
+    try:
+        return show_summary(_streamed_summary(args.files))
+    except _NoInput as exc:
+        return error_line("logs summary", str(exc))
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -151,11 +230,11 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 def _render_summary(s: LogSummary, out: Console) -> None:
     overview = Table(title="log", show_header=False, title_justify="left")
-    overview.add_row("sources", ", ".join(s.sources))
+    overview.add_row("sources", _data(", ".join(s.sources)))
     overview.add_row("lines", f"{s.lines:,} ({s.events:,} events, {s.malformed:,} malformed)")
     overview.add_row("span", f"{s.first_timestamp} .. {s.last_timestamp} ({s.span_s:,.1f} s)")
     for model in s.models:
-        overview.add_row("model", model)
+        overview.add_row("model", _data(model))
     out.print(overview)
 
     outcomes = Table(title="requests", title_justify="left")
@@ -164,11 +243,11 @@ def _render_summary(s: LogSummary, out: Console) -> None:
     outcomes.add_row("seen", str(s.requests_seen))
     outcomes.add_row("admitted", str(s.admitted))
     for reason, count in sorted(s.finish_reasons.items()):
-        outcomes.add_row(f"finished: {reason}", str(count))
+        outcomes.add_row(_data(f"finished: {reason}"), str(count))
     outcomes.add_row("cancelled", str(s.cancelled))
     outcomes.add_row("failed", str(s.failed))
     for reason, count in sorted(s.rejection_reasons.items()):
-        outcomes.add_row(f"rejected: {reason}", str(count))
+        outcomes.add_row(_data(f"rejected: {reason}"), str(count))
     out.print(outcomes)
 
     latency = Table(title="latency (ms)", title_justify="left")
@@ -203,7 +282,7 @@ def _render_summary(s: LogSummary, out: Console) -> None:
         problems.add_column("what")
         problems.add_column("count", justify="right")
         for message, count in s.errors.items():
-            problems.add_row(message, str(count))
+            problems.add_row(_data(message), str(count))
         problems.add_row("lines at level error or above", str(s.error_events))
         problems.add_row("malformed lines", str(s.malformed))
         out.print(problems)
@@ -211,6 +290,12 @@ def _render_summary(s: LogSummary, out: Console) -> None:
             out.print(Text(f"  {_where(bad)}: {bad.reason}: {bad.excerpt}", style="dim"))
     for notice in s.notices:
         out.print(Text(f"notice: {notice}", style="yellow"))
+
+
+def _data(text: str) -> Text:
+    """Text from the log, as it is (a `Text` is never read as rich markup: `[x]` stays), cut
+    to CELL_CHARS."""
+    return Text(clip(_one_line(text), CELL_CHARS))
 
 
 def _percentile_cells(p: Percentiles | None) -> list[str]:
@@ -276,9 +361,9 @@ def _requests(args: argparse.Namespace) -> int:
         columns = ("id", "status", "finish", "prompt", "cached", "completion", "ttft ms",
                    "tok/s", "total ms", "error")
         cells = [
-            (_one_line(r.request_id), r.status, _one_line(r.finish_reason or "-"),
+            (_cell(r.request_id), r.status, _cell(r.finish_reason or "-"),
              *(_fmt(v, 0) for v in (r.prompt_tokens, r.cached_tokens, r.completion_tokens)),
-             _fmt(r.ttft_ms), _fmt(r.decode_tokens_per_s), _fmt(r.total_ms), _one_line(r.error or ""))
+             _fmt(r.ttft_ms), _fmt(r.decode_tokens_per_s), _fmt(r.total_ms), _cell(r.error or ""))
             for r in rows
         ]
         text_columns = {"id", "status", "finish", "error"}
@@ -292,6 +377,10 @@ def _requests(args: argparse.Namespace) -> int:
 
 def _one_line(text: str) -> str:
     return text.replace("\n", " ").replace("\r", " ")
+
+
+def _cell(text: str) -> str:
+    return clip(_one_line(text), CELL_CHARS)
 
 
 def _aligned(header: tuple[str, ...], rows: list[tuple[str, ...]], left: list[bool]) -> str:
@@ -312,13 +401,14 @@ def _request(args: argparse.Namespace) -> int:
         if args.json:
             _print_json({"request_id": request_id, "events": entries})
             return 0
-        table = Table(title=f"request {request_id}", title_justify="left")
+        table = Table(title=Text(f"request {_cell(request_id)}"), title_justify="left")
         for column in ("+ms", "time", "level", "event", "details"):
             table.add_column(column, justify="right" if column == "+ms" else "left")
         for e in entries:
-            details = " ".join(f"{k}={format_value(v)}" for k, v in e.details.items())
-            table.add_row(_fmt(e.offset_ms), e.timestamp, e.level, e.event, details,
-                          style=_LEVEL_STYLES.get(e.level))
+            details = " ".join(f"{clip(k, CELL_CHARS)}={format_value(v)}"
+                               for k, v in e.details.items())
+            table.add_row(_fmt(e.offset_ms), e.timestamp, _data(e.level), _data(e.event),
+                          Text(_one_line(details)), style=_LEVEL_STYLES.get(e.level))
         console().print(table)
         return 0
 
@@ -332,56 +422,63 @@ def _tail(args: argparse.Namespace) -> int:
     configure_logging_from(args)
     out = console()
     try:
-        if args.file == "-":
-            for number, raw in enumerate(iter(sys.stdin.buffer.readline, b""), start=1):
-                _show_line(out, raw, "<stdin>", number)
+        source, stream = _open_input(args.file)
+    except _NoInput as exc:
+        return error_line("logs tail", str(exc))
+    try:
+        if stream is sys.stdin.buffer:
+            for parsed in _parsed_lines(source, stream):
+                _show(out, parsed)
             return 0
-        try:
-            stream = open(args.file, "rb")
-        except OSError as exc:
-            why = "no such log file" if isinstance(exc, FileNotFoundError) else exc.strerror
-            return error_line("logs tail", f"{args.file}: {why}")
-        _tail_file(out, stream, args.file, args.lines, args.follow)
+        _tail_file(out, stream, source, args.lines, args.follow)
     except KeyboardInterrupt:  # the usual way to stop following
         pass
     return 0
 
 
-def _show_line(out: Console, raw: bytes, source: str, number: int) -> None:
-    # Garbage bytes become U+FFFD and then a malformed line, never a decode crash.
-    text = raw.decode("utf-8", errors="replace")
-    if not text.strip():
+def _show(out: Console, parsed: LogEvent | MalformedLine | None) -> None:
+    if parsed is None:
         return
-    parsed = parse_line(text, source, number)
     if isinstance(parsed, LogEvent):
         out.print(Text(format_event(parsed), style=_LEVEL_STYLES.get(parsed.level, "")),
                   soft_wrap=True)  # one event, one line, however long
     else:
-        out.print(Text(f"malformed line {number} ({parsed.reason}): {parsed.excerpt}",
+        out.print(Text(f"malformed line {parsed.line} ({parsed.reason}): {parsed.excerpt}",
                        style="magenta"), soft_wrap=True)
     out.file.flush()
 
 
 def _tail_file(out: Console, stream: BinaryIO, path: str, count: int, follow: bool) -> None:
-    """Print the last `count` lines; when following, print lines as they are appended and
-    start over when the file is truncated or replaced (log rotation). A partly written last
-    line waits for its newline."""
+    """Print the last `count` lines (read in one pass, keeping only those); when following,
+    print lines as they are appended and start over when the file is truncated or replaced
+    (log rotation). A partly written last line waits for its newline."""
     try:
-        lines = stream.read().split(b"\n")
-        pending = lines.pop()  # b"" after a final newline, else a line still being written
-        if pending and not follow:
-            lines.append(pending)
-        first = max(len(lines) - max(count, 0), 0)
-        for number in range(first, len(lines)):
-            _show_line(out, lines[number], path, number + 1)
-        number = len(lines)
+        last: deque[LogEvent | MalformedLine | None] = deque(maxlen=max(count, 0))
+        number, pending = 0, b""
+        while raw := stream.readline(MAX_LINE_BYTES + 1):
+            if not raw.endswith(b"\n") and not _cut_short(raw) and follow:
+                pending = raw  # the end of the file, mid-line: its writer is still at it
+                break
+            number += 1
+            if _cut_short(raw):
+                _skip_rest_of_line(stream)
+            last.append(_parse_raw(raw, path, number))
+        for parsed in last:
+            _show(out, parsed)
+        skipping = False  # the rest of a line already reported as too long
         while follow:
-            chunk = stream.read()
+            chunk = stream.read(MAX_LINE_BYTES)
             if chunk:
+                if skipping:
+                    skipping, chunk = b"\n" not in chunk, chunk.partition(b"\n")[2]
                 *complete, pending = (pending + chunk).split(b"\n")
                 for raw in complete:
                     number += 1
-                    _show_line(out, raw, path, number)
+                    _show(out, _parse_raw(raw, path, number))
+                if len(pending) > MAX_LINE_BYTES:
+                    number += 1
+                    _show(out, _parse_raw(pending, path, number))
+                    pending, skipping = b"", True
                 continue
             time.sleep(POLL_S)
             try:

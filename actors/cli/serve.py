@@ -24,11 +24,12 @@ from actors.cli.common import (
 )
 from actors.errors import InvalidRequest, Q4KError
 from actors.logs import LEVELS, get_logger
+from actors.serve.guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, RequestLimits
 
 if TYPE_CHECKING:
     import uvicorn
 
-# Loopback by default: the server has no authentication.
+# Loopback by default: without --api-key the server has no authentication.
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 
@@ -62,8 +63,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--template", metavar="FILE", default=None,
                         help="a Jinja chat template for /v1/chat/completions instead of the "
                         "model's own (base models have none)")
+    _add_request_limit_flags(parser)
     add_logging_flags(parser, without_file="without one, to stderr")
     parser.set_defaults(handler=_serve)
+
+
+def _add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-body-bytes", type=at_least(1), default=DEFAULT_MAX_BODY_BYTES,
+                        metavar="N", help="larger request bodies get 413, refused before they "
+                        f"are read (default {DEFAULT_MAX_BODY_BYTES:,})")
+    parser.add_argument("--body-timeout", type=_positive_seconds, default=DEFAULT_BODY_TIMEOUT_S,
+                        metavar="S", help="a request body still arriving after S seconds gets "
+                        f"408 (default {DEFAULT_BODY_TIMEOUT_S:g})")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every path but /health and "
+                        "/metrics (401 otherwise), as llama-server and vLLM do")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return seconds
+
+
+def _request_limits(args: argparse.Namespace) -> RequestLimits:
+    if args.api_key is not None and not args.api_key.strip():
+        raise InvalidRequest("--api-key is empty", field="api_key")
+    return RequestLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+                         api_key=args.api_key)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -76,6 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
             f"the server needs the `serve` extra ({exc.name} is missing): "
             "pip install 'q4k-actors[serve]'"
         ) from None
+    limits = _request_limits(args)
     _configure_server_logging(args)
     template = read_template(args.template)
     model = _checked_model(args)
@@ -88,7 +120,8 @@ def _serve(args: argparse.Namespace) -> int:
         build_app(partial(open_engine, args, max_sequences=args.max_sequences,
                           max_queued=args.max_queued),
                   args.served_model_name or model.stem,
-                  on_failure=lambda exc: _stop(server, failures, exc), options=options),
+                  on_failure=lambda exc: _stop(server, failures, exc), options=options,
+                  limits=limits),
         log_config=None, access_log=False, lifespan="on",
     )
     server = uvicorn.Server(config)

@@ -32,9 +32,17 @@ from actors.errors import (
 )
 from actors.logs import get_logger
 from actors.messages import Chunk
+from actors.serve.guard import RequestGuard, RequestLimits
 from actors.serve.metrics import Metrics, outcome_of
 from actors.serve.protocol import Generation, chat_generation, completion_generation
-from actors.serve.replies import ChatShape, CompletionsShape, Reply, Shape, error_event
+from actors.serve.replies import (
+    ChatShape,
+    CompletionsShape,
+    Reply,
+    Shape,
+    error_body,
+    error_event,
+)
 
 if TYPE_CHECKING:
     from actors.engine import Engine
@@ -83,11 +91,6 @@ class _NotReady(EngineClosed):
 
 class _UnknownModel(InvalidRequest):
     """The request names a model this server does not serve."""
-
-
-def error_body(message: str, kind: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_status(exc: Q4KError) -> tuple[int, dict[str, Any]]:
@@ -332,8 +335,10 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def build_app(open_engine: OpenEngine, model_name: str,
               on_failure: Callable[[Q4KError], None] | None = None,
-              options: ServerOptions = ServerOptions()) -> ASGIApp:
-    """The server's ASGI app: `open_engine()` is entered once the server starts."""
+              options: ServerOptions = ServerOptions(),
+              limits: RequestLimits | None = None) -> ASGIApp:
+    """The server's ASGI app: `open_engine()` is entered once the server starts; every request
+    passes `limits` (RequestGuard) first."""
     host = EngineHost(open_engine, on_failure)
     server = OpenAIServer(host, model_name, options)
 
@@ -359,4 +364,4 @@ def build_app(open_engine: OpenEngine, model_name: str,
         lifespan=lifespan,
     )
     app.state.server = server
-    return AccessLog(app)
+    return AccessLog(RequestGuard(app, limits or RequestLimits()))

@@ -100,6 +100,8 @@ def decode_body(body: bytes, kind: type[RequestT]) -> RequestT:
         raise InvalidRequest(str(error), field=field_of(error)) from None
     except msgspec.DecodeError:
         raise InvalidRequest("the request body is not valid JSON") from None
+    except RecursionError:  # msgspec's depth limit, even in a field that would be ignored
+        raise InvalidRequest("the request body nests JSON deeper than this server reads") from None
 
 
 def completion_generation(body: bytes, max_tokens_limit: int | None = None) -> Generation:

@@ -27,6 +27,12 @@ TokenText = Callable[[int], str]
 CountOutcome = Callable[[str, Usage | None], None]
 
 
+def error_body(message: str, kind: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """An OpenAI error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 class CompletionsShape:
     """`/v1/completions`: choices carry `text`; logprobs are the legacy parallel lists."""
 
