@@ -2,7 +2,10 @@
 // type, dequantize_<type> decodes whole rows into floats and dot_<type> takes each row's dot
 // product with x, summing the groups' dot products in order. Compiled with g++ and
 // -ffp-contract=off, so the decode rounds exactly as the device code (__fmul_rn / __fadd_rn).
-#include "quant_blocks.cuh"
+// The matvec's slices (matvec_slices.cuh), on rows `pitch` bytes apart: slice_weights_<type>
+// rebuilds every weight from its slice (level * scale + offset), slice_dot_<type> takes each
+// row's dot product slice by slice in order, as one lane of the kernel does.
+#include "matvec_slices.cuh"
 
 template <class T>
 int64_t row_bytes(int64_t groups_per_row) {
@@ -31,6 +34,45 @@ void dot_rows(const uint8_t* src, int64_t rows, int64_t groups_per_row, const fl
     }
 }
 
+template <class T>
+void slice_weights_rows(const uint8_t* src, int64_t rows, int64_t pitch, int64_t row_length,
+                        float* out) {
+    using S = slices_of<T>;
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t b = 0; b < row_length / T::BLOCK_ELEMENTS; ++b) {
+            float* block_out = out + r * row_length + b * T::BLOCK_ELEMENTS;
+            for (int s = 0; s < S::SLICES; ++s) {
+                Slice slice;
+                S::slice(src + r * pitch + b * T::BLOCK_BYTES, s, slice);
+                for (int run = 0; run < 2; ++run) {
+                    for (int i = 0; i < RUN; ++i) {
+                        const float scaled = mul_rn(slice.level[run][i], slice.scale[run]);
+                        block_out[slice.first[run] + i] =
+                            S::AFFINE ? add_rn(scaled, slice.offset[run]) : scaled;
+                    }
+                }
+            }
+        }
+    }
+}
+
+template <class T>
+void slice_dot_rows(const uint8_t* src, int64_t rows, int64_t pitch, int64_t row_length,
+                    const float* x, float* out) {
+    using S = slices_of<T>;
+    for (int64_t r = 0; r < rows; ++r) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < row_length / T::BLOCK_ELEMENTS; ++b) {
+            for (int s = 0; s < S::SLICES; ++s) {
+                Slice slice;
+                S::slice(src + r * pitch + b * T::BLOCK_BYTES, s, slice);
+                acc = slice_dot<S::AFFINE>(slice, x + b * T::BLOCK_ELEMENTS, acc);
+            }
+        }
+        out[r] = acc;
+    }
+}
+
 #define QK_EXPORT_HOST(suffix, type)                                                          \
     extern "C" void dequantize_##suffix(const uint8_t* src, int64_t rows, int64_t groups,     \
                                         float* out) {                                         \
@@ -39,6 +81,14 @@ void dot_rows(const uint8_t* src, int64_t rows, int64_t groups_per_row, const fl
     extern "C" void dot_##suffix(const uint8_t* src, int64_t rows, int64_t groups,            \
                                  const float* x, float* out) {                                \
         dot_rows<type>(src, rows, groups, x, out);                                            \
+    }                                                                                         \
+    extern "C" void slice_weights_##suffix(const uint8_t* src, int64_t rows, int64_t pitch,   \
+                                           int64_t row_length, float* out) {                  \
+        slice_weights_rows<type>(src, rows, pitch, row_length, out);                          \
+    }                                                                                         \
+    extern "C" void slice_dot_##suffix(const uint8_t* src, int64_t rows, int64_t pitch,       \
+                                       int64_t row_length, const float* x, float* out) {      \
+        slice_dot_rows<type>(src, rows, pitch, row_length, x, out);                           \
     }
 
 QK_FOR_EACH_TYPE(QK_EXPORT_HOST)

@@ -39,8 +39,11 @@ TILE_INPUTS = ("f16", "bf16", "f16x3")
 # Constants the kernels are compiled with (cuda_src/*.cu); launches must agree with them.
 GROUP = 32  # elements decoded at a time: every row length must be a multiple
 ROW_ALIGN = 16  # weight rows start on 16-byte boundaries (matvec's vector loads)
-MATVEC_WARPS = 4
+MATVEC_WARPS = 8  # warps per matvec block: MATVEC_WARPS / splits rows of warps x splits
+MATVEC_ROWS_PER_WARP = 4
+MATVEC_SPLIT_INPUTS = 2048  # K-split: one split per this many inputs, a power of two <= WARPS
 MATVEC_MAX_BATCH = 8
+ACTIVATIONS = ("silu", "gelu_tanh")  # the fused gate+up matvec's activations
 TILE_ROWS = TILE_TOKENS = 64
 TILE_THREADS = 128
 NORM_THREADS = 256
@@ -82,7 +85,9 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
     """Source file name -> the `extern "C"` kernels it defines (what `get_function` takes)."""
     suffixes = tuple(KERNEL_TYPE_SUFFIX.values())
     return {
-        "matvec.cu": tuple(f"mul_mat_vec_{s}" for s in suffixes),
+        "matvec.cu": (*(f"mul_mat_vec_{s}" for s in suffixes),
+                      *(f"mul_mat_vec_gate_up_{a}_{s}" for a in ACTIVATIONS for s in suffixes),
+                      "mul_mat_vec_qkv"),
         "matmul.cu": tuple(f"mul_mat_tiles_{i}_{s}" for s in suffixes for i in TILE_INPUTS),
         "embedding.cu": tuple(f"get_rows_{s}" for s in suffixes),
         "norm.cu": ("residual_rms_norm", "head_rms_norm"),
@@ -103,6 +108,13 @@ def kernel_suffix(type_name: str) -> str:
     except KeyError:
         raise InvalidRequest(f"no CUDA kernels for tensor type {type_name!r}",
                              field="type") from None
+
+
+def kernel_type_code(type_name: str) -> int:
+    """mul_mat_vec_qkv's code for a block type: its index in KERNEL_TYPE_SUFFIX (the order of
+    QK_FOR_EACH_TYPE in cuda_src/quant_blocks.cuh)."""
+    kernel_suffix(type_name)
+    return list(KERNEL_TYPE_SUFFIX).index(type_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,8 +315,9 @@ def _check_grid(launch: Launch) -> Launch:
 
 
 def uses_matvec(n_tokens: int) -> bool:
-    """Up to MATVEC_MAX_BATCH tokens read each weight block once in mul_mat_vec; more go to
-    the tensor-core tiles."""
+    """Steps of up to MATVEC_MAX_BATCH tokens take mul_mat_vec, larger ones the tensor-core
+    tiles. Decode rows take the matvec whatever their count (the caller splits them off): its
+    sums for a row do not depend on the batch, so neither do a sequence's tokens."""
     return n_tokens <= MATVEC_MAX_BATCH
 
 
@@ -319,10 +332,43 @@ def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = "f16") -> str
     return f"mul_mat_tiles_{tile_input}_{suffix}"
 
 
-def matmul_launch(rows: int, n_tokens: int) -> Launch:
-    """mul_mat_vec (one warp per output row) or mul_mat_tiles (64 x 64 tiles of y)."""
+def matvec_splits(n_in: int) -> int:
+    """Warps sharing each matvec row (K-split): a power of two <= MATVEC_WARPS, one per
+    MATVEC_SPLIT_INPUTS inputs. A function of n_in alone, so every matvec entry point sums a
+    row of a given length in the same order (the fused ones match the plain one bit for bit)."""
+    splits = 1
+    while splits * 2 <= min(MATVEC_WARPS, n_in // MATVEC_SPLIT_INPUTS):
+        splits *= 2
+    return splits
+
+
+def matvec_rows_per_block(n_in: int) -> int:
+    return MATVEC_WARPS // matvec_splits(n_in) * MATVEC_ROWS_PER_WARP
+
+
+def matvec_launch(rows: int, n_in: int) -> Launch:
+    """mul_mat_vec_<type> (`rows` output rows) or mul_mat_vec_gate_up_* (2 * ffn rows: gate
+    and up), any batch: blockDim = (32 * warps per split, splits), a block per
+    matvec_rows_per_block rows. The batch does not enter: a row's sums never depend on it."""
+    splits = matvec_splits(n_in)
+    return _check_grid(Launch((_blocks(rows, matvec_rows_per_block(n_in)), 1, 1),
+                              (32 * MATVEC_WARPS // splits, splits, 1)))
+
+
+def qkv_launch(rows_q: int, rows_k: int, rows_v: int, n_in: int) -> Launch:
+    """mul_mat_vec_qkv: the blocks of the three matrices one after the other."""
+    per_block = matvec_rows_per_block(n_in)
+    single = matvec_launch(1, n_in)
+    blocks = sum(_blocks(rows, per_block) for rows in (rows_q, rows_k, rows_v))
+    return _check_grid(Launch((blocks, 1, 1), single.block))
+
+
+def matmul_launch(rows: int, n_tokens: int, n_in: int | None = None) -> Launch:
+    """mul_mat_vec (matvec_launch) or mul_mat_tiles (64 x 64 tiles of y). A matvec call
+    without n_in gets one split: correct for any n_in, but not the summation order of the
+    fused entry points, which take matvec_launch(rows, n_in)."""
     if uses_matvec(n_tokens):
-        return _check_grid(Launch((_blocks(rows, MATVEC_WARPS), 1, 1), (MATVEC_WARPS * 32, 1, 1)))
+        return matvec_launch(rows, 0 if n_in is None else n_in)
     return _check_grid(Launch((_blocks(rows, TILE_ROWS), _blocks(n_tokens, TILE_TOKENS), 1),
                               (TILE_THREADS, 1, 1)))
 
