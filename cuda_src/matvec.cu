@@ -115,7 +115,9 @@ __device__ void matvec_block(RowAt row_at, const float* __restrict__ x, int x_st
         }
         if (member == 0) {
 #pragma unroll
-            for (int j = 0; j < MATVEC_CHUNK; ++j) shared.partial[split * per_block + local][j] = acc[j];
+            for (int j = 0; j < MATVEC_CHUNK; ++j) {
+                shared.partial[split * per_block + local][j] = acc[j];
+            }
         }
         __syncthreads();
         auto total = [&](int r, int j) {

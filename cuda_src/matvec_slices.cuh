@@ -276,10 +276,12 @@ struct slices_q8_0 {
 // mins 0..3 likewise, bytes 8..11 the low nibbles of scales / mins 4..7), all eight at once
 // with masks as llama.cpp does, then the pair picked out.
 QK_HD void k_scale_min_pair(const uint32_t (&header)[4], int p, int (&scale)[2], int (&min)[2]) {
+    const uint32_t high_bits_scales = (header[1] >> 2) & 0x30303030u;
+    const uint32_t high_bits_mins = (header[2] >> 2) & 0x30303030u;
     const uint32_t scales = p < 2 ? header[1] & 0x3F3F3F3Fu
-                                  : (header[3] & 0x0F0F0F0Fu) | ((header[1] >> 2) & 0x30303030u);
+                                  : (header[3] & 0x0F0F0F0Fu) | high_bits_scales;
     const uint32_t mins = p < 2 ? header[2] & 0x3F3F3F3Fu
-                                : ((header[3] >> 4) & 0x0F0F0F0Fu) | ((header[2] >> 2) & 0x30303030u);
+                                : ((header[3] >> 4) & 0x0F0F0F0Fu) | high_bits_mins;
     const int shift = 16 * (p % 2);
     for (int r = 0; r < 2; ++r) {
         scale[r] = int((scales >> (shift + 8 * r)) & 0xFFu);
@@ -350,7 +352,8 @@ struct slices_q6_K {
         for (int r = 0; r < 2; ++r) {
             const int shift = 2 * c + 4 * r;
             for (int k = 0; k < 4; ++k) {
-                part[k] = ((ql[k] >> 4 * r) & 0x0F0F0F0Fu) | (((qh[k] >> shift) & 0x03030303u) << 4);
+                const uint32_t top = ((qh[k] >> shift) & 0x03030303u) << 4;
+                part[k] = ((ql[k] >> 4 * r) & 0x0F0F0F0Fu) | top;
             }
             byte_levels(part, 32.0f, out.level[r]);
             const int index = 2 * c + 4 * r + t;  // scales[8 h + index]
