@@ -150,10 +150,11 @@ QK_HD void fifth_bit_run(const uint32_t (&qs)[4], uint32_t qh, int r, uint32_t (
 }
 
 // Biased levels, for the affine types, whose dot product needs sum(x) anyway: each byte's
-// value v (BITS bits at bit POS of the byte) as the float 1 + v / 2^BITS, exact, with no
-// subtraction: a shift and a mask put (v << (7 - BITS)) | 0x80 in each byte, and one PRMT
-// a byte under the top byte of 1.0f (0x3F800000), v in the top mantissa bits. The dot product
-// sum((1 + v / 2^BITS) x) = sum(x) + sum(v x) / 2^BITS is then unbiased by the offset term.
+// value v (BITS bits at bit POS of the byte) as the float (1 + v / 2^BITS) / 2, exact, with no
+// subtraction: one shift and one mask put v << (7 - BITS) in each byte, and one PRMT a byte
+// under the top byte of 0.5f (0x3F000000): v lands in the top mantissa bits. The dot product
+// sum((1 + v / 2^BITS) / 2 x) = (sum(x) + sum(v x) / 2^BITS) / 2 is then unbiased by the
+// offset term (biased_scales).
 template <int BITS, int POS>
 QK_HD void biased_levels(const uint32_t (&words)[4], float (&out)[RUN]) {
     constexpr int SHIFT = 7 - BITS - POS;  // > 0: left
@@ -161,24 +162,24 @@ QK_HD void biased_levels(const uint32_t (&words)[4], float (&out)[RUN]) {
     for (int k = 0; k < 4; ++k) {
         const uint32_t placed = SHIFT >= 0 ? words[k] << (SHIFT >= 0 ? SHIFT : 0)
                                            : words[k] >> (SHIFT < 0 ? -SHIFT : 0);
-        const uint32_t bytes = (placed & (MASK * 0x01010101u)) | 0x80808080u;
+        const uint32_t bytes = placed & (MASK * 0x01010101u);
         for (int b = 0; b < 4; ++b) {
 #ifdef __CUDA_ARCH__
             out[4 * k + b] = __uint_as_float(__byte_perm(bytes, 0x3F000000u, 0x7044u | (b << 8)));
 #else
             const int v = int((bytes >> (8 * b + 7 - BITS)) & ((1u << BITS) - 1));
-            out[4 * k + b] = 1.0f + float(v) / float(1 << BITS);
+            out[4 * k + b] = 0.5f + float(v) / float(2 << BITS);
 #endif
         }
     }
 }
 
-// Run r's factors for biased levels: w = scale v + offset = (2^BITS scale) (1 + v / 2^BITS)
-// + (offset - 2^BITS scale).
+// Run r's factors for biased levels: w = scale v + offset = (2^(BITS+1) scale) (1 + v / 2^BITS)
+// / 2 + (offset - 2^BITS scale).
 template <int BITS>
 QK_HD void biased_scales(float scale, float offset, Slice& s, int r) {
-    s.scale[r] = scale * float(1 << BITS);
-    s.offset[r] = offset - s.scale[r];
+    s.scale[r] = scale * float(2 << BITS);
+    s.offset[r] = offset - scale * float(1 << BITS);
 }
 
 QK_HD void plain_scales(Slice& s, float scale0, float scale1) {
