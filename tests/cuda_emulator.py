@@ -81,6 +81,14 @@ class KernelTwins:
     def launch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
         if name.startswith("get_rows_"):
             self.get_rows(TYPE_OF_SUFFIX[name[len("get_rows_"):]], grid, *args)
+        elif name == "mul_mat_vec_qkv":
+            self.mul_mat_vec_qkv(*args)
+        elif name.startswith("mul_mat_vec_gate_up_"):
+            act, suffix = next((a, name[len(f"mul_mat_vec_gate_up_{a}_"):])
+                               for a in plan.ACTIVATIONS
+                               if name.startswith(f"mul_mat_vec_gate_up_{a}_"))
+            self.gate_up(TYPE_OF_SUFFIX[suffix], {"silu": silu, "gelu_tanh": gelu_tanh}[act],
+                         *args)
         elif name.startswith("mul_mat_vec_"):
             self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args)
         elif name.startswith("mul_mat_tiles_"):
@@ -103,6 +111,25 @@ class KernelTwins:
         xs = self.rows(x, int(n), int(x_stride), int(n_in))
         self.rows(y, int(n), int(y_stride), int(rows))[:] = (
             xs @ w.T if tile_input is None else tile_product(w, xs, tile_input))
+
+    def gate_up(self, type_name: str, act: Callable, gate_w: Any, up_w: Any, pitch: int, x: Any,
+                x_stride: int, y: Any, y_stride: int, ffn: int, n_in: int, n: int) -> None:
+        """mul_mat_vec_gate_up_<act>: act(x gate^T) * (x up^T)."""
+        xs = self.rows(x, int(n), int(x_stride), int(n_in))
+        gate, up = (xs @ self.matrix(w, int(pitch), type_name, int(ffn), int(n_in)).T
+                    for w in (gate_w, up_w))
+        self.rows(y, int(n), int(y_stride), int(ffn))[:] = act(gate, np.empty_like(gate)) * up
+
+    def mul_mat_vec_qkv(self, *args: Any) -> None:
+        """Three matrices (weights, pitch, type code, rows) into q | k | v columns of y."""
+        x, x_stride, y, y_stride, n_in, n = args[12:]
+        column = 0
+        for weights, pitch, code, rows in (args[0:4], args[4:8], args[8:12]):
+            type_name = list(plan.KERNEL_TYPE_SUFFIX)[int(code)]
+            w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in))
+            xs = self.rows(x, int(n), int(x_stride), int(n_in))
+            self.rows(int(y) + 4 * column, int(n), int(y_stride), int(rows))[:] = xs @ w.T
+            column += int(rows)
 
     @staticmethod
     def _rms(v: np.ndarray, eps: float) -> np.ndarray:
