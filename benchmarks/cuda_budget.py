@@ -7,15 +7,13 @@
    resident warps per SM that follow from sm_90's limits (65,536 registers allocated per warp
    in units of 256, 228 KB shared memory with 1 KB reserved per block, 64 warps, 32 blocks)
    for the block size the launch plan gives it.
-2. Matvec inner loop: the SASS (cuobjdump -sass) of mul_mat_vec_q4_K and _q6_K. The loop is
-   found by its backward branch (a BRA whose target lies before it); it walks one slice per
+2. Matvec inner loops: the SASS (cuobjdump -sass) of mul_mat_vec_q4_K and _q6_K. A loop is
+   found by its backward branch (a BRA whose target lies before it); each walks one slice per
    pass (`#pragma unroll 1` in matvec.cu), i.e. BLOCK_BYTES / SLICES weight bytes per lane
-   (Q4_K 144 / 8 = 18, Q6_K 210 / 8 = 26.25). Its body holds the slice decode once and one
-   dot product per activation row of the chunk (8), each skipped by a forward branch when the
-   batch has fewer rows; the batch-1 pass is the body less the skipped regions of rows 2..8
-   (the forward-branch regions inside the loop holding FFMAs, all but the first). Reported:
-   SASS instructions per weight byte at batch 1, and per weight byte and activation row for a
-   full chunk of 8.
+   (Q4_K 144 / 8 = 18, Q6_K 210 / 8 = 26.25). The kernel has two: the lone-row loop (a batch
+   of one: the fewer FFMAs) and the chunk loop (8 activation rows a pass, one forward-branch
+   region per row). Reported: the lone-row pass's SASS instructions per weight byte (batch 1),
+   and the chunk pass's per weight byte and activation row (a full chunk of 8).
 3. Kernels of one decode step (one stream), from actors.compute.cuda_launches.forward_calls +
    candidate_calls: the Llama-3-8B shape of benchmarks/synthetic_gguf.py (Q4_K_M types) and
    gemma-3 (the default model's file).
@@ -134,30 +132,33 @@ def branch_target(operands: str) -> int | None:
     return int(match.group(1), 16) if match else None
 
 
-def matvec_loop(instructions: list[tuple[int, str, str]]) -> dict[str, int]:
-    """The slice loop (the backward branch whose body holds the most FFMAs): its instruction
-    count, and the count one pass executes at batch 1 (rows 2..8's regions skipped)."""
+def matvec_loops(instructions: list[tuple[int, str, str]]) -> dict[str, int]:
+    """The slice loops (backward branches whose bodies hold FFMAs): the lone-row loop (the
+    fewest FFMAs: batch 1) and the chunk loop (the most: up to 8 rows a pass, each row's
+    region skipped by a forward branch when the batch has fewer)."""
     by_address = {address: i for i, (address, _, _) in enumerate(instructions)}
+    backward = [(by_address[t], i) for i, (address, opcode, operands) in enumerate(instructions)
+                if opcode == "BRA" and (t := branch_target(operands)) is not None
+                and t < address and t in by_address]
     loops = []
-    for i, (address, opcode, operands) in enumerate(instructions):
-        target = branch_target(operands) if opcode == "BRA" else None
-        if target is not None and target < address and target in by_address:
-            body = instructions[by_address[target] : i + 1]
-            loops.append((sum(op == "FFMA" for _, op, _ in body), body))
-    if not loops:
-        raise RuntimeError("no backward branch: the matvec loop was not found")
-    _, body = max(loops, key=lambda loop: loop[0])
-    start, end = body[0][0], body[-1][0]
-    skipped_regions = []
-    for k, (address, opcode, operands) in enumerate(body):
+    for start, stop in backward:
+        if any(start <= a and b < stop for a, b in backward if (a, b) != (start, stop)):
+            continue  # an outer loop: only innermost loops are passes
+        body = instructions[start : stop + 1]
+        ffma = sum(op == "FFMA" for _, op, _ in body)
+        if ffma >= 32:
+            loops.append((ffma, body))
+    if len(loops) < 2:
+        raise RuntimeError("the matvec's lone-row and chunk loops were not found")
+    lone, chunk = min(loops, key=lambda loop: loop[0])[1], max(loops, key=lambda loop: loop[0])[1]
+    end = chunk[-1][0]
+    row_regions = 0
+    for address, opcode, operands in chunk:
         target = branch_target(operands) if opcode == "BRA" else None
         if target is not None and address < target <= end:
-            region = [ins for ins in body if address < ins[0] < target]
-            if any(op == "FFMA" for _, op, _ in region):
-                skipped_regions.append(len(region))
-    batch_one = len(body) - sum(skipped_regions[1:])
-    return {"body_instructions": len(body), "batch1_pass_instructions": batch_one,
-            "row_regions": len(skipped_regions), "start": start}
+            row_regions += any(op == "FFMA" for a, op, _ in chunk if address < a < target)
+    return {"batch1_pass_instructions": len(lone), "chunk_pass_instructions": len(chunk),
+            "chunk_row_regions": row_regions}
 
 
 def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
@@ -174,15 +175,14 @@ def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
             }
         if source == "matvec.cu" and cuobjdump:
             for name, lane_bytes in LOOP_BYTES.items():
-                loop = matvec_loop(sass_instructions(cubin, name, cuobjdump))
+                loop = matvec_loops(sass_instructions(cubin, name, cuobjdump))
                 chunk = plan.MATVEC_MAX_BATCH
                 report["matvec_loops"][name] = {
-                    **{k: v for k, v in loop.items() if k != "start"},
-                    "lane_weight_bytes_per_pass": lane_bytes,
+                    **loop, "lane_weight_bytes_per_pass": lane_bytes,
                     "sass_per_weight_byte_batch1": round(
                         loop["batch1_pass_instructions"] / lane_bytes, 2),
                     "sass_per_weight_byte_and_row_chunk8": round(
-                        loop["body_instructions"] / (lane_bytes * chunk), 2),
+                        loop["chunk_pass_instructions"] / (lane_bytes * chunk), 2),
                 }
     return report
 

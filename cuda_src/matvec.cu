@@ -47,19 +47,25 @@ constexpr int MATVEC_ROWS_PER_WARP = 4;
 constexpr int MATVEC_LANES_PER_ROW = WARP / MATVEC_ROWS_PER_WARP;
 constexpr int MATVEC_CHUNK = 8;
 constexpr int MATVEC_MAX_ROWS_PER_BLOCK = MATVEC_WARPS * MATVEC_ROWS_PER_WARP;
+constexpr int MATVEC_MAX_TABLE_RUNS = 4096;  // run sums of x held for n_in <= 65,536
 
-// Per block: each (split, row) pair's sum for the chunk's activation rows.
+// Per block: each (split, row) pair's sum for the chunk's activation rows, and for a lone
+// activation row of an affine type the sums of its 16-element runs (run_sum), taken once per
+// block instead of once per row.
 struct MatvecShared {
     float partial[MATVEC_MAX_ROWS_PER_BLOCK][MATVEC_CHUNK];  // [split * rows per block + row]
+    float run_sums[MATVEC_MAX_TABLE_RUNS];
 };
 
 // Lane `lane` of its row group: the row's dot products with activation rows [b0, b0 + count)
 // over the split's K-blocks, one partial sum per lane. A lane keeps one slice index and walks
 // the blocks MATVEC_LANES_PER_ROW / SLICES apart, so its pointers advance by constants.
-template <class T>
+// CHUNK: the activation rows this instantiation can take (1: the lone row of a batch of one,
+// or the last of 9); TABLE: the run sums come from `run_sums` (shared memory).
+template <class T, int CHUNK, bool TABLE>
 __device__ void lane_partials(const uint8_t* __restrict__ row, int n_in, int split, int splits,
                               int lane, const float* __restrict__ x, int x_stride, int b0,
-                              int count, float (&acc)[MATVEC_CHUNK]) {
+                              int count, const float* run_sums, float (&acc)[CHUNK]) {
     using S = slices_of<T>;
     static_assert(MATVEC_LANES_PER_ROW % S::SLICES == 0, "a lane keeps its slice index");
     constexpr int STEP = MATVEC_LANES_PER_ROW / S::SLICES;  // blocks between a lane's slices
@@ -69,16 +75,20 @@ __device__ void lane_partials(const uint8_t* __restrict__ row, int n_in, int spl
     int block = split * n_blocks / splits + lane / S::SLICES;
     const uint8_t* w = row + int64_t(block) * T::BLOCK_BYTES;
     const float* xs = x + int64_t(block) * T::BLOCK_ELEMENTS + int64_t(b0) * x_stride;
+    const float* sums = run_sums + (TABLE ? int64_t(block) * T::BLOCK_ELEMENTS / RUN : 0);
 #pragma unroll
-    for (int j = 0; j < MATVEC_CHUNK; ++j) acc[j] = 0.0f;
+    for (int j = 0; j < CHUNK; ++j) acc[j] = 0.0f;
 #pragma unroll 1  // one slice a pass: the budget tool reads the pass's SASS per weight byte
     for (; block < last; block += STEP, w += STEP * T::BLOCK_BYTES,
-                         xs += STEP * T::BLOCK_ELEMENTS) {
+                         xs += STEP * T::BLOCK_ELEMENTS,
+                         sums += TABLE ? STEP * T::BLOCK_ELEMENTS / RUN : 0) {
         Slice s;
         S::slice(w, slice, s);
 #pragma unroll
-        for (int j = 0; j < MATVEC_CHUNK; ++j) {
-            if (j < count) acc[j] = slice_dot<S::AFFINE>(s, xs + int64_t(j) * x_stride, acc[j]);
+        for (int j = 0; j < CHUNK; ++j) {
+            if (j < count) {
+                acc[j] = slice_dot<S::AFFINE, TABLE>(s, xs + int64_t(j) * x_stride, acc[j], sums);
+            }
         }
     }
 }
@@ -99,12 +109,27 @@ __device__ void matvec_block(RowAt row_at, const float* __restrict__ x, int x_st
     const int tid = threadIdx.y * blockDim.x + threadIdx.x;
     for (int b0 = 0; b0 < batch; b0 += MATVEC_CHUNK) {
         const int count = min(MATVEC_CHUNK, batch - b0);
-        float acc[MATVEC_CHUNK];
-        if (row != nullptr) {
-            lane_partials<T>(row, n_in, split, splits, member, x, x_stride, b0, count, acc);
-        } else {
-#pragma unroll
-            for (int j = 0; j < MATVEC_CHUNK; ++j) acc[j] = 0.0f;
+        float acc[MATVEC_CHUNK] = {};
+        // A lone activation row (block-uniform) takes a loop of its own, the batch-1 headline;
+        // an affine type's run sums then come from a table the block fills once.
+        constexpr bool AFFINE = slices_of<T>::AFFINE;
+        if (count == 1 && (!AFFINE || n_in / RUN <= MATVEC_MAX_TABLE_RUNS)) {
+            if (AFFINE) {
+                const float* xb = x + int64_t(b0) * x_stride;
+                for (int e = tid; e < n_in / RUN; e += threads) {
+                    shared.run_sums[e] = run_sum(xb + e * RUN);
+                }
+                __syncthreads();
+            }
+            float lone[1];
+            if (row != nullptr) {
+                lane_partials<T, 1, AFFINE>(row, n_in, split, splits, member, x, x_stride, b0,
+                                            count, shared.run_sums, lone);
+                acc[0] = lone[0];
+            }
+        } else if (row != nullptr) {
+            lane_partials<T, MATVEC_CHUNK, false>(row, n_in, split, splits, member, x, x_stride,
+                                                  b0, count, shared.run_sums, acc);
         }
 #pragma unroll
         for (int j = 0; j < MATVEC_CHUNK; ++j) {  // every lane: the shuffles are warp-wide

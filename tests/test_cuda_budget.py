@@ -28,6 +28,6 @@ def test_budget_report() -> None:
     if cuda_budget.find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump is not installed (pip nvidia-cuda-cuobjdump provides one)")
     for name, loop in report["matvec_loops"].items():
-        assert loop["row_regions"] == 8, name  # the decode, then one region per chunk row
-        assert 0 < loop["batch1_pass_instructions"] < loop["body_instructions"]
+        assert loop["chunk_row_regions"] == 8, name  # one region per activation row
+        assert 0 < loop["batch1_pass_instructions"] < loop["chunk_pass_instructions"]
     assert report["decode_step"]["llama3_8b_q4_k_m"]["layers"] == 32
