@@ -150,7 +150,8 @@ def matvec_loops(instructions: list[tuple[int, str, str]]) -> dict[str, int]:
             loops.append((ffma, body))
     if len(loops) < 2:
         raise RuntimeError("the matvec's lone-row and chunk loops were not found")
-    lone, chunk = min(loops, key=lambda loop: loop[0])[1], max(loops, key=lambda loop: loop[0])[1]
+    lone = min(loops, key=lambda loop: loop[0])[1]
+    chunk = max(loops, key=lambda loop: (loop[0], -len(loop[1])))[1]
     end = chunk[-1][0]
     row_regions = 0
     for address, opcode, operands in chunk:

@@ -19,7 +19,8 @@
 // Layouts (the CUDA backend must follow them):
 //   weights  rows of the GGUF tensor as stored in the file, each row at `row_pitch` bytes
 //            from the previous one; row_pitch is the row's bytes rounded up to 16 and the
-//            base is 16-byte aligned (cuda_plan.row_pitch). n_in % 32 == 0 (K-quants: 256).
+//            base is 16-byte aligned (cuda_plan.row_pitch). n_in % 32 == 0 (K-quants: 256);
+//            n_in <= 131,072 for Q4_1, Q5_1, Q4_K, Q5_K (their run sums of x in shared memory).
 //   x        float32 [batch][x_stride], x_stride % 4 == 0, 16-byte aligned.
 //   y        float32 [batch][y_stride] (a stride lets gate and up share one buffer).
 //
@@ -32,9 +33,9 @@
 // takes the row's K-blocks [s n / splits, (s + 1) n / splits); the lanes of a group meet in
 // shuffles, the splits in shared memory, summed in split order.
 //
-// Batch invariance: activation rows go in chunks of MATVEC_CHUNK (each slice decoded once per
-// chunk, its weights then held in registers for the chunk's rows; weights reach DRAM once, the
-// later chunks find them in L2). Row b's result takes the same operations in the same order
+// Batch invariance: activation rows go in chunks of up to MATVEC_CHUNK (each slice decoded once
+// per chunk, its weights then held in registers for the chunk's rows; weights reach DRAM once,
+// the later chunks find them in L2); a lone row takes a loop of its own. Row b's result takes the same operations in the same order
 // whatever the batch, and whichever entry point computes it: bit for bit the same.
 // Accuracy: each slice's dot product is the factored form of matvec_slices.cuh; the result is
 // within the float32 summation bound of the exact product of the decoded weights.
@@ -47,21 +48,24 @@ constexpr int MATVEC_ROWS_PER_WARP = 4;
 constexpr int MATVEC_LANES_PER_ROW = WARP / MATVEC_ROWS_PER_WARP;
 constexpr int MATVEC_CHUNK = 8;
 constexpr int MATVEC_MAX_ROWS_PER_BLOCK = MATVEC_WARPS * MATVEC_ROWS_PER_WARP;
-constexpr int MATVEC_MAX_TABLE_RUNS = 4096;  // run sums of x held for n_in <= 65,536
+// Run sums of x held per block: 8 activation rows a chunk for n_in <= 16,384, fewer beyond,
+// one up to n_in = 131,072 (the affine types' limit).
+constexpr int MATVEC_TABLE_FLOATS = 8192;
 
-// Per block: each (split, row) pair's sum for the chunk's activation rows, and for a lone
-// activation row of an affine type the sums of its 16-element runs (run_sum), taken once per
-// block instead of once per row.
+// Per block: each (split, row) pair's sum for the chunk's activation rows, and for the affine
+// types the sums of the chunk's 16-element runs of x (run_sum; [row][run]), taken once per
+// block instead of once per weight row.
 struct MatvecShared {
     float partial[MATVEC_MAX_ROWS_PER_BLOCK][MATVEC_CHUNK];  // [split * rows per block + row]
-    float run_sums[MATVEC_MAX_TABLE_RUNS];
+    float run_sums[MATVEC_TABLE_FLOATS];
 };
 
 // Lane `lane` of its row group: the row's dot products with activation rows [b0, b0 + count)
 // over the split's K-blocks, one partial sum per lane. A lane keeps one slice index and walks
 // the blocks MATVEC_LANES_PER_ROW / SLICES apart, so its pointers advance by constants.
 // CHUNK: the activation rows this instantiation can take (1: the lone row of a batch of one,
-// or the last of 9); TABLE: the run sums come from `run_sums` (shared memory).
+// or the last of 9); TABLE: the run sums come from `run_sums` (shared memory, n_in / RUN a
+// row).
 template <class T, int CHUNK, bool TABLE>
 __device__ void lane_partials(const uint8_t* __restrict__ row, int n_in, int split, int splits,
                               int lane, const float* __restrict__ x, int x_stride, int b0,
@@ -87,7 +91,8 @@ __device__ void lane_partials(const uint8_t* __restrict__ row, int n_in, int spl
 #pragma unroll
         for (int j = 0; j < CHUNK; ++j) {
             if (j < count) {
-                acc[j] = slice_dot<S::AFFINE, TABLE>(s, xs + int64_t(j) * x_stride, acc[j], sums);
+                acc[j] = slice_dot<S::AFFINE, TABLE>(s, xs + int64_t(j) * x_stride, acc[j],
+                                                     sums + j * (n_in / RUN));
             }
         }
     }
@@ -107,29 +112,29 @@ __device__ void matvec_block(RowAt row_at, const float* __restrict__ x, int x_st
     const uint8_t* row = row_at(local);  // nullptr past the matrix: no loads, no result
     const int threads = blockDim.x * blockDim.y;
     const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-    for (int b0 = 0; b0 < batch; b0 += MATVEC_CHUNK) {
-        const int count = min(MATVEC_CHUNK, batch - b0);
+    // An affine type's run sums come from a table the block fills once per chunk of
+    // activation rows (as many rows as it holds, up to MATVEC_CHUNK), the others' need none.
+    constexpr bool AFFINE = slices_of<T>::AFFINE;
+    const int runs = n_in / RUN;
+    const int chunk = AFFINE ? min(MATVEC_CHUNK, MATVEC_TABLE_FLOATS / runs) : MATVEC_CHUNK;
+    for (int b0 = 0; b0 < batch; b0 += chunk) {
+        const int count = min(chunk, batch - b0);
+        if (AFFINE) {
+            for (int e = tid; e < count * runs; e += threads) {
+                shared.run_sums[e] = run_sum(x + int64_t(b0 + e / runs) * x_stride +
+                                             (e % runs) * RUN);
+            }
+            __syncthreads();
+        }
         float acc[MATVEC_CHUNK] = {};
-        // A lone activation row (block-uniform) takes a loop of its own, the batch-1 headline;
-        // an affine type's run sums then come from a table the block fills once.
-        constexpr bool AFFINE = slices_of<T>::AFFINE;
-        if (count == 1 && (!AFFINE || n_in / RUN <= MATVEC_MAX_TABLE_RUNS)) {
-            if (AFFINE) {
-                const float* xb = x + int64_t(b0) * x_stride;
-                for (int e = tid; e < n_in / RUN; e += threads) {
-                    shared.run_sums[e] = run_sum(xb + e * RUN);
-                }
-                __syncthreads();
-            }
+        if (row != nullptr && count == 1) {  // block-uniform: the batch-1 headline's own loop
             float lone[1];
-            if (row != nullptr) {
-                lane_partials<T, 1, AFFINE>(row, n_in, split, splits, member, x, x_stride, b0,
-                                            count, shared.run_sums, lone);
-                acc[0] = lone[0];
-            }
+            lane_partials<T, 1, AFFINE>(row, n_in, split, splits, member, x, x_stride, b0, count,
+                                        shared.run_sums, lone);
+            acc[0] = lone[0];
         } else if (row != nullptr) {
-            lane_partials<T, MATVEC_CHUNK, false>(row, n_in, split, splits, member, x, x_stride,
-                                                  b0, count, shared.run_sums, acc);
+            lane_partials<T, MATVEC_CHUNK, AFFINE>(row, n_in, split, splits, member, x, x_stride,
+                                                   b0, count, shared.run_sums, acc);
         }
 #pragma unroll
         for (int j = 0; j < MATVEC_CHUNK; ++j) {  // every lane: the shuffles are warp-wide
