@@ -64,9 +64,8 @@ struct MatvecShared {
 // over the split's K-blocks, one partial sum per lane. A lane keeps one slice index and walks
 // the blocks MATVEC_LANES_PER_ROW / SLICES apart, so its pointers advance by constants.
 // CHUNK: the activation rows this instantiation can take (1: the lone row of a batch of one,
-// or the last of 9); TABLE: the run sums come from `run_sums` (shared memory, n_in / RUN a
-// row).
-template <class T, int CHUNK, bool TABLE>
+// or the last of 9). run_sums: the chunk's run sums of x (affine types; n_in / RUN a row).
+template <class T, int CHUNK>
 __device__ void lane_partials(const uint8_t* __restrict__ row, int n_in, int split, int splits,
                               int lane, const float* __restrict__ x, int x_stride, int b0,
                               int count, const float* run_sums, float (&acc)[CHUNK]) {
@@ -79,20 +78,20 @@ __device__ void lane_partials(const uint8_t* __restrict__ row, int n_in, int spl
     int block = split * n_blocks / splits + lane / S::SLICES;
     const uint8_t* w = row + int64_t(block) * T::BLOCK_BYTES;
     const float* xs = x + int64_t(block) * T::BLOCK_ELEMENTS + int64_t(b0) * x_stride;
-    const float* sums = run_sums + (TABLE ? int64_t(block) * T::BLOCK_ELEMENTS / RUN : 0);
+    const float* sums = run_sums + block * (T::BLOCK_ELEMENTS / RUN);
 #pragma unroll
     for (int j = 0; j < CHUNK; ++j) acc[j] = 0.0f;
 #pragma unroll 1  // one slice a pass: the budget tool reads the pass's SASS per weight byte
     for (; block < last; block += STEP, w += STEP * T::BLOCK_BYTES,
                          xs += STEP * T::BLOCK_ELEMENTS,
-                         sums += TABLE ? STEP * T::BLOCK_ELEMENTS / RUN : 0) {
+                         sums += STEP * (T::BLOCK_ELEMENTS / RUN)) {
         Slice s;
         S::slice(w, slice, s);
 #pragma unroll
         for (int j = 0; j < CHUNK; ++j) {
             if (j < count) {
-                acc[j] = slice_dot<S::AFFINE, TABLE>(s, xs + int64_t(j) * x_stride, acc[j],
-                                                     sums + j * (n_in / RUN));
+                acc[j] = slice_dot<S::AFFINE>(s, xs + int64_t(j) * x_stride, acc[j],
+                                              sums + j * (n_in / RUN));
             }
         }
     }
@@ -129,12 +128,12 @@ __device__ void matvec_block(RowAt row_at, const float* __restrict__ x, int x_st
         float acc[MATVEC_CHUNK] = {};
         if (row != nullptr && count == 1) {  // block-uniform: the batch-1 headline's own loop
             float lone[1];
-            lane_partials<T, 1, AFFINE>(row, n_in, split, splits, member, x, x_stride, b0, count,
+            lane_partials<T, 1>(row, n_in, split, splits, member, x, x_stride, b0, count,
                                         shared.run_sums, lone);
             acc[0] = lone[0];
         } else if (row != nullptr) {
-            lane_partials<T, MATVEC_CHUNK, AFFINE>(row, n_in, split, splits, member, x, x_stride,
-                                                   b0, count, shared.run_sums, acc);
+            lane_partials<T, MATVEC_CHUNK>(row, n_in, split, splits, member, x, x_stride, b0,
+                                           count, shared.run_sums, acc);
         }
 #pragma unroll
         for (int j = 0; j < MATVEC_CHUNK; ++j) {  // every lane: the shuffles are warp-wide

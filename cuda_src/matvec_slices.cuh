@@ -431,7 +431,7 @@ QK_HD float fma_rn(float a, float b, float c) {
 }
 
 // The sum of a run's 16 x: two interleaved chains (even and odd elements), then their sum.
-// slice_dot sums in-line in exactly this order, so a table of these sums gives the same bits.
+// The kernel keeps these in a table per block (the affine types' offset terms read them).
 QK_HD float run_sum(const float* x) {
     float sum[2] = {0.0f, 0.0f};
     for (int q = 0; q < RUN / 4; ++q) {
@@ -444,26 +444,21 @@ QK_HD float run_sum(const float* x) {
 
 // acc + the slice's dot product with x (x: the block's first element; 16-byte aligned runs).
 // Fixed operations in a fixed order, the same on host and device: two interleaved FMA chains
-// per run, then scale (and offset times the run's sum of x) into acc. The run sums come from
-// `run_sums` (the block's runs, run_sum's values) with TABLE, else are taken in-line.
-template <bool AFFINE, bool TABLE = false>
-QK_HD float slice_dot(const Slice& s, const float* x, float acc,
-                      const float* run_sums = nullptr) {
+// per run, then scale (and for the affine types offset times the run's sum of x, from
+// `run_sums`: run_sum of the block's runs) into acc.
+template <bool AFFINE>
+QK_HD float slice_dot(const Slice& s, const float* x, float acc, const float* run_sums) {
     for (int r = 0; r < 2; ++r) {
-        float dot[2] = {0.0f, 0.0f}, sum[2] = {0.0f, 0.0f};
+        float dot[2] = {0.0f, 0.0f};
         for (int q = 0; q < RUN / 4; ++q) {
             float v[4];
             load4(x + s.first[r] + 4 * q, v);
             for (int i = 0; i < 4; ++i) {
                 dot[i % 2] = fma_rn(s.level[r][4 * q + i], v[i], dot[i % 2]);
-                if (AFFINE && !TABLE) sum[i % 2] = add_rn(sum[i % 2], v[i]);
             }
         }
         acc = fma_rn(s.scale[r], add_rn(dot[0], dot[1]), acc);
-        if (AFFINE) {
-            const float x_sum = TABLE ? run_sums[s.first[r] / RUN] : add_rn(sum[0], sum[1]);
-            acc = fma_rn(s.offset[r], x_sum, acc);
-        }
+        if (AFFINE) acc = fma_rn(s.offset[r], run_sums[s.first[r] / RUN], acc);
     }
     return acc;
 }

@@ -5,6 +5,8 @@
 // The matvec's slices (matvec_slices.cuh), on rows `pitch` bytes apart: slice_weights_<type>
 // rebuilds every weight from its slice (level * scale + offset), slice_dot_<type> takes each
 // row's dot product slice by slice in order, as one lane of the kernel does.
+#include <vector>
+
 #include "matvec_slices.cuh"
 
 template <class T>
@@ -60,13 +62,16 @@ template <class T>
 void slice_dot_rows(const uint8_t* src, int64_t rows, int64_t pitch, int64_t row_length,
                     const float* x, float* out) {
     using S = slices_of<T>;
+    std::vector<float> run_sums(row_length / RUN);  // the kernel's table of x's run sums
+    for (size_t e = 0; e < run_sums.size(); ++e) run_sums[e] = run_sum(x + e * RUN);
     for (int64_t r = 0; r < rows; ++r) {
         float acc = 0.0f;
         for (int64_t b = 0; b < row_length / T::BLOCK_ELEMENTS; ++b) {
             for (int s = 0; s < S::SLICES; ++s) {
                 Slice slice;
                 S::slice(src + r * pitch + b * T::BLOCK_BYTES, s, slice);
-                acc = slice_dot<S::AFFINE>(slice, x + b * T::BLOCK_ELEMENTS, acc);
+                acc = slice_dot<S::AFFINE>(slice, x + b * T::BLOCK_ELEMENTS, acc,
+                                           run_sums.data() + b * T::BLOCK_ELEMENTS / RUN);
             }
         }
         out[r] = acc;
