@@ -35,8 +35,9 @@
 //
 // Batch invariance: activation rows go in chunks of up to MATVEC_CHUNK (each slice decoded once
 // per chunk, its weights then held in registers for the chunk's rows; weights reach DRAM once,
-// the later chunks find them in L2); a lone row takes a loop of its own. Row b's result takes the same operations in the same order
-// whatever the batch, and whichever entry point computes it: bit for bit the same.
+// the later chunks find them in L2); a lone row takes a loop of its own. Row b's result takes
+// the same operations in the same order whatever the batch, and whichever entry point computes
+// it: bit for bit the same.
 // Accuracy: each slice's dot product is the factored form of matvec_slices.cuh; the result is
 // within the float32 summation bound of the exact product of the decoded weights.
 #include "activation_ops.cuh"
@@ -115,6 +116,7 @@ __device__ void matvec_block(RowAt row_at, const float* __restrict__ x, int x_st
     // activation rows (as many rows as it holds, up to MATVEC_CHUNK), the others' need none.
     constexpr bool AFFINE = slices_of<T>::AFFINE;
     const int runs = n_in / RUN;
+    if (AFFINE && runs > MATVEC_TABLE_FLOATS) __trap();  // past the contract: fail loudly
     const int chunk = AFFINE ? min(MATVEC_CHUNK, MATVEC_TABLE_FLOATS / runs) : MATVEC_CHUNK;
     for (int b0 = 0; b0 < batch; b0 += chunk) {
         const int count = min(chunk, batch - b0);
@@ -129,7 +131,7 @@ __device__ void matvec_block(RowAt row_at, const float* __restrict__ x, int x_st
         if (row != nullptr && count == 1) {  // block-uniform: the batch-1 headline's own loop
             float lone[1];
             lane_partials<T, 1>(row, n_in, split, splits, member, x, x_stride, b0, count,
-                                        shared.run_sums, lone);
+                                shared.run_sums, lone);
             acc[0] = lone[0];
         } else if (row != nullptr) {
             lane_partials<T, MATVEC_CHUNK>(row, n_in, split, splits, member, x, x_stride, b0,
