@@ -122,8 +122,11 @@ SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_
 
 def sass_instructions(cubin: Path, function: str, cuobjdump: str) -> list[tuple[int, str, str]]:
     """(address, opcode, operands) of one function's SASS."""
+    # cuobjdump -sass runs nvdisasm, which the pip wheels put in a folder of their own.
+    folders = [str(Path(tool).parent) for tool in (cuobjdump, find_tool("nvdisasm")) if tool]
+    env = {**os.environ, "PATH": os.pathsep.join([*folders, os.environ.get("PATH", "")])}
     text = subprocess.run([cuobjdump, "-sass", "-fun", function, str(cubin)],
-                          capture_output=True, text=True, check=True).stdout
+                          capture_output=True, text=True, check=True, env=env).stdout
     return [(int(m.group(1), 16), m.group(3), m.group(4)) for m in SASS_LINE.finditer(text)]
 
 
@@ -243,7 +246,8 @@ def budgets(gemma_path: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory() as work:
         report = resources_section(nvcc, Path(work), cuobjdump)
     if cuobjdump is None:
-        report["matvec_loops_missing"] = "cuobjdump not found (pip nvidia-cuda-cuobjdump)"
+        report["matvec_loops_missing"] = ("cuobjdump not found (pip nvidia-cuda-cuobjdump and "
+                                          "nvidia-cuda-nvdisasm provide it)")
     report["decode_step"] = {"llama3_8b_q4_k_m": decode_kernels(*llama_8b_layouts())}
     try:
         report["decode_step"]["gemma3"] = decode_kernels(*gemma_layouts(gemma_path))
