@@ -35,7 +35,7 @@ from actors.compute import cuda_plan as plan
 from actors.model.quants import row_bytes
 
 MATVEC_SHAPES = ((14336, 4096), (4096, 14336))  # (output rows, inputs): gate/up, down
-MATVEC_BATCHES = (1, 8)
+MATVEC_BATCHES = (1, 8, 32, 64)  # decode rows: every count takes the matvec
 PREFILL_TOKENS = 512
 COPY_BYTES = 1 << 30
 ANCHORS = {"matvec_q4_K_effective_TBps": 3.4, "copy_TBps_seen_on_h200": 4.3,
@@ -101,7 +101,7 @@ def bench_matvec(module: Any, rng: np.random.Generator, l2_bytes: int,
         matrix = random_blocks(rng, "Q4_K", rows * n_in // 256).reshape(rows, -1)
         copies = weight_copies(matrix, l2_bytes)
         pitch = np.int64(plan.row_pitch("Q4_K", n_in))
-        launch = plan.matmul_launch(rows, 1)
+        launch = plan.matvec_launch(rows, n_in)
         for batch in MATVEC_BATCHES:
             x = cuda.to_device(rng.standard_normal((batch, n_in)).astype(np.float32))
             y = cuda.mem_alloc(batch * rows * 4)

@@ -5,24 +5,7 @@
 // out[t][i] = act(gate_up[t][i]) * gate_up[t][ffn + i]: each row of gate_up holds the gate
 // projection, then the up projection (two matvecs into one buffer with y_stride = 2 * ffn).
 // out: [n_tokens][ffn]. Grid-stride: any grid and block size.
-// forward.py's constants, formed in float64 and rounded once, as numpy forms them.
-constexpr double GELU_C = 0.7978845608028654;  // sqrt(2 / pi)
-constexpr float GELU_CUBIC = float(-2.0 * GELU_C * 0.044715);
-constexpr float GELU_LINEAR = float(2.0 * GELU_C);
-
-struct silu_op {
-    static __device__ float apply(float g) { return g / (1.0f + expf(-g)); }
-};
-
-struct gelu_tanh_op {
-    static __device__ float apply(float g) {
-        // forward.py's steps, each rounded (no FMA): exp amplifies the exponent's error by its
-        // size (up to ~88), so the exponent must match the CPU's bit for bit.
-        const float inner =
-            __fmul_rn(__fsub_rn(__fmul_rn(__fmul_rn(g, g), GELU_CUBIC), GELU_LINEAR), g);
-        return g / (1.0f + expf(inner));
-    }
-};
+#include "activation_ops.cuh"
 
 template <class Op>
 __device__ void gated(const float* __restrict__ gate_up, float* __restrict__ out, int n_tokens,

@@ -10,27 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from actors.compute.cuda_plan import (
-    ACTIVATIONS,
-    KERNEL_TYPE_SUFFIX,
-    candidate_record_words,
-    gate_up_kernel,
-)
+from actors.compute.cuda_plan import candidate_record_words
 from actors.model.candidates import RowInputs
 from actors.model.step import StepItem
 from actors.model.quants import FORMATS, QUANTIZERS, quantize, row_bytes
-
-# Entry points the launch plan routes to whose kernels come from the `matvec` branch (the fused
-# gate+up+activation and QKV matvecs), with the PTX parameter types agreed for them. Until that
-# branch is merged cuda_src lacks them: the compile check skips them by name, saying so, and
-# the launch signature check holds the calls to these agreed types instead.
-AWAITED_SIGNATURES = {
-    "mul_mat_vec_qkv": ["u64", "u64", "u32", "u32"] * 3 + ["u64", "u32", "u64", "u32", "u32",
-                                                           "u32"],
-    **{gate_up_kernel(activation, suffix): ["u64", "u64", "u64", "u64", "u32", "u64", "u32",
-                                            "u32", "u32", "u32"]
-       for activation in ACTIVATIONS for suffix in KERNEL_TYPE_SUFFIX.values()},
-}
 
 # Byte offsets of each quantized type's float16 scale fields (d, and m / dmin where it has one).
 HALF_FIELDS = {

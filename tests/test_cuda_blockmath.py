@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.compute.cuda_plan import kernel_source_dir
+from actors.compute.cuda_plan import kernel_source_dir, row_pitch
 from actors.model.quants import FORMATS, QUANTIZERS, dequantize, quantize
 from tests.cuda_samples import HALF_FIELDS, assert_same_floats, finite_blocks, random_blocks
 
@@ -73,6 +73,30 @@ def host_dot(lib: ctypes.CDLL, raw: np.ndarray, type_name: str, x: np.ndarray) -
     getattr(lib, f"dot_{_suffix(type_name)}")(
         _pointer(raw), ctypes.c_int64(rows), ctypes.c_int64(x.size // GROUP), _pointer(x),
         _pointer(out))
+    return out
+
+
+def pitched(raw: np.ndarray, type_name: str) -> np.ndarray:
+    """Rows at the device's 16-byte row pitch (the slices' wide loads assume it)."""
+    out = np.zeros((raw.shape[0], row_pitch(type_name, ROW_LENGTH)), dtype=np.uint8)
+    out[:, : raw.shape[1]] = raw
+    return out
+
+
+def host_slices(lib: ctypes.CDLL, raw: np.ndarray, type_name: str,
+                x: np.ndarray | None = None) -> np.ndarray:
+    """slice_weights_<type> (x None: every weight rebuilt from its slice) or slice_dot_<type>
+    (each row's dot product with x)."""
+    rows, rows_pitched = raw.shape[0], pitched(raw, type_name)
+    args = [_pointer(rows_pitched), ctypes.c_int64(rows),
+            ctypes.c_int64(rows_pitched.shape[1]), ctypes.c_int64(ROW_LENGTH)]
+    if x is None:
+        out = np.empty((rows, ROW_LENGTH), dtype=np.float32)
+        getattr(lib, f"slice_weights_{_suffix(type_name)}")(*args, _pointer(out))
+    else:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty(rows, dtype=np.float32)
+        getattr(lib, f"slice_dot_{_suffix(type_name)}")(*args, _pointer(x), _pointer(out))
     return out
 
 
@@ -181,3 +205,44 @@ def test_dot_products_within_float32_bound(blockmath: ctypes.CDLL, type_name: st
     bound = nu / (1 - nu) * (np.abs(weights) @ np.abs(x.astype(np.float64)))
     error = np.abs(host_dot(blockmath, raw, type_name, x).astype(np.float64) - exact)
     assert (error <= bound).all(), f"worst error / bound {(error / bound).max():.3g}"
+
+
+# Types whose slices hold biased levels (1 + v / 2^bits, unbiased through the offset term):
+# their rebuilt weights round differently from quants.py, the others' are exact.
+BIASED_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+
+
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_matvec_slices_cover_every_weight(blockmath: ctypes.CDLL, type_name: str) -> None:
+    """Every element of every block comes from exactly one slice run, with the level, scale
+    and offset that rebuild quants.py's weight: bit for bit, or for biased levels within a
+    few roundings of the block's scale."""
+    rng = np.random.default_rng(11)
+    raw = finite_blocks(type_name, ROWS, ROW_LENGTH, rng)
+    expected = dequantize(raw, type_name, (ROWS, ROW_LENGTH))
+    rebuilt = host_slices(blockmath, raw, type_name)
+    if type_name not in BIASED_TYPES:
+        assert_same_floats(rebuilt, expected)
+        return
+    # level * scale' + offset' with scale' = 2^bits scale: each rounding <= u * 2 |scale'|.
+    per_block = expected.reshape(ROWS, -1, FORMATS[type_name].block_size)
+    spread = np.abs(per_block).max(axis=2, keepdims=True) * 2.0**-18
+    error = np.abs(rebuilt.reshape(per_block.shape) - per_block)
+    assert (error <= spread).all(), f"worst {(error - spread).max():.3g}"
+
+
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_matvec_slice_dot_products_within_float32_bound(blockmath: ctypes.CDLL,
+                                                        type_name: str) -> None:
+    """The factored slice dot products (what a kernel lane sums), row by row, are within the
+    bound the GPU test holds the kernel to: n u / (1 - n u) * sum |w_i x_i|."""
+    rng = np.random.default_rng(13)
+    raw = finite_blocks(type_name, ROWS, ROW_LENGTH, rng)
+    weights = dequantize(raw, type_name, (ROWS, ROW_LENGTH)).astype(np.float64)
+    for x in (rng.standard_normal(ROW_LENGTH), rng.uniform(0.5, 1.0, ROW_LENGTH)):
+        x = x.astype(np.float32)
+        exact = weights @ x.astype(np.float64)
+        nu = ROW_LENGTH * 2.0**-24
+        bound = nu / (1 - nu) * (np.abs(weights) @ np.abs(x.astype(np.float64)))
+        error = np.abs(host_slices(blockmath, raw, type_name, x).astype(np.float64) - exact)
+        assert (error <= bound).all(), f"worst error / bound {(error / bound).max():.3g}"

@@ -124,11 +124,32 @@ def test_matmul_kernel_and_launch_switch_at_the_matvec_batch() -> None:
     assert plan.matmul_kernel("BF16", 512, "f16x2") == "mul_mat_tiles_f16x2_bf16"
     with pytest.raises(InvalidRequest, match="tile input"):
         plan.matmul_kernel("Q4_K", 512, "f16")
-    assert plan.matmul_launch(14336, 1) == plan.Launch((3584, 1, 1), (128, 1, 1))
+    assert plan.matmul_launch(14336, 1) == plan.Launch((448, 1, 1), (256, 1, 1))
     # token tiles fastest: the 8 blocks sharing a 64-row weight tile run together
     assert plan.matmul_launch(4096, 512) == plan.Launch((8, 64, 1), (128, 1, 1))
     assert plan.matmul_launch(100, 65) == plan.Launch((2, 2, 1), (128, 1, 1))
     assert plan.matmul_launch(262144, 9) == plan.Launch((1, 4096, 1), (128, 1, 1))
+
+
+def test_matvec_splits_follow_n_in_only() -> None:
+    """Gate/up (4096 inputs), down (14336) and a small model's 640: the split count is a
+    power of two up to the block's warps, the block keeps 256 threads, the grid covers the
+    rows; qkv takes the three matrices' blocks one after the other."""
+    assert [plan.matvec_splits(n) for n in (640, 2048, 4096, 8192, 14336, 65536)] == \
+        [1, 1, 2, 4, 4, 8]
+    assert plan.matvec_launch(14336, 4096) == plan.Launch((896, 1, 1), (128, 2, 1))
+    assert plan.matvec_launch(4096, 14336) == plan.Launch((512, 1, 1), (64, 4, 1))
+    assert plan.matvec_launch(70, 640) == plan.Launch((3, 1, 1), (256, 1, 1))
+    assert plan.matmul_launch(4096, 8, 14336) == plan.matvec_launch(4096, 14336)
+    assert plan.qkv_launch(4096, 1024, 1024, 4096) == plan.Launch((384, 1, 1), (128, 2, 1))
+    assert plan.qkv_launch(4000, 1, 1, 4096).grid == (252, 1, 1)
+
+
+def test_kernel_type_codes_follow_the_suffix_order() -> None:
+    assert [plan.kernel_type_code(t) for t in plan.KERNEL_TYPE_SUFFIX] == list(range(11))
+    assert plan.kernel_type_code("Q6_K") == 7
+    with pytest.raises(InvalidRequest):
+        plan.kernel_type_code("IQ2_XS")
 
 
 def test_launches_cover_their_work() -> None:

@@ -323,7 +323,8 @@ def matvec_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride
     """y[b][r] = W[r] . x[b] for the matrix `name`, b < batch, on the matvec."""
     matrix = weights[name]
     return KernelCall(
-        plan.matvec_kernel(matrix.type_name), plan.matvec_launch(matrix.rows, batch),
+        plan.matvec_kernel(matrix.type_name),
+        plan.matvec_launch(matrix.rows, matrix.row_length),
         (Ref(name), np.int64(matrix.pitch), x, _i32(x_stride), y, _i32(y_stride),
          _i32(matrix.rows), _i32(matrix.row_length), _i32(batch)),
     )
@@ -412,14 +413,15 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
     names = [f"blk.{layer}.attn_{part}.weight" for part in "qkv"]
     segments = [arg for name in names for arg in (
         Ref(name), np.int64(weights[name].pitch),
-        _i32(plan.type_code(weights[name].type_name)), _i32(weights[name].rows))]
+        _i32(plan.kernel_type_code(weights[name].type_name)), _i32(weights[name].rows))]
     columns = (0, spec.q_dim, spec.q_dim + spec.kv_dim)
     calls = []
     for run in runs:
         x = _rows_in(Ref("normed"), run.first, d)
         if run.matvec:
             calls.append(KernelCall(
-                "mul_mat_vec_qkv", plan.matvec_launch(qkv_stride, run.rows),
+                "mul_mat_vec_qkv",
+                plan.qkv_launch(*(weights[name].rows for name in names), d),
                 (*segments, x, _i32(d), _rows_in(Ref("qkv"), run.first, qkv_stride),
                  _i32(qkv_stride), _i32(d), _i32(run.rows))))
         else:
@@ -468,7 +470,7 @@ def gated_ffn_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
         if run.matvec and fuses:
             suffix = plan.kernel_suffix(weights[gate].type_name)
             calls.append(KernelCall(
-                plan.gate_up_kernel(spec.activation, suffix), plan.matvec_launch(ffn, run.rows),
+                plan.gate_up_kernel(spec.activation, suffix), plan.matvec_launch(2 * ffn, d),
                 (Ref(gate), Ref(up), np.int64(weights[gate].pitch),
                  _rows_in(Ref("normed"), run.first, d), _i32(d),
                  _rows_in(Ref("gated"), run.first, ffn), _i32(ffn), _i32(ffn), _i32(d),

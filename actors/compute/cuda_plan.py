@@ -42,7 +42,9 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 # Constants the kernels are compiled with (cuda_src/*.cu); launches must agree with them.
 GROUP = 32  # elements decoded at a time: every row length must be a multiple
 ROW_ALIGN = 16  # weight rows start on 16-byte boundaries (matvec's vector loads)
-MATVEC_WARPS = 4
+MATVEC_WARPS = 8  # warps per matvec block: MATVEC_WARPS / splits rows of warps x splits
+MATVEC_ROWS_PER_WARP = 4
+MATVEC_SPLIT_INPUTS = 2048  # K-split: one split per this many inputs, a power of two <= WARPS
 MATVEC_MAX_BATCH = 8
 TILE_ROWS = TILE_TOKENS = 64  # a tiles block's share of y; its grid runs token tiles fastest
 TILE_THREADS = 128
@@ -129,13 +131,6 @@ def gate_up_kernel(activation: str, suffix: str) -> str:
     return f"mul_mat_vec_gate_up_{activation}_{suffix}"
 
 
-def type_code(type_name: str) -> int:
-    """The block-type code mul_mat_vec_qkv takes per segment: the type's index in
-    KERNEL_TYPE_SUFFIX."""
-    kernel_suffix(type_name)  # InvalidRequest for a type with no kernels
-    return list(KERNEL_TYPE_SUFFIX).index(type_name)
-
-
 def kernel_suffix(type_name: str) -> str:
     """The entry-point suffix of a GGUF block type; InvalidRequest for one with no kernels."""
     try:
@@ -143,6 +138,13 @@ def kernel_suffix(type_name: str) -> str:
     except KeyError:
         raise InvalidRequest(f"no CUDA kernels for tensor type {type_name!r}",
                              field="type") from None
+
+
+def kernel_type_code(type_name: str) -> int:
+    """mul_mat_vec_qkv's code for a block type: its index in KERNEL_TYPE_SUFFIX (the order of
+    QK_FOR_EACH_TYPE in cuda_src/quant_blocks.cuh)."""
+    kernel_suffix(type_name)
+    return list(KERNEL_TYPE_SUFFIX).index(type_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,12 +367,6 @@ def matvec_kernel(type_name: str) -> str:
     return f"mul_mat_vec_{kernel_suffix(type_name)}"
 
 
-def matvec_launch(rows: int, batch: int) -> Launch:
-    """mul_mat_vec (and its fused entries, `rows` their output rows): one warp per output
-    row, every activation row in the same warp."""
-    return _check_grid(Launch((_blocks(rows, MATVEC_WARPS), 1, 1), (MATVEC_WARPS * 32, 1, 1)))
-
-
 def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = TILE_INPUTS[0]) -> str:
     """The entry point multiplying a `type_name` matrix by n_tokens activation rows."""
     suffix = kernel_suffix(type_name)
@@ -382,11 +378,44 @@ def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = TILE_INPUTS[0
     return f"mul_mat_tiles_{tile_input}_{suffix}"
 
 
-def matmul_launch(rows: int, n_tokens: int) -> Launch:
-    """mul_mat_vec (one warp per output row) or mul_mat_tiles (64 x 64 tiles of y, token tiles
-    fastest: the blocks sharing a weight tile run together and read it from DRAM once)."""
+def matvec_splits(n_in: int) -> int:
+    """Warps sharing each matvec row (K-split): a power of two <= MATVEC_WARPS, one per
+    MATVEC_SPLIT_INPUTS inputs. A function of n_in alone, so every matvec entry point sums a
+    row of a given length in the same order (the fused ones match the plain one bit for bit)."""
+    splits = 1
+    while splits * 2 <= min(MATVEC_WARPS, n_in // MATVEC_SPLIT_INPUTS):
+        splits *= 2
+    return splits
+
+
+def matvec_rows_per_block(n_in: int) -> int:
+    return MATVEC_WARPS // matvec_splits(n_in) * MATVEC_ROWS_PER_WARP
+
+
+def matvec_launch(rows: int, n_in: int) -> Launch:
+    """mul_mat_vec_<type> (`rows` output rows) or mul_mat_vec_gate_up_* (2 * ffn rows: gate
+    and up), any batch: blockDim = (32 * warps per split, splits), a block per
+    matvec_rows_per_block rows. The batch does not enter: a row's sums never depend on it."""
+    splits = matvec_splits(n_in)
+    return _check_grid(Launch((_blocks(rows, matvec_rows_per_block(n_in)), 1, 1),
+                              (32 * MATVEC_WARPS // splits, splits, 1)))
+
+
+def qkv_launch(rows_q: int, rows_k: int, rows_v: int, n_in: int) -> Launch:
+    """mul_mat_vec_qkv: the blocks of the three matrices one after the other."""
+    per_block = matvec_rows_per_block(n_in)
+    single = matvec_launch(1, n_in)
+    blocks = sum(_blocks(rows, per_block) for rows in (rows_q, rows_k, rows_v))
+    return _check_grid(Launch((blocks, 1, 1), single.block))
+
+
+def matmul_launch(rows: int, n_tokens: int, n_in: int | None = None) -> Launch:
+    """mul_mat_vec (matvec_launch) or mul_mat_tiles (64 x 64 tiles of y, token tiles fastest:
+    the blocks sharing a weight tile run together and read it from DRAM once). A matvec call
+    without n_in gets one split: correct for any n_in, but not the summation order of the
+    fused entry points, which take matvec_launch(rows, n_in)."""
     if uses_matvec(n_tokens):
-        return matvec_launch(rows, n_tokens)
+        return matvec_launch(rows, 0 if n_in is None else n_in)
     return _check_grid(Launch((_blocks(n_tokens, TILE_TOKENS), _blocks(rows, TILE_ROWS), 1),
                               (TILE_THREADS, 1, 1)))
 

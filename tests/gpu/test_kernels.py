@@ -103,28 +103,121 @@ def test_get_rows_decodes_bit_for_bit(kernel: Kernel, type_name: str, scale: flo
     assert_same_floats(out.get(), expected)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("type_name", ALL_TYPES)
-def test_matvec_within_the_summation_bound(kernel: Kernel, type_name: str, batch: int) -> None:
-    """70 rows (not a multiple of the 4 rows per block), 2304 inputs (9 K-blocks: a full and a
-    partial staging run), strided x and y whose gaps must stay untouched."""
-    rows, n_in = 70, 2304
-    rng = np.random.default_rng(batch)
-    raw = finite_blocks(type_name, rows, n_in, rng)
-    x = np.zeros((batch, n_in + 4), dtype=np.float32)
-    x[:, :n_in] = rng.standard_normal((batch, n_in))
+def matvec(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
+           batch: int) -> np.ndarray:
+    """mul_mat_vec_<type> of raw blocks (rows, row bytes) with the first `batch` rows of x
+    (x's stride: its width); y has 3 spare columns, which must stay NaN."""
+    rows, n_in = raw.shape[0], x.shape[1] - 4
     weights, y = to_device(pitched(raw, type_name, n_in)), nan_filled(batch, rows + 3)
-    assert plan.matmul_kernel(type_name, batch).startswith("mul_mat_vec_")
-    run(kernel("matvec.cu", plan.matmul_kernel(type_name, batch)),
-        plan.matmul_launch(rows, batch), ptr(weights), np.int64(plan.row_pitch(type_name, n_in)),
-        ptr(to_device(x)), np.int32(n_in + 4), ptr(y), np.int32(rows + 3), np.int32(rows),
-        np.int32(n_in), np.int32(batch))
-    w = dequantize(raw, type_name, (rows, n_in)).astype(np.float64)
-    x64 = x[:, :n_in].astype(np.float64)
+    run(kernel("matvec.cu", f"mul_mat_vec_{plan.kernel_suffix(type_name)}"),
+        plan.matvec_launch(rows, n_in), ptr(weights), np.int64(plan.row_pitch(type_name, n_in)),
+        ptr(to_device(x[:batch])), np.int32(x.shape[1]), ptr(y), np.int32(rows + 3),
+        np.int32(rows), np.int32(n_in), np.int32(batch))
     got = y.get()
     assert np.isnan(got[:, rows:]).all()
-    error = np.abs(got[:, :rows] - x64 @ w.T)
+    return got[:, :rows]
+
+
+def activations(rng: np.random.Generator, batch: int, n_in: int) -> np.ndarray:
+    """batch rows of n_in normal floats, 4 spare columns (a stride past the row)."""
+    x = np.zeros((batch, n_in + 4), dtype=np.float32)
+    x[:, :n_in] = rng.standard_normal((batch, n_in))
+    return x
+
+
+@pytest.mark.parametrize("n_in", [2304, 8448])
+@pytest.mark.parametrize("batch", [1, 3, 8, 9, 33, 64])
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_matvec_within_the_summation_bound(kernel: Kernel, type_name: str, batch: int,
+                                           n_in: int) -> None:
+    """70 rows (not a multiple of a block's rows); 2304 inputs (9 K-blocks, one split) and
+    8448 (33 K-blocks over 4 splits of 8 or 9); batches past the chunk of 8; strided x and y
+    whose gaps must stay untouched."""
+    rows = 70
+    rng = np.random.default_rng(batch + n_in)
+    raw = finite_blocks(type_name, rows, n_in, rng)
+    x = activations(rng, batch, n_in)
+    got = matvec(kernel, raw, type_name, x, batch)
+    w = dequantize(raw, type_name, (rows, n_in)).astype(np.float64)
+    x64 = x[:, :n_in].astype(np.float64)
+    error = np.abs(got - x64 @ w.T)
     assert (error <= summation_bound(w, x64)).all()
+
+
+@pytest.mark.parametrize("n_in", [4608, 33024])
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_matvec_rows_do_not_depend_on_the_batch(kernel: Kernel, type_name: str,
+                                                n_in: int) -> None:
+    """Row b of y is bit for bit the same whether it is computed alone or among 9, 33 or 64
+    activation rows (the batch-invariance decode relies on: a sequence's greedy tokens may
+    not depend on how many streams share its step). 4608 inputs: chunks of 8 activation rows
+    and two splits; 33,024: the affine types' run-sum table holds 3 rows a chunk, 4 splits."""
+    rows = 70
+    rng = np.random.default_rng(17)
+    raw = finite_blocks(type_name, rows, n_in, rng)
+    x = activations(rng, 64, n_in)
+    full = matvec(kernel, raw, type_name, x, 64)
+    for batch in (1, 9, 33):
+        np.testing.assert_array_equal(matvec(kernel, raw, type_name, x, batch).view(np.uint32),
+                                      full[:batch].view(np.uint32))
+    alone = matvec(kernel, raw, type_name, x[37:], 1)  # row 37 as row 0 of a batch of one
+    np.testing.assert_array_equal(alone[0].view(np.uint32), full[37].view(np.uint32))
+
+
+@pytest.mark.parametrize("act", plan.ACTIVATIONS)
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "BF16"])
+@pytest.mark.parametrize("batch", [1, 9])
+def test_fused_gate_up_equals_matvec_then_gated(kernel: Kernel, type_name: str, act: str,
+                                                batch: int) -> None:
+    """mul_mat_vec_gate_up_<act> == two mul_mat_vec into one gate|up buffer, then
+    gated_<act>, bit for bit (gate scaled so silu / gelu see large and small arguments)."""
+    ffn, n_in = 100, 4608
+    rng = np.random.default_rng(19)
+    gate, up = (finite_blocks(type_name, ffn, n_in, rng) for _ in range(2))
+    x = activations(rng, batch, n_in)
+    pitch = np.int64(plan.row_pitch(type_name, n_in))
+    suffix = plan.kernel_suffix(type_name)
+    gate_up = to_device(np.concatenate([matvec(kernel, gate, type_name, x, batch),
+                                        matvec(kernel, up, type_name, x, batch)], axis=1))
+    expected = nan_filled(batch, ffn)
+    run(kernel("activation.cu", f"gated_{act}"), plan.elementwise_launch(batch * ffn),
+        ptr(gate_up), ptr(expected), np.int32(batch), np.int32(ffn))
+    fused = nan_filled(batch, ffn + 5)
+    run(kernel("matvec.cu", f"mul_mat_vec_gate_up_{act}_{suffix}"),
+        plan.matvec_launch(2 * ffn, n_in), ptr(to_device(pitched(gate, type_name, n_in))),
+        ptr(to_device(pitched(up, type_name, n_in))), pitch, ptr(to_device(x)),
+        np.int32(x.shape[1]), ptr(fused), np.int32(ffn + 5), np.int32(ffn), np.int32(n_in),
+        np.int32(batch))
+    got = fused.get()
+    assert np.isnan(got[:, ffn:]).all()
+    np.testing.assert_array_equal(got[:, :ffn].view(np.uint32), expected.get().view(np.uint32))
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "F16", "Q5_0")])
+@pytest.mark.parametrize("batch", [1, 33])
+def test_fused_qkv_equals_three_matvecs(kernel: Kernel, types: tuple[str, str, str],
+                                        batch: int) -> None:
+    """mul_mat_vec_qkv: q | k | v columns of each y row, each bit for bit its matrix's
+    mul_mat_vec (row counts that leave partial blocks in every segment)."""
+    counts, n_in = (100, 36, 36), 4608
+    rng = np.random.default_rng(23)
+    raws = [finite_blocks(t, n, n_in, rng) for t, n in zip(types, counts)]
+    x = activations(rng, batch, n_in)
+    width = sum(counts)
+    y = nan_filled(batch, width + 2)
+    matrices = []
+    for raw, type_name, n in zip(raws, types, counts):
+        matrices += [ptr(to_device(pitched(raw, type_name, n_in))),
+                     np.int64(plan.row_pitch(type_name, n_in)),
+                     np.int32(plan.kernel_type_code(type_name)), np.int32(n)]
+    run(kernel("matvec.cu", "mul_mat_vec_qkv"), plan.qkv_launch(*counts, n_in), *matrices,
+        ptr(to_device(x)), np.int32(x.shape[1]), ptr(y), np.int32(width + 2), np.int32(n_in),
+        np.int32(batch))
+    got = y.get()
+    assert np.isnan(got[:, width:]).all()
+    expected = np.concatenate([matvec(kernel, raw, t, x, batch) for raw, t in zip(raws, types)],
+                              axis=1)
+    np.testing.assert_array_equal(got[:, :width].view(np.uint32), expected.view(np.uint32))
 
 
 @pytest.mark.parametrize("type_name", ALL_TYPES)

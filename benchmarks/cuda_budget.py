@@ -1,0 +1,282 @@
+"""Static budgets of the CUDA kernels, measured without a device (issue 17, item 8).
+
+    python benchmarks/cuda_budget.py [--json] [--gemma PATH]
+
+1. Resources: every cuda_src/*.cu compiled for sm_90 (nvcc -cubin with the backend's
+   options, ptxas -v): per hot entry point its registers, shared memory, spills, and the
+   resident warps per SM that follow from sm_90's limits (65,536 registers allocated per warp
+   in units of 256, 228 KB shared memory with 1 KB reserved per block, 64 warps, 32 blocks)
+   for the block size the launch plan gives it.
+2. Matvec inner loops: the SASS (cuobjdump -sass) of mul_mat_vec_q4_K and _q6_K. A loop is
+   found by its backward branch (a BRA whose target lies before it); each walks one slice per
+   pass (`#pragma unroll 1` in matvec.cu), i.e. BLOCK_BYTES / SLICES weight bytes per lane
+   (Q4_K 144 / 8 = 18, Q6_K 210 / 8 = 26.25). The kernel has two: the lone-row loop (a batch
+   of one: the fewer FFMAs) and the chunk loop (8 activation rows a pass, one forward-branch
+   region per row). Reported: the lone-row pass's SASS instructions per weight byte (batch 1),
+   and the chunk pass's per weight byte and activation row (a full chunk of 8).
+3. Kernels of one decode step (one stream), from actors.compute.cuda_launches.forward_calls +
+   candidate_calls: the Llama-3-8B shape of benchmarks/synthetic_gguf.py (Q4_K_M types) and
+   gemma-3 (the default model's file).
+Targets (issue 17): Q4_K inner loop <= 4 SASS instructions per weight byte; no hot kernel
+below 16 resident warps per SM; <= 7 kernels per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from actors.compute import cuda_plan as plan  # noqa: E402
+
+ARCH = "sm_90"
+REGISTERS_PER_SM, REGISTER_UNIT = 65536, 256  # registers are allocated per warp in 256s
+SHARED_PER_SM, SHARED_RESERVED_PER_BLOCK = 228 * 1024, 1024
+WARPS_PER_SM, BLOCKS_PER_SM = 64, 32
+TARGET_SASS_PER_BYTE, TARGET_WARPS, TARGET_KERNELS_PER_LAYER = 4.0, 16, 7
+
+# Hot entry points and their threads per block (from the launch plan's geometry).
+_MATVEC_THREADS = math.prod(plan.matvec_launch(4096, 4096).block)
+HOT_ENTRIES = {
+    "matvec.cu": {name: _MATVEC_THREADS for name in (
+        "mul_mat_vec_q4_K", "mul_mat_vec_q6_K", "mul_mat_vec_q8_0", "mul_mat_vec_bf16",
+        "mul_mat_vec_gate_up_silu_q4_K", "mul_mat_vec_gate_up_gelu_tanh_q8_0",
+        "mul_mat_vec_qkv")},
+    "matmul.cu": {"mul_mat_tiles_f16x2_q4_K": plan.TILE_THREADS,
+                  "mul_mat_tiles_f16x2_q6_K": plan.TILE_THREADS},
+    "attention.cu": {"attention_decode": plan.DECODE_THREADS,
+                     "attention_prefill": plan.ATTN_WARPS * 32},
+    "norm.cu": {"residual_rms_norm": plan.NORM_THREADS},
+    "qkv_finish.cu": {"qkv_finish": math.prod(plan.qkv_finish_launch(1, 48).block)},
+    "activation.cu": {"gated_silu": plan.ELEMENTWISE_THREADS},
+    "candidates.cu": {"top_candidates": plan.CANDIDATE_THREADS},
+}
+# Weight bytes one lane consumes per pass of the matvec loop: its slice's share of a block.
+LOOP_BYTES = {"mul_mat_vec_q4_K": 144 / 8, "mul_mat_vec_q6_K": 210 / 8}
+
+
+def find_tool(name: str) -> str | None:
+    """`name` on the PATH, in the CUDA toolkit folders, or in the nvidia-cuda-* wheels."""
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = [Path(p) / name for p in ("/usr/local/cuda/bin", "/usr/local/cuda-13.0/bin")]
+    for entry in map(Path, sys.path):
+        candidates += (entry / "nvidia").glob(f"*/bin/{name}")
+    return next((str(p) for p in candidates if os.access(p, os.X_OK)), None)
+
+
+def compile_cubin(source: Path, out: Path, nvcc: str) -> str:
+    """nvcc -cubin for ARCH with ptxas -v; returns ptxas's report."""
+    result = subprocess.run(
+        [nvcc, *plan.nvcc_options(), "-cubin", f"-arch={ARCH}", "-Xptxas", "-v",
+         f"-I{plan.kernel_source_dir()}", "-o", str(out), str(source)],
+        capture_output=True, text=True, check=True)
+    return result.stdout + result.stderr
+
+
+def ptxas_resources(report: str) -> dict[str, dict[str, int]]:
+    """Function -> registers, shared bytes, spill bytes and stack frame, from ptxas -v."""
+    resources: dict[str, dict[str, int]] = {}
+    current = None
+    for line in report.splitlines():
+        if match := re.search(r"Compiling entry function '(\w+)'|Function properties for (\w+)",
+                              line):
+            current = match.group(1) or match.group(2)
+            resources.setdefault(current, {"registers": 0, "shared": 0, "spills": 0,
+                                           "stack": 0})
+        elif current and (match := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill "
+                                             r"stores, (\d+) bytes spill loads", line)):
+            resources[current]["stack"] = int(match.group(1))
+            resources[current]["spills"] = int(match.group(2)) + int(match.group(3))
+        elif current and (match := re.search(r"Used (\d+) registers", line)):
+            resources[current]["registers"] = int(match.group(1))
+            smem = re.search(r"(\d+) bytes smem", line)
+            resources[current]["shared"] = int(smem.group(1)) if smem else 0
+    return resources
+
+
+def resident_warps(registers: int, shared: int, threads: int) -> int:
+    """Warps per SM of an sm_90 multiprocessor running blocks of `threads` threads."""
+    warps = -(-threads // 32)
+    per_warp = -(-max(registers, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    by_registers = REGISTERS_PER_SM // (per_warp * warps)
+    by_shared = SHARED_PER_SM // (shared + SHARED_RESERVED_PER_BLOCK)
+    blocks = min(by_registers, by_shared, WARPS_PER_SM // warps, BLOCKS_PER_SM)
+    return blocks * warps
+
+
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def sass_instructions(cubin: Path, function: str, cuobjdump: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of one function's SASS."""
+    # cuobjdump -sass runs nvdisasm, which the pip wheels put in a folder of their own.
+    folders = [str(Path(tool).parent) for tool in (cuobjdump, find_tool("nvdisasm")) if tool]
+    env = {**os.environ, "PATH": os.pathsep.join([*folders, os.environ.get("PATH", "")])}
+    text = subprocess.run([cuobjdump, "-sass", "-fun", function, str(cubin)],
+                          capture_output=True, text=True, check=True, env=env).stdout
+    return [(int(m.group(1), 16), m.group(3), m.group(4)) for m in SASS_LINE.finditer(text)]
+
+
+def branch_target(operands: str) -> int | None:
+    match = re.search(r"0x([0-9a-f]+)", operands)
+    return int(match.group(1), 16) if match else None
+
+
+def matvec_loops(instructions: list[tuple[int, str, str]]) -> dict[str, int]:
+    """The slice loops (backward branches whose bodies hold FFMAs): the lone-row loop (the
+    fewest FFMAs: batch 1) and the chunk loop (the most: up to 8 rows a pass, each row's
+    region skipped by a forward branch when the batch has fewer)."""
+    by_address = {address: i for i, (address, _, _) in enumerate(instructions)}
+    backward = [(by_address[t], i) for i, (address, opcode, operands) in enumerate(instructions)
+                if opcode == "BRA" and (t := branch_target(operands)) is not None
+                and t < address and t in by_address]
+    loops = []
+    for start, stop in backward:
+        if any(start <= a and b < stop for a, b in backward if (a, b) != (start, stop)):
+            continue  # an outer loop: only innermost loops are passes
+        body = instructions[start : stop + 1]
+        ffma = sum(op == "FFMA" for _, op, _ in body)
+        if ffma >= 32:
+            loops.append((ffma, body))
+    if len(loops) < 2:
+        raise RuntimeError("the matvec's lone-row and chunk loops were not found")
+    lone = min(loops, key=lambda loop: loop[0])[1]
+    chunk = max(loops, key=lambda loop: (loop[0], -len(loop[1])))[1]
+    end = chunk[-1][0]
+    row_regions = 0
+    for address, opcode, operands in chunk:
+        target = branch_target(operands) if opcode == "BRA" else None
+        if target is not None and address < target <= end:
+            row_regions += any(op == "FFMA" for a, op, _ in chunk if address < a < target)
+    return {"batch1_pass_instructions": len(lone), "chunk_pass_instructions": len(chunk),
+            "chunk_row_regions": row_regions}
+
+
+def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
+    report: dict = {"entries": {}, "matvec_loops": {}}
+    for source, entries in HOT_ENTRIES.items():
+        cubin = work / f"{Path(source).stem}.cubin"
+        resources = ptxas_resources(compile_cubin(plan.kernel_source_dir() / source, cubin, nvcc))
+        for name, threads in entries.items():
+            r = resources[name]
+            report["entries"][name] = {
+                **{k: r[k] for k in ("registers", "shared", "spills", "stack")},
+                "threads": threads,
+                "resident_warps_per_sm": resident_warps(r["registers"], r["shared"], threads),
+            }
+        if source == "matvec.cu" and cuobjdump:
+            for name, lane_bytes in LOOP_BYTES.items():
+                loop = matvec_loops(sass_instructions(cubin, name, cuobjdump))
+                chunk = plan.MATVEC_MAX_BATCH
+                report["matvec_loops"][name] = {
+                    **loop, "lane_weight_bytes_per_pass": lane_bytes,
+                    "sass_per_weight_byte_batch1": round(
+                        loop["batch1_pass_instructions"] / lane_bytes, 2),
+                    "sass_per_weight_byte_and_row_chunk8": round(
+                        loop["chunk_pass_instructions"] / (lane_bytes * chunk), 2),
+                }
+    return report
+
+
+def decode_kernels(spec, layouts) -> dict[str, int]:
+    """Kernels of one single-stream decode step (forward + candidates) and per layer."""
+    from actors.compute import cuda_launches as launches
+    from actors.model.step import StepItem, plan_step
+
+    block_size = 16
+    step = plan_step([StepItem((1,), 40, (0, 1, 2))], spec, 8, block_size)
+    shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
+                                spec.context_length)
+    forward = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT)
+    total = len(forward) + len(launches.candidate_calls(spec, 1, 1, any_penalty=False))
+    return {"layers": spec.n_layers, "kernels_per_step": total,
+            "kernels_per_layer": round((len(forward) - 2) / spec.n_layers, 2)}
+
+
+def llama_8b_layouts():
+    from actors.compute.cuda_launches import MatrixLayout
+    from actors.model.arch import ModelSpec
+    from benchmarks.synthetic_gguf import LlamaShape, q4_k_m_types, tensor_shapes
+
+    shape = LlamaShape()
+    spec = ModelSpec(arch="llama", n_layers=shape.layers, d_model=shape.d_model,
+                     n_heads=shape.heads, n_kv_heads=shape.kv_heads,
+                     head_dim=shape.d_model // shape.heads, ffn_dim=shape.ffn,
+                     context_length=shape.context, vocab_size=shape.vocab,
+                     rms_eps=shape.rms_eps, rope_base=shape.rope_base,
+                     rope_dim=shape.d_model // shape.heads, rope_neox=False)
+    types = q4_k_m_types(shape)
+    layouts = {name: MatrixLayout("F32", 1, dims[0]) if len(dims) == 1
+               else MatrixLayout(types[name], math.prod(dims[:-1]), dims[-1])
+               for name, dims in tensor_shapes(shape)}
+    return spec, layouts
+
+
+def gemma_layouts(path: Path | None):
+    from actors.compute.cuda_launches import tensor_layouts
+    from actors.model.arch import spec_from_gguf
+    from actors.model.default_model import default_model_path
+    from actors.model.gguf import open_gguf
+
+    gguf = open_gguf(path or default_model_path())
+    try:
+        return spec_from_gguf(gguf), tensor_layouts(gguf)
+    finally:
+        gguf.close()
+
+
+def budgets(gemma_path: Path | None = None) -> dict:
+    nvcc = find_tool("nvcc")
+    if nvcc is None:
+        raise SystemExit("nvcc not found: the budgets need it")
+    cuobjdump = find_tool("cuobjdump")
+    with tempfile.TemporaryDirectory() as work:
+        report = resources_section(nvcc, Path(work), cuobjdump)
+    if cuobjdump is None:
+        report["matvec_loops_missing"] = ("cuobjdump not found (pip nvidia-cuda-cuobjdump and "
+                                          "nvidia-cuda-nvdisasm provide it)")
+    report["decode_step"] = {"llama3_8b_q4_k_m": decode_kernels(*llama_8b_layouts())}
+    try:
+        report["decode_step"]["gemma3"] = decode_kernels(*gemma_layouts(gemma_path))
+    except (FileNotFoundError, OSError) as error:
+        report["decode_step"]["gemma3_missing"] = str(error)
+    report["targets"] = {
+        "q4_K_sass_per_weight_byte_batch1": TARGET_SASS_PER_BYTE,
+        "min_resident_warps_per_sm": TARGET_WARPS,
+        "max_kernels_per_layer": TARGET_KERNELS_PER_LAYER,
+    }
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--gemma", type=Path, default=None, help="gemma-3 GGUF file")
+    args = parser.parse_args()
+    report = budgets(args.gemma)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    for name, entry in report["entries"].items():
+        print(f"{name:40s} regs {entry['registers']:3d}  smem {entry['shared']:6d}  "
+              f"spills {entry['spills']}  warps/SM {entry['resident_warps_per_sm']}")
+    for name, loop in report["matvec_loops"].items():
+        print(f"{name}: {loop['sass_per_weight_byte_batch1']} SASS / weight byte at batch 1, "
+              f"{loop['sass_per_weight_byte_and_row_chunk8']} per byte and row at 8")
+    for model, step in report["decode_step"].items():
+        print(f"{model}: {step}")
+
+
+if __name__ == "__main__":
+    main()
