@@ -32,6 +32,9 @@
 // all the warp's rows and lanes of a group read neighbouring weight bytes. Warp y = split s
 // takes the row's K-blocks [s n / splits, (s + 1) n / splits); the lanes of a group meet in
 // shuffles, the splits in shared memory, summed in split order.
+// Weight stream: each lane asks L2 for its next passes' bytes (prefetch.global.L2, about
+// MATVEC_PREFETCH_ROW_BYTES of a row ahead; the block's first before its run-sum table
+// fills), so far more bytes are in flight than the loads alone (one slice a lane).
 //
 // Batch invariance: activation rows go in chunks of up to MATVEC_CHUNK (each slice decoded once
 // per chunk, its weights then held in registers for the chunk's rows; weights reach DRAM once,
