@@ -102,27 +102,29 @@ struct LaneWalk {
             const uint8_t* share = w + int64_t(passes) * STEP * T::BLOCK_BYTES + slice * SHARE;
 #pragma unroll
             for (int point = 0; point < POINTS; ++point) {
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(share + 32 * point));
+                const size_t global = __cvta_generic_to_global(share + 32 * point);
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(global));
             }
         }
     }
+
+    // The lane's first block in `row`.
+    __device__ const uint8_t* start(const uint8_t* row) const {
+        return row + int64_t(block) * T::BLOCK_BYTES;
+    }
+
+    // The walk's first AHEAD passes into L2 (w: the first block).
+    __device__ void prefetch_first(const uint8_t* w) const {
+#pragma unroll
+        for (int pass = 0; pass < AHEAD; ++pass) prefetch(w, pass);
+    }
 };
 
-// The first AHEAD passes of the lane's walk into L2, issued before the block's run-sum table
-// so the weight stream is in flight while the table fills.
-template <class T>
-__device__ void prefetch_walk_start(const uint8_t* row, int n_in, int split, int splits,
-                                    int lane) {
-    const LaneWalk<T> walk(n_in, split, splits, lane);
-    const uint8_t* w = row + int64_t(walk.block) * T::BLOCK_BYTES;
-#pragma unroll
-    for (int pass = 0; pass < LaneWalk<T>::AHEAD; ++pass) walk.prefetch(w, pass);
-}
-
 // Lane `lane` of its row group: the row's dot products with activation rows [b0, b0 + count)
-// over the split's K-blocks (its LaneWalk), one partial sum per lane; each pass prefetches the
-// pass AHEAD passes on, so about AHEAD passes of weights are in flight per lane (the loads and
-// the arithmetic are those of one slice a pass, in order: prefetches change no value).
+// over the split's K-blocks (its LaneWalk), one partial sum per lane; after the walk's first
+// AHEAD passes (prefetch_first), each pass prefetches the pass AHEAD passes on, so about
+// AHEAD passes of weights are in flight per lane (the loads and the arithmetic are those of
+// one slice a pass, in order: prefetches change no value).
 // CHUNK: the activation rows this instantiation can take (1: the lone row of a batch of one,
 // or the last of 9). run_sums: the chunk's run sums of x (affine types; n_in / RUN a row).
 template <class T, int CHUNK>
@@ -133,7 +135,8 @@ __device__ void lane_partials(const uint8_t* __restrict__ row, int n_in, int spl
     using Walk = LaneWalk<T>;
     constexpr int STEP = Walk::STEP;
     Walk walk(n_in, split, splits, lane);
-    const uint8_t* w = row + int64_t(walk.block) * T::BLOCK_BYTES;
+    const uint8_t* w = walk.start(row);
+    if constexpr (!S::AFFINE) walk.prefetch_first(w);  // the affine types': in matvec_block
     const float* xs = x + int64_t(walk.block) * T::BLOCK_ELEMENTS + int64_t(b0) * x_stride;
     const float* sums = run_sums + walk.block * (T::BLOCK_ELEMENTS / RUN);
 #pragma unroll
@@ -175,7 +178,13 @@ __device__ void matvec_block(RowAt row_at, const float* __restrict__ x, int x_st
     const int runs = n_in / RUN;
     if (AFFINE && runs > MATVEC_TABLE_FLOATS) __trap();  // past the contract: fail loudly
     const int chunk = AFFINE ? min(MATVEC_CHUNK, MATVEC_TABLE_FLOATS / runs) : MATVEC_CHUNK;
-    if (row != nullptr) prefetch_walk_start<T>(row, n_in, split, splits, member);
+    if (AFFINE && row != nullptr) {
+        // The walk's first passes stream in while the run-sum table fills. (The other types,
+        // with no table, ask at the walk's start: here ptxas would spend more instructions a
+        // pass on those at the 128-register limit: Q6_K's chunk pass 598 -> 667.)
+        const LaneWalk<T> walk(n_in, split, splits, member);
+        walk.prefetch_first(walk.start(row));
+    }
     for (int b0 = 0; b0 < batch; b0 += chunk) {
         const int count = min(chunk, batch - b0);
         if (AFFINE) {
