@@ -184,12 +184,14 @@ __device__ __forceinline__ void mma_first(float (&d)[4], const uint32_t (&a)[4],
 // elements are adjacent in memory: one float4 of activations, one word of packed levels.
 
 // The activation fragment (hi and lo parts) of token tile j of the warp for the 16 elements
-// from `k`: one piece of the split stage.
+// from `k` (0 or 16): one piece of the split stage, piece (k / 4 + c) ^ swizzle of token t =
+// warp_tokens + 8 j + g, i.e. the lane's k = 0 piece with bit 2 flipped by k (c < 4) and
+// whole token rows added for j (t's parity is g's): one LOP3 and a constant offset.
 __device__ __forceinline__ void activation_fragment(const uint4* stage, int warp_tokens, int j,
                                                     int k, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
     const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
-    const int t = warp_tokens + 8 * j + g;
-    const uint4 parts = stage[t * X_PIECES + ((k / 4 + c) ^ ((t & 1) << 2))];
+    const int lane_piece = (warp_tokens + g) * X_PIECES + (c ^ ((g & 1) << 2));
+    const uint4 parts = stage[(lane_piece ^ (k / 4)) + 8 * j * X_PIECES];
     hi[0] = parts.x;
     hi[1] = parts.y;
     lo[0] = parts.z;
