@@ -25,10 +25,11 @@
 // (a K-quant block, four 32-element blocks, or one group of a float type) copied as the
 // 16-byte aligned byte window holding them, also double-buffered and fetched a whole chunk
 // ahead (Q4_K / Q5_K: with a table of each group's scale and offset, decoded once per chunk).
-// Shared rows are an odd number of 16-byte units apart and the activations' 16-byte pieces
-// are XOR-swizzled by token parity, so the fragment reads are free of bank conflicts. Tokens
-// and rows past the edges are never loaded (their shared memory holds stale values) and never
-// stored: an MMA keeps rows and tokens apart.
+// Shared rows are an odd number of 16-byte units apart, the activations' 16-byte pieces are
+// XOR-swizzled by token parity and the scale tables' entries by row, so every shared access
+// is free of bank conflicts. Tokens past the edge are zero-filled (the activation copies and
+// the split run unpredicated), rows past it are never loaded (stale values); neither is stored:
+// an MMA keeps rows and tokens apart.
 #include <type_traits>
 
 #include "device_common.cuh"
@@ -74,16 +75,35 @@ struct tile_chunk {
     // Words of every level field start on 4-byte boundaries in shared memory.
     static constexpr bool WORD_ALIGNED = ALIGNED && T::BLOCK_BYTES % 4 == 0;
     // Q4_K / Q5_K: each group's scale and offset (~20 instructions of 6-bit unpacking a row)
-    // decoded once per chunk into a shared table, TABLE_STRIDE (odd) entries a row so the 8
-    // rows a fragment flushes read distinct banks.
+    // decoded once per chunk into a shared table of TABLE_GROUPS entries a row (see
+    // scale_table_index).
     static constexpr bool SCALE_TABLE = has_offsets<tile_levels<T>>() &&
                                         T::BLOCK_ELEMENTS > GROUP;
-    static constexpr int TABLE_STRIDE = ELEMENTS / GROUP + 1;
+    static constexpr int TABLE_GROUPS = ELEMENTS / GROUP;
+    static_assert(!SCALE_TABLE || TABLE_GROUPS == 8, "scale_table_index swizzles 8 groups");
 };
+
+// Entry of row r's group in a scale table (8 float2 a row, 64 bytes): the groups XOR-swizzled
+// by (r / 2) % 4, so the 8 rows g of a fragment's flush (one group; rows 8 apart share a
+// swizzle) read 8 distinct 8-byte bank pairs, and the decode's half-warps (two whole rows)
+// write 128 contiguous bytes. An odd row stride instead made the decode's writes conflict.
+__host__ __device__ constexpr int scale_table_index(int r, int group) {
+    return r * 8 + (group ^ ((r >> 1) & 3));
+}
 
 __device__ __forceinline__ void copy_piece_async(void* shared_dst, const void* global_src) {
     const uint32_t dst = uint32_t(__cvta_generic_to_shared(shared_dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src)
+                 : "memory");
+}
+
+// cp.async of a piece when `in_range`, else 16 zero bytes (src-size 0: nothing is read from
+// `fallback`, a valid address all the same): an unpredicated copy, no per-lane branch.
+__device__ __forceinline__ void copy_piece_or_zeros(void* shared_dst, const void* global_src,
+                                                    const void* fallback, bool in_range) {
+    const uint32_t dst = uint32_t(__cvta_generic_to_shared(shared_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                 "l"(in_range ? global_src : fallback), "r"(in_range ? PIECE : 0)
                  : "memory");
 }
 
@@ -164,12 +184,14 @@ __device__ __forceinline__ void mma_first(float (&d)[4], const uint32_t (&a)[4],
 // elements are adjacent in memory: one float4 of activations, one word of packed levels.
 
 // The activation fragment (hi and lo parts) of token tile j of the warp for the 16 elements
-// from `k`: one piece of the split stage.
+// from `k` (0 or 16): one piece of the split stage, piece (k / 4 + c) ^ swizzle of token t =
+// warp_tokens + 8 j + g, i.e. the lane's k = 0 piece with bit 2 flipped by k (c < 4) and
+// whole token rows added for j (t's parity is g's): one LOP3 and a constant offset.
 __device__ __forceinline__ void activation_fragment(const uint4* stage, int warp_tokens, int j,
                                                     int k, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
     const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
-    const int t = warp_tokens + 8 * j + g;
-    const uint4 parts = stage[t * X_PIECES + ((k / 4 + c) ^ ((t & 1) << 2))];
+    const int lane_piece = (warp_tokens + g) * X_PIECES + (c ^ ((g & 1) << 2));
+    const uint4 parts = stage[(lane_piece ^ (k / 4)) + 8 * j * X_PIECES];
     hi[0] = parts.x;
     hi[1] = parts.y;
     lo[0] = parts.z;
@@ -221,10 +243,11 @@ __device__ __forceinline__ void split_weight_fragments(const uint8_t* block, int
 
 // One 32-element stage of the warp's 32 x 32 tile: acc[i][j] is row tile i, token tile j.
 // `block` is the stage's weight block in the warp's first row, `e` the stage's first element
-// within it, `scales` (SCALE_TABLE types) the stage's group's entry of the warp's first row.
+// within it, `scales` (SCALE_TABLE types) the warp's first row of the chunk's table and
+// `group` the stage's group in it (the swizzle repeats every 8 rows).
 template <class T>
 __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, const float2* scales,
-                                               const uint4* stage, int warp_tokens,
+                                               int group, const uint4* stage, int warp_tokens,
                                                float (&acc)[2][4][4]) {
     using L = tile_levels<T>;
     using C = tile_chunk<T>;
@@ -266,7 +289,7 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
                 for (int h = 0; h < 2; ++h) {
                     float scale, offset;
                     if constexpr (C::SCALE_TABLE) {
-                        const float2 entry = scales[(16 * i + 8 * h + g) * C::TABLE_STRIDE];
+                        const float2 entry = scales[scale_table_index(16 * i + 8 * h + g, group)];
                         scale = entry.x;
                         offset = entry.y;
                     } else {
@@ -361,17 +384,17 @@ __device__ __forceinline__ int own_piece_index() {
 template <class T>
 __device__ __forceinline__ void decode_scale_table(float2* table, const uint8_t* chunk) {
     using C = tile_chunk<T>;
-    constexpr int groups = C::ELEMENTS / GROUP;
+    constexpr int groups = C::TABLE_GROUPS;
     for (int i = threadIdx.x; i < TILE_ROWS * groups; i += TILE_THREADS) {
         const int r = i / groups, group = i % groups;
         float scale, offset;
         tile_levels<T>::scale_offset(chunk + r * C::ROW_STRIDE, group * GROUP, &scale, &offset);
-        table[r * C::TABLE_STRIDE + group] = make_float2(scale, offset);
+        table[scale_table_index(r, group)] = make_float2(scale, offset);
     }
 }
 
 // Starts copying stage `stage` (elements [32 stage, 32 stage + 32)) of the tile's tokens
-// (`x` at the tile's first token, `tokens` of them).
+// (`x` at the tile's first token, `tokens` of them; zeros for the tokens past them).
 __device__ __forceinline__ void copy_activation_stage(uint4* dest, const float* x,
                                                       int64_t x_stride, int tokens, int stage) {
     const int first = threadIdx.x / X_PIECES;
@@ -379,26 +402,23 @@ __device__ __forceinline__ void copy_activation_stage(uint4* dest, const float* 
     uint4* dst = dest + own_piece_index();
 #pragma unroll
     for (int pass = 0; pass < TILE_TOKENS / TOKENS_PER_PASS; ++pass) {
-        if (first + pass * TOKENS_PER_PASS < tokens) {
-            copy_piece_async(dst + pass * TOKENS_PER_PASS * X_PIECES,
-                             src + pass * TOKENS_PER_PASS * x_stride);
-        }
+        copy_piece_or_zeros(dst + pass * TOKENS_PER_PASS * X_PIECES,
+                            src + pass * TOKENS_PER_PASS * x_stride, x,
+                            first + pass * TOKENS_PER_PASS < tokens);
     }
 }
 
-// Splits the pieces this thread copied into `stage` (see above), in place.
-__device__ __forceinline__ void split_own_pieces(uint4* stage, int tokens) {
+// Splits the pieces this thread copied into `stage` (see above), in place (zeros stay zeros).
+__device__ __forceinline__ void split_own_pieces(uint4* stage) {
     uint4* own = stage + own_piece_index();
 #pragma unroll
     for (int pass = 0; pass < TILE_TOKENS / TOKENS_PER_PASS; ++pass) {
-        if (int(threadIdx.x) / X_PIECES + pass * TOKENS_PER_PASS < tokens) {
-            uint4& piece = own[pass * TOKENS_PER_PASS * X_PIECES];
-            const uint4 v = piece;  // 4 floats' bits
-            uint4 parts;
-            split_pair(__uint_as_float(v.x), __uint_as_float(v.z), &parts.x, &parts.z);
-            split_pair(__uint_as_float(v.y), __uint_as_float(v.w), &parts.y, &parts.w);
-            piece = parts;
-        }
+        uint4& piece = own[pass * TOKENS_PER_PASS * X_PIECES];
+        const uint4 v = piece;  // 4 floats' bits
+        uint4 parts;
+        split_pair(__uint_as_float(v.x), __uint_as_float(v.z), &parts.x, &parts.z);
+        split_pair(__uint_as_float(v.y), __uint_as_float(v.w), &parts.y, &parts.w);
+        piece = parts;
     }
 }
 
@@ -412,9 +432,9 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
     __shared__ __align__(16) uint8_t weight_chunks[2 * TILE_ROWS * C::ROW_STRIDE + PIECE];
     __shared__ __align__(16) uint4 x_stages[2][TILE_TOKENS * X_PIECES];
     // Two chunks' scale tables (one unused entry for the types without).
-    __shared__ float2 scale_tables[C::SCALE_TABLE ? 2 * TILE_ROWS * C::TABLE_STRIDE : 1];
+    __shared__ float2 scale_tables[C::SCALE_TABLE ? 2 * TILE_ROWS * C::TABLE_GROUPS : 1];
     constexpr int CHUNK_BYTES = TILE_ROWS * C::ROW_STRIDE, TABLE_ENTRIES = TILE_ROWS *
-                                                                         C::TABLE_STRIDE;
+                                                                         C::TABLE_GROUPS;
 
     const int token0 = blockIdx.x * TILE_TOKENS, row0 = blockIdx.y * TILE_ROWS;
     const int warp = threadIdx.x / WARP;
@@ -441,7 +461,7 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
     }
     for (int s = 0; s < n_stages; ++s) {
         wait_copies<PENDING>();
-        split_own_pieces(x_stages[s % 2], tile_tokens);
+        split_own_pieces(x_stages[s % 2]);
         __syncthreads();  // stage s is in and split; every warp is done with stage s - 1
         if (s + 1 < n_stages) {
             copy_activation_stage(x_stages[(s + 1) % 2], tile_x, x_stride, tile_tokens, s + 1);
@@ -468,9 +488,9 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
                                warp_rows * C::ROW_STRIDE + (chunk * C::BYTES) % PIECE +
                                element / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
         const float2* scales = scale_tables + (C::SCALE_TABLE ? chunk % 2 * TABLE_ENTRIES +
-                                               warp_rows * C::TABLE_STRIDE + s % C::STAGES : 0);
-        multiply_stage<T>(block, element % T::BLOCK_ELEMENTS, scales, x_stages[s % 2],
-                          warp_tokens, acc);
+                                               warp_rows * C::TABLE_GROUPS : 0);
+        multiply_stage<T>(block, element % T::BLOCK_ELEMENTS, scales, s % C::STAGES,
+                          x_stages[s % 2], warp_tokens, acc);
     }
 
     const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
