@@ -32,9 +32,6 @@
 // all the warp's rows and lanes of a group read neighbouring weight bytes. Warp y = split s
 // takes the row's K-blocks [s n / splits, (s + 1) n / splits); the lanes of a group meet in
 // shuffles, the splits in shared memory, summed in split order.
-// Weight stream: each lane asks L2 for its next passes' bytes (prefetch.global.L2, about
-// MATVEC_PREFETCH_ROW_BYTES of a row ahead; the block's first before its run-sum table
-// fills), so far more bytes are in flight than the loads alone (one slice a lane).
 //
 // Batch invariance: activation rows go in chunks of up to MATVEC_CHUNK (each slice decoded once
 // per chunk, its weights then held in registers for the chunk's rows; weights reach DRAM once,
@@ -55,9 +52,6 @@ constexpr int MATVEC_MAX_ROWS_PER_BLOCK = MATVEC_WARPS * MATVEC_ROWS_PER_WARP;
 // Run sums of x held per block: 8 activation rows a chunk for n_in <= 16,384, fewer beyond,
 // one up to n_in = 131,072 (the affine types' limit).
 constexpr int MATVEC_TABLE_FLOATS = 8192;
-// Weight bytes of its row a lane group keeps requested ahead of its loads (L2 prefetches):
-// the loads alone keep one slice a lane in flight, too few bytes to cover DRAM latency.
-constexpr int MATVEC_PREFETCH_ROW_BYTES = 2048;
 
 // Per block: each (split, row) pair's sum for the chunk's activation rows, and for the affine
 // types the sums of the chunk's 16-element runs of x (run_sum; [row][run]), taken once per
@@ -67,64 +61,9 @@ struct MatvecShared {
     float run_sums[MATVEC_TABLE_FLOATS];
 };
 
-// A lane's walk over its row's K-blocks: it keeps one slice index and takes the blocks
-// MATVEC_LANES_PER_ROW / SLICES apart (STEP), from `block` up to `last` (the split's end).
-template <class T>
-struct LaneWalk {
-    using S = slices_of<T>;
-    static_assert(MATVEC_LANES_PER_ROW % S::SLICES == 0, "a lane keeps its slice index");
-    static constexpr int STEP = MATVEC_LANES_PER_ROW / S::SLICES;
-    // Weight bytes a row's group prefetches ahead of its loads (MATVEC_PREFETCH_ROW_BYTES),
-    // in passes of the walk: at least one.
-    static constexpr int AHEAD = (MATVEC_PREFETCH_ROW_BYTES + STEP * T::BLOCK_BYTES - 1) /
-                                 (STEP * T::BLOCK_BYTES);
-    int block, last, slice;
-
-    __device__ LaneWalk(int n_in, int split, int splits, int lane) {
-        const int n_blocks = n_in / T::BLOCK_ELEMENTS;
-        last = (split + 1) * n_blocks / splits;
-        slice = lane % S::SLICES;
-        block = split * n_blocks / splits + lane / S::SLICES;
-    }
-
-    // Points a lane asks L2 for per pass: its share of the group's bytes (BLOCK_BYTES /
-    // SLICES) in 32-byte sectors, so the group's points are at most a sector apart.
-    static constexpr int SHARE = T::BLOCK_BYTES / S::SLICES;
-    static constexpr int POINTS = (SHARE + 31) / 32;
-
-    // Asks L2 for the lane's share of the block `passes` passes ahead of the block at `w` (the
-    // lane's current block), when that pass is still in the walk. The group's points are <= 32
-    // bytes apart, so they touch every sector of the pass's bytes but perhaps the one holding
-    // only the tail, which the next pass's first point touches. No register, no effect on any
-    // value; never past the split's blocks, so never past the row.
-    __device__ void prefetch(const uint8_t* w, int passes) const {
-        if (block + passes * STEP < last) {
-            const uint8_t* share = w + int64_t(passes) * STEP * T::BLOCK_BYTES + slice * SHARE;
-#pragma unroll
-            for (int point = 0; point < POINTS; ++point) {
-                const size_t global = __cvta_generic_to_global(share + 32 * point);
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(global));
-            }
-        }
-    }
-
-    // The lane's first block in `row`.
-    __device__ const uint8_t* start(const uint8_t* row) const {
-        return row + int64_t(block) * T::BLOCK_BYTES;
-    }
-
-    // The walk's first AHEAD passes into L2 (w: the first block).
-    __device__ void prefetch_first(const uint8_t* w) const {
-#pragma unroll
-        for (int pass = 0; pass < AHEAD; ++pass) prefetch(w, pass);
-    }
-};
-
 // Lane `lane` of its row group: the row's dot products with activation rows [b0, b0 + count)
-// over the split's K-blocks (its LaneWalk), one partial sum per lane; after the walk's first
-// AHEAD passes (prefetch_first), each pass prefetches the pass AHEAD passes on, so about
-// AHEAD passes of weights are in flight per lane (the loads and the arithmetic are those of
-// one slice a pass, in order: prefetches change no value).
+// over the split's K-blocks, one partial sum per lane. A lane keeps one slice index and walks
+// the blocks MATVEC_LANES_PER_ROW / SLICES apart, so its pointers advance by constants.
 // CHUNK: the activation rows this instantiation can take (1: the lone row of a batch of one,
 // or the last of 9). run_sums: the chunk's run sums of x (affine types; n_in / RUN a row).
 template <class T, int CHUNK>
@@ -132,22 +71,23 @@ __device__ void lane_partials(const uint8_t* __restrict__ row, int n_in, int spl
                               int lane, const float* __restrict__ x, int x_stride, int b0,
                               int count, const float* run_sums, float (&acc)[CHUNK]) {
     using S = slices_of<T>;
-    using Walk = LaneWalk<T>;
-    constexpr int STEP = Walk::STEP;
-    Walk walk(n_in, split, splits, lane);
-    const uint8_t* w = walk.start(row);
-    if constexpr (!S::AFFINE) walk.prefetch_first(w);  // the affine types': in matvec_block
-    const float* xs = x + int64_t(walk.block) * T::BLOCK_ELEMENTS + int64_t(b0) * x_stride;
-    const float* sums = run_sums + walk.block * (T::BLOCK_ELEMENTS / RUN);
+    static_assert(MATVEC_LANES_PER_ROW % S::SLICES == 0, "a lane keeps its slice index");
+    constexpr int STEP = MATVEC_LANES_PER_ROW / S::SLICES;  // blocks between a lane's slices
+    const int n_blocks = n_in / T::BLOCK_ELEMENTS;
+    const int last = (split + 1) * n_blocks / splits;
+    const int slice = lane % S::SLICES;
+    int block = split * n_blocks / splits + lane / S::SLICES;
+    const uint8_t* w = row + int64_t(block) * T::BLOCK_BYTES;
+    const float* xs = x + int64_t(block) * T::BLOCK_ELEMENTS + int64_t(b0) * x_stride;
+    const float* sums = run_sums + block * (T::BLOCK_ELEMENTS / RUN);
 #pragma unroll
     for (int j = 0; j < CHUNK; ++j) acc[j] = 0.0f;
 #pragma unroll 1  // one slice a pass: the budget tool reads the pass's SASS per weight byte
-    for (; walk.block < walk.last; walk.block += STEP, w += STEP * T::BLOCK_BYTES,
-                                   xs += STEP * T::BLOCK_ELEMENTS,
-                                   sums += STEP * (T::BLOCK_ELEMENTS / RUN)) {
-        walk.prefetch(w, Walk::AHEAD);
+    for (; block < last; block += STEP, w += STEP * T::BLOCK_BYTES,
+                         xs += STEP * T::BLOCK_ELEMENTS,
+                         sums += STEP * (T::BLOCK_ELEMENTS / RUN)) {
         Slice s;
-        S::slice(w, walk.slice, s);
+        S::slice(w, slice, s);
 #pragma unroll
         for (int j = 0; j < CHUNK; ++j) {
             if (j < count) {
@@ -178,13 +118,6 @@ __device__ void matvec_block(RowAt row_at, const float* __restrict__ x, int x_st
     const int runs = n_in / RUN;
     if (AFFINE && runs > MATVEC_TABLE_FLOATS) __trap();  // past the contract: fail loudly
     const int chunk = AFFINE ? min(MATVEC_CHUNK, MATVEC_TABLE_FLOATS / runs) : MATVEC_CHUNK;
-    if (AFFINE && row != nullptr) {
-        // The walk's first passes stream in while the run-sum table fills. (The other types,
-        // with no table, ask at the walk's start: here ptxas would spend more instructions a
-        // pass on those at the 128-register limit: Q6_K's chunk pass 598 -> 667.)
-        const LaneWalk<T> walk(n_in, split, splits, member);
-        walk.prefetch_first(walk.start(row));
-    }
     for (int b0 = 0; b0 < batch; b0 += chunk) {
         const int count = min(chunk, batch - b0);
         if (AFFINE) {
