@@ -1,37 +1,28 @@
-// Attention over the paged float16 KV cache (head_ops.cuh's layout), float32 math, GQA (query
+// Attention over the paged float16 KV cache (kv_cache.cu's layout), float32 math, GQA (query
 // head h reads KV head h / (n_heads / n_kv_heads)), optional sliding window (`window` > 0:
 // a query at position p sees keys (p - window, p]; 0: keys [0, p]), keys of the cached prefix
-// included. q is unscaled: `scale` (1 / sqrt(head_dim)) multiplies it first, as forward.py
-// does. head_dim % 8 == 0, <= 256. out rows: [n_heads * head_dim].
+// included: the step's own keys must already be written (kv_write) before these run.
+// q rows hold n_heads heads of head_dim floats (head_dim % 8 == 0, <= 256), unscaled: `scale`
+// (1 / sqrt(head_dim)) multiplies q first, as forward.py does. out rows: [n_heads * head_dim].
 // block_tables: int32 [items][table_stride], entry i = the pool block of positions
 // [i * block_size, (i + 1) * block_size).
 //
-// Decode (one query per sequence; row s of qkv / out belongs to sequence s), flash-decoding
-// as llama.cpp's fattn-vec does it, split and combine in one kernel, and the token's qkv row
-// finished on the way in (qkv_finish is not run over decode rows):
+// Decode (one query per sequence; query / output row s belongs to sequence s), flash-decoding
+// as llama.cpp's fattn-vec does it, split and combine in one kernel:
 //   attention_decode, grid (n_splits, n_kv_heads * ceil(group / MAX_GROUP_HEADS), n_seqs),
-//     DECODE_THREADS threads (group = n_heads / n_kv_heads). qkv rows are the raw fused
-//     projection (q heads, k heads, v heads); its arguments up to v_cache are qkv_finish's.
-//     A block takes up to MAX_GROUP_HEADS q heads of one KV head, so each K/V row is read
-//     once for all of them, and split j of the sequence's visible keys [first + j *
-//     split_keys, first + (j + 1) * split_keys). Its prologue finishes its q heads
-//     (head_ops.cuh's steps 1-3) in shared memory; the row is never written, other blocks
-//     read it raw. The blocks of the last used split, which holds the sequence's newest key
-//     (this step's token, at positions[s]), finish that token's K and V too, write them to
-//     the cache at slot slots[s] (step 4) and take that key from shared memory, rounded to
-//     float16 as if read back: results are bit for bit those of qkv_finish then attention.
-//     The block streams the other keys through shared memory in tiles (16-byte cp.async
+//     DECODE_THREADS threads (group = n_heads / n_kv_heads). A block takes up to
+//     MAX_GROUP_HEADS q heads of one KV head, so each K/V row is read once for all of them,
+//     and split j of the sequence's visible keys [first + j * split_keys, first + (j + 1) *
+//     split_keys). It streams its keys through shared memory in tiles (16-byte cp.async
 //     copies, the next tile's keys in flight while this tile's values are summed).
-//     used = min(n_splits, ceil(visible keys / split_keys)) splits hold keys (n_splits must
-//     cover the context); the others return at once and write nothing. With one used split
-//     the block writes `out` itself; otherwise each used split writes its (max, sum,
-//     acc[head_dim]) per head to partial_max / partial_sum / partial_acc
-//     [n_seqs][n_heads][n_splits](head_dim), and the last of them to finish (counted in
-//     counters[n_seqs][gridDim.y], which must be zero before the first launch; that block
-//     sets its counter back to zero) merges the used splits in split order: the result does
-//     not depend on which block finished last.
-// Prefill (items of several tokens at positions item_start + i, query rows item_first_row + i,
-//   their K/V already in the cache and q finished: qkv_finish ran over them):
+//     used = min(n_splits, ceil(visible keys / split_keys)) splits hold keys; the others
+//     return at once and write nothing. With one used split the block writes `out` itself;
+//     otherwise each used split writes its (max, sum, acc[head_dim]) per head to
+//     partial_max / partial_sum / partial_acc [n_seqs][n_heads][n_splits](head_dim), and the
+//     last of them to finish (counted in counters[n_seqs][gridDim.y], which must be zero
+//     before the first launch; that block sets its counter back to zero) merges the used
+//     splits in split order: the result does not depend on which block finished last.
+// Prefill (items of several tokens at positions item_start + i, query rows item_first_row + i):
 //   attention_prefill, grid (ceil(max item_tokens / PREFILL_QUERIES), n_heads, n_items),
 //   ATTN_WARPS * 32 threads: a block takes PREFILL_QUERIES consecutive queries of one item and
 //   head, causal. It walks the keys its queries see in tiles of 32, staged in shared memory
@@ -39,7 +30,7 @@
 //   queries (one key per lane for the scores, one feature per lane for the values).
 #include <cuda_fp16.h>
 
-#include "head_ops.cuh"
+#include "device_common.cuh"
 
 constexpr int MAX_HEAD_DIM = 256;
 constexpr int DIMS_PER_LANE = MAX_HEAD_DIM / WARP;
@@ -284,82 +275,15 @@ __device__ float combine_splits(const float* partial_acc, const float* partial_m
     return acc / sum;
 }
 
-// The decode prologue (head_ops.cuh's steps): q heads first_head .. + heads of the token's
-// raw `row` finished and scaled into q; where new_kv is not null, KV head kv_head's K and V
-// finished into new_kv[0] / [1] and rounded to float16 into the cache slot (k_slot, v_slot).
-// RoPE takes a thread per pair, its rotation computed once for all the heads. Ends with a
-// barrier after new_kv is final; q is scaled after it.
-__device__ void finish_token(const float* row, const HeadFinish& f, int n_heads, int n_kv_heads,
-                             int head_dim, int first_head, int heads, int kv_head, int position,
-                             float scale, float (*q)[MAX_HEAD_DIM], float (*new_kv)[MAX_HEAD_DIM],
-                             __half* k_slot, __half* v_slot) {
-    const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
-    const int rows = heads + (new_kv != nullptr ? 2 : 0);  // q heads, then K and V
-    const int normed = heads + (new_kv != nullptr ? 1 : 0);  // q heads, then K
-    for (int e = threadIdx.x; e < rows * head_dim; e += DECODE_THREADS) {
-        const int h = e / head_dim, d = e % head_dim;
-        const bool is_q = h < heads;
-        const int which = h - heads;  // K 0, V 1
-        const int column = (is_q ? first_head + h : kv_head) * head_dim + d;  // in its segment
-        const float* bias = is_q ? f.q_bias : which == 0 ? f.k_bias : f.v_bias;
-        float value = row[(is_q ? 0 : q_dim + which * kv_dim) + column];
-        if (bias != nullptr) value += bias[column];
-        (is_q ? q[h] : new_kv[which])[d] = value;
-    }
-    __syncthreads();
-    if (f.q_norm != nullptr || f.k_norm != nullptr) {  // a warp per head, the K head last
-        const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-        for (int h = warp; h < normed; h += ATTN_WARPS) {
-            const bool is_q = h < heads;
-            const float* weight = is_q ? f.q_norm : f.k_norm;
-            if (weight != nullptr) {
-                warp_head_rms_norm(is_q ? q[h] : new_kv[0], head_dim, weight, f.eps, lane);
-            }
-        }
-        __syncthreads();
-    }
-    for (int i = threadIdx.x; i < f.rope_dim / 2; i += DECODE_THREADS) {
-        const float2 rotation = rope_rotation(position, i, f);
-        for (int h = 0; h < heads; ++h) rotate_pair(q[h], i, rotation, f);
-        if (new_kv != nullptr) rotate_pair(new_kv[0], i, rotation, f);
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < heads * head_dim; e += DECODE_THREADS) {
-        q[e / head_dim][e % head_dim] *= scale;
-    }
-    if (new_kv == nullptr) return;
-    for (int e = threadIdx.x; e < 2 * head_dim; e += DECODE_THREADS) {
-        const int which = e / head_dim, d = e % head_dim;
-        (which == 0 ? k_slot : v_slot)[d] = __float2half_rn(new_kv[which][d]);
-    }
-}
-
-// The new token's K and V (finish_token's new_kv) as row `row` of the tiles, rounded to
-// float16 as the cache holds them.
-__device__ void put_new_key(const float (*new_kv)[MAX_HEAD_DIM], int row, int head_dim,
-                            const DecodeTile& shape, __half* k_tile, __half* v_tile) {
-    for (int e = threadIdx.x; e < 2 * head_dim; e += DECODE_THREADS) {
-        const int which = e / head_dim, d = e % head_dim;
-        (which == 0 ? k_tile : v_tile)[row * shape.pitch + d] =
-            __float2half_rn(new_kv[which][d]);
-    }
-}
-
-// At most 128 registers a thread: 4 blocks (16 warps) resident per SM.
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4) attention_decode(
-    const float* __restrict__ qkv, int qkv_stride, int n_heads, int n_kv_heads, int head_dim,
-    const float* __restrict__ q_bias, const float* __restrict__ k_bias,
-    const float* __restrict__ v_bias, const float* __restrict__ q_norm,
-    const float* __restrict__ k_norm, float eps, int rope_dim, double rope_base,
-    const float* __restrict__ freq_factors, int neox, const int* __restrict__ positions,
-    const int* __restrict__ slots, __half* __restrict__ k_cache, __half* __restrict__ v_cache,
-    const int* __restrict__ block_tables, int table_stride, int block_size, float scale,
-    int window, int split_keys, float* __restrict__ partial_acc,
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode(
+    const float* __restrict__ q, int q_stride, const __half* __restrict__ k_cache,
+    const __half* __restrict__ v_cache, const int* __restrict__ block_tables, int table_stride,
+    const int* __restrict__ positions, int block_size, int n_heads, int n_kv_heads, int head_dim,
+    float scale, int window, int split_keys, float* __restrict__ partial_acc,
     float* __restrict__ partial_max, float* __restrict__ partial_sum, int* __restrict__ counters,
     float* __restrict__ out, int out_stride) {
-    // q (finished, scaled), then the heads' value sums at the end.
+    // q (scaled), then the heads' value sums at the end.
     __shared__ __align__(16) float q_scaled[MAX_GROUP_HEADS][MAX_HEAD_DIM];
-    __shared__ float new_kv[2][MAX_HEAD_DIM];  // the new token's finished K and V
     __shared__ __align__(16) __half k_tile[DECODE_TILE_PADDED];
     __shared__ __align__(16) __half v_tile[DECODE_TILE_PADDED];
     __shared__ float weights[MAX_GROUP_HEADS][MAX_TILE_KEYS];
@@ -373,12 +297,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4) attention_decode
     if (split >= used) return;  // the whole block leaves: nothing to write
     const int low = first_key + split * split_keys;
     const int high = min(position, low + split_keys - 1);
-    // The last used split holds the newest key (high == position, n_splits covering the
-    // context): its blocks make that key themselves and read only the older ones from the
-    // cache. No other block reads its slot; where a GQA group takes several blocks, each of
-    // them writes the same K and V there.
-    const bool new_key_here = split == used - 1;
-    const int cached_high = new_key_here ? high - 1 : high;
+
     const int group = n_heads / n_kv_heads;
     const int chunks = (group + MAX_GROUP_HEADS - 1) / MAX_GROUP_HEADS;
     const int kv_head = blockIdx.y / chunks, chunk = blockIdx.y % chunks;
@@ -386,20 +305,17 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4) attention_decode
     const int heads = min(MAX_GROUP_HEADS, group - chunk * MAX_GROUP_HEADS);
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const DecodeTile shape = decode_tile(head_dim);
-    const int kv_dim = n_kv_heads * head_dim;
     const PagedHead kv{k_cache, v_cache, block_tables + int64_t(seq) * table_stride, block_size,
-                       kv_dim, kv_head * head_dim};
+                       n_kv_heads * head_dim, kv_head * head_dim};
 
-    stage_tile(k_cache, kv, low, min(shape.keys, cached_high - low + 1), shape, k_tile);
+    stage_tile(k_cache, kv, low, min(shape.keys, high - low + 1), shape, k_tile);
     commit_copies();
-    stage_tile(v_cache, kv, low, min(shape.keys, cached_high - low + 1), shape, v_tile);
+    stage_tile(v_cache, kv, low, min(shape.keys, high - low + 1), shape, v_tile);
     commit_copies();
-    const int64_t slot = int64_t(slots[seq]) * kv_dim + kv_head * head_dim;
-    finish_token(qkv + int64_t(seq) * qkv_stride,
-                 HeadFinish{q_bias, k_bias, v_bias, q_norm, k_norm, eps, rope_dim, rope_base,
-                            freq_factors, neox},
-                 n_heads, n_kv_heads, head_dim, first_head, heads, kv_head, position, scale,
-                 q_scaled, new_key_here ? new_kv : nullptr, k_cache + slot, v_cache + slot);
+    for (int e = threadIdx.x; e < heads * head_dim; e += DECODE_THREADS) {
+        const int h = e / head_dim, d = e % head_dim;
+        q_scaled[h][d] = q[int64_t(seq) * q_stride + (first_head + h) * head_dim + d] * scale;
+    }
     float running_max[MAX_GROUP_HEADS / ATTN_WARPS], running_sum[MAX_GROUP_HEADS / ATTN_WARPS];
 #pragma unroll
     for (int r = 0; r < MAX_GROUP_HEADS / ATTN_WARPS; ++r) {
@@ -409,12 +325,9 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4) attention_decode
     float acc[MAX_GROUP_HEADS][8] = {};
     for (int base = low; base <= high; base += shape.keys) {
         const int count = min(shape.keys, high - base + 1);
-        const int next = min(shape.keys, cached_high - base - shape.keys + 1);  // <= 0: none
-        if (new_key_here && base + count - 1 == high) {  // the last tile ends with it
-            put_new_key(new_kv, high - base, head_dim, shape, k_tile, v_tile);
-        }
+        const int next = min(shape.keys, high - base - shape.keys + 1);  // <= 0: none
         wait_copies<1>();  // this tile's keys (its values may still be in flight)
-        __syncthreads();   // every thread's copies and new key; q scaled; the weights used
+        __syncthreads();   // every thread's copies; q staged; the last tile's weights used
         tile_scores(q_scaled, heads, k_tile, count, shape, weights);
         __syncthreads();  // the key tile is free
         stage_tile(k_cache, kv, base + shape.keys, next, shape, k_tile);

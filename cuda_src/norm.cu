@@ -1,7 +1,7 @@
 // RMSNorm kernels, float32: norm(v) = v / sqrt(mean(v^2) + eps) * weight, as forward.rms_norm
 // (sum of squares, times 1/n, plus eps, sqrt, divide, times weight; the sum is a float32 tree
 // here, so results match the CPU to float tolerance, not bit for bit).
-#include "device_common.cuh"
+#include "head_ops.cuh"
 
 constexpr int NORM_THREADS = 256;
 
@@ -38,4 +38,16 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         out[offset + i] = row[i] / divisor * weight[i];
     }
+}
+
+// Per-head RMSNorm in place (gemma-3's q/k norms): head h of token t is
+// x[t * row_stride + h * head_dim ...], normed over head_dim with one weight vector shared by
+// all heads. One warp per head: grid (ceil(n_heads / 4), n_tokens), 128 threads.
+extern "C" __global__ void __launch_bounds__(4 * WARP)
+    head_rms_norm(float* __restrict__ x, int row_stride, int n_heads, int head_dim,
+                  const float* __restrict__ weight, float eps) {
+    const int head = blockIdx.x * 4 + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (head >= n_heads) return;
+    warp_head_rms_norm(x + int64_t(blockIdx.y) * row_stride + head * head_dim, head_dim,
+                       weight, eps, lane);
 }

@@ -1,10 +1,14 @@
-// qkv_finish: everything between the fused QKV projection and attention for the prefill rows
-// of a step, in one launch (decode rows are finished in attention_decode's prologue, with the
-// same device functions, so a token's K and V round alike either way): head_ops.cuh's steps
-// 1-4 on every head of token t's row qkv[t * row_stride ...] (q heads, then k heads, then v
-// heads, each head_dim floats): bias, q / k head norm, RoPE at positions[t], and k and v
-// rounded to float16 into the paged cache at slot slots[t]. The row keeps the float32 values
-// (finished q included), so attention_prefill reads q from it.
+// qkv_finish: everything between the fused QKV projection and attention, for every token of
+// a step, in one launch (it replaces add_bias x3, head_rms_norm x2, rope and kv_write, and
+// rounds exactly as they do: the same device functions, head_ops.cuh, in the same order).
+// Per head of token t's row qkv[t * row_stride ...] (q heads, then k heads, then v heads, each
+// head_dim floats):
+//   1. bias (qwen2; q_bias / k_bias / v_bias may be null): v += bias, one rounding each;
+//   2. q / k head RMSNorm (gemma-3; q_norm / k_norm may be null), one weight per segment;
+//   3. RoPE of q and k heads at positions[t] (rope.cu: NORM / NEOX, per-call base, optional
+//      freq_factors);
+//   4. k and v heads rounded to float16 into the paged cache (kv_cache.cu's layout) at slot
+//      slots[t]; the row keeps the float32 values, so attention reads q from it.
 // One warp per head: grid (ceil((n_heads + 2 n_kv_heads) / 4), n_tokens), 128 threads.
 #include <cuda_fp16.h>
 
@@ -16,12 +20,10 @@ extern "C" __global__ void __launch_bounds__(QKV_FINISH_HEADS_PER_BLOCK * WARP)
     qkv_finish(float* __restrict__ qkv, int row_stride, int n_heads, int n_kv_heads,
                int head_dim, const float* __restrict__ q_bias, const float* __restrict__ k_bias,
                const float* __restrict__ v_bias, const float* __restrict__ q_norm,
-               const float* __restrict__ k_norm, float eps, int rope_dim, double base,
-               const float* __restrict__ freq_factors, int neox,
-               const int* __restrict__ positions, const int* __restrict__ slots,
-               __half* __restrict__ k_cache, __half* __restrict__ v_cache) {
-    const HeadFinish finish{q_bias, k_bias, v_bias, q_norm, k_norm, eps, rope_dim, base,
-                            freq_factors, neox};
+               const float* __restrict__ k_norm, float eps, const int* __restrict__ positions,
+               int rope_dim, double base, const float* __restrict__ freq_factors, int neox,
+               const int* __restrict__ slots, __half* __restrict__ k_cache,
+               __half* __restrict__ v_cache) {
     const int head = blockIdx.x * QKV_FINISH_HEADS_PER_BLOCK + threadIdx.x / WARP;
     const int lane = threadIdx.x % WARP;
     if (head >= n_heads + 2 * n_kv_heads) return;  // the whole warp leaves
@@ -42,11 +44,11 @@ extern "C" __global__ void __launch_bounds__(QKV_FINISH_HEADS_PER_BLOCK * WARP)
         __syncwarp();  // RoPE pairs span lanes
     }
     if (is_q) {
-        rope_head(v, positions[token], finish, lane, WARP);
+        rope_head(v, positions[token], rope_dim, base, freq_factors, neox, lane, WARP);
         return;
     }
     if (is_k) {
-        rope_head(v, positions[token], finish, lane, WARP);
+        rope_head(v, positions[token], rope_dim, base, freq_factors, neox, lane, WARP);
         __syncwarp();
     }
     __half* cache = is_k ? k_cache : v_cache;

@@ -159,27 +159,20 @@ class KernelTwins:
             rows += add
         self.f32(out, n * d).reshape(n, d)[:] = rows / self._rms(rows, eps) * self.f32(weight, d)
 
-    def _finish(self, rows: np.ndarray, positions: np.ndarray, heads: int, kv_heads: int,
-                head_dim: int, q_bias: Any, k_bias: Any, v_bias: Any, q_norm: Any, k_norm: Any,
-                eps: float, rope_dim: int, base: float, factors: Any, neox: int) -> None:
-        """head_ops.cuh's steps 1-3 in place on contiguous qkv rows (n, q_dim + 2 kv_dim):
-        biases, q / k head norms, RoPE of the q and k heads at `positions`."""
-        heads, kv_heads, head_dim = int(heads), int(kv_heads), int(head_dim)
-        q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-        for first, bias, width in ((0, q_bias, q_dim), (q_dim, k_bias, kv_dim),
-                                   (q_dim + kv_dim, v_bias, kv_dim)):
-            if int(bias):
-                rows[:, first : first + width] += self.f32(bias, width)
-        for first, norm, count in ((0, q_norm, heads), (q_dim, k_norm, kv_heads)):
-            if int(norm):
-                v = rows[:, first : first + count * head_dim].reshape(-1, count, head_dim)
-                v[:] = v / self._rms(v, eps) * self.f32(norm, head_dim)
-        half = int(rope_dim) // 2
-        v = rows[:, : q_dim + kv_dim].reshape(-1, heads + kv_heads, head_dim)
+    def head_rms_norm(self, grid: tuple[int, ...], x: Any, stride: int, heads: int,
+                      head_dim: int, weight: Any, eps: float) -> None:
+        n, heads, head_dim = grid[1], int(heads), int(head_dim)
+        v = self.rows(x, n, int(stride), heads * head_dim).reshape(n, heads, head_dim)
+        v[:] = v / self._rms(v, eps) * self.f32(weight, head_dim)
+
+    def rope(self, grid: tuple[int, ...], x: Any, stride: int, positions: Any, heads: int,
+             head_dim: int, rope_dim: int, base: float, factors: Any, neox: int) -> None:
+        n, heads, head_dim, half = grid[1], int(heads), int(head_dim), int(rope_dim) // 2
+        v = self.rows(x, n, int(stride), heads * head_dim).reshape(n, heads, head_dim)
         inv_freq = float(base) ** (-np.arange(0, 2 * half, 2, dtype=np.float64) / int(rope_dim))
         if int(factors):
             inv_freq = inv_freq / self.f32(factors, half).astype(np.float64)
-        angles = positions.astype(np.float64)[:, None] * inv_freq
+        angles = self.i32(positions, n).astype(np.float64)[:, None] * inv_freq
         cos, sin = (f(angles).astype(np.float32)[:, None, :] for f in (np.cos, np.sin))
         first, second = ((v[..., :half], v[..., half : 2 * half]) if int(neox)
                          else (v[..., 0 : 2 * half : 2], v[..., 1 : 2 * half : 2]))
@@ -187,25 +180,36 @@ class KernelTwins:
         first[:] = x0 * cos - x1 * sin
         second[:] = x0 * sin + x1 * cos
 
-    def _write_kv(self, rows: np.ndarray, slots: np.ndarray, q_dim: int, kv_dim: int,
-                  k_cache: Any, v_cache: Any) -> None:
-        """Step 4: each row's k and v rounded to float16 into the cache at its slot."""
-        for row, slot in zip(rows, slots):
-            for first, cache in ((q_dim, k_cache), (q_dim + kv_dim, v_cache)):
-                self.m.view(int(cache) + 2 * int(slot) * kv_dim, np.float16, kv_dim)[:] = (
-                    row[first : first + kv_dim])
+    def add_bias(self, grid: tuple[int, ...], y: Any, stride: int, bias: Any, n: int,
+                 width: int) -> None:
+        self.rows(y, int(n), int(stride), int(width))[:] += self.f32(bias, int(width))
+
+    def kv_write(self, grid: tuple[int, ...], k: Any, v: Any, stride: int, slots: Any, n: int,
+                 kv_dim: int, k_cache: Any, v_cache: Any) -> None:
+        n, kv_dim = int(n), int(kv_dim)
+        for t, slot in enumerate(self.i32(slots, n)):
+            for source, cache in ((k, k_cache), (v, v_cache)):
+                row = self.f32(int(source) + 4 * t * int(stride), kv_dim)
+                self.m.view(int(cache) + 2 * int(slot) * kv_dim, np.float16, kv_dim)[:] = row
 
     def qkv_finish(self, grid: tuple[int, ...], qkv: Any, stride: int, heads: int,
-                   kv_heads: int, head_dim: int, *rest: Any) -> None:
-        """Steps 1-4 on the rows in place (finish: q_bias .. neox; then positions, slots and
-        the caches)."""
-        finish, (positions, slots, k_cache, v_cache) = rest[:10], rest[10:]
+                   kv_heads: int, head_dim: int, q_bias: Any, k_bias: Any, v_bias: Any,
+                   q_norm: Any, k_norm: Any, eps: float, positions: Any, rope_dim: int,
+                   base: float, factors: Any, neox: int, slots: Any, k_cache: Any,
+                   v_cache: Any) -> None:
+        """The separate kernels' twins in their order: biases, head norms, RoPE, KV write."""
         n, q_dim, kv_dim = grid[1], int(heads) * int(head_dim), int(kv_heads) * int(head_dim)
-        rows = self.rows(qkv, n, int(stride), q_dim + 2 * kv_dim)
-        finished = rows.copy()
-        self._finish(finished, self.i32(positions, n), heads, kv_heads, head_dim, *finish)
-        rows[:] = finished
-        self._write_kv(finished, self.i32(slots, n), q_dim, kv_dim, k_cache, v_cache)
+        k_at, v_at = int(qkv) + 4 * q_dim, int(qkv) + 4 * (q_dim + kv_dim)
+        for at, bias, width in ((qkv, q_bias, q_dim), (k_at, k_bias, kv_dim),
+                                (v_at, v_bias, kv_dim)):
+            if int(bias):
+                self.add_bias(grid, at, stride, bias, n, width)
+        for at, norm, count in ((qkv, q_norm, heads), (k_at, k_norm, kv_heads)):
+            if int(norm):
+                self.head_rms_norm((1, n), at, stride, count, head_dim, norm, eps)
+        self.rope((1, n), qkv, stride, positions, int(heads) + int(kv_heads), head_dim,
+                  rope_dim, base, factors, neox)
+        self.kv_write(grid, k_at, v_at, stride, slots, n, kv_dim, k_cache, v_cache)
 
     def _keys_and_values(self, k_cache: Any, v_cache: Any, table: np.ndarray,
                          block_size: int, kv_heads: int, head_dim: int, keys: range
@@ -240,32 +244,26 @@ class KernelTwins:
             out.append((float(peak), float(weights.sum()), weights @ v[:, head // group]))
         return out
 
-    def attention_decode(self, grid: tuple[int, ...], qkv: Any, stride: int, heads: int,
-                         kv_heads: int, head_dim: int, *rest: Any) -> None:
-        """qkv_finish's twin on a copy of the decode rows (the rows stay raw) and its K/V
-        write; then each sequence's used splits (those holding keys) over the cache and,
-        where there are several, their partials as the kernel writes them; the output merged
-        in split order. The counters must be zero (the backend zero-fills them; every launch
-        leaves them so)."""
-        finish, (positions, slots, k_cache, v_cache, tables, table_stride, block_size, scale,
-                 window, split_keys, acc, best, total, counters, out, out_stride) = (
-            rest[:10], rest[10:])
+    def attention_decode(self, grid: tuple[int, ...], q: Any, q_stride: int, k_cache: Any,
+                         v_cache: Any, tables: Any, table_stride: int, positions: Any,
+                         block_size: int, heads: int, kv_heads: int, head_dim: int, scale: float,
+                         window: int, split_keys: int, acc: Any, best: Any, total: Any,
+                         counters: Any, out: Any, out_stride: int) -> None:
+        """Each sequence's used splits (those holding keys) and, where there are several,
+        their partials as the kernel writes them; the output merged in split order. The
+        counters must be zero (the backend zero-fills them; every launch leaves them so)."""
         splits, head_blocks, n = grid
         heads, head_dim, split_keys = int(heads), int(head_dim), int(split_keys)
-        q_dim, kv_dim = heads * head_dim, int(kv_heads) * head_dim
         table_stride = int(table_stride)
         group = heads // int(kv_heads)
         assert head_blocks == int(kv_heads) * -(-group // plan.MAX_GROUP_HEADS)
         assert not self.i32(counters, n * head_blocks).any(), "attention counters are not zero"
-        rows = self.rows(qkv, n, int(stride), q_dim + 2 * kv_dim).copy()
-        self._finish(rows, self.i32(positions, n), heads, kv_heads, head_dim, *finish)
-        self._write_kv(rows, self.i32(slots, n), q_dim, kv_dim, k_cache, v_cache)
         for s in range(n):
             position = int(self.i32(positions, n)[s])
             table = self.i32(int(tables) + 4 * s * table_stride, table_stride)
             first = max(0, position - int(window) + 1) if int(window) else 0
             used = min(splits, -(-(position - first + 1) // split_keys))
-            q_row = rows[s, :q_dim]
+            q_row = self.f32(int(q) + 4 * s * int(q_stride), heads * head_dim)
             parts = []
             for split in range(used):
                 low = first + split * split_keys

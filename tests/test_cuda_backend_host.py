@@ -15,7 +15,6 @@ import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -83,32 +82,15 @@ def _kind(call: launches.KernelCall) -> str:
     return "mul_mat_vec" if call.kernel.startswith("mul_mat_vec_") else call.kernel
 
 
-# qkv_finish's arguments by name, in order; attention_decode opens with the same ones.
+# qkv_finish's arguments by name, in order.
 QKV_FINISH_ARGS = ("qkv", "stride", "heads", "kv_heads", "head_dim", "q_bias", "k_bias",
-                   "v_bias", "q_norm", "k_norm", "eps", "rope_dim", "base", "factors", "neox",
-                   "positions", "slots", "k_cache", "v_cache")
-ATTENTION_DECODE_ARGS = (*QKV_FINISH_ARGS, "tables", "table_stride", "block_size", "scale",
-                         "window", "split_keys", "acc", "best", "total", "counters", "out",
-                         "out_stride")
-# Row-dependent arguments: the decode rows' from row 0, the prefill rows' after them.
-ROW_ARGS = ("qkv", "positions", "slots")
-
-
-def _named_args(layer: list[launches.KernelCall], kernel: str) -> dict[str, launches.Arg]:
-    call = next(c for c in layer if c.kernel == kernel)
-    names = QKV_FINISH_ARGS if kernel == "qkv_finish" else ATTENTION_DECODE_ARGS
-    return dict(zip(names, call.args, strict=True))
+                   "v_bias", "q_norm", "k_norm", "eps", "positions", "rope_dim", "base",
+                   "factors", "neox", "slots", "k_cache", "v_cache")
 
 
 def _finish_args(layer: list[launches.KernelCall]) -> dict[str, launches.Arg]:
-    """The finishing arguments of the layer's decode rows (attention_decode) and its prefill
-    rows (qkv_finish): the same but for where the rows start."""
-    decode = _named_args(layer, "attention_decode")
-    prefill = _named_args(layer, "qkv_finish")
-    for name in QKV_FINISH_ARGS:
-        if name not in ROW_ARGS:
-            assert decode[name] == prefill[name], name
-    return decode
+    call = next(c for c in layer if c.kernel == "qkv_finish")
+    return dict(zip(QKV_FINISH_ARGS, call.args, strict=True))
 
 
 def test_llama_layer_runs_the_kernels_in_order(models: dict[str, GGUFFile]) -> None:
@@ -119,17 +101,7 @@ def test_llama_layer_runs_the_kernels_in_order(models: dict[str, GGUFFile]) -> N
         "residual_rms_norm", "mul_mat_vec_qkv", "qkv_finish", "attention_decode",
         "attention_prefill", "mul_mat_vec", "residual_rms_norm",
         "mul_mat_vec_gate_up", "mul_mat_vec"]
-    # The decode row (row 0) is finished by attention_decode, the 3 prefill rows by
-    # qkv_finish: its rows, positions and slots start one row on.
-    prefill = _named_args(layers[0], "qkv_finish")
-    stride = spec.q_dim + 2 * spec.kv_dim
-    assert (prefill["qkv"], prefill["positions"], prefill["slots"]) == (
-        launches.Ref("qkv", 4 * stride), launches.Ref("step.positions", 4),
-        launches.Ref("step.slots", 4))
-    assert next(c for c in layers[0] if c.kernel == "qkv_finish").launch.grid[1] == 3
     finish = _finish_args(layers[0])
-    assert (finish["qkv"], finish["positions"], finish["slots"]) == (
-        launches.Ref("qkv"), launches.Ref("step.positions"), launches.Ref("step.slots"))
     assert finish["base"] == np.float64(spec.rope_base) and finish["neox"] == 0  # NORM pairs
     assert (finish["heads"], finish["kv_heads"]) == (spec.n_heads, spec.n_kv_heads)
     assert {finish[k] for k in ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm")} == {
@@ -174,7 +146,6 @@ def test_qwen2_finishes_qkv_with_its_three_biases(models: dict[str, GGUFFile]) -
     assert finish["neox"] == 1  # NEOX
     assert _kind(layer[layer.index(next(c for c in layer if c.kernel == "qkv_finish")) - 1]) \
         == "mul_mat_vec_qkv"
-    assert finish["base"] == np.float64(spec.rope_base)
 
 
 def test_gemma3_quirks(models: dict[str, GGUFFile]) -> None:
@@ -187,9 +158,9 @@ def test_gemma3_quirks(models: dict[str, GGUFFile]) -> None:
             launches.Ref(f"blk.{index}.attn_{p}_norm.weight") for p in "qk"]
         assert finish["eps"] == np.float32(spec.rms_eps)
         assert finish["base"] == (spec.rope_base_local if sliding else spec.rope_base)
-        window = spec.sliding_window if sliding else 0
-        assert finish["window"] == window
-        assert next(c for c in layer if c.kernel == "attention_prefill").args[14] == window
+        for attention in (c for c in layer if c.kernel.startswith("attention_")):
+            window = attention.args[12 if attention.kernel == "attention_decode" else 14]
+            assert window == (spec.sliding_window if sliding else 0)
         assert any(c.kernel.startswith("mul_mat_vec_gate_up_gelu_tanh_") for c in layer)
         opening, ffn_norm = [c for c in layer if c.kernel == "residual_rms_norm"][:2]
         assert ffn_norm.args[2].name == f"blk.{index}.post_attention_norm.weight"
@@ -308,16 +279,12 @@ def test_gate_and_up_of_different_types_take_two_products_and_the_activation(
 
 
 def test_a_decode_layer_is_a_handful_of_kernels(models: dict[str, GGUFFile]) -> None:
-    """Per decode layer: norm, qkv, attention (qkv finished in its prologue, split and
-    combine), o, norm, gate+up, down; per step: the embedding, the final norm and the output
-    product."""
+    """Per decode layer: norm, qkv, qkv_finish, attention (split and combine), o, norm,
+    gate+up, down; per step: the embedding, the final norm and the output product."""
     for name in ("llama", "qwen2", "gemma3"):
         spec = spec_from_gguf(models[name])
         calls = _decode_step(models[name], 32)
-        assert len(calls) == 7 * spec.n_layers + 3, name
-        assert [_kind(c) for c in _layer_slices(calls)[0]] == [
-            "residual_rms_norm", "mul_mat_vec_qkv", "attention_decode", "mul_mat_vec",
-            "residual_rms_norm", "mul_mat_vec_gate_up", "mul_mat_vec"], name
+        assert len(calls) == 8 * spec.n_layers + 3, name
 
 
 def _ptx_signatures(files: list[str]) -> dict[str, list[str]]:
@@ -405,133 +372,51 @@ def test_only_the_leading_single_token_items_take_the_decode_kernels() -> None:
     assert launches.leading_decode_items(np.array([1, 1])) == 2
 
 
-class DecodeTwin:
-    """attention_decode's and qkv_finish's twins (tests/cuda_emulator) over two sequences of 5
-    and 300 keys in a paged cache (blocks of 16; sequence s owns blocks s * blocks ...),
-    groups of 12 q heads (two blocks a KV head), head_dim 16."""
-
-    heads, kv_heads, head_dim, block_size, lengths = 24, 2, 16, 16, (5, 300)
-
-    def __init__(self, rng: np.random.Generator) -> None:
-        from tests.cuda_emulator import KernelTwins, Memory
-
-        self.memory = Memory()
-        self.twins = KernelTwins(self.memory)
-        self.blocks = -(-max(self.lengths) // self.block_size)
-        self.q_dim, self.kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.stride = self.q_dim + 2 * self.kv_dim + 4
-        self.positions = np.array(self.lengths, dtype=np.int32) - 1
-        self.slots = np.arange(2, dtype=np.int32) * self.blocks * self.block_size + self.positions
-        self.cache = [rng.standard_normal((2 * self.blocks * self.block_size, self.kv_dim))
-                      .astype(np.float16) for _ in "kv"]
-
-    def put(self, array: np.ndarray) -> int:
-        address = self.memory.allocate(array.nbytes)
-        self.memory.view(address, np.uint8, array.nbytes)[:] = array.reshape(-1).view(np.uint8)
-        return address
-
-    def get(self, address: int, like: np.ndarray) -> np.ndarray:
-        return self.memory.view(address, like.dtype, like.size).reshape(like.shape).copy()
-
-    def plain_rows(self, rng: np.random.Generator) -> np.ndarray:
-        """qkv rows of random q whose k and v are the cache's at each sequence's position:
-        with nothing to finish, the K/V write leaves the cache as it was."""
-        rows = rng.standard_normal((2, self.stride)).astype(np.float32)
-        rows[:, self.q_dim : self.q_dim + self.kv_dim] = self.cache[0][self.slots]
-        rows[:, self.q_dim + self.kv_dim : self.q_dim + 2 * self.kv_dim] = self.cache[1][self.slots]
-        return rows
-
-    def finish_args(self, finish: dict[str, Any]) -> tuple[Any, ...]:
-        """q_bias .. neox (QKV_FINISH_ARGS) from arrays (put on the memory) and values."""
-        def address(name: str) -> int:
-            return self.put(finish[name]) if name in finish else 0
-        return (*(address(name) for name in ("q_bias", "k_bias", "v_bias", "q_norm",
-                                              "k_norm")),
-                np.float32(1e-6), finish.get("rope_dim", 0), finish.get("base", 10000.0),
-                address("factors"), finish.get("neox", 0))
-
-    def qkv_finish(self, qkv: int, caches: list[int], finish: dict[str, Any]) -> None:
-        self.twins.qkv_finish(
-            plan.qkv_finish_launch(2, self.heads + 2 * self.kv_heads).grid, qkv, self.stride,
-            self.heads, self.kv_heads, self.head_dim, *self.finish_args(finish),
-            self.put(self.positions), self.put(self.slots), *caches)
-
-    def decode(self, qkv: int, caches: list[int], finish: dict[str, Any], split_keys: int,
-               splits: int, window: int) -> tuple[np.ndarray, np.ndarray]:
-        """One launch; the output rows and which (sequence, head, split) partials were
-        written."""
-        launch = plan.attention_decode_launch(2, self.heads, self.kv_heads, splits)
-        partials = 2 * self.heads * splits
-        best = self.put(np.full(partials, np.nan, np.float32))
-        out = self.put(np.zeros((2, self.q_dim), np.float32))
-        tables = self.put(np.arange(2 * self.blocks, dtype=np.int32))
-        self.twins.attention_decode(
-            launch.grid, qkv, self.stride, self.heads, self.kv_heads, self.head_dim,
-            *self.finish_args(finish), self.put(self.positions), self.put(self.slots),
-            *caches, tables, self.blocks, self.block_size, 0.25, window, split_keys,
-            self.put(np.zeros(partials * self.head_dim, np.float32)), best,
-            self.put(np.zeros(partials, np.float32)),
-            self.put(np.zeros(2 * launch.grid[1], np.int32)), out, self.q_dim)
-        return (self.get(out, np.zeros((2, self.q_dim), np.float32)),
-                ~np.isnan(self.get(best, np.zeros((2, self.heads, splits), np.float32))))
-
-
 @pytest.mark.parametrize("window", [0, 40])
 def test_the_decode_attention_twin_merges_its_splits_as_one(window: int) -> None:
-    """tests/cuda_emulator's attention_decode over 64-key splits equals one split over
-    everything; partials are written only by the splits holding keys, and only where
-    several do."""
+    """tests/cuda_emulator's attention_decode over 64-key splits (sequences of 5 and 300
+    keys, groups of 12 q heads: two blocks a KV head) equals one split over everything;
+    partials are written only by the splits holding keys, and only where several do."""
+    from tests.cuda_emulator import KernelTwins, Memory
+
     rng = np.random.default_rng(window)
-    twin = DecodeTwin(rng)
-    qkv = twin.put(twin.plain_rows(rng))
+    heads, kv_heads, head_dim, block_size, lengths = 24, 2, 16, 16, [5, 300]
+    memory = Memory()
+    twins = KernelTwins(memory)
+
+    def put(array: np.ndarray) -> int:
+        address = memory.allocate(array.nbytes)
+        memory.view(address, np.uint8, array.nbytes)[:] = array.reshape(-1).view(np.uint8)
+        return address
+
+    blocks = -(-max(lengths) // block_size)
+    cache = [put(rng.standard_normal((2 * blocks * block_size, kv_heads * head_dim))
+                 .astype(np.float16)) for _ in "kv"]
+    tables = put(np.arange(2 * blocks, dtype=np.int32))  # sequence s: blocks s * blocks ...
+    positions = put(np.array(lengths, dtype=np.int32) - 1)
+    q = put(rng.standard_normal((2, heads * head_dim)).astype(np.float32))
 
     def decode(split_keys: int, splits: int) -> tuple[np.ndarray, np.ndarray]:
-        return twin.decode(qkv, [twin.put(c) for c in twin.cache], {}, split_keys, splits,
-                           window)
+        launch = plan.attention_decode_launch(2, heads, kv_heads, splits)
+        partials = 2 * heads * splits
+        best = put(np.full(partials, np.nan, np.float32))
+        out = put(np.zeros((2, heads * head_dim), np.float32))
+        twins.attention_decode(
+            launch.grid, q, heads * head_dim, *cache, tables, blocks, positions, block_size,
+            heads, kv_heads, head_dim, 0.25, window, split_keys,
+            put(np.zeros(partials * head_dim, np.float32)), best,
+            put(np.zeros(partials, np.float32)), put(np.zeros(2 * launch.grid[1], np.int32)),
+            out, heads * head_dim)
+        return (twins.f32(out, 2 * heads * head_dim).copy(),
+                ~np.isnan(twins.f32(best, partials).reshape(2, heads, splits)))
 
     split, written = decode(64, 8)
     whole, none = decode(512, 1)
     np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-6)
     assert not none.any()
-    lengths = twin.lengths
     used = -(-(min(lengths[1], window) if window else lengths[1]) // 64)
     assert not written[0].any() and written[1, :, :used].all() == (used > 1)
     assert not written[1, :, used:].any()
-
-
-@pytest.mark.parametrize("quirks", ["llama", "qwen2", "gemma3"])
-def test_the_decode_attention_twin_finishes_as_qkv_finish_then_attention(quirks: str) -> None:
-    """attention_decode over raw qkv rows with a model's finishing (llama: RoPE of 12 of 16
-    features with frequency factors; qwen2: biases, NEOX; gemma3: q / k head norms) equals
-    qkv_finish over the rows then attention_decode with nothing left to finish, bit for bit:
-    output and both caches. The raw rows stay as they were."""
-    rng = np.random.default_rng(len(quirks))
-    twin = DecodeTwin(rng)
-    raw = (rng.standard_normal((2, twin.stride)) * 3).astype(np.float32)
-    finish: dict[str, Any] = {"rope_dim": 12 if quirks == "llama" else twin.head_dim,
-                              "base": 500000.0, "neox": int(quirks != "llama")}
-    if quirks == "llama":
-        finish["factors"] = rng.uniform(1.0, 8.0, 6).astype(np.float32)
-    if quirks == "qwen2":
-        finish.update((f"{p}_bias", rng.standard_normal(n).astype(np.float32))
-                      for p, n in (("q", twin.q_dim), ("k", twin.kv_dim), ("v", twin.kv_dim)))
-    if quirks == "gemma3":
-        finish.update((f"{p}_norm", rng.uniform(0.5, 1.5, twin.head_dim).astype(np.float32))
-                      for p in "qk")
-
-    fused_qkv, fused_caches = twin.put(raw), [twin.put(c) for c in twin.cache]
-    fused, _ = twin.decode(fused_qkv, fused_caches, finish, 64, 8, 40)
-    apart_qkv, apart_caches = twin.put(raw), [twin.put(c) for c in twin.cache]
-    twin.qkv_finish(apart_qkv, apart_caches, finish)
-    apart, _ = twin.decode(apart_qkv, apart_caches, {}, 64, 8, 40)
-
-    np.testing.assert_array_equal(fused.view(np.uint32), apart.view(np.uint32))
-    for got, expected, before in zip(fused_caches, apart_caches, twin.cache):
-        got, expected = twin.get(got, before), twin.get(expected, before)
-        np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
-        assert (got[twin.slots] != before[twin.slots]).any()  # the new keys were written
-    np.testing.assert_array_equal(twin.get(fused_qkv, raw), raw)
-    assert not np.array_equal(twin.get(apart_qkv, raw), raw)
 
 
 def test_split_keys_bound_the_graph_grid() -> None:

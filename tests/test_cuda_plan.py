@@ -155,7 +155,8 @@ def test_kernel_type_codes_follow_the_suffix_order() -> None:
 def test_launches_cover_their_work() -> None:
     assert plan.get_rows_launch(7, 4096) == plan.Launch((7, 1, 1), (128, 1, 1))
     assert plan.get_rows_launch(7, 640) == plan.Launch((7, 1, 1), (32, 1, 1))
-    assert plan.qkv_finish_launch(5, 9) == plan.Launch((3, 5, 1), (128, 1, 1))  # warp a head
+    assert plan.head_norm_launch(5, 9) == plan.Launch((3, 5, 1), (128, 1, 1))
+    assert plan.rope_launch(5, 32) == plan.Launch((32, 5, 1), (64, 1, 1))
     assert plan.elementwise_launch(1000) == plan.Launch((4, 1, 1), (256, 1, 1))
     assert plan.elementwise_launch(1 << 40).grid[0] == plan.GRID_LIMIT
     # A block per KV head and split takes the q heads of its group, 8 at most.
@@ -167,7 +168,7 @@ def test_launches_cover_their_work() -> None:
     assert plan.candidates_launch(3, 64, 49152).grid == (12, 3, 1)  # slices of 4096 ids
     assert plan.candidates_launch(3, 64, 262144).grid == (32, 3, 1)  # at most 32 slices
     with pytest.raises(InvalidRequest):
-        plan.qkv_finish_launch(70000, 8)  # past the grid's y limit
+        plan.rope_launch(70000, 8)  # past the grid's y limit
 
 
 def test_decode_splits_cover_the_context() -> None:

@@ -14,12 +14,10 @@ side in one `qkv` row (q heads, then k heads, then v); gate and up side by side 
 Each layer's residual add is fused into the next RMSNorm (residual_rms_norm's `delta`).
 
 Decode rows always take the matvec, any number of them, a short prefill item too, a long one
-the tiles (`row_runs`): a sequence's tokens do not depend on what else shares its step. A decode
-layer is seven launches: residual_rms_norm, mul_mat_vec_qkv, attention_decode (which finishes
-the decode rows' qkv on the way in: biases, q/k norms, RoPE, the K/V write), the output matvec,
-residual_rms_norm, the fused gate+up+activation matvec, the down matvec. Prefill rows have
-their qkv finished by qkv_finish before attention; past the matvec's few they take the tiles,
-a launch per matrix.
+the tiles (`row_runs`): a sequence's tokens do not depend on what else shares its step. A decode layer is eight launches once attention
+is one kernel: residual_rms_norm, mul_mat_vec_qkv, qkv_finish (biases, q/k norms, RoPE, the K/V
+write), attention, the output matvec, residual_rms_norm, the fused gate+up+activation matvec,
+the down matvec. Prefill rows past the matvec's few take the tiles, a launch per matrix.
 """
 
 from __future__ import annotations
@@ -375,43 +373,14 @@ def _post_ffn_norm(spec: ModelSpec, layer: int) -> Ref:
     return _optional(f"blk.{layer}.post_ffw_norm.weight", spec.post_norms)
 
 
-def _finish_args(spec: ModelSpec, weights: Mapping[str, MatrixLayout], layer: int,
-                 first_row: int) -> tuple[Arg, ...]:
-    """The arguments qkv_finish and attention_decode share, for the rows from `first_row` on:
-    the qkv rows and their heads, the biases (qwen2), the q / k head norms (gemma-3), RoPE
-    (its base per layer, k's heads after q's in the row), positions, slots and the layer's
-    K/V cache."""
-    p, sliding = f"blk.{layer}.", spec.is_sliding(layer)
-    qkv_stride = spec.q_dim + 2 * spec.kv_dim
-    biases = [_optional(f"{p}attn_{part}.bias", spec.qkv_bias) for part in "qkv"]
-    norms = [_optional(f"{p}attn_{part}_norm.weight", spec.qk_norm) for part in "qk"]
-    return (
-        _rows_in(Ref("qkv"), first_row, qkv_stride), _i32(qkv_stride), _i32(spec.n_heads),
-        _i32(spec.n_kv_heads), _i32(spec.head_dim), *biases, *norms, np.float32(spec.rms_eps),
-        _i32(spec.rope_dim), np.float64(spec.rope_base_local if sliding else spec.rope_base),
-        _optional("rope_freqs.weight", not sliding and "rope_freqs.weight" in weights),
-        _i32(int(spec.rope_neox)), Ref("step.positions", 4 * first_row),
-        Ref("step.slots", 4 * first_row), Ref(f"k_cache.{layer}"), Ref(f"v_cache.{layer}"))
-
-
-def qkv_finish_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
-                    layer: int) -> KernelCall:
-    """Biases, q / k head norms, RoPE and the K/V write of the step's prefill rows (those
-    after the decode rows, which attention_decode finishes itself), in one launch."""
-    return KernelCall(
-        "qkv_finish",
-        plan.qkv_finish_launch(shape.n_tokens - shape.n_decode,
-                               spec.n_heads + 2 * spec.n_kv_heads),
-        _finish_args(spec, weights, layer, shape.n_decode))
-
-
-def attention_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
-                    layer: int) -> list[KernelCall]:
-    """The layer's attention over the paged cache: decode items finished (qkv_finish's job),
-    split and combined in one launch (its counters are zero between launches); prefill items,
-    whose qkv_finish ran, tiled. q is scaled inside by spec.query_scale."""
+def attention_calls(spec: ModelSpec, shape: StepShape, layer: int) -> list[KernelCall]:
+    """The layer's attention over the paged cache: decode items split and combined in one
+    launch (its counters are zero between launches), prefill items tiled; q is scaled inside
+    by spec.query_scale."""
     qkv_stride = spec.q_dim + 2 * spec.kv_dim
     window = _i32(spec.sliding_window if spec.is_sliding(layer) else 0)
+    cache = (Ref(f"k_cache.{layer}"), Ref(f"v_cache.{layer}"))
+    heads = (_i32(spec.n_heads), _i32(spec.n_kv_heads), _i32(spec.head_dim))
     scale = np.float32(spec.query_scale)
     calls = []
     if shape.n_decode:
@@ -419,21 +388,20 @@ def attention_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape:
             "attention_decode",
             plan.attention_decode_launch(shape.n_decode, spec.n_heads, spec.n_kv_heads,
                                          shape.n_splits),
-            (*_finish_args(spec, weights, layer, 0), Ref("step.block_tables"),
-             _i32(shape.table_stride), _i32(shape.block_size), scale, window,
-             _i32(shape.split_keys), Ref("partial_acc"), Ref("partial_max"),
+            (Ref("qkv"), _i32(qkv_stride), *cache, Ref("step.block_tables"),
+             _i32(shape.table_stride), Ref("step.positions"), _i32(shape.block_size), *heads,
+             scale, window, _i32(shape.split_keys), Ref("partial_acc"), Ref("partial_max"),
              Ref("partial_sum"), Ref("attention_counters"), Ref("attn"), _i32(spec.q_dim))))
     if shape.n_prefill:
         calls.append(KernelCall(
             "attention_prefill",
             plan.attention_prefill_launch(shape.prefill_max_tokens, spec.n_heads,
                                           shape.n_prefill),
-            (Ref("qkv"), _i32(qkv_stride), Ref(f"k_cache.{layer}"), Ref(f"v_cache.{layer}"),
+            (Ref("qkv"), _i32(qkv_stride), *cache,
              Ref("step.block_tables", shape.n_decode * shape.table_stride * 4),
              _i32(shape.table_stride), Ref("step.prefill_first_row"),
              Ref("step.prefill_tokens"), Ref("step.prefill_start"), _i32(shape.block_size),
-             _i32(spec.n_heads), _i32(spec.n_kv_heads), _i32(spec.head_dim), scale, window,
-             Ref("attn"), _i32(spec.q_dim))))
+             *heads, scale, window, Ref("attn"), _i32(spec.q_dim))))
     return calls
 
 
@@ -462,6 +430,25 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
                                  qkv_stride, run.rows, tile_input)
                       for name, column in zip(names, columns)]
     return calls
+
+
+def qkv_finish_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
+                    layer: int) -> KernelCall:
+    """Biases (qwen2), q / k head norms (gemma-3), RoPE (k's heads follow q's in the row) and
+    the K/V write of every token of the step, in one launch."""
+    p, sliding = f"blk.{layer}.", spec.is_sliding(layer)
+    biases = [_optional(f"{p}attn_{part}.bias", spec.qkv_bias) for part in "qkv"]
+    norms = [_optional(f"{p}attn_{part}_norm.weight", spec.qk_norm) for part in "qk"]
+    return KernelCall(
+        "qkv_finish",
+        plan.qkv_finish_launch(shape.n_tokens, spec.n_heads + 2 * spec.n_kv_heads),
+        (Ref("qkv"), _i32(spec.q_dim + 2 * spec.kv_dim), _i32(spec.n_heads),
+         _i32(spec.n_kv_heads), _i32(spec.head_dim), *biases, *norms,
+         np.float32(spec.rms_eps), Ref("step.positions"), _i32(spec.rope_dim),
+         np.float64(spec.rope_base_local if sliding else spec.rope_base),
+         _optional("rope_freqs.weight", not sliding and "rope_freqs.weight" in weights),
+         _i32(int(spec.rope_neox)), Ref("step.slots"), Ref(f"k_cache.{layer}"),
+         Ref(f"v_cache.{layer}")))
 
 
 def gated_ffn_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
@@ -509,9 +496,8 @@ def layer_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: Ste
                                 NULL if first else _post_ffn_norm(spec, layer - 1),
                                 Ref(p + "attn_norm.weight"), Ref("normed"))]
     calls += qkv_calls(spec, weights, runs, layer, tile_input)
-    if shape.n_tokens > shape.n_decode:
-        calls.append(qkv_finish_call(spec, weights, shape, layer))
-    calls += attention_calls(spec, weights, shape, layer)
+    calls.append(qkv_finish_call(spec, weights, shape, layer))
+    calls += attention_calls(spec, shape, layer)
     calls += matmul_calls(weights, p + "attn_output.weight", Ref("attn"), spec.q_dim,
                           Ref("projected"), spec.d_model, runs, tile_input)
     calls.append(residual_norm_call(

@@ -49,7 +49,9 @@ MATVEC_MAX_BATCH = 8
 TILE_ROWS = TILE_TOKENS = 64  # a tiles block's share of y; its grid runs token tiles fastest
 TILE_THREADS = 128
 NORM_THREADS = 256
+HEAD_NORM_HEADS_PER_BLOCK = 4
 QKV_FINISH_HEADS_PER_BLOCK = 4
+ROPE_THREADS = 64
 ELEMENTWISE_THREADS = 256
 ATTN_WARPS = 4
 DECODE_THREADS = ATTN_WARPS * 32
@@ -113,10 +115,13 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
                       "mul_mat_vec_qkv"),
         "matmul.cu": tuple(f"mul_mat_tiles_{i}_{s}" for s in suffixes for i in TILE_INPUTS),
         "embedding.cu": tuple(f"get_rows_{s}" for s in suffixes),
-        "norm.cu": ("residual_rms_norm",),
+        "norm.cu": ("residual_rms_norm", "head_rms_norm"),
+        "rope.cu": ("rope",),
         "activation.cu": ("gated_silu", "gated_gelu_tanh"),
+        "kv_cache.cu": ("kv_write",),
         "attention.cu": ("attention_decode", "attention_prefill"),
         "candidates.cu": ("apply_penalties", "top_candidates"),
+        "bias.cu": ("add_bias",),
         "qkv_finish.cu": ("qkv_finish",),
     }
 
@@ -425,14 +430,23 @@ def norm_launch(n_rows: int) -> Launch:
     return _check_grid(Launch((n_rows, 1, 1), (NORM_THREADS, 1, 1)))
 
 
+def head_norm_launch(n_tokens: int, n_heads: int) -> Launch:
+    return _check_grid(Launch((_blocks(n_heads, HEAD_NORM_HEADS_PER_BLOCK), n_tokens, 1),
+                              (HEAD_NORM_HEADS_PER_BLOCK * 32, 1, 1)))
+
+
 def qkv_finish_launch(n_tokens: int, n_heads: int) -> Launch:
-    """qkv_finish: one warp per head (q, k and v heads together) of each (prefill) token."""
+    """qkv_finish: one warp per head (q, k and v heads together) of each token."""
     return _check_grid(Launch((_blocks(n_heads, QKV_FINISH_HEADS_PER_BLOCK), n_tokens, 1),
                               (QKV_FINISH_HEADS_PER_BLOCK * 32, 1, 1)))
 
 
+def rope_launch(n_tokens: int, n_heads: int) -> Launch:
+    return _check_grid(Launch((n_heads, n_tokens, 1), (ROPE_THREADS, 1, 1)))
+
+
 def elementwise_launch(n_elements: int) -> Launch:
-    """Grid-stride kernels (the gated activations): enough blocks to cover n_elements,
+    """Grid-stride kernels (gated activations, kv_write): enough blocks to cover n_elements,
     capped (the kernels loop)."""
     return Launch((min(_blocks(n_elements, ELEMENTWISE_THREADS), GRID_LIMIT), 1, 1),
                   (ELEMENTWISE_THREADS, 1, 1))

@@ -9,7 +9,6 @@ these tests are also the executable statement of that contract for the CUDA back
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -254,7 +253,7 @@ def test_tensor_core_tiles_match_their_twin(kernel: Kernel, type_name: str) -> N
 
 
 # --------------------------------------------------------------------------------------------
-# Norms, activations
+# Norms, RoPE, activations, KV
 
 
 @pytest.mark.parametrize("delta_kind", ["none", "plain", "post_norm"])
@@ -280,6 +279,50 @@ def test_residual_rms_norm(kernel: Kernel, delta_kind: str) -> None:
                                atol=1e-6)
 
 
+def test_head_rms_norm_touches_only_its_heads(kernel: Kernel) -> None:
+    tokens, heads, head_dim, stride, eps = 3, 9, 64, 1000, 1e-6
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((tokens, stride)).astype(np.float32)
+    weight = rng.uniform(0.5, 1.5, head_dim).astype(np.float32)
+    x_dev = to_device(x)
+    run(kernel("norm.cu", "head_rms_norm"), plan.head_norm_launch(tokens, heads), ptr(x_dev),
+        np.int32(stride), np.int32(heads), np.int32(head_dim), ptr(to_device(weight)),
+        np.float32(eps))
+    got = x_dev.get()
+    span = heads * head_dim
+    expected = rms_norm(x[:, :span].reshape(tokens, heads, head_dim), weight, eps)
+    np.testing.assert_allclose(got[:, :span].reshape(tokens, heads, head_dim), expected,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[:, span:], x[:, span:])
+
+
+@pytest.mark.parametrize("rope_dim", [64, 32])
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("with_factors", [False, True])
+@pytest.mark.parametrize("base", [10000.0, 1000000.0])
+def test_rope_matches_rope_py(kernel: Kernel, rope_dim: int, neox: bool, with_factors: bool,
+                              base: float) -> None:
+    """On the GGUF feature order; rope.py's twin rotates pair_order-permuted features."""
+    tokens, heads, head_dim, stride = 4, 3, 64, 3 * 64 + 8
+    rng = np.random.default_rng(4)
+    positions = np.array([0, 1, 777, 8191], dtype=np.int32)
+    factors = rng.uniform(1.0, 8.0, rope_dim // 2).astype(np.float32) if with_factors else None
+    x = rng.standard_normal((tokens, stride)).astype(np.float32)
+    x_dev = to_device(x)
+    run(kernel("rope.cu", "rope"), plan.rope_launch(tokens, heads), ptr(x_dev), np.int32(stride),
+        ptr(to_device(positions)), np.int32(heads), np.int32(head_dim), np.int32(rope_dim),
+        np.float64(base), ptr(to_device(factors)) if with_factors else NULL, np.int32(neox))
+    order = pair_order(head_dim, rope_dim, neox)
+    permuted = x[:, : heads * head_dim].reshape(tokens, heads, head_dim)[..., order].copy()
+    apply_rope(permuted, rotation(positions, inverse_frequencies(base, rope_dim, factors)))
+    expected = np.empty_like(permuted)
+    expected[..., order] = permuted
+    got = x_dev.get()
+    np.testing.assert_allclose(got[:, : heads * head_dim].reshape(expected.shape), expected,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[:, heads * head_dim :], x[:, heads * head_dim :])
+
+
 @pytest.mark.parametrize(("name", "twin"), [("gated_silu", silu),
                                              ("gated_gelu_tanh", gelu_tanh)])
 def test_gated_activations(kernel: Kernel, name: str, twin: Callable) -> None:
@@ -295,148 +338,95 @@ def test_gated_activations(kernel: Kernel, name: str, twin: Callable) -> None:
     np.testing.assert_allclose(out.get(), expected, rtol=5e-6, atol=1e-30)
 
 
-# --------------------------------------------------------------------------------------------
-# Finishing qkv rows (qkv_finish; attention_decode's prologue runs the same device functions)
-
-
-@dataclass(frozen=True)
-class Finish:
-    """head_ops.cuh's finishing parameters (None: absent), as qkv_finish and attention_decode
-    take them, and their numpy twin."""
-
-    q_bias: np.ndarray | None = None
-    k_bias: np.ndarray | None = None
-    v_bias: np.ndarray | None = None
-    q_norm: np.ndarray | None = None
-    k_norm: np.ndarray | None = None
-    eps: float = 1e-6
-    rope_dim: int = 0  # 0: no RoPE
-    base: float = 10000.0
-    factors: np.ndarray | None = None
-    neox: bool = False
-
-    def args(self) -> tuple[Any, ...]:
-        def address(array: np.ndarray | None) -> np.uintp:
-            return NULL if array is None else ptr(to_device(array))
-
-        return (*(address(a) for a in (self.q_bias, self.k_bias, self.v_bias, self.q_norm,
-                                       self.k_norm)),
-                np.float32(self.eps), np.int32(self.rope_dim), np.float64(self.base),
-                address(self.factors), np.int32(self.neox))
-
-    def expected(self, rows: np.ndarray, positions: np.ndarray, heads: int, kv_heads: int,
-                 head_dim: int) -> np.ndarray:
-        """The rows finished by forward.py's and rope.py's math: biases, head norms, then
-        RoPE on pair_order-permuted q and k features."""
-        q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-        out = rows.copy()
-        for first, bias in ((0, self.q_bias), (q_dim, self.k_bias), (q_dim + kv_dim,
-                                                                      self.v_bias)):
-            if bias is not None:
-                out[:, first : first + bias.size] += bias
-        for first, norm, count in ((0, self.q_norm, heads), (q_dim, self.k_norm, kv_heads)):
-            if norm is not None:
-                span = slice(first, first + count * head_dim)
-                out[:, span] = rms_norm(out[:, span].reshape(len(out), count, head_dim), norm,
-                                        self.eps).reshape(len(out), -1)
-        if self.rope_dim:
-            order = pair_order(head_dim, self.rope_dim, self.neox)
-            rotated = out[:, : q_dim + kv_dim].reshape(len(out), heads + kv_heads, head_dim)
-            permuted = rotated[..., order].copy()
-            apply_rope(permuted, rotation(positions, inverse_frequencies(
-                self.base, self.rope_dim, self.factors)))
-            rotated[..., order] = permuted
-            out[:, : q_dim + kv_dim] = rotated.reshape(len(out), -1)
-        return out
-
-
-NO_FINISH = Finish()
-
-
-class FinishRun:
-    """qkv_finish over `tokens` random rows (heads, kv_heads, head_dim; 8 padding columns
-    after v) at `positions`, K/V into slots of a cache of 4 blocks of 16 filled with -7."""
-
-    def __init__(self, heads: int, kv_heads: int, head_dim: int, positions: list[int],
-                 finish: Finish, rng: np.random.Generator) -> None:
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_dim, self.kv_dim = heads * head_dim, kv_heads * head_dim
-        self.positions = np.array(positions, dtype=np.int32)
-        self.slots = rng.permutation(64)[: len(positions)].astype(np.int32)
-        stride = self.q_dim + 2 * self.kv_dim + 8
-        self.rows = (rng.standard_normal((len(positions), stride)) * 3).astype(np.float32)
-        self.sentinel = np.full((64, self.kv_dim), -7.0, dtype=np.float16)
-        self.expected = finish.expected(self.rows, self.positions, heads, kv_heads, head_dim)
-
-    def run(self, kernel: Kernel, finish: Finish) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The rows and both caches after one launch."""
-        rows, k_cache, v_cache = (to_device(a) for a in (self.rows, self.sentinel,
-                                                         self.sentinel))
-        run(kernel("qkv_finish.cu", "qkv_finish"),
-            plan.qkv_finish_launch(len(self.rows), self.heads + 2 * self.kv_heads), ptr(rows),
-            np.int32(self.rows.shape[1]), np.int32(self.heads), np.int32(self.kv_heads),
-            np.int32(self.head_dim), *finish.args(), ptr(to_device(self.positions)),
-            ptr(to_device(self.slots)), ptr(k_cache), ptr(v_cache))
-        return rows.get(), k_cache.get(), v_cache.get()
-
-    def check_caches(self, rows: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray) -> None:
-        """The rows' k and v (as the kernel left them) rounded to float16 at their slots,
-        bit for bit; every other slot untouched."""
-        for cache, first in ((k_cache, self.q_dim), (v_cache, self.q_dim + self.kv_dim)):
-            expected = self.sentinel.copy()
-            expected[self.slots] = rows[:, first : first + self.kv_dim].astype(np.float16)
-            np.testing.assert_array_equal(cache.view(np.uint16), expected.view(np.uint16))
-
-
-def test_qkv_finish_biases_and_kv_write_are_exact(kernel: Kernel) -> None:
-    """qwen2's biases: one float32 add each, bit for bit; k and v rounded into the paged
-    cache at their slots; padding columns and other slots untouched."""
+def test_add_bias_touches_only_its_columns(kernel: Kernel) -> None:
+    tokens, stride, n = 4, 384, 256
     rng = np.random.default_rng(6)
-    heads, kv_heads, head_dim = 8, 2, 64
-    finish = Finish(*(rng.standard_normal(n).astype(np.float32)
-                      for n in (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)))
-    finishing = FinishRun(heads, kv_heads, head_dim, [0, 17, 63, 5, 40], finish, rng)
-    rows, k_cache, v_cache = finishing.run(kernel, finish)
-    np.testing.assert_array_equal(rows.view(np.uint32), finishing.expected.view(np.uint32))
-    np.testing.assert_array_equal(rows[:, -8:], finishing.rows[:, -8:])
-    finishing.check_caches(rows, k_cache, v_cache)
+    y = rng.standard_normal((tokens, stride)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    y_dev = to_device(y)
+    run(kernel("bias.cu", "add_bias"), plan.elementwise_launch(tokens * n), ptr(y_dev),
+        np.int32(stride), ptr(to_device(bias)), np.int32(tokens), np.int32(n))
+    expected = y.copy()
+    expected[:, :n] += bias
+    np.testing.assert_array_equal(y_dev.get(), expected)
 
 
-def test_qkv_finish_head_norms(kernel: Kernel) -> None:
-    """gemma-3's q and k head norms (one weight each) against forward.rms_norm; v heads and
-    the padding untouched."""
-    rng = np.random.default_rng(3)
-    heads, kv_heads, head_dim = 9, 3, 64
-    finish = Finish(q_norm=rng.uniform(0.5, 1.5, head_dim).astype(np.float32),
-                    k_norm=rng.uniform(0.5, 1.5, head_dim).astype(np.float32))
-    finishing = FinishRun(heads, kv_heads, head_dim, [3, 9, 4], finish, rng)
-    rows, k_cache, v_cache = finishing.run(kernel, finish)
-    normed = (heads + kv_heads) * head_dim
-    np.testing.assert_allclose(rows[:, :normed], finishing.expected[:, :normed], rtol=1e-5,
-                               atol=1e-6)
-    np.testing.assert_array_equal(rows[:, normed:], finishing.rows[:, normed:])
-    finishing.check_caches(rows, k_cache, v_cache)
+def test_kv_write_rounds_into_the_paged_layout(kernel: Kernel) -> None:
+    tokens, kv_dim, stride, blocks, block_size = 5, 256, 3 * 256, 4, 16
+    rng = np.random.default_rng(6)
+    qkv = rng.standard_normal((tokens, stride)).astype(np.float32)
+    slots = np.array([0, 17, 63, 5, 40], dtype=np.int32)
+    sentinel = np.full((blocks * block_size, kv_dim), -7.0, dtype=np.float16)
+    k_cache, v_cache, qkv_dev = to_device(sentinel), to_device(sentinel), to_device(qkv)
+    k_at = np.uintp(int(qkv_dev.gpudata) + 4 * 256)  # k and v sit after q in each row
+    v_at = np.uintp(int(qkv_dev.gpudata) + 4 * 512)
+    run(kernel("kv_cache.cu", "kv_write"), plan.elementwise_launch(tokens * kv_dim), k_at, v_at,
+        np.int32(stride), ptr(to_device(slots)), np.int32(tokens), np.int32(kv_dim),
+        ptr(k_cache), ptr(v_cache))
+    for cache, first in ((k_cache, 256), (v_cache, 512)):
+        expected = sentinel.copy()
+        expected[slots] = qkv[:, first : first + kv_dim].astype(np.float16)
+        np.testing.assert_array_equal(cache.get().view(np.uint16), expected.view(np.uint16))
 
 
-@pytest.mark.parametrize("rope_dim", [64, 32])
-@pytest.mark.parametrize("neox", [False, True])
-@pytest.mark.parametrize("with_factors", [False, True])
-@pytest.mark.parametrize("base", [10000.0, 1000000.0])
-def test_qkv_finish_rope_matches_rope_py(kernel: Kernel, rope_dim: int, neox: bool,
-                                         with_factors: bool, base: float) -> None:
-    """RoPE of the q and k heads on the GGUF feature order; rope.py's twin rotates
-    pair_order-permuted features. v heads and the padding untouched."""
-    rng = np.random.default_rng(4)
-    heads, kv_heads, head_dim = 2, 1, 64
-    factors = rng.uniform(1.0, 8.0, rope_dim // 2).astype(np.float32) if with_factors else None
-    finish = Finish(rope_dim=rope_dim, base=base, factors=factors, neox=neox)
-    finishing = FinishRun(heads, kv_heads, head_dim, [0, 1, 777, 8191], finish, rng)
-    rows, k_cache, v_cache = finishing.run(kernel, finish)
-    rotated = (heads + kv_heads) * head_dim
-    np.testing.assert_allclose(rows[:, :rotated], finishing.expected[:, :rotated], rtol=1e-5,
-                               atol=1e-5)
-    np.testing.assert_array_equal(rows[:, rotated:], finishing.rows[:, rotated:])
-    finishing.check_caches(rows, k_cache, v_cache)
+def at(array: Any, floats: int) -> np.uintp:
+    """The address `floats` float32s into a device array."""
+    return np.uintp(int(array.gpudata) + 4 * floats)
+
+
+@pytest.mark.parametrize("quirks", ["llama", "qwen2", "gemma3"])
+def test_qkv_finish_equals_the_separate_kernels_bit_for_bit(kernel: Kernel, quirks: str) -> None:
+    """qkv_finish against add_bias x3 (qwen2), head_rms_norm x2 (gemma-3), rope and kv_write
+    run one after another on the same rows: the same bits in the rows and in both caches. The
+    llama case rotates part of each head (rope_dim 32 of 64) with frequency factors; padding
+    columns past v and cache slots nobody writes stay as they were."""
+    tokens, heads, kv_heads, head_dim, block_size = 5, 8, 2, 64, 16
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    stride = q_dim + 2 * kv_dim + 8
+    rng = np.random.default_rng({"llama": 1, "qwen2": 2, "gemma3": 3}[quirks])
+    qkv = (rng.standard_normal((tokens, stride)) * 3).astype(np.float32)
+    positions = np.array([0, 1, 77, 4095, 9], dtype=np.int32)
+    slots = np.array([0, 17, 63, 5, 40], dtype=np.int32)
+    sentinel = np.full((4 * block_size, kv_dim), -7.0, dtype=np.float16)
+    rope_dim = 32 if quirks == "llama" else head_dim
+    base = {"llama": 500000.0, "qwen2": 1000000.0, "gemma3": 10000.0}[quirks]
+    neox = np.int32(quirks != "llama")
+    factors = (ptr(to_device(rng.uniform(1.0, 8.0, rope_dim // 2).astype(np.float32)))
+               if quirks == "llama" else NULL)
+    biases = [ptr(to_device(rng.standard_normal(n).astype(np.float32))) if quirks == "qwen2"
+              else NULL for n in (q_dim, kv_dim, kv_dim)]
+    norms = [ptr(to_device(rng.uniform(0.5, 1.5, head_dim).astype(np.float32)))
+             if quirks == "gemma3" else NULL for _ in "qk"]
+    eps, positions_dev, slots_dev = np.float32(1e-6), to_device(positions), to_device(slots)
+
+    separate, k_sep, v_sep = to_device(qkv), to_device(sentinel), to_device(sentinel)
+    for column, bias, n in zip((0, q_dim, q_dim + kv_dim), biases, (q_dim, kv_dim, kv_dim)):
+        if bias != NULL:
+            run(kernel("bias.cu", "add_bias"), plan.elementwise_launch(tokens * n),
+                at(separate, column), np.int32(stride), bias, np.int32(tokens), np.int32(n))
+    for column, norm, count in zip((0, q_dim), norms, (heads, kv_heads)):
+        if norm != NULL:
+            run(kernel("norm.cu", "head_rms_norm"), plan.head_norm_launch(tokens, count),
+                at(separate, column), np.int32(stride), np.int32(count), np.int32(head_dim),
+                norm, eps)
+    run(kernel("rope.cu", "rope"), plan.rope_launch(tokens, heads + kv_heads), ptr(separate),
+        np.int32(stride), ptr(positions_dev), np.int32(heads + kv_heads), np.int32(head_dim),
+        np.int32(rope_dim), np.float64(base), factors, neox)
+    run(kernel("kv_cache.cu", "kv_write"), plan.elementwise_launch(tokens * kv_dim),
+        at(separate, q_dim), at(separate, q_dim + kv_dim), np.int32(stride), ptr(slots_dev),
+        np.int32(tokens), np.int32(kv_dim), ptr(k_sep), ptr(v_sep))
+
+    fused, k_fused, v_fused = to_device(qkv), to_device(sentinel), to_device(sentinel)
+    run(kernel("qkv_finish.cu", "qkv_finish"), plan.qkv_finish_launch(tokens, heads + 2 * kv_heads),
+        ptr(fused), np.int32(stride), np.int32(heads), np.int32(kv_heads), np.int32(head_dim),
+        *biases, *norms, eps, ptr(positions_dev), np.int32(rope_dim), np.float64(base), factors,
+        neox, ptr(slots_dev), ptr(k_fused), ptr(v_fused))
+
+    np.testing.assert_array_equal(fused.get().view(np.uint32), separate.get().view(np.uint32))
+    np.testing.assert_array_equal(fused.get()[:, -8:], qkv[:, -8:])
+    for got, expected in ((k_fused, k_sep), (v_fused, v_sep)):
+        np.testing.assert_array_equal(got.get().view(np.uint16), expected.get().view(np.uint16))
+    assert (k_fused.get()[1] == -7.0).all()  # slot 1: nobody's
 
 
 # --------------------------------------------------------------------------------------------
@@ -458,11 +448,6 @@ class PagedSequences:
         shape = (len(pool), block_size, kv_heads, head_dim)
         self.k = rng.standard_normal(shape).astype(np.float16)
         self.v = rng.standard_normal(shape).astype(np.float16)
-
-    def slots(self, positions: np.ndarray) -> np.ndarray:
-        """The cache slot of sequence s's position positions[s], int32."""
-        blocks = self.tables[np.arange(len(positions)), positions // self.block_size]
-        return (blocks * self.block_size + positions % self.block_size).astype(np.int32)
 
     def attend(self, seq: int, q: np.ndarray, position: int, window: int,
                scale: float) -> np.ndarray:
@@ -488,57 +473,34 @@ DECODE_HEAD_SHAPES = [*HEAD_SHAPES, (16, 2, 64), (24, 2, 96), (9, 3, 64)]
 
 
 class DecodeRun:
-    """attention_decode over `cache` (copied to the device) for queries at `positions`, with
-    qkv rows `rows` (q, k, v and 32 padding columns): NaN-filled partials (what a split
-    leaves unwritten stays NaN), zeroed counters, NaN-filled strided output. Row s's K/V go
-    to the slot of sequence s's position."""
+    """attention_decode over `cache` for queries at `positions`: NaN-filled partials (what a
+    split leaves unwritten stays NaN), zeroed counters, NaN-filled strided output."""
 
     def __init__(self, cache: PagedSequences, positions: np.ndarray, heads: int, kv_heads: int,
-                 head_dim: int, split_keys: int, splits: int, rows: np.ndarray) -> None:
+                 head_dim: int, split_keys: int, splits: int, rng: np.random.Generator) -> None:
         self.cache, self.positions, self.splits = cache, positions, splits
         self.heads, self.kv_heads, self.head_dim, self.split_keys = heads, kv_heads, head_dim, \
             split_keys
         n = len(positions)
-        self.rows, self.out_stride = rows, heads * head_dim + 16
+        self.q_stride, self.out_stride = heads * head_dim + 32, heads * head_dim + 16
+        self.q = rng.standard_normal((n, self.q_stride)).astype(np.float32)
         self.launch = plan.attention_decode_launch(n, heads, kv_heads, splits)
         self.acc = nan_filled(n, heads, splits, head_dim)
         self.best, self.total = nan_filled(n, heads, splits), nan_filled(n, heads, splits)
         self.counters = to_device(np.zeros(n * self.launch.grid[1], dtype=np.int32))
-        self.slots = cache.slots(positions)
         self.device = {name: to_device(array) for name, array in (
-            ("qkv", rows), ("k", cache.k), ("v", cache.v), ("tables", cache.tables),
-            ("positions", positions), ("slots", self.slots))}
+            ("q", self.q), ("k", cache.k), ("v", cache.v), ("tables", cache.tables),
+            ("positions", positions))}
 
-    @staticmethod
-    def cached_rows(cache: PagedSequences, positions: np.ndarray, heads: int, head_dim: int,
-                    rng: np.random.Generator) -> np.ndarray:
-        """Rows of random q whose k and v are the cache's at each sequence's position: with
-        nothing to finish, the kernel's K/V write leaves the cache as it was."""
-        q_dim, kv_dim = heads * head_dim, cache.k.shape[2] * head_dim
-        rows = rng.standard_normal((len(positions), q_dim + 2 * kv_dim + 32)).astype(np.float32)
-        slots = cache.slots(positions)
-        for first, values in ((q_dim, cache.k), (q_dim + kv_dim, cache.v)):
-            rows[:, first : first + kv_dim] = values.reshape(-1, kv_dim)[slots]
-        return rows
-
-    def finish_rows(self, kernel: Kernel, finish: Finish) -> None:
-        """qkv_finish over the device rows and caches (the separate path)."""
-        run(kernel("qkv_finish.cu", "qkv_finish"),
-            plan.qkv_finish_launch(len(self.positions), self.heads + 2 * self.kv_heads),
-            ptr(self.device["qkv"]), np.int32(self.rows.shape[1]), np.int32(self.heads),
-            np.int32(self.kv_heads), np.int32(self.head_dim), *finish.args(),
-            ptr(self.device["positions"]), ptr(self.device["slots"]), ptr(self.device["k"]),
-            ptr(self.device["v"]))
-
-    def run(self, kernel: Kernel, window: int, finish: Finish = NO_FINISH) -> np.ndarray:
+    def run(self, kernel: Kernel, window: int) -> np.ndarray:
         """One launch; the output rows (n, out_stride)."""
         out = nan_filled(len(self.positions), self.out_stride)
         d = self.device
-        run(kernel("attention.cu", "attention_decode"), self.launch, ptr(d["qkv"]),
-            np.int32(self.rows.shape[1]), np.int32(self.heads), np.int32(self.kv_heads),
-            np.int32(self.head_dim), *finish.args(), ptr(d["positions"]), ptr(d["slots"]),
-            ptr(d["k"]), ptr(d["v"]), ptr(d["tables"]), np.int32(self.cache.tables.shape[1]),
-            np.int32(self.cache.block_size), np.float32(self.scale), np.int32(window),
+        run(kernel("attention.cu", "attention_decode"), self.launch, ptr(d["q"]),
+            np.int32(self.q_stride), ptr(d["k"]), ptr(d["v"]), ptr(d["tables"]),
+            np.int32(self.cache.tables.shape[1]), ptr(d["positions"]),
+            np.int32(self.cache.block_size), np.int32(self.heads), np.int32(self.kv_heads),
+            np.int32(self.head_dim), np.float32(self.scale), np.int32(window),
             np.int32(self.split_keys), ptr(self.acc), ptr(self.best), ptr(self.total),
             ptr(self.counters), ptr(out), np.int32(self.out_stride))
         return out.get()
@@ -547,15 +509,13 @@ class DecodeRun:
     def scale(self) -> float:
         return 1.0 / np.sqrt(self.head_dim)
 
-    def check(self, got: np.ndarray, window: int, q: np.ndarray | None = None) -> None:
-        """Every row against float64 attention with q (default: the rows' q), the gaps
-        untouched, the counters back to zero, and partials written only by the splits that
-        hold keys, where several do."""
+    def check(self, got: np.ndarray, window: int) -> None:
+        """Every row against float64 attention, the gaps untouched, the counters back to
+        zero, and partials written only by the splits that hold keys, where several do."""
         width = self.heads * self.head_dim
-        q = self.rows[:, :width] if q is None else q
         for s, position in enumerate(self.positions):
-            expected = self.cache.attend(s, q[s].reshape(self.heads, -1), int(position),
-                                         window, self.scale)
+            expected = self.cache.attend(s, self.q[s, :width].reshape(self.heads, -1),
+                                         int(position), window, self.scale)
             np.testing.assert_allclose(got[s, :width], expected, rtol=1e-4, atol=1e-5)
         assert np.isnan(got[:, width:]).all()
         assert not self.counters.get().any()
@@ -567,14 +527,6 @@ class DecodeRun:
             assert (written[:, :used] == (used > 1)).all() and not written[:, used:].any()
 
 
-def _decode_run(cache: PagedSequences, lengths: list[int], heads: int, kv_heads: int,
-                head_dim: int, split_keys: int, splits: int,
-                rng: np.random.Generator) -> DecodeRun:
-    positions = np.array(lengths, dtype=np.int32) - 1
-    return DecodeRun(cache, positions, heads, kv_heads, head_dim, split_keys, splits,
-                     DecodeRun.cached_rows(cache, positions, heads, head_dim, rng))
-
-
 @pytest.mark.parametrize("window", [0, 40])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), DECODE_HEAD_SHAPES)
 def test_flash_decoding_over_paged_kv(kernel: Kernel, heads: int, kv_heads: int,
@@ -584,8 +536,9 @@ def test_flash_decoding_over_paged_kv(kernel: Kernel, heads: int, kv_heads: int,
     rng = np.random.default_rng(heads + head_dim + window)
     lengths, block_size, split_keys = [1, 130, 300], 16, 128
     cache = PagedSequences(lengths, kv_heads, head_dim, block_size, rng)
-    decode = _decode_run(cache, lengths, heads, kv_heads, head_dim, split_keys,
-                         plan.decode_splits(max(lengths), split_keys), rng)
+    positions = np.array(lengths, dtype=np.int32) - 1
+    decode = DecodeRun(cache, positions, heads, kv_heads, head_dim, split_keys,
+                       plan.decode_splits(max(lengths), split_keys), rng)
     decode.check(decode.run(kernel, window), window)
 
 
@@ -601,65 +554,13 @@ def test_flash_decoding_long_contexts_many_and_empty_splits(
     rng = np.random.default_rng(heads * head_dim + window)
     lengths, block_size, split_keys = [5, 1000, 4097], 32, 64
     cache = PagedSequences(lengths, kv_heads, head_dim, block_size, rng)
-    decode = _decode_run(cache, lengths, heads, kv_heads, head_dim, split_keys,
-                         plan.decode_splits(8192, split_keys), rng)
+    positions = np.array(lengths, dtype=np.int32) - 1
+    decode = DecodeRun(cache, positions, heads, kv_heads, head_dim, split_keys,
+                       plan.decode_splits(8192, split_keys), rng)
     first = decode.run(kernel, window)
     decode.check(first, window)
     np.testing.assert_array_equal(decode.run(kernel, window).view(np.uint32),
                                   first.view(np.uint32))
-
-
-def model_finish(quirks: str, heads: int, kv_heads: int, head_dim: int,
-                 rng: np.random.Generator) -> Finish:
-    """A model's finishing: llama RoPE (NORM) of half of each head with frequency factors,
-    qwen2 biases and NEOX, gemma-3 q / k head norms and NEOX."""
-    if quirks == "llama":
-        return Finish(rope_dim=head_dim // 2, base=500000.0,
-                      factors=rng.uniform(1.0, 8.0, head_dim // 4).astype(np.float32))
-    if quirks == "qwen2":
-        return Finish(*(rng.standard_normal(n).astype(np.float32) for n in (
-            heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)),
-            rope_dim=head_dim, base=1000000.0, neox=True)
-    return Finish(q_norm=rng.uniform(0.5, 1.5, head_dim).astype(np.float32),
-                  k_norm=rng.uniform(0.5, 1.5, head_dim).astype(np.float32),
-                  rope_dim=head_dim, neox=True)
-
-
-@pytest.mark.parametrize("window", [0, 40])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(24, 2, 64), (8, 2, 128)])
-@pytest.mark.parametrize("quirks", ["llama", "qwen2", "gemma3"])
-def test_decode_attention_finishes_qkv_as_qkv_finish_then_attention(
-        kernel: Kernel, quirks: str, heads: int, kv_heads: int, head_dim: int,
-        window: int) -> None:
-    """attention_decode over raw qkv rows, finishing them itself, against qkv_finish over the
-    rows then attention_decode with nothing left to finish: the same output and the same
-    caches, bit for bit (groups of 12 take two blocks, both writing the new K/V; splits of
-    64 over 1, 130 and 300 keys). The raw rows stay as they were; the output holds float64
-    attention of the finished q over the finished cache."""
-    rng = np.random.default_rng(heads + head_dim + window + len(quirks))
-    lengths, block_size, split_keys = [1, 130, 300], 16, 64
-    cache = PagedSequences(lengths, kv_heads, head_dim, block_size, rng)
-    positions = np.array(lengths, dtype=np.int32) - 1
-    splits = plan.decode_splits(max(lengths), split_keys)
-    rows = (rng.standard_normal((3, (heads + 2 * kv_heads) * head_dim + 32)) * 3).astype(
-        np.float32)
-    finish = model_finish(quirks, heads, kv_heads, head_dim, rng)
-
-    fused = DecodeRun(cache, positions, heads, kv_heads, head_dim, split_keys, splits, rows)
-    fused_out = fused.run(kernel, window, finish)
-    apart = DecodeRun(cache, positions, heads, kv_heads, head_dim, split_keys, splits, rows)
-    apart.finish_rows(kernel, finish)
-    apart_out = apart.run(kernel, window)
-
-    np.testing.assert_array_equal(fused_out.view(np.uint32), apart_out.view(np.uint32))
-    for name in "kv":
-        np.testing.assert_array_equal(fused.device[name].get().view(np.uint16),
-                                      apart.device[name].get().view(np.uint16))
-    np.testing.assert_array_equal(fused.device["qkv"].get().view(np.uint32),
-                                  rows.view(np.uint32))
-    finished = apart.device["qkv"].get()
-    cache.k, cache.v = (apart.device[name].get() for name in "kv")
-    fused.check(fused_out, window, finished[:, : heads * head_dim])
 
 
 @pytest.mark.parametrize("window", [0, 40])
