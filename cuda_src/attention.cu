@@ -123,16 +123,6 @@ __device__ __forceinline__ void copy_async_16(void* shared, const void* global) 
                  : "memory");
 }
 
-__device__ __forceinline__ void commit_copies() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Wait until at most `pending` of this thread's latest copy groups are still in flight.
-template <int pending>
-__device__ __forceinline__ void wait_copies() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
-}
-
 // How a decode block's threads map onto a tile of `keys` keys. Scores: thread t takes key
 // t / threads_per_key and every threads_per_key-th 16-byte vector of it from t % threads_per_key
 // on; rows are padded by 16 bytes per such thread, so the 8 threads of a 16-byte shared load

@@ -34,3 +34,15 @@ __device__ __forceinline__ float block_sum(float value, float* scratch) {
     value = lane < warps ? scratch[lane] : 0.0f;
     return warp_sum(value);
 }
+
+// cp.async bookkeeping (sm_80+), shared by the kernels that stream tiles into shared memory:
+// close this thread's current group of copies, and wait until at most `pending` of its latest
+// groups are still in flight.
+__device__ __forceinline__ void commit_copies() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int pending>
+__device__ __forceinline__ void wait_copies() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
+}

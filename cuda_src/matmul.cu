@@ -107,15 +107,6 @@ __device__ __forceinline__ void copy_piece_or_zeros(void* shared_dst, const void
                  : "memory");
 }
 
-__device__ __forceinline__ void commit_copies() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int PENDING>
-__device__ __forceinline__ void wait_copies() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
-}
-
 // The little-endian word at any byte of shared memory: two aligned words and a funnel shift
 // (the weight buffer ends in a spare piece, so the second word is always inside it).
 struct shared_word_any {
