@@ -112,8 +112,11 @@ async def test_a_failing_computation_is_500_whole_or_streamed() -> None:
 async def test_a_failure_mid_stream_is_an_error_event() -> None:
     async with serving(lambda: open_fake(CountingBackend(fail_when=failing_after(3)))) as client:
         await until_ready(client)
+        # Greedy: sampled at the default temperature, the fake's rows let any token win, an
+        # end-of-text one (an early "stop") or one with no text (no event of its own) included.
         response = await client.post("/v1/completions", json={
-            "model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": 50})
+            "model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": 50,
+            "temperature": 0})
         failed = await metric(client, 'q4k_requests_total{outcome="failed"}')
     events = [line[len("data: "):] for line in response.text.splitlines() if line]
     assert response.status_code == 200 and events[-1] == "[DONE]"
