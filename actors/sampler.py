@@ -294,6 +294,8 @@ def start_choice(candidates: Candidates, states: Sequence[SequenceSampling]) -> 
     n = len(states)
     if candidates.ids.shape[0] != n:
         raise ComputeError(f"{candidates.ids.shape[0]} candidate rows for {n} sequences")
+    if all(state.greedy for state in states):
+        return _greedy_choice(candidates, states)
     rows = _RowParams.of(states)
     peak = candidates.logits[:, 0].astype(np.float64)
     finite = np.isfinite(peak)
@@ -345,6 +347,29 @@ def start_choice(candidates: Candidates, states: Sequence[SequenceSampling]) -> 
         needed_rows=tuple(np.flatnonzero(finite & ~decided).tolist()),
         uniforms=uniforms,
         candidates=candidates,
+    )
+
+
+def _greedy_choice(candidates: Candidates, states: Sequence[SequenceSampling]) -> PendingChoice:
+    """`start_choice` for a batch of greedy rows only, which their candidates always decide:
+    each row's first candidate (its argmax), without the sampled rows' arrays."""
+    n = len(states)
+    peak = candidates.logits[:, 0].astype(np.float64)
+    finite = np.isfinite(peak).tolist()
+    tokens = candidates.ids[:, 0].tolist()
+    choices: list[TokenChoice | RowFailed | None] = []
+    for row, state in enumerate(states):
+        if not finite[row]:
+            choices.append(RowFailed(error=f"the logits row holds {peak[row]} values"))
+        elif state.params.logprobs is None:
+            choices.append(TokenChoice(token=tokens[row]))
+        else:  # greedy rows weigh their candidates at T = 1
+            real = np.arange(candidates.ids.shape[1]) < candidates.count[row]
+            scaled = np.where(real, candidates.logits[row] - peak[row], -np.inf)
+            choices.append(_choice(tokens[row], scaled[0], candidates.ids[row], scaled,
+                                   candidates.log_z[row], state.params.logprobs))
+    return PendingChoice(
+        choices=tuple(choices), needed_rows=(), uniforms=np.zeros(n), candidates=candidates
     )
 
 
