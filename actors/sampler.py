@@ -53,10 +53,9 @@ from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
-from anyio.from_thread import BlockingPortal
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.compute.actor import receive_from_loop, run_in_own_thread, send_to_loop
+from actors.compute.actor import LoopPortal, receive_from_loop, run_in_own_thread, send_to_loop
 from actors.compute.contract import Candidates, RowInputs, apply_penalties, top_candidates
 from actors.errors import ComputeError, InvalidRequest
 from actors.model.candidates import (
@@ -1021,10 +1020,10 @@ class SamplerActor:
     async def run(self) -> None:
         """The actor task: until the inbox closes (or the engine is cancelled)."""
         with self._inbox, self._outbox:
-            async with BlockingPortal() as portal:
+            async with LoopPortal() as portal:
                 await run_in_own_thread("q4k-sampler", partial(self._serve, portal))
 
-    def _serve(self, portal: BlockingPortal) -> None:
+    def _serve(self, portal: LoopPortal) -> None:
         while (message := receive_from_loop(portal, self._inbox)) is not None:
             if not send_to_loop(portal, self._outbox, sample(message)):
                 return

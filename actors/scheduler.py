@@ -5,9 +5,10 @@ table) and turns the advances sessions ask for into one `RunStep` at a time: dec
 first, then prefill chunks under a token budget, each row with its sequence's penalty inputs.
 The compute actor answers the step's token candidates, the sampler actor the tokens chosen
 from them (asking, through the scheduler, for the few whole rows the candidates cannot
-decide; a step of greedy rows only is chosen here, its candidates decide it at once). It then hands each sequence its token and briefly gathers the next advances, so N
-decoding sequences ride in ~N-item steps instead of fragmenting into many small ones; a
-sequence whose caller is slow simply misses steps.
+decide; a step of greedy rows only is chosen here, its candidates decide it at once). It
+then hands each sequence its token and briefly gathers the next advances, so N decoding
+sequences ride in ~N-item steps instead of fragmenting into many small ones; a sequence
+whose caller is slow simply misses steps.
 
 It keeps the replay rules of the compute contract (actors.compute.contract): a forward resumes
 exactly at what a sequence's KV holds; a failed step (or a row whose token could not be
