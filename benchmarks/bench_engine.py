@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from contextlib import aclosing
 from collections.abc import Callable, Sequence
+from contextlib import aclosing
 from typing import NamedTuple
 
 import anyio
