@@ -53,10 +53,9 @@ from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
-from anyio.from_thread import BlockingPortal
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.compute.actor import receive_from_loop, run_in_own_thread, send_to_loop
+from actors.compute.actor import LoopPortal, receive_from_loop, run_in_own_thread, send_to_loop
 from actors.compute.contract import Candidates, RowInputs, apply_penalties, top_candidates
 from actors.errors import ComputeError, InvalidRequest
 from actors.model.candidates import (
@@ -294,6 +293,8 @@ def start_choice(candidates: Candidates, states: Sequence[SequenceSampling]) -> 
     n = len(states)
     if candidates.ids.shape[0] != n:
         raise ComputeError(f"{candidates.ids.shape[0]} candidate rows for {n} sequences")
+    if all(state.greedy for state in states):
+        return _greedy_choice(candidates, states)
     rows = _RowParams.of(states)
     peak = candidates.logits[:, 0].astype(np.float64)
     finite = np.isfinite(peak)
@@ -345,6 +346,29 @@ def start_choice(candidates: Candidates, states: Sequence[SequenceSampling]) -> 
         needed_rows=tuple(np.flatnonzero(finite & ~decided).tolist()),
         uniforms=uniforms,
         candidates=candidates,
+    )
+
+
+def _greedy_choice(candidates: Candidates, states: Sequence[SequenceSampling]) -> PendingChoice:
+    """`start_choice` for a batch of greedy rows only, which their candidates always decide:
+    each row's first candidate (its argmax), without the sampled rows' arrays."""
+    n = len(states)
+    peak = candidates.logits[:, 0].astype(np.float64)
+    finite = np.isfinite(peak).tolist()
+    tokens = candidates.ids[:, 0].tolist()
+    choices: list[TokenChoice | RowFailed | None] = []
+    for row, state in enumerate(states):
+        if not finite[row]:
+            choices.append(RowFailed(error=f"the logits row holds {peak[row]} values"))
+        elif state.params.logprobs is None:
+            choices.append(TokenChoice(token=tokens[row]))
+        else:  # greedy rows weigh their candidates at T = 1
+            real = np.arange(candidates.ids.shape[1]) < candidates.count[row]
+            scaled = np.where(real, candidates.logits[row] - peak[row], -np.inf)
+            choices.append(_choice(tokens[row], scaled[0], candidates.ids[row], scaled,
+                                   candidates.log_z[row], state.params.logprobs))
+    return PendingChoice(
+        choices=tuple(choices), needed_rows=(), uniforms=np.zeros(n), candidates=candidates
     )
 
 
@@ -996,10 +1020,10 @@ class SamplerActor:
     async def run(self) -> None:
         """The actor task: until the inbox closes (or the engine is cancelled)."""
         with self._inbox, self._outbox:
-            async with BlockingPortal() as portal:
+            async with LoopPortal() as portal:
                 await run_in_own_thread("q4k-sampler", partial(self._serve, portal))
 
-    def _serve(self, portal: BlockingPortal) -> None:
+    def _serve(self, portal: LoopPortal) -> None:
         while (message := receive_from_loop(portal, self._inbox)) is not None:
             if not send_to_loop(portal, self._outbox, sample(message)):
                 return

@@ -5,9 +5,10 @@ table) and turns the advances sessions ask for into one `RunStep` at a time: dec
 first, then prefill chunks under a token budget, each row with its sequence's penalty inputs.
 The compute actor answers the step's token candidates, the sampler actor the tokens chosen
 from them (asking, through the scheduler, for the few whole rows the candidates cannot
-decide). It then hands each sequence its token and briefly gathers the next advances, so N
-decoding sequences ride in ~N-item steps instead of fragmenting into many small ones; a
-sequence whose caller is slow simply misses steps.
+decide; a step of greedy rows only is chosen here, its candidates decide it at once). It
+then hands each sequence its token and briefly gathers the next advances, so N decoding
+sequences ride in ~N-item steps instead of fragmenting into many small ones; a sequence
+whose caller is slow simply misses steps.
 
 It keeps the replay rules of the compute contract (actors.compute.contract): a forward resumes
 exactly at what a sequence's KV holds; a failed step (or a row whose token could not be
@@ -55,6 +56,7 @@ from actors.sampler import (
     SampleStep,
     SamplingFailed,
     StepSampled,
+    sample,
 )
 
 # How long the scheduler keeps waiting for sequences that just got a token to ask for the next
@@ -368,10 +370,14 @@ class Scheduler:
                 self._sequences[item.seq_id].sampler for item in step.items if item.want_logits
             )
             if samplers:
-                result = await self._ask_sampler(
-                    SampleStep(step_id=step.step_id, candidates=result.candidates,
-                               samplers=samplers)
-                )
+                message = SampleStep(step_id=step.step_id, candidates=result.candidates,
+                                     samplers=samplers)
+                # Greedy rows are decided from their candidates in microseconds (never a
+                # whole row): sampled here, without the two thread hops to the sampler.
+                if all(sampler.greedy for sampler in samplers):
+                    result = sample(message)
+                else:
+                    result = await self._ask_sampler(message)
             else:
                 result = StepSampled(step_id=step.step_id, choices=())
             if isinstance(result, RowsWanted):

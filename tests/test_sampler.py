@@ -161,6 +161,32 @@ def test_greedy_is_argmax_and_leaves_the_logits_alone(lm_rows):
     np.testing.assert_array_equal(lm_rows, before)
 
 
+def test_greedy_rows_choose_alike_alone_and_beside_a_sampled_row(lm_rows):
+    """A batch of greedy rows only takes a path of its own; its choices (tokens, logprobs,
+    failed rows) are those the sampled rows' path gives the same rows."""
+    vocab = lm_rows.shape[1]
+    logits = lm_rows[:5].copy()
+    logits[3, 17] = np.nan
+    greedy = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=0.0, logprobs=0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.0, presence_penalty=1.0),
+    ]
+
+    def greedy_states() -> list[SequenceSampling]:
+        return [states_for(p, vocab, prompt=[int(np.argmax(row))], generated=[7])[0]
+                for p, row in zip(greedy, logits)]
+
+    alone = choose_tokens(logits, greedy_states())
+    sampled = states_for(SamplingParams(temperature=0.8, seed=3), vocab)
+    beside = choose_tokens(np.concatenate([logits, lm_rows[5:6]]), greedy_states() + sampled)
+    assert alone == beside[:5]
+    assert isinstance(alone[3], RowFailed)
+    assert alone[1].top_logprobs is not None and alone[0].logprob is None
+
+
 def test_greedy_ties_go_to_the_lowest_id():
     logits = np.zeros((2, 1000), dtype=np.float32)
     logits[0, [700, 3, 500]] = 5.0

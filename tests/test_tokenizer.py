@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from actors.errors import InvalidRequest, ModelFormatError, UnsupportedModelError
@@ -124,6 +125,11 @@ def test_bad_input_gives_clear_errors(gemma3: Tokenizer) -> None:
         gemma3.decode([-1])
     with pytest.raises(InvalidRequest, match="out of range"):
         gemma3.incremental_decoder().push(10**9)
+    with pytest.raises(InvalidRequest, match="out of range"):
+        gemma3.piece(-1)
+    with pytest.raises(InvalidRequest, match="integers"):
+        gemma3.piece(True)  # type: ignore[arg-type]  (a bool is not a token id)
+    assert gemma3.piece(np.int64(5)) == gemma3.piece(5)
     with pytest.raises(InvalidRequest, match="integers"):
         gemma3.decode(["a"])
     with pytest.raises(InvalidRequest, match="str"):

@@ -9,8 +9,8 @@ sampler actor chooses the tokens. Once the backend raises `BackendLostError` eve
 answered `BackendLost`. Work in flight is never abandoned; `Shutdown` (or closing the inbox)
 ends it.
 
-`run_in_own_thread`, `receive_from_loop` and `send_to_loop` are the bridge every actor with a
-thread of its own uses (the loader's and the sampler's too).
+`run_in_own_thread`, `LoopPortal`, `receive_from_loop` and `send_to_loop` are the bridge
+every actor with a thread of its own uses (the loader's and the sampler's too).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class ComputeActor:
     async def run(self) -> None:
         """The actor task: wait for the backend to build, then hold the thread until shutdown."""
         with self._inbox, self._outbox:
-            async with BlockingPortal() as portal:
+            async with LoopPortal() as portal:
                 with self._builds, anyio.CancelScope(shield=True):
                     # Shielded so a BuildBackend handed over is never lost (its `release` must
                     # run): the loader always ends by sending one or closing this stream.
@@ -90,7 +90,7 @@ class ComputeActor:
                 await run_in_own_thread("q4k-compute", partial(self._serve, portal, build),
                                         abandon=self._hung)
 
-    def _serve(self, portal: BlockingPortal, build: BuildBackend) -> None:
+    def _serve(self, portal: LoopPortal, build: BuildBackend) -> None:
         try:
             try:
                 backend = build.make_backend()
@@ -200,10 +200,24 @@ def receive_from_loop(portal: BlockingPortal, stream: MemoryObjectReceiveStream[
         return None
 
 
-def send_to_loop(portal: BlockingPortal, stream: MemoryObjectSendStream[T], message: T) -> bool:
-    """Send from a worker thread; False when the loop side is gone."""
+class LoopPortal(BlockingPortal):
+    """A portal that also names its event loop, for the plain callbacks `send_to_loop` runs
+    there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = anyio.lowlevel.current_token()
+
+
+def send_to_loop(portal: LoopPortal, stream: MemoryObjectSendStream[T], message: T) -> bool:
+    """Send from a worker thread; False when the loop side is gone. The loop side usually
+    waits for the message already: a plain callback then hands it over, without the task a
+    portal call starts for each send."""
     try:
-        portal.call(stream.send, message)
+        try:
+            anyio.from_thread.run_sync(stream.send_nowait, message, token=portal.token)
+        except anyio.WouldBlock:
+            portal.call(stream.send, message)
     except _LOOP_GONE:
         return False
     return True

@@ -181,8 +181,10 @@ class Tokenizer:
 
     def piece(self, token_id: int, *, special: bool = False) -> bytes:
         """The bytes one token stands for (control tokens render their text only if `special`)."""
-        (token,) = self._checked_ids((token_id,))
-        return (self._pieces_special if special else self._pieces)[token]
+        # A plain int in range skips the array check: streaming calls this once a token.
+        if type(token_id) is not int or not 0 <= token_id < self.vocab.size:
+            (token_id,) = self._checked_ids((token_id,))
+        return (self._pieces_special if special else self._pieces)[token_id]
 
     def _checked_ids(self, ids: Iterable[int]) -> list[int]:
         try:
