@@ -376,33 +376,31 @@ struct slices_f32 {
     }
 };
 
-struct slices_f16 {
+// The 16-bit float types: 32 elements in 16 words, two a word (low half first); Halves says
+// how a half becomes a float.
+template <class Halves>
+struct slices_of_halves {
     static constexpr int SLICES = 1, ALIGN = 16;
     static constexpr bool AFFINE = false;
     static QK_HD void slice(const uint8_t* block, int, Slice& s) {
         uint32_t w[16];
         load_span<ALIGN, 64>(block, w);
         for (int i = 0; i < GROUP / 2; ++i) {
-            s.level[i / 8][2 * (i % 8)] = half_low(w[i]);
-            s.level[i / 8][2 * (i % 8) + 1] = half_high(w[i]);
+            s.level[i / 8][2 * (i % 8)] = Halves::to_float(uint16_t(w[i]));
+            s.level[i / 8][2 * (i % 8) + 1] = Halves::to_float(uint16_t(w[i] >> 16));
         }
         plain_scales(s, 1.0f, 1.0f);
     }
 };
 
-struct slices_bf16 {
-    static constexpr int SLICES = 1, ALIGN = 16;
-    static constexpr bool AFFINE = false;
-    static QK_HD void slice(const uint8_t* block, int, Slice& s) {
-        uint32_t w[16];
-        load_span<ALIGN, 64>(block, w);
-        for (int i = 0; i < GROUP / 2; ++i) {
-            s.level[i / 8][2 * (i % 8)] = float_from_bits(w[i] << 16);
-            s.level[i / 8][2 * (i % 8) + 1] = float_from_bits(w[i] & 0xFFFF0000u);
-        }
-        plain_scales(s, 1.0f, 1.0f);
-    }
+struct f16_halves {
+    static QK_HD float to_float(uint16_t h) { return half_to_float(h); }
 };
+struct bf16_halves {
+    static QK_HD float to_float(uint16_t b) { return bf16_to_float(b); }
+};
+struct slices_f16 : slices_of_halves<f16_halves> {};
+struct slices_bf16 : slices_of_halves<bf16_halves> {};
 
 template <class T> struct slices_of;
 #define QK_SLICES_OF(suffix, type) \
