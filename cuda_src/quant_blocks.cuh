@@ -205,14 +205,3 @@ QK_HD void dequantize_row_group(const uint8_t* row, int group, float* out) {
     const int per_block = groups_per_block<T>;
     T::dequantize_group(row + (group / per_block) * T::BLOCK_BYTES, group % per_block, out);
 }
-
-// Sum over the group of w[i] * x[i], accumulated in float32 in element order (FMAs allowed on
-// the device: this is a dot product, held to a float tolerance, not to bit equality).
-template <class T>
-QK_HD float dot_row_group(const uint8_t* row, int group, const float* x) {
-    float w[GROUP];
-    dequantize_row_group<T>(row, group, w);
-    float sum = 0.0f;
-    for (int i = 0; i < GROUP; ++i) sum += w[i] * x[i];
-    return sum;
-}

@@ -1,6 +1,6 @@
 // Host build of cuda_src/quant_blocks.cuh for tests/test_cuda_blockmath.py: for every block
-// type, dequantize_<type> decodes whole rows into floats and dot_<type> takes each row's dot
-// product with x, summing the groups' dot products in order. Compiled with g++ and
+// type, dequantize_<type> decodes whole rows into floats (the exact decode get_rows uses).
+// Compiled with g++ and
 // -ffp-contract=off, so the decode rounds exactly as the device code (__fmul_rn / __fadd_rn).
 // The matvec's slices (matvec_slices.cuh), on rows `pitch` bytes apart: slice_weights_<type>
 // rebuilds every weight from its slice (level * scale + offset), slice_dot_<type> takes each
@@ -24,18 +24,6 @@ void dequantize_rows(const uint8_t* src, int64_t rows, int64_t groups_per_row, f
             dequantize_row_group<T>(src + r * row_bytes<T>(groups_per_row), int(g),
                                     out + (r * groups_per_row + g) * GROUP);
         }
-    }
-}
-
-template <class T>
-void dot_rows(const uint8_t* src, int64_t rows, int64_t groups_per_row, const float* x,
-              float* out) {
-    for (int64_t r = 0; r < rows; ++r) {
-        float sum = 0.0f;
-        for (int64_t g = 0; g < groups_per_row; ++g) {
-            sum += dot_row_group<T>(src + r * row_bytes<T>(groups_per_row), int(g), x + g * GROUP);
-        }
-        out[r] = sum;
     }
 }
 
@@ -124,10 +112,6 @@ void slice_dot_rows(const uint8_t* src, int64_t rows, int64_t pitch, int64_t row
     extern "C" void dequantize_##suffix(const uint8_t* src, int64_t rows, int64_t groups,     \
                                         float* out) {                                         \
         dequantize_rows<type>(src, rows, groups, out);                                        \
-    }                                                                                         \
-    extern "C" void dot_##suffix(const uint8_t* src, int64_t rows, int64_t groups,            \
-                                 const float* x, float* out) {                                \
-        dot_rows<type>(src, rows, groups, x, out);                                            \
     }                                                                                         \
     extern "C" void tile_values_##suffix(const uint8_t* src, int64_t rows, int64_t groups,    \
                                          float* out) {                                        \
