@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from actors.model.gguf import open_gguf
 from actors.model.tokenizer import Tokenizer
-from actors.model.tokenizer_vocab import MAX_TOKEN_CHARS
+from actors.model.tokenizer_vocab import MAX_TOKEN_CHARS, read_vocab
 from tests.conftest import TINY_MODELS
 from tests.fuzz.target import Escape, Target, hang_guard, only_project_errors
 from tests.test_tokenizer_props import llama_cpp_encode
@@ -41,7 +41,7 @@ def tokenizer_with(specials: dict[int, tuple[str, int]]) -> Tokenizer:
     for token, (text, kind) in specials.items():
         tokens[token], types[token] = text, kind
     metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"] = tokens, types
-    return Tokenizer.from_gguf(type("File", (), {"metadata": metadata})())
+    return Tokenizer(read_vocab(metadata))
 
 
 odd_texts = st.text(st.sampled_from(ODD_CHARS + ("<", ">", "a")), min_size=1, max_size=4)
