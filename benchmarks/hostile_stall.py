@@ -150,11 +150,8 @@ def hostile_inputs(engine: Engine, folder: Path) -> dict[str, Callable[[], Await
         engine.chat(messages, SamplingParams(max_tokens=2))
     )
     tiny = gguf_structure.seed_parts("llama-q4k-tiny")
-    for name, mutation in BAD_FILES.items():
-        path = folder / f"{len(inputs)}.gguf"
-        gguf_structure.write_gguf(gguf_structure.apply(tiny, mutation), path)
-        inputs[name] = lambda path=path: _open_and_use(path)
     for name, mutations, text in (
+        *((name, [mutation], "hello") for name, mutation in BAD_FILES.items()),
         ("model file: placeholder code points as special texts", PLACEHOLDER_SPECIALS,
          "a\x00b\uffff\U0010fffe"),
         ("model file: 400 special tokens of 1,000 characters", LONG_SPECIALS, "hello <0600"),
