@@ -52,13 +52,8 @@ class ZeroCostBackend:
     cycle. Greedy rows without logprobs only (they ask for one candidate and no log_z)."""
 
     def __init__(self, model: OpenedModel, num_blocks: int, block_size: int) -> None:
-        self.info = ComputeInfo(
-            arch=model.spec.arch,
-            on_gpu=False,
-            context_length=model.spec.context_length,
-            vocab_size=model.spec.vocab_size,
-            num_blocks=num_blocks,
-            block_size=block_size,
+        self.info = ComputeInfo.of_model(
+            model.spec, on_gpu=False, num_blocks=num_blocks, block_size=block_size
         )
         self._steps = 0
 

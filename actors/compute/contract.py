@@ -42,6 +42,7 @@ from actors.model.candidates import Candidates, RowInputs, apply_penalties, top_
 from actors.model.step import StepItem, StepPlan, plan_step
 
 if TYPE_CHECKING:
+    from actors.model.arch import ModelSpec
     from actors.model.loaded import OpenedModel
 
 # A sequence whose steps fail this many times in a row is failed with ComputeError.
@@ -63,6 +64,13 @@ class ComputeInfo(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     kv_dtype: str = "float32"
     notices: tuple[str, ...] = ()
+
+    @classmethod
+    def of_model(cls, spec: ModelSpec, **backend: Any) -> ComputeInfo:
+        """The info of a backend serving `spec`: the model's fields from the spec, the
+        backend's own (on_gpu, the KV pool, notices) as keywords."""
+        return cls(arch=spec.arch, context_length=spec.context_length,
+                   vocab_size=spec.vocab_size, **backend)
 
 
 class KVRequest(msgspec.Struct, frozen=True, kw_only=True):

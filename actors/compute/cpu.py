@@ -36,11 +36,9 @@ class CpuBackend:
         self._model = model
         self._kv = model.new_kv_pool(num_blocks, block_size)
         self._last_rows = np.zeros((0, model.spec.vocab_size), dtype=np.float32)
-        self.info = ComputeInfo(
-            arch=model.spec.arch,
+        self.info = ComputeInfo.of_model(
+            model.spec,
             on_gpu=False,
-            context_length=model.spec.context_length,
-            vocab_size=model.spec.vocab_size,
             num_blocks=num_blocks,
             block_size=block_size,
             kv_dtype=np.dtype(KV_DTYPE).name,

@@ -243,9 +243,8 @@ class CudaBackend:
                                                        self.num_blocks)
         self._addresses.update(self._allocate_kv(block_bytes))
         self._set_workspace(limits, first_input)
-        self.info = ComputeInfo(
-            arch=spec.arch, on_gpu=True, context_length=spec.context_length,
-            vocab_size=spec.vocab_size, num_blocks=self.num_blocks, block_size=kv.block_size,
+        self.info = ComputeInfo.of_model(
+            spec, on_gpu=True, num_blocks=self.num_blocks, block_size=kv.block_size,
             kv_dtype="float16",
             notices=(*notices, f"CUDA backend on {device.name()} (sm_{capability[0]}"
                                f"{capability[1]}): {self.num_blocks} KV blocks of "

@@ -14,10 +14,10 @@ side in one `qkv` row (q heads, then k heads, then v); gate and up side by side 
 Each layer's residual add is fused into the next RMSNorm (residual_rms_norm's `delta`).
 
 Decode rows always take the matvec, any number of them, a short prefill item too, a long one
-the tiles (`row_runs`): a sequence's tokens do not depend on what else shares its step. A decode layer is eight launches once attention
-is one kernel: residual_rms_norm, mul_mat_vec_qkv, qkv_finish (biases, q/k norms, RoPE, the K/V
-write), attention, the output matvec, residual_rms_norm, the fused gate+up+activation matvec,
-the down matvec. Prefill rows past the matvec's few take the tiles, a launch per matrix.
+the tiles, a launch per matrix (`row_runs`): a sequence's tokens do not depend on what else
+shares its step. A decode layer is eight launches: residual_rms_norm, mul_mat_vec_qkv,
+qkv_finish (biases, q/k norms, RoPE, the K/V write), attention_decode, the output matvec,
+residual_rms_norm, the fused gate+up+activation matvec, the down matvec.
 """
 
 from __future__ import annotations
@@ -348,13 +348,14 @@ def matmul_calls(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_strid
                  y: Ref, y_stride: int, runs: Sequence[RowRun],
                  tile_input: str) -> list[KernelCall]:
     """y = W x over the rows of `runs`, one launch per run."""
-    return [
-        (matvec_call(weights, name, _rows_in(x, run.first, x_stride), x_stride,
-                     _rows_in(y, run.first, y_stride), y_stride, run.rows) if run.matvec
-         else tiles_call(weights, name, _rows_in(x, run.first, x_stride), x_stride,
-                         _rows_in(y, run.first, y_stride), y_stride, run.rows, tile_input))
-        for run in runs
-    ]
+    calls = []
+    for run in runs:
+        run_x, run_y = _rows_in(x, run.first, x_stride), _rows_in(y, run.first, y_stride)
+        calls.append(
+            matvec_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows) if run.matvec
+            else tiles_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows,
+                            tile_input))
+    return calls
 
 
 def _optional(name: str, present: bool) -> Ref:
