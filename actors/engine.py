@@ -412,10 +412,7 @@ class Engine:
         if long_chat:  # its messages are checked in the worker thread, its length here
             self._check_message_count(len(messages))
         else:
-            try:
-                check_messages(messages)
-            except InvalidRequest as exc:
-                self._reject(exc)
+            self._check_messages(messages)
         params = self._checked_params(params)
         return self._stream_when_ready(
             partial(self._chat_prompt_ids, messages, template, check=long_chat), params,
@@ -650,11 +647,14 @@ class Engine:
         self._log.warning("request_rejected", request_id=new_request_id(), reason=reason, error=str(error))
         raise error
 
-    def _checked_render_chat(self, messages: list[dict[str, Any]], template: str | None) -> str:
+    def _check_messages(self, messages: list[dict[str, Any]]) -> None:
         try:
             check_messages(messages)
         except InvalidRequest as exc:
             self._reject(exc)
+
+    def _checked_render_chat(self, messages: list[dict[str, Any]], template: str | None) -> str:
+        self._check_messages(messages)
         return self._render_chat(messages, template)
 
     def _render_chat(self, messages: list[dict[str, Any]], template: str | None) -> str:

@@ -295,7 +295,7 @@ def _render_summary(s: LogSummary, out: Console) -> None:
 def _data(text: str) -> Text:
     """Text from the log, as it is (a `Text` is never read as rich markup: `[x]` stays), cut
     to CELL_CHARS."""
-    return Text(clip(_one_line(text), CELL_CHARS))
+    return Text(_cell(text))
 
 
 def _percentile_cells(p: Percentiles | None) -> list[str]:

@@ -8,7 +8,6 @@ import logging
 import socket
 import sys
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.cli.common import (
@@ -110,7 +109,8 @@ def _serve(args: argparse.Namespace) -> int:
     limits = _request_limits(args)
     _configure_server_logging(args)
     template = read_template(args.template)
-    model = _checked_model(args)
+    model = model_path_from(args)
+    # Reads the model's header before anything starts: a bad file fails here.
     options = ServerOptions(chat_template=template,
                             chat_available=has_chat_template(model, template),
                             max_tokens_limit=args.max_tokens_limit)
@@ -164,15 +164,6 @@ class _IntoEvents(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         method = record.levelname.lower() if record.levelname.lower() in LEVELS else "info"
         getattr(get_logger(record.name), method)("server_log", message=record.getMessage())
-
-
-def _checked_model(args: argparse.Namespace) -> Path:
-    """The model path, its header read before anything starts (a bad file fails here)."""
-    from actors.model.gguf import open_gguf
-
-    path = model_path_from(args)
-    with open_gguf(path):
-        return path
 
 
 def _listen(host: str, port: int) -> socket.socket:
