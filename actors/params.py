@@ -21,6 +21,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # the session holds back text that could start a stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
+# Bounds on a structured-output constraint's source: beyond these it is no real request, and
+# compiling it would tie up a worker thread.
+MAX_CHOICES = 1024
+MAX_CONSTRAINT_CHARS = 1 << 20
 # Counts reach numpy as int64 (and ranges of positions): anything past this is no real request.
 MAX_COUNT = (1 << 31) - 1
 MAX_SEED = (1 << 64) - 1  # numpy's generators take any int; a u64 is what APIs pass around
@@ -47,6 +51,96 @@ class _CheckedCall(type(msgspec.Struct)):  # type: ignore[misc]
                 field=unknown[0],
             )
         return super().__call__(**kwargs)
+
+
+class StructuredOutput(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    metaclass=_CheckedCall,
+):
+    """What the answer must be, enforced token by token (see `actors.structured`): exactly
+    one of `json_schema` (a JSON Schema as a dict), `json_object=True` (any JSON object),
+    `regex` (matched in full), `choice` (one of these strings) or `grammar` (llguidance's Lark
+    syntax, or a llama.cpp GBNF grammar, converted).
+
+    `fast_forward`: tokens the constraint forces (a JSON key, a closing brace) join the
+    sequence as one prefill chunk instead of a decode step each.
+    """
+
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    fast_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            msgspec.structs.force_setattr(self, "choice", tuple(self.choice))
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """The one field that holds the constraint."""
+        return next(name for name in _CONSTRAINT_FIELDS if _given(self, name))
+
+    def validate(self) -> None:
+        """Raise `InvalidRequest(field="structured.<name>")` for the first bad value."""
+        given = [name for name in _CONSTRAINT_FIELDS if _given(self, name)]
+        if len(given) != 1:
+            named = f"got {len(given)}: {', '.join(given)}" if given else "got none"
+            raise InvalidRequest(
+                "structured output takes exactly one of json_schema, json_object, regex, "
+                f"choice or grammar; {named}",
+                field=f"structured.{given[1] if given else 'json_schema'}",
+            )
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequest(f"json_object must be true or false, got "
+                                 f"{_shown(self.json_object)}", field="structured.json_object")
+        if not isinstance(self.fast_forward, bool):
+            raise InvalidRequest(f"fast_forward must be true or false, got "
+                                 f"{_shown(self.fast_forward)}", field="structured.fast_forward")
+        kind = given[0]
+        value = getattr(self, kind)
+        field = f"structured.{kind}"
+        if kind == "json_schema":
+            if not isinstance(value, dict):
+                raise InvalidRequest(f"json_schema must be a JSON object (a dict), got "
+                                     f"{_shown(value)}", field=field)
+            try:
+                size = len(msgspec.json.encode(value))
+            except (TypeError, ValueError, OverflowError) as error:
+                raise InvalidRequest(f"json_schema is not JSON: {error}", field=field) from None
+            _check_size(field, size)
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise InvalidRequest(f"{kind} must be a non-empty string, got {_shown(value)}",
+                                     field=field)
+            _check_size(field, len(value))
+        elif kind == "choice":
+            if not isinstance(value, tuple) or not all(isinstance(c, str) and c for c in value):
+                raise InvalidRequest(f"choice must be a list of non-empty strings, got "
+                                     f"{_shown(value)}", field=field)
+            if not value or len(value) > MAX_CHOICES:
+                raise InvalidRequest(f"choice must hold 1..{MAX_CHOICES} strings, got "
+                                     f"{len(value)}", field=field)
+            _check_size(field, sum(map(len, value)))
+
+
+_CONSTRAINT_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def _given(structured: StructuredOutput, name: str) -> bool:
+    value = getattr(structured, name)
+    return value is not False and value is not None
+
+
+def _check_size(field: str, size: int) -> None:
+    if size > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(f"{field.split('.')[-1]} is {size:,} characters; at most "
+                             f"{MAX_CONSTRAINT_CHARS:,} are allowed", field=field)
 
 
 class SamplingParams(
@@ -77,6 +171,7 @@ class SamplingParams(
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Lists are the natural spelling in Python; keep the frozen struct hashable.
@@ -130,6 +225,11 @@ class SamplingParams(
         if self.logprobs is not None:
             _check_int(
                 "logprobs", self.logprobs, lambda v: 0 <= v <= MAX_LOGPROBS, f"in 0..{MAX_LOGPROBS}"
+            )
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequest(
+                f"structured must be a StructuredOutput, got {_shown(self.structured)}",
+                field="structured",
             )
 
 
@@ -223,4 +323,4 @@ def field_of(error: msgspec.ValidationError) -> str | None:
     return found.group(1) if found else None
 
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "StructuredOutput"]

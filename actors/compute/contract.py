@@ -9,8 +9,9 @@ step after step, from that thread. Write a backend against this file alone:
   a GPU as the file's quantized blocks), sizes its KV pool from `kv` and returns the backend.
 - `ComputeBackend.run(items, rows)`: advance every `StepItem` (its KV holds positions
   [0, start); write the K/V of `tokens` at start...; its `blocks` cover every position up to
-  its last token), then for each item that wants logits, in item order, penalize its logits
-  row by `rows[i]` and answer its `Candidates` (see actors.model.candidates: the most likely
+  its last token), then for each item that wants logits, in item order, mask its logits row
+  by `rows[i].allowed` (structured output: forbidden tokens to -inf), penalize it by `rows[i]`
+  and answer its `Candidates` (see actors.model.candidates: the most likely
   tokens and the row's log-partition). Keep the penalized rows of the last step:
   `fetch_rows(indices)` hands over whole rows the sampler could not decide from candidates.
   `plan_step` validates the items and lays them out as arrays, for any backend to use.
@@ -38,7 +39,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 import numpy as np
 
-from actors.model.candidates import Candidates, RowInputs, apply_penalties, top_candidates
+from actors.model.candidates import (
+    Candidates,
+    RowInputs,
+    apply_penalties,
+    apply_token_masks,
+    top_candidates,
+)
 from actors.model.step import StepItem, StepPlan, plan_step
 
 if TYPE_CHECKING:
@@ -210,6 +217,7 @@ __all__ = [
     "StepItem",
     "StepPlan",
     "apply_penalties",
+    "apply_token_masks",
     "plan_step",
     "top_candidates",
 ]

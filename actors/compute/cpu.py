@@ -14,6 +14,7 @@ from actors.compute.contract import (
     RowInputs,
     StepItem,
     apply_penalties,
+    apply_token_masks,
     plan_step,
     top_candidates,
 )
@@ -55,6 +56,7 @@ class CpuBackend:
                 field="rows",
             )
         logits = self._model.run_plan(plan, self._kv)
+        apply_token_masks(logits, rows)
         apply_penalties(logits, rows)
         self._last_rows = logits
         return top_candidates(logits, rows)

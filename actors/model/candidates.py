@@ -21,6 +21,7 @@ above it, and only those are sorted.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -57,6 +58,9 @@ class RowInputs(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
     generated: tuple[int, ...] = ()  # distinct generated token ids
     generated_counts: tuple[int, ...] = ()  # how often each was generated
+    # Structured output: int32 words, bit t % 32 of word t // 32 set where token t may come
+    # next (llguidance's layout); None: every token may.
+    allowed: Any = None  # np.ndarray | None
 
 
 class Candidates(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,6 +78,20 @@ class Candidates(msgspec.Struct, frozen=True, kw_only=True):
     def nbytes(self) -> int:
         """Bytes these candidates take when they cross to the host."""
         return sum(a.nbytes for a in (self.ids, self.logits, self.count, self.log_z))
+
+
+def apply_token_masks(logits: np.ndarray, rows: Sequence[RowInputs]) -> None:
+    """Set to -inf, in place, the logits of the tokens each constrained row's `allowed` mask
+    leaves out; runs before the penalties, so nothing after it sees a forbidden token."""
+    vocab = logits.shape[1]
+    for row, inputs in enumerate(rows):
+        if inputs.allowed is not None:
+            words = np.ascontiguousarray(inputs.allowed, dtype=np.int32).ravel()
+            if words.size != -(-vocab // 32):
+                raise ValueError(f"a token mask of {words.size} words for a vocabulary of "
+                                 f"{vocab} tokens (needs {-(-vocab // 32)})")
+            bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab]
+            logits[row, bits == 0] = -np.inf
 
 
 def apply_penalties(logits: np.ndarray, rows: Sequence[RowInputs]) -> None:
