@@ -28,6 +28,7 @@ _LAZY = {
     "Model": "actors.model.loaded",
     "Engine": "actors.engine",
     "SamplingParams": "actors.params",
+    "StructuredOutput": "actors.params",
     "Completion": "actors.messages",
     "Chunk": "actors.messages",
 }

@@ -53,7 +53,7 @@ from actors.messages import Chunk, Completion, EngineStats
 from actors.model.arch import MAX_CONTEXT
 from actors.model.chat import RenderLimits, check_messages
 from actors.model.loaded import Model
-from actors.params import SamplingParams
+from actors.params import SamplingParams, StructuredOutput
 from actors.sampler import (
     RowsWanted,
     SampleRows,
@@ -64,6 +64,7 @@ from actors.sampler import (
 )
 from actors.scheduler import Admission, Scheduler
 from actors.session import Session, new_request_id
+from actors.structured import Constraint, GrammarCompiler
 
 # A step running this long is failed, and a backend silent for twice as long is lost:
 # generous next to any real step (a 512-token CPU prefill of gemma-3 takes about a second).
@@ -109,6 +110,7 @@ class Engine:
         self._scheduler = scheduler
         self._inbox = scheduler_inbox
         self._admission = admission
+        self._grammars = GrammarCompiler(tokenizer)
         self._closed = False
         self._log = get_logger("actors.engine")
 
@@ -379,7 +381,10 @@ class Engine:
             self._checked_ids_fit(len(prompt))
             return self._stream_when_ready(partial(self._ids_in_worker, prompt), params,
                                            strict_max_tokens)
-        return self._start_session(self._prompt_ids(prompt), params, strict_max_tokens)
+        ids = self._prompt_ids(prompt)
+        if params.structured is not None:  # its constraint compiles in a worker thread first
+            return self._stream_when_ready(partial(_as_awaitable, ids), params, strict_max_tokens)
+        return self._start_session(ids, params, strict_max_tokens)
 
     def chat(
         self,
@@ -489,7 +494,11 @@ class Engine:
         return params
 
     def _start_session(
-        self, prompt_ids: list[int], params: SamplingParams, strict_max_tokens: bool
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        strict_max_tokens: bool,
+        constraint: Constraint | None = None,
     ) -> AsyncIterator[Chunk]:
         if strict_max_tokens:
             self._check_max_tokens_fit(len(prompt_ids), params.max_tokens)
@@ -501,6 +510,7 @@ class Engine:
             tokenizer=self._tokenizer,
             scheduler_inbox=self._inbox,
             admission=self._admission,
+            constraint=constraint,
         )
         return session.stream()
 
@@ -511,12 +521,27 @@ class Engine:
         strict_max_tokens: bool,
     ) -> AsyncIterator[Chunk]:
         """A session whose prompt needs work off the event loop first (a template to render,
-        a long text to tokenize): that work runs on the first iteration."""
+        a long text to tokenize, a constraint to compile): that work runs on the first
+        iteration."""
         ids = self._checked_ids(await prompt_ids())
+        constraint = None
+        if params.structured is not None:
+            constraint = await anyio.to_thread.run_sync(
+                self._compiled, params.structured, abandon_on_cancel=True
+            )
         self._check_open()
-        async with aclosing(self._start_session(ids, params, strict_max_tokens)) as chunks:
+        session = self._start_session(ids, params, strict_max_tokens, constraint)
+        async with aclosing(session) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+    def _compiled(self, structured: StructuredOutput) -> Constraint:
+        """The request's constraint, ready (worker thread: compiling, and on the first
+        constrained request building the grammar tokenizer, take up to seconds)."""
+        try:
+            return self._grammars.constraint(structured)
+        except InvalidRequest as exc:
+            self._reject(exc)
 
     def _check_fits_by_size(self, text: str) -> None:
         """Refuse a text whose bytes alone prove it cannot fit the context (each token stands
@@ -670,6 +695,10 @@ class Engine:
         if self._default_template is None:
             self._default_template = self._chat_template(None)
         return self._default_template.render(messages, limits=limits)
+
+
+async def _as_awaitable(ids: list[int]) -> list[int]:
+    return ids
 
 
 async def _started(

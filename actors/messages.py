@@ -36,12 +36,17 @@ class CloseSequence(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TokenReady(msgspec.Struct, frozen=True, kw_only=True):
-    """The chosen next token; `cached_tokens` is how much of the prompt came from the cache."""
+    """The chosen next token; `cached_tokens` is how much of the prompt came from the cache.
+    Structured output: `forced`, the tokens the constraint forces after it (the session sends
+    them back with the token, to be computed as one chunk), and `constraint_done` once the
+    constraint is complete."""
 
     token: int
     logprob: float | None
     top_logprobs: tuple[tuple[int, float], ...] | None
     cached_tokens: int
+    forced: tuple[int, ...] = ()
+    constraint_done: bool = False
 
 
 class SequenceFailed(msgspec.Struct, frozen=True, kw_only=True):

@@ -56,7 +56,13 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.compute.actor import LoopPortal, receive_from_loop, run_in_own_thread, send_to_loop
-from actors.compute.contract import Candidates, RowInputs, apply_penalties, top_candidates
+from actors.compute.contract import (
+    Candidates,
+    RowInputs,
+    apply_penalties,
+    apply_token_masks,
+    top_candidates,
+)
 from actors.errors import ComputeError, InvalidRequest
 from actors.model.candidates import (
     BLOCK,
@@ -71,6 +77,7 @@ from actors.model.candidates import (
 )
 from actors.model.candidates import n_blocks as block_count
 from actors.params import SamplingParams
+from actors.structured import Constraint, advance_constraints
 
 # Temperatures below this are greedy (as in vLLM): 1 / T would overflow float32 long before 0.
 _GREEDY_BELOW = 1e-5
@@ -100,11 +107,15 @@ _BRACKET = 16
 
 
 class TokenChoice(msgspec.Struct, frozen=True):
-    """The token chosen for one row, and its logprobs when the request asked for them."""
+    """The token chosen for one row, and its logprobs when the request asked for them; for a
+    constrained row, the tokens its grammar forces after it (they join the sequence without
+    a decode step each) and whether the grammar is complete."""
 
     token: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    forced: tuple[int, ...] = ()
+    done: bool = False
 
 
 class RowFailed(msgspec.Struct, frozen=True):
@@ -115,12 +126,20 @@ class RowFailed(msgspec.Struct, frozen=True):
 
 
 class SequenceSampling:
-    """One sequence's sampling state: its params, its own random Generator and the token
-    history its penalties look at. The caller `record`s every token it keeps."""
+    """One sequence's sampling state: its params, its own random Generator, the token history
+    its penalties look at and its structured-output constraint, if any. The caller `record`s
+    every token it keeps."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        vocab_size: int,
+        constraint: Constraint | None = None,
+    ) -> None:
         params.validate(vocab_size)
         self.params = params
+        self.constraint = constraint
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(params.seed)
         self.greedy = params.temperature < _GREEDY_BELOW
@@ -151,13 +170,24 @@ class SequenceSampling:
         counts = np.fromiter(self._generated.values(), dtype=np.int64, count=len(self._generated))
         return ids, counts
 
+    @property
+    def decided_inline(self) -> bool:
+        """Its token is its row's first candidate and nothing is left to do after: a greedy
+        row without a constraint (a constraint's next mask is computed in the sampler's
+        thread, never on the event loop)."""
+        return self.greedy and self.constraint is None
+
     def row_inputs(self) -> RowInputs:
-        """What the backend needs for this sequence's next logits row: its penalties as they
-        stand, how many candidates the sampler will look at and whether it needs log_z."""
+        """What the backend needs for this sequence's next logits row: its allowed tokens
+        and penalties as they stand, how many candidates the sampler will look at and
+        whether it needs log_z."""
+        inputs = self._inputs
+        if self.constraint is not None:
+            inputs = msgspec.structs.replace(inputs, allowed=self.constraint.allowed)
         if not self._recent and not self._generated:
-            return self._inputs
+            return inputs
         return msgspec.structs.replace(
-            self._inputs,
+            inputs,
             repeated=tuple(dict.fromkeys(self._recent)),
             generated=tuple(self._generated),
             generated_counts=tuple(self._generated.values()),
@@ -209,7 +239,9 @@ def choose_tokens(
     if not states:
         return []
     inputs = [s.row_inputs() for s in states]
-    penalized = logits.copy() if any(r.repeated or r.generated for r in inputs) else logits
+    changed = any(r.repeated or r.generated or r.allowed is not None for r in inputs)
+    penalized = logits.copy() if changed else logits
+    apply_token_masks(penalized, inputs)
     apply_penalties(penalized, inputs)
     candidates = top_candidates(penalized, inputs)
     pending = start_choice(candidates, states)
@@ -1040,12 +1072,33 @@ def sample(message: SampleStep | SampleRows) -> StepSampled | RowsWanted | Sampl
             choices = list(pending.choices)
         else:
             choices = finish_choice(message.pending, message.logits, message.samplers)
+        _advance_constraints(message.samplers, choices)
         for sampler, choice in zip(message.samplers, choices):
             if isinstance(choice, TokenChoice):
-                sampler.record(choice.token)
+                for token in (choice.token, *choice.forced):
+                    sampler.record(token)
     except Exception as exc:
         return SamplingFailed(step_id=message.step_id, error=f"{type(exc).__name__}: {exc}")
     return StepSampled(step_id=message.step_id, choices=tuple(choices))
+
+
+def _advance_constraints(
+    samplers: Sequence[SequenceSampling], choices: list[TokenChoice | RowFailed]
+) -> None:
+    """Feed each constrained row's chosen token to its constraint, in place in `choices`:
+    the tokens it forces then, whether it is complete, or a failed row if it refused."""
+    rows = [row for row, (sampler, choice) in enumerate(zip(samplers, choices))
+            if sampler.constraint is not None and isinstance(choice, TokenChoice)]
+    if not rows:
+        return
+    advanced = advance_constraints(
+        [samplers[row].constraint for row in rows], [choices[row].token for row in rows]
+    )
+    for row, result in zip(rows, advanced):
+        choices[row] = (
+            RowFailed(error=result.error) if result.error is not None else
+            msgspec.structs.replace(choices[row], forced=result.forced, done=result.done)
+        )
 
 
 __all__ = [

@@ -373,8 +373,9 @@ class Scheduler:
                 message = SampleStep(step_id=step.step_id, candidates=result.candidates,
                                      samplers=samplers)
                 # Greedy rows are decided from their candidates in microseconds (never a
-                # whole row): sampled here, without the two thread hops to the sampler.
-                if all(sampler.greedy for sampler in samplers):
+                # whole row): sampled here, without the two thread hops to the sampler; not
+                # a constrained row, whose next mask is computed in the sampler's thread.
+                if all(sampler.decided_inline for sampler in samplers):
                     result = sample(message)
                 else:
                     result = await self._ask_sampler(message)
@@ -466,6 +467,8 @@ class Scheduler:
                     logprob=choice.logprob,
                     top_logprobs=choice.top_logprobs,
                     cached_tokens=seq.cached_tokens,
+                    forced=choice.forced,
+                    constraint_done=choice.done,
                 ),
             )
 

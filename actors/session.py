@@ -34,6 +34,7 @@ from actors.messages import (
 from actors.params import SamplingParams
 from actors.sampler import SequenceSampling
 from actors.scheduler import Admission
+from actors.structured import Constraint
 
 _seq_ids = itertools.count(1)
 
@@ -110,6 +111,11 @@ class Answer:
             return text + rest, "stop" if hit else self._budget_reason
         return text, None
 
+    def close(self) -> str:
+        """The text still held back, when the answer ends before its budget (a complete
+        structured-output constraint)."""
+        return self._rest()[0]
+
     def _rest(self) -> tuple[str, bool]:
         text, hit = self._stop_text.push(self._decoder.flush())
         return (text, True) if hit else (text + self._stop_text.flush(), False)
@@ -128,8 +134,10 @@ class Session:
         tokenizer: Any,
         scheduler_inbox: MemoryObjectSendStream[Any],
         admission: Admission,
+        constraint: Constraint | None = None,
     ) -> None:
         self.request_id = request_id
+        self._constraint = constraint
         self._prompt_ids = tuple(prompt_ids)
         self._params = params
         self._budget = min(params.max_tokens, context_length - len(prompt_ids))
@@ -156,7 +164,8 @@ class Session:
             reply_send, reply_receive = anyio.create_memory_object_stream[
                 TokenReady | SequenceFailed
             ](1)
-            sampler = SequenceSampling(self._params, self._prompt_ids, self._tokenizer.vocab_size)
+            sampler = SequenceSampling(self._params, self._prompt_ids, self._tokenizer.vocab_size,
+                                       self._constraint)
             answer = Answer(self._tokenizer, self._params, self._budget)
             with reply_receive:
                 self._send(
@@ -182,17 +191,13 @@ class Session:
                             cached_tokens=message.cached_tokens,
                             ms=_ms(now - started),
                         )
-                    text, finish = answer.add(message.token)
-                    in_answer = not answer.is_stop_token(message.token)
-                    chunk = Chunk(
-                        text=text,
-                        token_id=message.token if in_answer else None,
-                        logprob=message.logprob if in_answer else None,
-                        top_logprobs=message.top_logprobs if in_answer else None,
-                    )
+                    chunks, finish = _chunks(answer, message)
+                    for chunk in chunks[:-1]:
+                        yield chunk
+                    chunk = chunks[-1]
                     if finish is None:
                         yield chunk
-                        self._send(Advance(seq_id=seq_id, tokens=(message.token,)))
+                        self._send(Advance(seq_id=seq_id, tokens=(message.token, *message.forced)))
                         continue
                     ended = True
                     usage = Usage(
@@ -268,6 +273,29 @@ class Session:
         if isinstance(message, SequenceFailed):
             raise ComputeError(f"a step failed twice for this request: {message.error}")
         return message
+
+
+def _chunks(answer: Answer, message: TokenReady) -> tuple[list[Chunk], str | None]:
+    """The chunks of a chosen token and of the tokens its constraint forced after it (no
+    logprobs: the model did not choose them), and the finish reason if the answer ends."""
+    chunks: list[Chunk] = []
+    for index, token in enumerate((message.token, *message.forced)):
+        text, finish = answer.add(token)
+        in_answer = not answer.is_stop_token(token)
+        scored = in_answer and index == 0
+        chunks.append(Chunk(
+            text=text,
+            token_id=token if in_answer else None,
+            logprob=message.logprob if scored else None,
+            top_logprobs=message.top_logprobs if scored else None,
+        ))
+        if finish is not None:
+            return chunks, finish
+    if message.constraint_done:  # nothing may follow: it ends here, without another step
+        last = chunks[-1]
+        chunks[-1] = msgspec.structs.replace(last, text=last.text + answer.close())
+        return chunks, "stop"
+    return chunks, None
 
 
 def _ms(seconds: float) -> float:

@@ -19,6 +19,7 @@ which tokens the grammar forces outright (a JSON key, a closing brace).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ import msgspec
 import numpy as np
 
 from actors.errors import InvalidRequest
+from actors.logs import get_logger
 from actors.model.tokenizer_vocab import ATTR_CONTROL, ATTR_USER_DEFINED
 from actors.params import StructuredOutput
 
@@ -65,13 +67,13 @@ class Constraint:
         matcher = self._matcher
         if not matcher.consume_token(token):
             return Advanced(error=f"the structured output constraint refused token {token}: "
-                                  f"{_first_line(matcher.get_error())}")
+                                  f"{_one_line(matcher.get_error())}")
         forced: list[int] = []
         if self.fast_forward and not matcher.is_stopped():
             forced = matcher.compute_ff_tokens()
             if forced and not matcher.consume_tokens(forced):
                 return Advanced(error=f"the structured output constraint refused its own "
-                                      f"forced tokens: {_first_line(matcher.get_error())}")
+                                      f"forced tokens: {_one_line(matcher.get_error())}")
         self.done = matcher.is_stopped()
         return Advanced(forced=tuple(forced), done=self.done)
 
@@ -113,7 +115,7 @@ class GrammarCompiler:
                                        log_level=0)
         if matcher.is_error():
             raise InvalidRequest(
-                f"{structured.kind} does not compile: {_first_line(matcher.get_error())}",
+                f"{structured.kind} does not compile: {_one_line(matcher.get_error())}",
                 field=field,
             )
         return Constraint(matcher, self._tokenizer.vocab_size, structured.fast_forward)
@@ -122,13 +124,20 @@ class GrammarCompiler:
         """llguidance's tokenizer over this model's vocabulary, built on first use."""
         with self._lock:
             if self._built is None:
+                started = time.perf_counter()
                 self._built = _build_grammar_tokenizer(self._tokenizer)
+                get_logger("actors.structured").info(
+                    "grammar_tokenizer_built", vocab_size=self._tokenizer.vocab_size,
+                    ms=round((time.perf_counter() - started) * 1000.0, 1),
+                )
             return self._built
 
 
-def _first_line(error: str) -> str:
-    """llguidance's error without the parser state and grammar dump it appends."""
-    return error.strip().split("\n", 1)[0]
+def _one_line(error: str) -> str:
+    """llguidance's error on one line, without the parser state and grammar it appends and
+    the caret lines of its source excerpts."""
+    lines = (line.strip() for line in error.split("<state>", 1)[0].splitlines())
+    return " ".join(line for line in lines if line.strip("^ "))
 
 
 def _grammar_text(structured: StructuredOutput) -> str:
