@@ -51,7 +51,7 @@ from actors.loader import Loaded, LoaderActor, LoadFailed, ModelLoaded, load_ggu
 from actors.logs import get_logger, logging_to
 from actors.messages import Chunk, Completion, EngineStats
 from actors.model.arch import MAX_CONTEXT
-from actors.model.chat import RenderLimits, check_messages
+from actors.model.chat import ChatTemplate, RenderLimits, check_messages
 from actors.model.loaded import Model
 from actors.params import SamplingParams, StructuredOutput
 from actors.sampler import (
@@ -392,11 +392,14 @@ class Engine:
         params: SamplingParams | None = None,
         template: str | None = None,
         *,
+        tools: list[dict[str, Any]] | None = None,
         strict_max_tokens: bool = False,
     ) -> AsyncIterator[Chunk]:
         """Stream the assistant's answer to `messages`, rendered with the model's chat template
         (or `template`, a Jinja source run in a sandbox). Roles: `actors.model.chat.CHAT_ROLES`;
-        others raise InvalidRequest.
+        others raise InvalidRequest. `tools`: OpenAI-style function tools, rendered by the
+        template (its `tools` variable; one that has none raises InvalidRequest); an
+        assistant message may carry `tool_calls`, a `tool` message answers one.
 
         Bad messages, params or a template that is not a string raise at once (the messages
         of a chat longer than 16 Ki messages are checked in a worker thread, so their errors
@@ -418,9 +421,14 @@ class Engine:
             self._check_message_count(len(messages))
         else:
             self._check_messages(messages)
+        if tools is not None and not (
+            isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)
+        ):
+            self._reject(InvalidRequest("tools must be a list of dicts (function tools)",
+                                        field="tools"))
         params = self._checked_params(params)
         return self._stream_when_ready(
-            partial(self._chat_prompt_ids, messages, template, check=long_chat), params,
+            partial(self._chat_prompt_ids, messages, template, tools, check=long_chat), params,
             strict_max_tokens,
         )
 
@@ -441,6 +449,17 @@ class Engine:
     def detokenize(self, token_ids: Sequence[int]) -> str:
         self._check_open()
         return self._tokenizer.decode(self._checked_token_range(token_ids, "token_ids"))
+
+    def chat_template(self, template: str | None = None) -> ChatTemplate:
+        """The compiled template `chat(..., template)` renders with (the model's own when
+        None). Compiling blocks: async code calls it in a worker thread."""
+        if self._chat_template is None:
+            raise TemplateError("this engine was opened without a chat template source")
+        if template is not None:
+            return self._chat_template(template)
+        if self._default_template is None:
+            self._default_template = self._chat_template(None)
+        return self._default_template
 
     def stats(self) -> EngineStats:
         self._check_open()
@@ -588,7 +607,12 @@ class Engine:
             )
 
     async def _chat_prompt_ids(
-        self, messages: list[dict[str, Any]], template: str | None, *, check: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        template: str | None,
+        tools: list[dict[str, Any]] | None,
+        *,
+        check: bool = False,
     ) -> list[int]:
         """`check`: the messages are still to be checked (a long list, checked here in the
         worker thread rather than on the loop)."""
@@ -596,6 +620,7 @@ class Engine:
             self._checked_render_chat if check else self._render_chat,
             messages,
             template,
+            tools,
             abandon_on_cancel=True,
         )
         ids = await self._encode_in_worker(text, parse_special=True)
@@ -678,23 +703,20 @@ class Engine:
         except InvalidRequest as exc:
             self._reject(exc)
 
-    def _checked_render_chat(self, messages: list[dict[str, Any]], template: str | None) -> str:
+    def _checked_render_chat(self, messages: list[dict[str, Any]], template: str | None,
+                             tools: list[dict[str, Any]] | None) -> str:
         self._check_messages(messages)
-        return self._render_chat(messages, template)
+        return self._render_chat(messages, template, tools)
 
-    def _render_chat(self, messages: list[dict[str, Any]], template: str | None) -> str:
+    def _render_chat(self, messages: list[dict[str, Any]], template: str | None,
+                     tools: list[dict[str, Any]] | None = None) -> str:
         """Runs in a worker thread; bounded in time and in size (longer output could not fit
         the context anyway)."""
-        if self._chat_template is None:
-            raise TemplateError("this engine was opened without a chat template source")
+        chat_template = self.chat_template(template)
         max_token_bytes = getattr(self._tokenizer, "max_token_bytes", None)  # test doubles
         chars = RenderLimits().chars if max_token_bytes is None else self.context_length * max_token_bytes
         limits = RenderLimits(seconds=CHAT_RENDER_SECONDS, chars=chars)
-        if template is not None:
-            return self._chat_template(template).render(messages, limits=limits)
-        if self._default_template is None:
-            self._default_template = self._chat_template(None)
-        return self._default_template.render(messages, limits=limits)
+        return chat_template.render(messages, limits=limits, tools=tools)
 
 
 async def _as_awaitable(ids: list[int]) -> list[int]:

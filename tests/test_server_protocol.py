@@ -91,7 +91,7 @@ def test_chat_logprobs() -> None:
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"n": 2}, "n"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
     ({"temperature": -1}, "temperature"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import sys
 import threading
 import time
@@ -562,6 +563,9 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        # Templates written for tools read a `tools` variable; one that never names it would
+        # drop the tools silently.
+        self.renders_tools = _TOOLS_VARIABLE.search(source) is not None
 
     @classmethod
     def from_model_metadata(cls, gguf_file: Any, override: str | None = None) -> ChatTemplate:
@@ -586,15 +590,26 @@ class ChatTemplate:
         messages: list[dict],
         add_generation_prompt: bool = True,
         limits: RenderLimits = RenderLimits(),
+        tools: list[dict] | None = None,
     ) -> str:
-        """The prompt for `messages` (dicts with at least a string `role`), within `limits`.
-        It blocks its thread for up to `limits.seconds`: async code runs it in a worker."""
+        """The prompt for `messages` (dicts with at least a string `role`), within `limits`;
+        `tools` (OpenAI function tools) are the template's `tools` variable (None, as
+        transformers passes it, when there are none). It blocks its thread for up to
+        `limits.seconds`: async code runs it in a worker."""
         check_messages(messages)
+        if tools is not None and not self.renders_tools:
+            raise InvalidRequest(
+                "this model's chat template does not render tools (it never reads a `tools` "
+                "variable); pass a template that does, e.g. examples/chat_templates/"
+                "chatml_tools.jinja for ChatML models",
+                field="tools",
+            )
         budget = _Budget(limits, _ALL_RENDERS)
         self._environment.set_budget(budget)
         try:
             return _with_deadline(
-                budget.seconds, lambda: self._render(messages, add_generation_prompt, budget)
+                budget.seconds,
+                lambda: self._render(messages, add_generation_prompt, tools, budget),
             )
         except _RenderTimeout:
             raise TemplateError(
@@ -604,12 +619,14 @@ class ChatTemplate:
             self._environment.set_budget(None)
             budget.release()
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, budget: _Budget) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool,
+                tools: list[dict] | None, budget: _Budget) -> str:
         pieces: list[str] = []
         size = 0
         try:
             for piece in self._template.generate(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -683,13 +700,14 @@ def _checkpoint() -> None:
     """A Python-level call: the interpreter raises a pending injected exception on entry."""
 
 
+_TOOLS_VARIABLE = re.compile(r"\btools\b")
 # The roles chat templates know; any other is most likely a typo the template would render.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def check_messages(messages: Any) -> None:
     """Raise `InvalidRequest` unless `messages` is a non-empty list of dicts, each with one of
-    CHAT_ROLES."""
+    CHAT_ROLES; `tool_calls` only on an assistant's, as a list of calls naming a function."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list of dicts", field="messages")
     for index, message in enumerate(messages):
@@ -703,6 +721,22 @@ def check_messages(messages: Any) -> None:
                 f"{', '.join(CHAT_ROLES)}",
                 field="messages",
             )
+        if message.get("tool_calls") is not None:
+            _check_tool_calls(index, message)
+
+
+def _check_tool_calls(index: int, message: Mapping[str, Any]) -> None:
+    calls = message["tool_calls"]
+    if message["role"] != "assistant" or not isinstance(calls, list) or not all(
+        isinstance(call, Mapping) and isinstance(call.get("function"), Mapping)
+        and isinstance(call["function"].get("name"), str)
+        for call in calls
+    ):
+        raise InvalidRequest(
+            f"messages[{index}].tool_calls: only an assistant message has tool calls, a list "
+            'of {"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}',
+            field="messages",
+        )
 
 
 def _token_text(metadata: Mapping[str, Any], key: str) -> str:

@@ -34,15 +34,20 @@ from actors.logs import get_logger
 from actors.messages import Chunk
 from actors.serve.guard import RequestGuard, RequestLimits
 from actors.serve.metrics import Metrics, outcome_of
-from actors.serve.protocol import Generation, chat_generation, completion_generation
+from actors.serve.protocol import (
+    Generation,
+    chat_generation,
+    completion_generation,
+    with_tool_grammar,
+)
 from actors.serve.replies import (
     ChatShape,
     CompletionsShape,
     Reply,
-    Shape,
     error_body,
     error_event,
 )
+from actors.serve.tools import ToolCallFormat
 
 if TYPE_CHECKING:
     from actors.engine import Engine
@@ -222,6 +227,8 @@ class OpenAIServer:
         self.options = options
         self.metrics = Metrics()
         self.started = int(time.time())
+        # How the chat template's model writes tool calls: read from its source on first use.
+        self._tool_format: ToolCallFormat | None = None
 
     async def health(self, request: Request) -> Response:
         if self.host.engine is None:
@@ -252,7 +259,7 @@ class OpenAIServer:
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, CompletionsShape())
+        return await self._generate(request, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         if not self.options.chat_available:
@@ -262,13 +269,14 @@ class OpenAIServer:
                 "chat template for this model), or send plain text to /v1/completions")
             self.metrics.count(outcome_of(refusal))
             return error_response(refusal)
-        return await self._generate(request, ChatShape())
+        return await self._generate(request, chat=True)
 
-    async def _generate(self, request: Request, shape: Shape) -> Response | EventStream:
+    async def _generate(self, request: Request, chat: bool) -> Response | EventStream:
         generation = None
         try:
             engine = self._engine()
-            generation = await self._generation(request, shape, engine)
+            generation = await self._generation(request, chat, engine)
+            shape = await self._shape(generation, engine) if chat else CompletionsShape()
             chunks = self._start(engine, generation)
         except Q4KError as exc:
             self.metrics.count(outcome_of(exc))
@@ -288,24 +296,41 @@ class OpenAIServer:
             return error_response(_as_asked(exc, generation))
         return CLIENT_LEFT if whole is None else json_response(whole)
 
-    async def _generation(self, request: Request, shape: Shape, engine: Engine) -> Generation:
+    async def _generation(self, request: Request, chat: bool, engine: Engine) -> Generation:
         body = await request.body()
         limit = self.options.max_tokens_limit
-        if isinstance(shape, ChatShape):
+        if chat:
             generation = chat_generation(body, engine.context_length, limit)
         else:
             generation = completion_generation(body, limit)
         if generation.model != self.model_name:
             raise self._unknown_model(generation.model)
+        if generation.tools is not None:
+            generation = with_tool_grammar(generation, await self._tool_call_format(engine))
         return generation
+
+    async def _shape(self, generation: Generation, engine: Engine) -> ChatShape:
+        """A chat reply; one that reads the answer's tool calls when the request has tools."""
+        if generation.tools is None:
+            return ChatShape()
+        tool_format = await self._tool_call_format(engine)
+        return ChatShape(tool_format.reader(generation.tools.names))
+
+    async def _tool_call_format(self, engine: Engine) -> ToolCallFormat:
+        if self._tool_format is None:
+            template = await anyio.to_thread.run_sync(engine.chat_template,
+                                                      self.options.chat_template)
+            self._tool_format = ToolCallFormat.of_template(template.source)
+        return self._tool_format
 
     def _start(self, engine: Engine, generation: Generation) -> AsyncIterator[Chunk]:
         # A max_tokens the client gave must fit beside the prompt (OpenAI's rule); without one
         # the answer runs at most to the end of the context.
         must_fit = generation.max_tokens_field is not None
         if generation.messages is not None:
-            return engine.chat(generation.messages, generation.params,
-                               self.options.chat_template, strict_max_tokens=must_fit)
+            tools = list(generation.tools.tools) if generation.tools is not None else None
+            return engine.chat(generation.messages, generation.params, self.options.chat_template,
+                               tools=tools, strict_max_tokens=must_fit)
         return engine.generate(generation.prompt, generation.params, strict_max_tokens=must_fit)
 
     def _engine(self) -> Engine:
@@ -316,9 +341,16 @@ class OpenAIServer:
 
 
 def _as_asked(exc: Q4KError, generation: Generation | None) -> Q4KError:
-    """`exc` naming the request's max_tokens field as the client spelled it."""
-    asked = generation.max_tokens_field if generation is not None else None
-    if not isinstance(exc, ContextLengthExceeded) or exc.field != "max_tokens" or asked is None:
+    """`exc` naming the request field the client used: its max_tokens field, or the field
+    that asked for structured output (the engine names `structured.<kind>`)."""
+    if generation is None or not isinstance(exc, InvalidRequest):
+        return exc
+    field = exc.field or ""
+    if field.startswith("structured.") and generation.structured_field is not None:
+        asked = generation.structured_field
+        return InvalidRequest(f"{asked}: {exc}", field=asked)
+    asked = generation.max_tokens_field
+    if not isinstance(exc, ContextLengthExceeded) or field != "max_tokens" or asked is None:
         return exc
     return ContextLengthExceeded(str(exc).replace("max_tokens", asked), field=asked)
 

@@ -2,12 +2,17 @@
 
 `/v1/completions` and `/v1/chat/completions` bodies are decoded into msgspec Structs (a wrong
 type names its field), then checked the way the OpenAI API checks them: one choice only (`n`),
-no features the engine lacks (`echo`, `suffix`, `logit_bias`, `tools`...). Unknown fields are
-ignored, as OpenAI-compatible servers do, so newer clients keep working.
+no features the engine lacks (`echo`, `suffix`, `logit_bias`...). Unknown fields are ignored,
+as OpenAI-compatible servers do, so newer clients keep working.
+
+Structured output comes as OpenAI's `response_format` or vLLM's `guided_json`,
+`guided_regex`, `guided_choice` and `guided_grammar`; one request takes one of them (or an
+enforced tool call), and its errors name the field the client used.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -15,7 +20,8 @@ import msgspec
 
 from actors.errors import InvalidRequest
 from actors.model.chat import CHAT_ROLES
-from actors.params import SamplingParams, field_of
+from actors.params import SamplingParams, StructuredOutput, field_of
+from actors.serve.tools import ToolCallFormat, ToolChoice, tool_choice
 
 # OpenAI's default for /v1/completions; chat answers run to the end of the context instead.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -24,6 +30,9 @@ SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "ignore_eos",
 )
+# The request fields that ask for structured output, in the order a conflict names them.
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 # OpenAI's newer clients send `developer` for what chat templates call `system`.
 ROLE_ALIASES = {"developer": "system"}
 # The roles a request may send, as its role error lists them.
@@ -59,6 +68,12 @@ class _Request(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    # Structured output: OpenAI's field, and vLLM's.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Request):
@@ -75,7 +90,7 @@ class ChatRequest(_Request):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class Generation(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,11 +100,15 @@ class Generation(msgspec.Struct, frozen=True, kw_only=True):
 
     model: str
     prompt: str | list[int] | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     params: SamplingParams
     stream: bool
     include_usage: bool
     max_tokens_field: str | None = None
+    # The request field that asked for `params.structured` (its errors name it).
+    structured_field: str | None = None
+    # The request's tools (None: none, or tool_choice "none": the template does not see them).
+    tools: ToolChoice | None = None
 
 
 def decode_body(body: bytes, kind: type[RequestT]) -> RequestT:
@@ -118,10 +137,9 @@ def completion_generation(body: bytes, max_tokens_limit: int | None = None) -> G
 def chat_generation(body: bytes, context_length: int,
                     max_tokens_limit: int | None = None) -> Generation:
     """A /v1/chat/completions body; without a limit asked, the answer may run to the end of
-    the context (`context_length`), as OpenAI's does."""
+    the context (`context_length`), as OpenAI's does. An enforced tool call's grammar is not
+    in its params yet: it depends on the chat template (`with_tool_grammar`)."""
     request = decode_body(body, ChatRequest)
-    response_format = (request.response_format or {}).get("type", "text")
-    _refuse_set(request, tools=bool(request.tools), response_format=response_format != "text")
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true", field="top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -130,8 +148,22 @@ def chat_generation(body: bytes, context_length: int,
                                     context_length, max_tokens_limit)
     # A bad value is named as the client spelled it.
     renamed = {"logprobs": "top_logprobs", "max_tokens": field or "max_tokens"}
+    tools = tool_choice(request.tools, request.tool_choice)
     return _generation(request, max_tokens, field, logprobs,
-                       messages=_chat_messages(request.messages), renamed=renamed)
+                       messages=_chat_messages(request.messages), renamed=renamed,
+                       tools=tools if tools is not None and tools.mode != "none" else None)
+
+
+def with_tool_grammar(generation: Generation, tool_format: ToolCallFormat) -> Generation:
+    """`generation`, its answer held to one call of its tools (as `tool_format` writes calls)
+    when its tool_choice is "required" or names a function."""
+    tools = generation.tools
+    if tools is None or not tools.enforced:
+        return generation
+    grammar = tool_format.grammar(tools.callable_tools())
+    params = msgspec.structs.replace(generation.params,
+                                     structured=StructuredOutput(grammar=grammar))
+    return msgspec.structs.replace(generation, params=params, structured_field="tools")
 
 
 def _max_tokens(asked: dict[str, int | None], default: int,
@@ -156,13 +188,18 @@ def _generation(
     logprobs: int | None,
     *,
     prompt: str | list[int] | None = None,
-    messages: list[dict[str, str]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
     renamed: dict[str, str] | None = None,
+    tools: ToolChoice | None = None,
 ) -> Generation:
     if request.n not in (None, 1):
         raise InvalidRequest(f"n must be 1 (one choice per request), got {request.n}", field="n")
     if request.logit_bias:
         raise InvalidRequest("logit_bias is not supported", field="logit_bias")
+    structured, structured_field = _structured(request)
+    if structured is not None and tools is not None and tools.enforced:
+        raise InvalidRequest(f"tool_choice {tools.mode!r} and {structured_field} both constrain "
+                             "the answer; send one", field="tool_choice")
     given = {name: getattr(request, name) for name in SAMPLING_FIELDS}
     stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
     try:
@@ -171,6 +208,7 @@ def _generation(
             max_tokens=max_tokens,
             stop=tuple(stop),
             logprobs=logprobs,
+            structured=structured,
         )
     except InvalidRequest as error:
         field = (renamed or {}).get(error.field, error.field)
@@ -186,7 +224,69 @@ def _generation(
         stream=bool(request.stream),
         include_usage=bool(options and options.include_usage),
         max_tokens_field=max_tokens_field,
+        structured_field=structured_field,
+        tools=tools,
     )
+
+
+def _structured(request: _Request) -> tuple[StructuredOutput | None, str | None]:
+    """The request's structured output and the field that asked for it; two fields asking at
+    once are refused, naming the second."""
+    asked = [(field, constraint) for field in STRUCTURED_FIELDS
+             if (constraint := _constraint(field, getattr(request, field))) is not None]
+    if not asked:
+        return None, None
+    if len(asked) > 1:
+        (first, _), (second, _) = asked[:2]
+        raise InvalidRequest(f"{first} and {second} both constrain the answer; send one",
+                             field=second)
+    field, constraint = asked[0]
+    try:
+        return StructuredOutput(**constraint), field
+    except InvalidRequest as error:
+        raise InvalidRequest(f"{field}: {error}", field=field) from None
+
+
+def _constraint(field: str, value: Any) -> dict[str, Any] | None:
+    """StructuredOutput's arguments for one request field (None: it asks for nothing)."""
+    if value is None:
+        return None
+    if field == "response_format":
+        return _response_format(value)
+    if field == "guided_json":
+        return {"json_schema": _json_object(field, value)}
+    if field == "guided_choice":
+        return {"choice": tuple(value)}
+    return {{"guided_regex": "regex", "guided_grammar": "grammar"}[field]: value}
+
+
+def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        described = value.get("json_schema")
+        schema = described.get("schema") if isinstance(described, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise InvalidRequest('response_format of type "json_schema" needs "json_schema": '
+                                 '{"name": ..., "schema": {...}}', field="response_format")
+        return {"json_schema": dict(schema)}
+    raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got "
+                         f"{kind!r}"[:200], field="response_format")
+
+
+def _json_object(field: str, value: dict[str, Any] | str) -> dict[str, Any]:
+    """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise InvalidRequest(f"{field} is not JSON: {error}", field=field) from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{field} must be a JSON schema object", field=field)
+    return value
 
 
 def _refuse_set(request: _Request, **unsupported: bool) -> None:
@@ -211,12 +311,13 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _chat_messages(messages: list[Any]) -> list[dict[str, str]]:
-    """Messages as chat templates take them: role and text content."""
+def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: role and text content, an assistant's tool calls
+    (their arguments as objects, as templates write them back) and a tool result's call id."""
     return [_chat_message(index, message) for index, message in enumerate(messages)]
 
 
-def _chat_message(index: int, message: Any) -> dict[str, str]:
+def _chat_message(index: int, message: Any) -> dict[str, Any]:
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise InvalidRequest(
             f"messages[{index}] must be an object with a string role", field="messages"
@@ -226,7 +327,40 @@ def _chat_message(index: int, message: Any) -> dict[str, str]:
             f"messages[{index}] has the role {message['role']!r}; the roles are {ROLES_TEXT}",
             field="messages")
     role = ROLE_ALIASES.get(message["role"], message["role"])
-    return {"role": role, "content": _text_content(index, message.get("content"))}
+    checked: dict[str, Any] = {"role": role,
+                               "content": _text_content(index, message.get("content"))}
+    if role == "assistant" and message.get("tool_calls"):
+        checked["tool_calls"] = _tool_calls(index, message["tool_calls"])
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str):
+            raise InvalidRequest(f"messages[{index}] is a tool result: it needs the tool_call_id "
+                                 "of the call it answers", field=f"messages[{index}].tool_call_id")
+        checked["tool_call_id"] = message["tool_call_id"]
+    return checked
+
+
+def _tool_calls(index: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, each function's arguments read from their JSON."""
+    field = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"{field} must be a list of tool calls", field=field)
+    checked = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise InvalidRequest(f'{field}: each call must be {{"id": ..., "type": "function", '
+                                 '"function": {"name": ..., "arguments": "<JSON>"}}', field=field)
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise InvalidRequest(f"{field}: the arguments of {function['name']!r} must be a JSON "
+                                 "object (as text)", field=field)
+        checked.append({"id": str(call.get("id", "")), "type": "function",
+                        "function": {"name": function["name"], "arguments": arguments}})
+    return checked
 
 
 def _text_content(index: int, content: Any) -> str:

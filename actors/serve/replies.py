@@ -1,8 +1,8 @@
 """Engine chunks written as OpenAI response objects: whole, or as server-sent events.
 
 The two endpoints differ only in shape (a completion's `text` against a chat `message` /
-`delta`, and their logprobs layouts); `CompletionsShape` and `ChatShape` hold those
-differences and `Reply` does the rest once for both.
+`delta`, their logprobs layouts, and a chat's tool calls); `CompletionsShape` and `ChatShape`
+hold those differences and `Reply` does the rest once for both.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import msgspec
 from actors.errors import EngineClosed, Q4KError
 from actors.messages import Chunk, Usage
 from actors.serve.metrics import outcome_of
+from actors.serve.tools import ToolCallReader
 
 # The engine's finish reasons as the OpenAI API names them: running out of context is `length`.
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}
@@ -43,9 +44,18 @@ class CompletionsShape:
     def choice(self, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def delta(self, text: str, logprobs: dict[str, Any] | None, finish: str | None,
-              first: bool) -> dict[str, Any]:
-        return self.choice(text, logprobs, finish)
+    def pieces(self, text: str, final: bool) -> list[dict[str, Any]]:
+        return [{"text": text}] if text else []
+
+    def empty_piece(self) -> dict[str, Any]:
+        return {"text": ""}
+
+    def streamed_choice(self, piece: dict[str, Any], logprobs: dict[str, Any] | None,
+                        finish: str | None, first: bool) -> dict[str, Any]:
+        return {"index": 0, **piece, "logprobs": logprobs, "finish_reason": finish}
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        return finish
 
     def logprobs(self, chunks: list[Chunk], token_text: TokenText, offset: int) -> dict[str, Any]:
         tokens = [token_text(chunk.token_id) for chunk in chunks]
@@ -65,20 +75,59 @@ class CompletionsShape:
 
 
 class ChatShape:
-    """`/v1/chat/completions`: a `message` (whole) or `delta` (streamed); per-token logprobs."""
+    """`/v1/chat/completions`: a `message` (whole) or `delta` (streamed); per-token logprobs.
+    With `tool_calls` (a reader of the answer's calls), calls become `tool_calls`: whole, or
+    streamed as OpenAI's tool-call deltas (the call's id, type and name, then its arguments)."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
+    def __init__(self, tool_calls: ToolCallReader | None = None) -> None:
+        self._tool_calls = tool_calls
+        self._calls_streamed = 0
+
     def choice(self, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self._tool_calls is not None:
+            content, calls = self._tool_calls.parse(text)
+            if calls:
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": [call.as_openai() for call in calls]}
+                finish = "tool_calls" if finish == "stop" else finish
         return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
-    def delta(self, text: str, logprobs: dict[str, Any] | None, finish: str | None,
-              first: bool) -> dict[str, Any]:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+    def pieces(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """The deltas `text` (following what came before) settles: text that may still become
+        a call waits until it is decided."""
+        if self._tool_calls is None:
+            return [{"content": text}] if text else []
+        settled = self._tool_calls.feed(text) + (self._tool_calls.end() if final else [])
+        pieces: list[dict[str, Any]] = []
+        for piece in settled:
+            if isinstance(piece, str):
+                pieces.append({"content": piece})
+                continue
+            index = self._calls_streamed
+            self._calls_streamed += 1
+            head = {"index": index, "id": piece.id, "type": "function",
+                    "function": {"name": piece.name, "arguments": ""}}
+            pieces.append({"content": None, "tool_calls": [head]})
+            pieces.append({"tool_calls": [{"index": index,
+                                           "function": {"arguments": piece.arguments}}]})
+        return pieces
+
+    def empty_piece(self) -> dict[str, Any]:
+        return {"content": ""}
+
+    def streamed_choice(self, piece: dict[str, Any], logprobs: dict[str, Any] | None,
+                        finish: str | None, first: bool) -> dict[str, Any]:
+        delta = {"role": "assistant", **piece} if first else piece
         return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        """A streamed answer that made calls finishes with `tool_calls`."""
+        return "tool_calls" if finish == "stop" and self._calls_streamed else finish
 
     def logprobs(self, chunks: list[Chunk], token_text: TokenText, offset: int) -> dict[str, Any]:
         def entry(token: int, logprob: float) -> dict[str, Any]:
@@ -157,13 +206,19 @@ class Reply:
                 while True:
                     finish = FINISH_REASONS.get(chunk.finish_reason or "")
                     scored = self._scored(chunk)
-                    if chunk.text or scored or finish or is_first:
+                    pieces = self.shape.pieces(chunk.text, final=finish is not None)
+                    if pieces or scored or finish or is_first:
+                        pieces = pieces or [self.shape.empty_piece()]
                         logprobs = self._logprobs(scored, offset)
-                        choice = self.shape.delta(chunk.text, logprobs, finish, is_first)
-                        yield sse_event({**self._head(self.shape.chunk_object),
-                                           "choices": [choice], **self._no_usage()})
+                        for number, piece in enumerate(pieces):
+                            last = number == len(pieces) - 1
+                            choice = self.shape.streamed_choice(
+                                piece, logprobs if number == 0 else None,
+                                self.shape.finish_reason(finish) if last else None, is_first)
+                            yield sse_event({**self._head(self.shape.chunk_object),
+                                               "choices": [choice], **self._no_usage()})
+                            is_first = False
                     offset += len(chunk.text)
-                    is_first = False
                     if finish:
                         break
                     chunk = await anext(chunks)
