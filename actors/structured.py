@@ -133,6 +133,12 @@ class GrammarCompiler:
             return self._built
 
 
+# JSON written as `json.dumps` writes it, `{"a": 1, "b": [2, 3]}`: models write it so, and
+# no whitespace elsewhere, or a model can fill its budget with blank lines between tokens. A
+# schema's own "x-guidance" options override these.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def _one_line(error: str) -> str:
     """llguidance's error on one line, without the parser state and grammar it appends and
     the caret lines of its source excerpts."""
@@ -146,11 +152,11 @@ def _grammar_text(structured: StructuredOutput) -> str:
 
     kind = structured.kind
     try:
-        if kind == "json_schema":
-            return llguidance.grammar_from("json_schema", msgspec.json.encode(
-                structured.json_schema).decode())
-        if kind == "json_object":
-            return llguidance.grammar_from("json_schema", '{"type": "object"}')
+        if kind in ("json_schema", "json_object"):
+            schema = structured.json_schema if kind == "json_schema" else {"type": "object"}
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                msgspec.json.encode(schema).decode(), defaults=_JSON_LAYOUT
+            )
         if kind == "choice":
             return llguidance.grammar_from("choice", list(structured.choice or ()))
         if kind == "regex":
