@@ -59,6 +59,15 @@ class Constraint:
         self.allowed = np.zeros(mask_words(vocab_size), dtype=np.int32)
         # The first mask is computed here, in the compiling thread: the step after the prompt
         # needs it at once.
+        # What the grammar forces before any choice (a schema's `{"first_key": `) joins the
+        # prompt's prefill; the first mask comes after it.
+        self.leading: tuple[int, ...] = ()
+        if fast_forward:
+            self.leading = tuple(matcher.compute_ff_tokens())
+            if self.leading and not matcher.consume_tokens(list(self.leading)):
+                raise InvalidRequest("the structured output constraint refused its own forced "
+                                     f"start: {_one_line(matcher.get_error())}",
+                                     field="structured")
         matcher.unsafe_compute_mask_ptr(self.allowed.ctypes.data, self.allowed.nbytes)
         self.done = matcher.is_stopped()
 

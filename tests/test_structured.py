@@ -112,7 +112,7 @@ def test_token_masks_forbid_exactly_the_cleared_bits() -> None:
 
 
 def test_a_mask_of_the_wrong_size_is_refused() -> None:
-    with pytest.raises(ValueError, match="2 words for a vocabulary of 70"):
+    with pytest.raises(InvalidRequest, match="2 words for a vocabulary of 70"):
         apply_token_masks(np.zeros((1, 70), np.float32),
                           [RowInputs(allowed=np.zeros(2, np.int32))])
 
@@ -132,8 +132,11 @@ def test_a_constraint_walks_a_valid_answer_forcing_what_the_grammar_fixes(
     constraint = compiler.constraint(StructuredOutput(json_schema=PERSON))
     assert constraint.allowed.size == mask_words(tiny_tokenizer.vocab_size)
     answer = tiny_tokenizer.encode('{"name": "Ann", "age": 7, "city": "Oslo"}', add_bos=False)
-    forced_total = 0
-    expected_forced: list[int] = []
+    # The first key is forced before any choice (up to where a token could still merge with
+    # what follows): it joins the prompt's prefill.
+    expected_forced = list(constraint.leading)
+    assert tiny_tokenizer.decode(expected_forced).startswith('{"name":')
+    forced_total = len(expected_forced)
     for token in answer:
         if expected_forced:  # the grammar forced it: it must be the model's own tokenization
             assert expected_forced.pop(0) == token
@@ -181,8 +184,9 @@ def test_gbnf_is_converted(tiny_tokenizer: Tokenizer) -> None:
     constraint = GrammarCompiler(tiny_tokenizer).constraint(
         StructuredOutput(grammar='root ::= "ab" [0-9]')
     )
+    assert tiny_tokenizer.decode(list(constraint.leading)) == "ab"  # forced at once
     first = allowed_tokens(constraint.allowed, tiny_tokenizer.vocab_size)
-    assert first and all(tiny_tokenizer.decode([t]) in ("a", "ab") for t in first)
+    assert {tiny_tokenizer.decode([t]) for t in first} == set("0123456789")
 
 
 # --- through the engine -----------------------------------------------------------------------
