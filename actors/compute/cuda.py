@@ -13,8 +13,9 @@ rows' mask / penalty / candidate inputs into a second pinned buffer (at 64 rows 
 part of the host's work; a structured-output row adds its mask's words, an unconstrained one
 nothing) and queues their copy, the masks, the penalties and the candidates behind it; the
 candidate records come back in one copy, and the host synchronizes once. The masked and
-penalized logits rows stay on the device for `fetch_rows`. Everything runs on one non-blocking stream, so no
-operation on the legacy stream (anyone's synchronous copy) can break a graph capture.
+penalized logits rows stay on the device for `fetch_rows`. Everything runs on one
+non-blocking stream, so no operation on the legacy stream (anyone's synchronous copy) can
+break a graph capture.
 
 The compute contract is synchronous (`run` answers the step's candidates), so the host cannot
 pack step n+1 while step n runs: that needs a contract that submits a step and collects its
