@@ -536,7 +536,7 @@ def test_row_inputs_the_kernels_cannot_serve_are_refused() -> None:
         with pytest.raises(InvalidRequest, match=f"{words} words.*needs 4") as caught:
             launches.row_arrays([RowInputs(allowed=np.ones(words, np.int32))], 100)
         assert caught.value.field == "allowed"
-        with pytest.raises(ValueError, match="needs 4"):
+        with pytest.raises(InvalidRequest, match="needs 4"):
             apply_token_masks(np.zeros((1, 100), np.float32),
                               [RowInputs(allowed=np.ones(words, np.int32))])
 
