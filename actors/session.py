@@ -174,7 +174,10 @@ class Session:
                     )
                 )
                 opened = True
-                self._send(Advance(seq_id=seq_id, tokens=self._prompt_ids))
+                # Tokens a constraint forces before the model's first choice are computed
+                # with the prompt, and lead the first token's chunks.
+                leading = self._constraint.leading if self._constraint is not None else ()
+                self._send(Advance(seq_id=seq_id, tokens=self._prompt_ids + leading))
                 self._log.info(
                     "request_admitted",
                     prompt_tokens=len(self._prompt_ids),
@@ -191,7 +194,8 @@ class Session:
                             cached_tokens=message.cached_tokens,
                             ms=_ms(now - started),
                         )
-                    chunks, finish = _chunks(answer, message)
+                    chunks, finish = _chunks(answer, message, leading)
+                    leading = ()
                     for chunk in chunks[:-1]:
                         yield chunk
                     chunk = chunks[-1]
@@ -275,14 +279,17 @@ class Session:
         return message
 
 
-def _chunks(answer: Answer, message: TokenReady) -> tuple[list[Chunk], str | None]:
-    """The chunks of a chosen token and of the tokens its constraint forced after it (no
-    logprobs: the model did not choose them), and the finish reason if the answer ends."""
+def _chunks(
+    answer: Answer, message: TokenReady, leading: tuple[int, ...] = ()
+) -> tuple[list[Chunk], str | None]:
+    """The chunks of a chosen token, of the tokens its constraint forced before it (`leading`,
+    at the start of the answer) and after it (no logprobs: the model did not choose them),
+    and the finish reason if the answer ends."""
     chunks: list[Chunk] = []
-    for index, token in enumerate((message.token, *message.forced)):
+    for index, token in enumerate((*leading, message.token, *message.forced)):
         text, finish = answer.add(token)
         in_answer = not answer.is_stop_token(token)
-        scored = in_answer and index == 0
+        scored = in_answer and index == len(leading)
         chunks.append(Chunk(
             text=text,
             token_id=token if in_answer else None,

@@ -59,6 +59,15 @@ class Constraint:
         self.allowed = np.zeros(mask_words(vocab_size), dtype=np.int32)
         # The first mask is computed here, in the compiling thread: the step after the prompt
         # needs it at once.
+        # What the grammar forces before any choice (a schema's `{"first_key": `) joins the
+        # prompt's prefill; the first mask comes after it.
+        self.leading: tuple[int, ...] = ()
+        if fast_forward:
+            self.leading = tuple(matcher.compute_ff_tokens())
+            if self.leading and not matcher.consume_tokens(list(self.leading)):
+                raise InvalidRequest("the structured output constraint refused its own forced "
+                                     f"start: {_one_line(matcher.get_error())}",
+                                     field="structured")
         matcher.unsafe_compute_mask_ptr(self.allowed.ctypes.data, self.allowed.nbytes)
         self.done = matcher.is_stopped()
 
@@ -133,6 +142,12 @@ class GrammarCompiler:
             return self._built
 
 
+# JSON written as `json.dumps` writes it, `{"a": 1, "b": [2, 3]}`: models write it so, and
+# no whitespace elsewhere, or a model can fill its budget with blank lines between tokens. A
+# schema's own "x-guidance" options override these.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def _one_line(error: str) -> str:
     """llguidance's error on one line, without the parser state and grammar it appends and
     the caret lines of its source excerpts."""
@@ -146,11 +161,11 @@ def _grammar_text(structured: StructuredOutput) -> str:
 
     kind = structured.kind
     try:
-        if kind == "json_schema":
-            return llguidance.grammar_from("json_schema", msgspec.json.encode(
-                structured.json_schema).decode())
-        if kind == "json_object":
-            return llguidance.grammar_from("json_schema", '{"type": "object"}')
+        if kind in ("json_schema", "json_object"):
+            schema = structured.json_schema if kind == "json_schema" else {"type": "object"}
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                msgspec.json.encode(schema).decode(), defaults=_JSON_LAYOUT
+            )
         if kind == "choice":
             return llguidance.grammar_from("choice", list(structured.choice or ()))
         if kind == "regex":

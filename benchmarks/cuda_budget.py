@@ -58,7 +58,8 @@ HOT_ENTRIES = {
     "norm.cu": {"residual_rms_norm": plan.NORM_THREADS},
     "qkv_finish.cu": {"qkv_finish": math.prod(plan.qkv_finish_launch(1, 48).block)},
     "activation.cu": {"gated_silu": plan.ELEMENTWISE_THREADS},
-    "candidates.cu": {"top_candidates": plan.CANDIDATE_THREADS},
+    "candidates.cu": {"top_candidates": plan.CANDIDATE_THREADS,
+                      "apply_token_mask": plan.MASK_THREADS},
 }
 # Weight bytes one lane consumes per pass of the matvec loop: its slice's share of a block.
 LOOP_BYTES = {"mul_mat_vec_q4_K": 144 / 8, "mul_mat_vec_q6_K": 210 / 8}
@@ -199,7 +200,8 @@ def decode_kernels(spec, layouts) -> dict[str, int]:
     shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
                                 spec.context_length)
     forward = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT)
-    total = len(forward) + len(launches.candidate_calls(spec, 1, 1, any_penalty=False))
+    tail = launches.candidate_calls(spec, 1, 1, any_penalty=False, n_masked=0)
+    total = len(forward) + len(tail)
     return {"layers": spec.n_layers, "kernels_per_step": total,
             "kernels_per_layer": round((len(forward) - 2) / spec.n_layers, 2)}
 

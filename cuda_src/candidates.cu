@@ -1,6 +1,13 @@
 // Token candidates: what crosses from the device to the sampler instead of whole logits rows.
 // Semantics (the Python side follows these; actors/sampler.py documents the same math):
 //
+// apply_token_mask(logits, vocab, mask_rows, words), grid (ceil(vocab / MASK_THREADS),
+//   masked rows) of MASK_THREADS, before apply_penalties (structured output): masked row r is
+//   logits row mask_rows[r], its ceil(vocab / 32) int32 words at words + r * ceil(vocab / 32)
+//   (llguidance's layout); where bit t % 32 of word t / 32 is clear, token t may not come
+//   next and its logit becomes -inf. Allowed logits are neither read nor written; the rows
+//   without a mask are not launched over.
+//
 // apply_penalties(logits, ...), one block per row, in place on logits [rows][vocab] float32:
 //   - repetition: for every id in the row's repetition list, l = l > 0 ? l / repetition
 //                                                                  : l * repetition;
@@ -54,6 +61,21 @@ constexpr int CANDIDATE_MARGIN = 2;
 constexpr int SMALL_CANDIDATES = 64;
 constexpr int MAX_SLICES = 32;
 constexpr int SLICE_WORDS = 2 + 2 * SMALL_CANDIDATES;
+
+constexpr int MASK_THREADS = 256;
+
+// A thread per token: a warp's 32 tokens share one mask word (one broadcast load).
+extern "C" __global__ void __launch_bounds__(MASK_THREADS) apply_token_mask(
+    float* __restrict__ logits, int vocab, const int* __restrict__ mask_rows,
+    const unsigned* __restrict__ words) {
+    const int token = blockIdx.x * MASK_THREADS + threadIdx.x;
+    if (token >= vocab) return;
+    const int row_words = (vocab + 31) / 32;
+    const unsigned word = words[int64_t(blockIdx.y) * row_words + token / 32];
+    if (!((word >> (token % 32)) & 1u)) {
+        logits[int64_t(mask_rows[blockIdx.y]) * vocab + token] = -INFINITY;
+    }
+}
 
 __device__ bool sorted_contains(const int* ids, int n, int id) {
     int low = 0, high = n;

@@ -315,6 +315,21 @@ class KernelTwins:
     def gated_gelu_tanh(self, grid: tuple[int, ...], *args: Any) -> None:
         self._gated(gelu_tanh, *args)
 
+    def apply_token_mask(self, grid: tuple[int, ...], logits: Any, vocab: int,
+                         mask_rows: Any, words: Any) -> None:
+        """Each masked row's tokens whose bit (t % 32 of word t // 32) is clear to -inf, the
+        others untouched; the launch covers the vocabulary a thread per token."""
+        blocks, n_masked, vocab = grid[0], grid[1], int(vocab)
+        assert blocks * plan.MASK_THREADS >= vocab > (blocks - 1) * plan.MASK_THREADS
+        row_words = -(-vocab // 32)
+        rows = self.i32(mask_rows, n_masked)
+        masks = self.m.view(words, np.uint32, n_masked * row_words).reshape(n_masked, -1)
+        tokens = np.arange(vocab)
+        bits = (masks[:, tokens // 32] >> (tokens % 32).astype(np.uint32)) & 1
+        masked, token = np.nonzero(bits == 0)
+        self.f32(logits, (int(rows.max()) + 1) * vocab)[rows[masked].astype(np.int64) * vocab
+                                                          + token] = -np.inf
+
     def apply_penalties(self, grid: tuple[int, ...], logits: Any, vocab: int,
                         rep_offsets: Any, rep_ids: Any, repetition: Any, count_offsets: Any,
                         count_ids: Any, counts: Any, presence: Any, frequency: Any) -> None:

@@ -1,7 +1,8 @@
 """Samples shared by the CUDA tests (the host tests and tests/gpu): blocks of every GGUF block
 type (random bytes with sane float16 scales, or finite values only), random row inputs, the
-numpy twins of apply_penalties and top_candidates, and greedy decoding with other streams
-sharing the steps (the batch-invariance check)."""
+numpy twins of apply_penalties and top_candidates, greedy decoding with other streams
+sharing the steps (the batch-invariance check) and constrained steps (structured output's
+token masks) against the CPU reference."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from actors.compute.cuda_plan import candidate_record_words
-from actors.model.candidates import RowInputs
+from actors.compute.cuda_plan import candidate_record_words, mask_words
+from actors.model.candidates import (
+    Candidates,
+    RowInputs,
+    apply_penalties,
+    apply_token_masks,
+    top_candidates,
+)
 from actors.model.step import StepItem
 from actors.model.quants import FORMATS, QUANTIZERS, quantize, row_bytes
 
@@ -186,3 +193,75 @@ def short_prompt_alone_and_shared(backend: Any) -> tuple[np.ndarray, np.ndarray]
     backend.run([StepItem(prompt, 0, (0,)), StepItem((8, 6, 4, 2, 1), 0, (1,)),
                  StepItem(tuple(range(30, 50)), 0, (2, 3))], [RowInputs()] * 3)
     return alone, backend.fetch_rows([0])[0]
+
+
+def mask_of(allowed: np.ndarray, vocab: int) -> np.ndarray:
+    """llguidance's bitmask of the token ids `allowed`: bit t % 32 of int32 word t // 32."""
+    bits = np.zeros(mask_words(vocab) * 32, dtype=bool)
+    bits[allowed] = True
+    return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+
+
+def constrained_rows(raw: np.ndarray, rng: np.random.Generator) -> list[RowInputs]:
+    """Rows for three logits rows `raw` as they come unmasked: row 0 allows one middling
+    token alone; row 1 has no mask but a repetition penalty on its top three; row 2 allows
+    about half the vocabulary but not its argmax, with presence and frequency penalties on
+    its top five (the argmax and other forbidden tokens among them) at a temperature."""
+    vocab = raw.shape[1]
+    single = np.argsort(raw[0])[vocab // 2]
+    half = rng.random(vocab) < 0.5
+    half[raw[2].argmax()] = False
+    return [
+        RowInputs(candidates=4, max_candidates=4, want_log_z=True,
+                  allowed=mask_of(np.array([single]), vocab)),
+        RowInputs(candidates=8, max_candidates=8, repetition_penalty=1.3,
+                  repeated=tuple(int(t) for t in np.argsort(-raw[1])[:3])),
+        RowInputs(candidates=16, max_candidates=16, want_log_z=True, inv_temp=1.5,
+                  allowed=mask_of(np.flatnonzero(half), vocab), presence_penalty=0.5,
+                  frequency_penalty=0.25,
+                  generated=tuple(int(t) for t in np.argsort(-raw[2])[:5]),
+                  generated_counts=(1, 2, 3, 1, 1)),
+    ]
+
+
+def masked_step(backend: Any, items: Sequence[StepItem], rng: np.random.Generator
+                ) -> tuple[np.ndarray, list[RowInputs], Candidates]:
+    """The three-row step run unconstrained (its rows as fetched: the raw logits), then again
+    (the same K/V rewritten, so the same logits) with `constrained_rows`: the raw rows, the
+    rows' inputs and the constrained step's candidates, checked against the CPU reference
+    over the raw rows (apply_token_masks, apply_penalties, top_candidates): the same rows bit
+    for bit through fetch_rows, the same candidates, log_z within the kernel's float32
+    bound."""
+    backend.run(items, [RowInputs()] * 3)
+    raw = backend.fetch_rows(range(3))
+    rows = constrained_rows(raw, rng)
+    got = backend.run(items, rows)
+    expected = raw.copy()
+    apply_token_masks(expected, rows)
+    apply_penalties(expected, rows)
+    np.testing.assert_array_equal(backend.fetch_rows(range(3)).view(np.uint32),
+                                  expected.view(np.uint32))
+    reference = top_candidates(expected, rows)
+    np.testing.assert_array_equal(got.count, reference.count)
+    np.testing.assert_array_equal(got.ids, reference.ids)
+    np.testing.assert_array_equal(got.logits.view(np.uint32), reference.logits.view(np.uint32))
+    np.testing.assert_allclose(got.log_z, reference.log_z, atol=1e-4)  # NaN where not asked
+    return raw, rows, got
+
+
+def constrained_steps(backend: Any) -> None:
+    """`masked_step` on a prefill step of three prompts (blocks 0 to 2, launch by launch) and
+    on their decode step (a graph of 4 rows, one padding): besides the reference's
+    candidates, the single allowed token is row 0's only finite candidate, row 2's best is
+    an allowed token other than its argmax, and row 1 (no mask) keeps finite candidates."""
+    rng = np.random.default_rng(29)
+    prompts = [(5, 17, 300, 42, 9), (8, 6, 4, 2, 1, 11, 12, 13, 14), (30, 31, 32)]
+    prefill = [StepItem(prompt, 0, (i,)) for i, prompt in enumerate(prompts)]
+    decode = [StepItem((100 + i,), len(prompt), (i,)) for i, prompt in enumerate(prompts)]
+    for items in (prefill, decode):
+        raw, rows, got = masked_step(backend, items, rng)
+        assert got.ids[0, 0] == np.argsort(raw[0])[raw.shape[1] // 2]
+        assert np.isfinite(got.logits[0, 0]) and np.isneginf(got.logits[0, 1:]).all()
+        allowed = np.unpackbits(rows[2].allowed.view(np.uint8), bitorder="little")
+        assert got.ids[2, 0] != raw[2].argmax() and allowed[got.ids[2, 0]]
+        assert np.isfinite(got.logits[1, : got.count[1]]).all()

@@ -18,7 +18,11 @@ from actors.compute.contract import KVRequest, RowInputs, StepItem
 from actors.model.loaded import Model, load_model
 from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
 from tests.cuda_emulator import EmulatedDevice, install
-from tests.cuda_samples import greedy_sharing_steps, short_prompt_alone_and_shared
+from tests.cuda_samples import (
+    constrained_steps,
+    greedy_sharing_steps,
+    short_prompt_alone_and_shared,
+)
 
 TOLERANCE = 0.05  # the issue's top-16 bound for a GPU against the CPU
 BLOCK = 16
@@ -145,3 +149,19 @@ def test_a_prompts_logits_do_not_depend_on_the_prompts_sharing_its_step(
     finally:
         backend.close()
     np.testing.assert_array_equal(together.view(np.uint32), alone.view(np.uint32))
+
+
+def test_masked_rows_give_the_cpu_references_candidates(
+        emulated: tuple[Any, EmulatedDevice]) -> None:
+    """Structured output's masks on a prefill step (launch by launch) and a decode step (the
+    graph) of three sequences, rows 0 and 2 masked and row 1 not: the CPU reference's
+    candidates and rows (tests/cuda_samples.constrained_steps)."""
+    module, device = emulated
+    model = load_model(TINY_MODELS["qwen2-q4k-tiny"])
+    backend = module.build_cuda_backend(model, KVRequest(blocks=8, block_size=BLOCK,
+                                                         max_sequences=4), 0.9)
+    try:
+        constrained_steps(backend)
+    finally:
+        backend.close()
+    assert device.captures == 1 and device.launches.count("apply_token_mask") == 2

@@ -13,8 +13,10 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
+from actors.compute import cuda_plan as plan
 from actors.compute.contract import BackendLostError, KVRequest, RowInputs, StepItem
 from actors.errors import ComputeError, InvalidRequest
 from actors.model.loaded import OpenedModel, open_model
@@ -137,6 +139,25 @@ def test_penalties_add_a_launch(fake: Any, tiny: OpenedModel) -> None:
     backend.close()
 
 
+def test_a_token_mask_adds_a_launch_before_the_penalties(fake: Any, tiny: OpenedModel) -> None:
+    """A decode step with one constrained row of two: the graph, then apply_token_mask over
+    that row alone, the penalties and the candidates; the rows' inputs (the mask's words
+    among them) still go in one copy. The next step, unconstrained, launches no mask."""
+    cuda_module, driver = fake
+    backend = _backend(cuda_module, tiny)
+    allowed = np.ones(plan.mask_words(tiny.spec.vocab_size), np.int32)
+    decode = [StepItem((7,), 3, (0,)), StepItem((8,), 2, (1,))]
+    backend.run(decode, [RowInputs(allowed=allowed, repetition_penalty=1.3, repeated=(5,)),
+                         RowInputs()])
+    assert driver.launches[-3:] == ["apply_token_mask", "apply_penalties", "top_candidates"]
+    # step arrays, the graph, rows, the mask, the penalties, the candidates, the records
+    assert backend.launches_per_step == 7
+    driver.launches.clear()
+    backend.run(decode, [RowInputs(), RowInputs()])
+    assert "apply_token_mask" not in driver.launches and backend.launches_per_step == 5
+    backend.close()
+
+
 def test_a_larger_step_grows_the_workspace_and_drops_the_graphs(fake: Any,
                                                                 tiny: OpenedModel) -> None:
     cuda_module, driver = fake
@@ -156,6 +177,9 @@ def test_rows_are_checked_before_anything_runs(fake: Any, tiny: OpenedModel) -> 
         backend.run([StepItem((7,), 0, (0,))], [])
     with pytest.raises(InvalidRequest):
         backend.run([StepItem((7,), 0, (99,))], [RowInputs()])
+    with pytest.raises(InvalidRequest, match="token mask") as caught:
+        backend.run([StepItem((7,), 0, (0,))], [RowInputs(allowed=np.ones(3, np.int32))])
+    assert caught.value.field == "allowed"
     assert driver.launches == []
     backend.run([StepItem((7,), 0, (0,))], [RowInputs()])
     assert backend.fetch_rows([0]).shape == (1, tiny.spec.vocab_size)

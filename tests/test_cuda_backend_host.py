@@ -24,7 +24,12 @@ from actors.compute import cuda_plan as plan
 from actors.compute.backends import CudaFactory
 from actors.errors import ComputeError, InvalidRequest
 from actors.model.arch import ModelSpec, spec_from_gguf
-from actors.model.candidates import RowInputs, apply_penalties, top_candidates
+from actors.model.candidates import (
+    RowInputs,
+    apply_penalties,
+    apply_token_masks,
+    top_candidates,
+)
 from actors.model.gguf import GGUFFile, open_gguf
 from actors.model.quants import dequantize
 from actors.model.step import StepItem, plan_step
@@ -310,7 +315,7 @@ def test_every_launch_matches_its_kernels_compiled_signature(
     calls = {}
     for arch in ("llama", "qwen2", "gemma3"):
         spec, forward = _calls(models[arch], DECODE_AND_PREFILL)
-        tail = launches.candidate_calls(spec, 2, 16, any_penalty=True)
+        tail = launches.candidate_calls(spec, 2, 16, any_penalty=True, n_masked=1)
         calls.update((call.kernel, call) for call in [*forward, *tail])
     files = [name for name, entries in plan.kernel_entry_points().items()
              if any(entry in calls for entry in entries)]
@@ -324,14 +329,16 @@ def test_every_address_names_something_the_backend_holds(models: dict[str, GGUFF
         gguf = models[arch]
         spec = spec_from_gguf(gguf)
         step = _plan(spec, DECODE_AND_PREFILL)
-        rows = launches.row_arrays([RowInputs(), RowInputs()], spec.vocab_size)
+        masked = RowInputs(allowed=np.ones(plan.mask_words(spec.vocab_size), np.int32))
+        rows = launches.row_arrays([RowInputs(), masked], spec.vocab_size)
         held = {"null", *(info.name for info in gguf),
                 *plan.workspace_buffers(spec, plan.StepLimits(4, 2, 2, 16)),
                 *(f"{kv}_cache.{layer}" for kv in "kv" for layer in range(spec.n_layers)),
                 *(f"step.{name}" for name in launches.step_arrays(step, 1, 8)),
                 *(f"rows.{name}" for name in rows.arrays)}
         _, forward = _calls(gguf, DECODE_AND_PREFILL)
-        tail = launches.candidate_calls(spec, 2, rows.width, any_penalty=True)
+        tail = launches.candidate_calls(spec, 2, rows.width, any_penalty=True,
+                                        n_masked=rows.n_masked)
         named = {arg.name for call in [*forward, *tail] for arg in call.args
                  if isinstance(arg, launches.Ref)}
         assert named <= held, named - held
@@ -460,12 +467,78 @@ def test_packed_penalties_apply_as_the_reference_does() -> None:
                                      for r in rows)
 
 
+def random_masks(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
+    """(n, mask_words(vocab)) int32 random token masks (every bit pattern, the sign bit
+    included)."""
+    return rng.integers(0, 1 << 32, (n, plan.mask_words(vocab)), dtype=np.uint32).view(np.int32)
+
+
+@pytest.mark.parametrize("vocab", [4096, 3001])
+def test_packed_token_masks_apply_as_the_reference_does(vocab: int) -> None:
+    """Rows 1 and 3 of 5 masked (one allowing a single token, the last past the vocabulary's
+    last whole word when it has a partial one): the twin of apply_token_mask over the packed
+    words equals apply_token_masks, the unmasked rows untouched."""
+    from tests.cuda_emulator import KernelTwins, Memory
+
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(0, 3, (5, vocab)).astype(np.float32)
+    masks = random_masks(rng, 2, vocab)
+    masks[1] = 0
+    masks[1, (vocab - 1) // 32] = np.uint32(1 << ((vocab - 1) % 32)).view(np.int32)
+    rows = [RowInputs(), RowInputs(allowed=masks[0]), RowInputs(),
+            RowInputs(allowed=masks[1]), RowInputs()]
+    expected = logits.copy()
+    apply_token_masks(expected, rows)
+    packed = launches.row_arrays(rows, vocab)
+    assert packed.n_masked == 2 and packed.arrays["mask_rows"].tolist() == [1, 3]
+    np.testing.assert_array_equal(packed.arrays["mask_words"], masks)
+
+    memory = Memory()
+    twins = KernelTwins(memory)
+    addresses = {}
+    for name, array in (("logits", logits), ("mask_rows", packed.arrays["mask_rows"]),
+                        ("mask_words", packed.arrays["mask_words"])):
+        addresses[name] = memory.allocate(array.nbytes)
+        memory.view(addresses[name], array.dtype, array.size)[:] = array.reshape(-1)
+    twins.apply_token_mask(plan.token_mask_launch(2, vocab).grid, addresses["logits"], vocab,
+                           addresses["mask_rows"], addresses["mask_words"])
+    got = twins.f32(addresses["logits"], logits.size).reshape(logits.shape)
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    assert np.isfinite(got[3]).sum() == 1 and np.isfinite(got[3, vocab - 1])
+
+
+def test_unconstrained_rows_pack_and_launch_nothing_for_masks(
+        models: dict[str, GGUFFile]) -> None:
+    spec = spec_from_gguf(models["qwen2"])
+    plain = launches.row_arrays([RowInputs(), RowInputs()], spec.vocab_size)
+    assert plain.n_masked == 0 and not {"mask_rows", "mask_words"} & set(plain.arrays)
+    kernels = [call.kernel for call in launches.candidate_calls(spec, 2, 1, False, 0)]
+    assert kernels == ["top_candidates"]
+    masked = launches.row_arrays(
+        [RowInputs(), RowInputs(allowed=np.ones(plan.mask_words(spec.vocab_size), np.int32))],
+        spec.vocab_size)
+    calls = launches.candidate_calls(spec, 2, 1, True, masked.n_masked)
+    # The mask first: the penalties and the candidates then never see a forbidden token.
+    assert [call.kernel for call in calls] == ["apply_token_mask", "apply_penalties",
+                                               "top_candidates"]
+    assert calls[0].launch == plan.token_mask_launch(1, spec.vocab_size)
+    assert calls[0].launch.grid[0] * plan.MASK_THREADS >= spec.vocab_size
+
+
 def test_row_inputs_the_kernels_cannot_serve_are_refused() -> None:
     with pytest.raises(InvalidRequest, match="outside"):
         launches.row_arrays([RowInputs(repetition_penalty=1.2, repeated=(7, 100))], 100)
     with pytest.raises(InvalidRequest) as caught:
         launches.row_arrays([RowInputs(candidates=2000, max_candidates=2000)], 5000)
     assert caught.value.field == "candidates"
+    # A token mask must cover the vocabulary exactly: ceil(100 / 32) = 4 words.
+    for words in (3, 5):
+        with pytest.raises(InvalidRequest, match=f"{words} words.*needs 4") as caught:
+            launches.row_arrays([RowInputs(allowed=np.ones(words, np.int32))], 100)
+        assert caught.value.field == "allowed"
+        with pytest.raises(InvalidRequest, match="needs 4"):
+            apply_token_masks(np.zeros((1, 100), np.float32),
+                              [RowInputs(allowed=np.ones(words, np.int32))])
 
 
 def test_candidate_counts_follow_the_contract_and_the_reference() -> None:

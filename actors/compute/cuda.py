@@ -9,11 +9,13 @@ A step: `plan_step` validates it; its int32 arrays are packed into a pinned buff
 to the device once; the forward kernels run (`cuda_launches.forward_calls`), replayed from a
 CUDA graph when every item is one token that wants logits (a graph per batch bucket, captured
 on first use over fixed device buffers). While the GPU runs the forward, the host packs the
-rows' penalty / candidate inputs into a second pinned buffer (at 64 rows the larger part of
-the host's work) and queues their copy, the penalties and the candidates behind it; the
-candidate records come back in one copy, and the host synchronizes once. The penalized logits
-rows stay on the device for `fetch_rows`. Everything runs on one non-blocking stream, so no
-operation on the legacy stream (anyone's synchronous copy) can break a graph capture.
+rows' mask / penalty / candidate inputs into a second pinned buffer (at 64 rows the larger
+part of the host's work; a structured-output row adds its mask's words, an unconstrained one
+nothing) and queues their copy, the masks, the penalties and the candidates behind it; the
+candidate records come back in one copy, and the host synchronizes once. The masked and
+penalized logits rows stay on the device for `fetch_rows`. Everything runs on one
+non-blocking stream, so no operation on the legacy stream (anyone's synchronous copy) can
+break a graph capture.
 
 The compute contract is synchronous (`run` answers the step's candidates), so the host cannot
 pack step n+1 while step n runs: that needs a contract that submits a step and collects its
@@ -314,6 +316,7 @@ class CudaBackend:
                 f"{len(rows)} row inputs for {len(step.logit_rows)} items that want logits",
                 field="rows",
             )
+        launches.check_token_masks(rows, self._spec.vocab_size)  # before any kernel runs
         with self._current(), self._lost_on_sticky_errors():
             candidates = self._run(step, rows)
         self._last_rows = len(rows)
@@ -414,7 +417,7 @@ class CudaBackend:
                 addresses.update(self._row_buffer(packed_rows.buffer.size).upload(
                     packed_rows, self._stream))
                 tail = launches.candidate_calls(spec, n_rows, row_pack.width,
-                                                row_pack.any_penalty)
+                                                row_pack.any_penalty, row_pack.n_masked)
                 self._launch(tail, addresses)
                 cuda.memcpy_dtoh_async(out, workspace.buffers["candidates"], self._stream)
                 operations += len(tail) + 2

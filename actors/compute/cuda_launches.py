@@ -221,18 +221,45 @@ def _checked_ids(ids: Sequence[int], vocab: int, field: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class RowArrays:
-    """The rows' penalty and candidate inputs (`rows.<name>`), the candidate record width and
-    whether any row has a penalty to apply."""
+    """The rows' mask, penalty and candidate inputs (`rows.<name>`), the candidate record
+    width, whether any row has a penalty to apply and how many rows have a token mask."""
 
     arrays: dict[str, np.ndarray]
     width: int
     any_penalty: bool
+    n_masked: int
+
+
+def check_token_masks(rows: Sequence[RowInputs], vocab: int) -> None:
+    """InvalidRequest for a row's token mask of another size than the vocabulary's
+    (mask_words(vocab) words), as the numpy reference refuses it."""
+    words = plan.mask_words(vocab)
+    for inputs in rows:
+        if inputs.allowed is not None and np.size(inputs.allowed) != words:
+            raise InvalidRequest(f"a token mask of {np.size(inputs.allowed)} words for a "
+                                 f"vocabulary of {vocab} tokens (needs {words})",
+                                 field="allowed")
+
+
+def token_masks(rows: Sequence[RowInputs], vocab: int) -> dict[str, np.ndarray]:
+    """apply_token_mask's inputs: the masked rows' indices (`mask_rows`) and their words,
+    (masked rows, mask_words(vocab)) int32 (`mask_words`); none where no row has a mask, so
+    unconstrained steps upload and launch nothing for it."""
+    check_token_masks(rows, vocab)
+    masked = [row for row, inputs in enumerate(rows) if inputs.allowed is not None]
+    if not masked:
+        return {}
+    return {"mask_rows": np.array(masked, dtype=np.int32),
+            "mask_words": np.stack([np.asarray(rows[row].allowed, dtype=np.int32).reshape(-1)
+                                    for row in masked])}
 
 
 def row_arrays(rows: Sequence[RowInputs], vocab: int) -> RowArrays:
-    """Pack RowInputs for apply_penalties (CSR lists, ids ascending, float64 parameters) and
-    top_candidates (least / most candidates, mass, inv_temp). InvalidRequest for a penalty id
-    outside the vocabulary or a row asking for more candidates than the kernel selects."""
+    """Pack RowInputs for apply_token_mask (`token_masks`), apply_penalties (CSR lists, ids
+    ascending, float64 parameters) and top_candidates (least / most candidates, mass,
+    inv_temp). InvalidRequest for a mask of the wrong size, a penalty id outside the
+    vocabulary or a row asking for more candidates than the kernel selects."""
+    masks = token_masks(rows, vocab)
     repeated, counted, counts = [], [], []
     for row in rows:
         rep = np.unique(_checked_ids(row.repeated, vocab, "repeated"))
@@ -272,9 +299,11 @@ def row_arrays(rows: Sequence[RowInputs], vocab: int) -> RowArrays:
         "count_offsets": count_offsets,
         "count_ids": count_ids,
         "counts": np.concatenate([np.zeros(0, np.int32), *(c.astype(np.int32) for c in counts)]),
+        **masks,
     }
     return RowArrays(arrays, int(most.max()) if len(rows) else 1,
-                     bool(rep_ids.size or count_ids.size))
+                     bool(rep_ids.size or count_ids.size),
+                     len(masks["mask_rows"]) if masks else 0)
 
 
 # --- the launches ---------------------------------------------------------------------------
@@ -540,12 +569,17 @@ def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: S
     return calls
 
 
-def candidate_calls(spec: ModelSpec, n_rows: int, width: int,
-                    any_penalty: bool) -> list[KernelCall]:
-    """Penalties (when a row has any) and the candidates of the logits rows (several blocks
-    per row where rows ask for few; their counters are zero between launches)."""
+def candidate_calls(spec: ModelSpec, n_rows: int, width: int, any_penalty: bool,
+                    n_masked: int) -> list[KernelCall]:
+    """The token masks (when `n_masked` rows have one), the penalties (when a row has any),
+    then the candidates of the logits rows (several blocks per row where rows ask for few;
+    their counters are zero between launches), all in place on `logits`."""
     vocab = _i32(spec.vocab_size)
     calls = []
+    if n_masked:
+        calls.append(KernelCall(
+            "apply_token_mask", plan.token_mask_launch(n_masked, spec.vocab_size),
+            (Ref("logits"), vocab, Ref("rows.mask_rows"), Ref("rows.mask_words"))))
     if any_penalty:
         calls.append(KernelCall(
             "apply_penalties", plan.penalties_launch(n_rows),

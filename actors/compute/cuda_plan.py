@@ -66,6 +66,7 @@ MAX_SLICES = 32  # blocks per row for those
 MIN_SLICE = 4096  # ids per slice block, about (fewer blocks than MAX_SLICES)
 SLICE_WORDS = 2 + 2 * SMALL_CANDIDATES  # a slice's partial: max, sum, keys, ids
 PENALTY_THREADS = 256
+MASK_THREADS = 256  # apply_token_mask: a thread per token
 KV_BYTES_PER_VALUE = 2  # float16 cache
 GRID_LIMIT = 65535  # grid y / z limit; elementwise kernels stride, so x is capped here too
 
@@ -120,7 +121,7 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
         "activation.cu": ("gated_silu", "gated_gelu_tanh"),
         "kv_cache.cu": ("kv_write",),
         "attention.cu": ("attention_decode", "attention_prefill"),
-        "candidates.cu": ("apply_penalties", "top_candidates"),
+        "candidates.cu": ("apply_token_mask", "apply_penalties", "top_candidates"),
         "bias.cu": ("add_bias",),
         "qkv_finish.cu": ("qkv_finish",),
     }
@@ -474,6 +475,17 @@ def attention_decode_launch(n_seqs: int, n_heads: int, n_kv_heads: int,
 def attention_prefill_launch(max_item_tokens: int, n_heads: int, n_items: int) -> Launch:
     return _check_grid(Launch((_blocks(max_item_tokens, PREFILL_QUERIES), n_heads, n_items),
                               (ATTN_WARPS * 32, 1, 1)))
+
+
+def token_mask_launch(n_masked: int, vocab: int) -> Launch:
+    """apply_token_mask: a thread per token of each masked row (grid y: the masked rows)."""
+    return _check_grid(Launch((_blocks(vocab, MASK_THREADS), n_masked, 1),
+                              (MASK_THREADS, 1, 1)))
+
+
+def mask_words(vocab: int) -> int:
+    """int32 words of one row's token mask (a bit per token, llguidance's layout)."""
+    return _blocks(vocab, 32)
 
 
 def penalties_launch(n_rows: int) -> Launch:

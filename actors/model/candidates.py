@@ -26,6 +26,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from actors.errors import InvalidRequest
+
 # A row's candidate threshold is guessed from about this many of its logits (a strided sample).
 SAMPLE_SIZE = 4096
 # The partition function is summed in blocks of this many tokens (the sampler's full-row path
@@ -88,8 +90,9 @@ def apply_token_masks(logits: np.ndarray, rows: Sequence[RowInputs]) -> None:
         if inputs.allowed is not None:
             words = np.ascontiguousarray(inputs.allowed, dtype=np.int32).ravel()
             if words.size != -(-vocab // 32):
-                raise ValueError(f"a token mask of {words.size} words for a vocabulary of "
-                                 f"{vocab} tokens (needs {-(-vocab // 32)})")
+                raise InvalidRequest(f"a token mask of {words.size} words for a vocabulary "
+                                     f"of {vocab} tokens (needs {-(-vocab // 32)})",
+                                     field="allowed")
             bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab]
             logits[row, bits == 0] = -np.inf
 

@@ -41,6 +41,15 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
     "stop_token_ids": st.lists(st.integers(-1, VOCAB), max_size=5),
     "ignore_eos": st.booleans(),
     "logprobs": st.one_of(st.none(), st.integers(-1, 21)),
+    # As a dict (what JSON brings; as a keyword it must be a StructuredOutput instead).
+    "structured": st.one_of(st.none(), st.fixed_dictionaries({}, optional={
+        "json_schema": st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+        "json_object": st.booleans(),
+        "regex": st.text(max_size=10),
+        "choice": st.lists(st.text(max_size=5), max_size=3),
+        "grammar": st.text(max_size=10),
+        "fast_forward": st.booleans(),
+    })),
 }
 assert set(FIELD_VALUES) == set(SamplingParams.__struct_fields__), "a field is not fuzzed"
 
@@ -68,7 +77,9 @@ def check(case: tuple[dict[str, Any], bool, tuple[Any, ...]]) -> str:
             else:
                 params = SamplingParams(*positional, **kwargs)
         except InvalidRequest as exc:
-            if exc.field is None or (exc.field not in kwargs and exc.field not in ("args", "params")):
+            # A nested field is named by its path: structured.regex.
+            top = None if exc.field is None else exc.field.split(".")[0]
+            if top is None or (top not in kwargs and top not in ("args", "params")):
                 raise Escape(f"InvalidRequest names {exc.field!r}, not a field given: {exc}") from exc
             raise
         SequenceSampling(params, PROMPT, VOCAB)

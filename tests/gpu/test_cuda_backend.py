@@ -28,7 +28,11 @@ from actors.errors import ModelFormatError
 from actors.model.loaded import Model, load_model, open_model
 from actors.params import SamplingParams
 from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
-from tests.cuda_samples import greedy_sharing_steps, short_prompt_alone_and_shared
+from tests.cuda_samples import (
+    constrained_steps,
+    greedy_sharing_steps,
+    short_prompt_alone_and_shared,
+)
 
 MODELS = ("llama-q4k-tiny", "qwen2-q4k-tiny", "smollm2-135m", "gemma3-270m")
 TOP16_TOLERANCE = 0.05
@@ -237,6 +241,19 @@ def test_a_prompts_logits_do_not_depend_on_the_prompts_sharing_its_step() -> Non
         backend.close()
         model.gguf.close()
     np.testing.assert_array_equal(together.view(np.uint32), alone.view(np.uint32))
+
+
+def test_masked_rows_give_the_cpu_references_candidates() -> None:
+    """Structured output's token masks (apply_token_mask before the penalties) on a prefill
+    and a decode step: the CPU reference's candidates over the device's own rows."""
+    model = open_model(TINY_MODELS["qwen2-q4k-tiny"])
+    backend = BACKENDS["cuda"].build(model, KVRequest(blocks=8, block_size=BLOCK,
+                                                      max_sequences=4))
+    try:
+        constrained_steps(backend)
+    finally:
+        backend.close()
+        model.gguf.close()
 
 
 # --- the engine on backend="cuda" -----------------------------------------------------------

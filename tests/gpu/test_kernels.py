@@ -16,7 +16,7 @@ import pytest
 
 from actors.compute import cuda_plan as plan
 from actors.compute.cuda_launches import row_arrays
-from actors.model.candidates import RowInputs
+from actors.model.candidates import RowInputs, apply_token_masks
 from actors.model.forward import gelu_tanh, rms_norm, silu
 from actors.model.quants import dequantize
 from actors.model.rope import apply_rope, inverse_frequencies, pair_order, rotation
@@ -635,6 +635,34 @@ def test_penalties_equal_the_samplers_float64_math(kernel: Kernel) -> None:
         values -= presence[row] * (c > 0) + frequency[row] * c
         expected[row, ids] = values.astype(np.float32)
     np.testing.assert_array_equal(logits_dev.get().view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("vocab", [1000, 262144])
+def test_token_mask_equals_apply_token_masks(kernel: Kernel, vocab: int) -> None:
+    """Rows 1, 2 and 4 of 5 masked, packed by row_arrays: random words (sign bits set too),
+    only the last token allowed, every token allowed. Bit for bit apply_token_masks; the
+    unmasked rows and the allowed logits are neither read nor written (their NaNs stay).
+    1000 ids: a partial last word and a partial last block."""
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((5, vocab)) * 4).astype(np.float32)
+    logits[[0, 4], [7, vocab - 1]] = np.nan
+    masks = rng.integers(0, 1 << 32, (3, plan.mask_words(vocab)), dtype=np.uint32)
+    masks[1] = 0
+    masks[1, -1] = 1 << ((vocab - 1) % 32)
+    masks[2] = 0xFFFFFFFF
+    masks = masks.view(np.int32)
+    rows = [RowInputs(), RowInputs(allowed=masks[0]), RowInputs(allowed=masks[1]), RowInputs(),
+            RowInputs(allowed=masks[2])]
+    packed = row_arrays(rows, vocab)
+    logits_dev = to_device(logits)
+    run(kernel("candidates.cu", "apply_token_mask"), plan.token_mask_launch(3, vocab),
+        ptr(logits_dev), np.int32(vocab), ptr(to_device(packed.arrays["mask_rows"])),
+        ptr(to_device(packed.arrays["mask_words"])))
+    expected = logits.copy()
+    apply_token_masks(expected, rows)
+    got = logits_dev.get()
+    assert_same_floats(got, expected)
+    assert np.isfinite(got[2]).sum() == 1 and np.isnan(got[4, vocab - 1])
 
 
 def top_candidate_records(kernel: Kernel, logits: np.ndarray, arrays: dict[str, np.ndarray],
