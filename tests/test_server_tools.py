@@ -41,6 +41,7 @@ def body(**fields: object) -> bytes:
 
 def test_tool_choice_modes() -> None:
     assert tool_choice(None, None) is None and tool_choice([], "none") is None
+    assert tool_choice(None, "auto") is None
     auto = tool_choice([WEATHER, ADD], None)
     assert auto.mode == "auto" and not auto.enforced and auto.names == NAMES
     assert tool_choice([WEATHER], "required").enforced
@@ -271,3 +272,35 @@ def test_a_whole_reply_with_calls_finishes_with_tool_calls() -> None:
 
 def test_call_ids_differ() -> None:
     assert ToolCall("add", "{}").id != ToolCall("add", "{}").id
+
+
+# --- Engine.chat with tools -------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_engine_chat_renders_tools_and_fed_back_calls(
+        tiny_model_paths: dict[str, Path]) -> None:
+    from actors import Engine, SamplingParams
+    from actors.engine import collect
+
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    messages = [{"role": "user", "content": "1 + 2?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    once = SamplingParams(max_tokens=1, temperature=0)
+    async with Engine.open(tiny_model_paths["llama-q4k-tiny"], backend="cpu") as engine:
+        answer = await collect(engine.chat(messages, once, CHATML_TOOLS, tools=[WEATHER, ADD]))
+        with_tools = answer.usage.prompt_tokens
+        answer = await collect(engine.chat(messages, once, CHATML_TOOLS))
+        assert answer.usage.prompt_tokens < with_tools  # the tools are in the prompt
+        with pytest.raises(InvalidRequest, match="does not render tools") as caught:
+            await collect(engine.chat(messages, once, "{{ messages[0].content }}",
+                                      tools=[WEATHER]))
+        assert caught.value.field == "tools"
+        with pytest.raises(InvalidRequest) as caught:
+            engine.chat(messages, once, CHATML_TOOLS, tools="add")
+        assert caught.value.field == "tools"
+        with pytest.raises(InvalidRequest, match="only an assistant message has tool calls"):
+            engine.chat([{"role": "user", "content": "hi", "tool_calls": [call]}], once,
+                        CHATML_TOOLS)

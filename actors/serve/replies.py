@@ -41,7 +41,8 @@ class CompletionsShape:
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def choice(self, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+    def choice(self, text: str, logprobs: dict[str, Any] | None,
+               finish: str | None) -> dict[str, Any]:
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def pieces(self, text: str, final: bool) -> list[dict[str, Any]]:
@@ -87,7 +88,8 @@ class ChatShape:
         self._tool_calls = tool_calls
         self._calls_streamed = 0
 
-    def choice(self, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+    def choice(self, text: str, logprobs: dict[str, Any] | None,
+               finish: str | None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self._tool_calls is not None:
             content, calls = self._tool_calls.parse(text)
@@ -118,7 +120,8 @@ class ChatShape:
         return pieces
 
     def empty_piece(self) -> dict[str, Any]:
-        return {"content": ""}
+        # While text may still become a call, there is no content yet, not even empty.
+        return {"content": "" if self._tool_calls is None else None}
 
     def streamed_choice(self, piece: dict[str, Any], logprobs: dict[str, Any] | None,
                         finish: str | None, first: bool) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import msgspec
 
 from actors.errors import InvalidRequest
+from actors.structured import _JSON_LAYOUT
 
 # OpenAI's rule for function names.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -28,8 +29,6 @@ HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
 # A function declared without parameters takes none.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
-
-CALL_JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 ChoiceMode = Literal["auto", "none", "required", "function"]
 
@@ -62,8 +61,8 @@ class ToolChoice(msgspec.Struct, frozen=True, kw_only=True):
 def tool_choice(tools: Any, choice: Any) -> ToolChoice | None:
     """The request's `tools` and `tool_choice`, checked (None: no tools asked for)."""
     if tools is None or tools == []:
-        if choice not in (None, "none"):
-            raise InvalidRequest("tool_choice needs tools", field="tool_choice")
+        if choice not in (None, "none", "auto"):
+            raise InvalidRequest(f"tool_choice {choice!r} needs tools"[:200], field="tool_choice")
         return None
     if not isinstance(tools, list):
         raise InvalidRequest("tools must be a list of function tools", field="tools")
@@ -141,7 +140,8 @@ class ToolCallFormat(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def of_template(cls, source: str) -> ToolCallFormat:
         if HERMES_OPEN in source:
-            return cls(open=HERMES_OPEN + "\n", close="\n" + HERMES_CLOSE, arguments_key="arguments")
+            return cls(open=HERMES_OPEN + "\n", close="\n" + HERMES_CLOSE,
+                       arguments_key="arguments")
         # Llama 3.1's template writes calls back as {"name": ..., "parameters": ...}.
         key = "parameters" if '"parameters"' in source else "arguments"
         return cls(open="", close="", arguments_key=key)
@@ -167,9 +167,8 @@ class ToolCallFormat(msgspec.Struct, frozen=True, kw_only=True):
                            self.arguments_key: function["parameters"]},
             "required": ["name", self.arguments_key],
             "additionalProperties": False,
-            # One space after `:` and `,` and none elsewhere, as models write calls: free
-            # whitespace would let a model pad a call without end.
-            "x-guidance": CALL_JSON_LAYOUT,
+            # Laid out as every JSON constraint is (a grammar's `%json` has no defaults).
+            "x-guidance": _JSON_LAYOUT,
         }
 
     def reader(self, names: frozenset[str]) -> ToolCallReader:
