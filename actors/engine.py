@@ -370,7 +370,9 @@ class Engine:
         Close the iterator (or `break` and drop it) to cancel; `contextlib.aclosing` cancels
         deterministically. `strict_max_tokens`: a prompt and `params.max_tokens` that together
         pass the context raise ContextLengthExceeded (OpenAI's rule) instead of the answer
-        ending at the context (finish reason "context")."""
+        ending at the context (finish reason "context"). `params.structured` compiles in a
+        worker thread on the first iteration, before any step: a schema, regex or grammar
+        that does not compile raises InvalidRequest (field `structured.<kind>`) from there."""
         self._check_open()
         params = self._checked_params(params)
         if isinstance(prompt, str) and len(prompt) > _TOKENIZE_INLINE_CHARS:
