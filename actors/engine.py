@@ -711,7 +711,7 @@ class Engine:
         return self._render_chat(messages, template, tools)
 
     def _render_chat(self, messages: list[dict[str, Any]], template: str | None,
-                     tools: list[dict[str, Any]] | None = None) -> str:
+                     tools: list[dict[str, Any]] | None) -> str:
         """Runs in a worker thread; bounded in time and in size (longer output could not fit
         the context anyway)."""
         chat_template = self.chat_template(template)

@@ -246,3 +246,18 @@ def test_a_template_without_tools_is_400(tiny_model_paths: dict[str, Path],
             assert plain.status_code == 200
     finally:
         _stop(running)
+
+
+def test_smollm2_with_the_chatml_tools_template_calls_the_right_function(
+        smollm2_model_path: Path, tmp_path: Path) -> None:
+    """A real model given the template: asked about the weather, it calls get_weather."""
+    running = _start(smollm2_model_path, tmp_path / "serve.log",
+                     "--template", str(TEMPLATES / "chatml_tools.jinja"))
+    try:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+        (choice,) = _chat(client, running, tools=TOOLS, tool_choice="required").choices
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        _checked_call(call)
+    finally:
+        _stop(running)

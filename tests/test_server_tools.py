@@ -147,7 +147,7 @@ def test_a_call_and_its_result_are_fed_back() -> None:
 
 
 @pytest.mark.parametrize("message", [
-    {"role": "tool", "content": "18 C"},
+    {"role": "assistant", "tool_calls": {"function": {"name": "f", "arguments": "{}"}}},
     {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
     {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]},
 ])

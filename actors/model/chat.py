@@ -597,7 +597,7 @@ class ChatTemplate:
         transformers passes it, when there are none). It blocks its thread for up to
         `limits.seconds`: async code runs it in a worker."""
         check_messages(messages)
-        if tools is not None and not self.renders_tools:
+        if tools and not self.renders_tools:
             raise InvalidRequest(
                 "this model's chat template does not render tools (it never reads a `tools` "
                 "variable); pass a template that does, e.g. examples/chat_templates/"
@@ -700,7 +700,9 @@ def _checkpoint() -> None:
     """A Python-level call: the interpreter raises a pending injected exception on entry."""
 
 
+# A template that renders tools names its `tools` variable.
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
+
 # The roles chat templates know; any other is most likely a typo the template would render.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 

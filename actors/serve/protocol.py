@@ -331,10 +331,7 @@ def _chat_message(index: int, message: Any) -> dict[str, Any]:
                                "content": _text_content(index, message.get("content"))}
     if role == "assistant" and message.get("tool_calls"):
         checked["tool_calls"] = _tool_calls(index, message["tool_calls"])
-    if role == "tool":
-        if not isinstance(message.get("tool_call_id"), str):
-            raise InvalidRequest(f"messages[{index}] is a tool result: it needs the tool_call_id "
-                                 "of the call it answers", field=f"messages[{index}].tool_call_id")
+    if role == "tool" and isinstance(message.get("tool_call_id"), str):
         checked["tool_call_id"] = message["tool_call_id"]
     return checked
 
