@@ -25,6 +25,11 @@ WEATHER = {"type": "function", "function": {
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
     "required": ["a", "b"]}}}
+# Its parameters as pydantic writes them: a nested model is a reference into `$defs`.
+MOVE = {"type": "function", "function": {"name": "move", "parameters": {
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/Point"}}, "required": ["to"],
+    "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}},
+                        "required": ["x"]}}}}}
 HERMES = ToolCallFormat.of_template(CHATML_TOOLS)
 LLAMA31 = ToolCallFormat.of_template(
     '{%- if tools %}...{{ \'{"name": "\' + tool_call.name + \'", "parameters": \' }}{% endif %}')
@@ -186,7 +191,7 @@ def test_the_grammar_accepts_a_valid_call_only(tool_format: ToolCallFormat,
     from actors.structured import GrammarCompiler, _grammar_text
 
     tokenizer = GrammarCompiler(tiny_tokenizer).grammar_tokenizer()
-    grammar = _grammar_text(StructuredOutput(grammar=tool_format.grammar([WEATHER, ADD])))
+    grammar = _grammar_text(StructuredOutput(grammar=tool_format.grammar([WEATHER, ADD, MOVE])))
     key = tool_format.arguments_key
 
     def accepts(text: str) -> bool:
@@ -196,6 +201,9 @@ def test_the_grammar_accepts_a_valid_call_only(tool_format: ToolCallFormat,
 
     valid = f'{tool_format.open}{{"name": "add", "{key}": {{"a": 1, "b": 2}}}}{tool_format.close}'
     assert accepts(valid)
+    assert accepts(valid.replace('"add"', '"move"').replace('"a": 1, "b": 2', '"to": {"x": 1}'))
+    assert not accepts(valid.replace('"add"', '"move"').replace('"a": 1, "b": 2',
+                                                                '"to": {"x": "1"}'))
     assert not accepts(valid.replace('"b": 2', '"b": "two"'))
     assert not accepts(valid.replace('"add"', '"mul"'))
     assert not accepts("Sure. " + valid)
@@ -304,3 +312,59 @@ async def test_engine_chat_renders_tools_and_fed_back_calls(
         with pytest.raises(InvalidRequest, match="only an assistant message has tool calls"):
             engine.chat([{"role": "user", "content": "hi", "tool_calls": [call]}], once,
                         CHATML_TOOLS)
+
+
+# --- a reply's events, as the openai client accumulates them -----------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("tool_format", [HERMES, LLAMA31], ids=["hermes", "bare"])
+async def test_an_auto_answer_streams_as_the_client_accumulates_it(
+        tool_format: ToolCallFormat) -> None:
+    """Text, then two calls, token by token: the client's own stream state rebuilds the same
+    message as the whole reply."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from actors.messages import Chunk, Usage
+    from actors.serve.replies import Reply
+
+    key = tool_format.arguments_key
+    calls = [f'{{"name": "add", "{key}": {{"a": 1, "b": 2}}}}',
+             f'{{"name": "get_weather", "{key}": {{"city": "Rome"}}}}']
+    if tool_format.tagged:
+        answer = "Let me check.\n" + "\n".join(f"<tool_call>\n{call}\n</tool_call>"
+                                               for call in calls)
+        expected_calls, expected_content = calls, "Let me check."
+    else:
+        answer, expected_calls, expected_content = calls[0], calls[:1], None
+    tokens = [answer[start:start + 3] for start in range(0, len(answer), 3)]
+
+    async def chunks():
+        for number, text in enumerate(tokens):
+            last = number == len(tokens) - 1
+            yield Chunk(text=text, token_id=number, finish_reason="stop" if last else None,
+                        usage=Usage(prompt_tokens=1, completion_tokens=len(tokens),
+                                    cached_tokens=0) if last else None)
+
+    def reply() -> Reply:
+        return Reply(ChatShape(tool_format.reader(NAMES)), model="m", want_logprobs=False,
+                     include_usage=False, token_text=str, count=lambda *_: None)
+
+    whole = (await reply().whole(chunks()))["choices"][0]
+    state = ChatCompletionStreamState()
+    stream = chunks()
+    streamed = reply()
+    async for event in streamed.events(await streamed.first(stream), stream):
+        if event.startswith(b"data: {"):
+            state.handle_chunk(ChatCompletionChunk.model_validate_json(event[6:]))
+    (accumulated,) = state.get_final_completion().choices
+    assert accumulated.finish_reason == whole["finish_reason"] == "tool_calls"
+    content = (accumulated.message.content or "").strip() or None
+    assert content == whole["message"]["content"] == expected_content
+    for got, sent, expected in zip(accumulated.message.tool_calls,
+                                   whole["message"]["tool_calls"], expected_calls, strict=True):
+        assert got.function.name == sent["function"]["name"] == json.loads(expected)["name"]
+        assert json.loads(got.function.arguments) == json.loads(sent["function"]["arguments"]) \
+            == json.loads(expected)[key]
+        assert got.id.startswith("call_")

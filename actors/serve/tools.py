@@ -27,6 +27,8 @@ from actors.structured import _JSON_LAYOUT
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
+# Where JSON schemas keep the subschemas their references name.
+DEFINITIONS = ("$defs", "definitions")
 # A function declared without parameters takes none.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -161,14 +163,18 @@ class ToolCallFormat(msgspec.Struct, frozen=True, kw_only=True):
         return "\n".join([start, f"call: {call}", *rules])
 
     def _call_schema(self, function: dict[str, Any]) -> dict[str, Any]:
+        # The parameters' definitions move to the root, where their `#/$defs/...` references
+        # (pydantic writes them) point once the parameters are nested in the call.
+        parameters = dict(function["parameters"])
+        definitions = {key: parameters.pop(key) for key in DEFINITIONS if key in parameters}
         return {
             "type": "object",
-            "properties": {"name": {"const": function["name"]},
-                           self.arguments_key: function["parameters"]},
+            "properties": {"name": {"const": function["name"]}, self.arguments_key: parameters},
             "required": ["name", self.arguments_key],
             "additionalProperties": False,
             # Laid out as every JSON constraint is (a grammar's `%json` has no defaults).
             "x-guidance": _JSON_LAYOUT,
+            **definitions,
         }
 
     def reader(self, names: frozenset[str]) -> ToolCallReader:
