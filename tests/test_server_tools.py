@@ -121,6 +121,7 @@ def test_structured_fields(fields: dict[str, object], kind: str, value: object) 
      "response_format"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_json": "[1]"}, "guided_json"),
+    ({"guided_json": "[" * 100_000}, "guided_json"),
     ({"guided_regex": ""}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
 ])
@@ -237,6 +238,8 @@ CALL_TEXT = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
      [("add", {"a": 1, "b": 2})]),
     (LLAMA31, "Not a call: {}", "Not a call: {}", []),
     (LLAMA31, '{"a": 1}', '{"a": 1}', []),
+    (LLAMA31, '{"name": ["add"], "parameters": {}}', '{"name": ["add"], "parameters": {}}', []),
+    (LLAMA31, '{"a": ' + "[" * 5000, '{"a": ' + "[" * 5000, []),  # past the parser's depth
 ])
 def test_calls_are_read_whole_and_streamed_alike(
         tool_format: ToolCallFormat, answer: str, content: str | None,

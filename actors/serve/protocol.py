@@ -282,7 +282,7 @@ def _json_object(field: str, value: dict[str, Any] | str) -> dict[str, Any]:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:
             raise InvalidRequest(f"{field} is not JSON: {error}", field=field) from None
     if not isinstance(value, dict):
         raise InvalidRequest(f"{field} must be a JSON schema object", field=field)
@@ -350,7 +350,7 @@ def _tool_calls(index: int, calls: Any) -> list[dict[str, Any]]:
         arguments = function.get("arguments", "{}")
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
+        except (ValueError, RecursionError):
             arguments = None
         if not isinstance(arguments, dict):
             raise InvalidRequest(f"{field}: the arguments of {function['name']!r} must be a JSON "

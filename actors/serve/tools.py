@@ -196,8 +196,10 @@ class ToolCallReader:
         self._called = False
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(the text outside the calls, or None when there is none; the calls)."""
-        pieces = [*self.feed(text), *self.end()]
+        """(the text outside the calls, or None when there is none; the calls). A reader of
+        its own reads it, so that this one's stream is left as it was."""
+        whole = ToolCallReader(self.format, self.names)
+        pieces = [*whole.feed(text), *whole.end()]
         content = "".join(piece for piece in pieces if isinstance(piece, str)).strip()
         calls = [piece for piece in pieces if isinstance(piece, ToolCall)]
         return (content or None) if calls else text, calls
@@ -273,22 +275,24 @@ class ToolCallReader:
         return [call if call is not None else text] if text else []
 
     def _call(self, text: str) -> ToolCall | None:
-        """The call `text` holds (JSON with a known name and object arguments), else None."""
+        """The call `text` holds (JSON with a known name and object arguments), else None
+        (also for JSON nested past the parser's depth: an answer is the model's text)."""
         try:
             found = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
-        if not isinstance(found, dict) or found.get("name") not in self.names:
+        name = found.get("name") if isinstance(found, dict) else None
+        if not isinstance(name, str) or name not in self.names:
             return None
         arguments = found.get("arguments", found.get("parameters"))
         if isinstance(arguments, str):  # some models write the arguments as JSON text
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
         if not isinstance(arguments, dict):
             return None
-        return ToolCall(name=found["name"], arguments=json.dumps(arguments, ensure_ascii=False))
+        return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
 
 
 def _partial_suffix(text: str, marker: str) -> int:
