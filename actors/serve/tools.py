@@ -38,7 +38,8 @@ ChoiceMode = Literal["auto", "none", "required", "function"]
 class ToolChoice(msgspec.Struct, frozen=True, kw_only=True):
     """A request's tools, checked, and how it lets the model use them: `mode` "auto" (it may
     call one), "none" (it answers in text; the template does not see the tools), "required"
-    (it calls one of them) or "function" (it calls `function`)."""
+    (it calls one of them, once: the grammar holds one call) or "function" (it calls
+    `function`)."""
 
     tools: tuple[dict[str, Any], ...]
     mode: ChoiceMode
