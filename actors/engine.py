@@ -46,7 +46,7 @@ from actors.errors import (
     InvalidRequest,
     TemplateError,
 )
-from actors.kv_blocks import BlockPool
+from actors.kv_manager import KVBlockManager
 from actors.loader import Loaded, LoaderActor, LoadFailed, ModelLoaded, load_gguf
 from actors.logs import get_logger, logging_to
 from actors.messages import Chunk, Completion, EngineStats
@@ -299,7 +299,7 @@ class Engine:
             else:
                 admission = Admission(limit)
                 scheduler = Scheduler(
-                    pool=BlockPool(info.num_blocks, info.block_size),
+                    kv=KVBlockManager(info.num_blocks, info.block_size),
                     admission=admission,
                     max_sequences=max_sequences,
                     prefill_chunk=prefill_chunk,
@@ -465,7 +465,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         self._check_open()
-        pool = self._scheduler.pool
+        pool = self._scheduler.kv.pool
         return EngineStats(
             running=self._scheduler.running,
             waiting=self._scheduler.waiting,

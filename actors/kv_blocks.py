@@ -1,4 +1,4 @@
-"""The KV block pool's accounting and the prefix cache, kept by the scheduler on the host.
+"""The KV block pool's accounting and the prefix cache, kept on the host (actors.kv_manager).
 
 The compute actor owns the K/V arrays; this module only decides which block ids a sequence
 holds. A full block is named by a hash chain over its tokens and every token before it, so a

@@ -1,6 +1,6 @@
 """The scheduler actor: continuous batching over the KV block pool.
 
-It owns every sequence's bookkeeping (tokens, how many positions its KV holds, its block
+It owns every sequence's bookkeeping (its tokens; actors.kv_manager keeps its KV's block
 table) and turns the advances sessions ask for into one `RunStep` at a time: decode items
 first, then prefill chunks under a token budget, each row with its sequence's penalty inputs.
 The compute actor answers the step's token candidates, the sampler actor the tokens chosen
@@ -40,7 +40,7 @@ from actors.compute.contract import (
     StepItem,
 )
 from actors.errors import EngineOverloaded
-from actors.kv_blocks import ROOT_HASH, BlockPool, chain_hashes
+from actors.kv_manager import BlockTable, KVBlockManager
 from actors.logs import get_logger
 from actors.messages import (
     Advance,
@@ -99,19 +99,11 @@ class _Sequence:
     reply: MemoryObjectSendStream[TokenReady | SequenceFailed]
     order: int
     tokens: list[int] = field(default_factory=list)
-    # KV positions [0, held) are computed and valid.
-    held: int = 0
-    blocks: list[int] = field(default_factory=list)
-    # Hash chain over the full blocks of `tokens` computed so far.
-    hashes: list[bytes] = field(default_factory=list)
+    kv: BlockTable = field(default_factory=BlockTable)
     pending: bool = False
     cached_tokens: int = 0
     admitted: bool = False
     failures: int = 0
-
-
-def _blocks_for(positions: int, block_size: int) -> int:
-    return -(-positions // block_size)
 
 
 class Scheduler:
@@ -120,7 +112,7 @@ class Scheduler:
     def __init__(
         self,
         *,
-        pool: BlockPool,
+        kv: KVBlockManager,
         admission: Admission,
         max_sequences: int,
         prefill_chunk: int,
@@ -132,7 +124,7 @@ class Scheduler:
         sampler_inbox: MemoryObjectSendStream[SampleStep | SampleRows],
         sampler_outbox: MemoryObjectReceiveStream[StepSampled | RowsWanted | SamplingFailed],
     ) -> None:
-        self.pool = pool
+        self.kv = kv
         self.admission = admission
         self._max_sequences = max_sequences
         self._prefill_chunk = prefill_chunk
@@ -227,7 +219,7 @@ class Scheduler:
             self._running.remove(seq)
         else:
             self._waiting.remove(seq)
-        self._drop_blocks(seq)
+        self.kv.release(seq.kv)
         seq.reply.close()
 
     async def _gather_outstanding(self) -> None:
@@ -256,23 +248,23 @@ class Scheduler:
         suspects = [seq for seq in pending if seq.failures]
         if suspects:
             pending = suspects[:1]
-        decoding = [seq for seq in pending if len(seq.tokens) - seq.held == 1]
-        prefilling = [seq for seq in pending if len(seq.tokens) - seq.held > 1]
+        decoding = [seq for seq in pending if len(seq.tokens) - seq.kv.held == 1]
+        prefilling = [seq for seq in pending if len(seq.tokens) - seq.kv.held > 1]
         for seq in decoding:
             # An earlier reservation in this loop may have preempted it.
             if seq in self._running and self._reserve(seq, len(seq.tokens), in_step):
                 items.append(self._item(seq, len(seq.tokens)))
                 in_step.add(seq.seq_id)
-        budget = max(self._prefill_chunk - len(items), self.pool.block_size)
+        budget = max(self._prefill_chunk - len(items), self.kv.block_size)
         for seq in prefilling:
             if budget <= 0:
                 break
-            end = min(len(seq.tokens), seq.held + budget)
+            end = min(len(seq.tokens), seq.kv.held + budget)
             if seq not in self._running or not self._reserve(seq, end, in_step):
                 continue
             items.append(self._item(seq, end))
             in_step.add(seq.seq_id)
-            budget -= end - seq.held
+            budget -= end - seq.kv.held
         if not items:
             return None
         self.steps += 1
@@ -285,45 +277,31 @@ class Scheduler:
     def _item(self, seq: _Sequence, end: int) -> StepItem:
         return StepItem(
             seq_id=seq.seq_id,
-            tokens=tuple(seq.tokens[seq.held : end]),
-            start=seq.held,
-            blocks=tuple(seq.blocks[: _blocks_for(end, self.pool.block_size)]),
+            tokens=tuple(seq.tokens[seq.kv.held : end]),
+            start=seq.kv.held,
+            blocks=self.kv.step_blocks(seq.kv, end),
             want_logits=end == len(seq.tokens),
         )
 
     def _admit(self) -> None:
         """Move waiting sequences (first come, first served) into the running set while there
         is room, reusing the cached blocks of their longest known prefix."""
-        block_size = self.pool.block_size
         # A sequence that waits for its caller (no advance pending) lets later ones go first.
         for seq in [seq for seq in self._waiting if seq.pending]:
             if len(self._running) >= self._max_sequences:
                 return
-            self._extend_hashes(seq, len(seq.tokens))
-            # Keep at least the last token to compute, so there are logits to sample from.
-            reusable = seq.hashes[: (len(seq.tokens) - 1) // block_size]
-            matched = self.pool.match_prefix(reusable)
-            first_chunk_end = min(len(seq.tokens), len(matched) * block_size + self._prefill_chunk)
-            if self.pool.available < _blocks_for(first_chunk_end, block_size) - len(matched):
-                self.pool.release(matched)
+            if not self.kv.admit(seq.kv, seq.tokens, self._prefill_chunk):
                 return
             self._waiting.remove(seq)
-            seq.blocks = matched
-            seq.held = len(matched) * block_size
             if not seq.admitted:
                 seq.admitted = True
-                seq.cached_tokens = seq.held
+                seq.cached_tokens = seq.kv.held
             self._running.append(seq)
 
     def _reserve(self, seq: _Sequence, end: int, in_step: set[int]) -> bool:
         """Make `seq`'s block table cover positions [0, end), preempting the newest other
         sequence not in this step while blocks run short. False: `seq` waits this step."""
-        needed = _blocks_for(end, self.pool.block_size) - len(seq.blocks)
-        while needed > 0:
-            blocks = self.pool.allocate(needed)
-            if blocks is not None:
-                seq.blocks.extend(blocks)
-                return True
+        while not self.kv.reserve(seq.kv, end):
             victims = [s for s in self._running if s is not seq and s.seq_id not in in_step]
             if not victims:
                 return False
@@ -334,27 +312,13 @@ class Scheduler:
         """Free a sequence's blocks and queue it again at the front; it is recomputed (reusing
         whatever prefix is still cached) when readmitted."""
         self._running.remove(seq)
-        self._drop_blocks(seq)
+        self.kv.release(seq.kv)
         self._waiting.appendleft(seq)
         self._log.info(
             "notice",
             request_id=seq.request_id,
             message="preempted: KV blocks ran out; it is recomputed when blocks free up",
         )
-
-    def _drop_blocks(self, seq: _Sequence) -> None:
-        self.pool.release(seq.blocks)
-        seq.blocks = []
-        seq.held = 0
-
-    def _extend_hashes(self, seq: _Sequence, positions: int) -> None:
-        """Extend the sequence's hash chain over the full blocks of its first `positions`."""
-        block_size = self.pool.block_size
-        done = len(seq.hashes) * block_size
-        full = positions // block_size * block_size
-        if full > done:
-            parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
-            seq.hashes.extend(chain_hashes(seq.tokens[done:full], block_size, parent))
 
     # --- running it -----------------------------------------------------------------------
 
@@ -453,8 +417,7 @@ class Scheduler:
             if isinstance(choice, RowFailed):
                 self._fail([seq], choice.error)
                 continue
-            seq.held = item.start + len(item.tokens)
-            self._publish_full_blocks(seq, item.start)
+            self.kv.computed(seq.kv, seq.tokens, item.start, item.start + len(item.tokens))
             if choice is None:
                 continue
             seq.failures = 0
@@ -477,25 +440,18 @@ class Scheduler:
         self.lost = error
         self._log.error("backend_lost", error=error)
         for seq in self._sequences.values():
-            self._drop_blocks(seq)
+            self.kv.release(seq.kv)
             # The others hold an unread token; their next advance is answered in `_handle`.
             if seq.pending:
                 seq.pending = False
                 self._reply(seq, SequenceFailed(error=f"the compute backend was lost: {error}"))
-
-    def _publish_full_blocks(self, seq: _Sequence, start: int) -> None:
-        """Name the blocks this step filled, so later sequences can reuse them."""
-        block_size = self.pool.block_size
-        self._extend_hashes(seq, seq.held)
-        for index in range(start // block_size, seq.held // block_size):
-            self.pool.publish(seq.blocks[index], seq.hashes[index])
 
     def _fail(self, sequences: Iterable[_Sequence], error: str) -> None:
         """A failed step: every sequence in it holds nothing now; each replays from scratch on
         the next step, unless this was already its replay."""
         self._log.warning("notice", message=f"step failed: {error}")
         for seq in sequences:
-            self._drop_blocks(seq)
+            self.kv.release(seq.kv)
             seq.failures += 1
             if seq.failures >= MAX_STEP_FAILURES:
                 seq.pending = False
