@@ -186,12 +186,15 @@ class Session:
                 while True:
                     message = await self._receive(reply_receive)
                     now = time.perf_counter()
+                    # The cache may also have held a constraint's forced start, which is part
+                    # of the answer, not of the prompt.
+                    cached_tokens = min(message.cached_tokens, len(self._prompt_ids))
                     if first_token_at is None:
                         first_token_at = now
                         self._log.info(
                             "prefill_finished",
                             prompt_tokens=len(self._prompt_ids),
-                            cached_tokens=message.cached_tokens,
+                            cached_tokens=cached_tokens,
                             ms=_ms(now - started),
                         )
                     chunks, finish = _chunks(answer, message, leading)
@@ -207,7 +210,7 @@ class Session:
                     usage = Usage(
                         prompt_tokens=len(self._prompt_ids),
                         completion_tokens=len(answer.token_ids),
-                        cached_tokens=message.cached_tokens,
+                        cached_tokens=cached_tokens,
                     )
                     timings = _timings(started, first_token_at, now, len(answer.token_ids))
                     self._log_finished(finish, usage, timings)

@@ -145,7 +145,7 @@ class GrammarCompiler:
 # JSON written as `json.dumps` writes it, `{"a": 1, "b": [2, 3]}`: models write it so, and
 # no whitespace elsewhere, or a model can fill its budget with blank lines between tokens. A
 # schema's own "x-guidance" options override these.
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _one_line(error: str) -> str:
@@ -164,7 +164,7 @@ def _grammar_text(structured: StructuredOutput) -> str:
         if kind in ("json_schema", "json_object"):
             schema = structured.json_schema if kind == "json_schema" else {"type": "object"}
             return llguidance.LLMatcher.grammar_from_json_schema(
-                msgspec.json.encode(schema).decode(), defaults=_JSON_LAYOUT
+                msgspec.json.encode(schema).decode(), defaults=JSON_LAYOUT
             )
         if kind == "choice":
             return llguidance.grammar_from("choice", list(structured.choice or ()))
@@ -235,6 +235,7 @@ def _executor() -> Any:
 
 
 __all__ = [
+    "JSON_LAYOUT",
     "Advanced",
     "Constraint",
     "GrammarCompiler",

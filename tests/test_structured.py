@@ -264,6 +264,20 @@ async def test_fast_forward_takes_fewer_steps_and_both_answers_are_valid(
 
 
 @pytest.mark.anyio
+async def test_a_repeated_constrained_request_reuses_its_prompt_but_no_more(
+    tiny_path: Path,
+) -> None:
+    params = greedy(StructuredOutput(json_schema=PERSON))
+    prompt = schema_prompt(PERSON) * 3
+    async with Engine.open(tiny_path, backend="cpu", block_size=4) as engine:
+        first = await engine.complete(prompt, params)
+        again = await engine.complete(prompt, params)
+    assert first.token_ids == again.token_ids
+    # The forced start was cached with the prompt; only the prompt counts as cached.
+    assert 0 < again.usage.cached_tokens <= again.usage.prompt_tokens
+
+
+@pytest.mark.anyio
 async def test_seeded_constrained_sampling_repeats(tiny_path: Path) -> None:
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=64,
                             structured=StructuredOutput(json_schema=PERSON))

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import msgspec
 
 from actors.errors import InvalidRequest
-from actors.structured import _JSON_LAYOUT
+from actors.structured import JSON_LAYOUT
 
 # OpenAI's rule for function names.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -174,7 +174,7 @@ class ToolCallFormat(msgspec.Struct, frozen=True, kw_only=True):
             "required": ["name", self.arguments_key],
             "additionalProperties": False,
             # Laid out as every JSON constraint is (a grammar's `%json` has no defaults).
-            "x-guidance": _JSON_LAYOUT,
+            "x-guidance": JSON_LAYOUT,
             **definitions,
         }
 
