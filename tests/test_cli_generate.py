@@ -1,18 +1,22 @@
 """`q4k generate` as a subprocess on the tiny llama model: streaming text, --json Completion,
-errors as one line, and the real log it writes read back by `q4k logs`."""
+errors as one line, the real log it writes read back by `q4k logs`, and answers constrained by
+the structured-output flags (--json-schema, --regex, --choice, --grammar)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from actors.compute.backends import BACKENDS
+from test_cli_chat import CHATML
 from test_cli_logs import CALL_TIMEOUT_S, assert_one_line_error, run_q4k
 from test_logreader import recount
 
@@ -130,3 +134,104 @@ def test_ctrl_c_puts_interrupted_on_its_own_line(tiny_llama: str) -> None:
     lines = (first + rest).decode().splitlines()
     assert lines[-1] == "q4k generate: interrupted"
     assert "[length" not in lines[-2]  # it stopped before the end
+
+
+# Structured output (issue 18): the flags shared with `q4k chat` (actors/cli/common.py).
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "digit": {"type": "integer", "minimum": 0, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["ok", "digit", "tags"],
+    "additionalProperties": False,
+}
+
+
+def generate_constrained(tiny_llama: str, *flags: str) -> dict:
+    """The --json Completion of a greedy answer under `flags` (later flags win)."""
+    result = run_q4k("generate", "Hello there", "--model", tiny_llama, "--backend", "cpu",
+                     "--temperature", "0", "--max-tokens", "40", "--json", *flags)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("fast_forward", [(), ("--no-fast-forward",)], ids=["ff", "no-ff"])
+def test_json_schema_answers_validate(tiny_llama: str, tmp_path: Path,
+                                      fast_forward: tuple[str, ...]) -> None:
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SMALL_SCHEMA))
+    completion = generate_constrained(tiny_llama, "--json-schema", str(schema_file),
+                                      *fast_forward)
+    assert completion["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(completion["text"]), SMALL_SCHEMA)
+
+
+def test_regex_choice_and_grammar_answers_match(tiny_llama: str, tmp_path: Path) -> None:
+    regex = generate_constrained(tiny_llama, "--regex", "[a-c]{3}-[0-9]{2}")
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", regex["text"]) and regex["finish_reason"] == "stop"
+    choice = generate_constrained(tiny_llama, "--choice", "red", "--choice", "green")
+    assert choice["text"] in ("red", "green") and choice["finish_reason"] == "stop"
+    lark = tmp_path / "answer.lark"
+    lark.write_text('start: ("yes" | "no") " because " /[a-z]{2,5}/\n')
+    grammar = generate_constrained(tiny_llama, "--grammar", str(lark))
+    assert re.fullmatch("(yes|no) because [a-z]{2,5}", grammar["text"])
+
+
+def test_a_grammar_cut_by_max_tokens_ends_with_length(tiny_llama: str) -> None:
+    completion = generate_constrained(tiny_llama, "--regex", "[a-z]{200}", "--max-tokens", "5")
+    assert completion["finish_reason"] == "length"
+    assert completion["usage"]["completion_tokens"] == 5
+
+
+def test_streamed_constrained_text_ends_with_stop(tiny_llama: str) -> None:
+    result = run_q4k("generate", "Hello there", "--model", tiny_llama, "--backend", "cpu",
+                     "--temperature", "0", "--choice", "red", "--choice", "green")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout in ("red\n", "green\n")
+    assert result.stderr.startswith("[stop · ")
+
+
+def test_structured_flag_errors_are_one_line(tiny_llama: str, tmp_path: Path) -> None:
+    def fails(*flags: str) -> subprocess.CompletedProcess[str]:
+        return run_q4k("generate", "hi", "--model", tiny_llama, "--backend", "cpu", *flags)
+
+    absent = str(tmp_path / "absent.json")
+    assert_one_line_error(fails("--json-schema", absent),
+                          f"--json-schema {absent}: cannot read the schema")
+    not_json = tmp_path / "broken.json"
+    not_json.write_text('{"type": ')
+    assert_one_line_error(fails("--json-schema", str(not_json)),
+                          f"--json-schema {not_json}: not JSON", "line 1 column 10")
+    not_object = tmp_path / "list.json"
+    not_object.write_text("[1, 2]")
+    assert_one_line_error(fails("--json-schema", str(not_object)),
+                          "--json-schema: ", "must be a JSON object")
+    bad_type = tmp_path / "bad_type.json"
+    bad_type.write_text('{"type": "colour"}')
+    assert_one_line_error(fails("--json-schema", str(bad_type)), "--json-schema: ", "colour")
+    assert_one_line_error(fails("--regex", "("), "--regex: ", "does not compile")
+    assert_one_line_error(fails("--grammar", str(tmp_path / "absent.lark")),
+                          "--grammar ", "cannot read the grammar")
+    assert_one_line_error(fails("--regex", "a", "--choice", "b"), "--choice", "--regex",
+                          "not allowed")
+    assert_one_line_error(fails("--no-fast-forward"), "--no-fast-forward", "--json-schema")
+
+
+def test_an_unreadable_schema_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    # The model does not exist: only a check made before loading can name the schema.
+    absent = str(tmp_path / "absent.gguf")
+    assert_one_line_error(run_q4k("generate", "hi", "--model", absent, "--json-schema",
+                                  str(tmp_path / "none.json")), "--json-schema", "cannot read")
+
+
+def test_chat_takes_the_structured_flags(tiny_llama: str, tmp_path: Path) -> None:
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    result = run_q4k("chat", "--model", tiny_llama, "--backend", "cpu", "--template",
+                     str(template), "--temperature", "0", "--choice", "red", "--choice", "green",
+                     stdin="pick a colour\n/quit\n")
+    assert result.returncode == 0, result.stderr
+    answer = result.stdout.splitlines()[1].removeprefix(">>> ")
+    assert answer in ("red", "green") and "[stop · " in result.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -17,10 +18,18 @@ from actors.logs import LEVELS, configure_logging
 
 if TYPE_CHECKING:
     from actors.engine import Engine
-    from actors.params import SamplingParams
+    from actors.params import SamplingParams, StructuredOutput
 
 # Width of tables written to a pipe or file, where there is no terminal to measure.
 PIPE_WIDTH = 160
+# The flag that sets each field of StructuredOutput, to name it in errors.
+STRUCTURED_FLAGS = {
+    "json_schema": "--json-schema",
+    "regex": "--regex",
+    "choice": "--choice",
+    "grammar": "--grammar",
+    "fast_forward": "--no-fast-forward",
+}
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -101,6 +110,24 @@ def add_sampling_flags(parser: argparse.ArgumentParser, *, max_tokens: int = 256
                        help="stop when TEXT is generated (repeatable)")
     group.add_argument("--ignore-eos", action="store_true",
                        help="keep generating past end-of-sequence tokens")
+    _add_structured_flags(parser)
+
+
+def _add_structured_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "structured output", "the answer must match one of these, enforced token by token")
+    one_of = group.add_mutually_exclusive_group()
+    one_of.add_argument("--json-schema", metavar="FILE", default=None,
+                        help="a JSON Schema file: the answer is JSON valid against it")
+    one_of.add_argument("--regex", metavar="R", default=None,
+                        help="the answer matches the regular expression R in full")
+    one_of.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                        help="the answer is one of these texts (repeat the flag for each)")
+    one_of.add_argument("--grammar", metavar="FILE", default=None,
+                        help="a grammar file (llguidance's Lark syntax, or llama.cpp's GBNF)")
+    group.add_argument("--no-fast-forward", action="store_true",
+                       help="decode the tokens the constraint forces one step each instead of "
+                       "feeding them as one chunk")
 
 
 def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
@@ -119,12 +146,58 @@ def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
             seed=args.seed,
             stop=tuple(args.stop),
             ignore_eos=args.ignore_eos,
+            structured=structured_output_from(args),
         )
         params.validate()
     except InvalidRequest as exc:
-        flag = f"--{exc.field.replace('_', '-')}: " if exc.field else ""
-        raise InvalidRequest(f"{flag}{exc}", field=exc.field) from None
+        raise naming_the_flag(exc) from None
     return params
+
+
+def structured_output_from(args: argparse.Namespace) -> StructuredOutput | None:
+    """The StructuredOutput the structured-output flags describe (None without one); the
+    --json-schema and --grammar files are read here, before any model loads."""
+    from actors.params import StructuredOutput
+
+    fast_forward = not args.no_fast_forward
+    if args.json_schema is not None:
+        schema = _json_schema_file(args.json_schema)
+        return StructuredOutput(json_schema=schema, fast_forward=fast_forward)
+    if args.regex is not None:
+        return StructuredOutput(regex=args.regex, fast_forward=fast_forward)
+    if args.choice is not None:
+        return StructuredOutput(choice=tuple(args.choice), fast_forward=fast_forward)
+    if args.grammar is not None:
+        grammar = read_text_file(args.grammar, "the grammar", f"--grammar {args.grammar}",
+                                 "structured.grammar")
+        return StructuredOutput(grammar=grammar, fast_forward=fast_forward)
+    if not fast_forward:
+        raise InvalidRequest("--no-fast-forward applies to a constrained answer: give "
+                             "--json-schema, --regex, --choice or --grammar too",
+                             field="structured.fast_forward")
+    return None
+
+
+def naming_the_flag(exc: InvalidRequest) -> InvalidRequest:
+    """`exc` with the flag the user typed in front (--top-p, --regex...); as it is where
+    that flag is already named."""
+    field = exc.field or ""
+    if field.startswith("structured."):
+        flag = STRUCTURED_FLAGS.get(field.removeprefix("structured."))
+    else:
+        flag = f"--{field.replace('_', '-')}" if field else None
+    if flag is None or str(exc).startswith(flag):
+        return exc
+    return InvalidRequest(f"{flag}: {exc}", field=exc.field)
+
+
+def _json_schema_file(path: str) -> Any:
+    text = read_text_file(path, "the schema", f"--json-schema {path}", "structured.json_schema")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"--json-schema {path}: not JSON: {exc}",
+                             field="structured.json_schema") from None
 
 
 def model_path_from(args: argparse.Namespace) -> Path:
@@ -189,12 +262,16 @@ def read_template(path: str | None) -> str | None:
     """The text of the --template FILE (None without one)."""
     if path is None:
         return None
+    return read_text_file(path, "the template", path, "template")
+
+
+def read_text_file(path: str, what: str, shown: str, field: str) -> str:
+    """A UTF-8 text file's text; else `InvalidRequest` "SHOWN: cannot read WHAT: why"."""
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise InvalidRequest(f"{path}: cannot read the template: {why}",
-                             field="template") from None
+        raise InvalidRequest(f"{shown}: cannot read {what}: {why}", field=field) from None
 
 
 def has_chat_template(model: Path, override: str | None) -> bool:

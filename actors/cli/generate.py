@@ -15,6 +15,7 @@ from actors.cli.common import (
     add_model_flag,
     add_sampling_flags,
     configure_logging_from,
+    naming_the_flag,
     open_engine,
     sampling_params_from,
 )
@@ -52,6 +53,11 @@ def _generate(args: argparse.Namespace) -> int:
     streamed: list[str] = []
     try:
         return anyio.run(_run, args, prompt, params, streamed)
+    except InvalidRequest as exc:
+        # A constraint compiles against the model's vocabulary, so only once the model loads.
+        if exc.field is not None and exc.field.startswith("structured."):
+            raise naming_the_flag(exc) from None
+        raise
     except KeyboardInterrupt:
         if streamed and not streamed[-1].endswith("\n"):  # "interrupted" starts its own line
             sys.stdout.write("\n")
