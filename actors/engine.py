@@ -54,7 +54,7 @@ from actors.model.arch import MAX_CONTEXT
 from actors.model.chat import ChatTemplate, RenderLimits, check_messages
 from actors.model.loaded import Model
 from actors.params import SamplingParams, StructuredOutput
-from actors.sampler import (
+from actors.sampling import (
     RowsWanted,
     SampleRows,
     SampleStep,
