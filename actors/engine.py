@@ -49,8 +49,8 @@ from actors.loader import Loaded, LoaderActor, LoadFailed, ModelLoaded, load_ggu
 from actors.logs import get_logger, logging_to
 from actors.messages import Chunk, Completion, EngineStats
 from actors.model.arch import MAX_CONTEXT
-from actors.model.chat import ChatTemplate
 from actors.model.loaded import Model
+from actors.model.text.chat import ChatTemplate
 from actors.params import SamplingParams
 from actors.sampling import (
     RowsWanted,
@@ -393,10 +393,11 @@ class Engine(EngineDoor):
         strict_max_tokens: bool = False,
     ) -> AsyncIterator[Chunk]:
         """Stream the assistant's answer to `messages`, rendered with the model's chat template
-        (or `template`, a Jinja source run in a sandbox). Roles: `actors.model.chat.CHAT_ROLES`;
-        others raise InvalidRequest. `tools`: OpenAI-style function tools, rendered by the
-        template (its `tools` variable; one that has none raises InvalidRequest); an
-        assistant message may carry `tool_calls`, a `tool` message answers one.
+        (or `template`, a Jinja source run in a sandbox). Roles:
+        `actors.model.text.chat.CHAT_ROLES`; others raise InvalidRequest. `tools`: OpenAI-style
+        function tools, rendered by the template (its `tools` variable; one that has none
+        raises InvalidRequest); an assistant message may carry `tool_calls`, a `tool` message
+        answers one.
 
         Bad messages, params or a template that is not a string raise at once (the messages
         of a chat longer than 16 Ki messages are checked in a worker thread, so their errors

@@ -31,8 +31,8 @@ from actors.model.candidates import (
     apply_token_masks,
     top_candidates,
 )
-from actors.model.gguf import GGUFFile, open_gguf
-from actors.model.quants import dequantize
+from actors.model.gguf.quants import dequantize
+from actors.model.gguf.reader import GGUFFile, open_gguf
 from actors.model.step import StepItem, plan_step
 from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
 from tests.cuda_samples import (

@@ -30,7 +30,7 @@ import numpy as np
 
 from actors.compute import cuda_plan as plan
 from actors.model.arch import ModelSpec
-from actors.model.gguf import TensorInfo
+from actors.model.gguf.reader import TensorInfo
 from actors.model.step import StepPlan
 
 F32 = 4  # bytes per activation element

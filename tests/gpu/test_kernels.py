@@ -18,7 +18,7 @@ from actors.compute import cuda_plan as plan
 from actors.compute.cuda_packing import row_arrays
 from actors.model.candidates import RowInputs, apply_token_masks
 from actors.model.forward import gelu_tanh, rms_norm, silu
-from actors.model.quants import dequantize
+from actors.model.gguf.quants import dequantize
 from actors.model.rope import apply_rope, inverse_frequencies, pair_order, rotation
 from tests.cuda_samples import (
     assert_same_floats,

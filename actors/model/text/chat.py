@@ -45,7 +45,7 @@ from jinja2.utils import pass_environment, pass_eval_context
 from markupsafe import EscapeFormatter, Markup
 
 from actors.errors import InvalidRequest, TemplateError
-from actors.model.template_sizes import format_field_size, percent_format_size, text_size
+from actors.model.text.template_sizes import format_field_size, percent_format_size, text_size
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 # Real chat templates are a few KB; the largest known are ~20 KB.
