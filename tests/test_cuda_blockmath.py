@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from actors.compute.cuda_plan import kernel_source_dir, row_pitch
-from actors.model.gguf.quants import FORMATS, QUANTIZERS, dequantize, quantize
+from actors.model.gguf.quantizers import QUANTIZERS, quantize
+from actors.model.gguf.quants import FORMATS, dequantize
 from tests.cuda_samples import HALF_FIELDS, assert_same_floats, finite_blocks, random_blocks
 
 GROUP = 32
