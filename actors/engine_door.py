@@ -25,7 +25,8 @@ from actors.errors import (
     InvalidRequest,
 )
 from actors.messages import Chunk
-from actors.model.text.chat import RenderLimits, check_messages
+from actors.model.text.chat import check_messages
+from actors.model.text.sandbox import RenderLimits
 from actors.params import SamplingParams, StructuredOutput
 from actors.session import Session, new_request_id
 from actors.structured import Constraint

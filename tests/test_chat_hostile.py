@@ -16,7 +16,8 @@ import pytest
 from actors import Engine, SamplingParams
 from actors.errors import TemplateError
 from actors.loop_stall import watch_loop
-from actors.model.text.chat import ChatTemplate, RenderLimits
+from actors.model.text.chat import ChatTemplate
+from actors.model.text.sandbox import RenderLimits
 from tests.fuzz import gguf_structure
 
 USER = [{"role": "user", "content": "hi"}]
