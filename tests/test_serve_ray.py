@@ -1,0 +1,173 @@
+"""`q4k serve --replicas 2` on a local Ray instance (2 CPUs) with the tiny llama model, driven
+with the official `openai` client: answers equal one engine's, a shared prompt prefix sticks
+to the replica that holds it, unrelated prompts spread over both replicas, and a replica
+killed mid-stream ends that stream with an error while the other serves what comes next.
+
+One Ray instance serves every test of the module: the test process starts it, and `q4k serve`
+joins it through RAY_ADDRESS (so it can look up the replicas' processes)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import anyio
+import msgspec
+import numpy as np
+import openai
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs the `ray` extra: pip install 'q4k-actors[ray]'")
+from ray import serve  # noqa: E402  (after the skip)
+
+from actors.engine import Engine  # noqa: E402
+from actors.params import SamplingParams  # noqa: E402
+from actors.serve.ray import REPLICA_HEADER  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parent.parent
+MODEL = "llama-q4k-tiny"
+BANNER = re.compile(r"on http://127\.0\.0\.1:(\d+)/v1 ")
+START_TIMEOUT_S = 180
+GREEDY = {"temperature": 0, "max_tokens": 16}
+PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+
+
+class Endpoint(msgspec.Struct):
+    client: openai.OpenAI
+    process: subprocess.Popen[str]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _banner(process: subprocess.Popen[str]) -> re.Match[str]:
+    """The endpoint line `q4k serve` prints once its replicas are up (Ray's own lines come
+    first); fails with what it printed if it never comes."""
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in process.stderr:
+            lines.put(line)
+        lines.put("")  # it ended
+
+    threading.Thread(target=read, daemon=True).start()
+    seen = []
+    while True:
+        try:
+            line = lines.get(timeout=START_TIMEOUT_S)
+        except queue.Empty:
+            line = ""
+        if not line:
+            pytest.fail("q4k serve --replicas printed no endpoint:\n" + "".join(seen))
+        seen.append(line)
+        if found := BANNER.search(line):
+            return found
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_model_paths: dict[str, Path]) -> Iterator[Endpoint]:
+    # The replicas' processes import this checkout's `actors`, as the test process does; the
+    # instance listens on loopback only, so `q4k serve` joins it without Ray's token.
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    saved = os.environ.copy()
+    os.environ.update(environment)
+    context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "actors.cli", "serve", "--model",
+         str(tiny_model_paths[MODEL]), "--backend", "cpu", "--replicas", "2",
+         "--port", str(_free_port())],
+        env={**environment, "RAY_ADDRESS": context.address_info["gcs_address"]},
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        port = _banner(process).group(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               timeout=60, max_retries=0)
+        yield Endpoint(client=client, process=process)
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        finally:
+            process.kill()
+            serve.shutdown()
+            ray.shutdown()
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def single_engine_answers(tiny_model_paths: dict[str, Path]) -> dict[str, str]:
+    async def answers() -> dict[str, str]:
+        params = SamplingParams(temperature=0, max_tokens=GREEDY["max_tokens"])
+        async with Engine.open(tiny_model_paths[MODEL], backend="cpu") as engine:
+            return {prompt: (await engine.complete(prompt, params)).text for prompt in PROMPTS}
+
+    return anyio.run(answers)
+
+
+def _complete(client: openai.OpenAI, prompt: str | list[int], **options: object):
+    """The completion and the replica that answered it."""
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, **options)
+    return raw.parse(), raw.headers[REPLICA_HEADER]
+
+
+def test_answers_equal_a_single_engines(endpoint: Endpoint,
+                                        single_engine_answers: dict[str, str]) -> None:
+    for prompt, expected in single_engine_answers.items():
+        whole, _ = _complete(endpoint.client, prompt, **GREEDY)
+        assert whole.choices[0].text == expected
+        stream = endpoint.client.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                                    **GREEDY)
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
+
+
+def test_requests_sharing_a_prefix_go_where_it_is_cached(endpoint: Endpoint) -> None:
+    vocab = np.random.default_rng(7)
+    prefix = vocab.integers(3, 1000, 200).tolist()
+    answers = [_complete(endpoint.client, prefix + vocab.integers(3, 1000, 8).tolist(),
+                         temperature=0, max_tokens=2) for _ in range(20)]
+    cached = [reply.usage.prompt_tokens_details.cached_tokens for reply, _ in answers]
+    assert sum(tokens > 0 for tokens in cached) >= 18, cached
+    # Every request after the first went to the replica that served the first.
+    assert {replica for _, replica in answers} == {answers[0][1]}, answers
+
+
+def test_unrelated_prompts_spread_over_both_replicas(endpoint: Endpoint) -> None:
+    vocab = np.random.default_rng(11)
+    prompts = [vocab.integers(3, 1000, 40).tolist() for _ in range(16)]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(
+            lambda prompt: _complete(endpoint.client, prompt, temperature=0, max_tokens=4),
+            prompts))
+    assert len({replica for _, replica in answers}) == 2
+
+
+def test_a_replica_killed_mid_stream_ends_its_stream_with_an_error(endpoint: Endpoint) -> None:
+    raw = endpoint.client.completions.with_raw_response.create(
+        model=MODEL, prompt="Once upon a time", stream=True, temperature=0, max_tokens=1500,
+        extra_body={"ignore_eos": True})
+    killed = raw.headers[REPLICA_HEADER]
+    chunks = iter(raw.parse())
+    next(chunks)
+    replica = ray.get_actor(f"SERVE_REPLICA::q4k#EngineReplica#{killed}", namespace="serve")
+    os.kill(ray.get(replica.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="replica"):
+        for _ in chunks:
+            pass
+    later = [_complete(endpoint.client, prompt, **GREEDY)[1] for prompt in PROMPTS]
+    assert killed not in later
