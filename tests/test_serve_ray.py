@@ -29,9 +29,14 @@ import pytest
 ray = pytest.importorskip("ray", reason="needs the `ray` extra: pip install 'q4k-actors[ray]'")
 from ray import serve  # noqa: E402  (after the skip)
 
+from actors.compute.contract import KVRequest  # noqa: E402
+from actors.compute.cpu import build_cpu_backend  # noqa: E402
+from actors.compute.faults import Fault, FaultyBackend  # noqa: E402
 from actors.engine import Engine  # noqa: E402
+from actors.errors import ComputeError  # noqa: E402
+from actors.model.loaded import load_model  # noqa: E402
 from actors.params import SamplingParams  # noqa: E402
-from actors.serve.ray import REPLICA_HEADER  # noqa: E402
+from actors.serve.ray import REPLICA_HEADER, check_engine  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +90,7 @@ def endpoint(tiny_model_paths: dict[str, Path]) -> Iterator[Endpoint]:
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
     saved = os.environ.copy()
     os.environ.update(environment)
-    context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    context = ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     process = subprocess.Popen(
         [sys.executable, "-m", "actors.cli", "serve", "--model",
          str(tiny_model_paths[MODEL]), "--backend", "cpu", "--replicas", "2",
@@ -118,6 +123,29 @@ def single_engine_answers(tiny_model_paths: dict[str, Path]) -> dict[str, str]:
             return {prompt: (await engine.complete(prompt, params)).text for prompt in PROMPTS}
 
     return anyio.run(answers)
+
+
+def test_an_engine_whose_backend_is_lost_fails_the_health_check(
+        tiny_model_paths: dict[str, Path]) -> None:
+    """What `EngineReplica.check_health` asks: healthy while the engine serves, ComputeError
+    once a backend that stopped answering for two step deadlines is lost."""
+    model = load_model(tiny_model_paths[MODEL])
+    prompt = model.tokenizer.encode("Once upon a time")
+    hang = Fault(kind="hang", prompt_prefix=tuple(prompt[:2]), times=1, hang_s=2.0)
+    kv = KVRequest(blocks=64, block_size=16, max_sequences=4)
+
+    async def drill() -> None:
+        async with Engine.open_backend(
+            lambda: FaultyBackend(build_cpu_backend(model, kv, ()), [hang]), model.tokenizer,
+            step_timeout_s=0.2,
+        ) as engine:
+            await check_engine(engine)
+            with anyio.fail_after(30), pytest.raises(ComputeError):
+                await engine.complete(prompt, SamplingParams(max_tokens=2))
+            with pytest.raises(ComputeError, match="lost"):
+                await check_engine(engine)
+
+    anyio.run(drill)
 
 
 def _complete(client: openai.OpenAI, prompt: str | list[int], **options: object):

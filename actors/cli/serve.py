@@ -200,9 +200,7 @@ def _serve_on_ray(args: argparse.Namespace, model: Path, options: ServerOptions,
     finally:
         if joined:
             serve.delete(RAY_APP_NAME)
-        else:
-            serve.shutdown()
-        ray.shutdown()
+        ray.shutdown()  # and with it the local instance, Serve and the replicas in it
     print("q4k serve: stopped", file=sys.stderr)
     return 0
 

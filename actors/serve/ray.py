@@ -178,19 +178,24 @@ class EngineReplica:
 
     async def check_health(self) -> None:
         """Raise (Ray Serve then replaces this replica) once the engine cannot serve."""
-        engine = self._engine
-        if engine is None:
+        if self._engine is None:
             raise self._failure or EngineClosed("the engine of this replica has stopped")
-        # The engine's door refuses every request once its backend is lost (or it closed),
-        # before any work: a probe it lets through is closed unstarted, costing nothing.
-        try:
-            probe = engine.generate([0], SamplingParams(max_tokens=1))
-        except EngineOverloaded:
-            return  # busy is healthy
-        await probe.aclose()
+        await check_engine(self._engine)
 
     async def __del__(self) -> None:
         await self._lifespan.shutdown()
+
+
+async def check_engine(engine: Engine) -> None:
+    """Raise what the engine's door raises once the engine cannot serve: ComputeError once its
+    backend is lost, EngineClosed once it closed. A busy engine is healthy."""
+    # The door refuses every request of a lost engine before any work; a probe it lets
+    # through is closed unstarted, costing nothing.
+    try:
+        probe = engine.generate([0], SamplingParams(max_tokens=1))
+    except EngineOverloaded:
+        return
+    await probe.aclose()
 
 
 class PromptKeys:
