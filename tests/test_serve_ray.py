@@ -16,11 +16,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anyio
+import httpx
 import msgspec
 import numpy as np
 import openai
@@ -49,6 +51,7 @@ PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 
 
 class Endpoint(msgspec.Struct):
+    url: str
     client: openai.OpenAI
     process: subprocess.Popen[str]
 
@@ -99,10 +102,10 @@ def endpoint(tiny_model_paths: dict[str, Path]) -> Iterator[Endpoint]:
         stderr=subprocess.PIPE, text=True,
     )
     try:
-        port = _banner(process).group(1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                               timeout=60, max_retries=0)
-        yield Endpoint(client=client, process=process)
+        url = f"http://127.0.0.1:{_banner(process).group(1)}"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60,
+                               max_retries=0)
+        yield Endpoint(url=url, client=client, process=process)
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -183,6 +186,27 @@ def test_unrelated_prompts_spread_over_both_replicas(endpoint: Endpoint) -> None
             lambda prompt: _complete(endpoint.client, prompt, temperature=0, max_tokens=4),
             prompts))
     assert len({replica for _, replica in answers}) == 2
+
+
+def _metrics(url: str, replica: str) -> dict[str, float]:
+    """One replica's /metrics samples, `name{labels}` -> value."""
+    text = httpx.get(f"{url}/metrics", headers={REPLICA_HEADER: replica}).text
+    return {name: float(value) for name, value in
+            (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
+
+
+def test_a_client_that_leaves_cancels_its_request_on_the_replica(endpoint: Endpoint) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "stream": True, "temperature": 0,
+            "max_tokens": 1500, "ignore_eos": True}
+    with httpx.stream("POST", f"{endpoint.url}/v1/completions", json=body) as response:
+        replica = response.headers[REPLICA_HEADER]
+        next(response.iter_lines())
+    # The replica's engine drops the request: nothing left running there, one cancelled.
+    deadline = time.monotonic() + 20
+    while (samples := _metrics(endpoint.url, replica))["q4k_requests_running"] > 0:
+        assert time.monotonic() < deadline, samples
+        time.sleep(0.1)
+    assert samples['q4k_requests_total{outcome="cancelled"}'] == 1
 
 
 def test_a_replica_killed_mid_stream_ends_its_stream_with_an_error(endpoint: Endpoint) -> None:

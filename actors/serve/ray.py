@@ -37,6 +37,8 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from starlette.types import Message, Receive, Scope, Send
 from uvicorn.lifespan.on import LifespanOn
 
+from actors.cli.common import has_chat_template
+from actors.engine import Engine
 from actors.errors import EngineClosed, EngineOverloaded, Q4KError
 from actors.kv_blocks import chain_hashes
 from actors.model.chat import ChatTemplate, RenderLimits
@@ -48,8 +50,6 @@ from actors.serve.replies import error_body, error_event
 
 if TYPE_CHECKING:
     from ray.serve import Application
-
-    from actors.engine import Engine
 
 # The response header naming the replica that answered; as a request header, the replica
 # that should (GET /metrics of one replica, say).
@@ -111,8 +111,6 @@ class EngineReplica:
     loaded (a load that fails fails the replica, and Ray Serve starts another)."""
 
     async def __init__(self, settings: ReplicaSettings) -> None:
-        from actors.cli.common import has_chat_template
-
         self._settings = settings
         self._engine: Engine | None = None
         self._failure: Q4KError | None = None
@@ -132,8 +130,6 @@ class EngineReplica:
 
     @asynccontextmanager
     async def _open_engine(self) -> AsyncIterator[Engine]:
-        from actors.engine import Engine
-
         async with Engine.open(self._settings.model, **self._settings.engine_options()) as engine:
             self._engine = engine
             self._settled.set()
