@@ -48,6 +48,10 @@ BANNER = re.compile(r"on http://127\.0\.0\.1:(\d+)/v1 ")
 START_TIMEOUT_S = 180
 GREEDY = {"temperature": 0, "max_tokens": 16}
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+# The tiny model has no chat template of its own: the replicas (and their front, which keys
+# chats by the rendered prompt) are given this one.
+TEMPLATE = ROOT / "examples" / "chat_templates" / "chatml_tools.jinja"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 class Endpoint(msgspec.Struct):
@@ -97,7 +101,7 @@ def endpoint(tiny_model_paths: dict[str, Path]) -> Iterator[Endpoint]:
     process = subprocess.Popen(
         [sys.executable, "-m", "actors.cli", "serve", "--model",
          str(tiny_model_paths[MODEL]), "--backend", "cpu", "--replicas", "2",
-         "--port", str(_free_port())],
+         "--template", str(TEMPLATE), "--port", str(_free_port())],
         env={**environment, "RAY_ADDRESS": context.address_info["gcs_address"]},
         stderr=subprocess.PIPE, text=True,
     )
@@ -120,10 +124,14 @@ def endpoint(tiny_model_paths: dict[str, Path]) -> Iterator[Endpoint]:
 
 @pytest.fixture(scope="module")
 def single_engine_answers(tiny_model_paths: dict[str, Path]) -> dict[str, str]:
+    """Completions of PROMPTS, and the answer to QUESTION under "chat", from one engine."""
     async def answers() -> dict[str, str]:
         params = SamplingParams(temperature=0, max_tokens=GREEDY["max_tokens"])
         async with Engine.open(tiny_model_paths[MODEL], backend="cpu") as engine:
-            return {prompt: (await engine.complete(prompt, params)).text for prompt in PROMPTS}
+            found = {prompt: (await engine.complete(prompt, params)).text for prompt in PROMPTS}
+            chat = engine.chat(QUESTION, params, TEMPLATE.read_text())
+            found["chat"] = "".join([chunk.text async for chunk in chat])
+            return found
 
     return anyio.run(answers)
 
@@ -159,7 +167,10 @@ def _complete(client: openai.OpenAI, prompt: str | list[int], **options: object)
 
 def test_answers_equal_a_single_engines(endpoint: Endpoint,
                                         single_engine_answers: dict[str, str]) -> None:
-    for prompt, expected in single_engine_answers.items():
+    expected_answers = dict(single_engine_answers)
+    chat = endpoint.client.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY)
+    assert chat.choices[0].message.content == expected_answers.pop("chat")
+    for prompt, expected in expected_answers.items():
         whole, _ = _complete(endpoint.client, prompt, **GREEDY)
         assert whole.choices[0].text == expected
         stream = endpoint.client.completions.create(model=MODEL, prompt=prompt, stream=True,
@@ -176,6 +187,19 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(endpoint: Endpoint) -> 
     assert sum(tokens > 0 for tokens in cached) >= 18, cached
     # Every request after the first went to the replica that served the first.
     assert {replica for _, replica in answers} == {answers[0][1]}, answers
+
+
+def test_chats_sharing_a_system_prompt_go_where_it_is_cached(endpoint: Endpoint) -> None:
+    """The front keys a chat by its prompt as the template renders it."""
+    system = {"role": "system", "content": " ".join(f"Rule {i}: be brief." for i in range(40))}
+    replicas, cached = set(), []
+    for question in range(6):
+        raw = endpoint.client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[system, {"role": "user", "content": f"Question {question}?"}],
+            temperature=0, max_tokens=2)
+        replicas.add(raw.headers[REPLICA_HEADER])
+        cached.append(raw.parse().usage.prompt_tokens_details.cached_tokens)
+    assert len(replicas) == 1 and all(tokens > 0 for tokens in cached[1:]), (replicas, cached)
 
 
 def test_unrelated_prompts_spread_over_both_replicas(endpoint: Endpoint) -> None:

@@ -166,7 +166,7 @@ def _serve_on_ray(args: argparse.Namespace, model: Path, options: ServerOptions,
         import ray
         from ray import serve
 
-        from actors.serve.ray import ReplicaSettings, deployment
+        from actors.serve.ray import ReplicaSettings, serve_application
     except ImportError as exc:
         raise InvalidRequest(
             f"--replicas needs the `ray` extra ({exc.name} is missing): "
@@ -189,7 +189,7 @@ def _serve_on_ray(args: argparse.Namespace, model: Path, options: ServerOptions,
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(deployment(settings, num_replicas=args.replicas), name=RAY_APP_NAME,
+        serve.run(serve_application(settings, num_replicas=args.replicas), name=RAY_APP_NAME,
                   route_prefix="/")
         print(f"q4k serve: {model.name} on http://{args.host}:{args.port}/v1 ({args.replicas} "
               f"replicas on Ray Serve, Ray at {context.address_info['gcs_address']}; Ctrl-C "

@@ -212,7 +212,7 @@ class PromptKeys:
         try:
             request = msgspec.json.decode(body)
             ids = self._prompt_ids(path, request) if isinstance(request, dict) else []
-        except (msgspec.DecodeError, Q4KError, TypeError, ValueError):
+        except Exception:  # whatever a hostile body makes the template or tokenizer raise
             return ()
         # The scheduler keeps the last prompt token to compute, so it never reuses its block.
         return tuple(chain_hashes(ids[:-1], self._block_size))
@@ -256,7 +256,7 @@ class Forwarder:
 
     async def _read(self, scope: Scope, receive: Receive) -> ForwardedRequest:
         parts = []
-        while True:  # RequestGuard has read and bounded it already: one message
+        while True:  # bounded: RequestGuard has read a POST's body already
             message = await receive()
             parts.append(message.get("body", b""))
             if not message.get("more_body", False):
@@ -402,7 +402,7 @@ def _forwarded(pending_request: PendingRequest | None) -> ForwardedRequest | Non
     return request if type(request).__name__ == ForwardedRequest.__name__ else None
 
 
-def deployment(settings: ReplicaSettings, **replica_options: Any) -> Application:
+def serve_application(settings: ReplicaSettings, **replica_options: Any) -> Application:
     """The Serve application: `replica_options` go to the engine replicas' deployment as Ray
     Serve's own (`num_replicas`, `autoscaling_config`, `ray_actor_options`, ...). Each
     replica takes one GPU where the backend is CUDA, else one CPU."""
@@ -425,4 +425,4 @@ def application(args: dict[str, Any]) -> Application:
     """The builder `serve run actors.serve.ray:application model=... [backend=...]` calls:
     `args` are `ReplicaSettings`' fields; replica counts and autoscaling go in the config's
     `deployments:` section (deployment `EngineReplica`)."""
-    return deployment(msgspec.convert(args, ReplicaSettings, strict=False))
+    return serve_application(msgspec.convert(args, ReplicaSettings, strict=False))
