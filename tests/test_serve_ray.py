@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import anyio
 import httpx
@@ -38,7 +39,12 @@ from actors.engine import Engine  # noqa: E402
 from actors.errors import ComputeError  # noqa: E402
 from actors.model.loaded import load_model  # noqa: E402
 from actors.params import SamplingParams  # noqa: E402
-from actors.serve.ray import REPLICA_HEADER, check_engine  # noqa: E402
+from actors.serve.ray import (  # noqa: E402
+    REPLICA_HEADER,
+    ForwardedRequest,
+    PrefixAffinityRouter,
+    check_engine,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -157,6 +163,43 @@ def test_an_engine_whose_backend_is_lost_fails_the_health_check(
                 await check_engine(engine)
 
     anyio.run(drill)
+
+
+def test_the_router_sends_a_prefix_to_its_holder_until_the_holder_is_busy() -> None:
+    # Ray Serve builds its routers itself; this one is built by hand (from Ray's private ids)
+    # to drive its choices directly.
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+    from ray.serve.request_router import ReplicaID
+
+    deployment = DeploymentID(name="EngineReplica", app_name="q4k")
+    replicas = [SimpleNamespace(replica_id=ReplicaID(unique_id=name, deployment_id=deployment))
+                for name in "abc"]
+    a = replicas[0]
+
+    def pending(*blocks: bytes, replica: str | None = None) -> SimpleNamespace:
+        request = ForwardedRequest(method="POST", path="/v1/completions", query_string=b"",
+                                   headers=[], body=b"", client=None, prefix=blocks,
+                                   replica=replica)
+        return SimpleNamespace(args=[request])
+
+    async def choices() -> list[list[list[SimpleNamespace]]]:
+        router = PrefixAffinityRouter(deployment, DeploymentHandleSource.UNKNOWN,
+                                      use_replica_queue_len_cache=True)
+        router.initialize_state(busy_at=2)
+        router.on_request_routed(pending(b"1", b"2", b"3"), a.replica_id, None)
+        found = [await router.choose_replicas(replicas, pending(b"1", b"2", b"3", b"4")),
+                 await router.choose_replicas(replicas, pending(b"1", b"9", b"9", b"9")),
+                 await router.choose_replicas(replicas, pending(b"1", b"2", replica="b"))]
+        router.on_new_queue_len_info(a.replica_id, 2)
+        found.append(await router.choose_replicas(replicas, pending(b"1", b"2", b"3")))
+        return found
+
+    shared, barely_shared, pinned, busy = anyio.run(choices)
+    assert shared == [[a]]
+    # One block of four in common is too little to prefer its holder: two at random.
+    assert len(barely_shared) == 1 and len(barely_shared[0]) == 2
+    assert pinned == [[replicas[1]]]
+    assert len(busy) == 1 and len(busy[0]) == 2
 
 
 def _complete(client: openai.OpenAI, prompt: str | list[int], **options: object):
