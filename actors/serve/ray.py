@@ -11,8 +11,9 @@ One Serve application of two deployments:
   cannot route on the prompt: it streams bodies to the replica it already chose.
 
 The prefix key is the chain of block hashes of the rendered prompt's token ids, as the
-scheduler's prefix cache names them (`actors.kv_blocks.chain_hashes`): a request goes to the
-replica that last served the longest run of its blocks, whose KV cache likely holds them.
+engine's prefix cache names them (`actors.kv_manager`, `actors.kv_blocks.chain_hashes`): a
+request goes to the replica that last served the longest run of its blocks, whose KV cache
+likely holds them.
 
     serve run actors.serve.ray:application model=/models/model.gguf backend=cpu
 """
@@ -41,7 +42,7 @@ from actors.cli.common import has_chat_template
 from actors.engine import Engine
 from actors.errors import EngineClosed, EngineOverloaded, Q4KError
 from actors.kv_blocks import chain_hashes
-from actors.model.chat import ChatTemplate, RenderLimits
+from actors.model.text.chat import ChatTemplate, RenderLimits
 from actors.model.loaded import open_model
 from actors.params import SamplingParams
 from actors.serve.app import ServerOptions, build_app, cancel_on_disconnect
@@ -196,7 +197,7 @@ async def check_engine(engine: Engine) -> None:
 
 class PromptKeys:
     """The prefix key of a generation request: chain hashes of the full blocks of its prompt's
-    token ids (the chat rendered with the replicas' template), as the scheduler names them."""
+    token ids (the chat rendered with the replicas' template), as the prefix cache names them."""
 
     def __init__(self, settings: ReplicaSettings) -> None:
         opened = open_model(settings.model)
@@ -214,7 +215,7 @@ class PromptKeys:
             ids = self._prompt_ids(path, request) if isinstance(request, dict) else []
         except Exception:  # whatever a hostile body makes the template or tokenizer raise
             return ()
-        # The scheduler keeps the last prompt token to compute, so it never reuses its block.
+        # The prefix cache keeps the last prompt token to compute, so never reuses its block.
         return tuple(chain_hashes(ids[:-1], self._block_size))
 
     def _prompt_ids(self, path: str, request: dict[str, Any]) -> list[int]:
