@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager, nullcontext
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, TextIO
 
 import anyio
-import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.compute.actor import ComputeActor, ComputeAnswer
@@ -40,21 +39,20 @@ from actors.compute.contract import (
 )
 from actors.errors import (
     ComputeError,
-    ContextLengthExceeded,
     EngineClosed,
-    EngineOverloaded,
     InvalidRequest,
     TemplateError,
 )
+from actors.engine_door import EngineDoor
 from actors.kv_manager import KVBlockManager
 from actors.loader import Loaded, LoaderActor, LoadFailed, ModelLoaded, load_gguf
 from actors.logs import get_logger, logging_to
 from actors.messages import Chunk, Completion, EngineStats
 from actors.model.arch import MAX_CONTEXT
-from actors.model.chat import ChatTemplate, RenderLimits, check_messages
 from actors.model.loaded import Model
-from actors.params import SamplingParams, StructuredOutput
-from actors.sampler import (
+from actors.model.text.chat import ChatTemplate
+from actors.params import SamplingParams
+from actors.sampling import (
     RowsWanted,
     SampleRows,
     SampleStep,
@@ -63,8 +61,7 @@ from actors.sampler import (
     StepSampled,
 )
 from actors.scheduler import Admission, Scheduler
-from actors.session import Session, new_request_id
-from actors.structured import Constraint, GrammarCompiler
+from actors.structured import GrammarCompiler
 
 # A step running this long is failed, and a backend silent for twice as long is lost:
 # generous next to any real step (a 512-token CPU prefill of gemma-3 takes about a second).
@@ -82,11 +79,9 @@ _CHECK_INLINE_ITEMS = 16_384
 _MAX_KV_POSITIONS = MAX_CONTEXT
 _MAX_BLOCK_SIZE = 4096
 _MAX_REQUESTS = 1 << 20
-# Seconds one chat template may render.
-CHAT_RENDER_SECONDS = 2.0
 
 
-class Engine:
+class Engine(EngineDoor):
     """An open engine; get one from `Engine.open(...)` (or `Engine.open_backend(...)`)."""
 
     def __init__(
@@ -398,10 +393,11 @@ class Engine:
         strict_max_tokens: bool = False,
     ) -> AsyncIterator[Chunk]:
         """Stream the assistant's answer to `messages`, rendered with the model's chat template
-        (or `template`, a Jinja source run in a sandbox). Roles: `actors.model.chat.CHAT_ROLES`;
-        others raise InvalidRequest. `tools`: OpenAI-style function tools, rendered by the
-        template (its `tools` variable; one that has none raises InvalidRequest); an
-        assistant message may carry `tool_calls`, a `tool` message answers one.
+        (or `template`, a Jinja source run in a sandbox). Roles:
+        `actors.model.text.chat.CHAT_ROLES`; others raise InvalidRequest. `tools`: OpenAI-style
+        function tools, rendered by the template (its `tools` variable; one that has none
+        raises InvalidRequest); an assistant message may carry `tool_calls`, a `tool` message
+        answers one.
 
         Bad messages, params or a template that is not a string raise at once (the messages
         of a chat longer than 16 Ki messages are checked in a worker thread, so their errors
@@ -477,248 +473,6 @@ class Engine:
             bytes_from_compute=self._scheduler.bytes_from_compute,
             last_step_s=self._scheduler.last_step_s,
         )
-
-    # --- checks at the door ---------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosed("this engine is closed; open a new one")
-
-    def _checked_params(self, params: SamplingParams | None) -> SamplingParams:
-        """The request's params, valid, with room for it: else the error, at once."""
-        if self._scheduler.lost is not None:
-            error = ComputeError(
-                f"the compute backend was lost ({self._scheduler.lost}); this engine cannot "
-                "serve any more requests: close it and open a new one"
-            )
-            self._log.error("request_rejected", request_id=new_request_id(),
-                            reason="backend_lost", error=str(error))
-            raise error
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            self._reject(
-                InvalidRequest(
-                    f"params must be a SamplingParams, not {type(params).__name__}", field="params"
-                )
-            )
-        try:
-            params.validate(self._tokenizer.vocab_size)
-        except InvalidRequest as exc:
-            self._reject(exc)
-        try:
-            self._admission.check()
-        except EngineOverloaded as exc:
-            self._log.warning(
-                "request_rejected", request_id=new_request_id(), reason="overloaded", error=str(exc)
-            )
-            raise
-        return params
-
-    def _start_session(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        strict_max_tokens: bool,
-        constraint: Constraint | None = None,
-    ) -> AsyncIterator[Chunk]:
-        if strict_max_tokens:
-            self._check_max_tokens_fit(len(prompt_ids), params.max_tokens)
-        session = Session(
-            request_id=new_request_id(),
-            prompt_ids=prompt_ids,
-            params=params,
-            context_length=self.context_length,
-            tokenizer=self._tokenizer,
-            scheduler_inbox=self._inbox,
-            admission=self._admission,
-            constraint=constraint,
-        )
-        return session.stream()
-
-    async def _stream_when_ready(
-        self,
-        prompt_ids: Callable[[], Awaitable[list[int]]],
-        params: SamplingParams,
-        strict_max_tokens: bool,
-    ) -> AsyncIterator[Chunk]:
-        """A session whose prompt needs work off the event loop first (a template to render,
-        a long text to tokenize, a constraint to compile): that work runs on the first
-        iteration."""
-        ids = self._checked_ids(await prompt_ids())
-        constraint = None
-        if params.structured is not None:
-            constraint = await anyio.to_thread.run_sync(
-                self._compiled, params.structured, abandon_on_cancel=True
-            )
-        self._check_open()
-        session = self._start_session(ids, params, strict_max_tokens, constraint)
-        async with aclosing(session) as chunks:
-            async for chunk in chunks:
-                yield chunk
-
-    def _compiled(self, structured: StructuredOutput) -> Constraint:
-        """The request's constraint, ready (worker thread: compiling, and on the first
-        constrained request building the grammar tokenizer, take up to seconds)."""
-        try:
-            return self._grammars.constraint(structured)
-        except InvalidRequest as exc:
-            self._reject(exc)
-
-    def _check_fits_by_size(self, text: str) -> None:
-        """Refuse a text whose bytes alone prove it cannot fit the context (each token stands
-        for at most the tokenizer's longest token text), without tokenizing it. Linear in the
-        text: worker threads call it."""
-        min_tokens = getattr(self._tokenizer, "min_tokens", None)  # test doubles have none
-        if min_tokens is None:
-            return
-        at_least = min_tokens(text)
-        if at_least >= self.context_length:
-            self._reject(
-                ContextLengthExceeded(
-                    f"the prompt is at least {at_least:,} tokens ({len(text):,} characters); "
-                    f"it must be shorter than the context ({self.context_length} tokens)",
-                    field="prompt",
-                )
-            )
-
-    async def _encode_in_worker(self, text: str, *, parse_special: bool = False) -> list[int]:
-        # Abandoned on cancel: the thread only computes, and ends on its own.
-        return await anyio.to_thread.run_sync(
-            self._encode_if_it_can_fit, text, parse_special, abandon_on_cancel=True
-        )
-
-    def _encode_if_it_can_fit(self, text: str, parse_special: bool) -> list[int]:
-        self._check_fits_by_size(text)
-        return self._tokenizer.encode(text, parse_special=parse_special)
-
-    async def _ids_in_worker(self, prompt: Sequence[int]) -> list[int]:
-        return await anyio.to_thread.run_sync(
-            self._checked_token_range, prompt, "prompt", abandon_on_cancel=True
-        )
-
-    def _check_message_count(self, count: int) -> None:
-        """Refuse, from its length alone, a chat with more messages than the context has
-        tokens: every chat template writes at least one token (a role marker) a message."""
-        if count >= self.context_length:
-            self._reject(
-                ContextLengthExceeded(
-                    f"the chat has {count:,} messages; the context holds {self.context_length} "
-                    "tokens, and every message takes at least one",
-                    field="messages",
-                )
-            )
-
-    async def _chat_prompt_ids(
-        self,
-        messages: list[dict[str, Any]],
-        template: str | None,
-        tools: list[dict[str, Any]] | None,
-        *,
-        check: bool = False,
-    ) -> list[int]:
-        """`check`: the messages are still to be checked (a long list, checked here in the
-        worker thread rather than on the loop)."""
-        text = await anyio.to_thread.run_sync(
-            self._checked_render_chat if check else self._render_chat,
-            messages,
-            template,
-            tools,
-            abandon_on_cancel=True,
-        )
-        ids = await self._encode_in_worker(text, parse_special=True)
-        bos = self._tokenizer.bos_id
-        # Templates that write the BOS themselves would otherwise get a second one.
-        if bos is not None and ids[:2] == [bos, bos]:
-            ids = ids[1:]
-        return ids
-
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        self._check_open()
-        if isinstance(prompt, str):
-            if not prompt:
-                self._reject(InvalidRequest("the prompt is empty", field="prompt"))
-            return self._checked_ids(self._tokenizer.encode(prompt))
-        if isinstance(prompt, (list, tuple)):
-            return self._checked_ids(self._checked_token_range(prompt, "prompt"))
-        self._reject(
-            InvalidRequest(
-                f"prompt must be a str or a list of token ids, not {type(prompt).__name__}",
-                field="prompt",
-            )
-        )
-
-    def _checked_token_range(self, token_ids: Sequence[int], field: str) -> list[int]:
-        vocab = self._tokenizer.vocab_size
-        try:
-            ids = np.asarray(token_ids) if isinstance(token_ids, (list, tuple)) else None
-        except (ValueError, TypeError, OverflowError):  # ragged, or not numbers at all
-            ids = None
-        if ids is None or ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            self._reject(InvalidRequest(f"{field} must be a list of int token ids", field=field))
-        bad = ids[(ids < 0) | (ids >= vocab)]
-        if bad.size:
-            self._reject(
-                InvalidRequest(
-                    f"{field} has token ids outside [0, {vocab}): {bad[:5].tolist()}", field=field
-                )
-            )
-        return ids.astype(np.int64).tolist()
-
-    def _checked_ids(self, ids: list[int]) -> list[int]:
-        if not ids:
-            self._reject(InvalidRequest("the prompt is empty", field="prompt"))
-        self._checked_ids_fit(len(ids))
-        return ids
-
-    def _checked_ids_fit(self, count: int) -> None:
-        if count >= self.context_length:
-            self._reject(
-                ContextLengthExceeded(
-                    f"the prompt is {count} tokens; it must be shorter than the context "
-                    f"({self.context_length} tokens) to leave room for an answer",
-                    field="prompt",
-                )
-            )
-
-    def _check_max_tokens_fit(self, prompt_tokens: int, max_tokens: int) -> None:
-        """ContextLengthExceeded, naming both numbers, when the prompt and all the tokens asked
-        for cannot fit the context together."""
-        if prompt_tokens + max_tokens > self.context_length:
-            self._reject(
-                ContextLengthExceeded(
-                    f"this model's context is {self.context_length} tokens, but the request "
-                    f"needs {prompt_tokens + max_tokens}: {prompt_tokens} in the prompt and "
-                    f"{max_tokens} in max_tokens; ask for at most "
-                    f"{self.context_length - prompt_tokens} or shorten the prompt",
-                    field="max_tokens",
-                )
-            )
-
-    def _reject(self, error: InvalidRequest) -> NoReturn:
-        reason = "context_length" if isinstance(error, ContextLengthExceeded) else "invalid_request"
-        self._log.warning("request_rejected", request_id=new_request_id(), reason=reason, error=str(error))
-        raise error
-
-    def _check_messages(self, messages: list[dict[str, Any]]) -> None:
-        try:
-            check_messages(messages)
-        except InvalidRequest as exc:
-            self._reject(exc)
-
-    def _checked_render_chat(self, messages: list[dict[str, Any]], template: str | None,
-                             tools: list[dict[str, Any]] | None) -> str:
-        self._check_messages(messages)
-        return self._render_chat(messages, template, tools)
-
-    def _render_chat(self, messages: list[dict[str, Any]], template: str | None,
-                     tools: list[dict[str, Any]] | None) -> str:
-        """Runs in a worker thread; bounded in time and in size (longer output could not fit
-        the context anyway)."""
-        chat_template = self.chat_template(template)
-        max_token_bytes = getattr(self._tokenizer, "max_token_bytes", None)  # test doubles
-        chars = RenderLimits().chars if max_token_bytes is None else self.context_length * max_token_bytes
-        limits = RenderLimits(seconds=CHAT_RENDER_SECONDS, chars=chars)
-        return chat_template.render(messages, limits=limits, tools=tools)
 
 
 async def _as_awaitable(ids: list[int]) -> list[int]:

@@ -26,8 +26,8 @@ from actors.compute.actor import run_in_own_thread
 from actors.compute.backends import choose_backend
 from actors.compute.contract import BuildBackend, KVRequest
 from actors.logs import get_logger
-from actors.model.chat import ChatTemplate
 from actors.model.loaded import Model, open_model
+from actors.model.text.chat import ChatTemplate
 
 
 class ModelLoaded(msgspec.Struct, frozen=True, kw_only=True):

@@ -15,7 +15,7 @@ class OpenSequence(msgspec.Struct, frozen=True, kw_only=True):
 
     seq_id: int
     request_id: str
-    sampler: Any  # actors.sampler.SequenceSampling: token history and seeded generator
+    sampler: Any  # actors.sampling.SequenceSampling: token history and seeded generator
     reply: Any  # MemoryObjectSendStream[TokenReady | SequenceFailed]
 
 

@@ -150,7 +150,7 @@ class SamplingParams(
     forbid_unknown_fields=True,
     metaclass=_CheckedCall,
 ):
-    """Per-request sampling settings; see `actors.sampler` for the order they apply in.
+    """Per-request sampling settings; see `actors.sampling` for the order they apply in.
 
     temperature 0 (or below 1e-5) means greedy; top_k 0, top_p 1 and min_p 0 switch those
     filters off; repetition_penalty 1 and presence/frequency 0 switch the penalties off.

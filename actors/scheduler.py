@@ -49,7 +49,7 @@ from actors.messages import (
     SequenceFailed,
     TokenReady,
 )
-from actors.sampler import (
+from actors.sampling import (
     RowFailed,
     RowsWanted,
     SampleRows,

@@ -32,7 +32,7 @@ from actors.messages import (
     Usage,
 )
 from actors.params import SamplingParams
-from actors.sampler import SequenceSampling
+from actors.sampling import SequenceSampling
 from actors.scheduler import Admission
 from actors.structured import Constraint
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from actors.errors import InvalidRequest
 from actors.logs import get_logger
-from actors.model.tokenizer_vocab import ATTR_CONTROL, ATTR_USER_DEFINED
+from actors.model.text.vocab import ATTR_CONTROL, ATTR_USER_DEFINED
 from actors.params import StructuredOutput
 
 # llguidance marks a special token by a 0xff byte before its text, which no UTF-8 text holds:

@@ -32,7 +32,7 @@ import numpy as np
 from synthetic_gguf import random_blocks
 
 from actors.compute import cuda_plan as plan
-from actors.model.quants import row_bytes
+from actors.model.gguf.quants import row_bytes
 
 MATVEC_SHAPES = ((14336, 4096), (4096, 14336))  # (output rows, inputs): gate/up, down
 MATVEC_BATCHES = (1, 8, 32, 64)  # decode rows: every count takes the matvec

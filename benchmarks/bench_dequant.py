@@ -1,4 +1,4 @@
-"""Dequantization throughput: actors.model.quants.dequantize against gguf.quants.dequantize.
+"""Dequantization throughput: actors.model.gguf.quants.dequantize against gguf.quants.dequantize.
 
 Runs both on the same whole tensors of the default model (gemma3-270m: Q4_K, Q6_K, Q5_0,
 Q8_0) and SmolLM2 (Q4_1, Q8_0), checks they agree bit for bit, and prints elements per second
@@ -21,8 +21,8 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGMLQuantizationType
 
 from actors.model.default_model import default_model_path
-from actors.model.gguf import TensorInfo, open_gguf
-from actors.model.quants import dequantize
+from actors.model.gguf.quants import dequantize
+from actors.model.gguf.reader import TensorInfo, open_gguf
 
 
 def smollm2_path() -> Path:

@@ -37,7 +37,7 @@ from actors.compute.contract import Candidates, ComputeBackend, ComputeInfo, Row
 from actors.compute.cpu import CpuBackend
 from actors.model.loaded import OpenedModel, open_model
 from actors.model.step import StepItem
-from actors.sampler import SequenceSampling, start_choice
+from actors.sampling import SequenceSampling, start_choice
 
 BLOCK_SIZE = 16
 PREFILL_CHUNK = 512

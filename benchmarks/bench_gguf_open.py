@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 
 from actors.model.default_model import default_model_path
-from actors.model.gguf import open_gguf
+from actors.model.gguf.reader import open_gguf
 
 TINY_MODELS = Path(__file__).resolve().parents[1] / "tests" / "reference" / "models"
 

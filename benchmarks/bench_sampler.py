@@ -24,7 +24,7 @@ from actors.model.candidates import apply_penalties, top_candidates
 from actors.model.loaded import load_model
 from actors.model.step import StepItem
 from actors.params import SamplingParams
-from actors.sampler import SequenceSampling, choose_tokens, start_choice
+from actors.sampling import SequenceSampling, choose_tokens, start_choice
 
 SETTINGS = {
     "greedy": SamplingParams(temperature=0.0),

@@ -8,8 +8,11 @@ and each level gives up after --deadline seconds (unfinished requests count as e
 
     python benchmarks/bench_serve.py [--model PATH] [--clients 16 64] [--tokens 64]
     python benchmarks/bench_serve.py --url http://127.0.0.1:8000 --served-model NAME
+    python benchmarks/bench_serve.py --replicas 2 [--model PATH]
 
-Without --url it starts `q4k serve` on a free loopback port (backend auto) and stops it after.
+Without --url it starts `q4k serve` on a free loopback port (backend auto) and stops it after;
+with --replicas N, `q4k serve --replicas N` (N engines on a local Ray instance behind Ray
+Serve's proxy, prefix-affine routing), so its figures sit beside one engine's.
 With --against-engine, each level also runs the same requests through an engine in this process
 (`bench_engine.through_engine`), interleaved with the server's rounds, best of --repeats each,
 and prints the ratio: what the HTTP layer costs, with other load on the machine hitting both.
@@ -21,8 +24,10 @@ import argparse
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,17 +43,33 @@ PROMPT = "Write a short story about a robot who learns to paint, number {index}.
 BANNER = re.compile(r"q4k serve: (\S+)\.gguf on (http://127\.0\.0\.1:\d+)/v1 ")
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @contextmanager
-def started_server(model: str | None, max_sequences: int) -> Iterator[tuple[str, str]]:
-    """`q4k serve` on a free loopback port: (base url, served model name) once it is ready."""
-    command = [sys.executable, "-m", "actors.cli", "serve", "--port", "0",
+def started_server(model: str | None, max_sequences: int,
+                   replicas: int | None) -> Iterator[tuple[str, str]]:
+    """`q4k serve` (with --replicas N: on Ray Serve, whose proxy needs a fixed port) on a free
+    loopback port: (base url, served model name) once it is ready."""
+    command = [sys.executable, "-m", "actors.cli", "serve",
                "--max-sequences", str(max_sequences), "--log-level", "warning"]
+    command += (["--port", "0"] if replicas is None
+                else ["--port", str(free_port()), "--replicas", str(replicas)])
     process = subprocess.Popen(command + (["--model", model] if model else []),
                                stderr=subprocess.PIPE, text=True)
     try:
-        found = BANNER.search(process.stderr.readline())
-        if found is None:
-            raise SystemExit(f"q4k serve did not start: {process.stderr.read()}")
+        printed = []  # Ray's own start-up lines come before the banner
+        for line in process.stderr:
+            printed.append(line)
+            if found := BANNER.search(line):
+                break
+        else:
+            raise SystemExit(f"q4k serve did not start: {''.join(printed)}")
+        # Whatever it prints from now on is read, so it never blocks on a full pipe.
+        threading.Thread(target=process.stderr.read, daemon=True).start()
         name, url = found.groups()
         with httpx.Client(base_url=url) as client:
             while client.get("/health").status_code != 200:
@@ -138,6 +159,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="GGUF path (default: gemma-3-270m)")
     parser.add_argument("--url", default=None, help="a running server instead of starting one")
     parser.add_argument("--served-model", default=None, help="model id at --url")
+    parser.add_argument("--replicas", type=int, default=None, metavar="N",
+                        help="start `q4k serve --replicas N` (Ray Serve) instead of one engine")
     parser.add_argument("--clients", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1, help="rounds per level; the best counts")
@@ -149,7 +172,7 @@ def main() -> None:
     if args.url is not None:
         measure(args.url, args.served_model or "", args)
         return
-    with started_server(args.model, max(args.clients)) as (url, model):
+    with started_server(args.model, max(args.clients), args.replicas) as (url, model):
         measure(url, model, args)
 
 

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from actors.model.default_model import default_model_path
-from actors.model.gguf import open_gguf
-from actors.model.tokenizer import Tokenizer
+from actors.model.gguf.reader import open_gguf
+from actors.model.text.tokenizer import Tokenizer
 
 
 def smollm2_path() -> Path:

@@ -229,7 +229,7 @@ def gemma_layouts(path: Path | None):
     from actors.compute.cuda_launches import tensor_layouts
     from actors.model.arch import spec_from_gguf
     from actors.model.default_model import default_model_path
-    from actors.model.gguf import open_gguf
+    from actors.model.gguf.reader import open_gguf
 
     gguf = open_gguf(path or default_model_path())
     try:

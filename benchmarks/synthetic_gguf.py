@@ -3,7 +3,7 @@
 The blocks are random but valid, written as bytes directly (no float32 detour): random quants
 and sub-block scales, float16 super-block scales drawn from a sane range so weights come out
 around +-0.05. Tensor types follow llama.cpp's Q4_K_M recipe as this project implements it
-(`actors.model.quantize_file.plan_tensor_types`): Q4_K, with Q6_K for the output and for the
+(`actors.model.gguf.quantize_file.plan_tensor_types`): Q4_K, with Q6_K for the output and for the
 attn_v / ffn_down tensors of the layers `use_more_bits` picks; norms are F32 ones.
 
     python benchmarks/synthetic_gguf.py OUT.gguf [--layers N] [--vocab N] [--seed N]
@@ -25,9 +25,9 @@ import numpy as np
 from gguf import GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_VERSION, GGMLQuantizationType
 
-from actors.model.gguf import TensorInfo
-from actors.model.quantize_file import plan_tensor_types
-from actors.model.quants import FORMATS
+from actors.model.gguf.quantize_file import plan_tensor_types
+from actors.model.gguf.quants import FORMATS
+from actors.model.gguf.reader import TensorInfo
 
 
 @dataclass(frozen=True)

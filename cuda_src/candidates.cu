@@ -1,5 +1,5 @@
 // Token candidates: what crosses from the device to the sampler instead of whole logits rows.
-// Semantics (the Python side follows these; actors/sampler.py documents the same math):
+// Semantics (the Python side follows these; actors/sampling/ documents the same math):
 //
 // apply_token_mask(logits, vocab, mask_rows, words), grid (ceil(vocab / MASK_THREADS),
 //   masked rows) of MASK_THREADS, before apply_penalties (structured output): masked row r is

@@ -1,6 +1,6 @@
 // Scalar helpers shared by host and device code: float16 / bfloat16 bit patterns to float, and
 // float32 arithmetic that is never contracted into an FMA, so block decoding rounds exactly as
-// numpy does (actors/model/quants.py multiplies, then adds, each step rounded to float32).
+// numpy does (actors/model/gguf/quants.py multiplies, then adds, each step rounded to float32).
 // Host paths use portable C++ only: this header must compile with g++ without CUDA headers.
 #pragma once
 

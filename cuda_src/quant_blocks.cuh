@@ -5,7 +5,7 @@
 // every kernel can walk every row in whole blocks of whole groups) and
 // dequantize_group(block, g, out): elements [32 g, 32 g + 32) of the block as float.
 //
-// The decoded floats equal actors/model/quants.py bit for bit: each element is
+// The decoded floats equal actors/model/gguf/quants.py bit for bit: each element is
 // float(level) * scale (+ offset), one float32 rounding per operation, with scale and offset
 // per group computed as quants.py computes them (Q4_K: d * sc and -(dmin * m)). The host test
 // tests/test_cuda_blockmath.py proves it on every type.

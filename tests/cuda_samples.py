@@ -19,8 +19,9 @@ from actors.model.candidates import (
     apply_token_masks,
     top_candidates,
 )
+from actors.model.gguf.quantizers import QUANTIZERS, quantize
+from actors.model.gguf.quants import FORMATS, row_bytes
 from actors.model.step import StepItem
-from actors.model.quants import FORMATS, QUANTIZERS, quantize, row_bytes
 
 # Byte offsets of each quantized type's float16 scale fields (d, and m / dmin where it has one).
 HALF_FIELDS = {

@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from actors import sampler
 from actors.model.candidates import RowInputs, apply_penalties, top_candidates
 from actors.params import SamplingParams
-from actors.sampler import (
+from actors.sampling import state as sampling_state
+from actors.sampling import (
     RowFailed,
     SequenceSampling,
     TokenChoice,
@@ -190,8 +190,8 @@ def test_sampled_tokens_follow_the_exact_distribution(
     """A chi-square test on a 40-token vocabulary, with so few candidates (at least 4, at most
     8: a top_k or nucleus past 8 is decided from the whole row) that rows are decided both
     from candidates and from whole rows. The penalties apply to a prompt's tokens."""
-    monkeypatch.setattr(sampler, "DEFAULT_CANDIDATES", 4)
-    monkeypatch.setattr(sampler, "MAX_CANDIDATES", 8)
+    monkeypatch.setattr(sampling_state, "DEFAULT_CANDIDATES", 4)
+    monkeypatch.setattr(sampling_state, "MAX_CANDIDATES", 8)
     vocab, draws = 40, 40_000
     row = np.linspace(2.0, -2.0, vocab).astype(np.float32)
     row[[3, 17]] = row[[17, 3]]  # not in id order

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from actors.errors import InvalidRequest, TemplateError
-from actors.model.chat import ChatTemplate
-from actors.model.gguf import open_gguf
+from actors.model.gguf.reader import open_gguf
+from actors.model.text.chat import ChatTemplate
 from tests.conftest import REFERENCE_DIR, gemma3_path, smollm2_path
 
 USER = [{"role": "user", "content": "Hi"}]

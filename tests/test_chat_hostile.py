@@ -16,7 +16,8 @@ import pytest
 from actors import Engine, SamplingParams
 from actors.errors import TemplateError
 from actors.loop_stall import watch_loop
-from actors.model.chat import ChatTemplate, RenderLimits
+from actors.model.text.chat import ChatTemplate
+from actors.model.text.sandbox import RenderLimits
 from tests.fuzz import gguf_structure
 
 USER = [{"role": "user", "content": "hi"}]
@@ -122,7 +123,7 @@ def test_tojson_matches_json_dumps_piece_by_piece() -> None:
 def test_renders_in_flight_share_one_memory_ceiling(monkeypatch) -> None:
     """Each render's values count against all renders' ceiling while it runs, and give it back
     when it ends: a render past the shared ceiling fails, the next one (alone) succeeds."""
-    import actors.model.chat as chat
+    import actors.model.text.chat as chat
 
     shared = chat._SharedMemory(ceiling=8 << 20)
     monkeypatch.setattr(chat, "_ALL_RENDERS", shared)

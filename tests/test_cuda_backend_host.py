@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from actors.compute import cuda_launches as launches
+from actors.compute import cuda_packing as packing
 from actors.compute import cuda_plan as plan
 from actors.compute.backends import CudaFactory
 from actors.errors import ComputeError, InvalidRequest
@@ -30,8 +31,8 @@ from actors.model.candidates import (
     apply_token_masks,
     top_candidates,
 )
-from actors.model.gguf import GGUFFile, open_gguf
-from actors.model.quants import dequantize
+from actors.model.gguf.quants import dequantize
+from actors.model.gguf.reader import GGUFFile, open_gguf
 from actors.model.step import StepItem, plan_step
 from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
 from tests.cuda_samples import (
@@ -330,11 +331,11 @@ def test_every_address_names_something_the_backend_holds(models: dict[str, GGUFF
         spec = spec_from_gguf(gguf)
         step = _plan(spec, DECODE_AND_PREFILL)
         masked = RowInputs(allowed=np.ones(plan.mask_words(spec.vocab_size), np.int32))
-        rows = launches.row_arrays([RowInputs(), masked], spec.vocab_size)
+        rows = packing.row_arrays([RowInputs(), masked], spec.vocab_size)
         held = {"null", *(info.name for info in gguf),
                 *plan.workspace_buffers(spec, plan.StepLimits(4, 2, 2, 16)),
                 *(f"{kv}_cache.{layer}" for kv in "kv" for layer in range(spec.n_layers)),
-                *(f"step.{name}" for name in launches.step_arrays(step, 1, 8)),
+                *(f"step.{name}" for name in packing.step_arrays(step, 1, 8)),
                 *(f"rows.{name}" for name in rows.arrays)}
         _, forward = _calls(gguf, DECODE_AND_PREFILL)
         tail = launches.candidate_calls(spec, 2, rows.width, any_penalty=True,
@@ -439,7 +440,7 @@ def test_step_arrays_lay_out_slots_tables_and_prefill_items(
         models: dict[str, GGUFFile]) -> None:
     spec = spec_from_gguf(models["llama-tiny"])
     step = _plan(spec, [StepItem((5,), 17, (3, 4)), StepItem((7, 8, 9), 15, (6, 2))])
-    arrays = launches.step_arrays(step, 1, 4)
+    arrays = packing.step_arrays(step, 1, 4)
     assert arrays["slots"].tolist() == [4 * BLOCK + 1, 6 * BLOCK + 15, 2 * BLOCK, 2 * BLOCK + 1]
     assert arrays["block_tables"].tolist() == [[3, 4, 0, 0], [6, 2, 0, 0]]
     assert arrays["positions"].tolist() == [17, 15, 16, 17]
@@ -459,7 +460,7 @@ def test_packed_penalties_apply_as_the_reference_does() -> None:
     logits = rng.normal(0, 3, (6, vocab)).astype(np.float32)
     expected = logits.copy()
     apply_penalties(expected, rows)
-    packed = launches.row_arrays(rows, vocab)
+    packed = packing.row_arrays(rows, vocab)
     penalties_twin(logits, packed.arrays)
     np.testing.assert_array_equal(logits, expected)
     assert packed.any_penalty == any(r.repetition_penalty != 1 and r.repeated or
@@ -489,7 +490,7 @@ def test_packed_token_masks_apply_as_the_reference_does(vocab: int) -> None:
             RowInputs(allowed=masks[1]), RowInputs()]
     expected = logits.copy()
     apply_token_masks(expected, rows)
-    packed = launches.row_arrays(rows, vocab)
+    packed = packing.row_arrays(rows, vocab)
     assert packed.n_masked == 2 and packed.arrays["mask_rows"].tolist() == [1, 3]
     np.testing.assert_array_equal(packed.arrays["mask_words"], masks)
 
@@ -510,11 +511,11 @@ def test_packed_token_masks_apply_as_the_reference_does(vocab: int) -> None:
 def test_unconstrained_rows_pack_and_launch_nothing_for_masks(
         models: dict[str, GGUFFile]) -> None:
     spec = spec_from_gguf(models["qwen2"])
-    plain = launches.row_arrays([RowInputs(), RowInputs()], spec.vocab_size)
+    plain = packing.row_arrays([RowInputs(), RowInputs()], spec.vocab_size)
     assert plain.n_masked == 0 and not {"mask_rows", "mask_words"} & set(plain.arrays)
     kernels = [call.kernel for call in launches.candidate_calls(spec, 2, 1, False, 0)]
     assert kernels == ["top_candidates"]
-    masked = launches.row_arrays(
+    masked = packing.row_arrays(
         [RowInputs(), RowInputs(allowed=np.ones(plan.mask_words(spec.vocab_size), np.int32))],
         spec.vocab_size)
     calls = launches.candidate_calls(spec, 2, 1, True, masked.n_masked)
@@ -527,14 +528,14 @@ def test_unconstrained_rows_pack_and_launch_nothing_for_masks(
 
 def test_row_inputs_the_kernels_cannot_serve_are_refused() -> None:
     with pytest.raises(InvalidRequest, match="outside"):
-        launches.row_arrays([RowInputs(repetition_penalty=1.2, repeated=(7, 100))], 100)
+        packing.row_arrays([RowInputs(repetition_penalty=1.2, repeated=(7, 100))], 100)
     with pytest.raises(InvalidRequest) as caught:
-        launches.row_arrays([RowInputs(candidates=2000, max_candidates=2000)], 5000)
+        packing.row_arrays([RowInputs(candidates=2000, max_candidates=2000)], 5000)
     assert caught.value.field == "candidates"
     # A token mask must cover the vocabulary exactly: ceil(100 / 32) = 4 words.
     for words in (3, 5):
         with pytest.raises(InvalidRequest, match=f"{words} words.*needs 4") as caught:
-            launches.row_arrays([RowInputs(allowed=np.ones(words, np.int32))], 100)
+            packing.row_arrays([RowInputs(allowed=np.ones(words, np.int32))], 100)
         assert caught.value.field == "allowed"
         with pytest.raises(InvalidRequest, match="needs 4"):
             apply_token_masks(np.zeros((1, 100), np.float32),
@@ -548,9 +549,9 @@ def test_candidate_counts_follow_the_contract_and_the_reference() -> None:
         rows = random_row_inputs(rng, 8, vocab)
         logits = (rng.standard_normal((8, vocab)) * rng.uniform(0.5, 6)).astype(np.float32)
         apply_penalties(logits, rows)
-        packed = launches.row_arrays(rows, vocab)
+        packed = packing.row_arrays(rows, vocab)
         records = top_candidates_twin(logits, packed.arrays, packed.width)
-        got = launches.candidates_from_records(records, packed.width, rows)
+        got = packing.candidates_from_records(records, packed.width, rows)
         expected = top_candidates(logits, rows)
         for row, inputs in enumerate(rows):
             count = int(got.count[row])

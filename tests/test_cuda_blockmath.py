@@ -1,5 +1,5 @@
 """The block math of cuda_src/quant_blocks.cuh, compiled for the host with g++ and checked bit
-for bit against actors.model.quants.dequantize on every block type.
+for bit against actors.model.gguf.quants.dequantize on every block type.
 
 The kernels decode with the very same `__host__ __device__` functions (with __fmul_rn /
 __fadd_rn on the device, which round like the host's -ffp-contract=off build), so this proves
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from actors.compute.cuda_plan import kernel_source_dir, row_pitch
-from actors.model.quants import FORMATS, QUANTIZERS, dequantize, quantize
+from actors.model.gguf.quantizers import QUANTIZERS, quantize
+from actors.model.gguf.quants import FORMATS, dequantize
 from tests.cuda_samples import HALF_FIELDS, assert_same_floats, finite_blocks, random_blocks
 
 GROUP = 32

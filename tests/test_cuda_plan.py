@@ -11,7 +11,7 @@ import pytest
 from actors.compute import cuda_plan as plan
 from actors.errors import ComputeError, InvalidRequest
 from actors.model.arch import ModelSpec
-from actors.model.gguf import TensorInfo
+from actors.model.gguf.reader import TensorInfo
 
 LLAMA3_8B = ModelSpec(arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
                       head_dim=128, ffn_dim=14336, context_length=8192, vocab_size=128256,
@@ -36,7 +36,7 @@ def test_kernels_compile_without_fast_math() -> None:
 
 
 def test_every_block_type_has_a_kernel_suffix() -> None:
-    from actors.model.quants import FORMATS
+    from actors.model.gguf.quants import FORMATS
 
     assert set(plan.KERNEL_TYPE_SUFFIX) == set(FORMATS)
     assert plan.kernel_suffix("Q4_K") == "q4_K"

@@ -12,8 +12,8 @@ import pytest
 
 import actors
 from actors.model.arch import spec_from_gguf
-from actors.model.gguf import open_gguf
-from actors.model.quants import dequantize
+from actors.model.gguf.quants import dequantize
+from actors.model.gguf.reader import open_gguf
 
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "synthetic_gguf.py"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from actors import Engine, InvalidRequest
-from actors.model.chat import CHAT_ROLES
+from actors.model.text.chat import CHAT_ROLES
 
 pytestmark = pytest.mark.anyio
 

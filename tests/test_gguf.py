@@ -17,7 +17,7 @@ import pytest
 from actors import load_model
 from actors.errors import ModelFormatError, UnsupportedModelError
 from actors.model.arch import spec_from_gguf
-from actors.model.gguf import open_gguf
+from actors.model.gguf.reader import open_gguf
 from tests.conftest import TINY_MODELS
 
 TINY = TINY_MODELS["llama-q4k-tiny"]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from actors.errors import ModelFormatError
-from actors.model import gguf as gguf_module
-from actors.model.gguf import MAX_ARRAYS, MAX_METADATA_KEYS, MAX_TENSORS, open_gguf
+from actors.model.gguf import reader as gguf_module
+from actors.model.gguf.reader import MAX_ARRAYS, MAX_METADATA_KEYS, MAX_TENSORS, open_gguf
 from actors.model.loaded import open_model
 from tests.fuzz.gguf_counts import many_keys, many_tensors, nested_arrays, string_arrays
 

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from actors.errors import Q4KError
 from actors.model.arch import spec_from_gguf
-from actors.model.gguf import open_gguf
+from actors.model.gguf.reader import open_gguf
 from actors.model.loaded import load_model
-from actors.model.tokenizer_vocab import MAX_TOKEN_CHARS
+from actors.model.text.vocab import MAX_TOKEN_CHARS
 from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
 from tests.fuzz import FUZZ_EXAMPLES, gguf_structure
 from tests.fuzz.target import hang_guard

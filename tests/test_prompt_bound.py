@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors import load_model
-from actors.model.tokenizer import Tokenizer
+from actors.model.text.tokenizer import Tokenizer
 from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
 
 MODELS = {**TINY_MODELS, "smollm2-135m": smollm2_path, "gemma3-270m": gemma3_path}

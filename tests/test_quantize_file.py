@@ -9,11 +9,11 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 import actors.cli
-import actors.model.quantize_file as quantize_file_module
+import actors.model.gguf.quantize_file as quantize_file_module
 from actors.errors import InvalidRequest, ModelFormatError
-from actors.model.gguf import TensorInfo, open_gguf
-from actors.model.quantize_file import plan_tensor_types, quantize_file, use_more_bits
-from actors.model.quants import dequantize
+from actors.model.gguf.quantize_file import plan_tensor_types, quantize_file, use_more_bits
+from actors.model.gguf.quants import dequantize
+from actors.model.gguf.reader import TensorInfo, open_gguf
 from tests.conftest import TINY_MODELS, gemma3_path
 
 

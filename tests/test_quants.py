@@ -11,8 +11,9 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from actors.errors import InvalidRequest, ModelFormatError, UnsupportedModelError
-from actors.model.gguf import open_gguf
-from actors.model.quants import FORMATS, dequantize, quantize
+from actors.model.gguf.quantizers import quantize
+from actors.model.gguf.quants import FORMATS, dequantize
+from actors.model.gguf.reader import open_gguf
 
 from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
 

@@ -1,4 +1,4 @@
-"""choose_tokens against a plain float64 reference of the same rules (actors/sampler.py's
+"""choose_tokens against a plain float64 reference of the same rules (actors/sampling's
 docstring): greedy, penalties, temperature, top-k, top-p, min-p, seeds and logprobs."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors import sampler
 from actors.model import candidates
 from actors.errors import ComputeError, InvalidRequest
 from actors.params import SamplingParams
-from actors.sampler import RowFailed, SequenceSampling, TokenChoice, choose_tokens
+from actors.sampling import RowFailed, SequenceSampling, TokenChoice, choose_tokens
+from actors.sampling import nucleus, whole_row
+from actors.sampling import state as sampling_state
 
 
 class FixedUniforms:
@@ -104,13 +105,13 @@ def nucleus_path(request, monkeypatch) -> str:
     nucleus bracketed and drawn in vocabulary order (a sample of every logit makes the guess
     exact: every nucleus is then wider than none)."""
     if request.param == "wide":
-        monkeypatch.setattr(sampler, "_WIDE_NUCLEUS", 0)
+        monkeypatch.setattr(nucleus, "_WIDE_NUCLEUS", 0)
         monkeypatch.setattr(candidates, "SAMPLE_SIZE", 2**62)
         # One candidate: every nucleus wider than one token needs its whole row.
-        monkeypatch.setattr(sampler, "DEFAULT_CANDIDATES", 1)
-        monkeypatch.setattr(sampler, "MAX_CANDIDATES", 1)
+        monkeypatch.setattr(sampling_state, "DEFAULT_CANDIDATES", 1)
+        monkeypatch.setattr(sampling_state, "MAX_CANDIDATES", 1)
     else:
-        monkeypatch.setattr(sampler, "_WIDE_NUCLEUS", 2**62)
+        monkeypatch.setattr(nucleus, "_WIDE_NUCLEUS", 2**62)
     return request.param
 
 
@@ -323,9 +324,9 @@ def test_a_wide_nucleus_is_drawn_in_vocabulary_order(params, bracket, lm_rows, m
     whether the first bracket held the cutoff or (one sample position wide) had to widen."""
     passes = []
     if bracket is not None:
-        monkeypatch.setattr(sampler, "_BRACKET", bracket)
-        bracket_pass = sampler._bracket_pass
-        monkeypatch.setattr(sampler, "_bracket_pass", lambda *a: passes.append(a) or bracket_pass(*a))
+        monkeypatch.setattr(nucleus, "_BRACKET", bracket)
+        bracket_pass = nucleus._bracket_pass
+        monkeypatch.setattr(nucleus, "_bracket_pass", lambda *a: passes.append(a) or bracket_pass(*a))
     vocab = lm_rows.shape[1]
     uniforms = [0.0001, 0.3, 0.5, 0.9999]
     states = states_for(params, vocab, n=len(uniforms))
@@ -578,19 +579,19 @@ def test_a_wide_nucleus_keeps_exactly_the_reference_survivors(case):
     logits, params, uniforms, sample_size, bracket = case
     vocab = logits.shape[1]
     wide_rows = []
-    draw_wide = sampler._draw_from_wide_nuclei
+    draw_wide = whole_row._draw_from_wide_nuclei
 
     def spied(logits, rows, *rest):
         wide_rows.extend(rows.tolist())
         return draw_wide(logits, rows, *rest)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sampler, "_WIDE_NUCLEUS", 0)
+        patch.setattr(nucleus, "_WIDE_NUCLEUS", 0)
         patch.setattr(candidates, "SAMPLE_SIZE", sample_size)
-        patch.setattr(sampler, "DEFAULT_CANDIDATES", 1)
-        patch.setattr(sampler, "MAX_CANDIDATES", 1)
-        patch.setattr(sampler, "_BRACKET", bracket)
-        patch.setattr(sampler, "_draw_from_wide_nuclei", spied)
+        patch.setattr(sampling_state, "DEFAULT_CANDIDATES", 1)
+        patch.setattr(sampling_state, "MAX_CANDIDATES", 1)
+        patch.setattr(nucleus, "_BRACKET", bracket)
+        patch.setattr(whole_row, "_draw_from_wide_nuclei", spied)
         states = states_for(params, vocab, n=len(uniforms))
         for state, u in zip(states, uniforms):
             state.rng = FixedUniforms([u])

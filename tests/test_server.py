@@ -18,8 +18,8 @@ import msgspec
 import openai
 import pytest
 
-from actors.model.chat import ChatTemplate
 from actors.model.loaded import open_model
+from actors.model.text.chat import ChatTemplate
 from test_cli_logs import CALL_TIMEOUT_S, assert_one_line_error, run_q4k
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from actors.errors import InvalidRequest
-from actors.model.chat import ChatTemplate
+from actors.model.text.chat import ChatTemplate
 from actors.serve.protocol import chat_generation, completion_generation, with_tool_grammar
 from actors.serve.replies import ChatShape
 from actors.serve.tools import ToolCall, ToolCallFormat, tool_choice

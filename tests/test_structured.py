@@ -18,8 +18,8 @@ from structured_schemas import SCHEMAS
 
 from actors import Engine, InvalidRequest, SamplingParams, StructuredOutput
 from actors.model.candidates import RowInputs, apply_token_masks
-from actors.model.gguf import open_gguf
-from actors.model.tokenizer import Tokenizer
+from actors.model.gguf.reader import open_gguf
+from actors.model.text.tokenizer import Tokenizer
 from actors.structured import GrammarCompiler, advance_constraints, mask_words
 
 PERSON = {

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from actors.errors import InvalidRequest, ModelFormatError, UnsupportedModelError
-from actors.model.gguf import open_gguf
-from actors.model.tokenizer import Tokenizer
+from actors.model.gguf.reader import open_gguf
+from actors.model.text.tokenizer import Tokenizer
 from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
 
 

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from actors.model.gguf import open_gguf
-from actors.model.tokenizer import Tokenizer
-from actors.model.tokenizer_vocab import ATTR_CONTROL, ATTR_UNKNOWN, ATTR_USER_DEFINED, Vocab
+from actors.model.gguf.reader import open_gguf
+from actors.model.text.tokenizer import Tokenizer
+from actors.model.text.vocab import ATTR_CONTROL, ATTR_UNKNOWN, ATTR_USER_DEFINED, Vocab
 from tests.conftest import gemma3_path, smollm2_path
 
 SETTINGS = settings(

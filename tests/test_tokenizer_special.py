@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from actors import Engine, SamplingParams
 from actors.errors import ModelFormatError
 from actors.loop_stall import watch_loop
-from actors.model import tokenizer_special
-from actors.model.tokenizer_special import _trie_pattern
-from actors.model.tokenizer_vocab import MAX_SPECIAL_CHARS, MAX_TOKEN_CHARS
+from actors.model.text import special as tokenizer_special
+from actors.model.text.special import _trie_pattern
+from actors.model.text.vocab import MAX_SPECIAL_CHARS, MAX_TOKEN_CHARS
 from tests.fuzz import gguf_structure
 from tests.fuzz.special_tokens import (
     CONTROL,

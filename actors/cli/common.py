@@ -278,8 +278,8 @@ def has_chat_template(model: Path, override: str | None) -> bool:
     """Whether `model` can chat: the template to use (`override`, else the model's own) is
     compiled before any weights load, so a bad one fails here (TemplateError). False when the
     model has none (base models usually have none) and no `override` is given."""
-    from actors.model.chat import CHAT_TEMPLATE_KEY, ChatTemplate
-    from actors.model.gguf import open_gguf
+    from actors.model.gguf.reader import open_gguf
+    from actors.model.text.chat import CHAT_TEMPLATE_KEY, ChatTemplate
 
     with open_gguf(model) as gguf:
         if override is None and CHAT_TEMPLATE_KEY not in gguf.metadata:

@@ -11,8 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from actors.cli.common import console
-from actors.model.gguf import open_gguf
-from actors.model.inventory import Inventory, inventory
+from actors.model.gguf.inventory import Inventory, inventory
+from actors.model.gguf.reader import open_gguf
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 

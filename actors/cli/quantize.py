@@ -7,7 +7,7 @@ import sys
 import time
 
 from actors.cli.common import add_logging_flags, configure_logging_from
-from actors.model.quantize_file import FILE_TYPES, quantize_file
+from actors.model.gguf.quantize_file import FILE_TYPES, quantize_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import socket
 import sys
+import threading
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.cli.common import (
@@ -28,9 +32,13 @@ from actors.serve.guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, R
 if TYPE_CHECKING:
     import uvicorn
 
+    from actors.serve.app import ServerOptions
+
 # Loopback by default: without --api-key the server has no authentication.
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+# The Ray Serve application `q4k serve --replicas` deploys.
+RAY_APP_NAME = "q4k"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,6 +70,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--template", metavar="FILE", default=None,
                         help="a Jinja chat template for /v1/chat/completions instead of the "
                         "model's own (base models have none)")
+    parser.add_argument("--replicas", type=at_least(1), default=None, metavar="N",
+                        help="serve N engines (replicas) on Ray Serve behind one endpoint, a "
+                        "request going to the replica that holds its prompt's prefix; starts a "
+                        "local Ray instance, or joins the one RAY_ADDRESS names. Needs "
+                        "pip install 'q4k-actors[ray]'")
     _add_request_limit_flags(parser)
     add_logging_flags(parser, without_file="without one, to stderr")
     parser.set_defaults(handler=_serve)
@@ -114,6 +127,8 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServerOptions(chat_template=template,
                             chat_available=has_chat_template(model, template),
                             max_tokens_limit=args.max_tokens_limit)
+    if args.replicas is not None:
+        return _serve_on_ray(args, model, options, limits)
     listener = _listen(args.host, args.port)
     failures: list[Q4KError] = []
     config = uvicorn.Config(
@@ -140,6 +155,58 @@ def _serve(args: argparse.Namespace) -> int:
         raise failures[0]
     print("q4k serve: stopped", file=sys.stderr)
     return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, model: Path, options: ServerOptions,
+                  limits: RequestLimits) -> int:
+    """--replicas N: deploy N replicas behind Ray Serve's HTTP proxy and serve until Ctrl-C
+    (or SIGTERM); then stop what this command started: the whole local Ray instance, or on a
+    cluster it joined, its own application."""
+    try:
+        import ray
+        from ray import serve
+
+        from actors.serve.ray import ReplicaSettings, serve_application
+    except ImportError as exc:
+        raise InvalidRequest(
+            f"--replicas needs the `ray` extra ({exc.name} is missing): "
+            "pip install 'q4k-actors[ray]'"
+        ) from None
+    if not 0 < args.port <= 65535:
+        raise InvalidRequest(f"--port must be in 1..65535 with --replicas (Ray Serve's proxy "
+                             f"listens on a fixed port), got {args.port}", field="port")
+    settings = ReplicaSettings(
+        model=str(model.resolve()), backend=args.backend,
+        served_model_name=args.served_model_name or model.stem,
+        chat_template=options.chat_template, max_tokens_limit=args.max_tokens_limit,
+        max_sequences=args.max_sequences, max_queued=args.max_queued, limits=limits)
+    joined = os.environ.get("RAY_ADDRESS")
+    # A local instance gets a CPU for each replica even on a smaller machine (each replica
+    # asks Ray for one), so N replicas always start.
+    context = ray.init(address=joined or "local", log_to_driver=False,
+                       logging_level=logging.WARNING,
+                       num_cpus=None if joined else max(os.cpu_count() or 1, args.replicas))
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(serve_application(settings, num_replicas=args.replicas), name=RAY_APP_NAME,
+                  route_prefix="/")
+        print(f"q4k serve: {model.name} on http://{args.host}:{args.port}/v1 ({args.replicas} "
+              f"replicas on Ray Serve, Ray at {context.address_info['gcs_address']}; Ctrl-C "
+              "stops)", file=sys.stderr, flush=True)
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if joined:
+            serve.delete(RAY_APP_NAME)
+        ray.shutdown()  # and with it the local instance, Serve and the replicas in it
+    print("q4k serve: stopped", file=sys.stderr)
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _stop(server: uvicorn.Server, failures: list[Q4KError], exc: Q4KError) -> None:

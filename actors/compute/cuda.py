@@ -40,6 +40,7 @@ import pycuda.driver as cuda
 from pycuda.compiler import SourceModule
 
 from actors.compute import cuda_launches as launches
+from actors.compute import cuda_packing as packing
 from actors.compute import cuda_plan as plan
 from actors.compute.contract import (
     BackendLostError,
@@ -316,7 +317,7 @@ class CudaBackend:
                 f"{len(rows)} row inputs for {len(step.logit_rows)} items that want logits",
                 field="rows",
             )
-        launches.check_token_masks(rows, self._spec.vocab_size)  # before any kernel runs
+        packing.check_token_masks(rows, self._spec.vocab_size)  # before any kernel runs
         with self._current(), self._lost_on_sticky_errors():
             candidates = self._run(step, rows)
         self._last_rows = len(rows)
@@ -384,7 +385,7 @@ class CudaBackend:
         if bucket is None:
             shape = launches.step_shape(step, self._table_stride, self._split_keys,
                                         spec.context_length)
-            arrays = launches.step_arrays(step, shape.n_decode, self._table_stride)
+            arrays = packing.step_arrays(step, shape.n_decode, self._table_stride)
         else:
             shape = launches.graph_shape(bucket, self._table_stride, self._split_keys,
                                          spec.context_length, self.block_size)
@@ -408,7 +409,7 @@ class CudaBackend:
                 kernels = self._replay(bucket, shape, addresses)
             operations = 2 if bucket is not None else 1 + kernels
             # The GPU runs the forward while the host packs the rows' inputs.
-            row_pack = launches.row_arrays(rows, spec.vocab_size)
+            row_pack = packing.row_arrays(rows, spec.vocab_size)
             record = plan.candidate_record_words(row_pack.width)
             out = workspace.pinned_candidates[: n_rows * record]
             if n_rows:
@@ -430,7 +431,7 @@ class CudaBackend:
             raise
         self._stream.synchronize()  # the step's one wait
         self.launches_per_step, self.kernels_per_step = operations, kernels
-        return launches.candidates_from_records(out.reshape(n_rows, record).copy(),
+        return packing.candidates_from_records(out.reshape(n_rows, record).copy(),
                                                 row_pack.width, rows)
 
     def _row_buffer(self, words: int) -> InputBuffer:

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from actors.errors import ComputeError, InvalidRequest
-from actors.model.quants import dequantize, row_bytes
+from actors.model.gguf.quants import dequantize, row_bytes
 
 if TYPE_CHECKING:  # annotations only: the GPU machine's tests import this without `gguf`
     from actors.model.arch import ModelSpec
-    from actors.model.gguf import TensorInfo
+    from actors.model.gguf.reader import TensorInfo
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.errors import ModelFormatError, UnsupportedModelError
-from actors.model.gguf import GGUFFile
+from actors.model.gguf.reader import GGUFFile
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 

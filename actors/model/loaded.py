@@ -13,13 +13,13 @@ import numpy as np
 from actors.errors import ContextLengthExceeded, InvalidRequest, UnsupportedModelError
 from actors.model.arch import ModelSpec, spec_from_gguf
 from actors.model.forward import KVPool, Transformer
+from actors.model.gguf.inventory import type_mix
+from actors.model.gguf.reader import GGUFFile, open_gguf
 from actors.model.step import StepItem, StepPlan, plan_step
-from actors.model.gguf import GGUFFile, open_gguf
-from actors.model.inventory import type_mix
 from actors.model.weights import ModelWeights, load_weights
 
 if TYPE_CHECKING:
-    from actors.model.tokenizer import Tokenizer
+    from actors.model.text.tokenizer import Tokenizer
 
 # Model.logits prefills in chunks of this many tokens: bounds the (heads, n, n) attention
 # scores of a long sequence while keeping the matmuls large.
@@ -43,7 +43,7 @@ class OpenedModel:
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
-        from actors.model.tokenizer import Tokenizer
+        from actors.model.text.tokenizer import Tokenizer
 
         return Tokenizer.from_gguf(self.gguf)
 

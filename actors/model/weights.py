@@ -19,8 +19,8 @@ import numpy as np
 
 from actors.errors import ModelFormatError
 from actors.model.arch import ModelSpec
-from actors.model.gguf import GGUFFile
-from actors.model.quants import dequantize
+from actors.model.gguf.quants import dequantize
+from actors.model.gguf.reader import GGUFFile
 from actors.model.rope import pair_order
 
 # Rows dequantized at a time: bounds the temporary of the 262144-row embedding to ~40 MB.

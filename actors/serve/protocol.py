@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from actors.errors import InvalidRequest
-from actors.model.chat import CHAT_ROLES
+from actors.model.text.chat import CHAT_ROLES
 from actors.params import SamplingParams, StructuredOutput, field_of
 from actors.serve.tools import ToolCallFormat, ToolChoice, tool_choice
 

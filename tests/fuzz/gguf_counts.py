@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from hypothesis import strategies as st
 
-from actors.model.gguf import MAX_ARRAYS, MAX_METADATA_KEYS, MAX_TENSORS, open_gguf
+from actors.model.gguf.reader import MAX_ARRAYS, MAX_METADATA_KEYS, MAX_TENSORS, open_gguf
 from tests.fuzz.target import Escape, Target, hang_guard, only_project_errors
 
 ARRAY, STRING, FLOAT32 = 9, 8, 0

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from actors.errors import InvalidRequest
 from actors.params import SamplingParams
-from actors.sampler import SequenceSampling
+from actors.sampling import SequenceSampling
 from tests.fuzz.target import Escape, Target, only_project_errors
 from tests.fuzz.values import hostile, plausible_or_hostile
 

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from actors.model.gguf import open_gguf
-from actors.model.tokenizer import Tokenizer
-from actors.model.tokenizer_vocab import MAX_TOKEN_CHARS, read_vocab
+from actors.model.gguf.reader import open_gguf
+from actors.model.text.tokenizer import Tokenizer
+from actors.model.text.vocab import MAX_TOKEN_CHARS, read_vocab
 from tests.conftest import TINY_MODELS
 from tests.fuzz.target import Escape, Target, hang_guard, only_project_errors
 from tests.test_tokenizer_props import llama_cpp_encode

@@ -10,7 +10,8 @@ import tracemalloc
 
 from hypothesis import strategies as st
 
-from actors.model.chat import ChatTemplate, RenderLimits
+from actors.model.text.chat import ChatTemplate
+from actors.model.text.sandbox import RenderLimits
 from tests.fuzz.target import Escape, Target, hang_guard, only_project_errors
 
 LIMITS = RenderLimits(seconds=0.5, chars=100_000, memory=4 << 20)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from actors.model.chat import ChatTemplate, RenderLimits
+from actors.model.text.chat import ChatTemplate
+from actors.model.text.sandbox import RenderLimits
 from tests.fuzz.target import Target, hang_guard, only_project_errors
 
 LIMITS = RenderLimits(seconds=0.3, chars=100_000)

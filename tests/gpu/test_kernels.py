@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from actors.compute import cuda_plan as plan
-from actors.compute.cuda_launches import row_arrays
+from actors.compute.cuda_packing import row_arrays
 from actors.model.candidates import RowInputs, apply_token_masks
 from actors.model.forward import gelu_tanh, rms_norm, silu
-from actors.model.quants import dequantize
+from actors.model.gguf.quants import dequantize
 from actors.model.rope import apply_rope, inverse_frequencies, pair_order, rotation
 from tests.cuda_samples import (
     assert_same_floats,
@@ -667,7 +667,7 @@ def test_token_mask_equals_apply_token_masks(kernel: Kernel, vocab: int) -> None
 
 def top_candidate_records(kernel: Kernel, logits: np.ndarray, arrays: dict[str, np.ndarray],
                           width: int) -> np.ndarray:
-    """top_candidates' records for rows packed by cuda_launches.row_arrays; the launch must
+    """top_candidates' records for rows packed by cuda_packing.row_arrays; the launch must
     leave its counters zero."""
     rows, vocab = logits.shape
     out = to_device(np.full((rows, plan.candidate_record_words(width)), -1, np.int32))

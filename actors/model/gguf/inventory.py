@@ -9,7 +9,7 @@ from typing import Any
 
 from actors.errors import ModelFormatError
 from actors.model.arch import ModelSpec, spec_from_gguf
-from actors.model.gguf import GGUFFile
+from actors.model.gguf.reader import GGUFFile
 
 FLOAT32_BYTES = 4
 

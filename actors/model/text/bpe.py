@@ -17,7 +17,7 @@ from __future__ import annotations
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from actors.errors import UnsupportedModelError
-from actors.model.tokenizer_vocab import Vocab
+from actors.model.text.vocab import Vocab
 
 
 # Text of the unknown token; NUL-led, so no GGUF vocabulary holds it.

@@ -9,7 +9,7 @@ so one trie regex finds the longest special token starting at each position, and
 tokens that can occur in the text run llama.cpp's loop. That loop keeps the raw fragments as
 spans of the original text, so no character is ever reserved as a placeholder: a special token
 may hold any code point. Building the regex is linear in the special tokens' total length,
-which the vocabulary bounds (tokenizer_vocab.MAX_SPECIAL_CHARS), and long tokens' own tails
+which the vocabulary bounds (vocab.MAX_SPECIAL_CHARS), and long tokens' own tails
 are cut short in it.
 """
 
@@ -24,7 +24,7 @@ from functools import cached_property
 
 import numpy as np
 
-from actors.model.tokenizer_vocab import (
+from actors.model.text.vocab import (
     ATTR_CONTROL,
     ATTR_UNKNOWN,
     ATTR_USER_DEFINED,

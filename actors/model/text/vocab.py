@@ -1,7 +1,7 @@
 """A GGUF's `tokenizer.*` metadata read the way llama.cpp's `llama_vocab::load` reads it.
 
 Everything here decides *what* the tokenizer is (token attributes, special ids, flags, the
-pre-tokenizer of a BPE vocabulary); the encoders in `tokenizer_spm` / `tokenizer_bpe` and the
+pre-tokenizer of a BPE vocabulary); the encoders in `spm` / `bpe` and the
 `Tokenizer` in `tokenizer` decide *how* text is cut. llama.cpp's quirks are kept on purpose,
 because every one of them changes the ids the model sees (e.g. `</s>` in Gemma's vocabulary is
 user-defined in the file but treated as a control token, so plain text never matches it).

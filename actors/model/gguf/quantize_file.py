@@ -35,8 +35,9 @@ from gguf import GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_VERSION, GGMLQuantizationType, Keys
 
 from actors.errors import InvalidRequest, ModelFormatError, UnsupportedModelError
-from actors.model.gguf import GGUFFile, TensorInfo, open_gguf
-from actors.model.quants import FORMATS, QUANTIZERS, dequantize, quantize, row_bytes
+from actors.model.gguf.quantizers import QUANTIZERS, quantize
+from actors.model.gguf.quants import FORMATS, dequantize, row_bytes
+from actors.model.gguf.reader import GGUFFile, TensorInfo, open_gguf
 from actors.progress import Progress
 
 FILE_TYPES: dict[str, LlamaFileType] = {

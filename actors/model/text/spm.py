@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from tokenizers import Tokenizer, models
 
-from actors.model.tokenizer_vocab import Vocab
+from actors.model.text.vocab import Vocab
 
 # Odd bases for the polynomial string hash; the next is tried if two tokens collide.
 _SLOTS = 1 << 22

@@ -1,8 +1,8 @@
 """Text <-> token ids exactly as llama.cpp does it, from a GGUF's `tokenizer.*` metadata.
 
 `Tokenizer.encode` follows `llama_vocab::impl::tokenize`: special-token texts are cut out first
-(`tokenizer_special`), each raw fragment goes through the SPM or BPE encoder (Hugging Face
-`tokenizers` models built in `tokenizer_spm` / `tokenizer_bpe`), BOS/EOS as the model asks.
+(`special`), each raw fragment goes through the SPM or BPE encoder (Hugging Face
+`tokenizers` models built in `spm` / `bpe`), BOS/EOS as the model asks.
 `decode` and the streaming `IncrementalDecoder` follow `token_to_piece` + `detokenize`.
 """
 
@@ -18,15 +18,15 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from actors.errors import InvalidRequest
-from actors.model.tokenizer_bpe import (
+from actors.model.text.bpe import (
     BYTE_LEVEL_CHARS,
     build_bpe_model,
     byte_level_bytes,
     unknown_char_id,
 )
-from actors.model.tokenizer_special import Fragment, SpecialTokenSplitter
-from actors.model.tokenizer_spm import build_spm_model
-from actors.model.tokenizer_vocab import (
+from actors.model.text.special import Fragment, SpecialTokenSplitter
+from actors.model.text.spm import build_spm_model
+from actors.model.text.vocab import (
     ATTR_BYTE,
     ATTR_CONTROL,
     ATTR_NORMAL,

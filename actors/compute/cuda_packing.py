@@ -1,0 +1,163 @@
+"""The CUDA backend's step data on the host side: the int32 input arrays packed for the kernels
+(`step.<name>`: token ids, positions, KV slots, block tables; `rows.<name>`: token masks,
+penalties and candidate counts) and the candidates' records unpacked on the way back. No
+pycuda, no device: tested on any machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from actors.compute import cuda_plan as plan
+from actors.errors import InvalidRequest
+from actors.model.candidates import Candidates, RowInputs
+from actors.model.step import StepPlan
+
+
+# --- the step's int32 input arrays ----------------------------------------------------------
+
+
+def step_arrays(step: StepPlan, n_decode: int, table_stride: int) -> dict[str, np.ndarray]:
+    """The arrays the forward kernels read (`step.<name>`), for a step run launch by launch."""
+    prefill = slice(n_decode, None)
+    return {
+        "token_ids": step.token_ids.astype(np.int32),
+        "positions": step.positions.astype(np.int32),
+        "slots": (step.slot_blocks * step.block_size + step.slot_offsets).astype(np.int32),
+        "block_tables": plan.block_table_array(list(step.block_tables), len(step.lengths),
+                                               table_stride, 0),
+        "prefill_first_row": step.first_rows[prefill].astype(np.int32),
+        "prefill_tokens": step.lengths[prefill].astype(np.int32),
+        "prefill_start": step.starts[prefill].astype(np.int32),
+        "logit_rows": step.logit_rows.astype(np.int32),
+    }
+
+
+def _words(values: np.ndarray) -> np.ndarray:
+    """float32 / float64 values as the int32 words of the packed buffer."""
+    return np.ascontiguousarray(values).view(np.int32)
+
+
+def _csr(lists: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row id lists -> (offsets (rows + 1,), ids) int32."""
+    lengths = [len(ids) for ids in lists]
+    offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).astype(np.int32)
+    ids = np.concatenate([np.zeros(0, np.int32), *(ids.astype(np.int32) for ids in lists)])
+    return offsets, ids
+
+
+def _checked_ids(ids: Sequence[int], vocab: int, field: str) -> np.ndarray:
+    values = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if values.size and (values.min() < 0 or values.max() >= vocab):
+        raise InvalidRequest(f"{field} holds a token id outside [0, {vocab})", field=field)
+    return values
+
+
+@dataclass(frozen=True)
+class RowArrays:
+    """The rows' mask, penalty and candidate inputs (`rows.<name>`), the candidate record
+    width, whether any row has a penalty to apply and how many rows have a token mask."""
+
+    arrays: dict[str, np.ndarray]
+    width: int
+    any_penalty: bool
+    n_masked: int
+
+
+def check_token_masks(rows: Sequence[RowInputs], vocab: int) -> None:
+    """InvalidRequest for a row's token mask of another size than the vocabulary's
+    (mask_words(vocab) words), as the numpy reference refuses it."""
+    words = plan.mask_words(vocab)
+    for inputs in rows:
+        if inputs.allowed is not None and np.size(inputs.allowed) != words:
+            raise InvalidRequest(f"a token mask of {np.size(inputs.allowed)} words for a "
+                                 f"vocabulary of {vocab} tokens (needs {words})",
+                                 field="allowed")
+
+
+def token_masks(rows: Sequence[RowInputs], vocab: int) -> dict[str, np.ndarray]:
+    """apply_token_mask's inputs: the masked rows' indices (`mask_rows`) and their words,
+    (masked rows, mask_words(vocab)) int32 (`mask_words`); none where no row has a mask, so
+    unconstrained steps upload and launch nothing for it."""
+    check_token_masks(rows, vocab)
+    masked = [row for row, inputs in enumerate(rows) if inputs.allowed is not None]
+    if not masked:
+        return {}
+    return {"mask_rows": np.array(masked, dtype=np.int32),
+            "mask_words": np.stack([np.asarray(rows[row].allowed, dtype=np.int32).reshape(-1)
+                                    for row in masked])}
+
+
+def row_arrays(rows: Sequence[RowInputs], vocab: int) -> RowArrays:
+    """Pack RowInputs for apply_token_mask (`token_masks`), apply_penalties (CSR lists, ids
+    ascending, float64 parameters) and top_candidates (least / most candidates, mass,
+    inv_temp). InvalidRequest for a mask of the wrong size, a penalty id outside the
+    vocabulary or a row asking for more candidates than the kernel selects."""
+    masks = token_masks(rows, vocab)
+    repeated, counted, counts = [], [], []
+    for row in rows:
+        rep = np.unique(_checked_ids(row.repeated, vocab, "repeated"))
+        repeated.append(rep if row.repetition_penalty != 1.0 else rep[:0])
+        ids = _checked_ids(row.generated, vocab, "generated")
+        row_counts = np.asarray(row.generated_counts, dtype=np.int64).reshape(-1)
+        if ids.size != row_counts.size:
+            raise InvalidRequest("generated and generated_counts differ in length",
+                                 field="generated_counts")
+        if row.presence_penalty == 0 and row.frequency_penalty == 0:
+            ids, row_counts = ids[:0], row_counts[:0]
+        order = np.argsort(ids, kind="stable")
+        counted.append(ids[order])
+        counts.append(row_counts[order])
+    cap = min(vocab, plan.MAX_CANDIDATES)
+    least = np.array([min(max(1, row.candidates), vocab) for row in rows], dtype=np.int64)
+    if (least > cap).any():
+        raise InvalidRequest(f"a row asks for {int(least.max())} candidates; the CUDA backend "
+                             f"selects at most {cap}", field="candidates")
+    most = np.array([min(max(row.candidates, row.max_candidates, 1), cap) for row in rows],
+                    dtype=np.int64)
+    rep_offsets, rep_ids = _csr(repeated)
+    count_offsets, count_ids = _csr(counted)
+    float64_of = {name: np.array([getattr(row, name) for row in rows], dtype=np.float64)
+                  for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")}
+    arrays = {
+        # float64 first: every array starts 16-byte aligned, these need 8.
+        "repetition": _words(float64_of["repetition_penalty"]),
+        "presence": _words(float64_of["presence_penalty"]),
+        "frequency": _words(float64_of["frequency_penalty"]),
+        "least": least.astype(np.int32),
+        "most": most.astype(np.int32),
+        "mass": _words(np.array([row.mass for row in rows], dtype=np.float32)),
+        "inv_temp": _words(np.array([row.inv_temp for row in rows], dtype=np.float32)),
+        "rep_offsets": rep_offsets,
+        "rep_ids": rep_ids,
+        "count_offsets": count_offsets,
+        "count_ids": count_ids,
+        "counts": np.concatenate([np.zeros(0, np.int32), *(c.astype(np.int32) for c in counts)]),
+        **masks,
+    }
+    return RowArrays(arrays, int(most.max()) if len(rows) else 1,
+                     bool(rep_ids.size or count_ids.size),
+                     len(masks["mask_rows"]) if masks else 0)
+
+
+# --- the candidates' way back ---------------------------------------------------------------
+
+
+def candidates_from_records(records: np.ndarray, width: int,
+                            rows: Sequence[RowInputs]) -> Candidates:
+    """top_candidates' records (n_rows, candidate_record_words(width)) int32 -> Candidates:
+    columns past a row's count become id 0 / logit -inf, log_z is NaN where the row did not
+    ask for it (nor for a mass) or its top logit is not finite."""
+    count = records[:, 0].copy()
+    real = np.arange(width) < count[:, None]
+    ids = np.where(real, records[:, 2 : 2 + width], 0).astype(np.int32)
+    logits = np.where(real, records[:, 2 + width :].view(np.float32), np.float32(-np.inf))
+    keep = int(count.max()) if len(rows) else 1
+    log_z = records[:, 1].view(np.float32).astype(np.float64)
+    asked = np.array([row.want_log_z or row.mass > 0 for row in rows], dtype=bool)
+    log_z[~asked | ~np.isfinite(logits[:, 0])] = np.nan
+    return Candidates(ids=ids[:, :keep], logits=logits[:, :keep].astype(np.float32),
+                      count=count.astype(np.int32), log_z=log_z)

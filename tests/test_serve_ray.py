@@ -1,0 +1,292 @@
+"""`q4k serve --replicas 2` on a local Ray instance (2 CPUs) with the tiny llama model, driven
+with the official `openai` client: answers equal one engine's, a shared prompt prefix sticks
+to the replica that holds it, unrelated prompts spread over both replicas, and a replica
+killed mid-stream ends that stream with an error while the other serves what comes next.
+
+One Ray instance serves every test of the module: the test process starts it, and `q4k serve`
+joins it through RAY_ADDRESS (so it can look up the replicas' processes)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import anyio
+import httpx
+import msgspec
+import numpy as np
+import openai
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs the `ray` extra: pip install 'q4k-actors[ray]'")
+from ray import serve  # noqa: E402  (after the skip)
+
+from actors.compute.contract import KVRequest  # noqa: E402
+from actors.compute.cpu import build_cpu_backend  # noqa: E402
+from actors.compute.faults import Fault, FaultyBackend  # noqa: E402
+from actors.engine import Engine  # noqa: E402
+from actors.errors import ComputeError  # noqa: E402
+from actors.model.loaded import load_model  # noqa: E402
+from actors.params import SamplingParams  # noqa: E402
+from actors.serve.ray import (  # noqa: E402
+    REPLICA_HEADER,
+    ForwardedRequest,
+    PrefixAffinityRouter,
+    check_engine,
+)
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parent.parent
+MODEL = "llama-q4k-tiny"
+BANNER = re.compile(r"on http://127\.0\.0\.1:(\d+)/v1 ")
+START_TIMEOUT_S = 180
+GREEDY = {"temperature": 0, "max_tokens": 16}
+PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+# The tiny model has no chat template of its own: the replicas (and their front, which keys
+# chats by the rendered prompt) are given this one.
+TEMPLATE = ROOT / "examples" / "chat_templates" / "chatml_tools.jinja"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Endpoint(msgspec.Struct):
+    url: str
+    client: openai.OpenAI
+    process: subprocess.Popen[str]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _banner(process: subprocess.Popen[str]) -> re.Match[str]:
+    """The endpoint line `q4k serve` prints once its replicas are up (Ray's own lines come
+    first); fails with what it printed if it never comes."""
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in process.stderr:
+            lines.put(line)
+        lines.put("")  # it ended
+
+    threading.Thread(target=read, daemon=True).start()
+    seen = []
+    while True:
+        try:
+            line = lines.get(timeout=START_TIMEOUT_S)
+        except queue.Empty:
+            line = ""
+        if not line:
+            pytest.fail("q4k serve --replicas printed no endpoint:\n" + "".join(seen))
+        seen.append(line)
+        if found := BANNER.search(line):
+            return found
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_model_paths: dict[str, Path]) -> Iterator[Endpoint]:
+    # The replicas' processes import this checkout's `actors`, as the test process does; the
+    # instance listens on loopback only, so `q4k serve` joins it without Ray's token.
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    saved = os.environ.copy()
+    os.environ.update(environment)
+    context = ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "actors.cli", "serve", "--model",
+         str(tiny_model_paths[MODEL]), "--backend", "cpu", "--replicas", "2",
+         "--template", str(TEMPLATE), "--port", str(_free_port())],
+        env={**environment, "RAY_ADDRESS": context.address_info["gcs_address"]},
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{_banner(process).group(1)}"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60,
+                               max_retries=0)
+        yield Endpoint(url=url, client=client, process=process)
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        finally:
+            process.kill()
+            serve.shutdown()
+            ray.shutdown()
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def single_engine_answers(tiny_model_paths: dict[str, Path]) -> dict[str, str]:
+    """Completions of PROMPTS, and the answer to QUESTION under "chat", from one engine."""
+    async def answers() -> dict[str, str]:
+        params = SamplingParams(temperature=0, max_tokens=GREEDY["max_tokens"])
+        async with Engine.open(tiny_model_paths[MODEL], backend="cpu") as engine:
+            found = {prompt: (await engine.complete(prompt, params)).text for prompt in PROMPTS}
+            chat = engine.chat(QUESTION, params, TEMPLATE.read_text())
+            found["chat"] = "".join([chunk.text async for chunk in chat])
+            return found
+
+    return anyio.run(answers)
+
+
+def test_an_engine_whose_backend_is_lost_fails_the_health_check(
+        tiny_model_paths: dict[str, Path]) -> None:
+    """What `EngineReplica.check_health` asks: healthy while the engine serves, ComputeError
+    once a backend that stopped answering for two step deadlines is lost."""
+    model = load_model(tiny_model_paths[MODEL])
+    prompt = model.tokenizer.encode("Once upon a time")
+    hang = Fault(kind="hang", prompt_prefix=tuple(prompt[:2]), times=1, hang_s=2.0)
+    kv = KVRequest(blocks=64, block_size=16, max_sequences=4)
+
+    async def drill() -> None:
+        async with Engine.open_backend(
+            lambda: FaultyBackend(build_cpu_backend(model, kv, ()), [hang]), model.tokenizer,
+            step_timeout_s=0.2,
+        ) as engine:
+            await check_engine(engine)
+            with anyio.fail_after(30), pytest.raises(ComputeError):
+                await engine.complete(prompt, SamplingParams(max_tokens=2))
+            with pytest.raises(ComputeError, match="lost"):
+                await check_engine(engine)
+
+    anyio.run(drill)
+
+
+def test_the_router_sends_a_prefix_to_its_holder_until_the_holder_is_busy() -> None:
+    # Ray Serve builds its routers itself; this one is built by hand (from Ray's private ids)
+    # to drive its choices directly.
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+    from ray.serve.request_router import ReplicaID
+
+    deployment = DeploymentID(name="EngineReplica", app_name="q4k")
+    replicas = [SimpleNamespace(replica_id=ReplicaID(unique_id=name, deployment_id=deployment))
+                for name in "abc"]
+    a = replicas[0]
+
+    def pending(*blocks: bytes, replica: str | None = None) -> SimpleNamespace:
+        request = ForwardedRequest(method="POST", path="/v1/completions", query_string=b"",
+                                   headers=[], body=b"", client=None, prefix=blocks,
+                                   replica=replica)
+        return SimpleNamespace(args=[request])
+
+    async def choices() -> list[list[list[SimpleNamespace]]]:
+        router = PrefixAffinityRouter(deployment, DeploymentHandleSource.UNKNOWN,
+                                      use_replica_queue_len_cache=True)
+        router.initialize_state(busy_at=2)
+        router.on_request_routed(pending(b"1", b"2", b"3"), a.replica_id, None)
+        found = [await router.choose_replicas(replicas, pending(b"1", b"2", b"3", b"4")),
+                 await router.choose_replicas(replicas, pending(b"1", b"9", b"9", b"9")),
+                 await router.choose_replicas(replicas, pending(b"1", b"2", replica="b"))]
+        router.on_new_queue_len_info(a.replica_id, 2)
+        found.append(await router.choose_replicas(replicas, pending(b"1", b"2", b"3")))
+        return found
+
+    shared, barely_shared, pinned, busy = anyio.run(choices)
+    assert shared == [[a]]
+    # One block of four in common is too little to prefer its holder: two at random.
+    assert len(barely_shared) == 1 and len(barely_shared[0]) == 2
+    assert pinned == [[replicas[1]]]
+    assert len(busy) == 1 and len(busy[0]) == 2
+
+
+def _complete(client: openai.OpenAI, prompt: str | list[int], **options: object):
+    """The completion and the replica that answered it."""
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, **options)
+    return raw.parse(), raw.headers[REPLICA_HEADER]
+
+
+def test_answers_equal_a_single_engines(endpoint: Endpoint,
+                                        single_engine_answers: dict[str, str]) -> None:
+    expected_answers = dict(single_engine_answers)
+    chat = endpoint.client.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY)
+    assert chat.choices[0].message.content == expected_answers.pop("chat")
+    for prompt, expected in expected_answers.items():
+        whole, _ = _complete(endpoint.client, prompt, **GREEDY)
+        assert whole.choices[0].text == expected
+        stream = endpoint.client.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                                    **GREEDY)
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
+
+
+def test_requests_sharing_a_prefix_go_where_it_is_cached(endpoint: Endpoint) -> None:
+    vocab = np.random.default_rng(7)
+    prefix = vocab.integers(3, 1000, 200).tolist()
+    answers = [_complete(endpoint.client, prefix + vocab.integers(3, 1000, 8).tolist(),
+                         temperature=0, max_tokens=2) for _ in range(20)]
+    cached = [reply.usage.prompt_tokens_details.cached_tokens for reply, _ in answers]
+    assert sum(tokens > 0 for tokens in cached) >= 18, cached
+    # Every request after the first went to the replica that served the first.
+    assert {replica for _, replica in answers} == {answers[0][1]}, answers
+
+
+def test_chats_sharing_a_system_prompt_go_where_it_is_cached(endpoint: Endpoint) -> None:
+    """The front keys a chat by its prompt as the template renders it."""
+    system = {"role": "system", "content": " ".join(f"Rule {i}: be brief." for i in range(40))}
+    replicas, cached = set(), []
+    for question in range(6):
+        raw = endpoint.client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[system, {"role": "user", "content": f"Question {question}?"}],
+            temperature=0, max_tokens=2)
+        replicas.add(raw.headers[REPLICA_HEADER])
+        cached.append(raw.parse().usage.prompt_tokens_details.cached_tokens)
+    assert len(replicas) == 1 and all(tokens > 0 for tokens in cached[1:]), (replicas, cached)
+
+
+def test_unrelated_prompts_spread_over_both_replicas(endpoint: Endpoint) -> None:
+    vocab = np.random.default_rng(11)
+    prompts = [vocab.integers(3, 1000, 40).tolist() for _ in range(16)]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(
+            lambda prompt: _complete(endpoint.client, prompt, temperature=0, max_tokens=4),
+            prompts))
+    assert len({replica for _, replica in answers}) == 2
+
+
+def _metrics(url: str, replica: str) -> dict[str, float]:
+    """One replica's /metrics samples, `name{labels}` -> value."""
+    text = httpx.get(f"{url}/metrics", headers={REPLICA_HEADER: replica}).text
+    return {name: float(value) for name, value in
+            (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
+
+
+def test_a_client_that_leaves_cancels_its_request_on_the_replica(endpoint: Endpoint) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "stream": True, "temperature": 0,
+            "max_tokens": 1500, "ignore_eos": True}
+    with httpx.stream("POST", f"{endpoint.url}/v1/completions", json=body) as response:
+        replica = response.headers[REPLICA_HEADER]
+        next(response.iter_lines())
+    # The replica's engine drops the request: nothing left running there, one cancelled.
+    deadline = time.monotonic() + 20
+    while (samples := _metrics(endpoint.url, replica))["q4k_requests_running"] > 0:
+        assert time.monotonic() < deadline, samples
+        time.sleep(0.1)
+    assert samples['q4k_requests_total{outcome="cancelled"}'] == 1
+
+
+def test_a_replica_killed_mid_stream_ends_its_stream_with_an_error(endpoint: Endpoint) -> None:
+    raw = endpoint.client.completions.with_raw_response.create(
+        model=MODEL, prompt="Once upon a time", stream=True, temperature=0, max_tokens=1500,
+        extra_body={"ignore_eos": True})
+    killed = raw.headers[REPLICA_HEADER]
+    chunks = iter(raw.parse())
+    next(chunks)
+    replica = ray.get_actor(f"SERVE_REPLICA::q4k#EngineReplica#{killed}", namespace="serve")
+    os.kill(ray.get(replica.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="replica"):
+        for _ in chunks:
+            pass
+    later = [_complete(endpoint.client, prompt, **GREEDY)[1] for prompt in PROMPTS]
+    assert killed not in later
