@@ -28,7 +28,7 @@ from actors.messages import Chunk
 from actors.model.text.chat import check_messages
 from actors.model.text.sandbox import RenderLimits
 from actors.params import SamplingParams, StructuredOutput
-from actors.session import Session, new_request_id
+from actors.session import Session, answer_budget, new_request_id
 from actors.structured import Constraint
 
 # Seconds one chat template may render.
@@ -105,8 +105,10 @@ class EngineDoor:
         ids = self._checked_ids(await prompt_ids())
         constraint = None
         if params.structured is not None:
+            # Its forced start leaves room for the model's first token.
+            max_leading = answer_budget(params, self.context_length, len(ids)) - 1
             constraint = await anyio.to_thread.run_sync(
-                self._compiled, params.structured, abandon_on_cancel=True
+                self._compiled, params.structured, max_leading, abandon_on_cancel=True
             )
         self._check_open()
         session = self._start_session(ids, params, strict_max_tokens, constraint)
@@ -114,11 +116,11 @@ class EngineDoor:
             async for chunk in chunks:
                 yield chunk
 
-    def _compiled(self, structured: StructuredOutput) -> Constraint:
+    def _compiled(self, structured: StructuredOutput, max_leading: int) -> Constraint:
         """The request's constraint, ready (worker thread: compiling, and on the first
         constrained request building the grammar tokenizer, take up to seconds)."""
         try:
-            return self._grammars.constraint(structured)
+            return self._grammars.constraint(structured, max_leading)
         except InvalidRequest as exc:
             self._reject(exc)
 

@@ -39,6 +39,11 @@ from actors.structured import Constraint
 _seq_ids = itertools.count(1)
 
 
+def answer_budget(params: SamplingParams, context_length: int, prompt_tokens: int) -> int:
+    """How many tokens the answer may hold: `max_tokens`, or what the context has left."""
+    return min(params.max_tokens, context_length - prompt_tokens)
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex[:16]
 
@@ -140,7 +145,7 @@ class Session:
         self._constraint = constraint
         self._prompt_ids = tuple(prompt_ids)
         self._params = params
-        self._budget = min(params.max_tokens, context_length - len(prompt_ids))
+        self._budget = answer_budget(params, context_length, len(prompt_ids))
         self._tokenizer = tokenizer
         self._inbox = scheduler_inbox
         self._admission = admission

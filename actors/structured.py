@@ -53,17 +53,20 @@ class Advanced(msgspec.Struct, frozen=True):
 class Constraint:
     """One sequence's llguidance matcher and the bitmask of the tokens allowed next."""
 
-    def __init__(self, matcher: Any, vocab_size: int, fast_forward: bool) -> None:
+    def __init__(
+        self, matcher: Any, vocab_size: int, fast_forward: bool, max_leading: int
+    ) -> None:
         self._matcher = matcher
         self.fast_forward = fast_forward
         self.allowed = np.zeros(mask_words(vocab_size), dtype=np.int32)
         # The first mask is computed here, in the compiling thread: the step after the prompt
         # needs it at once.
         # What the grammar forces before any choice (a schema's `{"first_key": `) joins the
-        # prompt's prefill; the first mask comes after it.
+        # prompt's prefill, up to `max_leading` tokens (room must stay in the context and the
+        # budget for the model's first token); the first mask comes after it.
         self.leading: tuple[int, ...] = ()
         if fast_forward:
-            self.leading = tuple(matcher.compute_ff_tokens())
+            self.leading = tuple(matcher.compute_ff_tokens()[: max(max_leading, 0)])
             if self.leading and not matcher.consume_tokens(list(self.leading)):
                 raise InvalidRequest("the structured output constraint refused its own forced "
                                      f"start: {_one_line(matcher.get_error())}",
@@ -114,9 +117,10 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._built: Any = None
 
-    def constraint(self, structured: StructuredOutput) -> Constraint:
-        """A ready `Constraint` (first mask computed); `InvalidRequest` naming the field if
-        the schema, regex or grammar does not compile."""
+    def constraint(self, structured: StructuredOutput, max_leading: int) -> Constraint:
+        """A ready `Constraint` (first mask computed; at most `max_leading` forced tokens
+        before the model's first choice); `InvalidRequest` naming the field if the schema,
+        regex or grammar does not compile."""
         import llguidance
 
         field = f"structured.{structured.kind}"
@@ -127,7 +131,8 @@ class GrammarCompiler:
                 f"{structured.kind} does not compile: {_one_line(matcher.get_error())}",
                 field=field,
             )
-        return Constraint(matcher, self._tokenizer.vocab_size, structured.fast_forward)
+        return Constraint(matcher, self._tokenizer.vocab_size, structured.fast_forward,
+                          max_leading)
 
     def grammar_tokenizer(self) -> Any:
         """llguidance's tokenizer over this model's vocabulary, built on first use."""

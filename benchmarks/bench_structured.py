@@ -175,7 +175,7 @@ def mask_times(compiler: GrammarCompiler, answers: Sequence[Completion],
     structured = StructuredOutput(json_schema=SCHEMA, fast_forward=False)
     alone: list[float] = []
     for answer in answers:
-        constraint = compiler.constraint(structured)
+        constraint = compiler.constraint(structured, max_leading=0)
         for token in answer.token_ids:
             started = time.perf_counter()
             (advanced,) = advance_constraints([constraint], [token])
@@ -184,7 +184,8 @@ def mask_times(compiler: GrammarCompiler, answers: Sequence[Completion],
                 raise RuntimeError(advanced.error)
             if advanced.done:
                 break
-    rows = [(compiler.constraint(structured), list(answer.token_ids)) for answer in answers]
+    rows = [(compiler.constraint(structured, max_leading=0), list(answer.token_ids))
+            for answer in answers]
     together: list[float] = []
     masking: list[float] = []
     logits = np.random.default_rng(0).standard_normal((len(rows), vocab_size), np.float32)

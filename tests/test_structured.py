@@ -129,7 +129,7 @@ def test_a_constraint_walks_a_valid_answer_forcing_what_the_grammar_fixes(
     tiny_tokenizer: Tokenizer,
 ) -> None:
     compiler = GrammarCompiler(tiny_tokenizer)
-    constraint = compiler.constraint(StructuredOutput(json_schema=PERSON))
+    constraint = compiler.constraint(StructuredOutput(json_schema=PERSON), max_leading=64)
     assert constraint.allowed.size == mask_words(tiny_tokenizer.vocab_size)
     answer = tiny_tokenizer.encode('{"name": "Ann", "age": 7, "city": "Oslo"}', add_bos=False)
     # The first key is forced before any choice (up to where a token could still merge with
@@ -152,8 +152,8 @@ def test_a_constraint_walks_a_valid_answer_forcing_what_the_grammar_fixes(
 
 def test_a_refused_token_is_an_error_of_that_constraint_only(tiny_tokenizer: Tokenizer) -> None:
     compiler = GrammarCompiler(tiny_tokenizer)
-    digits, word = (compiler.constraint(StructuredOutput(regex=r"[0-9]{3}")),
-                    compiler.constraint(StructuredOutput(choice=["yes", "no"])))
+    digits, word = (compiler.constraint(StructuredOutput(regex=r"[0-9]{3}"), max_leading=64),
+                    compiler.constraint(StructuredOutput(choice=["yes", "no"]), max_leading=64))
     letter = tiny_tokenizer.encode("x", add_bos=False)[-1]
     first_of_yes = tiny_tokenizer.encode("yes", add_bos=False)[0]
     refused, accepted = advance_constraints([digits, word], [letter, first_of_yes])
@@ -175,14 +175,14 @@ def test_what_does_not_compile_is_an_invalid_request(
     tiny_tokenizer: Tokenizer, structured: StructuredOutput, field: str
 ) -> None:
     with pytest.raises(InvalidRequest) as caught:
-        GrammarCompiler(tiny_tokenizer).constraint(structured)
+        GrammarCompiler(tiny_tokenizer).constraint(structured, max_leading=64)
     assert caught.value.field == field
     assert "\n" not in str(caught.value)
 
 
 def test_gbnf_is_converted(tiny_tokenizer: Tokenizer) -> None:
     constraint = GrammarCompiler(tiny_tokenizer).constraint(
-        StructuredOutput(grammar='root ::= "ab" [0-9]')
+        StructuredOutput(grammar='root ::= "ab" [0-9]'), max_leading=64
     )
     assert tiny_tokenizer.decode(list(constraint.leading)) == "ab"  # forced at once
     first = allowed_tokens(constraint.allowed, tiny_tokenizer.vocab_size)
@@ -275,6 +275,21 @@ async def test_a_repeated_constrained_request_reuses_its_prompt_but_no_more(
     assert first.token_ids == again.token_ids
     # The forced start was cached with the prompt; only the prompt counts as cached.
     assert 0 < again.usage.cached_tokens <= again.usage.prompt_tokens
+
+
+@pytest.mark.anyio
+async def test_a_forced_start_leaves_room_in_the_context_and_the_budget(
+    tiny_path: Path,
+) -> None:
+    structured = StructuredOutput(json_schema=PERSON)  # forces `{"name":` before any choice
+    async with Engine.open(tiny_path, backend="cpu") as engine:
+        near_the_end = [5] * (engine.context_length - 2)
+        at_the_end = await engine.complete(near_the_end, greedy(structured))
+        assert at_the_end.finish_reason == "context"
+        assert at_the_end.usage.completion_tokens == 2
+        short = await engine.complete("x", greedy(structured, max_tokens=3))
+        assert short.finish_reason == "length" and short.usage.completion_tokens == 3
+        assert short.text.startswith("{")
 
 
 @pytest.mark.anyio
