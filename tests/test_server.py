@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -354,8 +355,16 @@ def test_metrics_count_requests_and_tokens(server: Server, client: openai.OpenAI
 def test_one_json_log_line_per_http_request(server: Server, raw: httpx.Client) -> None:
     raw.post("/v1/completions", json={"model": server.model, "prompt": "Hi", "max_tokens": 2})
     raw.get("/v1/models")
-    lines = [json.loads(line) for line in server.log.read_text().splitlines()]
-    served = [line for line in lines if line["event"] == "http_request"]
+    # The server writes a request's line once its response is sent: the client may read the
+    # log a moment before that line lands.
+    deadline = time.monotonic() + 10
+    while True:
+        # Whole lines only: the one being written has no newline yet.
+        lines = [json.loads(line) for line in server.log.read_text().split("\n")[:-1]]
+        served = [line for line in lines if line["event"] == "http_request"]
+        if served and served[-1].get("path") == "/v1/models" or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
     assert {"method": "GET", "path": "/v1/models", "status": 200}.items() <= served[-1].items()
     finished = [line for line in lines if line["event"] == "request_finished"]
     assert finished and all(line["request_id"] for line in finished)
