@@ -28,17 +28,13 @@ import numpy as np
 
 from actors.errors import InvalidRequest
 from actors.logs import get_logger
+from actors.model.candidates import mask_words
 from actors.model.text.vocab import ATTR_CONTROL, ATTR_USER_DEFINED
 from actors.params import StructuredOutput
 
 # llguidance marks a special token by a 0xff byte before its text, which no UTF-8 text holds:
 # a grammar's text can then never produce it by accident.
 _SPECIAL_MARK = b"\xff"
-
-
-def mask_words(vocab_size: int) -> int:
-    """int32 words of one row's bitmask."""
-    return (vocab_size + 31) // 32
 
 
 class Advanced(msgspec.Struct, frozen=True):

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from actors.compute.cuda_plan import candidate_record_words, mask_words
+from actors.compute.cuda_plan import candidate_record_words
+from actors.model.candidates import mask_words
 from actors.model.candidates import (
     Candidates,
     RowInputs,

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from actors.compute import cuda_plan as plan
 from actors.compute.contract import BackendLostError, KVRequest, RowInputs, StepItem
 from actors.errors import ComputeError, InvalidRequest
+from actors.model.candidates import mask_words
 from actors.model.loaded import OpenedModel, open_model
 from tests.conftest import TINY_MODELS
 from tests.cuda_emulator import EmulatedDevice, install
@@ -145,7 +145,7 @@ def test_a_token_mask_adds_a_launch_before_the_penalties(fake: Any, tiny: Opened
     among them) still go in one copy. The next step, unconstrained, launches no mask."""
     cuda_module, driver = fake
     backend = _backend(cuda_module, tiny)
-    allowed = np.ones(plan.mask_words(tiny.spec.vocab_size), np.int32)
+    allowed = np.ones(mask_words(tiny.spec.vocab_size), np.int32)
     decode = [StepItem((7,), 3, (0,)), StepItem((8,), 2, (1,))]
     backend.run(decode, [RowInputs(allowed=allowed, repetition_penalty=1.3, repeated=(5,)),
                          RowInputs()])

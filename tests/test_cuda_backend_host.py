@@ -29,6 +29,7 @@ from actors.model.candidates import (
     RowInputs,
     apply_penalties,
     apply_token_masks,
+    mask_words,
     top_candidates,
 )
 from actors.model.gguf.quants import dequantize
@@ -330,7 +331,7 @@ def test_every_address_names_something_the_backend_holds(models: dict[str, GGUFF
         gguf = models[arch]
         spec = spec_from_gguf(gguf)
         step = _plan(spec, DECODE_AND_PREFILL)
-        masked = RowInputs(allowed=np.ones(plan.mask_words(spec.vocab_size), np.int32))
+        masked = RowInputs(allowed=np.ones(mask_words(spec.vocab_size), np.int32))
         rows = packing.row_arrays([RowInputs(), masked], spec.vocab_size)
         held = {"null", *(info.name for info in gguf),
                 *plan.workspace_buffers(spec, plan.StepLimits(4, 2, 2, 16)),
@@ -471,7 +472,7 @@ def test_packed_penalties_apply_as_the_reference_does() -> None:
 def random_masks(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
     """(n, mask_words(vocab)) int32 random token masks (every bit pattern, the sign bit
     included)."""
-    return rng.integers(0, 1 << 32, (n, plan.mask_words(vocab)), dtype=np.uint32).view(np.int32)
+    return rng.integers(0, 1 << 32, (n, mask_words(vocab)), dtype=np.uint32).view(np.int32)
 
 
 @pytest.mark.parametrize("vocab", [4096, 3001])
@@ -516,7 +517,7 @@ def test_unconstrained_rows_pack_and_launch_nothing_for_masks(
     kernels = [call.kernel for call in launches.candidate_calls(spec, 2, 1, False, 0)]
     assert kernels == ["top_candidates"]
     masked = packing.row_arrays(
-        [RowInputs(), RowInputs(allowed=np.ones(plan.mask_words(spec.vocab_size), np.int32))],
+        [RowInputs(), RowInputs(allowed=np.ones(mask_words(spec.vocab_size), np.int32))],
         spec.vocab_size)
     calls = launches.candidate_calls(spec, 2, 1, True, masked.n_masked)
     # The mask first: the penalties and the candidates then never see a forbidden token.

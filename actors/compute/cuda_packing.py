@@ -13,7 +13,7 @@ import numpy as np
 
 from actors.compute import cuda_plan as plan
 from actors.errors import InvalidRequest
-from actors.model.candidates import Candidates, RowInputs
+from actors.model.candidates import Candidates, RowInputs, mask_words
 from actors.model.step import StepPlan
 
 
@@ -70,7 +70,7 @@ class RowArrays:
 def check_token_masks(rows: Sequence[RowInputs], vocab: int) -> None:
     """InvalidRequest for a row's token mask of another size than the vocabulary's
     (mask_words(vocab) words), as the numpy reference refuses it."""
-    words = plan.mask_words(vocab)
+    words = mask_words(vocab)
     for inputs in rows:
         if inputs.allowed is not None and np.size(inputs.allowed) != words:
             raise InvalidRequest(f"a token mask of {np.size(inputs.allowed)} words for a "

@@ -483,11 +483,6 @@ def token_mask_launch(n_masked: int, vocab: int) -> Launch:
                               (MASK_THREADS, 1, 1)))
 
 
-def mask_words(vocab: int) -> int:
-    """int32 words of one row's token mask (a bit per token, llguidance's layout)."""
-    return _blocks(vocab, 32)
-
-
 def penalties_launch(n_rows: int) -> Launch:
     return _check_grid(Launch((n_rows, 1, 1), (PENALTY_THREADS, 1, 1)))
 

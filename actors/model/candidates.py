@@ -82,6 +82,11 @@ class Candidates(msgspec.Struct, frozen=True, kw_only=True):
         return sum(a.nbytes for a in (self.ids, self.logits, self.count, self.log_z))
 
 
+def mask_words(vocab: int) -> int:
+    """int32 words of one row's token mask (`RowInputs.allowed`: a bit per token)."""
+    return -(-vocab // 32)
+
+
 # Row b: the bounds of the 8 tokens of a mask byte of value b (bit i: token i of the 8).
 _BYTE_BOUNDS = np.where(
     np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") != 0,
@@ -96,9 +101,9 @@ def apply_token_masks(logits: np.ndarray, rows: Sequence[RowInputs]) -> None:
     for row, inputs in enumerate(rows):
         if inputs.allowed is not None:
             words = np.ascontiguousarray(inputs.allowed, dtype=np.int32).ravel()
-            if words.size != -(-vocab // 32):
+            if words.size != mask_words(vocab):
                 raise InvalidRequest(f"a token mask of {words.size} words for a vocabulary "
-                                     f"of {vocab} tokens (needs {-(-vocab // 32)})",
+                                     f"of {vocab} tokens (needs {mask_words(vocab)})",
                                      field="allowed")
             # Each mask byte picks its 8 bounds (+inf: allowed, -inf: not); the minimum with
             # them leaves an allowed logit exactly as it was. ~7x faster than a boolean mask.

@@ -16,7 +16,7 @@ import pytest
 
 from actors.compute import cuda_plan as plan
 from actors.compute.cuda_packing import row_arrays
-from actors.model.candidates import RowInputs, apply_token_masks
+from actors.model.candidates import RowInputs, apply_token_masks, mask_words
 from actors.model.forward import gelu_tanh, rms_norm, silu
 from actors.model.gguf.quants import dequantize
 from actors.model.rope import apply_rope, inverse_frequencies, pair_order, rotation
@@ -646,7 +646,7 @@ def test_token_mask_equals_apply_token_masks(kernel: Kernel, vocab: int) -> None
     rng = np.random.default_rng(vocab)
     logits = (rng.standard_normal((5, vocab)) * 4).astype(np.float32)
     logits[[0, 4], [7, vocab - 1]] = np.nan
-    masks = rng.integers(0, 1 << 32, (3, plan.mask_words(vocab)), dtype=np.uint32)
+    masks = rng.integers(0, 1 << 32, (3, mask_words(vocab)), dtype=np.uint32)
     masks[1] = 0
     masks[1, -1] = 1 << ((vocab - 1) % 32)
     masks[2] = 0xFFFFFFFF
