@@ -1,11 +1,12 @@
 """GPU benchmark. Kernels: the Q4_K decode matrix-vector product's effective bandwidth (weight
 bytes read / time) on Llama-3-8B's FFN shapes, beside the device's own copy bandwidth, and the
-tensor-core tiles at prefill size, timed with CUDA events over many launches (the weights
+tensor-core tiles at prefill size, and the decode tiles (decode rows on the tensor cores, the
+other decode route) at the matvec's shapes and batches, timed with CUDA events over many launches (the weights
 cycle through enough copies that every launch reads them from HBM, not from L2). Whole models
 through the CUDA backend (wall clock per step, each step ending in its one synchronization):
 decode tok/s at 1, 32 and 64 streams and prefill-512 tok/s on a Llama-3-8B-shaped file
-(benchmarks/synthetic_gguf.py), one-stream decode on gemma-3-270m, and the stream operations
-and kernels of a decode step. Whole models through the Engine (actors.Engine.open(path,
+(benchmarks/synthetic_gguf.py), on either decode route (`*_decode_tiles`), one-stream decode on
+gemma-3-270m, and the stream operations and kernels of a decode step. Whole models through the Engine (actors.Engine.open(path,
 backend="cuda"), greedy, ignore_eos, a fixed token count) at 1, 32 and 64 streams beside the
 bare backend's figures: the difference per decode step is what the actors cost.
 
@@ -35,7 +36,7 @@ from actors.compute import cuda_plan as plan
 from actors.model.gguf.quants import row_bytes
 
 MATVEC_SHAPES = ((14336, 4096), (4096, 14336))  # (output rows, inputs): gate/up, down
-MATVEC_BATCHES = (1, 8, 32, 64)  # decode rows: every count takes the matvec
+MATVEC_BATCHES = (1, 8, 32, 64)  # decode rows: every count takes one decode route
 PREFILL_TOKENS = 512
 COPY_BYTES = 1 << 30
 ANCHORS = {"matvec_q4_K_effective_TBps": 3.4, "copy_TBps_seen_on_h200": 4.3,
@@ -91,30 +92,43 @@ def bench_copy(repeats: int) -> dict[str, float]:
             "TBps_read_plus_write": 2 * COPY_BYTES / seconds / 1e12}
 
 
-def bench_matvec(module: Any, rng: np.random.Generator, l2_bytes: int,
+def decode_product(compiled: dict[str, Any], route: str, rows: int, n_in: int,
+                   batch: int) -> tuple[str, Any, plan.Launch]:
+    """The Q4_K kernel decode rows take on `route` (plan.DECODE_ROUTES), its function and
+    launch for `batch` rows of a rows x n_in matrix."""
+    if route == "matvec":
+        name, launch = plan.matvec_kernel("Q4_K"), plan.matvec_launch(rows, n_in)
+        return name, compiled["matvec.cu"].get_function(name), launch
+    name = plan.decode_tiles_kernel("Q4_K")
+    return name, compiled["matmul.cu"].get_function(name), plan.decode_tiles_launch(rows, batch)
+
+
+def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: int,
                  repeats: int) -> list[dict[str, Any]]:
+    """Both decode routes' Q4_K products (the matvec and the decode tiles) at each shape and
+    decode batch, the weights read from HBM."""
     import pycuda.driver as cuda
 
-    function = module.get_function("mul_mat_vec_q4_K")
     results = []
     for rows, n_in in MATVEC_SHAPES:
         matrix = random_blocks(rng, "Q4_K", rows * n_in // 256).reshape(rows, -1)
         copies = weight_copies(matrix, l2_bytes)
         pitch = np.int64(plan.row_pitch("Q4_K", n_in))
-        launch = plan.matvec_launch(rows, n_in)
         for batch in MATVEC_BATCHES:
             x = cuda.to_device(rng.standard_normal((batch, n_in)).astype(np.float32))
             y = cuda.mem_alloc(batch * rows * 4)
-            seconds = time_launches(
-                lambda i: function(copies[i % len(copies)], pitch, x, np.int32(n_in), y,
-                                   np.int32(rows), np.int32(rows), np.int32(n_in),
-                                   np.int32(batch), grid=launch.grid, block=launch.block),
-                repeats)
-            weight_bytes = rows * row_bytes("Q4_K", n_in)
-            results.append({"kernel": "mul_mat_vec_q4_K", "rows": rows, "n_in": n_in,
-                            "batch": batch, "copies": len(copies), "us": seconds * 1e6,
-                            "weight_bytes": weight_bytes,
-                            "effective_TBps": weight_bytes / seconds / 1e12})
+            for route in plan.DECODE_ROUTES:
+                name, function, launch = decode_product(compiled, route, rows, n_in, batch)
+                seconds = time_launches(
+                    lambda i: function(copies[i % len(copies)], pitch, x, np.int32(n_in), y,
+                                       np.int32(rows), np.int32(rows), np.int32(n_in),
+                                       np.int32(batch), grid=launch.grid, block=launch.block),
+                    repeats)
+                weight_bytes = rows * row_bytes("Q4_K", n_in)
+                results.append({"kernel": name, "route": route, "rows": rows, "n_in": n_in,
+                                "batch": batch, "copies": len(copies), "us": seconds * 1e6,
+                                "weight_bytes": weight_bytes,
+                                "effective_TBps": weight_bytes / seconds / 1e12})
         for copy in copies:
             copy.free()
     return results
@@ -190,9 +204,10 @@ def prefill_tok_s(backend: Any, vocab: int, tokens: int, repeats: int,
 
 
 def bench_model(path: Path, streams: tuple[int, ...], prefill: int | None,
-                rng: np.random.Generator) -> dict[str, Any]:
-    """Decode (and prefill) figures of the model file at `path` on the CUDA backend."""
-    from actors.compute.backends import BACKENDS
+                rng: np.random.Generator, decode_route: str = "matvec") -> dict[str, Any]:
+    """Decode (and prefill) figures of the model file at `path` on the CUDA backend, its
+    decode rows on `decode_route`."""
+    from actors.compute.backends import CudaFactory
     from actors.compute.contract import KVRequest
     from actors.model.loaded import open_model
 
@@ -200,9 +215,10 @@ def bench_model(path: Path, streams: tuple[int, ...], prefill: int | None,
     per_stream = -(-(DECODE_PROMPT + DECODE_STEPS + 2) // MODEL_BLOCK)
     blocks = max(max(streams) * per_stream, -(-(prefill or 0) // MODEL_BLOCK))
     started = time.perf_counter()
-    backend = BACKENDS["cuda"].build(model, KVRequest(blocks=blocks, block_size=MODEL_BLOCK,
-                                                      max_sequences=max(streams)))
-    report: dict[str, Any] = {"model": str(path), "build_s": time.perf_counter() - started}
+    backend = CudaFactory(decode_route=decode_route).build(
+        model, KVRequest(blocks=blocks, block_size=MODEL_BLOCK, max_sequences=max(streams)))
+    report: dict[str, Any] = {"model": str(path), "decode_route": decode_route,
+                              "build_s": time.perf_counter() - started}
     try:
         vocab = model.spec.vocab_size
         report["decode"] = [decode_tok_s(backend, vocab, n, DECODE_STEPS, rng) for n in streams]
@@ -324,15 +340,19 @@ def main() -> None:
     compiled: dict[str, Any] = {}
     section("compile_s", lambda: compile_all(compiled))
     section("copy", lambda: bench_copy(args.repeats // 4))
-    section("matvec", lambda: bench_matvec(compiled["matvec.cu"], rng, l2_bytes, args.repeats))
+    section("matvec", lambda: bench_matvec(compiled, rng, l2_bytes, args.repeats))
     section("tiles", lambda: bench_tiles(compiled["matmul.cu"], rng, args.repeats))
     engine_streams = tuple(args.engine_streams)
     if args.model_8b:
         section("llama3_8b", lambda: bench_model(args.model_8b, DECODE_STREAMS, 512, rng))
+        section("llama3_8b_decode_tiles",
+                lambda: bench_model(args.model_8b, DECODE_STREAMS, None, rng, "tiles"))
     if args.gemma3:
         section("gemma3_270m", lambda: bench_model(args.gemma3, (1,), None, rng))
     for path in args.model:
         section(path.stem, lambda: bench_model(path, DECODE_STREAMS, None, rng))
+        section(f"{path.stem}_decode_tiles",
+                lambda: bench_model(path, DECODE_STREAMS, None, rng, "tiles"))
     # Through the Engine after every bare figure: a run cut short keeps those first.
     for key, path in [("llama3_8b", args.model_8b), ("gemma3_270m", args.gemma3),
                       *((path.stem, path) for path in args.model)]:

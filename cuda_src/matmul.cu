@@ -14,12 +14,24 @@
 // One float16 rounding of the activations moves logits past the 0.05 allowed (the emulated
 // tiny qwen2: 0.054 off the CPU; with the split 0.024).
 //
+// Entry points, one pair per block type (<type> as in matvec.cu), the same arguments:
+//   mul_mat_tiles_f16x2_<type>(weights, int64 row_pitch, x, int x_stride, y, int y_stride,
+//                              int rows, int n_in, int n_tokens)
+//       prefill: blocks of 64 rows x 64 tokens, 4 warps of 32 x 32 (tile_shape PrefillTile).
+//   mul_mat_decode_tiles_f16x2_<type>(same arguments)
+//       decode rows: blocks of 32 rows x 8 tokens, 2 warps of 16 x 8 (DecodeTile), so a lone
+//       row pays for 8 tokens of tensor-core work, not 64. Both compute each y value from its
+//       own weight row and token alone, in the same order whatever n_tokens is: a token's
+//       results do not depend on the batch (each entry point on its own; the two differ).
+//
 // Layouts as in matvec.cu: weights at row_pitch bytes per row (16-byte aligned rows), x
 // [n_tokens][x_stride] float32 with 16-byte aligned rows (x_stride % 4 == 0), n_in % 32 == 0,
-// y [n_tokens][y_stride] float32. Grid: (ceil(n_tokens / 64), ceil(rows / 64)): token tiles
-// fastest, so the blocks sharing a weight tile run together and read it from DRAM once.
+// y [n_tokens][y_stride] float32. Grid: (ceil(n_tokens / tile tokens), ceil(rows / tile
+// rows)): token tiles fastest, so the blocks sharing a weight tile run together and read it
+// from DRAM once.
 //
-// A block computes 64 rows x 64 tokens with 4 warps of 32 x 32. The inner dimension runs in
+// A block computes a tile of rows x tokens, each warp a sub-tile of MMA tiles of 16 x 8 (the
+// prefill shape is described below; the decode shape is the same machinery). The inner dimension runs in
 // stages of one 32-element group: activations (64 tokens x 32 floats, 8 KB) double-buffered
 // through cp.async and split into hi / lo in place once in; weights in chunks of whole blocks
 // (a K-quant block, four 32-element blocks, or one group of a float type) copied as the
@@ -44,14 +56,29 @@
 #define TILE_BLOCKS_PER_SM 4
 #endif
 
-constexpr int TILE_ROWS = 64, TILE_TOKENS = 64, TILE_THREADS = 128;
-constexpr int WARP_TILE = 32;  // each warp: 32 rows x 32 tokens, 2 x 4 MMA tiles of 16 x 8
+// Decode tiles: 2 warps, blocks capped at 128 registers a thread like the prefill tiles.
+#define DECODE_TILE_BLOCKS_PER_SM 8
+
 constexpr int MMA_K = 16;
 constexpr int PIECE = 16;                  // bytes per cp.async
 constexpr int X_PIECES = GROUP * 4 / PIECE;  // 16-byte pieces of one token's stage
 constexpr uint32_t HALF_ONE_PAIR = 0x3C003C00u;
 
 __host__ __device__ constexpr int round_up16(int n) { return (n + PIECE - 1) / PIECE * PIECE; }
+
+// A block's tile of ROWS x TOKENS, split among warps of WARP_ROWS x WARP_TOKENS (I x J MMA
+// tiles of 16 x 8), warps across the rows first.
+template <int ROWS_, int TOKENS_, int WARP_ROWS, int WARP_TOKENS>
+struct tile_shape {
+    static constexpr int ROWS = ROWS_, TOKENS = TOKENS_;
+    static constexpr int I = WARP_ROWS / 16, J = WARP_TOKENS / 8;
+    static constexpr int WARPS_ACROSS_ROWS = ROWS / WARP_ROWS;
+    static constexpr int THREADS = WARP * WARPS_ACROSS_ROWS * (TOKENS / WARP_TOKENS);
+    static __device__ int warp_rows(int warp) { return warp % WARPS_ACROSS_ROWS * WARP_ROWS; }
+    static __device__ int warp_tokens(int warp) { return warp / WARPS_ACROSS_ROWS * WARP_TOKENS; }
+};
+using PrefillTile = tile_shape<64, 64, 32, 32>;
+using DecodeTile = tile_shape<32, 8, 16, 8>;
 
 template <class L>
 constexpr bool has_offsets() {
@@ -189,15 +216,15 @@ __device__ __forceinline__ void activation_fragment(const uint4* stage, int warp
     lo[1] = parts.w;
 }
 
-// Weight fragments of the warp's 2 row tiles for elements e.. of the block at `block`
+// Weight fragments of the warp's I row tiles for elements e.. of the block at `block`
 // (rows ROW_STRIDE bytes apart): levels (exact float16 integers) or float16 halves.
-template <class T, class Load>
+template <class T, class Load, int I>
 __device__ __forceinline__ void weight_fragments(const uint8_t* block, int stride, int e,
-                                                 uint32_t (&a)[2][4]) {
+                                                 uint32_t (&a)[I][4]) {
     using L = tile_levels<T>;
     const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < I; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             uint32_t even, odd;
@@ -216,12 +243,12 @@ __device__ __forceinline__ void weight_fragments(const uint8_t* block, int strid
 }
 
 // F32 / BF16 weight fragments split into float16 hi and lo parts.
-template <class T, class Load>
+template <class T, class Load, int I>
 __device__ __forceinline__ void split_weight_fragments(const uint8_t* block, int stride, int e,
-                                                       uint32_t (&hi)[2][4], uint32_t (&lo)[2][4]) {
+                                                       uint32_t (&hi)[I][4], uint32_t (&lo)[I][4]) {
     const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < I; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float v[4];
@@ -232,14 +259,14 @@ __device__ __forceinline__ void split_weight_fragments(const uint8_t* block, int
     }
 }
 
-// One 32-element stage of the warp's 32 x 32 tile: acc[i][j] is row tile i, token tile j.
+// One 32-element stage of the warp's tile: acc[i][j] is row tile i, token tile j.
 // `block` is the stage's weight block in the warp's first row, `e` the stage's first element
 // within it, `scales` (SCALE_TABLE types) the warp's first row of the chunk's table and
 // `group` the stage's group in it (the swizzle repeats every 8 rows).
-template <class T>
+template <class T, int I, int J>
 __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, const float2* scales,
                                                int group, const uint4* stage, int warp_tokens,
-                                               float (&acc)[2][4][4]) {
+                                               float (&acc)[I][J][4]) {
     using L = tile_levels<T>;
     using C = tile_chunk<T>;
     using Load = typename std::conditional<C::WORD_ALIGNED, shared_word_aligned,
@@ -249,33 +276,33 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
         const int g = threadIdx.x % WARP / 4;
 #pragma unroll 1
         for (int first = 0; first < GROUP; first += L::SCALE_ELEMENTS) {
-            float part[2][4][4], sums[4][4];
+            float part[I][J][4], sums[J][4];
 #pragma unroll 1
             for (int k = first; k < first + L::SCALE_ELEMENTS; k += MMA_K) {
-                uint32_t a[2][4];
-                weight_fragments<T, Load>(block, stride, e + k, a);
+                uint32_t a[I][4];
+                weight_fragments<T, Load, I>(block, stride, e + k, a);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
+                for (int j = 0; j < J; ++j) {
                     uint32_t x_hi[2], x_lo[2];
                     activation_fragment(stage, warp_tokens, j, k, x_hi, x_lo);
                     constexpr uint32_t ones[4] = {HALF_ONE_PAIR, HALF_ONE_PAIR, HALF_ONE_PAIR,
                                                   HALF_ONE_PAIR};
                     if (k == first) {
 #pragma unroll
-                        for (int i = 0; i < 2; ++i) mma_first(part[i][j], a[i], x_lo);
+                        for (int i = 0; i < I; ++i) mma_first(part[i][j], a[i], x_lo);
                         if (L::HAS_MIN) mma_first(sums[j], ones, x_lo);
                     } else {
 #pragma unroll
-                        for (int i = 0; i < 2; ++i) mma(part[i][j], a[i], x_lo);
+                        for (int i = 0; i < I; ++i) mma(part[i][j], a[i], x_lo);
                         if (L::HAS_MIN) mma(sums[j], ones, x_lo);
                     }
 #pragma unroll
-                    for (int i = 0; i < 2; ++i) mma(part[i][j], a[i], x_hi);
+                    for (int i = 0; i < I; ++i) mma(part[i][j], a[i], x_hi);
                     if (L::HAS_MIN) mma(sums[j], ones, x_hi);
                 }
             }
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
+            for (int i = 0; i < I; ++i) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     float scale, offset;
@@ -288,7 +315,7 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
                                         &scale, &offset);
                     }
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
+                    for (int j = 0; j < J; ++j) {
 #pragma unroll
                         for (int q = 0; q < 2; ++q) {
                             float& out = acc[i][j][2 * h + q];
@@ -303,27 +330,27 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
 #pragma unroll
         for (int k = 0; k < GROUP; k += MMA_K) {
             if constexpr (L::KIND == KIND_HALVES) {
-                uint32_t a[2][4];
-                weight_fragments<T, Load>(block, stride, e + k, a);
+                uint32_t a[I][4];
+                weight_fragments<T, Load, I>(block, stride, e + k, a);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
+                for (int j = 0; j < J; ++j) {
                     uint32_t x_hi[2], x_lo[2];
                     activation_fragment(stage, warp_tokens, j, k, x_hi, x_lo);
 #pragma unroll
-                    for (int i = 0; i < 2; ++i) {
+                    for (int i = 0; i < I; ++i) {
                         mma(acc[i][j], a[i], x_lo);
                         mma(acc[i][j], a[i], x_hi);
                     }
                 }
             } else {
-                uint32_t w_hi[2][4], w_lo[2][4];
-                split_weight_fragments<T, Load>(block, stride, e + k, w_hi, w_lo);
+                uint32_t w_hi[I][4], w_lo[I][4];
+                split_weight_fragments<T, Load, I>(block, stride, e + k, w_hi, w_lo);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
+                for (int j = 0; j < J; ++j) {
                     uint32_t x_hi[2], x_lo[2];
                     activation_fragment(stage, warp_tokens, j, k, x_hi, x_lo);
 #pragma unroll
-                    for (int i = 0; i < 2; ++i) {  // the small products first
+                    for (int i = 0; i < I; ++i) {  // the small products first
                         mma(acc[i][j], w_lo[i], x_hi);
                         mma(acc[i][j], w_hi[i], x_lo);
                         mma(acc[i][j], w_hi[i], x_hi);
@@ -336,7 +363,7 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
 
 // Starts copying weight chunk `chunk` of the tile's rows into `dest` (the aligned window, in
 // pieces; rows past `rows` are skipped).
-template <class T>
+template <class T, class Shape>
 __device__ __forceinline__ void copy_weight_chunk(uint8_t* dest, const uint8_t* weights,
                                                   int64_t row_pitch, int row0, int rows,
                                                   int n_in, int chunk) {
@@ -346,7 +373,7 @@ __device__ __forceinline__ void copy_weight_chunk(uint8_t* dest, const uint8_t* 
     const int end = round_up16(min((chunk + 1) * C::BYTES, row_bytes));  // <= row_pitch
     const int pieces = (end - start) / PIECE;
     constexpr int MAX_PIECES = C::WINDOW / PIECE;
-    for (int i = threadIdx.x; i < TILE_ROWS * MAX_PIECES; i += TILE_THREADS) {
+    for (int i = threadIdx.x; i < Shape::ROWS * MAX_PIECES; i += Shape::THREADS) {
         const int r = i / MAX_PIECES, piece = i % MAX_PIECES;
         if (piece < pieces && row0 + r < rows) {
             copy_piece_async(dest + r * C::ROW_STRIDE + piece * PIECE,
@@ -355,7 +382,8 @@ __device__ __forceinline__ void copy_weight_chunk(uint8_t* dest, const uint8_t* 
     }
 }
 
-// The activation stages: each thread copies one piece (4 floats) of every 16th token and,
+// The activation stages: each thread copies one piece (4 floats) of every
+// Shape::THREADS / X_PIECES-th token (prefill: 16th; decode: its one token) and,
 // once its copies are in, splits those same pieces in place (cp.async.wait_group makes a
 // thread's own copies visible to it; the barrier after it publishes the split to the block).
 // A piece of elements (e, e+1, e+2, e+3) becomes the halves {hi(e, e+2), hi(e+1, e+3),
@@ -363,8 +391,12 @@ __device__ __forceinline__ void copy_weight_chunk(uint8_t* dest, const uint8_t* 
 // Pieces are XOR-swizzled by token parity (the 8 lanes of a 16-byte shared access read two
 // tokens: halves 0-3 and 4-7 of the 8 pieces) and each thread's swizzle is the same for all
 // of its tokens.
-constexpr int TOKENS_PER_PASS = TILE_THREADS / X_PIECES;
-static_assert(TOKENS_PER_PASS % 2 == 0 && TILE_TOKENS % TOKENS_PER_PASS == 0, "");
+template <class Shape>
+struct stage_passes {
+    static constexpr int TOKENS_PER_PASS = Shape::THREADS / X_PIECES;
+    static constexpr int PASSES = Shape::TOKENS / TOKENS_PER_PASS;
+    static_assert(TOKENS_PER_PASS % 2 == 0 && Shape::TOKENS % TOKENS_PER_PASS == 0, "");
+};
 
 __device__ __forceinline__ int own_piece_index() {
     const int piece = threadIdx.x % X_PIECES, first = threadIdx.x / X_PIECES;
@@ -372,11 +404,11 @@ __device__ __forceinline__ int own_piece_index() {
 }
 
 // Decodes the scale table of a chunk (SCALE_TABLE types: one block a row) once it is in.
-template <class T>
+template <class T, class Shape>
 __device__ __forceinline__ void decode_scale_table(float2* table, const uint8_t* chunk) {
     using C = tile_chunk<T>;
     constexpr int groups = C::TABLE_GROUPS;
-    for (int i = threadIdx.x; i < TILE_ROWS * groups; i += TILE_THREADS) {
+    for (int i = threadIdx.x; i < Shape::ROWS * groups; i += Shape::THREADS) {
         const int r = i / groups, group = i % groups;
         float scale, offset;
         tile_levels<T>::scale_offset(chunk + r * C::ROW_STRIDE, group * GROUP, &scale, &offset);
@@ -386,25 +418,29 @@ __device__ __forceinline__ void decode_scale_table(float2* table, const uint8_t*
 
 // Starts copying stage `stage` (elements [32 stage, 32 stage + 32)) of the tile's tokens
 // (`x` at the tile's first token, `tokens` of them; zeros for the tokens past them).
+template <class Shape>
 __device__ __forceinline__ void copy_activation_stage(uint4* dest, const float* x,
                                                       int64_t x_stride, int tokens, int stage) {
+    using P = stage_passes<Shape>;
     const int first = threadIdx.x / X_PIECES;
     const float* src = x + first * x_stride + stage * GROUP + 4 * (threadIdx.x % X_PIECES);
     uint4* dst = dest + own_piece_index();
 #pragma unroll
-    for (int pass = 0; pass < TILE_TOKENS / TOKENS_PER_PASS; ++pass) {
-        copy_piece_or_zeros(dst + pass * TOKENS_PER_PASS * X_PIECES,
-                            src + pass * TOKENS_PER_PASS * x_stride, x,
-                            first + pass * TOKENS_PER_PASS < tokens);
+    for (int pass = 0; pass < P::PASSES; ++pass) {
+        copy_piece_or_zeros(dst + pass * P::TOKENS_PER_PASS * X_PIECES,
+                            src + pass * P::TOKENS_PER_PASS * x_stride, x,
+                            first + pass * P::TOKENS_PER_PASS < tokens);
     }
 }
 
 // Splits the pieces this thread copied into `stage` (see above), in place (zeros stay zeros).
+template <class Shape>
 __device__ __forceinline__ void split_own_pieces(uint4* stage) {
+    using P = stage_passes<Shape>;
     uint4* own = stage + own_piece_index();
 #pragma unroll
-    for (int pass = 0; pass < TILE_TOKENS / TOKENS_PER_PASS; ++pass) {
-        uint4& piece = own[pass * TOKENS_PER_PASS * X_PIECES];
+    for (int pass = 0; pass < P::PASSES; ++pass) {
+        uint4& piece = own[pass * P::TOKENS_PER_PASS * X_PIECES];
         const uint4 v = piece;  // 4 floats' bits
         uint4 parts;
         split_pair(__uint_as_float(v.x), __uint_as_float(v.z), &parts.x, &parts.z);
@@ -413,64 +449,65 @@ __device__ __forceinline__ void split_own_pieces(uint4* stage) {
     }
 }
 
-template <class T>
+template <class T, class Shape>
 __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_pitch,
                               const float* __restrict__ x, int x_stride, float* __restrict__ y,
                               int y_stride, int rows, int n_in, int n_tokens) {
     using C = tile_chunk<T>;
     // Two chunks of weights (plus a spare piece for shared_word_any's second word) and two
     // stages of activations.
-    __shared__ __align__(16) uint8_t weight_chunks[2 * TILE_ROWS * C::ROW_STRIDE + PIECE];
-    __shared__ __align__(16) uint4 x_stages[2][TILE_TOKENS * X_PIECES];
+    __shared__ __align__(16) uint8_t weight_chunks[2 * Shape::ROWS * C::ROW_STRIDE + PIECE];
+    __shared__ __align__(16) uint4 x_stages[2][Shape::TOKENS * X_PIECES];
     // Two chunks' scale tables (one unused entry for the types without).
-    __shared__ float2 scale_tables[C::SCALE_TABLE ? 2 * TILE_ROWS * C::TABLE_GROUPS : 1];
-    constexpr int CHUNK_BYTES = TILE_ROWS * C::ROW_STRIDE, TABLE_ENTRIES = TILE_ROWS *
-                                                                         C::TABLE_GROUPS;
+    __shared__ float2 scale_tables[C::SCALE_TABLE ? 2 * Shape::ROWS * C::TABLE_GROUPS : 1];
+    constexpr int CHUNK_BYTES = Shape::ROWS * C::ROW_STRIDE, TABLE_ENTRIES = Shape::ROWS *
+                                                                           C::TABLE_GROUPS;
 
-    const int token0 = blockIdx.x * TILE_TOKENS, row0 = blockIdx.y * TILE_ROWS;
+    const int token0 = blockIdx.x * Shape::TOKENS, row0 = blockIdx.y * Shape::ROWS;
     const int warp = threadIdx.x / WARP;
-    const int warp_rows = (warp % 2) * WARP_TILE, warp_tokens = (warp / 2) * WARP_TILE;
+    const int warp_rows = Shape::warp_rows(warp), warp_tokens = Shape::warp_tokens(warp);
     const int n_stages = n_in / GROUP;
     const float* tile_x = x + int64_t(token0) * x_stride;
     const int tile_tokens = n_tokens - token0;
 
-    float acc[2][4][4] = {};
+    float acc[Shape::I][Shape::J][4] = {};
 
     // cp.async groups: each stage commits its next activation stage, then its weight chunk
     // (empty unless the stage opens a chunk). A stage needs the activations committed by the
     // one before and its chunk, committed a whole chunk earlier: every group but the newest.
     // With one-stage chunks the newest holds that chunk: wait for all.
     constexpr int PENDING = C::STAGES > 1 ? 1 : 0;
-    copy_weight_chunk<T>(weight_chunks, weights, row_pitch, row0, rows, n_in, 0);
-    copy_activation_stage(x_stages[0], tile_x, x_stride, tile_tokens, 0);
+    copy_weight_chunk<T, Shape>(weight_chunks, weights, row_pitch, row0, rows, n_in, 0);
+    copy_activation_stage<Shape>(x_stages[0], tile_x, x_stride, tile_tokens, 0);
     commit_copies();
     commit_copies();
     if constexpr (C::SCALE_TABLE) {  // chunk 0's table (the first stage's barrier publishes it)
         wait_copies<0>();
         __syncthreads();
-        decode_scale_table<T>(scale_tables, weight_chunks);
+        decode_scale_table<T, Shape>(scale_tables, weight_chunks);
     }
     for (int s = 0; s < n_stages; ++s) {
         wait_copies<PENDING>();
-        split_own_pieces(x_stages[s % 2]);
+        split_own_pieces<Shape>(x_stages[s % 2]);
         __syncthreads();  // stage s is in and split; every warp is done with stage s - 1
         if (s + 1 < n_stages) {
-            copy_activation_stage(x_stages[(s + 1) % 2], tile_x, x_stride, tile_tokens, s + 1);
+            copy_activation_stage<Shape>(x_stages[(s + 1) % 2], tile_x, x_stride, tile_tokens,
+                                         s + 1);
         }
         commit_copies();
         const int chunk = s / C::STAGES;
         const bool next_chunk = (chunk + 1) * C::STAGES < n_stages;
         if (s % C::STAGES == 0 && next_chunk) {
-            copy_weight_chunk<T>(weight_chunks + (chunk + 1) % 2 * CHUNK_BYTES, weights,
-                                 row_pitch, row0, rows, n_in, chunk + 1);
+            copy_weight_chunk<T, Shape>(weight_chunks + (chunk + 1) % 2 * CHUNK_BYTES, weights,
+                                        row_pitch, row0, rows, n_in, chunk + 1);
         }
         commit_copies();
         if constexpr (C::SCALE_TABLE) {
             // The next chunk is in (committed STAGES - 1 stages ago); the next barrier
             // publishes its table, and the buffer's last reader (chunk - 1) is done.
             if (s % C::STAGES == C::STAGES - 1 && next_chunk) {
-                decode_scale_table<T>(scale_tables + (chunk + 1) % 2 * TABLE_ENTRIES,
-                                      weight_chunks + (chunk + 1) % 2 * CHUNK_BYTES);
+                decode_scale_table<T, Shape>(scale_tables + (chunk + 1) % 2 * TABLE_ENTRIES,
+                                             weight_chunks + (chunk + 1) % 2 * CHUNK_BYTES);
             }
         }
 
@@ -480,18 +517,18 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
                                element / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
         const float2* scales = scale_tables + (C::SCALE_TABLE ? chunk % 2 * TABLE_ENTRIES +
                                                warp_rows * C::TABLE_GROUPS : 0);
-        multiply_stage<T>(block, element % T::BLOCK_ELEMENTS, scales, s % C::STAGES,
-                          x_stages[s % 2], warp_tokens, acc);
+        multiply_stage<T, Shape::I, Shape::J>(block, element % T::BLOCK_ELEMENTS, scales,
+                                              s % C::STAGES, x_stages[s % 2], warp_tokens, acc);
     }
 
     const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < Shape::I; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + warp_rows + 16 * i + 8 * h + g;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+            for (int j = 0; j < Shape::J; ++j) {
 #pragma unroll
                 for (int q = 0; q < 2; ++q) {
                     const int token = token0 + warp_tokens + 8 * j + 2 * c + q;
@@ -504,12 +541,16 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
     }
 }
 
-#define QK_MATMUL_ENTRIES(suffix, type)                                                          \
-    extern "C" __global__ void __launch_bounds__(TILE_THREADS, TILE_BLOCKS_PER_SM)                \
-        mul_mat_tiles_f16x2_##suffix(const uint8_t* weights, int64_t row_pitch, const float* x,  \
-                                     int x_stride, float* y, int y_stride, int rows, int n_in,   \
-                                     int n_tokens) {                                             \
-        mul_mat_tiles<type>(weights, row_pitch, x, x_stride, y, y_stride, rows, n_in, n_tokens); \
+#define QK_MATMUL_ENTRY(name, shape, blocks_per_sm, suffix, type)                               \
+    extern "C" __global__ void __launch_bounds__(shape::THREADS, blocks_per_sm)                   \
+        name##_f16x2_##suffix(const uint8_t* weights, int64_t row_pitch, const float* x,         \
+                              int x_stride, float* y, int y_stride, int rows, int n_in,          \
+                              int n_tokens) {                                                    \
+        mul_mat_tiles<type, shape>(weights, row_pitch, x, x_stride, y, y_stride, rows, n_in,     \
+                                   n_tokens);                                                    \
     }
+#define QK_MATMUL_ENTRIES(suffix, type)                                                          \
+    QK_MATMUL_ENTRY(mul_mat_tiles, PrefillTile, TILE_BLOCKS_PER_SM, suffix, type)                \
+    QK_MATMUL_ENTRY(mul_mat_decode_tiles, DecodeTile, DECODE_TILE_BLOCKS_PER_SM, suffix, type)
 
 QK_FOR_EACH_TYPE(QK_MATMUL_ENTRIES)

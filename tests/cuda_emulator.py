@@ -92,8 +92,9 @@ class KernelTwins:
             self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args)
         elif name.startswith("mul_mat_vec_"):
             self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args)
-        elif name.startswith("mul_mat_tiles_"):
-            tile_input, suffix = name[len("mul_mat_tiles_"):].split("_", 1)
+        elif name.startswith(("mul_mat_tiles_", "mul_mat_decode_tiles_")):
+            # Both tile shapes multiply alike: float16 hi + lo activations, exact levels.
+            tile_input, suffix = name.split("tiles_", 1)[1].split("_", 1)
             assert tile_input in plan.TILE_INPUTS, name
             self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args)
         else:

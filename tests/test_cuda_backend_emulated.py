@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from actors.compute.contract import KVRequest, RowInputs, StepItem
+from actors.compute.cuda_plan import DECODE_ROUTES
 from actors.model.loaded import Model, load_model
 from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
 from tests.cuda_emulator import EmulatedDevice, install
@@ -71,12 +72,15 @@ def compare(model: Model, backend: Any, tokens: list[int], split: int) -> float:
     return worst
 
 
+@pytest.mark.parametrize("route", DECODE_ROUTES)
 @pytest.mark.parametrize("name", list(TINY_MODELS))
-def test_tiny_models_match_the_cpu(emulated: tuple[Any, EmulatedDevice], name: str) -> None:
+def test_tiny_models_match_the_cpu(emulated: tuple[Any, EmulatedDevice], name: str,
+                                   route: str) -> None:
     module, device = emulated
     model = load_model(TINY_MODELS[name])
     backend = module.build_cuda_backend(model, KVRequest(blocks=16, block_size=BLOCK,
-                                                         max_sequences=2), 0.9)
+                                                         max_sequences=2), 0.9,
+                                        decode_route=route)
     tokens = reference_tokens(name, 40)
     assert compare(model, backend, tokens, 30) <= TOLERANCE
     # Every decode step replays the one graph of bucket 2.
@@ -86,26 +90,30 @@ def test_tiny_models_match_the_cpu(emulated: tuple[Any, EmulatedDevice], name: s
 
 
 @pytest.mark.slow
-def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice]) -> None:
+@pytest.mark.parametrize("route", DECODE_ROUTES)
+def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str) -> None:
     """Sliding-window layers past the window are not reached in 40 tokens; the window is
     shrunk to 8 so that they are, on both sides."""
     module, _ = emulated
     model = load_model(gemma3_path())
     model.spec = model._transformer.spec = dataclasses.replace(model.spec, sliding_window=8)
     backend = module.build_cuda_backend(model, KVRequest(blocks=16, block_size=BLOCK,
-                                                         max_sequences=2), 0.9)
+                                                         max_sequences=2), 0.9,
+                                        decode_route=route)
     tokens = reference_tokens("gemma3-270m", 40)
     assert compare(model, backend, tokens, 30) <= TOLERANCE
     backend.close()
 
 
 @pytest.mark.slow
-def test_smollm2_matches_the_cpu(emulated: tuple[Any, EmulatedDevice]) -> None:
+@pytest.mark.parametrize("route", DECODE_ROUTES)
+def test_smollm2_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str) -> None:
     """The fourth model: llama's layout with Q4_1 and Q8_0 blocks and a tied output."""
     module, _ = emulated
     model = load_model(smollm2_path())
     backend = module.build_cuda_backend(model, KVRequest(blocks=16, block_size=BLOCK,
-                                                         max_sequences=2), 0.9)
+                                                         max_sequences=2), 0.9,
+                                        decode_route=route)
     tokens = reference_tokens("smollm2-135m", 40)
     assert compare(model, backend, tokens, 30) <= TOLERANCE
     backend.close()
@@ -114,22 +122,27 @@ def test_smollm2_matches_the_cpu(emulated: tuple[Any, EmulatedDevice]) -> None:
 INVARIANCE_STREAMS = (1, 8, 9, 32, 64)
 
 
+@pytest.mark.parametrize("route", DECODE_ROUTES)
 def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(
-        emulated: tuple[Any, EmulatedDevice]) -> None:
+        emulated: tuple[Any, EmulatedDevice], route: str) -> None:
     """Sequence 0 decoded beside 0, 7, 8, 31 and 63 others (past 8 decode rows the step once
-    switched to the tiles): its tokens, and its logits rows bit for bit, are the same."""
-    module, _ = emulated
+    switched to the tiles), on either decode route: its tokens, and its logits rows bit for
+    bit, are the same."""
+    module, device = emulated
     model = load_model(TINY_MODELS["qwen2-q4k-tiny"])
     steps, most = 4, max(INVARIANCE_STREAMS)
     rng = np.random.default_rng(17)
     prompts = [rng.integers(1, model.spec.vocab_size, 3 + i % 4).tolist() for i in range(most)]
     backend = module.build_cuda_backend(model, KVRequest(blocks=most * 2, block_size=BLOCK,
-                                                         max_sequences=most), 0.9)
+                                                         max_sequences=most), 0.9,
+                                        decode_route=route)
     try:
         runs = {n: greedy_sharing_steps(backend, prompts[:n], steps, BLOCK)
                 for n in INVARIANCE_STREAMS}
     finally:
         backend.close()
+    decode_tiles = any(name.startswith("mul_mat_decode_tiles") for name in device.launches)
+    assert decode_tiles == (route == "tiles")
     alone_tokens, alone_rows = runs[1]
     for n, (tokens, rows) in runs.items():
         assert tokens[0] == alone_tokens[0], n

@@ -62,13 +62,14 @@ def _plan(spec: ModelSpec, items: list[StepItem], num_blocks: int = 64):
     return plan_step(items, spec, num_blocks, BLOCK)
 
 
-def _calls(gguf: GGUFFile, items: list[StepItem]) -> tuple[ModelSpec, list[launches.KernelCall]]:
+def _calls(gguf: GGUFFile, items: list[StepItem],
+           decode_route: str = "matvec") -> tuple[ModelSpec, list[launches.KernelCall]]:
     spec = spec_from_gguf(gguf)
     step = _plan(spec, items)
     shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
                                 spec.context_length)
     return spec, launches.forward_calls(spec, launches.tensor_layouts(gguf), shape,
-                                        launches.TILE_INPUT)
+                                        launches.TILE_INPUT, decode_route)
 
 
 def _layer_slices(calls: list[launches.KernelCall]) -> list[list[launches.KernelCall]]:
@@ -255,9 +256,9 @@ def test_each_prefill_item_takes_the_matvec_or_the_tiles_by_its_own_length(
     step = _plan(spec, items)
     shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
                                 spec.context_length)
-    assert launches.row_runs(shape) == [launches.RowRun(0, 7, True),
-                                        launches.RowRun(7, 20, False),
-                                        launches.RowRun(27, 10, True)]
+    assert launches.row_runs(shape) == [launches.RowRun(0, 7, launches.MATVEC),
+                                        launches.RowRun(7, 20, launches.TILES),
+                                        launches.RowRun(27, 10, launches.MATVEC)]
     _, calls = _calls(models["llama-tiny"], items)
     down = [c for c in calls if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
     assert [(_kind(c), c.args[2].offset // (4 * spec.ffn_dim), int(c.args[8])) for c in down] \
@@ -266,7 +267,38 @@ def test_each_prefill_item_takes_the_matvec_or_the_tiles_by_its_own_length(
     assert [(_kind(c), int(c.args[8])) for c in output] == [("mul_mat_vec", 6)]
     two_short = items[2:3] + items[4:5]
     assert launches.row_runs(launches.step_shape(
-        _plan(spec, two_short), 8, 256, spec.context_length)) == [launches.RowRun(0, 10, True)]
+        _plan(spec, two_short), 8, 256, spec.context_length)) == [
+            launches.RowRun(0, 10, launches.MATVEC)]
+
+
+def test_decode_rows_on_the_decode_tiles_route_take_them_whatever_shares_the_step(
+        models: dict[str, GGUFFile]) -> None:
+    """The decode tiles route: the decode rows (and only they) on mul_mat_decode_tiles, gate
+    and up a launch each with the activation after them; prefill items keep their own routes
+    and the logits rows the matvec."""
+    spec = spec_from_gguf(models["llama-tiny"])
+    items = [StepItem((5,), 3, (0,)), StepItem((6,), 4, (1,)),
+             StepItem(tuple(range(1, 6)), 0, (2,)), StepItem(tuple(range(1, 21)), 0, (3, 4))]
+    shape = launches.step_shape(_plan(spec, items), 8,
+                                launches.split_keys_for(spec.context_length), spec.context_length)
+    assert launches.row_runs(shape, "tiles") == [launches.RowRun(0, 2, launches.DECODE_TILES),
+                                                 launches.RowRun(2, 5, launches.MATVEC),
+                                                 launches.RowRun(7, 20, launches.TILES)]
+    _, calls = _calls(models["llama-tiny"], items, "tiles")
+    down = [c for c in calls if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
+    assert [(_kind(c), c.args[2].offset // (4 * spec.ffn_dim), int(c.args[8])) for c in down] \
+        == [("mul_mat_decode_tiles_f16x2_q4_K", 0, 2), ("mul_mat_vec", 2, 5),
+            ("mul_mat_tiles_f16x2_q4_K", 7, 20)]
+    decode = [c for c in calls if c.kernel.startswith("mul_mat_decode_tiles")]
+    assert all(c.launch.grid[0] == 1 and c.launch.block == (plan.DECODE_TILE_THREADS, 1, 1)
+               for c in decode)
+    layer = _layer_slices(calls)[0]
+    assert [_kind(c) for c in layer[:4]] == ["residual_rms_norm"] + \
+        ["mul_mat_decode_tiles_f16x2_q4_K"] * 3
+    output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
+    assert [(_kind(c), int(c.args[8])) for c in output] == [("mul_mat_vec", 4)]
+    with pytest.raises(InvalidRequest, match="decode route"):
+        launches.row_runs(shape, "wmma")
 
 
 def test_gate_and_up_of_different_types_take_two_products_and_the_activation(

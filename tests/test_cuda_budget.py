@@ -31,3 +31,7 @@ def test_budget_report() -> None:
         assert loop["chunk_row_regions"] == 8, name  # one region per activation row
         assert 0 < loop["batch1_pass_instructions"] < loop["chunk_pass_instructions"]
     assert report["decode_step"]["llama3_8b_q4_k_m"]["layers"] == 32
+    tiles = report["decode_step"]["llama3_8b_q4_k_m_decode_tiles"]
+    # q, k, v, gate and up a launch each on the decode tiles, and the activation after them
+    assert tiles["kernels_per_layer"] > report["decode_step"]["llama3_8b_q4_k_m"][
+        "kernels_per_layer"]

@@ -54,9 +54,10 @@ class CudaFactory:
     name = "cuda"
 
     def __init__(self, memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
-                 notices: Sequence[str] = ()) -> None:
+                 notices: Sequence[str] = (), decode_route: str = "matvec") -> None:
         self._memory_fraction = memory_fraction
         self._notices = tuple(notices)
+        self._decode_route = decode_route  # cuda_plan.DECODE_ROUTES: what decode rows run on
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -83,7 +84,8 @@ class CudaFactory:
     def build(self, model: OpenedModel, kv: KVRequest) -> ComputeBackend:
         from actors.compute.cuda import build_cuda_backend
 
-        return build_cuda_backend(model, kv, self._memory_fraction, self._notices)
+        return build_cuda_backend(model, kv, self._memory_fraction, self._notices,
+                                  self._decode_route)
 
 
 def nvidia_gpu_present() -> bool:

@@ -196,7 +196,9 @@ class CudaBackend:
     """Owns the device's weights, KV pool, workspace, kernels and decode graphs."""
 
     def __init__(self, model: OpenedModel, kv: KVRequest, memory_fraction: float,
-                 notices: Sequence[str] = ()) -> None:
+                 notices: Sequence[str] = (), decode_route: str = "matvec") -> None:
+        # Where decode rows' products run (plan.DECODE_ROUTES), checked before the device.
+        self._decode_route = plan.check_decode_route(decode_route)
         cuda.init()
         device = cuda.Device(0)
         self._context = device.retain_primary_context()
@@ -402,7 +404,8 @@ class CudaBackend:
         try:
             addresses = workspace.input.upload(packed, self._stream)
             if bucket is None:
-                calls = launches.forward_calls(spec, self._layouts, shape, launches.TILE_INPUT)
+                calls = launches.forward_calls(spec, self._layouts, shape, launches.TILE_INPUT,
+                                               self._decode_route)
                 self._launch(calls, addresses)
                 kernels = len(calls)
             else:
@@ -475,7 +478,8 @@ class CudaBackend:
         """Launch the bucket's decode graph (captured now if this is its first step); the
         number of kernels it holds."""
         if bucket not in self._graphs:
-            calls = launches.forward_calls(self._spec, self._layouts, shape, launches.TILE_INPUT)
+            calls = launches.forward_calls(self._spec, self._layouts, shape, launches.TILE_INPUT,
+                                           self._decode_route)
             executable = self._driver_graphs.capture(
                 self._stream, lambda: self._launch(calls, step_addresses))
             self._graphs[bucket] = (executable, dict(step_addresses), len(calls))
@@ -489,6 +493,6 @@ class CudaBackend:
 
 
 def build_cuda_backend(model: OpenedModel, kv: KVRequest, memory_fraction: float,
-                       notices: Sequence[str] = ()) -> CudaBackend:
+                       notices: Sequence[str] = (), decode_route: str = "matvec") -> CudaBackend:
     """The CUDA backend for `model` (called in the compute actor's thread)."""
-    return CudaBackend(model, kv, memory_fraction, notices)
+    return CudaBackend(model, kv, memory_fraction, notices, decode_route)

@@ -13,11 +13,13 @@ Layouts are the kernels' (cuda_src/README.md): activations float32 rows; q, k an
 side in one `qkv` row (q heads, then k heads, then v); gate and up side by side in `gate_up`.
 Each layer's residual add is fused into the next RMSNorm (residual_rms_norm's `delta`).
 
-Decode rows always take the matvec, any number of them, a short prefill item too, a long one
-the tiles, a launch per matrix (`row_runs`): a sequence's tokens do not depend on what else
-shares its step. A decode layer is eight launches: residual_rms_norm, mul_mat_vec_qkv,
-qkv_finish (biases, q/k norms, RoPE, the K/V write), attention_decode, the output matvec,
-residual_rms_norm, the fused gate+up+activation matvec, the down matvec.
+Decode rows always take one route, any number of them: the matvec (the default) or the
+decode tiles (tensor cores, 8 tokens a tile); a short prefill item takes the matvec, a long
+one the tiles, a launch per matrix (`row_runs`): a sequence's tokens do not depend on what else
+shares its step. On the matvec a decode layer is eight launches: residual_rms_norm,
+mul_mat_vec_qkv, qkv_finish (biases, q/k norms, RoPE, the K/V write), attention_decode, the
+output matvec, residual_rms_norm, the fused gate+up+activation matvec, the down matvec; on
+the decode tiles q, k, v, gate and up are a launch each and the activation one more.
 """
 
 from __future__ import annotations
@@ -185,31 +187,40 @@ def _i32(value: int) -> np.int32:
     return np.int32(value)
 
 
+MATVEC, TILES, DECODE_TILES = "matvec", "tiles", "decode_tiles"  # a RowRun's kernels
+
+
 @dataclass(frozen=True)
 class RowRun:
     """Consecutive rows of a step that one launch per product serves: `rows` rows from
-    `first`, on the matvec or on the tensor-core tiles."""
+    `first`, on the matvec, the (prefill) tiles or the decode tiles."""
 
     first: int
     rows: int
-    matvec: bool
+    kernels: str  # MATVEC, TILES or DECODE_TILES
+
+    @property
+    def matvec(self) -> bool:
+        return self.kernels == MATVEC
 
 
-def row_runs(shape: StepShape) -> list[RowRun]:
-    """The step's rows in launches: the decode rows on the matvec, any number of them; each
-    prefill item on the matvec when it is short (plan.uses_matvec of its own length), else on
-    the tiles; neighbours on the same side share a launch. A row's route depends on its own
-    item alone and the matvec's rows are independent of each other, so a sequence's tokens
-    do not depend on what shares its step (a decode row never shares a tile)."""
+def row_runs(shape: StepShape, decode_route: str = "matvec") -> list[RowRun]:
+    """The step's rows in launches: the decode rows on `decode_route` (plan.DECODE_ROUTES: the
+    matvec or the decode tiles), any number of them; each prefill item on the matvec when it
+    is short (plan.uses_matvec of its own length), else on the tiles; neighbours on the same
+    kernels share a launch. A row's route depends on its own item alone and every kernel's
+    rows are independent of each other, so a sequence's tokens do not depend on what shares
+    its step (a decode row never shares a prefill tile)."""
     runs: list[RowRun] = []
-    routes = [(shape.n_decode, True)] if shape.n_decode else []
-    routes += [(n, plan.uses_matvec(n)) for n in shape.prefill_lengths]
+    decode_kernels = MATVEC if plan.check_decode_route(decode_route) == "matvec" else DECODE_TILES
+    routes = [(shape.n_decode, decode_kernels)] if shape.n_decode else []
+    routes += [(n, MATVEC if plan.uses_matvec(n) else TILES) for n in shape.prefill_lengths]
     first = 0
-    for rows, matvec in routes:
-        if runs and runs[-1].matvec == matvec:
-            runs[-1] = RowRun(runs[-1].first, runs[-1].rows + rows, matvec)
+    for rows, kernels in routes:
+        if runs and runs[-1].kernels == kernels:
+            runs[-1] = RowRun(runs[-1].first, runs[-1].rows + rows, kernels)
         else:
-            runs.append(RowRun(first, rows, matvec))
+            runs.append(RowRun(first, rows, kernels))
         first += rows
     return runs
 
@@ -232,14 +243,20 @@ def matvec_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride
 
 
 def tiles_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
-               y_stride: int, n_tokens: int, tile_input: str) -> KernelCall:
-    """y[t][r] = W[r] . x[t] for the matrix `name` on the tensor-core tiles (a run of
-    prefill items each too long for the matvec)."""
+               y_stride: int, n_tokens: int, tile_input: str,
+               kernels: str = TILES) -> KernelCall:
+    """y[t][r] = W[r] . x[t] for the matrix `name` on the tensor-core tiles: TILES for a run
+    of prefill items each too long for the matvec, DECODE_TILES for decode rows."""
     matrix = weights[name]
-    assert not plan.uses_matvec(n_tokens), n_tokens
+    if kernels == DECODE_TILES:
+        kernel = plan.decode_tiles_kernel(matrix.type_name, tile_input)
+        launch = plan.decode_tiles_launch(matrix.rows, n_tokens)
+    else:
+        assert not plan.uses_matvec(n_tokens), n_tokens
+        kernel = plan.matmul_kernel(matrix.type_name, n_tokens, tile_input)
+        launch = plan.matmul_launch(matrix.rows, n_tokens)
     return KernelCall(
-        plan.matmul_kernel(matrix.type_name, n_tokens, tile_input),
-        plan.matmul_launch(matrix.rows, n_tokens),
+        kernel, launch,
         (Ref(name), np.int64(matrix.pitch), x, _i32(x_stride), y, _i32(y_stride),
          _i32(matrix.rows), _i32(matrix.row_length), _i32(n_tokens)),
     )
@@ -255,7 +272,7 @@ def matmul_calls(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_strid
         calls.append(
             matvec_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows) if run.matvec
             else tiles_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows,
-                            tile_input))
+                            tile_input, run.kernels))
     return calls
 
 
@@ -329,7 +346,7 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
         else:
             calls += [tiles_call(weights, name, x, d,
                                  _rows_in(Ref("qkv", column * F32), run.first, qkv_stride),
-                                 qkv_stride, run.rows, tile_input)
+                                 qkv_stride, run.rows, tile_input, run.kernels)
                       for name, column in zip(names, columns)]
     return calls
 
@@ -389,10 +406,10 @@ def gated_ffn_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
 
 
 def layer_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
-                layer: int, tile_input: str) -> list[KernelCall]:
+                layer: int, tile_input: str, decode_route: str = "matvec") -> list[KernelCall]:
     """One transformer block, from the norm that opens it (adding the previous block's FFN
     output to the residual) to its down projection (left in `projected`)."""
-    p, t, runs = f"blk.{layer}.", shape.n_tokens, row_runs(shape)
+    p, t, runs = f"blk.{layer}.", shape.n_tokens, row_runs(shape, decode_route)
     first = layer == 0
     calls = [residual_norm_call(spec, t, NULL if first else Ref("projected"),
                                 NULL if first else _post_ffn_norm(spec, layer - 1),
@@ -412,8 +429,9 @@ def layer_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: Ste
 
 
 def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
-                  tile_input: str) -> list[KernelCall]:
-    """Every kernel from the token ids to the logits rows (`logits`, n_logit_rows x vocab)."""
+                  tile_input: str, decode_route: str = "matvec") -> list[KernelCall]:
+    """Every kernel from the token ids to the logits rows (`logits`, n_logit_rows x vocab),
+    the decode rows' products on `decode_route` (plan.DECODE_ROUTES)."""
     embedding = weights["token_embd.weight"]
     calls = [KernelCall(
         f"get_rows_{plan.kernel_suffix(embedding.type_name)}",
@@ -421,7 +439,7 @@ def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: S
         (Ref("token_embd.weight"), np.int64(embedding.pitch), Ref("step.token_ids"), Ref("x"),
          _i32(spec.d_model), np.float32(spec.embedding_scale)))]
     for layer in range(spec.n_layers):
-        calls += layer_calls(spec, weights, shape, layer, tile_input)
+        calls += layer_calls(spec, weights, shape, layer, tile_input, decode_route)
     calls.append(residual_norm_call(spec, shape.n_tokens, Ref("projected"),
                                     _post_ffn_norm(spec, spec.n_layers - 1),
                                     Ref("output_norm.weight"), Ref("normed")))

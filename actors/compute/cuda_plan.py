@@ -48,6 +48,11 @@ MATVEC_SPLIT_INPUTS = 2048  # K-split: one split per this many inputs, a power o
 MATVEC_MAX_BATCH = 8
 TILE_ROWS = TILE_TOKENS = 64  # a tiles block's share of y; its grid runs token tiles fastest
 TILE_THREADS = 128
+DECODE_TILE_ROWS, DECODE_TILE_TOKENS = 32, 8  # mul_mat_decode_tiles: the same, smaller tiles
+DECODE_TILE_THREADS = 64
+# Where decode rows' products run (cuda_launches.row_runs), whatever their number: the
+# CUDA-core matvec, or the tensor cores' decode tiles.
+DECODE_ROUTES = ("matvec", "tiles")
 NORM_THREADS = 256
 HEAD_NORM_HEADS_PER_BLOCK = 4
 QKV_FINISH_HEADS_PER_BLOCK = 4
@@ -114,7 +119,8 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
         "matvec.cu": (*(f"mul_mat_vec_{s}" for s in suffixes),
                       *(gate_up_kernel(a, s) for a in ACTIVATIONS for s in suffixes),
                       "mul_mat_vec_qkv"),
-        "matmul.cu": tuple(f"mul_mat_tiles_{i}_{s}" for s in suffixes for i in TILE_INPUTS),
+        "matmul.cu": tuple(f"mul_mat_{shape}_{i}_{s}" for shape in ("tiles", "decode_tiles")
+                           for s in suffixes for i in TILE_INPUTS),
         "embedding.cu": tuple(f"get_rows_{s}" for s in suffixes),
         "norm.cu": ("residual_rms_norm", "head_rms_norm"),
         "rope.cu": ("rope",),
@@ -357,14 +363,14 @@ def _check_grid(launch: Launch) -> Launch:
 
 def uses_matvec(n_tokens: int) -> bool:
     """A prefill item of up to MATVEC_MAX_BATCH tokens takes mul_mat_vec; a longer one goes
-    to the tensor-core tiles. (Decode rows take the matvec whatever their number:
-    cuda_launches.row_runs.)"""
+    to the tensor-core tiles. (Decode rows take one route whatever their number, the matvec
+    or the decode tiles: cuda_launches.row_runs.)"""
     return n_tokens <= MATVEC_MAX_BATCH
 
 
 def matvec_kernel(type_name: str) -> str:
     """The matvec entry point of a `type_name` matrix: any number of activation rows, each
-    row's result independent of the others (decode rows always take it)."""
+    row's result independent of the others (decode rows on the matvec route)."""
     return f"mul_mat_vec_{kernel_suffix(type_name)}"
 
 
@@ -373,10 +379,34 @@ def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = TILE_INPUTS[0
     suffix = kernel_suffix(type_name)
     if uses_matvec(n_tokens):
         return matvec_kernel(type_name)
+    return f"mul_mat_tiles_{_tile_input(tile_input)}_{suffix}"
+
+
+def decode_tiles_kernel(type_name: str, tile_input: str = TILE_INPUTS[0]) -> str:
+    """The decode tiles' entry point of a `type_name` matrix (32 rows x 8 tokens a block):
+    any number of decode rows, each row's result independent of the others."""
+    return f"mul_mat_decode_tiles_{_tile_input(tile_input)}_{kernel_suffix(type_name)}"
+
+
+def _tile_input(tile_input: str) -> str:
     if tile_input not in TILE_INPUTS:
         raise InvalidRequest(f"tile input must be one of {TILE_INPUTS}, got {tile_input!r}",
                              field="tile_input")
-    return f"mul_mat_tiles_{tile_input}_{suffix}"
+    return tile_input
+
+
+def decode_tiles_launch(rows: int, n_tokens: int) -> Launch:
+    """mul_mat_decode_tiles: 32 x 8 tiles of y, token tiles fastest, 2 warps a block."""
+    return _check_grid(Launch((_blocks(n_tokens, DECODE_TILE_TOKENS),
+                               _blocks(rows, DECODE_TILE_ROWS), 1), (DECODE_TILE_THREADS, 1, 1)))
+
+
+def check_decode_route(route: str) -> str:
+    """`route` if it names one of DECODE_ROUTES; InvalidRequest naming them otherwise."""
+    if route not in DECODE_ROUTES:
+        raise InvalidRequest(f"decode route must be one of {DECODE_ROUTES}, got {route!r}",
+                             field="decode_route")
+    return route
 
 
 def matvec_splits(n_in: int) -> int:

@@ -6,7 +6,8 @@
 #      on the reference sequences; the engine on backend="cuda");
 #   3. benchmarks/synthetic_gguf.py: the Llama-3-8B-shaped Q4_K_M file and how long it takes
 #      there (SYNTHETIC_LAYERS, default 32; the file is deleted afterwards);
-#   4. benchmarks/bench_cuda.py (Q4_K matvec effective TB/s, copy bandwidth, tensor-core tiles;
+#   4. benchmarks/bench_cuda.py (Q4_K decode products on both decode routes, the matvec and
+#      the decode tiles, in effective TB/s; copy bandwidth; tensor-core tiles;
 #      whole-model decode / prefill tok/s on that file and, where its file is here,
 #      gemma-3-270m; launches per decode step).
 #   5. Nsight Compute (ncu) on the benchmark's matrix kernels, where ncu is there.

@@ -21,7 +21,8 @@ import anyio
 import numpy as np
 import pytest
 
-from actors.compute.backends import BACKENDS
+from actors.compute import cuda_plan as plan
+from actors.compute.backends import BACKENDS, CudaFactory
 from actors.compute.contract import Candidates, KVRequest, RowInputs, StepItem
 from actors.engine import Engine
 from actors.errors import ModelFormatError
@@ -123,16 +124,19 @@ def run_and_compare(backend: Any, items: list[StepItem], positions: list[tuple[i
         comparison.add(yardsticks[sequence], position, row)
 
 
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(scope="module", params=[(name, route) for route in plan.DECODE_ROUTES
+                                        for name in MODELS],
+                ids=lambda param: "-".join(param))
 def compared(request: pytest.FixtureRequest) -> Iterator[tuple[str, Comparison]]:
-    name = request.param
+    """Each model on each decode route (the products of its decode rows: matvec or tiles)."""
+    name, route = request.param
     model = load_model(model_path(name))
     sequences = reference_sequences(name)
     yardsticks = [CpuYardstick(model, tokens) for tokens in sequences]
     per_sequence = -(-max(len(t) for t in sequences) // BLOCK)
     kv = KVRequest(blocks=per_sequence * len(sequences), block_size=BLOCK,
                    max_sequences=len(sequences))
-    backend = BACKENDS["cuda"].build(model, kv)
+    backend = CudaFactory(decode_route=route).build(model, kv)
     tables = [tuple(range(i * per_sequence, (i + 1) * per_sequence))
               for i in range(len(sequences))]
     comparison = Comparison()
@@ -207,15 +211,17 @@ def test_a_decode_step_is_a_handful_of_launches() -> None:
 INVARIANCE_STREAMS = (1, 8, 9, 32, 64)
 
 
-def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step() -> None:
-    """Sequence 0 decoded beside 0, 7, 8, 31 and 63 others: decode rows always take the
-    matvec, whose rows are independent, so its tokens and logits rows are the same bits."""
+@pytest.mark.parametrize("route", plan.DECODE_ROUTES)
+def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(route: str) -> None:
+    """Sequence 0 decoded beside 0, 7, 8, 31 and 63 others: decode rows always take one
+    route (the matvec or the decode tiles), whose rows are independent, so its tokens and
+    logits rows are the same bits."""
     model = open_model(TINY_MODELS["qwen2-q4k-tiny"])
     steps, most = 6, max(INVARIANCE_STREAMS)
     rng = np.random.default_rng(17)
     prompts = [rng.integers(1, model.spec.vocab_size, 3 + i % 4).tolist() for i in range(most)]
-    backend = BACKENDS["cuda"].build(model, KVRequest(blocks=most * 2, block_size=BLOCK,
-                                                      max_sequences=most))
+    backend = CudaFactory(decode_route=route).build(
+        model, KVRequest(blocks=most * 2, block_size=BLOCK, max_sequences=most))
     try:
         runs = {n: greedy_sharing_steps(backend, prompts[:n], steps, BLOCK)
                 for n in INVARIANCE_STREAMS}

@@ -220,36 +220,67 @@ def test_fused_qkv_equals_three_matvecs(kernel: Kernel, types: tuple[str, str, s
     np.testing.assert_array_equal(got[:, :width].view(np.uint32), expected.view(np.uint32))
 
 
+def tiles(kernel: Kernel, shape: str, raw: np.ndarray, type_name: str, x: np.ndarray,
+          tokens: int) -> np.ndarray:
+    """mul_mat_tiles (shape "tiles") or mul_mat_decode_tiles ("decode_tiles") of raw blocks
+    with the first `tokens` rows of x (x's stride: its width); y's 3 spare columns must stay
+    NaN."""
+    rows, n_in = raw.shape[0], x.shape[1] - 4
+    if shape == "tiles":
+        name, launch = plan.matmul_kernel(type_name, tokens), plan.matmul_launch(rows, tokens)
+    else:
+        name = plan.decode_tiles_kernel(type_name)
+        launch = plan.decode_tiles_launch(rows, tokens)
+    y = nan_filled(tokens, rows + 3)
+    run(kernel("matmul.cu", name), launch,
+        ptr(to_device(pitched(raw, type_name, n_in))), np.int64(plan.row_pitch(type_name, n_in)),
+        ptr(to_device(x[:tokens])), np.int32(x.shape[1]), ptr(y), np.int32(rows + 3),
+        np.int32(rows), np.int32(n_in), np.int32(tokens))
+    got = y.get()
+    assert np.isnan(got[:, rows:]).all()
+    return got[:, :rows]
+
+
+@pytest.mark.parametrize("shape", ["tiles", "decode_tiles"])
 @pytest.mark.parametrize("type_name", ALL_TYPES)
-def test_tensor_core_tiles_match_their_twin(kernel: Kernel, type_name: str) -> None:
-    """100 rows x 70 tokens (partial 64 x 64 tiles at both edges), padded strides, and for the
-    32-element types a row of 17 groups (a partial last weight chunk). tile_product sums the
-    kernel's exact products; its float32 accumulation (per scale group, then across groups;
-    the level and offset sums of a K-quant can cancel) stays within 4x the classic bound, and
-    far below what one float16 rounding of the activations would cost, so a lost lo part or a
-    misplaced scale fails."""
+def test_tensor_core_tiles_match_their_twin(kernel: Kernel, type_name: str, shape: str) -> None:
+    """100 rows x 70 tokens (partial tiles at both edges: 64 x 64, or the decode tiles'
+    32 x 8), padded strides, and for the 32-element types a row of 17 groups (a partial last
+    weight chunk). tile_product sums the kernel's exact products; its float32 accumulation
+    (per scale group, then across groups; the level and offset sums of a K-quant can cancel)
+    stays within 4x the classic bound, and far below what one float16 rounding of the
+    activations would cost, so a lost lo part or a misplaced scale fails."""
     rows, tokens = 100, 70
     n_in = 512 if type_name in ("Q4_K", "Q5_K", "Q6_K") else 544
     rng = np.random.default_rng(7)
     raw = finite_blocks(type_name, rows, n_in, rng)
-    x = np.zeros((tokens, n_in + 4), dtype=np.float32)
-    x[:, :n_in] = rng.standard_normal((tokens, n_in))
-    y = nan_filled(tokens, rows + 3)
-    name = plan.matmul_kernel(type_name, tokens)
-    run(kernel("matmul.cu", name), plan.matmul_launch(rows, tokens),
-        ptr(to_device(pitched(raw, type_name, n_in))), np.int64(plan.row_pitch(type_name, n_in)),
-        ptr(to_device(x)), np.int32(n_in + 4), ptr(y), np.int32(rows + 3), np.int32(rows),
-        np.int32(n_in), np.int32(tokens))
-    got = y.get()
-    assert np.isnan(got[:, rows:]).all()
+    x = activations(rng, tokens, n_in)
+    got = tiles(kernel, shape, raw, type_name, x, tokens)
     w = dequantize(raw, type_name, (rows, n_in)).astype(np.float64)
     x64 = x[:, :n_in].astype(np.float64)
     twin = tile_product(w, x[:, :n_in], type_name)
-    error = np.abs(got[:, :rows] - twin)
+    error = np.abs(got - twin)
     assert (error <= summation_bound(w, x64, factor=4.0) + 1e-30).all()
     one_rounding = np.abs(x[:, :n_in].astype(np.float16).astype(np.float64) @ w.T - x64 @ w.T)
     # float32 summation here: ~0.0015 of it (numpy model of the kernel's sums); no lo: ~1
     assert error.mean() < 0.05 * one_rounding.mean()
+
+
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_decode_tiles_rows_do_not_depend_on_the_batch(kernel: Kernel, type_name: str) -> None:
+    """The decode tiles route's promise, as the matvec's: row b of y is bit for bit the same
+    alone or among 9, 33 or 64 tokens (partial token tiles), whichever tile holds it."""
+    rows, n_in = 70, 2304 if type_name in ("Q4_K", "Q5_K", "Q6_K") else 2336
+    rng = np.random.default_rng(23)
+    raw = finite_blocks(type_name, rows, n_in, rng)
+    x = activations(rng, 64, n_in)
+    full = tiles(kernel, "decode_tiles", raw, type_name, x, 64)
+    for batch in (1, 9, 33):
+        np.testing.assert_array_equal(
+            tiles(kernel, "decode_tiles", raw, type_name, x, batch).view(np.uint32),
+            full[:batch].view(np.uint32))
+    alone = tiles(kernel, "decode_tiles", raw, type_name, x[37:], 1)  # row 37 alone
+    np.testing.assert_array_equal(alone[0].view(np.uint32), full[37].view(np.uint32))
 
 
 # --------------------------------------------------------------------------------------------
