@@ -31,7 +31,7 @@
 // from DRAM once.
 //
 // A block computes a tile of rows x tokens, each warp a sub-tile of MMA tiles of 16 x 8 (the
-// prefill shape is described below; the decode shape is the same machinery). The inner dimension runs in
+// prefill shape here; the decode shape is the same machinery). The inner dimension runs in
 // stages of one 32-element group: activations (64 tokens x 32 floats, 8 KB) double-buffered
 // through cp.async and split into hi / lo in place once in; weights in chunks of whole blocks
 // (a K-quant block, four 32-element blocks, or one group of a float type) copied as the
