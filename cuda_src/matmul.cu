@@ -31,7 +31,8 @@
 // from DRAM once.
 //
 // A block computes a tile of rows x tokens, each warp a sub-tile of MMA tiles of 16 x 8 (the
-// prefill shape here; the decode shape is the same machinery). The inner dimension runs in
+// prefill shape here; the decode tiles multiply the same stages but fetch differently: see
+// mul_mat_decode_tiles). The inner dimension runs in
 // stages of one 32-element group: activations (64 tokens x 32 floats, 8 KB) double-buffered
 // through cp.async and split into hi / lo in place once in; weights in chunks of whole blocks
 // (a K-quant block, four 32-element blocks, or one group of a float type) copied as the
@@ -433,6 +434,14 @@ __device__ __forceinline__ void copy_activation_stage(uint4* dest, const float* 
     }
 }
 
+// A piece of 4 floats' bits (elements e .. e+3) split as the activation fragments read it.
+__device__ __forceinline__ uint4 split_piece(uint4 v) {
+    uint4 parts;
+    split_pair(__uint_as_float(v.x), __uint_as_float(v.z), &parts.x, &parts.z);
+    split_pair(__uint_as_float(v.y), __uint_as_float(v.w), &parts.y, &parts.w);
+    return parts;
+}
+
 // Splits the pieces this thread copied into `stage` (see above), in place (zeros stay zeros).
 template <class Shape>
 __device__ __forceinline__ void split_own_pieces(uint4* stage) {
@@ -441,11 +450,30 @@ __device__ __forceinline__ void split_own_pieces(uint4* stage) {
 #pragma unroll
     for (int pass = 0; pass < P::PASSES; ++pass) {
         uint4& piece = own[pass * P::TOKENS_PER_PASS * X_PIECES];
-        const uint4 v = piece;  // 4 floats' bits
-        uint4 parts;
-        split_pair(__uint_as_float(v.x), __uint_as_float(v.z), &parts.x, &parts.z);
-        split_pair(__uint_as_float(v.y), __uint_as_float(v.w), &parts.y, &parts.w);
-        piece = parts;
+        piece = split_piece(piece);
+    }
+}
+
+// y of the warp's tile (rows from `row`, tokens from `token`), inside rows x n_tokens.
+template <class Shape>
+__device__ __forceinline__ void store_tile(const float (&acc)[Shape::I][Shape::J][4],
+                                           float* __restrict__ y, int y_stride, int row,
+                                           int token, int rows, int n_tokens) {
+    const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
+#pragma unroll
+    for (int i = 0; i < Shape::I; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row + 16 * i + 8 * h + g;
+#pragma unroll
+            for (int j = 0; j < Shape::J; ++j) {
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const int t = token + 8 * j + 2 * c + q;
+                    if (r < rows && t < n_tokens) y[int64_t(t) * y_stride + r] = acc[i][j][2 * h + q];
+                }
+            }
+        }
     }
 }
 
@@ -520,37 +548,93 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
         multiply_stage<T, Shape::I, Shape::J>(block, element % T::BLOCK_ELEMENTS, scales,
                                               s % C::STAGES, x_stages[s % 2], warp_tokens, acc);
     }
-
-    const int g = threadIdx.x % WARP / 4, c = threadIdx.x % 4;
-#pragma unroll
-    for (int i = 0; i < Shape::I; ++i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + warp_rows + 16 * i + 8 * h + g;
-#pragma unroll
-            for (int j = 0; j < Shape::J; ++j) {
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    const int token = token0 + warp_tokens + 8 * j + 2 * c + q;
-                    if (row < rows && token < n_tokens) {
-                        y[int64_t(token) * y_stride + row] = acc[i][j][2 * h + q];
-                    }
-                }
-            }
-        }
-    }
+    store_tile<Shape>(acc, y, y_stride, row0 + warp_rows, token0 + warp_tokens, rows, n_tokens);
 }
 
-#define QK_MATMUL_ENTRY(name, shape, blocks_per_sm, suffix, type)                               \
+// The decode tiles (DecodeTile: 32 rows x 8 tokens, 2 warps), the same stages as
+// mul_mat_tiles with another pipeline. A stage has little MMA work here, so the weights must
+// be fetched far ahead: they alone go through cp.async, one group a chunk, DECODE_BUFFERS - 1
+// chunks in flight (mul_mat_tiles's shared group sequence forces each chunk in two stages
+// after it starts). The activations (one piece a thread a stage) are plain loads issued a
+// stage ahead, split and stored at the top of their stage; tokens past n_tokens are zeros.
+// The scale table of a chunk is decoded once it is in, at its first stage.
+constexpr int DECODE_BUFFERS = 3;
+
+template <class T>
+__device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_t row_pitch,
+                                     const float* __restrict__ x, int x_stride,
+                                     float* __restrict__ y, int y_stride, int rows, int n_in,
+                                     int n_tokens) {
+    using Shape = DecodeTile;
+    using C = tile_chunk<T>;
+    static_assert(stage_passes<Shape>::PASSES == 1, "a thread holds one piece of a stage");
+    constexpr int CHUNK_BYTES = Shape::ROWS * C::ROW_STRIDE;
+    __shared__ __align__(16) uint8_t weight_chunks[DECODE_BUFFERS * CHUNK_BYTES + PIECE];
+    __shared__ __align__(16) uint4 x_stages[2][Shape::TOKENS * X_PIECES];
+    __shared__ float2 scale_table[C::SCALE_TABLE ? Shape::ROWS * C::TABLE_GROUPS : 1];
+
+    const int token0 = blockIdx.x * Shape::TOKENS, row0 = blockIdx.y * Shape::ROWS;
+    const int warp = threadIdx.x / WARP;
+    const int warp_rows = Shape::warp_rows(warp), warp_tokens = Shape::warp_tokens(warp);
+    const int n_stages = n_in / GROUP, n_chunks = (n_stages + C::STAGES - 1) / C::STAGES;
+    // This thread's piece of each stage: 4 floats of one token.
+    const int own_token = threadIdx.x / X_PIECES;
+    const bool in_range = token0 + own_token < n_tokens;
+    const float4* own_x = reinterpret_cast<const float4*>(
+        x + int64_t(token0 + own_token) * x_stride + 4 * (threadIdx.x % X_PIECES));
+    uint4* const own_piece = x_stages[0] + own_piece_index();  // in stage buffer 0
+
+    float acc[Shape::I][Shape::J][4] = {};
+    for (int chunk = 0; chunk < DECODE_BUFFERS - 1; ++chunk) {
+        if (chunk < n_chunks) {
+            copy_weight_chunk<T, Shape>(weight_chunks + chunk * CHUNK_BYTES, weights, row_pitch,
+                                        row0, rows, n_in, chunk);
+        }
+        commit_copies();
+    }
+    float4 next = in_range ? __ldg(own_x) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s = 0; s < n_stages; ++s) {
+        const int chunk = s / C::STAGES;
+        const uint8_t* chunk_bytes = weight_chunks + chunk % DECODE_BUFFERS * CHUNK_BYTES;
+        if (s % C::STAGES == 0) {
+            wait_copies<DECODE_BUFFERS - 2>();  // this thread's copies of `chunk` are in
+            __syncthreads();  // everyone's are; every warp is done with chunk - 1's buffer
+            const int ahead = chunk + DECODE_BUFFERS - 1;  // into chunk - 1's buffer
+            if (ahead < n_chunks) {
+                copy_weight_chunk<T, Shape>(weight_chunks + ahead % DECODE_BUFFERS * CHUNK_BYTES,
+                                            weights, row_pitch, row0, rows, n_in, ahead);
+            }
+            commit_copies();  // one group a chunk, empty past the last
+            if constexpr (C::SCALE_TABLE) decode_scale_table<T, Shape>(scale_table, chunk_bytes);
+        }
+        own_piece[s % 2 * Shape::TOKENS * X_PIECES] = split_piece(make_uint4(
+            __float_as_uint(next.x), __float_as_uint(next.y), __float_as_uint(next.z),
+            __float_as_uint(next.w)));
+        __syncthreads();  // stage s is split (and a new chunk's table decoded) for every warp
+        if (s + 1 < n_stages && in_range) next = __ldg(own_x + (s + 1) * (GROUP / 4));
+        const int element = (s % C::STAGES) * GROUP;  // within the chunk
+        const uint8_t* block = chunk_bytes + warp_rows * C::ROW_STRIDE +
+                               (chunk * C::BYTES) % PIECE +
+                               element / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
+        multiply_stage<T, Shape::I, Shape::J>(block, element % T::BLOCK_ELEMENTS,
+                                              scale_table + (C::SCALE_TABLE ? warp_rows *
+                                                             C::TABLE_GROUPS : 0),
+                                              s % C::STAGES, x_stages[s % 2], warp_tokens, acc);
+    }
+    store_tile<Shape>(acc, y, y_stride, row0 + warp_rows, token0 + warp_tokens, rows, n_tokens);
+}
+
+#define QK_MATMUL_ENTRY(name, function, shape, blocks_per_sm, suffix, type)                     \
     extern "C" __global__ void __launch_bounds__(shape::THREADS, blocks_per_sm)                   \
         name##_f16x2_##suffix(const uint8_t* weights, int64_t row_pitch, const float* x,         \
                               int x_stride, float* y, int y_stride, int rows, int n_in,          \
                               int n_tokens) {                                                    \
-        mul_mat_tiles<type, shape>(weights, row_pitch, x, x_stride, y, y_stride, rows, n_in,     \
-                                   n_tokens);                                                    \
+        function(weights, row_pitch, x, x_stride, y, y_stride, rows, n_in, n_tokens);            \
     }
 #define QK_MATMUL_ENTRIES(suffix, type)                                                          \
-    QK_MATMUL_ENTRY(mul_mat_tiles, PrefillTile, TILE_BLOCKS_PER_SM, suffix, type)                \
-    QK_MATMUL_ENTRY(mul_mat_decode_tiles, DecodeTile, DECODE_TILE_BLOCKS_PER_SM, suffix, type)
+    QK_MATMUL_ENTRY(mul_mat_tiles, (mul_mat_tiles<type, PrefillTile>), PrefillTile,              \
+                    TILE_BLOCKS_PER_SM, suffix, type)                                            \
+    QK_MATMUL_ENTRY(mul_mat_decode_tiles, mul_mat_decode_tiles<type>, DecodeTile,                \
+                    DECODE_TILE_BLOCKS_PER_SM, suffix, type)
 
 QK_FOR_EACH_TYPE(QK_MATMUL_ENTRIES)
