@@ -273,12 +273,15 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
     using Load = typename std::conditional<C::WORD_ALIGNED, shared_word_aligned,
                                            shared_word_any>::type;
     constexpr int stride = C::ROW_STRIDE;
+    // The prefill's 2 x 4 MMA tiles a warp keep the loops rolled (registers, code size); a
+    // decode warp's single tile unrolls them, its addresses and first-MMA choice folded.
+    constexpr int UNROLL = I * J > 1 ? 1 : GROUP / MMA_K;
     if constexpr (L::KIND == KIND_LEVELS) {
         const int g = threadIdx.x % WARP / 4;
-#pragma unroll 1
+#pragma unroll(UNROLL)
         for (int first = 0; first < GROUP; first += L::SCALE_ELEMENTS) {
             float part[I][J][4], sums[J][4];
-#pragma unroll 1
+#pragma unroll(UNROLL)
             for (int k = first; k < first + L::SCALE_ELEMENTS; k += MMA_K) {
                 uint32_t a[I][4];
                 weight_fragments<T, Load, I>(block, stride, e + k, a);
