@@ -82,12 +82,27 @@ __device__ void lane_partials(const uint8_t* __restrict__ row, int n_in, int spl
     const float* sums = run_sums + block * (T::BLOCK_ELEMENTS / RUN);
 #pragma unroll
     for (int j = 0; j < CHUNK; ++j) acc[j] = 0.0f;
+    // A lone row's loop loads the next slice's words before it multiplies this one: each
+    // lane keeps a slice's loads in flight while it computes (the one-row matvec measured
+    // latency-bound when a pass waited for its own loads at its top). Past the split's last
+    // block the load repeats the current slice's words (in L1), so no address leaves the row.
+    // The chunk loop (8 rows a slice) has the registers for neither, nor the need.
+    constexpr bool PREFETCH = CHUNK == 1 && sizeof(typename S::Raw) <= 9 * sizeof(uint32_t);
+    typename S::Raw raw;
+    if (PREFETCH && block < last) S::load(w, slice, raw);
 #pragma unroll 1  // one slice a pass: the budget tool reads the pass's SASS per weight byte
     for (; block < last; block += STEP, w += STEP * T::BLOCK_BYTES,
                          xs += STEP * T::BLOCK_ELEMENTS,
                          sums += STEP * (T::BLOCK_ELEMENTS / RUN)) {
         Slice s;
-        S::slice(w, slice, s);
+        if constexpr (PREFETCH) {
+            typename S::Raw next;
+            S::load(block + STEP < last ? w + STEP * T::BLOCK_BYTES : w, slice, next);
+            S::unpack(w, raw, slice, s);
+            raw = next;
+        } else {
+            S::slice(w, slice, s);
+        }
 #pragma unroll
         for (int j = 0; j < CHUNK; ++j) {
             if (j < count) {

@@ -38,6 +38,15 @@ QK_HD uint32_t load_word(const uint8_t* aligned) {
 #endif
 }
 
+// The signed byte at p.
+QK_HD int load_int8(const uint8_t* p) {
+#ifdef __CUDA_ARCH__
+    return __ldg(reinterpret_cast<const signed char*>(p));
+#else
+    return int8_t(*p);
+#endif
+}
+
 QK_HD uint32_t funnel_right(uint32_t low, uint32_t high, int shift) {
 #ifdef __CUDA_ARCH__
     return __funnelshift_r(low, high, shift);
@@ -90,14 +99,6 @@ QK_HD void words_from(const uint32_t (&in)[M], uint32_t (&out)[N]) {
         const uint32_t high = OFFSET % 4 && OFFSET / 4 + k + 1 < M ? in[OFFSET / 4 + k + 1] : 0u;
         out[k] = funnel_right(in[OFFSET / 4 + k], high, 8 * (OFFSET % 4));
     }
-}
-
-// Byte `index` (runtime) of a few words, without indexing a register array at run time.
-template <int M>
-QK_HD int byte_of(const uint32_t (&words)[M], int index) {
-    uint32_t word = words[0];
-    for (int k = 1; k < M; ++k) word = index / 4 == k ? words[k] : word;
-    return int((word >> (8 * (index % 4))) & 0xFFu);
 }
 
 // --- unpacking ----------------------------------------------------------------------------
@@ -192,82 +193,108 @@ QK_HD float half_low(uint32_t word) { return half_to_float(uint16_t(word & 0xFFF
 QK_HD float half_high(uint32_t word) { return half_to_float(uint16_t(word >> 16)); }
 
 // --- the block types' slices --------------------------------------------------------------
-// slice(block, s, out): slice s (0 <= s < SLICES) of the block at `block`.
+// Each type splits a slice into load(block, s, raw), the slice's own words (Q6_K's unpack
+// reads the scales its block's 8 slices share), and unpack(block, raw, s, out), so the matvec
+// can load the next slice while it multiplies this one; slice(block, s, out) does both: slice
+// s (0 <= s < SLICES) of the block at `block`.
+template <class Type>
+struct sliced {
+    static QK_HD void slice(const uint8_t* block, int s, Slice& out) {
+        typename Type::Raw raw;
+        Type::load(block, s, raw);
+        Type::unpack(block, raw, s, out);
+    }
+};
 
-struct slices_q4_0 {
+struct slices_q4_0 : sliced<slices_q4_0> {
     static constexpr int SLICES = 1, ALIGN = 2;
     static constexpr bool AFFINE = false;
-    static QK_HD void slice(const uint8_t* block, int, Slice& s) {
-        uint32_t w[5], qs[4];
-        load_span<ALIGN, 18>(block, w);  // d, qs[16]
-        words_from<2>(w, qs);
+    struct Raw { uint32_t w[5]; };
+    static QK_HD void load(const uint8_t* block, int, Raw& raw) {
+        load_span<ALIGN, 18>(block, raw.w);  // d, qs[16]
+    }
+    static QK_HD void unpack(const uint8_t*, const Raw& raw, int, Slice& s) {
+        uint32_t qs[4];
+        words_from<2>(raw.w, qs);
         nibble_runs(qs, 8.0f, s);
-        const float d = half_low(w[0]);
+        const float d = half_low(raw.w[0]);
         plain_scales(s, d, d * 0.0625f);
     }
 };
 
-struct slices_q4_1 {
+struct slices_q4_1 : sliced<slices_q4_1> {
     static constexpr int SLICES = 1, ALIGN = 4;
     static constexpr bool AFFINE = true;
-    static QK_HD void slice(const uint8_t* block, int, Slice& s) {
-        uint32_t w[5], qs[4];
-        load_span<ALIGN, 20>(block, w);  // d, m, qs[16]
-        words_from<4>(w, qs);
+    struct Raw { uint32_t w[5]; };
+    static QK_HD void load(const uint8_t* block, int, Raw& raw) {
+        load_span<ALIGN, 20>(block, raw.w);  // d, m, qs[16]
+    }
+    static QK_HD void unpack(const uint8_t*, const Raw& raw, int, Slice& s) {
+        uint32_t qs[4];
+        words_from<4>(raw.w, qs);
         biased_levels<4, 0>(qs, s.level[0]);
         biased_levels<4, 4>(qs, s.level[1]);
         plain_scales(s, 0.0f, 0.0f);
-        for (int r = 0; r < 2; ++r) biased_scales<4>(half_low(w[0]), half_high(w[0]), s, r);
+        for (int r = 0; r < 2; ++r) biased_scales<4>(half_low(raw.w[0]), half_high(raw.w[0]), s, r);
     }
 };
 
-struct slices_q5_0 {
+struct slices_q5_0 : sliced<slices_q5_0> {
     static constexpr int SLICES = 1, ALIGN = 2;
     static constexpr bool AFFINE = false;
-    static QK_HD void slice(const uint8_t* block, int, Slice& s) {
-        uint32_t w[6], qh[1], qs[4], run[4];
-        load_span<ALIGN, 22>(block, w);  // d, qh[4], qs[16]
-        words_from<2>(w, qh);
-        words_from<6>(w, qs);
+    struct Raw { uint32_t w[6]; };
+    static QK_HD void load(const uint8_t* block, int, Raw& raw) {
+        load_span<ALIGN, 22>(block, raw.w);  // d, qh[4], qs[16]
+    }
+    static QK_HD void unpack(const uint8_t*, const Raw& raw, int, Slice& s) {
+        uint32_t qh[1], qs[4], run[4];
+        words_from<2>(raw.w, qh);
+        words_from<6>(raw.w, qs);
         for (int r = 0; r < 2; ++r) {
             fifth_bit_run(qs, qh[0], r, run);
             byte_levels(run, 16.0f, s.level[r]);
         }
-        const float d = half_low(w[0]);
+        const float d = half_low(raw.w[0]);
         plain_scales(s, d, d);
     }
 };
 
-struct slices_q5_1 {
+struct slices_q5_1 : sliced<slices_q5_1> {
     static constexpr int SLICES = 1, ALIGN = 8;
     static constexpr bool AFFINE = true;
-    static QK_HD void slice(const uint8_t* block, int, Slice& s) {
-        uint32_t w[6], qs[4], run[4];
-        load_span<ALIGN, 24>(block, w);  // d, m, qh[4], qs[16]
-        words_from<8>(w, qs);
+    struct Raw { uint32_t w[6]; };
+    static QK_HD void load(const uint8_t* block, int, Raw& raw) {
+        load_span<ALIGN, 24>(block, raw.w);  // d, m, qh[4], qs[16]
+    }
+    static QK_HD void unpack(const uint8_t*, const Raw& raw, int, Slice& s) {
+        uint32_t qs[4], run[4];
+        words_from<8>(raw.w, qs);
         plain_scales(s, 0.0f, 0.0f);
         for (int r = 0; r < 2; ++r) {
-            fifth_bit_run(qs, w[1], r, run);
+            fifth_bit_run(qs, raw.w[1], r, run);
             biased_levels<5, 0>(run, s.level[r]);
-            biased_scales<5>(half_low(w[0]), half_high(w[0]), s, r);
+            biased_scales<5>(half_low(raw.w[0]), half_high(raw.w[0]), s, r);
         }
     }
 };
 
-struct slices_q8_0 {
+struct slices_q8_0 : sliced<slices_q8_0> {
     static constexpr int SLICES = 1, ALIGN = 2;
     static constexpr bool AFFINE = false;
-    static QK_HD void slice(const uint8_t* block, int, Slice& s) {
-        uint32_t w[9], run[4];
-        load_span<ALIGN, 34>(block, w);  // d, qs[32] int8
+    struct Raw { uint32_t w[9]; };
+    static QK_HD void load(const uint8_t* block, int, Raw& raw) {
+        load_span<ALIGN, 34>(block, raw.w);  // d, qs[32] int8
+    }
+    static QK_HD void unpack(const uint8_t*, const Raw& raw, int, Slice& s) {
+        uint32_t run[4];
         for (int r = 0; r < 2; ++r) {
             // int8 + 128 is the byte with its top bit flipped: levels = that - 128.
             for (int k = 0; k < 4; ++k) {
-                run[k] = funnel_right(w[4 * r + k], w[4 * r + k + 1], 16) ^ 0x80808080u;
+                run[k] = funnel_right(raw.w[4 * r + k], raw.w[4 * r + k + 1], 16) ^ 0x80808080u;
             }
             byte_levels(run, 128.0f, s.level[r]);
         }
-        const float d = half_low(w[0]);
+        const float d = half_low(raw.w[0]);
         plain_scales(s, d, d);
     }
 };
@@ -305,89 +332,102 @@ QK_HD void k_affine_runs(const uint32_t (&header)[4], int s, Slice& out) {
     }
 }
 
-struct slices_q4_K {
+struct slices_q4_K : sliced<slices_q4_K> {
     static constexpr int SLICES = 8, ALIGN = 16;
     static constexpr bool AFFINE = true;
-    static QK_HD void slice(const uint8_t* block, int s, Slice& out) {
-        uint32_t header[4], qs[4];
-        load_span<ALIGN, 16>(block, header);  // d, dmin, scales[12]
-        load_span<ALIGN, 16>(block + 16 + 16 * s, qs);
-        biased_levels<4, 0>(qs, out.level[0]);
-        biased_levels<4, 4>(qs, out.level[1]);
-        k_affine_runs<4>(header, s, out);
+    struct Raw { uint32_t header[4], qs[4]; };
+    static QK_HD void load(const uint8_t* block, int s, Raw& raw) {
+        load_span<ALIGN, 16>(block, raw.header);  // d, dmin, scales[12]
+        load_span<ALIGN, 16>(block + 16 + 16 * s, raw.qs);
+    }
+    static QK_HD void unpack(const uint8_t*, const Raw& raw, int s, Slice& out) {
+        biased_levels<4, 0>(raw.qs, out.level[0]);
+        biased_levels<4, 4>(raw.qs, out.level[1]);
+        k_affine_runs<4>(raw.header, s, out);
     }
 };
 
-struct slices_q5_K {
+struct slices_q5_K : sliced<slices_q5_K> {
     static constexpr int SLICES = 8, ALIGN = 16;
     static constexpr bool AFFINE = true;
-    static QK_HD void slice(const uint8_t* block, int s, Slice& out) {
-        uint32_t header[4], qh[4], qs[4], part[4], top[4];
-        load_span<ALIGN, 16>(block, header);  // d, dmin, scales[12]
-        load_span<ALIGN, 16>(block + 16 + 16 * (s % 2), qh);
-        load_span<ALIGN, 16>(block + 48 + 16 * s, qs);
+    struct Raw { uint32_t header[4], qh[4], qs[4]; };
+    static QK_HD void load(const uint8_t* block, int s, Raw& raw) {
+        load_span<ALIGN, 16>(block, raw.header);  // d, dmin, scales[12]
+        load_span<ALIGN, 16>(block + 16 + 16 * (s % 2), raw.qh);
+        load_span<ALIGN, 16>(block + 48 + 16 * s, raw.qs);
+    }
+    static QK_HD void unpack(const uint8_t*, const Raw& raw, int s, Slice& out) {
+        uint32_t part[4], top[4];
         const int g = 2 * (s / 2);
         for (int r = 0; r < 2; ++r) {
-            fifth_bits(qh, g + r, top);
-            for (int k = 0; k < 4; ++k) part[k] = ((qs[k] >> 4 * r) & 0x0F0F0F0Fu) | top[k];
+            fifth_bits(raw.qh, g + r, top);
+            for (int k = 0; k < 4; ++k) part[k] = ((raw.qs[k] >> 4 * r) & 0x0F0F0F0Fu) | top[k];
             biased_levels<5, 0>(part, out.level[r]);
         }
-        k_affine_runs<5>(header, s, out);
+        k_affine_runs<5>(raw.header, s, out);
     }
 };
 
 // Slice s = 4 h + 2 c + t of a Q6_K block: ql bytes [64 h + 32 c + 16 t, +16) (low nibbles:
 // quarter c of half h, run 0; high nibbles: quarter c + 2, run 1), their top bits from qh bytes
 // [32 h + 16 t, +16) at shifts 2c and 2c + 4; elements 16 t .. 16 t + 15 of each quarter.
-struct slices_q6_K {
+struct slices_q6_K : sliced<slices_q6_K> {
     static constexpr int SLICES = 8, ALIGN = 2;
     static constexpr bool AFFINE = false;
-    static QK_HD void slice(const uint8_t* block, int s, Slice& out) {
+    struct Raw { uint32_t ql[4], qh[4]; };  // the slice's own bytes; the block's scales and d
+                                            // (shared by its 8 slices) are read by unpack
+    static QK_HD void load(const uint8_t* block, int s, Raw& raw) {
+        const int h = s / 4, t = s % 2;
+        load_span<ALIGN, 16>(block + 64 * h + 32 * ((s / 2) % 2) + 16 * t, raw.ql);
+        load_span<ALIGN, 16>(block + 128 + 32 * h + 16 * t, raw.qh);
+    }
+    static QK_HD void unpack(const uint8_t* block, const Raw& raw, int s, Slice& out) {
         const int h = s / 4, c = (s / 2) % 2, t = s % 2;
-        uint32_t ql[4], qh[4], scales[2], d[1], part[4];
-        load_span<ALIGN, 16>(block + 64 * h + 32 * c + 16 * t, ql);
-        load_span<ALIGN, 16>(block + 128 + 32 * h + 16 * t, qh);
-        load_span<ALIGN, 8>(block + 192 + 8 * h, scales);
+        uint32_t d[1], part[4];
         load_span<ALIGN, 2>(block + 208, d);
         const float scale = half_low(d[0]);
         for (int r = 0; r < 2; ++r) {
             const int shift = 2 * c + 4 * r;
             for (int k = 0; k < 4; ++k) {
-                const uint32_t top = ((qh[k] >> shift) & 0x03030303u) << 4;
-                part[k] = ((ql[k] >> 4 * r) & 0x0F0F0F0Fu) | top;
+                const uint32_t top = ((raw.qh[k] >> shift) & 0x03030303u) << 4;
+                part[k] = ((raw.ql[k] >> 4 * r) & 0x0F0F0F0Fu) | top;
             }
             byte_levels(part, 32.0f, out.level[r]);
             const int index = 2 * c + 4 * r + t;  // scales[8 h + index]
-            out.scale[r] = mul_rn(scale, float(int8_t(byte_of(scales, index))));
+            out.scale[r] = mul_rn(scale, float(load_int8(block + 192 + 8 * h + index)));
             out.offset[r] = 0.0f;
             out.first[r] = 32 * c + 64 * r + 16 * t + 128 * h;
         }
     }
 };
 
-struct slices_f32 {
+struct slices_f32 : sliced<slices_f32> {
     static constexpr int SLICES = 1, ALIGN = 16;
     static constexpr bool AFFINE = false;
-    static QK_HD void slice(const uint8_t* block, int, Slice& s) {
-        uint32_t w[32];
-        load_span<ALIGN, 128>(block, w);
-        for (int i = 0; i < GROUP; ++i) s.level[i / RUN][i % RUN] = float_from_bits(w[i]);
+    struct Raw { uint32_t w[32]; };
+    static QK_HD void load(const uint8_t* block, int, Raw& raw) {
+        load_span<ALIGN, 128>(block, raw.w);
+    }
+    static QK_HD void unpack(const uint8_t*, const Raw& raw, int, Slice& s) {
+        for (int i = 0; i < GROUP; ++i) s.level[i / RUN][i % RUN] = float_from_bits(raw.w[i]);
         plain_scales(s, 1.0f, 1.0f);
     }
 };
 
 // The 16-bit float types: 32 elements in 16 words, two a word (low half first); Halves says
 // how a half becomes a float.
-template <class Halves>
-struct slices_of_halves {
+template <class Halves, class Type>
+struct slices_of_halves : sliced<Type> {
     static constexpr int SLICES = 1, ALIGN = 16;
     static constexpr bool AFFINE = false;
-    static QK_HD void slice(const uint8_t* block, int, Slice& s) {
-        uint32_t w[16];
-        load_span<ALIGN, 64>(block, w);
+    struct Raw { uint32_t w[16]; };
+    static QK_HD void load(const uint8_t* block, int, Raw& raw) {
+        load_span<ALIGN, 64>(block, raw.w);
+    }
+    static QK_HD void unpack(const uint8_t*, const Raw& raw, int, Slice& s) {
         for (int i = 0; i < GROUP / 2; ++i) {
-            s.level[i / 8][2 * (i % 8)] = Halves::to_float(uint16_t(w[i]));
-            s.level[i / 8][2 * (i % 8) + 1] = Halves::to_float(uint16_t(w[i] >> 16));
+            s.level[i / 8][2 * (i % 8)] = Halves::to_float(uint16_t(raw.w[i]));
+            s.level[i / 8][2 * (i % 8) + 1] = Halves::to_float(uint16_t(raw.w[i] >> 16));
         }
         plain_scales(s, 1.0f, 1.0f);
     }
@@ -399,8 +439,8 @@ struct f16_halves {
 struct bf16_halves {
     static QK_HD float to_float(uint16_t b) { return bf16_to_float(b); }
 };
-struct slices_f16 : slices_of_halves<f16_halves> {};
-struct slices_bf16 : slices_of_halves<bf16_halves> {};
+struct slices_f16 : slices_of_halves<f16_halves, slices_f16> {};
+struct slices_bf16 : slices_of_halves<bf16_halves, slices_bf16> {};
 
 template <class T> struct slices_of;
 #define QK_SLICES_OF(suffix, type) \
