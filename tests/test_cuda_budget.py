@@ -30,4 +30,6 @@ def test_budget_report() -> None:
     for name, loop in report["matvec_loops"].items():
         assert loop["chunk_row_regions"] == 8, name  # one region per activation row
         assert 0 < loop["batch1_pass_instructions"] < loop["chunk_pass_instructions"]
-    assert report["decode_step"]["llama3_8b_q4_k_m"]["layers"] == 32
+    llama = report["decode_step"]["llama3_8b_q4_k_m"]
+    assert llama["layers"] == 32
+    assert llama["kernels_per_layer"] <= cuda_budget.TARGET_KERNELS_PER_LAYER
