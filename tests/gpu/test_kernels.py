@@ -424,7 +424,7 @@ def test_qkv_finish_equals_the_separate_kernels_bit_for_bit(kernel: Kernel, quir
 
 
 # (heads, kv_heads, head_dim, n_in, block types of q, k, v): rows per matvec block are 16 at
-# n_in 4608 (two K-splits) and 32 below 4096, so a 72-wide head spans five or six blocks, a
+# n_in 4608 (two K-splits) and 32 below 4096, so a 72-wide head spans five blocks, a
 # block holds two 16-wide heads, and 24-wide heads straddle block edges (a block holds parts
 # of two of them); every segment ends in a partial block.
 QKV_SHAPES = {
