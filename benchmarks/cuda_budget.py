@@ -193,8 +193,9 @@ def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
 
 
 def decode_kernels(spec, layouts, decode_route: str = "matvec") -> dict[str, int]:
-    """Kernels of one single-stream decode step (forward + candidates) and per layer, the
-    decode rows' products on `decode_route`."""
+    """Kernels of one single-stream decode step (forward + candidates) and of its largest
+    layer (the step adds the embedding, the final norm, the output product and candidates),
+    the decode rows' products on `decode_route`."""
     from actors.compute import cuda_launches as launches
     from actors.model.step import StepItem, plan_step
 
@@ -204,9 +205,11 @@ def decode_kernels(spec, layouts, decode_route: str = "matvec") -> dict[str, int
                                 spec.context_length)
     forward = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT, decode_route)
     tail = launches.candidate_calls(spec, 1, 1, any_penalty=False, n_masked=0)
-    total = len(forward) + len(tail)
-    return {"layers": spec.n_layers, "kernels_per_step": total,
-            "kernels_per_layer": round((len(forward) - 2) / spec.n_layers, 2)}
+    per_layer = max(len(launches.layer_calls(spec, layouts, shape, layer, launches.TILE_INPUT,
+                                             decode_route))
+                    for layer in range(spec.n_layers))
+    return {"layers": spec.n_layers, "kernels_per_step": len(forward) + len(tail),
+            "kernels_per_layer": per_layer}
 
 
 def llama_8b_layouts():

@@ -11,10 +11,18 @@
 //       gated_<act>: bit for bit mul_mat_vec_<type> on both matrices, then gated_<act>.
 //   mul_mat_vec_qkv(w_q, int64 pitch_q, int type_q, int rows_q, w_k, int64 pitch_k, int type_k,
 //                   int rows_k, w_v, int64 pitch_v, int type_v, int rows_v, x, int x_stride, y,
-//                   int y_stride, int n_in, int batch)
+//                   int y_stride, int n_in, int batch, int head_dim, q_bias, k_bias, v_bias,
+//                   q_norm, k_norm, float eps, positions, int rope_dim, double base,
+//                   freq_factors, int neox, slots, k_cache, v_cache, int* head_counters)
 //       three matrices of possibly different block types (type code: the index of the type in
 //       cuda_plan.KERNEL_TYPE_SUFFIX), y rows = q | k | v concatenated (rows_q + rows_k +
-//       rows_v wide); each output bit for bit mul_mat_vec_<type> of its matrix.
+//       rows_v wide, each a whole number of heads of head_dim), each product bit for bit
+//       mul_mat_vec_<type> of its matrix; then every head of every row finished as
+//       qkv_finish.cu does (from head_dim on, its arguments after n_kv_heads; positions and
+//       slots per activation row): bit for bit mul_mat_vec_<type> x3 then qkv_finish, y and
+//       both caches. The block that stores a head's last rows finishes it: a block counts
+//       itself on each head its rows touch (head_counters[n_heads + 2 n_kv_heads], zero
+//       before the first launch; the last block of a head sets its counter back to zero).
 //
 // Layouts (the CUDA backend must follow them):
 //   weights  rows of the GGUF tensor as stored in the file, each row at `row_pitch` bytes
@@ -43,6 +51,7 @@
 #include "activation_ops.cuh"
 #include "device_common.cuh"
 #include "matvec_slices.cuh"
+#include "qkv_finish_ops.cuh"
 
 constexpr int MATVEC_WARPS = 8;
 constexpr int MATVEC_ROWS_PER_WARP = 4;
@@ -276,17 +285,84 @@ __device__ void qkv_segment(const QkvSegment& seg, const float* __restrict__ x, 
 QK_FOR_EACH_TYPE(QK_MATVEC_ENTRY)
 QK_FOR_EACH_TYPE(QK_GATE_UP_ENTRIES)
 
+// The block's rows of its segment, bit for bit mul_mat_vec_<type> of the segment's matrix.
 // Type codes: the order of QK_FOR_EACH_TYPE (= cuda_plan.KERNEL_TYPE_SUFFIX).
 #define QK_QKV_CASE(suffix, type)                                                 \
-    if (seg.type_code == code++) {                                                     \
+    if (seg.type_code == code++) {                                                \
         qkv_segment<type>(seg, x, x_stride, y, y_stride, n_in, batch, shared);    \
         return;                                                                   \
     }
 
+__device__ void qkv_segment_of_its_type(const QkvSegment& seg, const float* __restrict__ x,
+                                        int x_stride, float* __restrict__ y, int y_stride,
+                                        int n_in, int batch, MatvecShared& shared) {
+    int code = 0;  // the segment's type is block-uniform: every thread takes the same case
+    QK_FOR_EACH_TYPE(QK_QKV_CASE)
+}
+
+// Heads one block's rows touch: rows per block >= 4 and head_dim % 8 == 0.
+constexpr int QKV_MAX_HEADS_PER_BLOCK = MATVEC_MAX_ROWS_PER_BLOCK / 8 + 1;
+
+// finish_head kept out of line: inlined, it made ptxas spill registers in the K-quant products
+// of this kernel (at launch_bounds' 128), though it runs after them. It reads the QkvFinish
+// from shared memory: a reference to a local copy would put that copy on the stack.
+__device__ __noinline__ void finish_head_out_of_line(float* v, int head, int token,
+                                                    const QkvFinish& finish, int lane) {
+    finish_head(v, head, token, finish, lane);
+}
+
+// After the block has stored its rows of y (every activation row): it counts itself on each
+// head its rows touch, and finishes for every activation row the heads it counted last (all
+// their rows are then stored), a warp per (head, row) on a copy in shared memory read from
+// L2 (other blocks wrote the rows; L1 is not coherent), written back to y after.
+__device__ void finish_completed_heads(const QkvSegment& seg, const QkvFinish& finish,
+                                       float* y, int y_stride, int batch, int* head_counters,
+                                       MatvecShared& shared) {
+    __shared__ bool completed[QKV_MAX_HEADS_PER_BLOCK];
+    __shared__ QkvFinish shared_finish;
+    const int head_dim = finish.head_dim, per_block = rows_per_block();
+    const int first = (int(blockIdx.x) - seg.block_first) * per_block;
+    const int last = min(first + per_block, seg.rows) - 1;
+    const int first_head = first / head_dim, touched = last / head_dim - first_head + 1;
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+    if (tid == 0) shared_finish = finish;
+    __threadfence();  // this block's rows are visible device-wide before it is counted
+    __syncthreads();
+    if (tid < touched) {
+        const int head = first_head + tid;  // within the segment
+        const int blocks =  // the blocks holding the head's rows
+            ((head + 1) * head_dim - 1) / per_block - head * head_dim / per_block + 1;
+        int* counter = head_counters + seg.column / head_dim + head;
+        completed[tid] = atomicAdd(counter, 1) == blocks - 1;
+        if (completed[tid]) atomicExch(counter, 0);  // every block of the head has counted
+    }
+    __syncthreads();
+    __threadfence();  // the other blocks' rows are read after their counts
+    const int warp = tid / WARP, lane = tid % WARP;
+    const int warps = blockDim.x * blockDim.y / WARP;
+    float* copy = shared.run_sums + warp * head_dim;  // free: the products are done
+    for (int task = warp; task < touched * batch; task += warps) {
+        const int t = task / batch, token = task % batch;
+        if (!completed[t]) continue;  // the whole warp skips
+        const int head = seg.column / head_dim + first_head + t;  // in the row: q, k, v heads
+        float* row = y + int64_t(token) * y_stride + int64_t(head) * head_dim;
+        for (int i = lane; i < head_dim; i += WARP) copy[i] = __ldcg(row + i);
+        __syncwarp();
+        finish_head_out_of_line(copy, head, token, shared_finish, lane);
+        __syncwarp();
+        for (int i = lane; i < head_dim; i += WARP) row[i] = copy[i];
+        __syncwarp();  // the copy is rewritten by the warp's next task
+    }
+}
+
 extern "C" __global__ void QK_MATVEC_BOUNDS mul_mat_vec_qkv(
     const uint8_t* w_q, int64_t pitch_q, int type_q, int rows_q, const uint8_t* w_k,
     int64_t pitch_k, int type_k, int rows_k, const uint8_t* w_v, int64_t pitch_v, int type_v,
-    int rows_v, const float* x, int x_stride, float* y, int y_stride, int n_in, int batch) {
+    int rows_v, const float* x, int x_stride, float* y, int y_stride, int n_in, int batch,
+    int head_dim, const float* q_bias, const float* k_bias, const float* v_bias,
+    const float* q_norm, const float* k_norm, float eps, const int* positions, int rope_dim,
+    double base, const float* freq_factors, int neox, const int* slots, __half* k_cache,
+    __half* v_cache, int* head_counters) {
     __shared__ MatvecShared shared;
     const int per_block = rows_per_block();
     const int blocks_q = (rows_q + per_block - 1) / per_block;
@@ -299,6 +375,9 @@ extern "C" __global__ void QK_MATVEC_BOUNDS mul_mat_vec_qkv(
     } else {
         seg = {w_v, pitch_v, type_v, rows_v, rows_q + rows_k, blocks_q + blocks_k};
     }
-    int code = 0;  // the segment's type is block-uniform: every thread takes the same case
-    QK_FOR_EACH_TYPE(QK_QKV_CASE)
+    qkv_segment_of_its_type(seg, x, x_stride, y, y_stride, n_in, batch, shared);
+    const QkvFinish finish{rows_q / head_dim, rows_k / head_dim, head_dim, q_bias, k_bias,
+                           v_bias, q_norm, k_norm, eps, positions, rope_dim, base,
+                           freq_factors, neox, slots, k_cache, v_cache};
+    finish_completed_heads(seg, finish, y, y_stride, batch, head_counters, shared);
 }

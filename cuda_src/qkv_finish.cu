@@ -1,6 +1,8 @@
-// qkv_finish: everything between the fused QKV projection and attention, for every token of
-// a step, in one launch (it replaces add_bias x3, head_rms_norm x2, rope and kv_write, and
+// qkv_finish: everything between the QKV projection and attention, for every token of a run
+// of rows in one launch (it replaces add_bias x3, head_rms_norm x2, rope and kv_write, and
 // rounds exactly as they do: the same device functions, head_ops.cuh, in the same order).
+// The backend runs it after the tensor-core tiles' q, k and v; mul_mat_vec_qkv (matvec.cu)
+// does the same work in its epilogue with the same body, qkv_finish_ops.cuh's finish_head.
 // Per head of token t's row qkv[t * row_stride ...] (q heads, then k heads, then v heads, each
 // head_dim floats):
 //   1. bias (qwen2; q_bias / k_bias / v_bias may be null): v += bias, one rounding each;
@@ -10,9 +12,7 @@
 //   4. k and v heads rounded to float16 into the paged cache (kv_cache.cu's layout) at slot
 //      slots[t]; the row keeps the float32 values, so attention reads q from it.
 // One warp per head: grid (ceil((n_heads + 2 n_kv_heads) / 4), n_tokens), 128 threads.
-#include <cuda_fp16.h>
-
-#include "head_ops.cuh"
+#include "qkv_finish_ops.cuh"
 
 constexpr int QKV_FINISH_HEADS_PER_BLOCK = 4;
 
@@ -25,34 +25,11 @@ extern "C" __global__ void __launch_bounds__(QKV_FINISH_HEADS_PER_BLOCK * WARP)
                const int* __restrict__ slots, __half* __restrict__ k_cache,
                __half* __restrict__ v_cache) {
     const int head = blockIdx.x * QKV_FINISH_HEADS_PER_BLOCK + threadIdx.x / WARP;
-    const int lane = threadIdx.x % WARP;
     if (head >= n_heads + 2 * n_kv_heads) return;  // the whole warp leaves
+    const QkvFinish finish{n_heads, n_kv_heads, head_dim, q_bias, k_bias, v_bias, q_norm,
+                           k_norm, eps, positions, rope_dim, base, freq_factors, neox, slots,
+                           k_cache, v_cache};
     const int token = blockIdx.y;
-    float* v = qkv + int64_t(token) * row_stride + int64_t(head) * head_dim;
-    const bool is_q = head < n_heads, is_k = !is_q && head < n_heads + n_kv_heads;
-    // The head's index within its segment (q, k or v).
-    const int in_segment = is_q ? head : (head - n_heads) % n_kv_heads;
-    const float* bias = is_q ? q_bias : is_k ? k_bias : v_bias;
-    if (bias != nullptr) {
-        const float* head_bias = bias + int64_t(in_segment) * head_dim;
-        for (int i = lane; i < head_dim; i += WARP) v[i] += head_bias[i];
-        __syncwarp();
-    }
-    const float* norm = is_q ? q_norm : is_k ? k_norm : nullptr;
-    if (norm != nullptr) {
-        warp_head_rms_norm(v, head_dim, norm, eps, lane);
-        __syncwarp();  // RoPE pairs span lanes
-    }
-    if (is_q) {
-        rope_head(v, positions[token], rope_dim, base, freq_factors, neox, lane, WARP);
-        return;
-    }
-    if (is_k) {
-        rope_head(v, positions[token], rope_dim, base, freq_factors, neox, lane, WARP);
-        __syncwarp();
-    }
-    __half* cache = is_k ? k_cache : v_cache;
-    const int64_t dest = int64_t(slots[token]) * n_kv_heads * head_dim +
-                         int64_t(in_segment) * head_dim;
-    for (int i = lane; i < head_dim; i += WARP) cache[dest + i] = __float2half_rn(v[i]);
+    finish_head(qkv + int64_t(token) * row_stride + int64_t(head) * head_dim, head, token,
+                finish, threadIdx.x % WARP);
 }

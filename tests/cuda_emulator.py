@@ -8,6 +8,7 @@ same twins' semantics on the device by tests/gpu/test_kernels.py."""
 from __future__ import annotations
 
 import bisect
+import functools
 import importlib
 import math
 import sys
@@ -56,6 +57,27 @@ class Memory:
         block = self.blocks[base]
         assert start + size <= block.size, "a kernel reads past its allocation"
         return block[start : start + size].view(dtype)
+
+
+@functools.cache  # a pure check of the geometry: once per shape
+def assert_each_head_counted_complete_once(rows: int, head_dim: int, per_block: int) -> None:
+    """mul_mat_vec_qkv's head counting over one segment, its blocks in any order: each block
+    counts itself on the heads its rows touch, and a head is finished by the block whose count
+    reaches the blocks holding its rows (the kernel's formula); that must happen exactly once
+    per head, and only once every block holding its rows has counted."""
+    blocks = -(-rows // per_block)
+    counts, finished = np.zeros(rows // head_dim, dtype=np.int64), []
+    for block in np.random.default_rng(rows).permutation(blocks):
+        first, last = block * per_block, min((block + 1) * per_block, rows) - 1
+        for head in range(first // head_dim, last // head_dim + 1):
+            holding = ((head + 1) * head_dim - 1) // per_block - head * head_dim // per_block + 1
+            counts[head] += 1
+            if counts[head] == holding:
+                finished.append(head)
+    assert sorted(finished) == list(range(rows // head_dim))
+    stored = [{r // per_block for r in range(h * head_dim, (h + 1) * head_dim)}
+              for h in range(rows // head_dim)]
+    assert list(counts) == [len(held) for held in stored]
 
 
 class KernelTwins:
@@ -127,14 +149,24 @@ class KernelTwins:
         self.rows(y, int(n), int(y_stride), int(rows))[:] = product
 
     def mul_mat_vec_qkv(self, *args: Any) -> None:
-        """Three matvecs (q, k, v segments, a block type each) into one row of y."""
-        segments, (x, x_stride, y, y_stride, n_in, n) = args[:12], args[12:]
+        """Three matvecs (q, k, v segments, a block type each) into one row of y, then
+        qkv_finish's twin on those rows (positions and slots per activation row). The head
+        counters must be zero (the backend zero-fills them; every launch leaves them so)."""
+        segments, (x, x_stride, y, y_stride, n_in, n) = args[:12], args[12:18]
+        head_dim, finish, counters = int(args[18]), args[19:-1], args[-1]
         column = 0
         for weights, pitch, code, rows in zip(*[iter(segments)] * 4):
             type_name = list(plan.KERNEL_TYPE_SUFFIX)[int(code)]
             self.matmul(type_name, None, weights, pitch, x, x_stride,
                         int(y) + 4 * column, y_stride, rows, n_in, n)
             column += int(rows)
+        heads, kv_heads = int(segments[3]) // head_dim, int(segments[7]) // head_dim
+        assert not self.i32(counters, heads + 2 * kv_heads).any(), "qkv counters are not zero"
+        for rows in (int(segments[3]), int(segments[7]), int(segments[11])):
+            assert rows % head_dim == 0
+            assert_each_head_counted_complete_once(rows, head_dim,
+                                                   plan.matvec_rows_per_block(int(n_in)))
+        self.qkv_finish((1, int(n)), y, y_stride, heads, kv_heads, head_dim, *finish)
 
     def gate_up(self, act: Callable[[np.ndarray, np.ndarray], np.ndarray], type_name: str,
                 gate: Any, up: Any, pitch: int, x: Any, x_stride: int, y: Any, y_stride: int,

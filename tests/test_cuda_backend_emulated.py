@@ -178,3 +178,26 @@ def test_masked_rows_give_the_cpu_references_candidates(
     finally:
         backend.close()
     assert device.captures == 1 and device.launches.count("apply_token_mask") == 2
+
+
+def test_a_prompt_on_the_tiles_after_a_decode_row_matches_the_cpu(
+        emulated: tuple[Any, EmulatedDevice]) -> None:
+    """A decode row and a 20-token prompt in one step: the decode row's q, k and v finished
+    in mul_mat_vec_qkv, the prompt's (rows 1 to 20, on the tiles) by qkv_finish over its own
+    rows (positions and slots from row 1 on): both logits rows match the CPU."""
+    module, device = emulated
+    model = load_model(TINY_MODELS["qwen2-q4k-tiny"])
+    tokens = reference_tokens("qwen2-q4k-tiny", 30)
+    backend = module.build_cuda_backend(model, KVRequest(blocks=8, block_size=BLOCK,
+                                                         max_sequences=2), 0.9)
+    try:
+        backend.run([StepItem(tuple(tokens[:5]), 0, (0,))], [RowInputs()])
+        backend.run([StepItem((tokens[5],), 5, (0,)), StepItem(tuple(tokens[10:30]), 0, (1, 2))],
+                    [RowInputs()] * 2)
+        rows = backend.fetch_rows([0, 1])
+    finally:
+        backend.close()
+    assert device.launches.count("qkv_finish") == model.spec.n_layers  # the prompt's rows only
+    for row, expected in zip(rows, (model.logits(tokens[:6])[5], model.logits(tokens[10:30])[19])):
+        top = np.argsort(-expected)[:16]
+        assert np.abs(row[top] - expected[top]).max() <= TOLERANCE

@@ -191,7 +191,7 @@ def test_rows_are_checked_before_anything_runs(fake: Any, tiny: OpenedModel) -> 
 def test_errors_fail_the_step_unless_the_context_is_gone(fake: Any, tiny: OpenedModel) -> None:
     cuda_module, driver = fake
     backend = _backend(cuda_module, tiny)
-    driver.fail_kernel = "qkv_finish"
+    driver.fail_kernel = "mul_mat_vec_qkv"
     with pytest.raises(driver.LogicError):
         backend.run([StepItem((7, 8), 0, (0,))], [RowInputs()])
     with pytest.raises(InvalidRequest):

@@ -90,15 +90,31 @@ def _kind(call: launches.KernelCall) -> str:
     return "mul_mat_vec" if call.kernel.startswith("mul_mat_vec_") else call.kernel
 
 
-# qkv_finish's arguments by name, in order.
+# What finishing q, k and v takes, by name, in order: qkv_finish's arguments, and
+# mul_mat_vec_qkv's after its product's (`PRODUCT_ARGS`: q, k and v's segments, x, y, sizes).
 QKV_FINISH_ARGS = ("qkv", "stride", "heads", "kv_heads", "head_dim", "q_bias", "k_bias",
                    "v_bias", "q_norm", "k_norm", "eps", "positions", "rope_dim", "base",
                    "factors", "neox", "slots", "k_cache", "v_cache")
+PRODUCT_ARGS = 18
 
 
-def _finish_args(layer: list[launches.KernelCall]) -> dict[str, launches.Arg]:
-    call = next(c for c in layer if c.kernel == "qkv_finish")
-    return dict(zip(QKV_FINISH_ARGS, call.args, strict=True))
+def _finish_args(call: launches.KernelCall) -> dict[str, launches.Arg]:
+    """A qkv_finish's or a mul_mat_vec_qkv's finishing arguments by name (the fused kernel
+    takes the head counts as its q and k segments' rows over head_dim)."""
+    if call.kernel == "qkv_finish":
+        return dict(zip(QKV_FINISH_ARGS, call.args, strict=True))
+    assert call.kernel == "mul_mat_vec_qkv" and call.args[-1] == launches.Ref("qkv_counters")
+    head_dim = int(call.args[PRODUCT_ARGS])
+    return {"qkv": call.args[14], "stride": call.args[15],
+            "heads": call.args[3] // head_dim, "kv_heads": call.args[7] // head_dim,
+            **dict(zip(QKV_FINISH_ARGS[4:], call.args[PRODUCT_ARGS:-1], strict=True))}
+
+
+def _layer_finish_args(layer: list[launches.KernelCall]) -> dict[str, launches.Arg]:
+    """The finishing arguments of a layer whose rows all take the matvec: mul_mat_vec_qkv's
+    (no qkv_finish follows it)."""
+    assert not any(c.kernel == "qkv_finish" for c in layer)
+    return _finish_args(next(c for c in layer if c.kernel == "mul_mat_vec_qkv"))
 
 
 def test_llama_layer_runs_the_kernels_in_order(models: dict[str, GGUFFile]) -> None:
@@ -106,16 +122,19 @@ def test_llama_layer_runs_the_kernels_in_order(models: dict[str, GGUFFile]) -> N
     layers = _layer_slices(calls)
     assert len(layers) == spec.n_layers
     assert [_kind(call) for call in layers[0]] == [
-        "residual_rms_norm", "mul_mat_vec_qkv", "qkv_finish", "attention_decode",
+        "residual_rms_norm", "mul_mat_vec_qkv", "attention_decode",
         "attention_prefill", "mul_mat_vec", "residual_rms_norm",
         "mul_mat_vec_gate_up", "mul_mat_vec"]
-    finish = _finish_args(layers[0])
+    finish = _layer_finish_args(layers[0])
     assert finish["base"] == np.float64(spec.rope_base) and finish["neox"] == 0  # NORM pairs
     assert (finish["heads"], finish["kv_heads"]) == (spec.n_heads, spec.n_kv_heads)
     assert {finish[k] for k in ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm")} == {
         launches.NULL}
     assert (finish["k_cache"], finish["v_cache"]) == (launches.Ref("k_cache.0"),
                                                       launches.Ref("v_cache.0"))
+    assert (finish["positions"], finish["slots"]) == (launches.Ref("step.positions"),
+                                                      launches.Ref("step.slots"))
+    assert (finish["head_dim"], finish["rope_dim"]) == (spec.head_dim, spec.rope_dim)
     gate_up = next(c for c in layers[0] if _kind(c) == "mul_mat_vec_gate_up")
     assert gate_up.kernel == "mul_mat_vec_gate_up_silu_q4_1"
     assert gate_up.args[:2] == (launches.Ref("blk.0.ffn_gate.weight"),
@@ -138,22 +157,23 @@ def test_qkv_is_one_launch_with_a_block_type_per_segment(models: dict[str, GGUFF
         assert (pitch, rows) == (layout.pitch, layout.rows)
         assert list(plan.KERNEL_TYPE_SUFFIX)[code] == layout.type_name
     assert list(qkv.args[6:12:4]) == [plan.kernel_type_code("Q5_0"), plan.kernel_type_code("Q8_0")]
-    x, x_stride, y, y_stride, n_in, batch = qkv.args[12:]
+    x, x_stride, y, y_stride, n_in, batch = qkv.args[12:PRODUCT_ARGS]
     assert (x, x_stride, y, n_in, batch) == (launches.Ref("normed"), spec.d_model,
                                              launches.Ref("qkv"), spec.d_model, 4)
     assert y_stride == spec.q_dim + 2 * spec.kv_dim
+    finish = _finish_args(qkv)
+    assert (finish["heads"], finish["kv_heads"], finish["head_dim"]) == (
+        spec.n_heads, spec.n_kv_heads, spec.head_dim)
 
 
 def test_qwen2_finishes_qkv_with_its_three_biases(models: dict[str, GGUFFile]) -> None:
     spec, calls = _calls(models["qwen2"], DECODE_AND_PREFILL)
     layer = _layer_slices(calls)[1]
-    finish = _finish_args(layer)
+    finish = _layer_finish_args(layer)
     assert [finish[f"{p}_bias"] for p in "qkv"] == [launches.Ref(f"blk.1.attn_{p}.bias")
                                                     for p in "qkv"]
     assert finish["q_norm"] == finish["k_norm"] == launches.NULL
     assert finish["neox"] == 1  # NEOX
-    assert _kind(layer[layer.index(next(c for c in layer if c.kernel == "qkv_finish")) - 1]) \
-        == "mul_mat_vec_qkv"
 
 
 def test_gemma3_quirks(models: dict[str, GGUFFile]) -> None:
@@ -161,7 +181,7 @@ def test_gemma3_quirks(models: dict[str, GGUFFile]) -> None:
     assert calls[0].args[5] == np.float32(spec.embedding_scale)
     for index, layer in enumerate(_layer_slices(calls)):
         sliding = spec.is_sliding(index)
-        finish = _finish_args(layer)
+        finish = _layer_finish_args(layer)
         assert [finish[f"{p}_norm"] for p in "qk"] == [
             launches.Ref(f"blk.{index}.attn_{p}_norm.weight") for p in "qk"]
         assert finish["eps"] == np.float32(spec.rms_eps)
@@ -208,8 +228,9 @@ def test_decode_rows_always_take_the_matvec(models: dict[str, GGUFFile], streams
     calls = _decode_step(models["llama-tiny"], streams)
     products = [c for c in calls if c.kernel.startswith("mul_mat")]
     assert products and all(c.kernel.startswith("mul_mat_vec") for c in products)
-    assert {int(c.args[-1]) for c in products} == {plan.bucket_for(streams,
-                                                                   plan.graph_buckets(64))}
+    batches = {int(c.args[PRODUCT_ARGS - 1] if c.kernel == "mul_mat_vec_qkv" else c.args[-1])
+               for c in products}
+    assert batches == {plan.bucket_for(streams, plan.graph_buckets(64))}
 
 
 def test_decode_rows_keep_the_matvec_when_a_prefill_shares_their_step(
@@ -231,6 +252,19 @@ def test_decode_rows_keep_the_matvec_when_a_prefill_shares_their_step(
     assert [c.args[4] for c in tiles[:3]] == [
         launches.Ref("qkv", (12 * (spec.q_dim + 2 * spec.kv_dim) + column) * 4)
         for column in (0, spec.q_dim, spec.q_dim + spec.kv_dim)]
+    # The decode rows finished in their qkv launch, the prefill rows by qkv_finish after
+    # their tiles: each over its own rows.
+    stride = spec.q_dim + 2 * spec.kv_dim
+    fused, finish = (next(c for c in layer if c.kernel == k)
+                     for k in ("mul_mat_vec_qkv", "qkv_finish"))
+    assert layer.index(finish) == layer.index(tiles[2]) + 1
+    assert finish.launch == plan.qkv_finish_launch(20, spec.n_heads + 2 * spec.n_kv_heads)
+    for call, first in ((fused, 0), (finish, 12)):
+        args = _finish_args(call)
+        assert args["qkv"] == launches.Ref("qkv", first * stride * 4)
+        assert (args["positions"], args["slots"]) == (launches.Ref("step.positions", first * 4),
+                                                      launches.Ref("step.slots", first * 4))
+    assert int(fused.args[17]) == 12
     gated = next(c for c in layer if c.kernel == "gated_silu")
     assert gated.args == (launches.Ref("gate_up", 12 * 2 * spec.ffn_dim * 4),
                           launches.Ref("gated", 12 * spec.ffn_dim * 4), 20, spec.ffn_dim)
@@ -318,12 +352,14 @@ def test_gate_and_up_of_different_types_take_two_products_and_the_activation(
 
 
 def test_a_decode_layer_is_a_handful_of_kernels(models: dict[str, GGUFFile]) -> None:
-    """Per decode layer: norm, qkv, qkv_finish, attention (split and combine), o, norm,
-    gate+up, down; per step: the embedding, the final norm and the output product."""
+    """Per decode layer: norm, qkv (finished in its epilogue: biases, head norms, RoPE, the
+    K/V write), attention (split and combine), o, norm, gate+up, down; per step: the
+    embedding, the final norm and the output product. The same count at any batch."""
     for name in ("llama", "qwen2", "gemma3"):
         spec = spec_from_gguf(models[name])
-        calls = _decode_step(models[name], 32)
-        assert len(calls) == 8 * spec.n_layers + 3, name
+        for streams in (1, 9, 32):
+            calls = _decode_step(models[name], streams)
+            assert len(calls) == 7 * spec.n_layers + 3, (name, streams)
 
 
 def _ptx_signatures(files: list[str]) -> dict[str, list[str]]:

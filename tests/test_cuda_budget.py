@@ -30,8 +30,9 @@ def test_budget_report() -> None:
     for name, loop in report["matvec_loops"].items():
         assert loop["chunk_row_regions"] == 8, name  # one region per activation row
         assert 0 < loop["batch1_pass_instructions"] < loop["chunk_pass_instructions"]
-    assert report["decode_step"]["llama3_8b_q4_k_m"]["layers"] == 32
+    llama = report["decode_step"]["llama3_8b_q4_k_m"]
+    assert llama["layers"] == 32
+    assert llama["kernels_per_layer"] <= cuda_budget.TARGET_KERNELS_PER_LAYER
     tiles = report["decode_step"]["llama3_8b_q4_k_m_decode_tiles"]
-    # q, k, v, gate and up a launch each on the decode tiles, and the activation after them
-    assert tiles["kernels_per_layer"] > report["decode_step"]["llama3_8b_q4_k_m"][
-        "kernels_per_layer"]
+    # q, k, v, gate and up a launch each on the decode tiles, qkv_finish and the activation
+    assert tiles["kernels_per_layer"] > llama["kernels_per_layer"]

@@ -96,6 +96,7 @@ def test_workspace_buffers_scale_with_the_step() -> None:
     assert small["logits"] == 8 * 128256 * 4
     assert small["partial_acc"] == 8 * 32 * 4 * 128 * 4
     assert small["attention_counters"] == 8 * 32 * 4  # at most one per (sequence, head)
+    assert small["qkv_counters"] == (32 + 2 * 8) * 4  # one per head of the qkv row
     assert small["candidate_partials"] == 8 * 32 * (2 + 2 * 64) * 4
     assert small["candidate_counters"] == 8 * 4
     assert set(plan.ZEROED_BUFFERS) <= set(small)

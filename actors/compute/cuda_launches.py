@@ -16,9 +16,10 @@ Each layer's residual add is fused into the next RMSNorm (residual_rms_norm's `d
 Decode rows always take one route, any number of them: the matvec (the default) or the
 decode tiles (tensor cores, 8 tokens a tile); a short prefill item takes the matvec, a long
 one the tiles, a launch per matrix (`row_runs`): a sequence's tokens do not depend on what else
-shares its step. On the matvec a decode layer is eight launches: residual_rms_norm,
-mul_mat_vec_qkv, qkv_finish (biases, q/k norms, RoPE, the K/V write), attention_decode, the
-output matvec, residual_rms_norm, the fused gate+up+activation matvec, the down matvec; on
+shares its step. On the matvec a decode layer is seven launches: residual_rms_norm,
+mul_mat_vec_qkv (its epilogue finishes q, k and v: biases, q/k norms, RoPE, the K/V write),
+attention_decode, the output matvec, residual_rms_norm, the fused gate+up+activation matvec,
+the down matvec. Rows on either tiles take qkv_finish after their q, k and v products, and on
 the decode tiles q, k, v, gate and up are a launch each and the activation one more.
 """
 
@@ -324,10 +325,27 @@ def attention_calls(spec: ModelSpec, shape: StepShape, layer: int) -> list[Kerne
     return calls
 
 
+def _finish_args(spec: ModelSpec, weights: Mapping[str, MatrixLayout], layer: int,
+                 first_row: int) -> tuple[Arg, ...]:
+    """What finishing a head needs besides its row, as qkv_finish and mul_mat_vec_qkv both
+    take it (from q_bias to v_cache): biases (qwen2), q / k head norms (gemma-3), the RoPE of
+    the layer and the K/V cache, with positions and slots from the step's row `first_row`."""
+    p, sliding = f"blk.{layer}.", spec.is_sliding(layer)
+    biases = [_optional(f"{p}attn_{part}.bias", spec.qkv_bias) for part in "qkv"]
+    norms = [_optional(f"{p}attn_{part}_norm.weight", spec.qk_norm) for part in "qk"]
+    return (*biases, *norms, np.float32(spec.rms_eps), Ref("step.positions", first_row * 4),
+            _i32(spec.rope_dim), np.float64(spec.rope_base_local if sliding else spec.rope_base),
+            _optional("rope_freqs.weight", not sliding and "rope_freqs.weight" in weights),
+            _i32(int(spec.rope_neox)), Ref("step.slots", first_row * 4),
+            Ref(f"k_cache.{layer}"), Ref(f"v_cache.{layer}"))
+
+
 def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequence[RowRun],
               layer: int, tile_input: str) -> list[KernelCall]:
-    """q, k and v side by side in each `qkv` row: a matvec run in one fused launch
-    (mul_mat_vec_qkv, a block type per segment), a tiles run in one launch per matrix."""
+    """q, k and v side by side in each `qkv` row, finished (biases, head norms, RoPE, the K/V
+    write) for attention: a matvec run in one launch (mul_mat_vec_qkv, a block type per
+    segment, the finish in its epilogue), a tiles run in one launch per matrix then
+    qkv_finish over its rows. Each row is finished once, by its own run's launches."""
     d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
     names = [f"blk.{layer}.attn_{part}.weight" for part in "qkv"]
     segments = [arg for name in names for arg in (
@@ -342,32 +360,28 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
                 "mul_mat_vec_qkv",
                 plan.qkv_launch(*(weights[name].rows for name in names), d),
                 (*segments, x, _i32(d), _rows_in(Ref("qkv"), run.first, qkv_stride),
-                 _i32(qkv_stride), _i32(d), _i32(run.rows))))
+                 _i32(qkv_stride), _i32(d), _i32(run.rows), _i32(spec.head_dim),
+                 *_finish_args(spec, weights, layer, run.first), Ref("qkv_counters"))))
         else:
             calls += [tiles_call(weights, name, x, d,
                                  _rows_in(Ref("qkv", column * F32), run.first, qkv_stride),
                                  qkv_stride, run.rows, tile_input, run.kernels)
                       for name, column in zip(names, columns)]
+            calls.append(qkv_finish_call(spec, weights, run, layer))
     return calls
 
 
-def qkv_finish_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
+def qkv_finish_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run: RowRun,
                     layer: int) -> KernelCall:
     """Biases (qwen2), q / k head norms (gemma-3), RoPE (k's heads follow q's in the row) and
-    the K/V write of every token of the step, in one launch."""
-    p, sliding = f"blk.{layer}.", spec.is_sliding(layer)
-    biases = [_optional(f"{p}attn_{part}.bias", spec.qkv_bias) for part in "qkv"]
-    norms = [_optional(f"{p}attn_{part}_norm.weight", spec.qk_norm) for part in "qk"]
+    the K/V write of the run's rows, in one launch."""
+    qkv_stride = spec.q_dim + 2 * spec.kv_dim
     return KernelCall(
         "qkv_finish",
-        plan.qkv_finish_launch(shape.n_tokens, spec.n_heads + 2 * spec.n_kv_heads),
-        (Ref("qkv"), _i32(spec.q_dim + 2 * spec.kv_dim), _i32(spec.n_heads),
-         _i32(spec.n_kv_heads), _i32(spec.head_dim), *biases, *norms,
-         np.float32(spec.rms_eps), Ref("step.positions"), _i32(spec.rope_dim),
-         np.float64(spec.rope_base_local if sliding else spec.rope_base),
-         _optional("rope_freqs.weight", not sliding and "rope_freqs.weight" in weights),
-         _i32(int(spec.rope_neox)), Ref("step.slots"), Ref(f"k_cache.{layer}"),
-         Ref(f"v_cache.{layer}")))
+        plan.qkv_finish_launch(run.rows, spec.n_heads + 2 * spec.n_kv_heads),
+        (_rows_in(Ref("qkv"), run.first, qkv_stride), _i32(qkv_stride), _i32(spec.n_heads),
+         _i32(spec.n_kv_heads), _i32(spec.head_dim),
+         *_finish_args(spec, weights, layer, run.first)))
 
 
 def gated_ffn_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
@@ -415,7 +429,6 @@ def layer_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: Ste
                                 NULL if first else _post_ffn_norm(spec, layer - 1),
                                 Ref(p + "attn_norm.weight"), Ref("normed"))]
     calls += qkv_calls(spec, weights, runs, layer, tile_input)
-    calls.append(qkv_finish_call(spec, weights, shape, layer))
     calls += attention_calls(spec, shape, layer)
     calls += matmul_calls(weights, p + "attn_output.weight", Ref("attn"), spec.q_dim,
                           Ref("projected"), spec.d_model, runs, tile_input)

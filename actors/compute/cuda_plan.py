@@ -217,7 +217,7 @@ class StepLimits:
 
 # Workspace buffers the kernels count in across blocks: zero when allocated, and every launch
 # leaves them zero (the last block of each counted group resets its counter).
-ZEROED_BUFFERS = ("attention_counters", "candidate_counters")
+ZEROED_BUFFERS = ("attention_counters", "candidate_counters", "qkv_counters")
 
 
 def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
@@ -240,6 +240,8 @@ def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
         "partial_sum": partials * f32,
         # attention_decode: one counter per (sequence, block row of heads) <= n_heads.
         "attention_counters": rows * spec.n_heads * 4,
+        # mul_mat_vec_qkv: one counter per head of the qkv row (its blocks that have stored).
+        "qkv_counters": (spec.n_heads + 2 * spec.n_kv_heads) * 4,
         "final": rows * spec.d_model * f32,  # the logits rows' normed states, gathered
         "candidates": rows * candidate_record_words(limits.max_candidates) * 4,
         "candidate_partials": rows * MAX_SLICES * SLICE_WORDS * 4,
@@ -433,7 +435,8 @@ def matvec_launch(rows: int, n_in: int) -> Launch:
 
 
 def qkv_launch(rows_q: int, rows_k: int, rows_v: int, n_in: int) -> Launch:
-    """mul_mat_vec_qkv: the blocks of the three matrices one after the other."""
+    """mul_mat_vec_qkv: the blocks of the three matrices one after the other (each block's
+    rows lie in one matrix; a head's rows may span blocks, a block may hold several heads)."""
     per_block = matvec_rows_per_block(n_in)
     single = matvec_launch(1, n_in)
     blocks = sum(_blocks(rows, per_block) for rows in (rows_q, rows_k, rows_v))

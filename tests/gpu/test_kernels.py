@@ -193,33 +193,6 @@ def test_fused_gate_up_equals_matvec_then_gated(kernel: Kernel, type_name: str, 
     np.testing.assert_array_equal(got[:, :ffn].view(np.uint32), expected.get().view(np.uint32))
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "F16", "Q5_0")])
-@pytest.mark.parametrize("batch", [1, 33])
-def test_fused_qkv_equals_three_matvecs(kernel: Kernel, types: tuple[str, str, str],
-                                        batch: int) -> None:
-    """mul_mat_vec_qkv: q | k | v columns of each y row, each bit for bit its matrix's
-    mul_mat_vec (row counts that leave partial blocks in every segment)."""
-    counts, n_in = (100, 36, 36), 4608
-    rng = np.random.default_rng(23)
-    raws = [finite_blocks(t, n, n_in, rng) for t, n in zip(types, counts)]
-    x = activations(rng, batch, n_in)
-    width = sum(counts)
-    y = nan_filled(batch, width + 2)
-    matrices = []
-    for raw, type_name, n in zip(raws, types, counts):
-        matrices += [ptr(to_device(pitched(raw, type_name, n_in))),
-                     np.int64(plan.row_pitch(type_name, n_in)),
-                     np.int32(plan.kernel_type_code(type_name)), np.int32(n)]
-    run(kernel("matvec.cu", "mul_mat_vec_qkv"), plan.qkv_launch(*counts, n_in), *matrices,
-        ptr(to_device(x)), np.int32(x.shape[1]), ptr(y), np.int32(width + 2), np.int32(n_in),
-        np.int32(batch))
-    got = y.get()
-    assert np.isnan(got[:, width:]).all()
-    expected = np.concatenate([matvec(kernel, raw, t, x, batch) for raw, t in zip(raws, types)],
-                              axis=1)
-    np.testing.assert_array_equal(got[:, :width].view(np.uint32), expected.view(np.uint32))
-
-
 def tiles(kernel: Kernel, shape: str, raw: np.ndarray, type_name: str, x: np.ndarray,
           tokens: int) -> np.ndarray:
     """mul_mat_tiles (shape "tiles") or mul_mat_decode_tiles ("decode_tiles") of raw blocks
@@ -405,6 +378,34 @@ def at(array: Any, floats: int) -> np.uintp:
     return np.uintp(int(array.gpudata) + 4 * floats)
 
 
+def finish_quirks(quirks: str, rng: np.random.Generator, heads: int, kv_heads: int,
+                  head_dim: int) -> dict[str, Any]:
+    """qkv_finish's per-model arguments: llama rotates part of each head (rope_dim half of it)
+    in NORM pairs with frequency factors, qwen2 adds its three biases (NEOX), gemma-3 norms
+    q and k heads (NEOX)."""
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    rope_dim = head_dim // 2 if quirks == "llama" else head_dim
+    return {
+        "biases": [ptr(to_device(rng.standard_normal(n).astype(np.float32)))
+                   if quirks == "qwen2" else NULL for n in (q_dim, kv_dim, kv_dim)],
+        "norms": [ptr(to_device(rng.uniform(0.5, 1.5, head_dim).astype(np.float32)))
+                  if quirks == "gemma3" else NULL for _ in "qk"],
+        "eps": np.float32(1e-6), "rope_dim": np.int32(rope_dim),
+        "base": np.float64({"llama": 500000.0, "qwen2": 1000000.0, "gemma3": 10000.0}[quirks]),
+        "factors": (ptr(to_device(rng.uniform(1.0, 8.0, rope_dim // 2).astype(np.float32)))
+                    if quirks == "llama" else NULL),
+        "neox": np.int32(quirks != "llama"),
+    }
+
+
+def finish_args(quirks: dict[str, Any], positions: Any, slots: Any, k_cache: Any,
+                v_cache: Any) -> tuple[Any, ...]:
+    """qkv_finish's arguments from q_bias to v_cache (mul_mat_vec_qkv's after head_dim)."""
+    return (*quirks["biases"], *quirks["norms"], quirks["eps"], ptr(positions),
+            quirks["rope_dim"], quirks["base"], quirks["factors"], quirks["neox"], ptr(slots),
+            ptr(k_cache), ptr(v_cache))
+
+
 @pytest.mark.parametrize("quirks", ["llama", "qwen2", "gemma3"])
 def test_qkv_finish_equals_the_separate_kernels_bit_for_bit(kernel: Kernel, quirks: str) -> None:
     """qkv_finish against add_bias x3 (qwen2), head_rms_norm x2 (gemma-3), rope and kv_write
@@ -419,16 +420,10 @@ def test_qkv_finish_equals_the_separate_kernels_bit_for_bit(kernel: Kernel, quir
     positions = np.array([0, 1, 77, 4095, 9], dtype=np.int32)
     slots = np.array([0, 17, 63, 5, 40], dtype=np.int32)
     sentinel = np.full((4 * block_size, kv_dim), -7.0, dtype=np.float16)
-    rope_dim = 32 if quirks == "llama" else head_dim
-    base = {"llama": 500000.0, "qwen2": 1000000.0, "gemma3": 10000.0}[quirks]
-    neox = np.int32(quirks != "llama")
-    factors = (ptr(to_device(rng.uniform(1.0, 8.0, rope_dim // 2).astype(np.float32)))
-               if quirks == "llama" else NULL)
-    biases = [ptr(to_device(rng.standard_normal(n).astype(np.float32))) if quirks == "qwen2"
-              else NULL for n in (q_dim, kv_dim, kv_dim)]
-    norms = [ptr(to_device(rng.uniform(0.5, 1.5, head_dim).astype(np.float32)))
-             if quirks == "gemma3" else NULL for _ in "qk"]
-    eps, positions_dev, slots_dev = np.float32(1e-6), to_device(positions), to_device(slots)
+    model = finish_quirks(quirks, rng, heads, kv_heads, head_dim)
+    biases, norms, eps = model["biases"], model["norms"], model["eps"]
+    rope_dim, base, factors, neox = (model[k] for k in ("rope_dim", "base", "factors", "neox"))
+    positions_dev, slots_dev = to_device(positions), to_device(slots)
 
     separate, k_sep, v_sep = to_device(qkv), to_device(sentinel), to_device(sentinel)
     for column, bias, n in zip((0, q_dim, q_dim + kv_dim), biases, (q_dim, kv_dim, kv_dim)):
@@ -442,7 +437,7 @@ def test_qkv_finish_equals_the_separate_kernels_bit_for_bit(kernel: Kernel, quir
                 norm, eps)
     run(kernel("rope.cu", "rope"), plan.rope_launch(tokens, heads + kv_heads), ptr(separate),
         np.int32(stride), ptr(positions_dev), np.int32(heads + kv_heads), np.int32(head_dim),
-        np.int32(rope_dim), np.float64(base), factors, neox)
+        rope_dim, base, factors, neox)
     run(kernel("kv_cache.cu", "kv_write"), plan.elementwise_launch(tokens * kv_dim),
         at(separate, q_dim), at(separate, q_dim + kv_dim), np.int32(stride), ptr(slots_dev),
         np.int32(tokens), np.int32(kv_dim), ptr(k_sep), ptr(v_sep))
@@ -450,14 +445,77 @@ def test_qkv_finish_equals_the_separate_kernels_bit_for_bit(kernel: Kernel, quir
     fused, k_fused, v_fused = to_device(qkv), to_device(sentinel), to_device(sentinel)
     run(kernel("qkv_finish.cu", "qkv_finish"), plan.qkv_finish_launch(tokens, heads + 2 * kv_heads),
         ptr(fused), np.int32(stride), np.int32(heads), np.int32(kv_heads), np.int32(head_dim),
-        *biases, *norms, eps, ptr(positions_dev), np.int32(rope_dim), np.float64(base), factors,
-        neox, ptr(slots_dev), ptr(k_fused), ptr(v_fused))
+        *finish_args(model, positions_dev, slots_dev, k_fused, v_fused))
 
     np.testing.assert_array_equal(fused.get().view(np.uint32), separate.get().view(np.uint32))
     np.testing.assert_array_equal(fused.get()[:, -8:], qkv[:, -8:])
     for got, expected in ((k_fused, k_sep), (v_fused, v_sep)):
         np.testing.assert_array_equal(got.get().view(np.uint16), expected.get().view(np.uint16))
     assert (k_fused.get()[1] == -7.0).all()  # slot 1: nobody's
+
+
+# (heads, kv_heads, head_dim, n_in, block types of q, k, v): rows per matvec block are 16 at
+# n_in 4608 (two K-splits) and 32 below 4096, so a 72-wide head spans five blocks, a
+# block holds two 16-wide heads, and 24-wide heads straddle block edges (a block holds parts
+# of two of them); every segment ends in a partial block.
+QKV_SHAPES = {
+    "heads_span_blocks": (5, 1, 72, 4608, ("Q4_K", "Q4_K", "Q6_K")),
+    "blocks_hold_heads": (9, 3, 16, 1024, ("Q8_0", "F16", "Q5_0")),
+    "heads_straddle_blocks": (6, 2, 24, 512, ("Q5_K", "Q4_1", "BF16")),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 8, 9, 33])
+@pytest.mark.parametrize("shape", list(QKV_SHAPES))
+@pytest.mark.parametrize("quirks", ["llama", "qwen2", "gemma3"])
+def test_fused_qkv_equals_three_matvecs_then_qkv_finish(kernel: Kernel, quirks: str,
+                                                        shape: str, batch: int) -> None:
+    """mul_mat_vec_qkv (products, then each head finished by the block that stores its last
+    rows) against mul_mat_vec_<type> of each matrix into its columns then qkv_finish: the same
+    bits in every y row, its padding left NaN, and both caches; the head counters are zero
+    again after the launch, and a second launch gives the same bits."""
+    heads, kv_heads, head_dim, n_in, types = QKV_SHAPES[shape]
+    counts = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    width, stride, kv_dim = sum(counts), sum(counts) + 2, counts[1]
+    rng = np.random.default_rng(batch)
+    raws = [finite_blocks(t, n, n_in, rng) for t, n in zip(types, counts)]
+    weights = [to_device(pitched(raw, t, n_in)) for raw, t in zip(raws, types)]
+    x = to_device(activations(rng, batch, n_in))
+    positions = to_device(rng.integers(0, 8192, batch).astype(np.int32))
+    slots = to_device(rng.permutation(4 * batch)[:batch].astype(np.int32))
+    model = finish_quirks(quirks, rng, heads, kv_heads, head_dim)
+    sentinel = np.full((4 * batch, kv_dim), -7.0, dtype=np.float16)
+
+    separate, k_sep, v_sep = nan_filled(batch, stride), to_device(sentinel), to_device(sentinel)
+    for matrix, type_name, rows, column in zip(weights, types, counts,
+                                               (0, counts[0], counts[0] + counts[1])):
+        run(kernel("matvec.cu", plan.matvec_kernel(type_name)), plan.matvec_launch(rows, n_in),
+            ptr(matrix), np.int64(plan.row_pitch(type_name, n_in)), ptr(x),
+            np.int32(n_in + 4), at(separate, column), np.int32(stride), np.int32(rows),
+            np.int32(n_in), np.int32(batch))
+    run(kernel("qkv_finish.cu", "qkv_finish"), plan.qkv_finish_launch(batch, heads + 2 * kv_heads),
+        ptr(separate), np.int32(stride), np.int32(heads), np.int32(kv_heads), np.int32(head_dim),
+        *finish_args(model, positions, slots, k_sep, v_sep))
+
+    counters = to_device(np.zeros(heads + 2 * kv_heads, dtype=np.int32))
+    segments = []
+    for matrix, type_name, rows in zip(weights, types, counts):
+        segments += [ptr(matrix), np.int64(plan.row_pitch(type_name, n_in)),
+                     np.int32(plan.kernel_type_code(type_name)), np.int32(rows)]
+    for _ in range(2):  # the first launch must leave the counters as the second needs them
+        fused, k_fused, v_fused = (nan_filled(batch, stride), to_device(sentinel),
+                                   to_device(sentinel))
+        run(kernel("matvec.cu", "mul_mat_vec_qkv"), plan.qkv_launch(*counts, n_in), *segments,
+            ptr(x), np.int32(n_in + 4), ptr(fused), np.int32(stride), np.int32(n_in),
+            np.int32(batch), np.int32(head_dim),
+            *finish_args(model, positions, slots, k_fused, v_fused), ptr(counters))
+        assert not counters.get().any()
+        got = fused.get()
+        assert np.isnan(got[:, width:]).all()
+        np.testing.assert_array_equal(got.view(np.uint32), separate.get().view(np.uint32))
+        for cache, expected in ((k_fused, k_sep), (v_fused, v_sep)):
+            np.testing.assert_array_equal(cache.get().view(np.uint16),
+                                          expected.get().view(np.uint16))
 
 
 # --------------------------------------------------------------------------------------------
