@@ -100,7 +100,8 @@ def decode_product(compiled: dict[str, Any], route: str, rows: int, n_in: int,
         name, launch = plan.matvec_kernel("Q4_K"), plan.matvec_launch(rows, n_in)
         return name, compiled["matvec.cu"].get_function(name), launch
     name = plan.decode_tiles_kernel("Q4_K")
-    return name, compiled["matmul.cu"].get_function(name), plan.decode_tiles_launch(rows, batch)
+    return (name, compiled["matmul.cu"].get_function(name),
+            plan.decode_tiles_launch("Q4_K", rows, n_in, batch))
 
 
 def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: int,
@@ -110,6 +111,9 @@ def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: i
     import pycuda.driver as cuda
 
     results = []
+    most = max(MATVEC_BATCHES)
+    workspace = cuda.mem_alloc(plan.DECODE_PARTIAL_ROWS * most * 4)
+    counters = cuda.to_device(np.zeros(plan.DECODE_TILE_MIN_BLOCKS * most, dtype=np.int32))
     for rows, n_in in MATVEC_SHAPES:
         matrix = random_blocks(rng, "Q4_K", rows * n_in // 256).reshape(rows, -1)
         copies = weight_copies(matrix, l2_bytes)
@@ -119,13 +123,17 @@ def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: i
             y = cuda.mem_alloc(batch * rows * 4)
             for route in plan.DECODE_ROUTES:
                 name, function, launch = decode_product(compiled, route, rows, n_in, batch)
+                # the decode tiles' K-split workspace (counters zero, as the backend's)
+                split_args = () if route == "matvec" else (workspace, counters)
                 seconds = time_launches(
                     lambda i: function(copies[i % len(copies)], pitch, x, np.int32(n_in), y,
                                        np.int32(rows), np.int32(rows), np.int32(n_in),
-                                       np.int32(batch), grid=launch.grid, block=launch.block),
+                                       np.int32(batch), *split_args, grid=launch.grid,
+                                       block=launch.block),
                     repeats)
                 weight_bytes = rows * row_bytes("Q4_K", n_in)
-                results.append({"kernel": name, "route": route, "rows": rows, "n_in": n_in,
+                results.append({"kernel": name, "route": route, "grid": launch.grid,
+                                "rows": rows, "n_in": n_in,
                                 "batch": batch, "copies": len(copies), "us": seconds * 1e6,
                                 "weight_bytes": weight_bytes,
                                 "effective_TBps": weight_bytes / seconds / 1e12})

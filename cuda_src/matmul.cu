@@ -18,9 +18,11 @@
 //   mul_mat_tiles_f16x2_<type>(weights, int64 row_pitch, x, int x_stride, y, int y_stride,
 //                              int rows, int n_in, int n_tokens)
 //       prefill: blocks of 64 rows x 64 tokens, 4 warps of 32 x 32 (tile_shape PrefillTile).
-//   mul_mat_decode_tiles_f16x2_<type>(same arguments)
+//   mul_mat_decode_tiles_f16x2_<type>(same arguments, float* partials, int* counters)
 //       decode rows: blocks of 32 rows x 8 tokens, 2 warps of 16 x 8 (DecodeTile), so a lone
-//       row pays for 8 tokens of tensor-core work, not 64. Both compute each y value from its
+//       row pays for 8 tokens of tensor-core work, not 64; grid.z splits K (see
+//       mul_mat_decode_tiles: partials n_tokens x rows floats a split, counters one int a
+//       tile, zero-filled once and left zero). Both compute each y value from its
 //       own weight row and token alone, in the same order whatever n_tokens is: a token's
 //       results do not depend on the batch (each entry point on its own; the two differ).
 //
@@ -473,7 +475,9 @@ __device__ __forceinline__ void store_tile(const float (&acc)[Shape::I][Shape::J
 #pragma unroll
                 for (int q = 0; q < 2; ++q) {
                     const int t = token + 8 * j + 2 * c + q;
-                    if (r < rows && t < n_tokens) y[int64_t(t) * y_stride + r] = acc[i][j][2 * h + q];
+                    if (r < rows && t < n_tokens) {
+                        y[int64_t(t) * y_stride + r] = acc[i][j][2 * h + q];
+                    }
                 }
             }
         }
@@ -561,13 +565,38 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
 // after it starts). The activations (one piece a thread a stage) are plain loads issued a
 // stage ahead, split and stored at the top of their stage; tokens past n_tokens are zeros.
 // The scale table of a chunk is decoded once it is in, at its first stage.
+//
+// K-split: blockIdx.z = split of gridDim.z takes chunks [split C / splits, (split + 1) C /
+// splits) of the row's C chunks (splits chosen from the matrix alone: cuda_plan
+// decode_tiles_splits). With one split a block stores y; with more each stores its sums in
+// `partials` ([split][token][row], n_tokens x rows a split), is counted on its tile's counter
+// (`counters`, [token tile + row tile * gridDim.x], zero between launches), and the last of
+// the tile's splits adds the splits' sums in split order into y and zeroes the counter.
 constexpr int DECODE_BUFFERS = 3;
+
+// y = the sum of the tile's splits' partials, in split order (by the tile's last block).
+__device__ void combine_decode_splits(const float* partials, float* __restrict__ y,
+                                      int y_stride, int rows, int n_tokens, int row0,
+                                      int token0) {
+    const int64_t split_floats = int64_t(n_tokens) * rows;
+    for (int e = threadIdx.x; e < DecodeTile::ROWS * DecodeTile::TOKENS; e += blockDim.x) {
+        const int row = row0 + e % DecodeTile::ROWS, token = token0 + e / DecodeTile::ROWS;
+        if (row >= rows || token >= n_tokens) continue;
+        const float* part = partials + int64_t(token) * rows + row;
+        float sum = __ldcg(part);  // written by other blocks: L2, not a stale L1 line
+        for (int split = 1; split < int(gridDim.z); ++split) {
+            sum += __ldcg(part + split * split_floats);
+        }
+        y[int64_t(token) * y_stride + row] = sum;
+    }
+}
 
 template <class T>
 __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_t row_pitch,
                                      const float* __restrict__ x, int x_stride,
                                      float* __restrict__ y, int y_stride, int rows, int n_in,
-                                     int n_tokens) {
+                                     int n_tokens, float* __restrict__ partials,
+                                     int* __restrict__ counters) {
     using Shape = DecodeTile;
     using C = tile_chunk<T>;
     static_assert(stage_passes<Shape>::PASSES == 1, "a thread holds one piece of a stage");
@@ -580,6 +609,10 @@ __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_
     const int warp = threadIdx.x / WARP;
     const int warp_rows = Shape::warp_rows(warp), warp_tokens = Shape::warp_tokens(warp);
     const int n_stages = n_in / GROUP, n_chunks = (n_stages + C::STAGES - 1) / C::STAGES;
+    const int split = blockIdx.z, splits = gridDim.z;
+    const int first_chunk = split * n_chunks / splits, end_chunk = (split + 1) * n_chunks / splits;
+    const int first_stage = first_chunk * C::STAGES;
+    const int end_stage = min(end_chunk * C::STAGES, n_stages);
     // This thread's piece of each stage: 4 floats of one token.
     const int own_token = threadIdx.x / X_PIECES;
     const bool in_range = token0 + own_token < n_tokens;
@@ -588,22 +621,23 @@ __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_
     uint4* const own_piece = x_stages[0] + own_piece_index();  // in stage buffer 0
 
     float acc[Shape::I][Shape::J][4] = {};
-    for (int chunk = 0; chunk < DECODE_BUFFERS - 1; ++chunk) {
-        if (chunk < n_chunks) {
-            copy_weight_chunk<T, Shape>(weight_chunks + chunk * CHUNK_BYTES, weights, row_pitch,
-                                        row0, rows, n_in, chunk);
+    for (int chunk = first_chunk; chunk < first_chunk + DECODE_BUFFERS - 1; ++chunk) {
+        if (chunk < end_chunk) {
+            copy_weight_chunk<T, Shape>(weight_chunks + chunk % DECODE_BUFFERS * CHUNK_BYTES,
+                                        weights, row_pitch, row0, rows, n_in, chunk);
         }
         commit_copies();
     }
-    float4 next = in_range ? __ldg(own_x) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int s = 0; s < n_stages; ++s) {
+    float4 next = in_range ? __ldg(own_x + first_stage * (GROUP / 4))
+                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s = first_stage; s < end_stage; ++s) {
         const int chunk = s / C::STAGES;
         const uint8_t* chunk_bytes = weight_chunks + chunk % DECODE_BUFFERS * CHUNK_BYTES;
         if (s % C::STAGES == 0) {
             wait_copies<DECODE_BUFFERS - 2>();  // this thread's copies of `chunk` are in
             __syncthreads();  // everyone's are; every warp is done with chunk - 1's buffer
             const int ahead = chunk + DECODE_BUFFERS - 1;  // into chunk - 1's buffer
-            if (ahead < n_chunks) {
+            if (ahead < end_chunk) {
                 copy_weight_chunk<T, Shape>(weight_chunks + ahead % DECODE_BUFFERS * CHUNK_BYTES,
                                             weights, row_pitch, row0, rows, n_in, ahead);
             }
@@ -614,7 +648,7 @@ __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_
             __float_as_uint(next.x), __float_as_uint(next.y), __float_as_uint(next.z),
             __float_as_uint(next.w)));
         __syncthreads();  // stage s is split (and a new chunk's table decoded) for every warp
-        if (s + 1 < n_stages && in_range) next = __ldg(own_x + (s + 1) * (GROUP / 4));
+        if (s + 1 < end_stage && in_range) next = __ldg(own_x + (s + 1) * (GROUP / 4));
         const int element = (s % C::STAGES) * GROUP;  // within the chunk
         const uint8_t* block = chunk_bytes + warp_rows * C::ROW_STRIDE +
                                (chunk * C::BYTES) % PIECE +
@@ -624,20 +658,42 @@ __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_
                                                              C::TABLE_GROUPS : 0),
                                               s % C::STAGES, x_stages[s % 2], warp_tokens, acc);
     }
-    store_tile<Shape>(acc, y, y_stride, row0 + warp_rows, token0 + warp_tokens, rows, n_tokens);
+    if (splits == 1) {
+        store_tile<Shape>(acc, y, y_stride, row0 + warp_rows, token0 + warp_tokens, rows,
+                          n_tokens);
+        return;
+    }
+    store_tile<Shape>(acc, partials + int64_t(split) * n_tokens * rows, rows, row0 + warp_rows,
+                      token0 + warp_tokens, rows, n_tokens);
+    __threadfence();  // this split's sums are visible device-wide before it is counted
+    __syncthreads();
+    __shared__ bool last_split;
+    if (threadIdx.x == 0) {
+        int* counter = counters + blockIdx.x + blockIdx.y * gridDim.x;
+        last_split = atomicAdd(counter, 1) == splits - 1;
+        if (last_split) atomicExch(counter, 0);  // every split has counted
+    }
+    __syncthreads();
+    if (!last_split) return;
+    __threadfence();  // the other splits' sums are read after their counts
+    combine_decode_splits(partials, y, y_stride, rows, n_tokens, row0, token0);
 }
 
-#define QK_MATMUL_ENTRY(name, function, shape, blocks_per_sm, suffix, type)                     \
-    extern "C" __global__ void __launch_bounds__(shape::THREADS, blocks_per_sm)                   \
-        name##_f16x2_##suffix(const uint8_t* weights, int64_t row_pitch, const float* x,         \
-                              int x_stride, float* y, int y_stride, int rows, int n_in,          \
-                              int n_tokens) {                                                    \
-        function(weights, row_pitch, x, x_stride, y, y_stride, rows, n_in, n_tokens);            \
-    }
 #define QK_MATMUL_ENTRIES(suffix, type)                                                          \
-    QK_MATMUL_ENTRY(mul_mat_tiles, (mul_mat_tiles<type, PrefillTile>), PrefillTile,              \
-                    TILE_BLOCKS_PER_SM, suffix, type)                                            \
-    QK_MATMUL_ENTRY(mul_mat_decode_tiles, mul_mat_decode_tiles<type>, DecodeTile,                \
-                    DECODE_TILE_BLOCKS_PER_SM, suffix, type)
+    extern "C" __global__ void __launch_bounds__(PrefillTile::THREADS, TILE_BLOCKS_PER_SM)        \
+        mul_mat_tiles_f16x2_##suffix(const uint8_t* weights, int64_t row_pitch, const float* x,  \
+                                     int x_stride, float* y, int y_stride, int rows, int n_in,   \
+                                     int n_tokens) {                                             \
+        mul_mat_tiles<type, PrefillTile>(weights, row_pitch, x, x_stride, y, y_stride, rows,     \
+                                         n_in, n_tokens);                                        \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(DecodeTile::THREADS, DECODE_TILE_BLOCKS_PER_SM)  \
+        mul_mat_decode_tiles_f16x2_##suffix(const uint8_t* weights, int64_t row_pitch,           \
+                                            const float* x, int x_stride, float* y,             \
+                                            int y_stride, int rows, int n_in, int n_tokens,      \
+                                            float* partials, int* counters) {                    \
+        mul_mat_decode_tiles<type>(weights, row_pitch, x, x_stride, y, y_stride, rows, n_in,     \
+                                   n_tokens, partials, counters);                                \
+    }
 
 QK_FOR_EACH_TYPE(QK_MATMUL_ENTRIES)

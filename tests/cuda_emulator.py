@@ -115,9 +115,14 @@ class KernelTwins:
         elif name.startswith("mul_mat_vec_"):
             self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args)
         elif name.startswith(("mul_mat_tiles_", "mul_mat_decode_tiles_")):
-            # Both tile shapes multiply alike: float16 hi + lo activations, exact levels.
+            # Both tile shapes multiply alike: float16 hi + lo activations, exact levels (the
+            # decode tiles' K-split adds its splits' sums: within the float32 bound too).
             tile_input, suffix = name.split("tiles_", 1)[1].split("_", 1)
             assert tile_input in plan.TILE_INPUTS, name
+            if name.startswith("mul_mat_decode_tiles_"):
+                *args, _, counters = args
+                tiles = math.prod(grid[:2]) if len(grid) > 2 and grid[2] > 1 else 0
+                assert not self.i32(counters, tiles).any(), "split counters left set"
             self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args)
         else:
             getattr(self, name)(grid, *args)

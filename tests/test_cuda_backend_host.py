@@ -7,6 +7,7 @@ and the registry's reasons."""
 from __future__ import annotations
 
 import builtins
+import itertools
 import math
 import re
 import shutil
@@ -383,8 +384,8 @@ PTX_TYPE = {launches.Ref: "u64", np.int64: "u64", np.int32: "u32", np.float32: "
 def test_every_launch_matches_its_kernels_compiled_signature(
         models: dict[str, GGUFFile]) -> None:
     calls = {}
-    for arch in ("llama", "qwen2", "gemma3"):
-        spec, forward = _calls(models[arch], DECODE_AND_PREFILL)
+    for arch, route in itertools.product(("llama", "qwen2", "gemma3"), plan.DECODE_ROUTES):
+        spec, forward = _calls(models[arch], DECODE_AND_PREFILL, route)
         tail = launches.candidate_calls(spec, 2, 16, any_penalty=True, n_masked=1)
         calls.update((call.kernel, call) for call in [*forward, *tail])
     files = [name for name, entries in plan.kernel_entry_points().items()
@@ -406,7 +407,8 @@ def test_every_address_names_something_the_backend_holds(models: dict[str, GGUFF
                 *(f"{kv}_cache.{layer}" for kv in "kv" for layer in range(spec.n_layers)),
                 *(f"step.{name}" for name in packing.step_arrays(step, 1, 8)),
                 *(f"rows.{name}" for name in rows.arrays)}
-        _, forward = _calls(gguf, DECODE_AND_PREFILL)
+        forward = [call for route in plan.DECODE_ROUTES
+                   for call in _calls(gguf, DECODE_AND_PREFILL, route)[1]]
         tail = launches.candidate_calls(spec, 2, rows.width, any_penalty=True,
                                         n_masked=rows.n_masked)
         named = {arg.name for call in [*forward, *tail] for arg in call.args

@@ -249,18 +249,16 @@ def tiles_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride:
     """y[t][r] = W[r] . x[t] for the matrix `name` on the tensor-core tiles: TILES for a run
     of prefill items each too long for the matvec, DECODE_TILES for decode rows."""
     matrix = weights[name]
+    args = (Ref(name), np.int64(matrix.pitch), x, _i32(x_stride), y, _i32(y_stride),
+            _i32(matrix.rows), _i32(matrix.row_length), _i32(n_tokens))
     if kernels == DECODE_TILES:
-        kernel = plan.decode_tiles_kernel(matrix.type_name, tile_input)
-        launch = plan.decode_tiles_launch(matrix.rows, n_tokens)
-    else:
-        assert not plan.uses_matvec(n_tokens), n_tokens
-        kernel = plan.matmul_kernel(matrix.type_name, n_tokens, tile_input)
-        launch = plan.matmul_launch(matrix.rows, n_tokens)
-    return KernelCall(
-        kernel, launch,
-        (Ref(name), np.int64(matrix.pitch), x, _i32(x_stride), y, _i32(y_stride),
-         _i32(matrix.rows), _i32(matrix.row_length), _i32(n_tokens)),
-    )
+        return KernelCall(
+            plan.decode_tiles_kernel(matrix.type_name, tile_input),
+            plan.decode_tiles_launch(matrix.type_name, matrix.rows, matrix.row_length, n_tokens),
+            (*args, Ref("decode_tile_partials"), Ref("decode_tile_counters")))
+    assert not plan.uses_matvec(n_tokens), n_tokens
+    return KernelCall(plan.matmul_kernel(matrix.type_name, n_tokens, tile_input),
+                      plan.matmul_launch(matrix.rows, n_tokens), args)
 
 
 def matmul_calls(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int,

@@ -50,6 +50,13 @@ TILE_ROWS = TILE_TOKENS = 64  # a tiles block's share of y; its grid runs token 
 TILE_THREADS = 128
 DECODE_TILE_ROWS, DECODE_TILE_TOKENS = 32, 8  # mul_mat_decode_tiles: the same, smaller tiles
 DECODE_TILE_THREADS = 64
+# The decode tiles split K until a matrix has this many blocks a token tile (about two blocks
+# an SM of a 132-SM H100 / H200): a function of the matrix alone, never of the batch.
+DECODE_TILE_MIN_BLOCKS = 264
+MAX_DECODE_SPLITS = 8
+# Rows of partial sums a split launch needs at most a token: splits x rows stays under twice
+# DECODE_TILE_MIN_BLOCKS row tiles (decode_tiles_splits stops at the first power of two past).
+DECODE_PARTIAL_ROWS = 2 * DECODE_TILE_MIN_BLOCKS * DECODE_TILE_ROWS
 # Where decode rows' products run (cuda_launches.row_runs), whatever their number: the
 # CUDA-core matvec, or the tensor cores' decode tiles.
 DECODE_ROUTES = ("matvec", "tiles")
@@ -217,7 +224,8 @@ class StepLimits:
 
 # Workspace buffers the kernels count in across blocks: zero when allocated, and every launch
 # leaves them zero (the last block of each counted group resets its counter).
-ZEROED_BUFFERS = ("attention_counters", "candidate_counters", "qkv_counters")
+ZEROED_BUFFERS = ("attention_counters", "candidate_counters", "qkv_counters",
+                  "decode_tile_counters")
 
 
 def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
@@ -242,6 +250,10 @@ def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
         "attention_counters": rows * spec.n_heads * 4,
         # mul_mat_vec_qkv: one counter per head of the qkv row (its blocks that have stored).
         "qkv_counters": (spec.n_heads + 2 * spec.n_kv_heads) * 4,
+        # mul_mat_decode_tiles with a K-split: each split's sums, and a counter per tile (only
+        # matrices of fewer than DECODE_TILE_MIN_BLOCKS row tiles split).
+        "decode_tile_partials": DECODE_PARTIAL_ROWS * rows * f32,
+        "decode_tile_counters": DECODE_TILE_MIN_BLOCKS * _blocks(rows, DECODE_TILE_TOKENS) * 4,
         "final": rows * spec.d_model * f32,  # the logits rows' normed states, gathered
         "candidates": rows * candidate_record_words(limits.max_candidates) * 4,
         "candidate_partials": rows * MAX_SLICES * SLICE_WORDS * 4,
@@ -397,10 +409,34 @@ def _tile_input(tile_input: str) -> str:
     return tile_input
 
 
-def decode_tiles_launch(rows: int, n_tokens: int) -> Launch:
-    """mul_mat_decode_tiles: 32 x 8 tiles of y, token tiles fastest, 2 warps a block."""
+def tile_chunk_elements(type_name: str) -> int:
+    """Elements of the weight chunks the tiles stage (matmul.cu's tile_chunk): a K-quant
+    block, four 32-element quantized blocks, or one 32-element group of a float type."""
+    if type_name in ("Q4_K", "Q5_K", "Q6_K"):
+        return 256
+    return GROUP if type_name in ("F32", "F16", "BF16") else 4 * GROUP
+
+
+def decode_tiles_splits(type_name: str, rows: int, n_in: int) -> int:
+    """K-splits of a matrix on the decode tiles: powers of two until its row tiles times the
+    splits reach DECODE_TILE_MIN_BLOCKS, at most MAX_DECODE_SPLITS and two weight chunks a
+    split (the pipeline keeps two in flight). The matrix alone decides, so a row's sums are
+    taken in the same order whatever the batch."""
+    chunks = -(-n_in // tile_chunk_elements(type_name))
+    row_tiles, splits = _blocks(rows, DECODE_TILE_ROWS), 1
+    while (splits * 2 <= min(MAX_DECODE_SPLITS, chunks // 2)
+           and row_tiles * splits < DECODE_TILE_MIN_BLOCKS):
+        splits *= 2
+    return splits
+
+
+def decode_tiles_launch(type_name: str, rows: int, n_in: int, n_tokens: int) -> Launch:
+    """mul_mat_decode_tiles: 32 x 8 tiles of y, token tiles fastest, 2 warps a block, grid.z
+    the K-splits."""
     return _check_grid(Launch((_blocks(n_tokens, DECODE_TILE_TOKENS),
-                               _blocks(rows, DECODE_TILE_ROWS), 1), (DECODE_TILE_THREADS, 1, 1)))
+                               _blocks(rows, DECODE_TILE_ROWS),
+                               decode_tiles_splits(type_name, rows, n_in)),
+                              (DECODE_TILE_THREADS, 1, 1)))
 
 
 def check_decode_route(route: str) -> str:

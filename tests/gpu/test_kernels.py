@@ -199,32 +199,43 @@ def tiles(kernel: Kernel, shape: str, raw: np.ndarray, type_name: str, x: np.nda
     with the first `tokens` rows of x (x's stride: its width); y's 3 spare columns must stay
     NaN."""
     rows, n_in = raw.shape[0], x.shape[1] - 4
-    if shape == "tiles":
-        name, launch = plan.matmul_kernel(type_name, tokens), plan.matmul_launch(rows, tokens)
-    else:
-        name = plan.decode_tiles_kernel(type_name)
-        launch = plan.decode_tiles_launch(rows, tokens)
     y = nan_filled(tokens, rows + 3)
-    run(kernel("matmul.cu", name), launch,
-        ptr(to_device(pitched(raw, type_name, n_in))), np.int64(plan.row_pitch(type_name, n_in)),
-        ptr(to_device(x[:tokens])), np.int32(x.shape[1]), ptr(y), np.int32(rows + 3),
-        np.int32(rows), np.int32(n_in), np.int32(tokens))
+    args = (ptr(to_device(pitched(raw, type_name, n_in))),
+            np.int64(plan.row_pitch(type_name, n_in)), ptr(to_device(x[:tokens])),
+            np.int32(x.shape[1]), ptr(y), np.int32(rows + 3), np.int32(rows), np.int32(n_in),
+            np.int32(tokens))
+    if shape == "tiles":
+        run(kernel("matmul.cu", plan.matmul_kernel(type_name, tokens)),
+            plan.matmul_launch(rows, tokens), *args)
+    else:  # with the K-split's workspace: partials, and counters that must end at zero
+        launch = plan.decode_tiles_launch(type_name, rows, n_in, tokens)
+        counters = to_device(np.zeros(launch.grid[0] * launch.grid[1], dtype=np.int32))
+        partials = to_device(np.full(launch.grid[2] * tokens * rows, np.nan, dtype=np.float32))
+        run(kernel("matmul.cu", plan.decode_tiles_kernel(type_name)), launch, *args,
+            ptr(partials), ptr(counters))
+        assert not counters.get().any()
     got = y.get()
     assert np.isnan(got[:, rows:]).all()
     return got[:, :rows]
 
 
-@pytest.mark.parametrize("shape", ["tiles", "decode_tiles"])
+@pytest.mark.parametrize(("shape", "wide"), [("tiles", False), ("decode_tiles", False),
+                                             ("decode_tiles", True)])
 @pytest.mark.parametrize("type_name", ALL_TYPES)
-def test_tensor_core_tiles_match_their_twin(kernel: Kernel, type_name: str, shape: str) -> None:
+def test_tensor_core_tiles_match_their_twin(kernel: Kernel, type_name: str, shape: str,
+                                            wide: bool) -> None:
     """100 rows x 70 tokens (partial tiles at both edges: 64 x 64, or the decode tiles'
     32 x 8), padded strides, and for the 32-element types a row of 17 groups (a partial last
-    weight chunk). tile_product sums the kernel's exact products; its float32 accumulation
+    weight chunk); `wide` rows (2304 / 2336 inputs) make the decode tiles split K 4 or 8 ways
+    (uneven splits). tile_product sums the kernel's exact products; its float32 accumulation
     (per scale group, then across groups; the level and offset sums of a K-quant can cancel)
     stays within 4x the classic bound, and far below what one float16 rounding of the
     activations would cost, so a lost lo part or a misplaced scale fails."""
     rows, tokens = 100, 70
-    n_in = 512 if type_name in ("Q4_K", "Q5_K", "Q6_K") else 544
+    k_quant = type_name in ("Q4_K", "Q5_K", "Q6_K")
+    n_in = (2304 if k_quant else 2336) if wide else (512 if k_quant else 544)
+    if wide:
+        assert plan.decode_tiles_launch(type_name, rows, n_in, tokens).grid[2] > 1
     rng = np.random.default_rng(7)
     raw = finite_blocks(type_name, rows, n_in, rng)
     x = activations(rng, tokens, n_in)
@@ -242,7 +253,8 @@ def test_tensor_core_tiles_match_their_twin(kernel: Kernel, type_name: str, shap
 @pytest.mark.parametrize("type_name", ALL_TYPES)
 def test_decode_tiles_rows_do_not_depend_on_the_batch(kernel: Kernel, type_name: str) -> None:
     """The decode tiles route's promise, as the matvec's: row b of y is bit for bit the same
-    alone or among 9, 33 or 64 tokens (partial token tiles), whichever tile holds it."""
+    alone or among 9, 33 or 64 tokens (partial token tiles), whichever tile holds it (2304 /
+    2336 inputs: K split 4 or 8 ways, the splits' sums added in split order)."""
     rows, n_in = 70, 2304 if type_name in ("Q4_K", "Q5_K", "Q6_K") else 2336
     rng = np.random.default_rng(23)
     raw = finite_blocks(type_name, rows, n_in, rng)
