@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
+from actors.channels import LoopReceiver, LoopSender, ThreadSender
 from actors.compute.contract import (
     MAX_STEP_FAILURES,
     BackendLost,
@@ -96,7 +97,7 @@ class _Sequence:
     seq_id: int
     request_id: str
     sampler: Any
-    reply: MemoryObjectSendStream[TokenReady | SequenceFailed]
+    reply: LoopSender[TokenReady | SequenceFailed]
     order: int
     tokens: list[int] = field(default_factory=list)
     kv: BlockTable = field(default_factory=BlockTable)
@@ -119,10 +120,10 @@ class Scheduler:
         step_timeout_s: float,
         compute_hung: anyio.Event,
         inbox: MemoryObjectReceiveStream[OpenSequence | Advance | CloseSequence],
-        compute_inbox: MemoryObjectSendStream[RunStep | FetchRows | Shutdown],
-        compute_outbox: MemoryObjectReceiveStream[Any],
-        sampler_inbox: MemoryObjectSendStream[SampleStep | SampleRows],
-        sampler_outbox: MemoryObjectReceiveStream[StepSampled | RowsWanted | SamplingFailed],
+        compute_inbox: ThreadSender[RunStep | FetchRows | Shutdown],
+        compute_outbox: LoopReceiver[Any],
+        sampler_inbox: ThreadSender[SampleStep | SampleRows],
+        sampler_outbox: LoopReceiver[StepSampled | RowsWanted | SamplingFailed],
     ) -> None:
         self.kv = kv
         self.admission = admission
@@ -361,7 +362,8 @@ class Scheduler:
     async def _ask_compute(self, message: RunStep | FetchRows) -> Any:
         """The compute actor's answer; a step past its deadline is a failed step, and a
         backend that does not answer within a second deadline either is lost."""
-        await self._compute_inbox.send(message)
+        # The compute thread has taken every earlier message: it answered each before this.
+        self._compute_inbox.send_nowait(message)
         with anyio.move_on_after(self._step_timeout_s):
             return self._counted(await self._compute_outbox.receive())
         late = f"a step ran past its deadline of {self._step_timeout_s:g} s"
@@ -383,7 +385,7 @@ class Scheduler:
     async def _ask_sampler(
         self, message: SampleStep | SampleRows
     ) -> StepSampled | RowsWanted | SamplingFailed:
-        await self._sampler_inbox.send(message)
+        self._sampler_inbox.send_nowait(message)  # it answered every earlier one
         return await self._sampler_outbox.receive()
 
     def _apply(

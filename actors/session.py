@@ -19,6 +19,7 @@ import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
+from actors.channels import LoopReceiver, loop_channel
 from actors.errors import ComputeError, EngineClosed, EngineOverloaded
 from actors.logs import get_logger
 from actors.messages import (
@@ -166,9 +167,9 @@ class Session:
         first_token_at: float | None = None
         ended = False
         try:
-            reply_send, reply_receive = anyio.create_memory_object_stream[
-                TokenReady | SequenceFailed
-            ](1)
+            # A light channel (one message at a time): it is waited on every token.
+            reply_receive: LoopReceiver[TokenReady | SequenceFailed]
+            reply_send, reply_receive = loop_channel(1)
             sampler = SequenceSampling(self._params, self._prompt_ids, self._tokenizer.vocab_size,
                                        self._constraint)
             answer = Answer(self._tokenizer, self._params, self._budget)
@@ -277,7 +278,7 @@ class Session:
             raise EngineClosed("the engine closed while this request was running") from None
 
     @staticmethod
-    async def _receive(reply: Any) -> TokenReady:
+    async def _receive(reply: LoopReceiver[TokenReady | SequenceFailed]) -> TokenReady:
         try:
             message = await reply.receive()
         except anyio.EndOfStream:
