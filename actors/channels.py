@@ -42,12 +42,17 @@ class _LoopState(Generic[T]):
         self.loop = asyncio.get_running_loop()
         self.sender_open = True
         self.receiver_open = True
-        self.waiter: asyncio.Future[None] | None = None
+        self.waiter: asyncio.Future[bool] | None = None  # its result: whether it expired
 
     def wake(self) -> None:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+            waiter.set_result(False)
+
+
+def _expire(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(True)
 
 
 class LoopSender(Generic[T]):
@@ -114,20 +119,30 @@ class LoopReceiver(Generic[T]):
             raise anyio.EndOfStream
         raise anyio.WouldBlock
 
-    async def receive(self) -> T:
-        """The next message, waiting for it if none is there (cancellable while it waits)."""
+    async def receive(self, timeout: float | None = None) -> T:
+        """The next message, waiting for it if none is there (cancellable while it waits);
+        `timeout`: raise TimeoutError once this many seconds passed without one (a timer on
+        the loop, lighter than a cancel scope)."""
         state = self._state
+        deadline = None if timeout is None else state.loop.time() + timeout
         while True:
-            try:
-                return self.receive_nowait()
-            except anyio.WouldBlock:
-                pass
+            if state.buffer:  # (a closed receiving end holds nothing)
+                return state.buffer.popleft()
+            if not state.receiver_open:
+                raise anyio.ClosedResourceError
+            if not state.sender_open:
+                raise anyio.EndOfStream
             waiter = state.loop.create_future()
+            timer = None if deadline is None else state.loop.call_at(deadline, _expire, waiter)
             state.waiter = waiter
             try:
-                await waiter
+                expired = await waiter
             finally:
                 state.waiter = None
+                if timer is not None:
+                    timer.cancel()
+            if expired:
+                raise TimeoutError
 
     def close(self) -> None:
         self._state.receiver_open = False

@@ -48,7 +48,7 @@ from actors.engine_door import EngineDoor
 from actors.kv_manager import KVBlockManager
 from actors.loader import Loaded, LoaderActor, LoadFailed, ModelLoaded, load_gguf
 from actors.logs import get_logger, logging_to
-from actors.messages import Chunk, Completion, EngineStats
+from actors.messages import Advance, Chunk, CloseSequence, Completion, EngineStats, OpenSequence
 from actors.model.arch import MAX_CONTEXT
 from actors.model.loaded import Model
 from actors.model.text.chat import ChatTemplate
@@ -255,9 +255,8 @@ class Engine(EngineDoor):
         factory to the compute actor; once that reports ready, the scheduler starts."""
         _check_limits(max_sequences, max_queued, prefill_chunk, step_timeout_s)
         limit = max_sequences + max_queued
-        inbox_send, inbox_receive = anyio.create_memory_object_stream[Any](
-            _INBOX_SLOTS_PER_REQUEST * limit
-        )
+        inbox_receive: LoopReceiver[OpenSequence | Advance | CloseSequence]
+        inbox_send, inbox_receive = loop_channel(_INBOX_SLOTS_PER_REQUEST * limit)
         build_send, build_receive = anyio.create_memory_object_stream[BuildBackend](1)
         loaded_send, loaded_receive = anyio.create_memory_object_stream[
             ModelLoaded | LoadFailed

@@ -17,9 +17,8 @@ from typing import Any
 
 import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectSendStream
 
-from actors.channels import LoopReceiver, loop_channel
+from actors.channels import LoopReceiver, LoopSender, loop_channel
 from actors.errors import ComputeError, EngineClosed, EngineOverloaded
 from actors.logs import get_logger
 from actors.messages import (
@@ -60,6 +59,8 @@ class StopText:
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit now, whether a stop string was found). After a
         stop string, the text from it on is dropped."""
+        if not self._stops:  # most requests: nothing to find or hold back
+            return text, False
         held = self._held + text
         hits = [index for index in (held.find(stop) for stop in self._stops) if index >= 0]
         if hits:
@@ -138,7 +139,7 @@ class Session:
         params: SamplingParams,
         context_length: int,
         tokenizer: Any,
-        scheduler_inbox: MemoryObjectSendStream[Any],
+        scheduler_inbox: LoopSender[OpenSequence | Advance | CloseSequence],
         admission: Admission,
         constraint: Constraint | None = None,
     ) -> None:
