@@ -137,9 +137,9 @@ async def run_in_own_thread(
     raises. A cancelled caller still waits for the thread (blocking work cannot be
     interrupted, and no thread is left behind), which is joined before this returns (or
     raises the cancellation): `stop`, when given, is called then to make `work` end sooner
-    (it closes the thread's inbox); without it, `work` must end by itself (its inbox closes). Only when `abandon` is set first
-    (the work is known to hang) does this return None at once, leaving the (daemon) thread
-    behind."""
+    (it closes the thread's inbox); without it, `work` must end by itself. Only when
+    `abandon` is set first (the work is known to hang) does this return None at once, leaving
+    the (daemon) thread behind."""
     outcome: list[tuple[bool, Any]] = []
     finished = anyio.Event()
     token = anyio.lowlevel.current_token()
