@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from actors.channels import LoopReceiver, ThreadSender, loop_channel, thread_channel
 from actors.compute.actor import ComputeActor, ComputeAnswer
 from actors.compute.contract import (
     BuildBackend,
@@ -47,7 +48,7 @@ from actors.engine_door import EngineDoor
 from actors.kv_manager import KVBlockManager
 from actors.loader import Loaded, LoaderActor, LoadFailed, ModelLoaded, load_gguf
 from actors.logs import get_logger, logging_to
-from actors.messages import Chunk, Completion, EngineStats
+from actors.messages import Advance, Chunk, CloseSequence, Completion, EngineStats, OpenSequence
 from actors.model.arch import MAX_CONTEXT
 from actors.model.loaded import Model
 from actors.model.text.chat import ChatTemplate
@@ -254,21 +255,21 @@ class Engine(EngineDoor):
         factory to the compute actor; once that reports ready, the scheduler starts."""
         _check_limits(max_sequences, max_queued, prefill_chunk, step_timeout_s)
         limit = max_sequences + max_queued
-        inbox_send, inbox_receive = anyio.create_memory_object_stream[Any](
-            _INBOX_SLOTS_PER_REQUEST * limit
-        )
+        inbox_receive: LoopReceiver[OpenSequence | Advance | CloseSequence]
+        inbox_send, inbox_receive = loop_channel(_INBOX_SLOTS_PER_REQUEST * limit)
         build_send, build_receive = anyio.create_memory_object_stream[BuildBackend](1)
         loaded_send, loaded_receive = anyio.create_memory_object_stream[
             ModelLoaded | LoadFailed
         ](1)
-        compute_send, compute_receive = anyio.create_memory_object_stream[
-            RunStep | FetchRows | Shutdown
-        ](1)
-        answer_send, answer_receive = anyio.create_memory_object_stream[ComputeAnswer](1)
-        rows_send, rows_receive = anyio.create_memory_object_stream[SampleStep | SampleRows](1)
-        choices_send, choices_receive = anyio.create_memory_object_stream[
-            StepSampled | RowsWanted | SamplingFailed
-        ](1)
+        # The per-step channels to and from the actor threads (actors.channels).
+        compute_send: ThreadSender[RunStep | FetchRows | Shutdown]
+        compute_send, compute_receive = thread_channel()
+        answer_receive: LoopReceiver[ComputeAnswer]
+        answer_send, answer_receive = loop_channel()
+        rows_send: ThreadSender[SampleStep | SampleRows]
+        rows_send, rows_receive = thread_channel()
+        choices_receive: LoopReceiver[StepSampled | RowsWanted | SamplingFailed]
+        choices_send, choices_receive = loop_channel()
         # The scheduler's streams; closed here instead when it never starts.
         scheduler_streams = (inbox_receive, compute_send, answer_receive, rows_send, choices_receive)
         # Errors of the caller's block are re-raised after the task group, so callers see the
@@ -481,7 +482,7 @@ async def _as_awaitable(ids: list[int]) -> list[int]:
 
 async def _started(
     loaded: MemoryObjectReceiveStream[ModelLoaded | LoadFailed],
-    answers: MemoryObjectReceiveStream[ComputeAnswer],
+    answers: LoopReceiver[ComputeAnswer],
 ) -> tuple[ModelLoaded, ComputeInfo]:
     """Wait for the loader's result, then for the compute actor's report; raise what failed."""
     with loaded:

@@ -141,12 +141,21 @@ def _report_failed_write(destination: _Destination, error: Exception) -> None:
         pass  # stderr itself is the failing stream, or is gone
 
 
-def _drop_below_level(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
-    level = LEVELS.get(method, LEVELS["info"])
+def enabled_for(name: str, level: str) -> bool:
+    """Whether an event at `level` from the logger `name` is written anywhere now: a caller
+    checks it before building an event it would send on every step."""
+    return _level_enabled(name, LEVELS[level])
+
+
+def _level_enabled(name: str, level: int) -> bool:
     destination = _destination
-    if level < destination.level or (
-        destination.stream is None and not logging.getLogger(logger.name).isEnabledFor(level)
-    ):
+    return level >= destination.level and (
+        destination.stream is not None or logging.getLogger(name).isEnabledFor(level)
+    )
+
+
+def _drop_below_level(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
+    if not _level_enabled(logger.name, LEVELS.get(method, LEVELS["info"])):
         raise structlog.DropEvent
     return event
 

@@ -16,7 +16,7 @@ class OpenSequence(msgspec.Struct, frozen=True, kw_only=True):
     seq_id: int
     request_id: str
     sampler: Any  # actors.sampling.SequenceSampling: token history and seeded generator
-    reply: Any  # MemoryObjectSendStream[TokenReady | SequenceFailed]
+    reply: Any  # actors.channels.LoopSender[TokenReady | SequenceFailed]
 
 
 class Advance(msgspec.Struct, frozen=True, kw_only=True):

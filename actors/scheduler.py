@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from actors.channels import LoopReceiver, LoopSender, ThreadSender
 from actors.compute.contract import (
     MAX_STEP_FAILURES,
     BackendLost,
@@ -41,7 +41,7 @@ from actors.compute.contract import (
 )
 from actors.errors import EngineOverloaded
 from actors.kv_manager import BlockTable, KVBlockManager
-from actors.logs import get_logger
+from actors.logs import enabled_for, get_logger
 from actors.messages import (
     Advance,
     CloseSequence,
@@ -65,6 +65,7 @@ from actors.sampling import (
 # floor and a fraction of the last step's time (a loaded machine slows consumers too).
 GATHER_IDLE_MIN_S = 0.002
 GATHER_IDLE_STEP_FRACTION = 0.02
+_LOGGER = "actors.scheduler"
 
 
 class Admission:
@@ -96,7 +97,7 @@ class _Sequence:
     seq_id: int
     request_id: str
     sampler: Any
-    reply: MemoryObjectSendStream[TokenReady | SequenceFailed]
+    reply: LoopSender[TokenReady | SequenceFailed]
     order: int
     tokens: list[int] = field(default_factory=list)
     kv: BlockTable = field(default_factory=BlockTable)
@@ -118,11 +119,11 @@ class Scheduler:
         prefill_chunk: int,
         step_timeout_s: float,
         compute_hung: anyio.Event,
-        inbox: MemoryObjectReceiveStream[OpenSequence | Advance | CloseSequence],
-        compute_inbox: MemoryObjectSendStream[RunStep | FetchRows | Shutdown],
-        compute_outbox: MemoryObjectReceiveStream[Any],
-        sampler_inbox: MemoryObjectSendStream[SampleStep | SampleRows],
-        sampler_outbox: MemoryObjectReceiveStream[StepSampled | RowsWanted | SamplingFailed],
+        inbox: LoopReceiver[OpenSequence | Advance | CloseSequence],
+        compute_inbox: ThreadSender[RunStep | FetchRows | Shutdown],
+        compute_outbox: LoopReceiver[Any],
+        sampler_inbox: ThreadSender[SampleStep | SampleRows],
+        sampler_outbox: LoopReceiver[StepSampled | RowsWanted | SamplingFailed],
     ) -> None:
         self.kv = kv
         self.admission = admission
@@ -137,7 +138,8 @@ class Scheduler:
         self._sampler_outbox = sampler_outbox
         self._sequences: dict[int, _Sequence] = {}
         self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []
+        # By seq_id, in admission order: a step checks membership once per item.
+        self._running: dict[int, _Sequence] = {}
         # Sequences that got a token and have not asked for the next one (or closed) yet.
         self._outstanding: set[int] = set()
         self._orders = 0
@@ -147,7 +149,7 @@ class Scheduler:
         self.bytes_from_compute = 0
         # Why the backend can no longer run (BackendLost), once it cannot.
         self.lost: str | None = None
-        self._log = get_logger("actors.scheduler")
+        self._log = get_logger(_LOGGER)
 
     @property
     def running(self) -> int:
@@ -215,9 +217,7 @@ class Scheduler:
             return
         self.admission.leave()
         seq = self._sequences.pop(message.seq_id)
-        if seq in self._running:
-            self._running.remove(seq)
-        else:
+        if self._running.pop(seq.seq_id, None) is None:
             self._waiting.remove(seq)
         self.kv.release(seq.kv)
         seq.reply.close()
@@ -242,7 +242,7 @@ class Scheduler:
         self._admit()
         items: list[StepItem] = []
         in_step: set[int] = set()
-        pending = [seq for seq in self._running if seq.pending]
+        pending = [seq for seq in self._running.values() if seq.pending]
         # A sequence whose last step failed replays alone until it gets a token: a failure it
         # causes then takes down no sequence batched with it, and theirs cannot take it down.
         suspects = [seq for seq in pending if seq.failures]
@@ -252,7 +252,7 @@ class Scheduler:
         prefilling = [seq for seq in pending if len(seq.tokens) - seq.kv.held > 1]
         for seq in decoding:
             # An earlier reservation in this loop may have preempted it.
-            if seq in self._running and self._reserve(seq, len(seq.tokens), in_step):
+            if seq.seq_id in self._running and self._reserve(seq, len(seq.tokens), in_step):
                 items.append(self._item(seq, len(seq.tokens)))
                 in_step.add(seq.seq_id)
         budget = max(self._prefill_chunk - len(items), self.kv.block_size)
@@ -260,7 +260,7 @@ class Scheduler:
             if budget <= 0:
                 break
             end = min(len(seq.tokens), seq.kv.held + budget)
-            if seq not in self._running or not self._reserve(seq, end, in_step):
+            if seq.seq_id not in self._running or not self._reserve(seq, end, in_step):
                 continue
             items.append(self._item(seq, end))
             in_step.add(seq.seq_id)
@@ -296,13 +296,14 @@ class Scheduler:
             if not seq.admitted:
                 seq.admitted = True
                 seq.cached_tokens = seq.kv.held
-            self._running.append(seq)
+            self._running[seq.seq_id] = seq
 
     def _reserve(self, seq: _Sequence, end: int, in_step: set[int]) -> bool:
         """Make `seq`'s block table cover positions [0, end), preempting the newest other
         sequence not in this step while blocks run short. False: `seq` waits this step."""
         while not self.kv.reserve(seq.kv, end):
-            victims = [s for s in self._running if s is not seq and s.seq_id not in in_step]
+            victims = [s for s in self._running.values()
+                       if s is not seq and s.seq_id not in in_step]
             if not victims:
                 return False
             self._preempt(max(victims, key=lambda s: s.order))
@@ -311,7 +312,7 @@ class Scheduler:
     def _preempt(self, seq: _Sequence) -> None:
         """Free a sequence's blocks and queue it again at the front; it is recomputed (reusing
         whatever prefix is still cached) when readmitted."""
-        self._running.remove(seq)
+        del self._running[seq.seq_id]
         self.kv.release(seq.kv)
         self._waiting.appendleft(seq)
         self._log.info(
@@ -361,15 +362,20 @@ class Scheduler:
     async def _ask_compute(self, message: RunStep | FetchRows) -> Any:
         """The compute actor's answer; a step past its deadline is a failed step, and a
         backend that does not answer within a second deadline either is lost."""
-        await self._compute_inbox.send(message)
-        with anyio.move_on_after(self._step_timeout_s):
-            return self._counted(await self._compute_outbox.receive())
+        # The compute thread has taken every earlier message: it answered each before this.
+        self._compute_inbox.send_nowait(message)
+        try:
+            return self._counted(await self._compute_outbox.receive(self._step_timeout_s))
+        except TimeoutError:
+            pass
         late = f"a step ran past its deadline of {self._step_timeout_s:g} s"
         self._log.error("step_timeout", step=message.step_id, timeout_s=self._step_timeout_s)
         # The backend still owes this answer; only then can it take the next step.
-        with anyio.move_on_after(self._step_timeout_s):
-            await self._compute_outbox.receive()
+        try:
+            await self._compute_outbox.receive(self._step_timeout_s)
             return StepFailed(step_id=message.step_id, error=late)
+        except TimeoutError:
+            pass
         self._compute_hung.set()
         return BackendLost(error=f"{late} and gave no answer within another one")
 
@@ -383,7 +389,7 @@ class Scheduler:
     async def _ask_sampler(
         self, message: SampleStep | SampleRows
     ) -> StepSampled | RowsWanted | SamplingFailed:
-        await self._sampler_inbox.send(message)
+        self._sampler_inbox.send_nowait(message)  # it answered every earlier one
         return await self._sampler_outbox.receive()
 
     def _apply(
@@ -393,17 +399,19 @@ class Scheduler:
         ms: float,
     ) -> None:
         n_tokens = sum(len(item.tokens) for item in step.items)
-        decode_items = sum(1 for item in step.items if len(item.tokens) == 1)
         self.tokens += n_tokens
-        self._log.debug(
-            "step",
-            step=step.step_id,
-            items=len(step.items),
-            decode_items=decode_items,
-            prefill_items=len(step.items) - decode_items,
-            tokens=n_tokens,
-            ms=round(ms, 3),
-        )
+        # Checked first: building an event costs more than a fast step's own bookkeeping.
+        if enabled_for(_LOGGER, "debug"):
+            decode_items = sum(1 for item in step.items if len(item.tokens) == 1)
+            self._log.debug(
+                "step",
+                step=step.step_id,
+                items=len(step.items),
+                decode_items=decode_items,
+                prefill_items=len(step.items) - decode_items,
+                tokens=n_tokens,
+                ms=round(ms, 3),
+            )
         sequences = [self._sequences[item.seq_id] for item in step.items]
         if isinstance(result, BackendLost):
             self._lose_backend(result.error)

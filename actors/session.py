@@ -17,8 +17,8 @@ from typing import Any
 
 import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectSendStream
 
+from actors.channels import LoopReceiver, LoopSender, loop_channel
 from actors.errors import ComputeError, EngineClosed, EngineOverloaded
 from actors.logs import get_logger
 from actors.messages import (
@@ -59,6 +59,8 @@ class StopText:
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit now, whether a stop string was found). After a
         stop string, the text from it on is dropped."""
+        if not self._stops:  # most requests: nothing to find or hold back
+            return text, False
         held = self._held + text
         hits = [index for index in (held.find(stop) for stop in self._stops) if index >= 0]
         if hits:
@@ -137,7 +139,7 @@ class Session:
         params: SamplingParams,
         context_length: int,
         tokenizer: Any,
-        scheduler_inbox: MemoryObjectSendStream[Any],
+        scheduler_inbox: LoopSender[OpenSequence | Advance | CloseSequence],
         admission: Admission,
         constraint: Constraint | None = None,
     ) -> None:
@@ -166,9 +168,9 @@ class Session:
         first_token_at: float | None = None
         ended = False
         try:
-            reply_send, reply_receive = anyio.create_memory_object_stream[
-                TokenReady | SequenceFailed
-            ](1)
+            # A light channel (one message at a time): it is waited on every token.
+            reply_receive: LoopReceiver[TokenReady | SequenceFailed]
+            reply_send, reply_receive = loop_channel(1)
             sampler = SequenceSampling(self._params, self._prompt_ids, self._tokenizer.vocab_size,
                                        self._constraint)
             answer = Answer(self._tokenizer, self._params, self._budget)
@@ -277,7 +279,7 @@ class Session:
             raise EngineClosed("the engine closed while this request was running") from None
 
     @staticmethod
-    async def _receive(reply: Any) -> TokenReady:
+    async def _receive(reply: LoopReceiver[TokenReady | SequenceFailed]) -> TokenReady:
         try:
             message = await reply.receive()
         except anyio.EndOfStream:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import actors.logs
-from actors.logs import configure_logging, get_logger, log_to_stdlib
+from actors.logs import configure_logging, enabled_for, get_logger, log_to_stdlib
 
 REJECTED_REQUEST = """
 import anyio
@@ -68,6 +68,20 @@ def test_routing_into_the_standard_logging_module(caplog: pytest.LogCaptureFixtu
     assert record.name == "actors.session" and record.levelno == logging.INFO
     assert json.loads(record.getMessage())["completion_tokens"] == 5
     assert record.event_dict["request_id"] == "r2"
+
+
+def test_enabled_for_says_whether_an_event_would_be_written(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """What the scheduler checks before building its per-step debug event."""
+    assert not enabled_for("actors.scheduler", "critical")  # silent until configured
+    configure_logging("info", io.StringIO())
+    assert not enabled_for("actors.scheduler", "debug")
+    assert enabled_for("actors.scheduler", "info")
+    log_to_stdlib()
+    caplog.set_level(logging.INFO, logger="actors")
+    assert not enabled_for("actors.scheduler", "debug")
+    caplog.set_level(logging.DEBUG, logger="actors")
+    assert enabled_for("actors.scheduler", "debug")
 
 
 def test_configure_logging_after_stdlib_routing_takes_over(

@@ -7,16 +7,15 @@ message, `BuildBackend` from the loader, says how to build it; the actor reports
 `StepDone` (the step's candidates) or `StepFailed`, and `FetchRows` with `RowsFetched`; the
 sampler actor chooses the tokens. Once the backend raises `BackendLostError` every message is
 answered `BackendLost`. Work in flight is never abandoned; `Shutdown` (or closing the inbox)
-ends it.
+ends it. Its inbox and outbox are the light channels of actors.channels: the thread blocks on
+the one and posts to the loop on the other, with no portal task per message.
 
-`run_in_own_thread`, `LoopPortal`, `receive_from_loop` and `send_to_loop` are the bridge
-every actor with a thread of its own uses (the loader's and the sampler's too).
+`run_in_own_thread` is how every actor with a thread of its own runs it (the loader's and the
+sampler's too).
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -26,9 +25,9 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 import numpy as np
-from anyio.from_thread import BlockingPortal
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
+from actors.channels import LoopSender, ThreadReceiver
 from actors.compute.contract import (
     BackendLost,
     BackendLostError,
@@ -47,17 +46,6 @@ from actors.compute.contract import (
 T = TypeVar("T")
 
 
-# What a worker thread sees when the loop side goes away: the stream ended, or the host task
-# was cancelled while the thread waited on the loop.
-_LOOP_GONE = (
-    anyio.EndOfStream,
-    anyio.ClosedResourceError,
-    anyio.BrokenResourceError,
-    asyncio.CancelledError,
-    concurrent.futures.CancelledError,
-)
-
-
 class ComputeActor:
     """Builds the backend and then runs every step in one dedicated thread of its own, which
     exits (and is joined) before the actor task returns."""
@@ -65,8 +53,8 @@ class ComputeActor:
     def __init__(
         self,
         builds: MemoryObjectReceiveStream[BuildBackend],
-        inbox: MemoryObjectReceiveStream[RunStep | FetchRows | Shutdown],
-        outbox: MemoryObjectSendStream[ComputeAnswer],
+        inbox: ThreadReceiver[RunStep | FetchRows | Shutdown],
+        outbox: LoopSender[ComputeAnswer],
         hung: anyio.Event | None = None,
     ) -> None:
         self._builds = builds
@@ -79,36 +67,35 @@ class ComputeActor:
     async def run(self) -> None:
         """The actor task: wait for the backend to build, then hold the thread until shutdown."""
         with self._inbox, self._outbox:
-            async with LoopPortal() as portal:
-                with self._builds, anyio.CancelScope(shield=True):
-                    # Shielded so a BuildBackend handed over is never lost (its `release` must
-                    # run): the loader always ends by sending one or closing this stream.
-                    try:
-                        build = await self._builds.receive()
-                    except anyio.EndOfStream:
-                        return  # the load failed; the loader told the engine
-                await run_in_own_thread("q4k-compute", partial(self._serve, portal, build),
-                                        abandon=self._hung)
+            with self._builds, anyio.CancelScope(shield=True):
+                # Shielded so a BuildBackend handed over is never lost (its `release` must
+                # run): the loader always ends by sending one or closing this stream.
+                try:
+                    build = await self._builds.receive()
+                except anyio.EndOfStream:
+                    return  # the load failed; the loader told the engine
+            await run_in_own_thread("q4k-compute", partial(self._serve, build),
+                                    abandon=self._hung, stop=self._inbox.close)
 
-    def _serve(self, portal: LoopPortal, build: BuildBackend) -> None:
+    def _serve(self, build: BuildBackend) -> None:
         try:
             try:
                 backend = build.make_backend()
             except Exception as exc:  # reported to the engine, which raises it from `open`
-                send_to_loop(portal, self._outbox, StartFailed(error=exc))
+                self._outbox.send_from_thread(StartFailed(error=exc))
                 return
             try:
-                if not send_to_loop(portal, self._outbox, backend.info):
+                if not self._outbox.send_from_thread(backend.info):
                     return
                 lost: BackendLost | None = None
                 while True:
-                    message = receive_from_loop(portal, self._inbox)
+                    message = self._inbox.receive()
                     if message is None or isinstance(message, Shutdown):
                         return
                     answer = lost or _answer(backend, message)
                     if isinstance(answer, BackendLost):
                         lost = answer
-                    if not send_to_loop(portal, self._outbox, answer):
+                    if not self._outbox.send_from_thread(answer):
                         return
             finally:
                 backend.close()
@@ -137,16 +124,20 @@ def _answer(
         return StepFailed(step_id=message.step_id, error=f"{type(exc).__name__}: {exc}")
 
 
-# --- the bridge between an actor's own thread and the event loop ------------------------------
+# --- an actor's own thread ---------------------------------------------------------------------
 
 
 async def run_in_own_thread(
-    name: str, work: Callable[[], T], abandon: anyio.Event | None = None
+    name: str,
+    work: Callable[[], T],
+    abandon: anyio.Event | None = None,
+    stop: Callable[[], None] | None = None,
 ) -> T | None:
     """Run `work()` in a new thread called `name`; return what it returns or raise what it
-    raises. The wait is shielded: a cancelled caller still waits for the thread (blocking work
-    cannot be interrupted, and no thread is left behind), which is joined before this returns.
-    `work` must end by itself: its streams close, or its portal calls are cancelled. Only when
+    raises. A cancelled caller still waits for the thread (blocking work cannot be
+    interrupted, and no thread is left behind), which is joined before this returns (or
+    raises the cancellation): `stop`, when given, is called then to make `work` end sooner
+    (it closes the thread's inbox); without it, `work` must end by itself. Only when
     `abandon` is set first (the work is known to hang) does this return None at once, leaving
     the (daemon) thread behind."""
     outcome: list[tuple[bool, Any]] = []
@@ -166,8 +157,17 @@ async def run_in_own_thread(
 
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
-    with anyio.CancelScope(shield=True):
-        await _first_set(finished, abandon)
+    try:
+        # Without `stop` there is nothing to do on cancel but wait: shielded throughout.
+        with anyio.CancelScope(shield=stop is None):
+            await _first_set(finished, abandon)
+    except anyio.get_cancelled_exc_class():
+        stop()
+        with anyio.CancelScope(shield=True):
+            await _first_set(finished, abandon)
+        if finished.is_set():
+            thread.join()
+        raise
     if not finished.is_set():
         return None
     thread.join()
@@ -190,34 +190,3 @@ async def _first_set(event: anyio.Event, other: anyio.Event | None) -> None:
 
         waiting.start_soon(wait_for, event)
         waiting.start_soon(wait_for, other)
-
-
-def receive_from_loop(portal: BlockingPortal, stream: MemoryObjectReceiveStream[T]) -> T | None:
-    """The next message (in a worker thread); None when the loop side is gone."""
-    try:
-        return portal.call(stream.receive)
-    except _LOOP_GONE:
-        return None
-
-
-class LoopPortal(BlockingPortal):
-    """A portal that also names its event loop, for the plain callbacks `send_to_loop` runs
-    there."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.token = anyio.lowlevel.current_token()
-
-
-def send_to_loop(portal: LoopPortal, stream: MemoryObjectSendStream[T], message: T) -> bool:
-    """Send from a worker thread; False when the loop side is gone. The loop side usually
-    waits for the message already: a plain callback then hands it over, without the task a
-    portal call starts for each send."""
-    try:
-        try:
-            anyio.from_thread.run_sync(stream.send_nowait, message, token=portal.token)
-        except anyio.WouldBlock:
-            portal.call(stream.send, message)
-    except _LOOP_GONE:
-        return False
-    return True

@@ -4,13 +4,12 @@ the messages it exchanges with the scheduler."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.compute.actor import LoopPortal, receive_from_loop, run_in_own_thread, send_to_loop
+from actors.channels import LoopSender, ThreadReceiver
+from actors.compute.actor import run_in_own_thread
 from actors.compute.contract import Candidates
 from actors.sampling.from_candidates import PendingChoice, start_choice
 from actors.sampling.state import RowFailed, SequenceSampling, TokenChoice
@@ -70,8 +69,8 @@ class SamplerActor:
 
     def __init__(
         self,
-        inbox: MemoryObjectReceiveStream[SampleStep | SampleRows],
-        outbox: MemoryObjectSendStream[StepSampled | RowsWanted | SamplingFailed],
+        inbox: ThreadReceiver[SampleStep | SampleRows],
+        outbox: LoopSender[StepSampled | RowsWanted | SamplingFailed],
     ) -> None:
         self._inbox = inbox
         self._outbox = outbox
@@ -79,12 +78,11 @@ class SamplerActor:
     async def run(self) -> None:
         """The actor task: until the inbox closes (or the engine is cancelled)."""
         with self._inbox, self._outbox:
-            async with LoopPortal() as portal:
-                await run_in_own_thread("q4k-sampler", partial(self._serve, portal))
+            await run_in_own_thread("q4k-sampler", self._serve, stop=self._inbox.close)
 
-    def _serve(self, portal: LoopPortal) -> None:
-        while (message := receive_from_loop(portal, self._inbox)) is not None:
-            if not send_to_loop(portal, self._outbox, sample(message)):
+    def _serve(self) -> None:
+        while (message := self._inbox.receive()) is not None:
+            if not self._outbox.send_from_thread(sample(message)):
                 return
 
 

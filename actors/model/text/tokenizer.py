@@ -229,11 +229,18 @@ class IncrementalDecoder:
             if piece[:1] == b" ":
                 piece = piece[1:]
         if not self._clean:
-            return self._utf8.decode(piece)
+            return self._decode(piece)
         self._pending += piece
         cut = _clean_boundary(self._pending)
         ready, self._pending = self._pending[:cut], self._pending[cut:]
-        return self._utf8.decode(_clean_spaces(ready)) if ready else ""
+        return self._decode(_clean_spaces(ready)) if ready else ""
+
+    def _decode(self, data: bytes) -> str:
+        # ASCII with no partial character held decodes as is: most tokens, once a token,
+        # without the codec's Python-level buffering.
+        if data.isascii() and not self._utf8.getstate()[0]:
+            return data.decode("ascii")
+        return self._utf8.decode(data)
 
     def flush(self) -> str:
         """The text still held back (at the end of the stream)."""
