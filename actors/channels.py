@@ -30,7 +30,20 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 
+from actors.errors import InvalidRequest
+
 T = TypeVar("T")
+
+
+def require_asyncio() -> None:
+    """InvalidRequest unless an asyncio event loop runs this task: the channels park on its
+    futures and wake it from threads (anyio's trio backend is not supported)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raise InvalidRequest(
+            "q4k-actors runs on asyncio: start it with anyio.run(main) (anyio's default "
+            "backend) or asyncio.run(main), not on trio", field="event_loop") from None
 
 
 class _LoopState(Generic[T]):

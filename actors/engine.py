@@ -26,7 +26,13 @@ from typing import Any, TextIO
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from actors.channels import LoopReceiver, ThreadSender, loop_channel, thread_channel
+from actors.channels import (
+    LoopReceiver,
+    ThreadSender,
+    loop_channel,
+    require_asyncio,
+    thread_channel,
+)
 from actors.compute.actor import ComputeActor, ComputeAnswer
 from actors.compute.contract import (
     BuildBackend,
@@ -254,6 +260,7 @@ class Engine(EngineDoor):
         """Start the actors in one task group: the loader runs `load` and hands the backend
         factory to the compute actor; once that reports ready, the scheduler starts."""
         _check_limits(max_sequences, max_queued, prefill_chunk, step_timeout_s)
+        require_asyncio()
         limit = max_sequences + max_queued
         inbox_receive: LoopReceiver[OpenSequence | Advance | CloseSequence]
         inbox_send, inbox_receive = loop_channel(_INBOX_SLOTS_PER_REQUEST * limit)

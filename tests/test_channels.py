@@ -10,8 +10,9 @@ import time
 import anyio
 import pytest
 
-from actors.channels import loop_channel, thread_channel
+from actors.channels import loop_channel, require_asyncio, thread_channel
 from actors.compute.actor import run_in_own_thread
+from actors.errors import InvalidRequest
 
 pytestmark = pytest.mark.anyio
 
@@ -181,3 +182,16 @@ async def test_a_cancelled_actor_stops_its_thread_and_waits_for_it() -> None:
             await run_in_own_thread("q4k-test", serve, stop=receive.close)
     assert scope.cancelled_caught and ended.is_set()
     send.close()
+
+
+def test_the_engine_asks_for_asyncio_by_name() -> None:
+    """Outside an asyncio loop (trio, or none) the engine refuses at open with a clear error,
+    not an obscure one from deep in a channel."""
+    with pytest.raises(InvalidRequest, match="runs on asyncio") as error:
+        require_asyncio()
+    assert error.value.field == "event_loop"
+
+    async def on_asyncio() -> None:
+        require_asyncio()
+
+    anyio.run(on_asyncio)
