@@ -63,6 +63,16 @@ class _LoopState(Generic[T]):
             waiter.set_result(False)
 
 
+def _check_send(state: _LoopState[Any] | _ThreadState[Any], queued: int) -> None:
+    """A memory stream's errors for a send: this end closed, the other end closed, full."""
+    if not state.sender_open:
+        raise anyio.ClosedResourceError
+    if not state.receiver_open:
+        raise anyio.BrokenResourceError
+    if queued >= state.capacity:
+        raise anyio.WouldBlock
+
+
 def _expire(waiter: asyncio.Future[bool]) -> None:
     if not waiter.done():
         waiter.set_result(True)
@@ -79,12 +89,7 @@ class LoopSender(Generic[T]):
     def send_nowait(self, item: T) -> None:
         """On the loop: hand `item` over (it never waits)."""
         state = self._state
-        if not state.sender_open:
-            raise anyio.ClosedResourceError
-        if not state.receiver_open:
-            raise anyio.BrokenResourceError
-        if len(state.buffer) >= state.capacity:
-            raise anyio.WouldBlock
+        _check_send(state, len(state.buffer))
         state.buffer.append(item)
         state.wake()
 
@@ -198,12 +203,7 @@ class ThreadSender(Generic[T]):
 
     def send_nowait(self, item: T) -> None:
         state = self._state
-        if not state.sender_open:
-            raise anyio.ClosedResourceError
-        if not state.receiver_open:
-            raise anyio.BrokenResourceError
-        if state.items.qsize() >= state.capacity:
-            raise anyio.WouldBlock
+        _check_send(state, state.items.qsize())
         state.items.put(item)
 
     def close(self) -> None:

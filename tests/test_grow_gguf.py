@@ -3,29 +3,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 
 from actors.model.gguf.reader import open_gguf
 from actors.model.loaded import load_model
+from benchmarks import grow_gguf
 from tests.conftest import TINY_MODELS
-
-SCRIPT = Path(__file__).parent.parent / "benchmarks" / "grow_gguf.py"
-
-
-@pytest.fixture(scope="module")
-def grow_gguf() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("grow_gguf", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def tensor_bytes(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
@@ -34,7 +20,7 @@ def tensor_bytes(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
                 for name, info in gguf.tensors.items()}
 
 
-def test_layers_and_vocabulary_repeat_in_order(grow_gguf: ModuleType, tmp_path: Path) -> None:
+def test_layers_and_vocabulary_repeat_in_order(tmp_path: Path) -> None:
     source, grown = TINY_MODELS["llama-q4k-tiny"], tmp_path / "grown.gguf"
     small = load_model(source).spec
     layers, vocab = small.n_layers + 2, small.vocab_size + 70
@@ -58,6 +44,6 @@ def test_layers_and_vocabulary_repeat_in_order(grow_gguf: ModuleType, tmp_path: 
     assert model.tokenizer.vocab_size == vocab
 
 
-def test_a_vocabulary_below_the_files_is_refused(grow_gguf: ModuleType, tmp_path: Path) -> None:
+def test_a_vocabulary_below_the_files_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="below the file's"):
         grow_gguf.grow(TINY_MODELS["llama-q4k-tiny"], tmp_path / "x.gguf", 3, 10)
