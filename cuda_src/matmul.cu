@@ -84,7 +84,7 @@ using PrefillTile = tile_shape<64, 64, 32, 32>;
 using DecodeTile = tile_shape<32, 8, 16, 8>;
 
 template <class L>
-constexpr bool has_offsets() {
+__host__ __device__ constexpr bool has_offsets() {
     if constexpr (L::KIND == KIND_LEVELS) return L::HAS_MIN;
     return false;
 }
@@ -265,11 +265,14 @@ __device__ __forceinline__ void split_weight_fragments(const uint8_t* block, int
 // One 32-element stage of the warp's tile: acc[i][j] is row tile i, token tile j.
 // `block` is the stage's weight block in the warp's first row, `e` the stage's first element
 // within it, `scales` (SCALE_TABLE types) the warp's first row of the chunk's table and
-// `group` the stage's group in it (the swizzle repeats every 8 rows).
-template <class T, int I, int J>
+// `group` the stage's group in it (the swizzle repeats every 8 rows). The offset types need
+// each token's sum of the stage's x: with TABLE_SUMS from `x_sums` (the block's, one a token
+// of the tile), else from two more MMAs a product (ones x the activations).
+template <class T, int I, int J, bool TABLE_SUMS = false>
 __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, const float2* scales,
                                                int group, const uint4* stage, int warp_tokens,
-                                               float (&acc)[I][J][4]) {
+                                               float (&acc)[I][J][4],
+                                               const float* x_sums = nullptr) {
     using L = tile_levels<T>;
     using C = tile_chunk<T>;
     using Load = typename std::conditional<C::WORD_ALIGNED, shared_word_aligned,
@@ -280,6 +283,10 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
     constexpr int UNROLL = I * J > 1 ? 1 : GROUP / MMA_K;
     if constexpr (L::KIND == KIND_LEVELS) {
         const int g = threadIdx.x % WARP / 4;
+        // The MMAs sum x where no table does (a table holds a sum a token and 32-element
+        // group: the offset types' scale groups are 32 elements).
+        constexpr bool mma_sums = L::HAS_MIN && !TABLE_SUMS;
+        static_assert(!L::HAS_MIN || L::SCALE_ELEMENTS == GROUP, "one x sum a stage");
 #pragma unroll(UNROLL)
         for (int first = 0; first < GROUP; first += L::SCALE_ELEMENTS) {
             float part[I][J][4], sums[J][4];
@@ -296,15 +303,24 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
                     if (k == first) {
 #pragma unroll
                         for (int i = 0; i < I; ++i) mma_first(part[i][j], a[i], x_lo);
-                        if (L::HAS_MIN) mma_first(sums[j], ones, x_lo);
+                        if (mma_sums) mma_first(sums[j], ones, x_lo);
                     } else {
 #pragma unroll
                         for (int i = 0; i < I; ++i) mma(part[i][j], a[i], x_lo);
-                        if (L::HAS_MIN) mma(sums[j], ones, x_lo);
+                        if (mma_sums) mma(sums[j], ones, x_lo);
                     }
 #pragma unroll
                     for (int i = 0; i < I; ++i) mma(part[i][j], a[i], x_hi);
-                    if (L::HAS_MIN) mma(sums[j], ones, x_hi);
+                    if (mma_sums) mma(sums[j], ones, x_hi);
+                }
+            }
+            if (L::HAS_MIN && !mma_sums) {  // the lane's tokens 2c, 2c + 1 of each token tile
+#pragma unroll
+                for (int j = 0; j < J; ++j) {
+                    const float2 pair = *reinterpret_cast<const float2*>(
+                        x_sums + warp_tokens + 8 * j + 2 * (threadIdx.x % 4));
+                    sums[j][0] = pair.x;
+                    sums[j][1] = pair.y;
                 }
             }
 #pragma unroll
@@ -564,7 +580,8 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
 // chunks in flight (mul_mat_tiles's shared group sequence forces each chunk in two stages
 // after it starts). The activations (one piece a thread a stage) are plain loads issued a
 // stage ahead, split and stored at the top of their stage; tokens past n_tokens are zeros.
-// The scale table of a chunk is decoded once it is in, at its first stage.
+// The scale table of a chunk is decoded once it is in, at its first stage. The offset types'
+// sums of x are taken once a stage by the threads that split it (not by MMAs in every warp).
 //
 // K-split: blockIdx.z = split of gridDim.z takes chunks [split C / splits, (split + 1) C /
 // splits) of the row's C chunks (splits chosen from the matrix alone: cuda_plan
@@ -604,6 +621,7 @@ __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_
     __shared__ __align__(16) uint8_t weight_chunks[DECODE_BUFFERS * CHUNK_BYTES + PIECE];
     __shared__ __align__(16) uint4 x_stages[2][Shape::TOKENS * X_PIECES];
     __shared__ float2 scale_table[C::SCALE_TABLE ? Shape::ROWS * C::TABLE_GROUPS : 1];
+    __shared__ __align__(8) float x_sums[2][Shape::TOKENS];  // a stage's x summed a token
 
     const int token0 = blockIdx.x * Shape::TOKENS, row0 = blockIdx.y * Shape::ROWS;
     const int warp = threadIdx.x / WARP;
@@ -630,33 +648,46 @@ __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_
     }
     float4 next = in_range ? __ldg(own_x + first_stage * (GROUP / 4))
                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int s = first_stage; s < end_stage; ++s) {
-        const int chunk = s / C::STAGES;
+    for (int chunk = first_chunk; chunk < end_chunk; ++chunk) {
         const uint8_t* chunk_bytes = weight_chunks + chunk % DECODE_BUFFERS * CHUNK_BYTES;
-        if (s % C::STAGES == 0) {
-            wait_copies<DECODE_BUFFERS - 2>();  // this thread's copies of `chunk` are in
-            __syncthreads();  // everyone's are; every warp is done with chunk - 1's buffer
-            const int ahead = chunk + DECODE_BUFFERS - 1;  // into chunk - 1's buffer
-            if (ahead < end_chunk) {
-                copy_weight_chunk<T, Shape>(weight_chunks + ahead % DECODE_BUFFERS * CHUNK_BYTES,
-                                            weights, row_pitch, row0, rows, n_in, ahead);
-            }
-            commit_copies();  // one group a chunk, empty past the last
-            if constexpr (C::SCALE_TABLE) decode_scale_table<T, Shape>(scale_table, chunk_bytes);
+        wait_copies<DECODE_BUFFERS - 2>();  // this thread's copies of `chunk` are in
+        __syncthreads();  // everyone's are; every warp is done with chunk - 1's buffer
+        const int ahead = chunk + DECODE_BUFFERS - 1;  // into chunk - 1's buffer
+        if (ahead < end_chunk) {
+            copy_weight_chunk<T, Shape>(weight_chunks + ahead % DECODE_BUFFERS * CHUNK_BYTES,
+                                        weights, row_pitch, row0, rows, n_in, ahead);
         }
-        own_piece[s % 2 * Shape::TOKENS * X_PIECES] = split_piece(make_uint4(
-            __float_as_uint(next.x), __float_as_uint(next.y), __float_as_uint(next.z),
-            __float_as_uint(next.w)));
-        __syncthreads();  // stage s is split (and a new chunk's table decoded) for every warp
-        if (s + 1 < end_stage && in_range) next = __ldg(own_x + (s + 1) * (GROUP / 4));
-        const int element = (s % C::STAGES) * GROUP;  // within the chunk
-        const uint8_t* block = chunk_bytes + warp_rows * C::ROW_STRIDE +
-                               (chunk * C::BYTES) % PIECE +
-                               element / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
-        multiply_stage<T, Shape::I, Shape::J>(block, element % T::BLOCK_ELEMENTS,
-                                              scale_table + (C::SCALE_TABLE ? warp_rows *
-                                                             C::TABLE_GROUPS : 0),
-                                              s % C::STAGES, x_stages[s % 2], warp_tokens, acc);
+        commit_copies();  // one group a chunk, empty past the last
+        if constexpr (C::SCALE_TABLE) decode_scale_table<T, Shape>(scale_table, chunk_bytes);
+        // The chunk's stages unrolled: each stage's element, block and group are constants.
+#pragma unroll
+        for (int in_chunk = 0; in_chunk < C::STAGES; ++in_chunk) {
+            const int s = chunk * C::STAGES + in_chunk;
+            if (s >= end_stage) break;  // a row's last chunk of 32-element blocks may be short
+            const int buffer = s % 2;
+            own_piece[buffer * Shape::TOKENS * X_PIECES] = split_piece(make_uint4(
+                __float_as_uint(next.x), __float_as_uint(next.y), __float_as_uint(next.z),
+                __float_as_uint(next.w)));
+            if constexpr (has_offsets<tile_levels<T>>()) {
+                // The token's sum of the stage's x, over its 8 pieces' lanes (a fixed tree).
+                float sum = (next.x + next.y) + (next.z + next.w);
+#pragma unroll
+                for (int lanes = 1; lanes < X_PIECES; lanes *= 2) {
+                    sum += __shfl_xor_sync(FULL_MASK, sum, lanes);
+                }
+                if (threadIdx.x % X_PIECES == 0) x_sums[buffer][own_token] = sum;
+            }
+            __syncthreads();  // stage s split (and a new chunk's table decoded) for every warp
+            if (s + 1 < end_stage && in_range) next = __ldg(own_x + (s + 1) * (GROUP / 4));
+            const int element = in_chunk * GROUP;  // within the chunk
+            const uint8_t* block = chunk_bytes + warp_rows * C::ROW_STRIDE +
+                                   (chunk * C::BYTES) % PIECE +
+                                   element / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
+            multiply_stage<T, Shape::I, Shape::J, true>(
+                block, element % T::BLOCK_ELEMENTS,
+                scale_table + (C::SCALE_TABLE ? warp_rows * C::TABLE_GROUPS : 0), in_chunk,
+                x_stages[buffer], warp_tokens, acc, x_sums[buffer]);
+        }
     }
     if (splits == 1) {
         store_tile<Shape>(acc, y, y_stride, row0 + warp_rows, token0 + warp_tokens, rows,
