@@ -65,7 +65,6 @@
 constexpr int MMA_K = 16;
 constexpr int PIECE = 16;                  // bytes per cp.async
 constexpr int X_PIECES = GROUP * 4 / PIECE;  // 16-byte pieces of one token's stage
-constexpr uint32_t HALF_ONE_PAIR = 0x3C003C00u;
 
 __host__ __device__ constexpr int round_up16(int n) { return (n + PIECE - 1) / PIECE * PIECE; }
 
@@ -266,13 +265,13 @@ __device__ __forceinline__ void split_weight_fragments(const uint8_t* block, int
 // `block` is the stage's weight block in the warp's first row, `e` the stage's first element
 // within it, `scales` (SCALE_TABLE types) the warp's first row of the chunk's table and
 // `group` the stage's group in it (the swizzle repeats every 8 rows). The offset types need
-// each token's sum of the stage's x: with TABLE_SUMS from `x_sums` (the block's, one a token
-// of the tile), else from two more MMAs a product (ones x the activations).
-template <class T, int I, int J, bool TABLE_SUMS = false>
+// each token's sum of the stage's x: `x_sums`, the block's, one a token of the tile (summed
+// once by the threads that split the stage; MMAs of ones x the activations in every warp
+// once cost a third of the prefill's MMAs and half of a decode warp's).
+template <class T, int I, int J>
 __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, const float2* scales,
                                                int group, const uint4* stage, int warp_tokens,
-                                               float (&acc)[I][J][4],
-                                               const float* x_sums = nullptr) {
+                                               float (&acc)[I][J][4], const float* x_sums) {
     using L = tile_levels<T>;
     using C = tile_chunk<T>;
     using Load = typename std::conditional<C::WORD_ALIGNED, shared_word_aligned,
@@ -283,13 +282,10 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
     constexpr int UNROLL = I * J > 1 ? 1 : GROUP / MMA_K;
     if constexpr (L::KIND == KIND_LEVELS) {
         const int g = threadIdx.x % WARP / 4;
-        // The MMAs sum x where no table does (a table holds a sum a token and 32-element
-        // group: the offset types' scale groups are 32 elements).
-        constexpr bool mma_sums = L::HAS_MIN && !TABLE_SUMS;
         static_assert(!L::HAS_MIN || L::SCALE_ELEMENTS == GROUP, "one x sum a stage");
 #pragma unroll(UNROLL)
         for (int first = 0; first < GROUP; first += L::SCALE_ELEMENTS) {
-            float part[I][J][4], sums[J][4];
+            float part[I][J][4], sums[J][2];
 #pragma unroll(UNROLL)
             for (int k = first; k < first + L::SCALE_ELEMENTS; k += MMA_K) {
                 uint32_t a[I][4];
@@ -298,23 +294,18 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
                 for (int j = 0; j < J; ++j) {
                     uint32_t x_hi[2], x_lo[2];
                     activation_fragment(stage, warp_tokens, j, k, x_hi, x_lo);
-                    constexpr uint32_t ones[4] = {HALF_ONE_PAIR, HALF_ONE_PAIR, HALF_ONE_PAIR,
-                                                  HALF_ONE_PAIR};
                     if (k == first) {
 #pragma unroll
                         for (int i = 0; i < I; ++i) mma_first(part[i][j], a[i], x_lo);
-                        if (mma_sums) mma_first(sums[j], ones, x_lo);
                     } else {
 #pragma unroll
                         for (int i = 0; i < I; ++i) mma(part[i][j], a[i], x_lo);
-                        if (mma_sums) mma(sums[j], ones, x_lo);
                     }
 #pragma unroll
                     for (int i = 0; i < I; ++i) mma(part[i][j], a[i], x_hi);
-                    if (mma_sums) mma(sums[j], ones, x_hi);
                 }
             }
-            if (L::HAS_MIN && !mma_sums) {  // the lane's tokens 2c, 2c + 1 of each token tile
+            if (L::HAS_MIN) {  // the lane's tokens 2c, 2c + 1 of each token tile
 #pragma unroll
                 for (int j = 0; j < J; ++j) {
                     const float2 pair = *reinterpret_cast<const float2*>(
@@ -463,15 +454,33 @@ __device__ __forceinline__ uint4 split_piece(uint4 v) {
     return parts;
 }
 
-// Splits the pieces this thread copied into `stage` (see above), in place (zeros stay zeros).
+// A token's sum of a stage's 32 values, from the X_PIECES consecutive lanes that hold its
+// pieces (x0..x3 this lane's), in a fixed tree: every one of them gets it.
+__device__ __forceinline__ float stage_token_sum(float x0, float x1, float x2, float x3) {
+    float sum = (x0 + x1) + (x2 + x3);
+#pragma unroll
+    for (int lanes = 1; lanes < X_PIECES; lanes *= 2) sum += __shfl_xor_sync(FULL_MASK, sum, lanes);
+    return sum;
+}
+
+// Splits the pieces this thread copied into `stage` (see above), in place (zeros stay zeros),
+// and puts each token's sum of the stage in `sums` (the offset types' tables; nullptr: none).
 template <class Shape>
-__device__ __forceinline__ void split_own_pieces(uint4* stage) {
+__device__ __forceinline__ void split_own_pieces(uint4* stage, float* sums) {
     using P = stage_passes<Shape>;
     uint4* own = stage + own_piece_index();
 #pragma unroll
     for (int pass = 0; pass < P::PASSES; ++pass) {
         uint4& piece = own[pass * P::TOKENS_PER_PASS * X_PIECES];
-        piece = split_piece(piece);
+        const uint4 v = piece;
+        if (sums != nullptr) {
+            const float sum = stage_token_sum(__uint_as_float(v.x), __uint_as_float(v.y),
+                                              __uint_as_float(v.z), __uint_as_float(v.w));
+            if (threadIdx.x % X_PIECES == 0) {
+                sums[threadIdx.x / X_PIECES + pass * P::TOKENS_PER_PASS] = sum;
+            }
+        }
+        piece = split_piece(v);
     }
 }
 
@@ -509,6 +518,8 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
     // stages of activations.
     __shared__ __align__(16) uint8_t weight_chunks[2 * Shape::ROWS * C::ROW_STRIDE + PIECE];
     __shared__ __align__(16) uint4 x_stages[2][Shape::TOKENS * X_PIECES];
+    constexpr bool SUMS = has_offsets<tile_levels<T>>();  // a stage's x summed a token
+    __shared__ __align__(8) float x_sums[2][SUMS ? Shape::TOKENS : 2];
     // Two chunks' scale tables (one unused entry for the types without).
     __shared__ float2 scale_tables[C::SCALE_TABLE ? 2 * Shape::ROWS * C::TABLE_GROUPS : 1];
     constexpr int CHUNK_BYTES = Shape::ROWS * C::ROW_STRIDE, TABLE_ENTRIES = Shape::ROWS *
@@ -539,7 +550,7 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
     }
     for (int s = 0; s < n_stages; ++s) {
         wait_copies<PENDING>();
-        split_own_pieces<Shape>(x_stages[s % 2]);
+        split_own_pieces<Shape>(x_stages[s % 2], SUMS ? x_sums[s % 2] : nullptr);
         __syncthreads();  // stage s is in and split; every warp is done with stage s - 1
         if (s + 1 < n_stages) {
             copy_activation_stage<Shape>(x_stages[(s + 1) % 2], tile_x, x_stride, tile_tokens,
@@ -569,7 +580,8 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
         const float2* scales = scale_tables + (C::SCALE_TABLE ? chunk % 2 * TABLE_ENTRIES +
                                                warp_rows * C::TABLE_GROUPS : 0);
         multiply_stage<T, Shape::I, Shape::J>(block, element % T::BLOCK_ELEMENTS, scales,
-                                              s % C::STAGES, x_stages[s % 2], warp_tokens, acc);
+                                              s % C::STAGES, x_stages[s % 2], warp_tokens, acc,
+                                              x_sums[s % 2]);
     }
     store_tile<Shape>(acc, y, y_stride, row0 + warp_rows, token0 + warp_tokens, rows, n_tokens);
 }
@@ -669,12 +681,7 @@ __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_
                 __float_as_uint(next.x), __float_as_uint(next.y), __float_as_uint(next.z),
                 __float_as_uint(next.w)));
             if constexpr (has_offsets<tile_levels<T>>()) {
-                // The token's sum of the stage's x, over its 8 pieces' lanes (a fixed tree).
-                float sum = (next.x + next.y) + (next.z + next.w);
-#pragma unroll
-                for (int lanes = 1; lanes < X_PIECES; lanes *= 2) {
-                    sum += __shfl_xor_sync(FULL_MASK, sum, lanes);
-                }
+                const float sum = stage_token_sum(next.x, next.y, next.z, next.w);
                 if (threadIdx.x % X_PIECES == 0) x_sums[buffer][own_token] = sum;
             }
             __syncthreads();  // stage s split (and a new chunk's table decoded) for every warp
@@ -683,7 +690,7 @@ __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_
             const uint8_t* block = chunk_bytes + warp_rows * C::ROW_STRIDE +
                                    (chunk * C::BYTES) % PIECE +
                                    element / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
-            multiply_stage<T, Shape::I, Shape::J, true>(
+            multiply_stage<T, Shape::I, Shape::J>(
                 block, element % T::BLOCK_ELEMENTS,
                 scale_table + (C::SCALE_TABLE ? warp_rows * C::TABLE_GROUPS : 0), in_chunk,
                 x_stages[buffer], warp_tokens, acc, x_sums[buffer]);
