@@ -5,10 +5,10 @@
 // parts, x = hi + lo with hi = f16(x) and lo = f16(x - hi) (about 22 bits of x, within
 // float16's range: |x| < 65504), and both parts are multiplied by the weights' levels:
 // - quantized types (tile_levels.cuh): the integer levels are exact in float16, so per scale
-//   group (32 elements, Q6_K 16) the tensor cores sum levels x (hi + lo) and levels' ones x
-//   (hi + lo) in float32, and the block's scale and offset are applied to those sums:
-//   y += scale * sum(level * x) + offset * sum(x). Two MMAs per product (plus two for sum(x)
-//   per token tile where the type has an offset).
+//   group (32 elements, Q6_K 16) the tensor cores sum levels x (hi + lo) in float32, and the
+//   block's scale and offset are applied to the sums: y += scale * sum(level * x) + offset *
+//   sum(x). Two MMAs per product; sum(x) (the offset types', 32-element groups) is each
+//   token's float32 sum of the stage, taken once a block by the threads that split it.
 // - F16 weights: exact in float16, W x hi + W x lo.
 // - F32 / BF16 weights: split as the activations, W_hi x_hi + W_hi x_lo + W_lo x_hi.
 // One float16 rounding of the activations moves logits past the 0.05 allowed (the emulated
