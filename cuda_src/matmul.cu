@@ -14,17 +14,24 @@
 // One float16 rounding of the activations moves logits past the 0.05 allowed (the emulated
 // tiny qwen2: 0.054 off the CPU; with the split 0.024).
 //
-// Entry points, one pair per block type (<type> as in matvec.cu), the same arguments:
+// Entry points, per block type (<type> as in matvec.cu; <act>: silu, gelu_tanh):
 //   mul_mat_tiles_f16x2_<type>(weights, int64 row_pitch, x, int x_stride, y, int y_stride,
 //                              int rows, int n_in, int n_tokens)
 //       prefill: blocks of 64 rows x 64 tokens, 4 warps of 32 x 32 (tile_shape PrefillTile).
 //   mul_mat_decode_tiles_f16x2_<type>(same arguments, float* partials, int* counters)
 //       decode rows: blocks of 32 rows x 8 tokens, 2 warps of 16 x 8 (DecodeTile), so a lone
 //       row pays for 8 tokens of tensor-core work, not 64; grid.z splits K (see
-//       mul_mat_decode_tiles: partials n_tokens x rows floats a split, counters one int a
-//       tile, zero-filled once and left zero). Both compute each y value from its
-//       own weight row and token alone, in the same order whatever n_tokens is: a token's
-//       results do not depend on the batch (each entry point on its own; the two differ).
+//       mul_mat_decode_tiles: partials n_tokens x gridDim.y * 32 floats a split, counters
+//       one int a tile, zero-filled once and left zero).
+//   mul_mat_decode_tiles_gate_up_<act>_f16x2_<type>(gate, up, int64 row_pitch, x, x_stride,
+//                                                   y, y_stride, int ffn_rows, n_in, n_tokens,
+//                                                   partials, counters)
+//       y[t][f] = act(gate[f] . x[t]) * (up[f] . x[t]): 16 gate and the same 16 up rows a
+//       block, bit for bit the decode tiles of gate and of up (launched with their K-split)
+//       then activation.cu's gated_<act>.
+// Each computes every y value from its own weight row and token alone, in the same order
+// whatever n_tokens is: a token's results do not depend on the batch (each entry point on
+// its own; the prefill and decode tiles differ).
 //
 // Layouts as in matvec.cu: weights at row_pitch bytes per row (16-byte aligned rows), x
 // [n_tokens][x_stride] float32 with 16-byte aligned rows (x_stride % 4 == 0), n_in % 32 == 0,
@@ -47,6 +54,7 @@
 // an MMA keeps rows and tokens apart.
 #include <type_traits>
 
+#include "activation_ops.cuh"
 #include "device_common.cuh"
 #include "tile_levels.cuh"
 
@@ -374,12 +382,17 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
     }
 }
 
+// A tile's weight row: its bytes, and whether the matrix has it (rows past it are skipped).
+struct WeightRow {
+    const uint8_t* bytes;
+    bool present;
+};
+
 // Starts copying weight chunk `chunk` of the tile's rows into `dest` (the aligned window, in
-// pieces; rows past `rows` are skipped).
-template <class T, class Shape>
-__device__ __forceinline__ void copy_weight_chunk(uint8_t* dest, const uint8_t* weights,
-                                                  int64_t row_pitch, int row0, int rows,
-                                                  int n_in, int chunk) {
+// pieces): row_at(r) is the tile's row r.
+template <class T, class Shape, class RowAt>
+__device__ __forceinline__ void copy_weight_rows(uint8_t* dest, RowAt row_at, int n_in,
+                                                 int chunk) {
     using C = tile_chunk<T>;
     const int row_bytes = n_in / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
     const int start = chunk * C::BYTES / PIECE * PIECE;
@@ -388,11 +401,23 @@ __device__ __forceinline__ void copy_weight_chunk(uint8_t* dest, const uint8_t* 
     constexpr int MAX_PIECES = C::WINDOW / PIECE;
     for (int i = threadIdx.x; i < Shape::ROWS * MAX_PIECES; i += Shape::THREADS) {
         const int r = i / MAX_PIECES, piece = i % MAX_PIECES;
-        if (piece < pieces && row0 + r < rows) {
+        const WeightRow row = row_at(r);
+        if (piece < pieces && row.present) {
             copy_piece_async(dest + r * C::ROW_STRIDE + piece * PIECE,
-                             weights + (row0 + r) * row_pitch + start + piece * PIECE);
+                             row.bytes + start + piece * PIECE);
         }
     }
+}
+
+// The same for rows row0.. of one matrix (rows past `rows` skipped).
+template <class T, class Shape>
+__device__ __forceinline__ void copy_weight_chunk(uint8_t* dest, const uint8_t* weights,
+                                                  int64_t row_pitch, int row0, int rows,
+                                                  int n_in, int chunk) {
+    copy_weight_rows<T, Shape>(
+        dest,
+        [&](int r) { return WeightRow{weights + (row0 + r) * row_pitch, row0 + r < rows}; },
+        n_in, chunk);
 }
 
 // The activation stages: each thread copies one piece (4 floats) of every
@@ -597,34 +622,90 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
 //
 // K-split: blockIdx.z = split of gridDim.z takes chunks [split C / splits, (split + 1) C /
 // splits) of the row's C chunks (splits chosen from the matrix alone: cuda_plan
-// decode_tiles_splits). With one split a block stores y; with more each stores its sums in
-// `partials` ([split][token][row], n_tokens x rows a split), is counted on its tile's counter
-// (`counters`, [token tile + row tile * gridDim.x], zero between launches), and the last of
-// the tile's splits adds the splits' sums in split order into y and zeroes the counter.
+// decode_tiles_splits). With one split a block has its tile's sums; with more each stores its
+// sums in `partials` ([split][token][tile row], n_tokens x gridDim.y * 32 a split), is counted
+// on its tile's counter (`counters`, [token tile + row tile * gridDim.x], zero between
+// launches), and the last of the tile's splits adds the splits' sums in split order and
+// zeroes the counter. The job (DecodeMatrix, DecodeGateUp) stores the tile's sums.
 constexpr int DECODE_BUFFERS = 3;
 
-// y = the sum of the tile's splits' partials, in split order (by the tile's last block).
-__device__ void combine_decode_splits(const float* partials, float* __restrict__ y,
-                                      int y_stride, int rows, int n_tokens, int row0,
-                                      int token0) {
+// What a decode tiles launch computes, as two jobs share the kernel: which weight row is the
+// block's tile row r (`row(r)`), and what becomes of the tile's sums (`store(sums, token0,
+// n_tokens)`, sums[t][r] the tile's token t and row r, every thread of the block taking part).
+// One matrix: tile rows are matrix rows, y[t][row] their sums.
+struct DecodeMatrix {
+    const uint8_t* weights;
+    int64_t row_pitch;
+    int rows;
+    float* y;
+    int y_stride;
+
+    __device__ int first_row() const { return blockIdx.y * DecodeTile::ROWS; }
+    __device__ WeightRow row(int r) const {
+        return WeightRow{weights + (first_row() + r) * row_pitch, first_row() + r < rows};
+    }
+    __device__ void store(const float (&sums)[DecodeTile::TOKENS][DecodeTile::ROWS], int token0,
+                          int n_tokens) const {
+        for (int e = threadIdx.x; e < DecodeTile::ROWS * DecodeTile::TOKENS; e += blockDim.x) {
+            const int r = e % DecodeTile::ROWS, t = e / DecodeTile::ROWS;
+            if (first_row() + r < rows && token0 + t < n_tokens) {
+                y[int64_t(token0 + t) * y_stride + first_row() + r] = sums[t][r];
+            }
+        }
+    }
+};
+
+// Gate and up with the activation: tile rows 0..15 are gate rows f0.., rows 16..31 the same
+// up rows (warp 0 and warp 1), y[t][f] = act(gate . x) * (up . x) as activation.cu's gated_<act>.
+template <class Op>
+struct DecodeGateUp {
+    const uint8_t* gate;
+    const uint8_t* up;
+    int64_t row_pitch;
+    int ffn_rows;
+    float* y;
+    int y_stride;
+
+    static constexpr int HALF = DecodeTile::ROWS / 2;
+    __device__ int first_row() const { return blockIdx.y * HALF; }
+    __device__ WeightRow row(int r) const {
+        const int f = first_row() + r % HALF;
+        return WeightRow{(r < HALF ? gate : up) + f * row_pitch, f < ffn_rows};
+    }
+    __device__ void store(const float (&sums)[DecodeTile::TOKENS][DecodeTile::ROWS], int token0,
+                          int n_tokens) const {
+        for (int e = threadIdx.x; e < HALF * DecodeTile::TOKENS; e += blockDim.x) {
+            const int r = e % HALF, t = e / HALF;
+            if (first_row() + r < ffn_rows && token0 + t < n_tokens) {
+                y[int64_t(token0 + t) * y_stride + first_row() + r] =
+                    Op::apply(sums[t][r]) * sums[t][HALF + r];
+            }
+        }
+    }
+};
+
+// The tile's sums from its splits' partials ([split][token][tile row of the grid], `rows`
+// a token), added in split order, by the tile's last block; tokens past n_tokens left out.
+__device__ void combine_decode_splits(const float* partials, int rows, int n_tokens,
+                                      int token0,
+                                      float (&sums)[DecodeTile::TOKENS][DecodeTile::ROWS]) {
     const int64_t split_floats = int64_t(n_tokens) * rows;
     for (int e = threadIdx.x; e < DecodeTile::ROWS * DecodeTile::TOKENS; e += blockDim.x) {
-        const int row = row0 + e % DecodeTile::ROWS, token = token0 + e / DecodeTile::ROWS;
-        if (row >= rows || token >= n_tokens) continue;
-        const float* part = partials + int64_t(token) * rows + row;
+        const int r = e % DecodeTile::ROWS, t = e / DecodeTile::ROWS;
+        if (token0 + t >= n_tokens) continue;
+        const float* part = partials + int64_t(token0 + t) * rows +
+                            blockIdx.y * DecodeTile::ROWS + r;
         float sum = __ldcg(part);  // written by other blocks: L2, not a stale L1 line
         for (int split = 1; split < int(gridDim.z); ++split) {
             sum += __ldcg(part + split * split_floats);
         }
-        y[int64_t(token) * y_stride + row] = sum;
+        sums[t][r] = sum;
     }
 }
 
-template <class T>
-__device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_t row_pitch,
-                                     const float* __restrict__ x, int x_stride,
-                                     float* __restrict__ y, int y_stride, int rows, int n_in,
-                                     int n_tokens, float* __restrict__ partials,
+template <class T, class Job>
+__device__ void mul_mat_decode_tiles(const Job& job, const float* __restrict__ x, int x_stride,
+                                     int n_in, int n_tokens, float* __restrict__ partials,
                                      int* __restrict__ counters) {
     using Shape = DecodeTile;
     using C = tile_chunk<T>;
@@ -634,8 +715,9 @@ __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_
     __shared__ __align__(16) uint4 x_stages[2][Shape::TOKENS * X_PIECES];
     __shared__ float2 scale_table[C::SCALE_TABLE ? Shape::ROWS * C::TABLE_GROUPS : 1];
     __shared__ __align__(8) float x_sums[2][Shape::TOKENS];  // a stage's x summed a token
+    __shared__ float tile_sums[Shape::TOKENS][Shape::ROWS];
 
-    const int token0 = blockIdx.x * Shape::TOKENS, row0 = blockIdx.y * Shape::ROWS;
+    const int token0 = blockIdx.x * Shape::TOKENS;
     const int warp = threadIdx.x / WARP;
     const int warp_rows = Shape::warp_rows(warp), warp_tokens = Shape::warp_tokens(warp);
     const int n_stages = n_in / GROUP, n_chunks = (n_stages + C::STAGES - 1) / C::STAGES;
@@ -649,12 +731,13 @@ __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_
     const float4* own_x = reinterpret_cast<const float4*>(
         x + int64_t(token0 + own_token) * x_stride + 4 * (threadIdx.x % X_PIECES));
     uint4* const own_piece = x_stages[0] + own_piece_index();  // in stage buffer 0
+    auto row_at = [&](int r) { return job.row(r); };
 
     float acc[Shape::I][Shape::J][4] = {};
     for (int chunk = first_chunk; chunk < first_chunk + DECODE_BUFFERS - 1; ++chunk) {
         if (chunk < end_chunk) {
-            copy_weight_chunk<T, Shape>(weight_chunks + chunk % DECODE_BUFFERS * CHUNK_BYTES,
-                                        weights, row_pitch, row0, rows, n_in, chunk);
+            copy_weight_rows<T, Shape>(weight_chunks + chunk % DECODE_BUFFERS * CHUNK_BYTES,
+                                       row_at, n_in, chunk);
         }
         commit_copies();
     }
@@ -666,8 +749,8 @@ __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_
         __syncthreads();  // everyone's are; every warp is done with chunk - 1's buffer
         const int ahead = chunk + DECODE_BUFFERS - 1;  // into chunk - 1's buffer
         if (ahead < end_chunk) {
-            copy_weight_chunk<T, Shape>(weight_chunks + ahead % DECODE_BUFFERS * CHUNK_BYTES,
-                                        weights, row_pitch, row0, rows, n_in, ahead);
+            copy_weight_rows<T, Shape>(weight_chunks + ahead % DECODE_BUFFERS * CHUNK_BYTES,
+                                       row_at, n_in, ahead);
         }
         commit_copies();  // one group a chunk, empty past the last
         if constexpr (C::SCALE_TABLE) decode_scale_table<T, Shape>(scale_table, chunk_bytes);
@@ -697,25 +780,40 @@ __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_
         }
     }
     if (splits == 1) {
-        store_tile<Shape>(acc, y, y_stride, row0 + warp_rows, token0 + warp_tokens, rows,
+        store_tile<Shape>(acc, &tile_sums[0][0], Shape::ROWS, warp_rows, warp_tokens,
+                          Shape::ROWS, Shape::TOKENS);
+    } else {
+        // Partials a token: every tile row of the grid (rows past the matrix included).
+        const int rows = gridDim.y * Shape::ROWS;
+        store_tile<Shape>(acc, partials + int64_t(split) * n_tokens * rows, rows,
+                          blockIdx.y * Shape::ROWS + warp_rows, token0 + warp_tokens, rows,
                           n_tokens);
-        return;
+        __threadfence();  // this split's sums are visible device-wide before it is counted
+        __syncthreads();
+        __shared__ bool last_split;
+        if (threadIdx.x == 0) {
+            int* counter = counters + blockIdx.x + blockIdx.y * gridDim.x;
+            last_split = atomicAdd(counter, 1) == splits - 1;
+            if (last_split) atomicExch(counter, 0);  // every split has counted
+        }
+        __syncthreads();
+        if (!last_split) return;
+        __threadfence();  // the other splits' sums are read after their counts
+        combine_decode_splits(partials, rows, n_tokens, token0, tile_sums);
     }
-    store_tile<Shape>(acc, partials + int64_t(split) * n_tokens * rows, rows, row0 + warp_rows,
-                      token0 + warp_tokens, rows, n_tokens);
-    __threadfence();  // this split's sums are visible device-wide before it is counted
-    __syncthreads();
-    __shared__ bool last_split;
-    if (threadIdx.x == 0) {
-        int* counter = counters + blockIdx.x + blockIdx.y * gridDim.x;
-        last_split = atomicAdd(counter, 1) == splits - 1;
-        if (last_split) atomicExch(counter, 0);  // every split has counted
-    }
-    __syncthreads();
-    if (!last_split) return;
-    __threadfence();  // the other splits' sums are read after their counts
-    combine_decode_splits(partials, y, y_stride, rows, n_tokens, row0, token0);
+    __syncthreads();  // the tile's sums are in for every thread
+    job.store(tile_sums, token0, n_tokens);
 }
+
+#define QK_DECODE_GATE_UP_ENTRY(act, op, suffix, type)                                           \
+    extern "C" __global__ void __launch_bounds__(DecodeTile::THREADS, DECODE_TILE_BLOCKS_PER_SM)  \
+        mul_mat_decode_tiles_gate_up_##act##_f16x2_##suffix(                                     \
+            const uint8_t* gate, const uint8_t* up, int64_t row_pitch, const float* x,           \
+            int x_stride, float* y, int y_stride, int ffn_rows, int n_in, int n_tokens,          \
+            float* partials, int* counters) {                                                    \
+        mul_mat_decode_tiles<type>(DecodeGateUp<op>{gate, up, row_pitch, ffn_rows, y, y_stride}, \
+                                   x, x_stride, n_in, n_tokens, partials, counters);             \
+    }
 
 #define QK_MATMUL_ENTRIES(suffix, type)                                                          \
     extern "C" __global__ void __launch_bounds__(PrefillTile::THREADS, TILE_BLOCKS_PER_SM)        \
@@ -730,8 +828,10 @@ __device__ void mul_mat_decode_tiles(const uint8_t* __restrict__ weights, int64_
                                             const float* x, int x_stride, float* y,             \
                                             int y_stride, int rows, int n_in, int n_tokens,      \
                                             float* partials, int* counters) {                    \
-        mul_mat_decode_tiles<type>(weights, row_pitch, x, x_stride, y, y_stride, rows, n_in,     \
-                                   n_tokens, partials, counters);                                \
-    }
+        mul_mat_decode_tiles<type>(DecodeMatrix{weights, row_pitch, rows, y, y_stride}, x,      \
+                                   x_stride, n_in, n_tokens, partials, counters);                \
+    }                                                                                            \
+    QK_DECODE_GATE_UP_ENTRY(silu, silu_op, suffix, type)                                         \
+    QK_DECODE_GATE_UP_ENTRY(gelu_tanh, gelu_tanh_op, suffix, type)
 
 QK_FOR_EACH_TYPE(QK_MATMUL_ENTRIES)

@@ -114,6 +114,14 @@ class KernelTwins:
             self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args)
         elif name.startswith("mul_mat_vec_"):
             self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args)
+        elif name.startswith("mul_mat_decode_tiles_gate_up_"):
+            activation, rest = next(
+                (a, name[len(f"mul_mat_decode_tiles_gate_up_{a}_"):]) for a in plan.ACTIVATIONS
+                if name.startswith(f"mul_mat_decode_tiles_gate_up_{a}_"))
+            tile_input, suffix = rest.split("_", 1)
+            *args, _, counters = args
+            assert not self.i32(counters, math.prod(grid[:2])).any(), "split counters left set"
+            self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args, tile_input=tile_input)
         elif name.startswith(("mul_mat_tiles_", "mul_mat_decode_tiles_")):
             # Both tile shapes multiply alike: float16 hi + lo activations, exact levels (the
             # decode tiles' K-split adds its splits' sums: within the float32 bound too).
@@ -144,14 +152,19 @@ class KernelTwins:
         return np.stack([w @ row for row in xs]) if int(n) else np.zeros((0, int(rows)),
                                                                            np.float32)
 
+    def product(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
+                x_stride: int, rows: int, n_in: int, n: int) -> np.ndarray:
+        """(n, rows) float32: the matvec's products, or with a tile input the tiles'."""
+        if tile_input is None:
+            return self.products(type_name, weights, pitch, x, x_stride, rows, n_in, n)
+        w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in))
+        xs = self.rows(x, int(n), int(x_stride), int(n_in))
+        return tile_product(w, xs, type_name).astype(np.float32)
+
     def matmul(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
                x_stride: int, y: Any, y_stride: int, rows: int, n_in: int, n: int) -> None:
-        if tile_input is None:
-            product = self.products(type_name, weights, pitch, x, x_stride, rows, n_in, n)
-        else:
-            w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in))
-            product = tile_product(w, self.rows(x, int(n), int(x_stride), int(n_in)), type_name)
-        self.rows(y, int(n), int(y_stride), int(rows))[:] = product
+        self.rows(y, int(n), int(y_stride), int(rows))[:] = self.product(
+            type_name, tile_input, weights, pitch, x, x_stride, rows, n_in, n)
 
     def mul_mat_vec_qkv(self, *args: Any) -> None:
         """Three matvecs (q, k, v segments, a block type each) into one row of y, then
@@ -175,9 +188,10 @@ class KernelTwins:
 
     def gate_up(self, act: Callable[[np.ndarray, np.ndarray], np.ndarray], type_name: str,
                 gate: Any, up: Any, pitch: int, x: Any, x_stride: int, y: Any, y_stride: int,
-                rows: int, n_in: int, n: int) -> None:
-        """y = act(gate . x) * (up . x): the two matvecs and the gated activation's twin."""
-        gates, ups = (self.products(type_name, w, pitch, x, x_stride, rows, n_in, n)
+                rows: int, n_in: int, n: int, tile_input: str | None = None) -> None:
+        """y = act(gate . x) * (up . x): the two products (the matvec's, or with a tile input
+        the tiles') and the gated activation's twin."""
+        gates, ups = (self.product(type_name, tile_input, w, pitch, x, x_stride, rows, n_in, n)
                       for w in (gate, up))
         self.rows(y, int(n), int(y_stride), int(rows))[:] = act(gates, np.empty_like(gates)) * ups
 

@@ -330,6 +330,12 @@ def test_decode_rows_on_the_decode_tiles_route_take_them_whatever_shares_the_ste
     layer = _layer_slices(calls)[0]
     assert [_kind(c) for c in layer[:4]] == ["residual_rms_norm"] + \
         ["mul_mat_decode_tiles_f16x2_q4_K"] * 3
+    # gate, up and the activation in one launch over the decode rows
+    fused = [c for c in layer if c.kernel.startswith("mul_mat_decode_tiles_gate_up_")]
+    assert [(c.kernel, int(c.args[9])) for c in fused] == [
+        (f"mul_mat_decode_tiles_gate_up_{spec.activation}_f16x2_q4_K", 2)]
+    # the activation launched apart only for the prompt on the prefill tiles (20 rows)
+    assert [int(c.args[2]) for c in layer if c.kernel.startswith("gated_")] == [20]
     output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
     assert [(_kind(c), int(c.args[8])) for c in output] == [("mul_mat_vec", 4)]
     with pytest.raises(InvalidRequest, match="decode route"):

@@ -19,8 +19,8 @@ one the tiles, a launch per matrix (`row_runs`): a sequence's tokens do not depe
 shares its step. On the matvec a decode layer is seven launches: residual_rms_norm,
 mul_mat_vec_qkv (its epilogue finishes q, k and v: biases, q/k norms, RoPE, the K/V write),
 attention_decode, the output matvec, residual_rms_norm, the fused gate+up+activation matvec,
-the down matvec. Rows on either tiles take qkv_finish after their q, k and v products, and on
-the decode tiles q, k, v, gate and up are a launch each and the activation one more.
+the down matvec. Rows on either tiles take qkv_finish after their q, k and v products; on the
+decode tiles q, k and v are a launch each and gate, up and the activation one.
 """
 
 from __future__ import annotations
@@ -384,9 +384,10 @@ def qkv_finish_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run: R
 
 def gated_ffn_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
                     runs: Sequence[RowRun], layer: int, tile_input: str) -> list[KernelCall]:
-    """`gated` = act(gate x) * (up x): a matvec run in one fused launch where gate and up
-    share a block type; otherwise the run's gate and up products into `gate_up` (gate, then
-    up, in each row) and gated_<act> over its rows (one over all rows where nothing fuses)."""
+    """`gated` = act(gate x) * (up x): a matvec or decode tiles run in one fused launch where
+    gate and up share a block type; otherwise the run's gate and up products into `gate_up`
+    (gate, then up, in each row) and gated_<act> over its rows (one over all rows where
+    nothing fuses)."""
     d, ffn = spec.d_model, spec.ffn_dim
     gate, up = f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"
     fuses = weights[gate].type_name == weights[up].type_name
@@ -398,14 +399,21 @@ def gated_ffn_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
 
     calls = []
     for run in runs:
-        if run.matvec and fuses:
-            suffix = plan.kernel_suffix(weights[gate].type_name)
-            calls.append(KernelCall(
-                plan.gate_up_kernel(spec.activation, suffix), plan.matvec_launch(2 * ffn, d),
-                (Ref(gate), Ref(up), np.int64(weights[gate].pitch),
-                 _rows_in(Ref("normed"), run.first, d), _i32(d),
-                 _rows_in(Ref("gated"), run.first, ffn), _i32(ffn), _i32(ffn), _i32(d),
-                 _i32(run.rows))))
+        if fuses and run.kernels != TILES:
+            type_name = weights[gate].type_name
+            args = (Ref(gate), Ref(up), np.int64(weights[gate].pitch),
+                    _rows_in(Ref("normed"), run.first, d), _i32(d),
+                    _rows_in(Ref("gated"), run.first, ffn), _i32(ffn), _i32(ffn), _i32(d),
+                    _i32(run.rows))
+            if run.matvec:
+                calls.append(KernelCall(
+                    plan.gate_up_kernel(spec.activation, plan.kernel_suffix(type_name)),
+                    plan.matvec_launch(2 * ffn, d), args))
+            else:
+                calls.append(KernelCall(
+                    plan.decode_tiles_gate_up_kernel(spec.activation, type_name, tile_input),
+                    plan.decode_tiles_gate_up_launch(type_name, ffn, d, run.rows),
+                    (*args, Ref("decode_tile_partials"), Ref("decode_tile_counters"))))
             continue
         for name, column in ((gate, 0), (up, ffn)):
             calls += matmul_calls(weights, name, Ref("normed"), d, Ref("gate_up", column * F32),

@@ -54,9 +54,10 @@ DECODE_TILE_THREADS = 64
 # an SM of a 132-SM H100 / H200): a function of the matrix alone, never of the batch.
 DECODE_TILE_MIN_BLOCKS = 264
 MAX_DECODE_SPLITS = 8
-# Rows of partial sums a split launch needs at most a token: splits x rows stays under twice
-# DECODE_TILE_MIN_BLOCKS row tiles (decode_tiles_splits stops at the first power of two past).
-DECODE_PARTIAL_ROWS = 2 * DECODE_TILE_MIN_BLOCKS * DECODE_TILE_ROWS
+# Partial sums a split launch needs at most a token: splits x row tiles stays under twice
+# DECODE_TILE_MIN_BLOCKS (decode_tiles_splits stops at the first power of two past), and the
+# fused gate+up has twice the row tiles of its matrices (16 rows of each a tile).
+DECODE_PARTIAL_ROWS = 4 * DECODE_TILE_MIN_BLOCKS * DECODE_TILE_ROWS
 # Where decode rows' products run (cuda_launches.row_runs), whatever their number: the
 # CUDA-core matvec, or the tensor cores' decode tiles.
 DECODE_ROUTES = ("matvec", "tiles")
@@ -126,8 +127,10 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
         "matvec.cu": (*(f"mul_mat_vec_{s}" for s in suffixes),
                       *(gate_up_kernel(a, s) for a in ACTIVATIONS for s in suffixes),
                       "mul_mat_vec_qkv"),
-        "matmul.cu": tuple(f"mul_mat_{shape}_{i}_{s}" for shape in ("tiles", "decode_tiles")
-                           for s in suffixes for i in TILE_INPUTS),
+        "matmul.cu": (*(f"mul_mat_{shape}_{i}_{s}" for shape in ("tiles", "decode_tiles")
+                        for s in suffixes for i in TILE_INPUTS),
+                      *(decode_tiles_gate_up_kernel(a, t, i) for a in ACTIVATIONS
+                        for t in KERNEL_TYPE_SUFFIX for i in TILE_INPUTS)),
         "embedding.cu": tuple(f"get_rows_{s}" for s in suffixes),
         "norm.cu": ("residual_rms_norm", "head_rms_norm"),
         "rope.cu": ("rope",),
@@ -253,7 +256,7 @@ def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
         # mul_mat_decode_tiles with a K-split: each split's sums, and a counter per tile (only
         # matrices of fewer than DECODE_TILE_MIN_BLOCKS row tiles split).
         "decode_tile_partials": DECODE_PARTIAL_ROWS * rows * f32,
-        "decode_tile_counters": DECODE_TILE_MIN_BLOCKS * _blocks(rows, DECODE_TILE_TOKENS) * 4,
+        "decode_tile_counters": 2 * DECODE_TILE_MIN_BLOCKS * _blocks(rows, DECODE_TILE_TOKENS) * 4,
         "final": rows * spec.d_model * f32,  # the logits rows' normed states, gathered
         "candidates": rows * candidate_record_words(limits.max_candidates) * 4,
         "candidate_partials": rows * MAX_SLICES * SLICE_WORDS * 4,
@@ -402,6 +405,13 @@ def decode_tiles_kernel(type_name: str, tile_input: str = TILE_INPUTS[0]) -> str
     return f"mul_mat_decode_tiles_{_tile_input(tile_input)}_{kernel_suffix(type_name)}"
 
 
+def decode_tiles_gate_up_kernel(activation: str, type_name: str,
+                                tile_input: str = TILE_INPUTS[0]) -> str:
+    """The decode tiles' y = act(gate . x) * (up . x) entry for a block type."""
+    return (f"mul_mat_decode_tiles_gate_up_{activation}_{_tile_input(tile_input)}_"
+            f"{kernel_suffix(type_name)}")
+
+
 def _tile_input(tile_input: str) -> str:
     if tile_input not in TILE_INPUTS:
         raise InvalidRequest(f"tile input must be one of {TILE_INPUTS}, got {tile_input!r}",
@@ -436,6 +446,16 @@ def decode_tiles_launch(type_name: str, rows: int, n_in: int, n_tokens: int) -> 
     return _check_grid(Launch((_blocks(n_tokens, DECODE_TILE_TOKENS),
                                _blocks(rows, DECODE_TILE_ROWS),
                                decode_tiles_splits(type_name, rows, n_in)),
+                              (DECODE_TILE_THREADS, 1, 1)))
+
+
+def decode_tiles_gate_up_launch(type_name: str, ffn_rows: int, n_in: int,
+                                n_tokens: int) -> Launch:
+    """mul_mat_decode_tiles_gate_up: 16 ffn rows (gate and up) x 8 tokens a block, K split as
+    the plain decode tiles split a gate or up matrix (so the fused entry matches them)."""
+    return _check_grid(Launch((_blocks(n_tokens, DECODE_TILE_TOKENS),
+                               _blocks(ffn_rows, DECODE_TILE_ROWS // 2),
+                               decode_tiles_splits(type_name, ffn_rows, n_in)),
                               (DECODE_TILE_THREADS, 1, 1)))
 
 

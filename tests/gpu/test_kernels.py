@@ -193,6 +193,57 @@ def test_fused_gate_up_equals_matvec_then_gated(kernel: Kernel, type_name: str, 
     np.testing.assert_array_equal(got[:, :ffn].view(np.uint32), expected.get().view(np.uint32))
 
 
+def split_workspace(launch: plan.Launch, tokens: int) -> tuple[np.uintp, np.uintp]:
+    """The decode tiles' K-split workspace for a launch: NaN partials (a split every tile row
+    of the grid, every token) and zero counters, which must be zero again when the test ends."""
+    rows = launch.grid[1] * plan.DECODE_TILE_ROWS
+    partials = to_device(np.full(launch.grid[2] * tokens * rows, np.nan, dtype=np.float32))
+    counters = to_device(np.zeros(launch.grid[0] * launch.grid[1], dtype=np.int32))
+    _COUNTERS.append(counters)
+    return ptr(partials), ptr(counters)
+
+
+_COUNTERS: list[Any] = []  # every split launch's counters, zero at the end of its test
+
+
+@pytest.fixture(autouse=True)
+def _split_counters_end_at_zero() -> Any:
+    yield
+    try:
+        assert not any(counters.get().any() for counters in _COUNTERS), "counters left set"
+    finally:
+        _COUNTERS.clear()
+
+
+@pytest.mark.parametrize("act", plan.ACTIVATIONS)
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "BF16"])
+@pytest.mark.parametrize(("ffn", "n_in", "batch"), [(100, 512, 1), (100, 4608, 9), (40, 4608, 33)])
+def test_fused_decode_tiles_gate_up_equal_decode_tiles_then_gated(
+        kernel: Kernel, type_name: str, act: str, ffn: int, n_in: int, batch: int) -> None:
+    """mul_mat_decode_tiles_gate_up_<act> == the decode tiles of gate and of up into one
+    gate|up buffer, then gated_<act>, bit for bit; ffn not a multiple of 16, inputs with and
+    without a K-split (4608: split), batches across token tiles."""
+    rng = np.random.default_rng(29)
+    gate, up = (finite_blocks(type_name, ffn, n_in, rng) for _ in range(2))
+    x = activations(rng, batch, n_in)
+    gate_up = to_device(np.concatenate([tiles(kernel, "decode_tiles", w, type_name, x, batch)
+                                        for w in (gate, up)], axis=1))
+    expected = nan_filled(batch, ffn)
+    run(kernel("activation.cu", f"gated_{act}"), plan.elementwise_launch(batch * ffn),
+        ptr(gate_up), ptr(expected), np.int32(batch), np.int32(ffn))
+    fused = nan_filled(batch, ffn + 5)
+    launch = plan.decode_tiles_gate_up_launch(type_name, ffn, n_in, batch)
+    assert launch.grid[2] == plan.decode_tiles_launch(type_name, ffn, n_in, batch).grid[2]
+    run(kernel("matmul.cu", plan.decode_tiles_gate_up_kernel(act, type_name)), launch,
+        ptr(to_device(pitched(gate, type_name, n_in))),
+        ptr(to_device(pitched(up, type_name, n_in))), np.int64(plan.row_pitch(type_name, n_in)),
+        ptr(to_device(x)), np.int32(x.shape[1]), ptr(fused), np.int32(ffn + 5), np.int32(ffn),
+        np.int32(n_in), np.int32(batch), *split_workspace(launch, batch))
+    got = fused.get()
+    assert np.isnan(got[:, ffn:]).all()
+    np.testing.assert_array_equal(got[:, :ffn].view(np.uint32), expected.get().view(np.uint32))
+
+
 def tiles(kernel: Kernel, shape: str, raw: np.ndarray, type_name: str, x: np.ndarray,
           tokens: int) -> np.ndarray:
     """mul_mat_tiles (shape "tiles") or mul_mat_decode_tiles ("decode_tiles") of raw blocks
@@ -207,13 +258,10 @@ def tiles(kernel: Kernel, shape: str, raw: np.ndarray, type_name: str, x: np.nda
     if shape == "tiles":
         run(kernel("matmul.cu", plan.matmul_kernel(type_name, tokens)),
             plan.matmul_launch(rows, tokens), *args)
-    else:  # with the K-split's workspace: partials, and counters that must end at zero
+    else:
         launch = plan.decode_tiles_launch(type_name, rows, n_in, tokens)
-        counters = to_device(np.zeros(launch.grid[0] * launch.grid[1], dtype=np.int32))
-        partials = to_device(np.full(launch.grid[2] * tokens * rows, np.nan, dtype=np.float32))
         run(kernel("matmul.cu", plan.decode_tiles_kernel(type_name)), launch, *args,
-            ptr(partials), ptr(counters))
-        assert not counters.get().any()
+            *split_workspace(launch, tokens))
     got = y.get()
     assert np.isnan(got[:, rows:]).all()
     return got[:, :rows]
