@@ -154,7 +154,8 @@ def tile_product(w: np.ndarray, x: np.ndarray, type_name: str) -> np.ndarray:
     integer levels and F16's halves are exact in float16; level * scale + offset is w before
     quants.py's float32 rounding, within a float32 unit of w), or for F32 / BF16 weights also
     split, with the lo x lo product left out. The kernel's float32 accumulation is the
-    caller's bound."""
+    caller's bound; so is its offset term, which multiplies the float32 sum of x itself, not
+    of hi + lo (at most ~2^-22 |x| apart an element)."""
     x_hi, x_lo = float16_parts(x)
     if type_name not in ("F32", "BF16"):
         return (x_hi + x_lo) @ np.asarray(w, dtype=np.float64).T
