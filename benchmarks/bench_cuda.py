@@ -26,6 +26,9 @@ import json
 import math
 import time
 import traceback
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -238,22 +241,47 @@ def bench_model(path: Path, streams: tuple[int, ...], prefill: int | None,
     return report
 
 
-async def engine_decode(path: Path, streams: tuple[int, ...],
-                        rng: np.random.Generator) -> list[dict[str, Any]]:
+@asynccontextmanager
+async def cuda_engine(path: Path, streams: tuple[int, ...],
+                      decode_route: str) -> AsyncIterator[Any]:
+    """An Engine on the CUDA backend for the file at `path`: Engine.open for the default
+    route, Engine.open_backend over a CudaFactory for another (the same engine, the model
+    opened here)."""
+    from actors.compute.backends import CudaFactory
+    from actors.compute.contract import KVRequest
+    from actors.engine import Engine
+    from actors.model.loaded import open_model
+
+    per_stream = -(-(DECODE_PROMPT + ENGINE_TOKENS) // MODEL_BLOCK)
+    kv_blocks = max(streams) * per_stream + 1
+    if decode_route == "matvec":
+        async with Engine.open(path, backend="cuda", max_sequences=max(streams),
+                               kv_blocks=kv_blocks, block_size=MODEL_BLOCK) as engine:
+            yield engine
+        return
+    model = open_model(path)
+    kv = KVRequest(blocks=kv_blocks, block_size=MODEL_BLOCK, max_sequences=max(streams))
+    try:
+        async with Engine.open_backend(
+                partial(CudaFactory(decode_route=decode_route).build, model, kv),
+                model.tokenizer, backend="cuda", max_sequences=max(streams)) as engine:
+            yield engine
+    finally:
+        model.gguf.close()
+
+
+async def engine_decode(path: Path, streams: tuple[int, ...], rng: np.random.Generator,
+                        decode_route: str) -> list[dict[str, Any]]:
     """Each stream count in turn through one Engine: that many concurrent greedy requests of
     ENGINE_TOKENS tokens (ignore_eos) after DECODE_PROMPT-token prompts, after a warm-up that
     captures the decode graphs. Decode figures run from the last stream's first token to the
     last token (the prefill steps left out)."""
     import anyio
 
-    from actors.engine import Engine
     from actors.params import SamplingParams
 
     params = SamplingParams(max_tokens=ENGINE_TOKENS, temperature=0.0, ignore_eos=True)
-    per_stream = -(-(DECODE_PROMPT + ENGINE_TOKENS) // MODEL_BLOCK)
-    async with Engine.open(path, backend="cuda", max_sequences=max(streams),
-                           kv_blocks=max(streams) * per_stream + 1,
-                           block_size=MODEL_BLOCK) as engine:
+    async with cuda_engine(path, streams, decode_route) as engine:
         vocab = engine.info.vocab_size
 
         async def run(n: int, request: SamplingParams) -> tuple[float, float, float, int]:
@@ -288,14 +316,14 @@ async def engine_decode(path: Path, streams: tuple[int, ...],
         return results
 
 
-def bench_engine(path: Path, streams: tuple[int, ...], bare: Any,
-                 rng: np.random.Generator) -> list[dict[str, Any]]:
+def bench_engine(path: Path, streams: tuple[int, ...], bare: Any, rng: np.random.Generator,
+                 decode_route: str = "matvec") -> list[dict[str, Any]]:
     """engine_decode's figures, each beside the bare backend's decode step at the same
-    stream count (from `bare`, bench_model's report of the same file, where it has one):
-    actors_ms_per_step is what the engine's actors add to a decode step."""
+    stream count (from `bare`, bench_model's report of the same file on the same route, where
+    it has one): actors_ms_per_step is what the engine's actors add to a decode step."""
     import anyio
 
-    results = anyio.run(engine_decode, path, streams, rng)
+    results = anyio.run(engine_decode, path, streams, rng, decode_route)
     bare_ms = {row["streams"]: row["ms_per_step"]
                for row in (bare or {}).get("decode", []) if "ms_per_step" in row}
     for row in results:
@@ -367,6 +395,10 @@ def main() -> None:
         if path and engine_streams:
             section(f"{key}_engine",
                     lambda: bench_engine(path, engine_streams, report.get(key), rng))
+    if args.model_8b and engine_streams:  # the other route through the Engine: the 8B alone
+        section("llama3_8b_decode_tiles_engine",
+                lambda: bench_engine(args.model_8b, engine_streams,
+                                     report.get("llama3_8b_decode_tiles"), rng, "tiles"))
     print(json.dumps(report, indent=2))
 
 
