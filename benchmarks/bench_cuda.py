@@ -1,14 +1,14 @@
-"""GPU benchmark. Kernels: the Q4_K decode matrix-vector product's effective bandwidth (weight
-bytes read / time) on Llama-3-8B's FFN shapes, beside the device's own copy bandwidth, and the
-tensor-core tiles at prefill size, and the decode tiles (decode rows on the tensor cores, the
-other decode route) at the matvec's shapes and batches, timed with CUDA events over many launches (the weights
-cycle through enough copies that every launch reads them from HBM, not from L2). Whole models
-through the CUDA backend (wall clock per step, each step ending in its one synchronization):
-decode tok/s at 1, 32 and 64 streams and prefill-512 tok/s on a Llama-3-8B-shaped file
-(benchmarks/synthetic_gguf.py), on either decode route (`*_decode_tiles`), one-stream decode on
-gemma-3-270m, and the stream operations and kernels of a decode step. Whole models through the Engine (actors.Engine.open(path,
-backend="cuda"), greedy, ignore_eos, a fixed token count) at 1, 32 and 64 streams beside the
-bare backend's figures: the difference per decode step is what the actors cost.
+"""GPU benchmark. Kernels: the Q4_K decode products' effective bandwidth (weight bytes read /
+time) on Llama-3-8B's FFN shapes on both decode routes (the matvec and the decode tiles) at
+1 to 64 rows, beside the device's own copy bandwidth, and the tensor-core tiles at prefill
+size, timed with CUDA events over many launches (the weights cycle through enough copies that
+every launch reads them from HBM, not from L2). Whole models through the CUDA backend (wall
+clock per step, each step ending in its one synchronization): decode tok/s at 1, 32 and 64
+streams on either decode route (`*_decode_tiles`) and prefill-512 tok/s on a
+Llama-3-8B-shaped file (benchmarks/synthetic_gguf.py), one-stream decode on gemma-3-270m, and
+the stream operations and kernels of a decode step. Whole models through the Engine (greedy,
+ignore_eos, a fixed token count) at 1, 32 and 64 streams beside the bare backend's figures:
+the difference per decode step is what the actors cost.
 
     python benchmarks/bench_cuda.py [--json OUT.json] [--repeats N] [--model-8b PATH]
                                     [--gemma3 PATH]

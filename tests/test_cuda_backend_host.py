@@ -426,7 +426,7 @@ def test_a_decode_graph_reads_only_the_decode_step_arrays(models: dict[str, GGUF
     spec = spec_from_gguf(models["gemma3"])
     shape = launches.graph_shape(8, 16, 256, spec.context_length, BLOCK)
     calls = launches.forward_calls(spec, launches.tensor_layouts(models["gemma3"]), shape, "f16")
-    graph_arrays = plan.decode_step_arrays([1], [0], [0], [[0]], 8, 16, 0, 0)
+    graph_arrays = packing.decode_step_arrays([1], [0], [0], [[0]], 8, 16, 0, 0)
     step_names = {arg.name for call in calls for arg in call.args
                   if isinstance(arg, launches.Ref) and arg.name.startswith("step.")}
     assert step_names == {f"step.{name}" for name in graph_arrays}

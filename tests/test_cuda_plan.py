@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from actors.compute import cuda_packing as packing
 from actors.compute import cuda_plan as plan
 from actors.errors import ComputeError, InvalidRequest
 from actors.model.arch import ModelSpec
@@ -188,15 +189,15 @@ def test_candidate_count_is_bounded_by_vocab_and_kernel() -> None:
 
 
 def test_block_tables_are_padded_per_row() -> None:
-    table = plan.block_table_array([[4, 5, 6], [], [9]], rows=4, stride=4, fill=-1)
+    table = packing.block_table_array([[4, 5, 6], [], [9]], rows=4, stride=4, fill=-1)
     np.testing.assert_array_equal(table, [[4, 5, 6, -1], [-1] * 4, [9, -1, -1, -1], [-1] * 4])
     assert table.dtype == np.int32
     with pytest.raises(InvalidRequest):
-        plan.block_table_array([[1, 2, 3]], rows=1, stride=2, fill=0)
+        packing.block_table_array([[1, 2, 3]], rows=1, stride=2, fill=0)
 
 
 def test_pack_int32_aligns_each_array_to_16_bytes() -> None:
-    packed = plan.pack_int32({"a": np.arange(3, dtype=np.int32),
+    packed = packing.pack_int32({"a": np.arange(3, dtype=np.int32),
                               "b": np.arange(10, dtype=np.int32).reshape(2, 5),
                               "c": np.array([7], dtype=np.int32)})
     assert packed.offsets == {"a": 0, "b": 4, "c": 16}
@@ -207,7 +208,7 @@ def test_pack_int32_aligns_each_array_to_16_bytes() -> None:
 
 
 def test_decode_step_pads_to_the_bucket_with_harmless_rows() -> None:
-    packed = plan.pack_decode_step(token_ids=[11, 12, 13], positions=[40, 3, 0],
+    packed = packing.pack_decode_step(token_ids=[11, 12, 13], positions=[40, 3, 0],
                                    slots=[40 + 16 * 2, 3, 16 * 7], tables=[[0, 1, 2], [5], [7]],
                                    bucket=4, table_stride=3, pad_slot=999, pad_block=63)
     np.testing.assert_array_equal(packed.view("token_ids"), [11, 12, 13, 0])
@@ -216,4 +217,4 @@ def test_decode_step_pads_to_the_bucket_with_harmless_rows() -> None:
     np.testing.assert_array_equal(packed.view("block_tables"),
                                   [[0, 1, 2], [5, 63, 63], [7, 63, 63], [63, 63, 63]])
     with pytest.raises(InvalidRequest):
-        plan.pack_decode_step([1] * 5, [0] * 5, [0] * 5, [[0]] * 5, 4, 1, 0, 0)
+        packing.pack_decode_step([1] * 5, [0] * 5, [0] * 5, [[0]] * 5, 4, 1, 0, 0)

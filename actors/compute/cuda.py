@@ -153,7 +153,7 @@ class InputBuffer:
         self.device = cuda.mem_alloc(words * 4)
         self.pinned = cuda.pagelocked_empty(words, np.int32)
 
-    def upload(self, packed: plan.PackedArrays, stream: cuda.Stream) -> dict[str, int]:
+    def upload(self, packed: packing.PackedArrays, stream: cuda.Stream) -> dict[str, int]:
         """Queue the copy of `packed` (which must fit); each array's device address. The
         pinned words must not be rewritten before the stream has run the copy."""
         words = packed.buffer.size
@@ -392,12 +392,12 @@ class CudaBackend:
             shape = launches.graph_shape(bucket, self._table_stride, self._split_keys,
                                          spec.context_length, self.block_size)
             pad_block = self.num_blocks  # the extra block past the scheduler's pool
-            arrays = plan.decode_step_arrays(
+            arrays = packing.decode_step_arrays(
                 step.token_ids, step.positions, step.slot_blocks * self.block_size +
                 step.slot_offsets, [table[:1 + p // self.block_size] for table, p in
                                     zip(step.block_tables, step.positions)],
                 bucket, self._table_stride, pad_block * self.block_size, pad_block)
-        packed = plan.pack_int32({f"step.{k}": v for k, v in arrays.items()})
+        packed = packing.pack_int32({f"step.{k}": v for k, v in arrays.items()})
         n_rows = len(rows)
         self._fit_workspace(shape, n_rows, packed.buffer.size)
         workspace = self._workspace
@@ -416,7 +416,7 @@ class CudaBackend:
             record = plan.candidate_record_words(row_pack.width)
             out = workspace.pinned_candidates[: n_rows * record]
             if n_rows:
-                packed_rows = plan.pack_int32({f"rows.{k}": v
+                packed_rows = packing.pack_int32({f"rows.{k}": v
                                                for k, v in row_pack.arrays.items()})
                 addresses.update(self._row_buffer(packed_rows.buffer.size).upload(
                     packed_rows, self._stream))

@@ -3,15 +3,16 @@
 Everything the CUDA actor decides before it touches the device lives here, so it is tested on
 every machine: where the kernel sources are and what their entry points are called, which
 CUDA-graph batch bucket a step uses, how device memory splits into weights, workspace and KV
-pool, the launch geometry of each kernel, and how a step's int32 arrays are packed into one
-buffer for a single host-to-device copy. The layouts named here are the kernels' (see the
-comment at the top of each cuda_src/*.cu file).
+pool, and the launch geometry of each kernel (which kernel multiplies a matrix: the matvec,
+the prefill tiles or the decode tiles, and their K-splits). A step's int32 arrays are packed
+by actors.compute.cuda_packing. The layouts named here are the kernels' (see the comment at
+the top of each cuda_src/*.cu file).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -589,83 +590,3 @@ def candidates_launch(n_rows: int, k: int, vocab: int) -> Launch:
         raise InvalidRequest(f"candidates per row must be in [1, {min(vocab, MAX_CANDIDATES)}], "
                              f"got {k}", field="candidates")
     return _check_grid(Launch((candidate_slices(vocab), n_rows, 1), (CANDIDATE_THREADS, 1, 1)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Step packing
-
-
-def padded(values: Sequence[int] | np.ndarray, length: int, fill: int) -> np.ndarray:
-    """values as int32, padded with `fill` to `length`."""
-    values = np.asarray(values, dtype=np.int32)
-    if values.ndim != 1 or values.size > length:
-        raise InvalidRequest(f"{values.size} values do not fit {length} rows", field="batch")
-    out = np.full(length, fill, dtype=np.int32)
-    out[: values.size] = values
-    return out
-
-
-def block_table_array(tables: Sequence[Sequence[int]], rows: int, stride: int,
-                      fill: int) -> np.ndarray:
-    """Ragged block tables -> int32 (rows, stride), each padded with `fill`."""
-    lengths = np.array([len(table) for table in tables], dtype=np.int64)
-    if len(tables) > rows or (lengths.size and lengths.max() > stride):
-        raise InvalidRequest(f"block tables do not fit ({rows}, {stride})", field="blocks")
-    out = np.full((rows, stride), fill, dtype=np.int32)
-    if lengths.sum():
-        flat = np.concatenate([np.asarray(table, dtype=np.int32) for table in tables])
-        row = np.repeat(np.arange(len(tables)), lengths)
-        column = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        out[row, column] = flat
-    return out
-
-
-@dataclass(frozen=True)
-class PackedArrays:
-    """Named int32 arrays laid out in one buffer: copy `buffer` into a pinned host buffer and
-    on to the device once; array `name` starts `offsets[name]` int32s in (a multiple of 4, so
-    every array is 16-byte aligned) with shape `shapes[name]`."""
-
-    buffer: np.ndarray
-    offsets: dict[str, int]
-    shapes: dict[str, tuple[int, ...]]
-
-    def view(self, name: str) -> np.ndarray:
-        start = self.offsets[name]
-        shape = self.shapes[name]
-        return self.buffer[start : start + math.prod(shape)].reshape(shape)
-
-
-def pack_int32(arrays: Mapping[str, np.ndarray]) -> PackedArrays:
-    """Lay `arrays` (in the mapping's order) end to end in one int32 buffer."""
-    offsets, shapes, cursor = {}, {}, 0
-    for name, array in arrays.items():
-        offsets[name], shapes[name] = cursor, tuple(array.shape)
-        cursor += -(-array.size // 4) * 4
-    buffer = np.zeros(cursor, dtype=np.int32)
-    for name, array in arrays.items():
-        buffer[offsets[name] : offsets[name] + array.size] = array.ravel()
-    return PackedArrays(buffer, offsets, shapes)
-
-
-def decode_step_arrays(token_ids: Sequence[int], positions: Sequence[int],
-                       slots: Sequence[int], tables: Sequence[Sequence[int]], bucket: int,
-                       table_stride: int, pad_slot: int, pad_block: int) -> dict[str, np.ndarray]:
-    """A decode step (one token per sequence) padded to its graph bucket: token_ids,
-    positions, slots (block * block_size + offset) and block_tables. Padding rows read token 0
-    at position 0 through `pad_block` and write their K/V to `pad_slot`, a slot of a block the
-    scheduler never hands out, so a replayed graph touches no sequence's cache."""
-    return {
-        "token_ids": padded(token_ids, bucket, 0),
-        "positions": padded(positions, bucket, 0),
-        "slots": padded(slots, bucket, pad_slot),
-        "block_tables": block_table_array(tables, bucket, table_stride, pad_block),
-    }
-
-
-def pack_decode_step(token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                     tables: Sequence[Sequence[int]], bucket: int, table_stride: int,
-                     pad_slot: int, pad_block: int) -> PackedArrays:
-    """`decode_step_arrays` packed into one buffer."""
-    return pack_int32(decode_step_arrays(token_ids, positions, slots, tables, bucket,
-                                         table_stride, pad_slot, pad_block))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from actors.compute import cuda_plan as plan
+from actors.compute import cuda_packing as packing
 from actors.compute.cuda_packing import row_arrays
 from actors.model.candidates import RowInputs, apply_token_masks, mask_words
 from actors.model.forward import gelu_tanh, rms_norm, silu
@@ -591,7 +592,7 @@ class PagedSequences:
         self.block_size = block_size
         needed = [-(-n // block_size) for n in lengths]
         pool = rng.permutation(sum(needed) + 3)  # a few blocks belong to nobody
-        self.tables = plan.block_table_array(
+        self.tables = packing.block_table_array(
             [pool[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(lengths))],
             rows=len(lengths), stride=max(needed), fill=0)
         shape = (len(pool), block_size, kv_heads, head_dim)
