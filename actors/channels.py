@@ -26,13 +26,14 @@ from __future__ import annotations
 import asyncio
 import queue
 from collections import deque
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import anyio
 
 from actors.errors import InvalidRequest
 
 T = TypeVar("T")
+S = TypeVar("S")  # a channel's shared state
 
 
 def require_asyncio() -> None:
@@ -78,13 +79,29 @@ def _expire(waiter: asyncio.Future[bool]) -> None:
         waiter.set_result(True)
 
 
-class LoopSender(Generic[T]):
-    """The sending end of a `loop_channel`."""
+class _End(Generic[S]):
+    """What every end of a channel has: the channel's shared state, and `close` on leaving a
+    `with` block."""
 
     __slots__ = ("_state",)
 
-    def __init__(self, state: _LoopState[T]) -> None:
+    def __init__(self, state: S) -> None:
         self._state = state
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+class LoopSender(_End[_LoopState[T]], Generic[T]):
+    """The sending end of a `loop_channel`."""
+
+    __slots__ = ()
 
     def send_nowait(self, item: T) -> None:
         """On the loop: hand `item` over (it never waits)."""
@@ -112,20 +129,11 @@ class LoopSender(Generic[T]):
         self._state.sender_open = False
         self._state.wake()
 
-    def __enter__(self) -> LoopSender[T]:
-        return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-
-class LoopReceiver(Generic[T]):
+class LoopReceiver(_End[_LoopState[T]], Generic[T]):
     """The receiving end of a `loop_channel`, for one task at a time."""
 
-    __slots__ = ("_state",)
-
-    def __init__(self, state: _LoopState[T]) -> None:
-        self._state = state
+    __slots__ = ()
 
     def receive_nowait(self) -> T:
         state = self._state
@@ -144,12 +152,12 @@ class LoopReceiver(Generic[T]):
         state = self._state
         deadline = None if timeout is None else state.loop.time() + timeout
         while True:
-            if state.buffer:  # (a closed receiving end holds nothing)
+            if state.buffer:  # the common case, before any other check
                 return state.buffer.popleft()
-            if not state.receiver_open:
-                raise anyio.ClosedResourceError
-            if not state.sender_open:
-                raise anyio.EndOfStream
+            try:
+                return self.receive_nowait()  # closed ends raise; an open empty one waits
+            except anyio.WouldBlock:
+                pass
             waiter = state.loop.create_future()
             timer = None if deadline is None else state.loop.call_at(deadline, _expire, waiter)
             state.waiter = waiter
@@ -165,12 +173,6 @@ class LoopReceiver(Generic[T]):
     def close(self) -> None:
         self._state.receiver_open = False
         self._state.buffer.clear()
-
-    def __enter__(self) -> LoopReceiver[T]:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
 
 
 def loop_channel(capacity: int = 1) -> tuple[LoopSender[T], LoopReceiver[T]]:
@@ -193,13 +195,10 @@ class _ThreadState(Generic[T]):
         self.receiver_open = True
 
 
-class ThreadSender(Generic[T]):
+class ThreadSender(_End[_ThreadState[T]], Generic[T]):
     """The loop's end of a `thread_channel`."""
 
-    __slots__ = ("_state",)
-
-    def __init__(self, state: _ThreadState[T]) -> None:
-        self._state = state
+    __slots__ = ()
 
     def send_nowait(self, item: T) -> None:
         state = self._state
@@ -211,21 +210,12 @@ class ThreadSender(Generic[T]):
             self._state.sender_open = False
             self._state.items.put(_CLOSED)
 
-    def __enter__(self) -> ThreadSender[T]:
-        return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-
-class ThreadReceiver(Generic[T]):
+class ThreadReceiver(_End[_ThreadState[T]], Generic[T]):
     """The thread's end of a `thread_channel`; `close` it (from the loop or the thread) once
     the thread stops receiving."""
 
-    __slots__ = ("_state",)
-
-    def __init__(self, state: _ThreadState[T]) -> None:
-        self._state = state
+    __slots__ = ()
 
     def receive(self) -> T | None:
         """In the thread: the next message, blocking until there is one; None once the
@@ -242,12 +232,6 @@ class ThreadReceiver(Generic[T]):
         if self._state.receiver_open:
             self._state.receiver_open = False
             self._state.items.put(_CLOSED)  # wakes the thread if it waits in `receive`
-
-    def __enter__(self) -> ThreadReceiver[T]:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
 
 
 def thread_channel(capacity: int = 1) -> tuple[ThreadSender[T], ThreadReceiver[T]]:

@@ -80,6 +80,12 @@ def assert_each_head_counted_complete_once(rows: int, head_dim: int, per_block: 
     assert list(counts) == [len(held) for held in stored]
 
 
+def activation_and_rest(prefix: str, name: str) -> tuple[str, str]:
+    """A fused gate+up entry's activation and what follows it: prefix<act>_<rest>."""
+    return next((a, name[len(f"{prefix}{a}_"):]) for a in plan.ACTIVATIONS
+                if name.startswith(f"{prefix}{a}_"))
+
+
 class KernelTwins:
     """numpy twins of the cuda_src entry points, reading and writing `Memory`."""
 
@@ -108,32 +114,33 @@ class KernelTwins:
         elif name == "mul_mat_vec_qkv":
             self.mul_mat_vec_qkv(*args)
         elif name.startswith("mul_mat_vec_gate_up_"):
-            activation, suffix = next(
-                (a, name[len(f"mul_mat_vec_gate_up_{a}_"):]) for a in plan.ACTIVATIONS
-                if name.startswith(f"mul_mat_vec_gate_up_{a}_"))
+            activation, suffix = activation_and_rest("mul_mat_vec_gate_up_", name)
             self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args)
         elif name.startswith("mul_mat_vec_"):
             self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args)
         elif name.startswith("mul_mat_decode_tiles_gate_up_"):
-            activation, rest = next(
-                (a, name[len(f"mul_mat_decode_tiles_gate_up_{a}_"):]) for a in plan.ACTIVATIONS
-                if name.startswith(f"mul_mat_decode_tiles_gate_up_{a}_"))
+            activation, rest = activation_and_rest("mul_mat_decode_tiles_gate_up_", name)
             tile_input, suffix = rest.split("_", 1)
-            *args, _, counters = args
-            assert not self.i32(counters, math.prod(grid[:2])).any(), "split counters left set"
-            self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args, tile_input=tile_input)
+            self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix],
+                         *self.split_counters_zero(grid, args), tile_input=tile_input)
         elif name.startswith(("mul_mat_tiles_", "mul_mat_decode_tiles_")):
             # Both tile shapes multiply alike: float16 hi + lo activations, exact levels (the
             # decode tiles' K-split adds its splits' sums: within the float32 bound too).
             tile_input, suffix = name.split("tiles_", 1)[1].split("_", 1)
             assert tile_input in plan.TILE_INPUTS, name
             if name.startswith("mul_mat_decode_tiles_"):
-                *args, _, counters = args
-                tiles = math.prod(grid[:2]) if len(grid) > 2 and grid[2] > 1 else 0
-                assert not self.i32(counters, tiles).any(), "split counters left set"
+                args = self.split_counters_zero(grid, args)
             self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args)
         else:
             getattr(self, name)(grid, *args)
+
+    def split_counters_zero(self, grid: tuple[int, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A decode tiles launch's arguments without its K-split workspace, whose counters
+        (one a tile where K splits) must be zero: every launch leaves them so."""
+        *products, _, counters = args
+        tiles = math.prod(grid[:2]) if len(grid) > 2 and grid[2] > 1 else 0
+        assert not self.i32(counters, tiles).any(), "split counters left set"
+        return tuple(products)
 
     def get_rows(self, type_name: str, grid: tuple[int, ...], table: Any, pitch: int, ids: Any,
                  out: Any, d: int, scale: float) -> None:

@@ -404,8 +404,7 @@ class CudaBackend:
         try:
             addresses = workspace.input.upload(packed, self._stream)
             if bucket is None:
-                calls = launches.forward_calls(spec, self._layouts, shape, launches.TILE_INPUT,
-                                               self._decode_route)
+                calls = self._forward_calls(shape)
                 self._launch(calls, addresses)
                 kernels = len(calls)
             else:
@@ -461,6 +460,11 @@ class CudaBackend:
                             max_candidates=limits.max_candidates),
             max(workspace.input.words, input_words))
 
+    def _forward_calls(self, shape: launches.StepShape) -> list[launches.KernelCall]:
+        """The step's kernels, eager or to capture, on this backend's decode route."""
+        return launches.forward_calls(self._spec, self._layouts, shape, launches.TILE_INPUT,
+                                      self._decode_route)
+
     def _launch(self, calls: Sequence[launches.KernelCall], step_addresses: dict[str, int]) -> None:
         for call in calls:
             args = [self._resolve(arg, step_addresses) for arg in call.args]
@@ -478,8 +482,7 @@ class CudaBackend:
         """Launch the bucket's decode graph (captured now if this is its first step); the
         number of kernels it holds."""
         if bucket not in self._graphs:
-            calls = launches.forward_calls(self._spec, self._layouts, shape, launches.TILE_INPUT,
-                                           self._decode_route)
+            calls = self._forward_calls(shape)
             executable = self._driver_graphs.capture(
                 self._stream, lambda: self._launch(calls, step_addresses))
             self._graphs[bucket] = (executable, dict(step_addresses), len(calls))

@@ -189,6 +189,8 @@ def _i32(value: int) -> np.int32:
 
 
 MATVEC, TILES, DECODE_TILES = "matvec", "tiles", "decode_tiles"  # a RowRun's kernels
+# The decode tiles' K-split workspace, the last arguments of each of their launches.
+DECODE_SPLIT_WORKSPACE = (Ref("decode_tile_partials"), Ref("decode_tile_counters"))
 
 
 @dataclass(frozen=True)
@@ -255,7 +257,7 @@ def tiles_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride:
         return KernelCall(
             plan.decode_tiles_kernel(matrix.type_name, tile_input),
             plan.decode_tiles_launch(matrix.type_name, matrix.rows, matrix.row_length, n_tokens),
-            (*args, Ref("decode_tile_partials"), Ref("decode_tile_counters")))
+            (*args, *DECODE_SPLIT_WORKSPACE))
     assert not plan.uses_matvec(n_tokens), n_tokens
     return KernelCall(plan.matmul_kernel(matrix.type_name, n_tokens, tile_input),
                       plan.matmul_launch(matrix.rows, n_tokens), args)
@@ -413,7 +415,7 @@ def gated_ffn_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
                 calls.append(KernelCall(
                     plan.decode_tiles_gate_up_kernel(spec.activation, type_name, tile_input),
                     plan.decode_tiles_gate_up_launch(type_name, ffn, d, run.rows),
-                    (*args, Ref("decode_tile_partials"), Ref("decode_tile_counters"))))
+                    (*args, *DECODE_SPLIT_WORKSPACE)))
             continue
         for name, column in ((gate, 0), (up, ffn)):
             calls += matmul_calls(weights, name, Ref("normed"), d, Ref("gate_up", column * F32),

@@ -441,23 +441,21 @@ def decode_tiles_splits(type_name: str, rows: int, n_in: int) -> int:
     return splits
 
 
-def decode_tiles_launch(type_name: str, rows: int, n_in: int, n_tokens: int) -> Launch:
+def decode_tiles_launch(type_name: str, rows: int, n_in: int, n_tokens: int,
+                        rows_per_tile: int = DECODE_TILE_ROWS) -> Launch:
     """mul_mat_decode_tiles: 32 x 8 tiles of y, token tiles fastest, 2 warps a block, grid.z
-    the K-splits."""
+    the matrix's K-splits. The fused gate+up passes 16 rows a tile (16 gate and 16 up rows
+    of the block) and keeps the K-split of its matrices, so it matches their plain launches."""
     return _check_grid(Launch((_blocks(n_tokens, DECODE_TILE_TOKENS),
-                               _blocks(rows, DECODE_TILE_ROWS),
+                               _blocks(rows, rows_per_tile),
                                decode_tiles_splits(type_name, rows, n_in)),
                               (DECODE_TILE_THREADS, 1, 1)))
 
 
 def decode_tiles_gate_up_launch(type_name: str, ffn_rows: int, n_in: int,
                                 n_tokens: int) -> Launch:
-    """mul_mat_decode_tiles_gate_up: 16 ffn rows (gate and up) x 8 tokens a block, K split as
-    the plain decode tiles split a gate or up matrix (so the fused entry matches them)."""
-    return _check_grid(Launch((_blocks(n_tokens, DECODE_TILE_TOKENS),
-                               _blocks(ffn_rows, DECODE_TILE_ROWS // 2),
-                               decode_tiles_splits(type_name, ffn_rows, n_in)),
-                              (DECODE_TILE_THREADS, 1, 1)))
+    """mul_mat_decode_tiles_gate_up: 16 ffn rows (gate and up) x 8 tokens a block."""
+    return decode_tiles_launch(type_name, ffn_rows, n_in, n_tokens, DECODE_TILE_ROWS // 2)
 
 
 def check_decode_route(route: str) -> str:
