@@ -7,8 +7,11 @@
 // row's dot product slice by slice in order, as one lane of the kernel does.
 // tile_values_<type> rebuilds every element from cuda_src/tile_levels.cuh (what the tensor-core
 // tiles multiply): level * scale + offset, rounded as quants.py rounds.
+// mma_lane_values_q4_K rebuilds every Q4_K element from what each lane of the tensor-core
+// matvec takes (cuda_src/matvec_mma_blocks.cuh): its words' float16 pairs and its scales.
 #include <vector>
 
+#include "matvec_mma_blocks.cuh"
 #include "matvec_slices.cuh"
 #include "tile_levels.cuh"
 
@@ -105,6 +108,41 @@ void slice_dot_rows(const uint8_t* src, int64_t rows, int64_t pitch, int64_t row
             }
         }
         out[r] = acc;
+    }
+}
+
+// Element 4i + j of a sub-block from a float16 pair (low half: j = 0 or 1, high: j + 2):
+// the subnormal level times 2^24 / 2^20 is the nibble, the lane's scale that power times sc.
+inline void rebuild_pair(uint32_t pair, float power, float d, float scale, float dmin,
+                         float min, float* first, float* third) {
+    const float levels[2] = {half_to_float(uint16_t(pair)) * power,
+                             half_to_float(uint16_t(pair >> 16)) * power};
+    const float offset = -mul_rn(dmin, min);
+    *first = add_rn(mul_rn(levels[0], mul_rn(d, scale / power)), offset);
+    *third = add_rn(mul_rn(levels[1], mul_rn(d, scale / power)), offset);
+}
+
+extern "C" void mma_lane_values_q4_K(const uint8_t* src, int64_t blocks, float* out) {
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = src + b * type_q4_K::BLOCK_BYTES;
+        float* values = out + b * type_q4_K::BLOCK_ELEMENTS;
+        const float d = load_half(block), dmin = load_half(block + 2);
+        for (int c = 0; c < 4; ++c) {
+            const LaneScales s =
+                lane_scales(load_u32(block + 4), load_u32(block + 8), load_u32(block + 12), c);
+            for (int i = 0; i < 8; ++i) {
+                const NibblePairs p = nibble_pairs_of(load_u32(block + 16 + 32 * c + 4 * i));
+                float* low = values + 64 * c + 4 * i;  // sub-block 2c, elements 4i..4i+3
+                float* high = low + 32;                 // sub-block 2c + 1
+                rebuild_pair(p.low02, 16777216.0f, d, s.scale_low, dmin, s.min_low, low, low + 2);
+                rebuild_pair(p.low13, 16777216.0f, d, s.scale_low, dmin, s.min_low, low + 1,
+                             low + 3);
+                rebuild_pair(p.high02, 1048576.0f, d, s.scale_high, dmin, s.min_high, high,
+                             high + 2);
+                rebuild_pair(p.high13, 1048576.0f, d, s.scale_high, dmin, s.min_high, high + 1,
+                             high + 3);
+            }
+        }
     }
 }
 

@@ -1,0 +1,265 @@
+// Decode matrix x activations on the tensor cores, Q4_K: y[b][r] = sum_i W[r][i] * x[b][i] for
+// any batch >= 1, each weight byte straight from global memory into an MMA fragment.
+//
+// Entry points (<act>: silu, gelu_tanh):
+//   mul_mat_vec_mma_q4_K(weights, int64 row_pitch, x, int x_stride, y, int y_stride, int rows,
+//                        int n_in, int batch)
+//       y[b][r] = W[r] . x[b] for r < rows, b < batch.
+//   mul_mat_vec_mma_gate_up_<act>_q4_K(gate_w, up_w, int64 row_pitch, x, int x_stride, y,
+//                                      int y_stride, int ffn_rows, int n_in, int batch)
+//       y[b][r] = act(gate[r] . x[b]) * (up[r] . x[b]), act as activation.cu's gated_<act>:
+//       bit for bit mul_mat_vec_mma_q4_K on both matrices, then gated_<act>.
+// Layouts as matvec.cu's (weights rows row_pitch bytes apart from a 16-byte aligned base; x
+// float32 [batch][x_stride], x_stride % 4 == 0, 16-byte aligned); n_in % 256 == 0.
+// Geometry (cuda_plan.matvec_mma_launch): 256 threads, a block per 16 output rows (the gate
+// entry: 8 gate rows and the same 8 up rows), grid.x = ceil(rows / 16).
+//
+// The block's 16 rows are one MMA row tile (m16n8k16); its 8 warps take the K-blocks (256
+// elements) in turn, warp w blocks w, w + 8, ... Lane 4g + c holds rows g and g + 8 of the tile
+// and chunk c of each of their blocks' quants (matvec_mma_blocks.cuh): two 16-byte loads a row
+// plus the 16-byte header, every byte its own lane's, loaded a K-block ahead. Its words become
+// the A fragments directly: one AND per float16 pair (the levels as exact subnormals), one
+// MMA per word and nibble half. The B fragment's eight columns are four lanes x (hi, lo):
+// column 2c + p holds part p of x at lane c's elements and zero at every other lane's, so
+// the tensor cores add each lane's own products (a sub-block of one row) into that lane's
+// own accumulators, apart from the other sub-blocks: each lane then applies its two
+// sub-blocks' scales and mins to its own sums, no shuffles. The other lanes' B registers
+// read 256 zero bytes.
+//
+// The activations are split into float16 hi + lo once per block and token, into a shared
+// table laid out as the B fragments are read (one 16-byte load per lane gives both nibble
+// halves' fragments of a word), with each sub-block's float32 sum of x for the mins; n_in
+// past TABLE_BLOCKS K-blocks goes in pieces, the warps' partial sums carried across.
+//
+// Numerics: products of exact levels with the float16 parts of x (about 22 bits of x), summed
+// in float32 by the tensor cores per sub-block, then d * (scale * sum) - dmin * (min * sum(x))
+// per sub-block in float32: within the float32 summation bound of the exact product of the
+// decoded weights, as the tiles are. Different summation from mul_mat_vec_q4_K's: a different
+// route (cuda_plan.DECODE_ROUTES), never mixed with it within a matrix.
+// Batch invariance: tokens go one at a time, each through the same operations in the same
+// order (the table, the warps' K-blocks, the lanes' and warps' sums in fixed order): a row's
+// result for a token never depends on the batch.
+#include "activation_ops.cuh"
+#include "device_common.cuh"
+#include "matvec_mma_blocks.cuh"
+#include "mma_ops.cuh"
+
+constexpr int MMA_MATVEC_WARPS = 8;
+constexpr int MMA_MATVEC_ROWS = 16;
+constexpr int K_BLOCK = 256;         // elements of a Q4_K block
+constexpr int K_BLOCK_BYTES = 144;   // its bytes: d, dmin, 12 scale bytes, 128 quant bytes
+constexpr int TABLE_BLOCKS = 32;     // K-blocks of activations a table holds: 8192 elements
+// 16-byte entries a K-block: 4 chunks x 8 words x 2 parts (hi, lo).
+constexpr int ENTRIES_PER_BLOCK = 64;
+constexpr int ZERO_ENTRIES = 16;     // what the non-owner lanes read for a K-block's 8 words
+
+struct MmaMatvecShared {
+    uint4 table[TABLE_BLOCKS * ENTRIES_PER_BLOCK + ZERO_ENTRIES];
+    float2 sums[TABLE_BLOCKS * 4];  // per K-block, its sub-blocks' sums of x in pairs (2c, 2c+1)
+    float partial[MMA_MATVEC_WARPS][MMA_MATVEC_ROWS];
+};
+
+// K-blocks [first, first + count) of one activation row into the table: an item per (block,
+// chunk c, word i) splits elements 4i..4i+3 of sub-blocks 2c and 2c + 1 into the hi entry
+// and the lo entry (each: the low half's two B registers, then the high half's), and the
+// eight items of a chunk sum its sub-blocks in one fixed shuffle tree.
+__device__ void fill_table(const float* __restrict__ x, int first, int count,
+                           MmaMatvecShared& shared) {
+    for (int item = threadIdx.x; item < count * 32; item += blockDim.x) {  // whole warps
+        const int block = item / 32, c = item / 8 % 4, i = item % 8;
+        const float* elements = x + int64_t(first + block) * K_BLOCK + 64 * c + 4 * i;
+        const float4 low = *reinterpret_cast<const float4*>(elements);
+        const float4 high = *reinterpret_cast<const float4*>(elements + 32);
+        uint4 hi, lo;
+        split_pair(low.x, low.z, &hi.x, &lo.x);
+        split_pair(low.y, low.w, &hi.y, &lo.y);
+        split_pair(high.x, high.z, &hi.z, &lo.z);
+        split_pair(high.y, high.w, &hi.w, &lo.w);
+        uint4* entry = shared.table + block * ENTRIES_PER_BLOCK + (8 * c + i) * 2;
+        entry[0] = hi;
+        entry[1] = lo;
+        float2 sums = make_float2((low.x + low.y) + (low.z + low.w),
+                                  (high.x + high.y) + (high.z + high.w));
+#pragma unroll
+        for (int offset = 1; offset < 8; offset *= 2) {
+            sums.x += __shfl_xor_sync(FULL_MASK, sums.x, offset);
+            sums.y += __shfl_xor_sync(FULL_MASK, sums.y, offset);
+        }
+        if (i == 0) shared.sums[block * 4 + c] = sums;
+    }
+}
+
+// One lane's bytes of a K-block: rows g and g + 8, each its header and its chunk's 32 bytes.
+struct LaneBlock {
+    uint4 head[2], quants[2][2];
+};
+
+__device__ __forceinline__ void load_lane_block(const uint8_t* row_g, const uint8_t* row_g8,
+                                                int64_t offset, int c, LaneBlock& out) {
+    const uint8_t* rows[2] = {row_g + offset, row_g8 + offset};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        out.head[r] = __ldg(reinterpret_cast<const uint4*>(rows[r]));
+        out.quants[r][0] = __ldg(reinterpret_cast<const uint4*>(rows[r] + 16 + 32 * c));
+        out.quants[r][1] = __ldg(reinterpret_cast<const uint4*>(rows[r] + 32 + 32 * c));
+    }
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4 (&quants)[2], int i) {
+    const uint4& q = quants[i / 4];
+    return i % 4 == 0 ? q.x : i % 4 == 1 ? q.y : i % 4 == 2 ? q.z : q.w;
+}
+
+// The lane's two sub-blocks of rows g and g + 8 in one K-block, added to acc[row]: 16 MMAs
+// (a word's low nibbles, then its high ones, per word), B from the lane's table entries.
+__device__ __forceinline__ void multiply_lane_block(const LaneBlock& block, const uint4* entries,
+                                                    float2 sums, int c, float (&acc)[2]) {
+    float low[4], high[4];  // (row g: hi, lo part; row g + 8: hi, lo) of sub-blocks 2c, 2c+1
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const NibblePairs g = nibble_pairs_of(word_of(block.quants[0], i));
+        const NibblePairs g8 = nibble_pairs_of(word_of(block.quants[1], i));
+        const uint4 b = entries[2 * i];
+        const uint32_t a_low[4] = {g.low02, g8.low02, g.low13, g8.low13};
+        const uint32_t a_high[4] = {g.high02, g8.high02, g.high13, g8.high13};
+        const uint32_t b_low[2] = {b.x, b.y}, b_high[2] = {b.z, b.w};
+        if (i == 0) {
+            mma_first(low, a_low, b_low);
+            mma_first(high, a_high, b_high);
+        } else {
+            mma(low, a_low, b_low);
+            mma(high, a_high, b_high);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const uint4 head = block.head[r];
+        const LaneScales s = lane_scales(head.y, head.z, head.w, c);
+        const float2 d = unpack_halves(head.x);  // d, dmin
+        const float scaled = s.scale_low * (low[2 * r] + low[2 * r + 1]) +
+                             s.scale_high * (high[2 * r] + high[2 * r + 1]);
+        const float mins = s.min_low * sums.x + s.min_high * sums.y;
+        acc[r] += d.x * scaled - d.y * mins;
+    }
+}
+
+// The block's 16 rows (row_g, row_g8: this lane's rows g and g + 8) times each activation
+// row; epilogue(total, b) stores token b's results, total(r) = row r's dot product.
+template <class Epilogue>
+__device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __restrict__ row_g8,
+                           const float* __restrict__ x, int x_stride, int n_in, int batch,
+                           MmaMatvecShared& shared, Epilogue epilogue) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int g = lane / 4, c = lane % 4;
+    // B registers: lane 4n + c' holds column n for lane c''s k, so it reads part n % 2 of
+    // chunk c' where n / 2 == c' and zeros elsewhere.
+    const int column = lane / 4;
+    const bool owner = column / 2 == c;
+    const uint4* entries = owner ? shared.table + 16 * c + column % 2
+                                 : shared.table + TABLE_BLOCKS * ENTRIES_PER_BLOCK;
+    const int entry_step = owner ? ENTRIES_PER_BLOCK : 0;
+    if (threadIdx.x < ZERO_ENTRIES) {
+        shared.table[TABLE_BLOCKS * ENTRIES_PER_BLOCK + threadIdx.x] = make_uint4(0, 0, 0, 0);
+    }
+    const int n_blocks = n_in / K_BLOCK;
+    for (int b = 0; b < batch; ++b) {
+        const float* xb = x + int64_t(b) * x_stride;
+        float acc[2] = {0.0f, 0.0f};
+        for (int first = 0; first < n_blocks; first += TABLE_BLOCKS) {
+            const int count = min(TABLE_BLOCKS, n_blocks - first);
+            // The warp's K-blocks k, k + 8, ... of the piece alternate between two buffers,
+            // each loaded a block ahead (past the piece's last block a load repeats the last
+            // one, in L1: no address leaves the rows). The first load flies while the table
+            // fills.
+            auto load = [&](int k, LaneBlock& out) {
+                load_lane_block(row_g, row_g8, int64_t(first + min(k, count - 1)) * K_BLOCK_BYTES,
+                                c, out);
+            };
+            auto multiply = [&](int k, const LaneBlock& block) {
+                multiply_lane_block(block, entries + k * entry_step, shared.sums[k * 4 + c], c,
+                                    acc);
+            };
+            LaneBlock even, odd;
+            if (warp < count) load(warp, even);
+            __syncthreads();  // the previous piece's table is read
+            fill_table(xb, first, count, shared);
+            __syncthreads();
+#pragma unroll 1  // two K-blocks a pass: the budget tool reads the pass's SASS per weight byte
+            for (int k = warp; k < count; k += 2 * MMA_MATVEC_WARPS) {
+                load(k + MMA_MATVEC_WARPS, odd);
+                multiply(k, even);
+                if (k + MMA_MATVEC_WARPS >= count) break;
+                load(k + 2 * MMA_MATVEC_WARPS, even);
+                multiply(k + MMA_MATVEC_WARPS, odd);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // the chunks' sums of a row, in one fixed tree
+            acc[r] += __shfl_xor_sync(FULL_MASK, acc[r], 1);
+            acc[r] += __shfl_xor_sync(FULL_MASK, acc[r], 2);
+        }
+        if (c == 0) {
+            shared.partial[warp][g] = acc[0];
+            shared.partial[warp][g + 8] = acc[1];
+        }
+        __syncthreads();
+        auto total = [&](int r) {
+            float sum = shared.partial[0][r];
+#pragma unroll
+            for (int w = 1; w < MMA_MATVEC_WARPS; ++w) sum += shared.partial[w][r];
+            return sum;
+        };
+        epilogue(total, b);
+        __syncthreads();  // partial is rewritten by the next token
+    }
+}
+
+// Two blocks per SM at least (16 resident warps): ptxas may take up to 128 registers.
+#define QK_MMA_MATVEC_BOUNDS __launch_bounds__(MMA_MATVEC_WARPS * WARP, 2)
+
+extern "C" __global__ void QK_MMA_MATVEC_BOUNDS mul_mat_vec_mma_q4_K(
+    const uint8_t* weights, int64_t row_pitch, const float* x, int x_stride, float* y,
+    int y_stride, int rows, int n_in, int batch) {
+    __shared__ MmaMatvecShared shared;
+    const int first = blockIdx.x * MMA_MATVEC_ROWS, g = threadIdx.x % WARP / 4;
+    // Rows past the matrix read row 0 (a valid address) and are never stored.
+    auto row_at = [&](int r) { return weights + (r < rows ? r : 0) * row_pitch; };
+    mma_matvec(row_at(first + g), row_at(first + g + 8), x, x_stride, n_in, batch, shared,
+               [&](auto total, int b) {
+                   const int r = threadIdx.x;
+                   if (r < MMA_MATVEC_ROWS && first + r < rows) {
+                       y[int64_t(b) * y_stride + first + r] = total(r);
+                   }
+               });
+}
+
+// Tile rows g are gate rows, rows g + 8 the same up rows: 8 feed-forward rows a block.
+template <class Op>
+__device__ void mma_matvec_gate_up(const uint8_t* gate_w, const uint8_t* up_w,
+                                   int64_t row_pitch, const float* x, int x_stride, float* y,
+                                   int y_stride, int ffn_rows, int n_in, int batch,
+                                   MmaMatvecShared& shared) {
+    constexpr int HALF = MMA_MATVEC_ROWS / 2;
+    const int first = blockIdx.x * HALF, g = threadIdx.x % WARP / 4;
+    const int64_t offset = (first + g < ffn_rows ? first + g : 0) * row_pitch;
+    mma_matvec(gate_w + offset, up_w + offset, x, x_stride, n_in, batch, shared,
+               [&](auto total, int b) {
+                   const int f = threadIdx.x;
+                   if (f < HALF && first + f < ffn_rows) {
+                       y[int64_t(b) * y_stride + first + f] =
+                           Op::apply(total(f)) * total(f + HALF);
+                   }
+               });
+}
+
+#define QK_MMA_GATE_UP_ENTRY(act, op)                                                          \
+    extern "C" __global__ void QK_MMA_MATVEC_BOUNDS mul_mat_vec_mma_gate_up_##act##_q4_K(      \
+        const uint8_t* gate_w, const uint8_t* up_w, int64_t row_pitch, const float* x,         \
+        int x_stride, float* y, int y_stride, int ffn_rows, int n_in, int batch) {             \
+        __shared__ MmaMatvecShared shared;                                                     \
+        mma_matvec_gate_up<op>(gate_w, up_w, row_pitch, x, x_stride, y, y_stride, ffn_rows,   \
+                               n_in, batch, shared);                                           \
+    }
+
+QK_MMA_GATE_UP_ENTRY(silu, silu_op)
+QK_MMA_GATE_UP_ENTRY(gelu_tanh, gelu_tanh_op)

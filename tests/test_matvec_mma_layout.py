@@ -1,0 +1,151 @@
+"""The tensor-core matvec's data layout (cuda_src/matvec_mma.cu), played on numpy without a
+device: every lane's A fragments from its own weight bytes, its B fragments from the shared
+activation table as fill_table lays it out and the owner / zero rule reads it, the MMAs by the
+PTX m16n8k16 fragment layout, each lane's scales on its own accumulator columns. The result
+must be the product of the decoded weights: a wrong word, pair, entry, column or scale power
+in the layout moves it far off. (What only a device shows, the tensor cores' own float32
+sums, is the device tests' part: tests/gpu/test_kernels.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from actors.model.gguf.quants import dequantize
+from tests.cuda_samples import finite_blocks
+
+ROWS, LANES = 16, 32
+TABLE_BLOCKS, ENTRIES_PER_BLOCK = 32, 64  # matvec_mma.cu's constants
+LOW_NIBBLE_PAIR, HIGH_NIBBLE_PAIR = 0x000F000F, 0x00F000F0
+
+
+def halves(pairs: np.ndarray) -> np.ndarray:
+    """float16x2 bit patterns (uint32) as their (low, high) halves, float64."""
+    return pairs.astype("<u4").view(np.float16).reshape(*pairs.shape, 2).astype(np.float64)
+
+
+def mma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """D = A B + C for one m16n8k16 from the 32 lanes' fragments (PTX's layout, lane = 4 g +
+    t): a (32, 4) pairs {(g, 2t..), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)}, b (32, 2)
+    pairs {(k 2t.., n g), (k 2t+8.., n g)}, c and D (32, 4) {(g, 2t), (g, 2t+1), (g+8, 2t),
+    (g+8, 2t+1)}; summed exactly (float64)."""
+    lane = np.arange(LANES)
+    g, t = lane // 4, lane % 4
+    a_matrix, b_matrix = np.zeros((16, 16)), np.zeros((16, 8))
+    for register, (row, k) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8),
+                                         (g + 8, 2 * t + 8)]):
+        a_matrix[row, k], a_matrix[row, k + 1] = halves(a[:, register]).T
+    for register, k in enumerate([2 * t, 2 * t + 8]):
+        b_matrix[k, g], b_matrix[k + 1, g] = halves(b[:, register]).T
+    d = a_matrix @ b_matrix
+    return c + np.stack([d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]],
+                        axis=1)
+
+
+def split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """split_pair's parts: hi = f16(x), lo = f16(x - hi) (the subtraction in float32)."""
+    hi = x.astype(np.float16)
+    lo = (x - hi.astype(np.float32)).astype(np.float16)
+    return hi, lo
+
+
+def pairs_of(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """float16x2 bit patterns, `first` in the low half."""
+    return first.view(np.uint16).astype(np.uint32) | (second.view(np.uint16).astype(np.uint32)
+                                                      << 16)
+
+
+def fill_table(x: np.ndarray, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """fill_table's entries (uint32, 4 a 16-byte entry; 16 zero entries at the end) and sums
+    (per K-block and chunk c: sub-blocks 2c, 2c + 1) of K-blocks [first, first + count)."""
+    table = np.zeros((TABLE_BLOCKS * ENTRIES_PER_BLOCK + 16, 4), dtype=np.uint32)
+    sums = np.zeros((TABLE_BLOCKS * 4, 2))
+    for item in range(count * 32):
+        block, c, i = item // 32, item // 8 % 4, item % 8
+        base = (first + block) * 256 + 64 * c + 4 * i
+        low, high = x[base:base + 4], x[base + 32:base + 36]
+        parts = [split(low), split(high)]
+        for part in range(2):  # hi entry, then lo entry
+            (low_part, high_part) = (parts[0][part], parts[1][part])
+            table[block * ENTRIES_PER_BLOCK + (8 * c + i) * 2 + part] = [
+                pairs_of(low_part[0:1], low_part[2:3])[0], pairs_of(low_part[1:2], low_part[3:4])[0],
+                pairs_of(high_part[0:1], high_part[2:3])[0],
+                pairs_of(high_part[1:2], high_part[3:4])[0]]
+        sums[block * 4 + c] += [low.astype(np.float64).sum(), high.astype(np.float64).sum()]
+    return table, sums
+
+
+def lane_block_sums(raw_tile: np.ndarray, table: np.ndarray, sums: np.ndarray, block: int,
+                    k: int) -> np.ndarray:
+    """multiply_lane_block for every lane of K-block `block` (table index k): (32, 2) sums of
+    rows g and g + 8 over the lane's two sub-blocks."""
+    lane = np.arange(LANES)
+    g, c = lane // 4, lane % 4
+    column = lane // 4
+    owner = column // 2 == c
+    entry = np.where(owner, k * ENTRIES_PER_BLOCK + 16 * c + column % 2,
+                     TABLE_BLOCKS * ENTRIES_PER_BLOCK)
+    blocks = raw_tile[:, block * 144:(block + 1) * 144]
+    chunk = np.stack([blocks[g[j], 16 + 32 * c[j]:48 + 32 * c[j]] for j in lane])  # row g
+    chunk8 = np.stack([blocks[g[j] + 8, 16 + 32 * c[j]:48 + 32 * c[j]] for j in lane])
+    words, words8 = chunk.view("<u4"), chunk8.view("<u4")
+    low, high = np.zeros((LANES, 4)), np.zeros((LANES, 4))
+    for i in range(8):
+        w, w8 = words[:, i], words8[:, i]
+        a_low = np.stack([w & LOW_NIBBLE_PAIR, w8 & LOW_NIBBLE_PAIR, (w >> 8) & LOW_NIBBLE_PAIR,
+                          (w8 >> 8) & LOW_NIBBLE_PAIR], axis=1)
+        a_high = np.stack([w & HIGH_NIBBLE_PAIR, w8 & HIGH_NIBBLE_PAIR,
+                           (w >> 8) & HIGH_NIBBLE_PAIR, (w8 >> 8) & HIGH_NIBBLE_PAIR], axis=1)
+        b = table[entry + 2 * i]
+        low = mma(a_low, b[:, 0:2], low)
+        high = mma(a_high, b[:, 2:4], high)
+    out = np.zeros((LANES, 2))
+    for r, rows in enumerate([g, g + 8]):
+        head = blocks[rows, :16]
+        d = head[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float64)
+        dmin = head[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float64)
+        scales = np.array([[k_scale_min(head[j, 4:16], 2 * c[j] + h) for h in range(2)]
+                           for j in lane], dtype=np.float64)  # (32, 2 sub-blocks, sc / m)
+        scaled = (scales[:, 0, 0] * 2.0**24 * (low[:, 2 * r] + low[:, 2 * r + 1]) +
+                  scales[:, 1, 0] * 2.0**20 * (high[:, 2 * r] + high[:, 2 * r + 1]))
+        lane_sums = sums[k * 4 + c]
+        mins = scales[:, 0, 1] * lane_sums[:, 0] + scales[:, 1, 1] * lane_sums[:, 1]
+        out[:, r] = d * scaled - dmin * mins
+    return out
+
+
+def k_scale_min(packed: np.ndarray, j: int) -> tuple[int, int]:
+    """quant_blocks.cuh's k_scale_min: sub-block j's 6-bit scale and min."""
+    q = [int(v) for v in packed]
+    if j < 4:
+        return q[j] & 63, q[j + 4] & 63
+    return (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+
+
+def mma_matvec_row_tile(raw_tile: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """mma_matvec for one token: the pieces of TABLE_BLOCKS K-blocks, the warps' K-blocks,
+    the lanes' sums added over the 4 lanes of a row (16 rows)."""
+    n_blocks = x.size // 256
+    acc = np.zeros((LANES, 2))
+    for first in range(0, n_blocks, TABLE_BLOCKS):
+        count = min(TABLE_BLOCKS, n_blocks - first)
+        table, sums = fill_table(x, first, count)
+        for k in range(count):
+            acc += lane_block_sums(raw_tile, table, sums, first + k, k)
+    per_row = acc.reshape(8, 4, 2).sum(axis=1)  # lanes 4g..4g+3
+    return np.concatenate([per_row[:, 0], per_row[:, 1]])
+
+
+@pytest.mark.parametrize("n_in", [512, 8448])
+def test_lane_fragments_and_table_give_the_product(n_in: int) -> None:
+    """512: two K-blocks (most warps idle); 8448: 33 K-blocks, a full table and a piece of
+    one. Within float32 of the decoded weights' product (the d * sc products the decode
+    rounds to float32 are the only difference left in an exact sum)."""
+    rng = np.random.default_rng(n_in)
+    raw = finite_blocks("Q4_K", ROWS, n_in, rng)
+    x = rng.standard_normal(n_in).astype(np.float32)
+    w = dequantize(raw, "Q4_K", (ROWS, n_in)).astype(np.float64)
+    got = mma_matvec_row_tile(raw, x)
+    expected = w @ x.astype(np.float64)
+    scale = np.abs(w) @ np.abs(x.astype(np.float64))
+    assert (np.abs(got - expected) <= 1e-6 * scale).all()
