@@ -136,10 +136,12 @@ __device__ __forceinline__ void multiply_lane_block(const LaneBlock& block, cons
         const uint4 head = block.head[r];
         const LaneScales s = lane_scales(head.y, head.z, head.w, c);
         const float2 d = unpack_halves(head.x);  // d, dmin
-        const float scaled = s.scale_low * (low[2 * r] + low[2 * r + 1]) +
-                             s.scale_high * (high[2 * r] + high[2 * r + 1]);
-        const float mins = s.min_low * sums.x + s.min_high * sums.y;
-        acc[r] += d.x * scaled - d.y * mins;
+        // Rounded as written (no contraction left to the compiler), so rows g and g + 8 of
+        // the tile round alike: the fused gate+up entry puts a row where the plain one may not.
+        const float scaled = __fmaf_rn(s.scale_high, __fadd_rn(high[2 * r], high[2 * r + 1]),
+                                       __fmul_rn(s.scale_low, __fadd_rn(low[2 * r], low[2 * r + 1])));
+        const float mins = __fmaf_rn(s.min_high, sums.y, __fmul_rn(s.min_low, sums.x));
+        acc[r] = __fmaf_rn(-d.y, mins, __fmaf_rn(d.x, scaled, acc[r]));
     }
 }
 
