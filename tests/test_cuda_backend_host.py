@@ -215,7 +215,7 @@ def test_logit_rows_are_gathered_only_when_they_are_not_the_first_rows(
 
 def _decode_step(gguf: GGUFFile, streams: int) -> list[launches.KernelCall]:
     spec = spec_from_gguf(gguf)
-    shape = launches.graph_shape(plan.bucket_for(streams, plan.graph_buckets(64)), 8,
+    shape = launches.graph_shape(launches.bucket_for(streams, launches.graph_buckets(64)), 8,
                                  launches.split_keys_for(spec.context_length),
                                  spec.context_length, BLOCK)
     return launches.forward_calls(spec, launches.tensor_layouts(gguf), shape,
@@ -231,7 +231,7 @@ def test_decode_rows_always_take_the_matvec(models: dict[str, GGUFFile], streams
     assert products and all(c.kernel.startswith("mul_mat_vec") for c in products)
     batches = {int(c.args[PRODUCT_ARGS - 1] if c.kernel == "mul_mat_vec_qkv" else c.args[-1])
                for c in products}
-    assert batches == {plan.bucket_for(streams, plan.graph_buckets(64))}
+    assert batches == {launches.bucket_for(streams, launches.graph_buckets(64))}
 
 
 def test_decode_rows_keep_the_matvec_when_a_prefill_shares_their_step(
@@ -439,7 +439,7 @@ def test_a_decode_graph_reads_only_the_decode_step_arrays(models: dict[str, GGUF
 def test_graph_buckets_serve_steps_of_single_tokens_that_all_want_logits(
         models: dict[str, GGUFFile]) -> None:
     spec = spec_from_gguf(models["llama-tiny"])
-    buckets = plan.graph_buckets(8)
+    buckets = launches.graph_buckets(8)
     decode = [StepItem((i + 1,), 2, (i,)) for i in range(3)]
     assert launches.graph_bucket(_plan(spec, decode), buckets) == 4
     assert launches.graph_bucket(_plan(spec, decode[:1]), buckets) == 1

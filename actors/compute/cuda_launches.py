@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.compute import cuda_plan as plan
+from actors.errors import InvalidRequest
 from actors.model.arch import ModelSpec
 from actors.model.gguf.reader import TensorInfo
 from actors.model.step import StepPlan
@@ -121,6 +122,23 @@ def leading_decode_items(lengths: np.ndarray) -> int:
     return int(longer[0]) if longer.size else len(lengths)
 
 
+def graph_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes decode graphs are captured for: 1, 2, 4, ... up to the first power of two
+    >= max_batch. A step of n sequences replays the smallest bucket >= n, padded."""
+    if max_batch < 1:
+        raise InvalidRequest(f"max_batch must be >= 1, got {max_batch}", field="max_batch")
+    return tuple(1 << i for i in range((max_batch - 1).bit_length() + 1))
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= n (buckets ascending)."""
+    index = int(np.searchsorted(np.asarray(buckets), n))
+    if n < 1 or index == len(buckets):
+        raise InvalidRequest(f"no graph bucket holds a batch of {n} (buckets {list(buckets)})",
+                             field="batch")
+    return int(buckets[index])
+
+
 def graph_bucket(step: StepPlan, buckets: Sequence[int]) -> int | None:
     """The decode-graph bucket a step replays, or None when it runs launch by launch: a
     graph serves steps whose every item is one token that wants logits, up to the largest
@@ -132,7 +150,7 @@ def graph_bucket(step: StepPlan, buckets: Sequence[int]) -> int | None:
         or n_items > buckets[-1]
     ):
         return None
-    return plan.bucket_for(n_items, buckets)
+    return bucket_for(n_items, buckets)
 
 
 def split_keys_for(context_length: int, max_splits: int = 32) -> int:

@@ -1,18 +1,19 @@
 """Host-side planning for the CUDA backend: pure Python and numpy, no pycuda.
 
 Everything the CUDA actor decides before it touches the device lives here, so it is tested on
-every machine: where the kernel sources are and what their entry points are called, which
-CUDA-graph batch bucket a step uses, how device memory splits into weights, workspace and KV
-pool, and the launch geometry of each kernel (which kernel multiplies a matrix: the matvec,
-the prefill tiles or the decode tiles, and their K-splits). A step's int32 arrays are packed
-by actors.compute.cuda_packing. The layouts named here are the kernels' (see the comment at
-the top of each cuda_src/*.cu file).
+every machine: where the kernel sources are and what their entry points are called, how
+device memory splits into weights, workspace and KV pool, and the launch geometry of each
+kernel (which kernel multiplies a matrix: the matvec, the prefill tiles or the decode tiles,
+and their K-splits). Which kernels a step launches, and which decode graph bucket it replays,
+are actors.compute.cuda_launches'; its int32 arrays are packed by
+actors.compute.cuda_packing. The layouts named here are the kernels' (see the comment at the
+top of each cuda_src/*.cu file).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -163,27 +164,6 @@ def kernel_type_code(type_name: str) -> int:
     QK_FOR_EACH_TYPE in cuda_src/quant_blocks.cuh)."""
     kernel_suffix(type_name)
     return list(KERNEL_TYPE_SUFFIX).index(type_name)
-
-
-# ---------------------------------------------------------------------------------------------
-# CUDA-graph batch buckets
-
-
-def graph_buckets(max_batch: int) -> tuple[int, ...]:
-    """Batch sizes decode graphs are captured for: 1, 2, 4, ... up to the first power of two
-    >= max_batch. A step of n sequences replays the smallest bucket >= n, padded."""
-    if max_batch < 1:
-        raise InvalidRequest(f"max_batch must be >= 1, got {max_batch}", field="max_batch")
-    return tuple(1 << i for i in range((max_batch - 1).bit_length() + 1))
-
-
-def bucket_for(n: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket >= n (buckets ascending)."""
-    index = int(np.searchsorted(np.asarray(buckets), n))
-    if n < 1 or index == len(buckets):
-        raise InvalidRequest(f"no graph bucket holds a batch of {n} (buckets {list(buckets)})",
-                             field="batch")
-    return int(buckets[index])
 
 
 # ---------------------------------------------------------------------------------------------
