@@ -384,29 +384,21 @@ def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves(
 
 def test_the_matvec_mma_route_keeps_the_matvec_where_it_serves_nothing(
         models: dict[str, GGUFFile]) -> None:
-    """SmolLM2 (Q4_1 and Q8_0 blocks) decodes exactly as on the matvec route; the tiny llama
-    (Q4_K) with a Q8_0 up matrix: its decode row's gate on mul_mat_vec_mma, up on the matvec,
-    then the activation over every row (the prompt's products on the matvec)."""
+    """SmolLM2 (Q4_1 and Q8_0 blocks) decodes exactly as on the matvec route."""
     decode = [StepItem((5,), 3, (0,)), StepItem((6,), 4, (1,))]
     assert _calls(models["llama"], decode, "matvec_mma") == _calls(models["llama"], decode)
-    gguf = models["llama-tiny"]
-    spec = spec_from_gguf(gguf)
-    layouts = launches.tensor_layouts(gguf)
-    up = layouts["blk.0.ffn_up.weight"]
-    layouts["blk.0.ffn_up.weight"] = launches.MatrixLayout("Q8_0", up.rows, up.row_length)
-    shape = launches.step_shape(_plan(spec, DECODE_AND_PREFILL), 8,
-                                launches.split_keys_for(spec.context_length),
-                                spec.context_length)
-    layer = launches.layer_calls(spec, layouts, shape, 0, launches.TILE_INPUT, "matvec_mma")
-    ffn_norm = next(c for c in layer[1:] if c.kernel == "residual_rms_norm")
-    assert [(c.kernel, int(c.args[-1])) for c in layer[layer.index(ffn_norm) + 1 :]] == [
-        ("mul_mat_vec_mma_q4_K", 1), ("mul_mat_vec_q8_0", 1), ("mul_mat_vec_q4_K", 3),
-        ("mul_mat_vec_q8_0", 3), ("gated_silu", spec.ffn_dim), ("mul_mat_vec_mma_q4_K", 1),
-        ("mul_mat_vec_q4_K", 3)]
 
 
+@pytest.mark.parametrize(("route", "ffn"), [
+    ("matvec", ["mul_mat_vec_q4_K", "mul_mat_vec_q8_0", "gated_silu", "mul_mat_vec_q4_K"]),
+    # the decode row's gate on mul_mat_vec_mma, its up on the matvec, then the prompt's (its
+    # own run, on the matvec), the activation over every row, down for each run
+    ("matvec_mma", ["mul_mat_vec_mma_q4_K", "mul_mat_vec_q8_0", "mul_mat_vec_q4_K",
+                    "mul_mat_vec_q8_0", "gated_silu", "mul_mat_vec_mma_q4_K",
+                    "mul_mat_vec_q4_K"]),
+])
 def test_gate_and_up_of_different_types_take_two_products_and_the_activation(
-        models: dict[str, GGUFFile]) -> None:
+        models: dict[str, GGUFFile], route: str, ffn: list[str]) -> None:
     gguf = models["llama-tiny"]
     spec = spec_from_gguf(gguf)
     layouts = launches.tensor_layouts(gguf)
@@ -415,10 +407,9 @@ def test_gate_and_up_of_different_types_take_two_products_and_the_activation(
     shape = launches.step_shape(_plan(spec, DECODE_AND_PREFILL), 8,
                                 launches.split_keys_for(spec.context_length),
                                 spec.context_length)
-    layer = launches.layer_calls(spec, layouts, shape, 0, launches.TILE_INPUT)
-    ffn = [c.kernel for c in layer[layer.index(next(
-        c for c in layer if c.kernel == "residual_rms_norm" and c is not layer[0])) + 1 :]]
-    assert ffn == ["mul_mat_vec_q4_K", "mul_mat_vec_q8_0", "gated_silu", "mul_mat_vec_q4_K"]
+    layer = launches.layer_calls(spec, layouts, shape, 0, launches.TILE_INPUT, route)
+    assert [c.kernel for c in layer[layer.index(next(
+        c for c in layer if c.kernel == "residual_rms_norm" and c is not layer[0])) + 1 :]] == ffn
 
 
 def test_a_decode_layer_is_a_handful_of_kernels(models: dict[str, GGUFFile]) -> None:
