@@ -1,10 +1,11 @@
 """GPU benchmark. Kernels: the Q4_K decode products' effective bandwidth (weight bytes read /
-time) on Llama-3-8B's FFN shapes on both decode routes (the matvec and the decode tiles) at
-1 to 64 rows, beside the device's own copy bandwidth, and the tensor-core tiles at prefill
-size, timed with CUDA events over many launches (the weights cycle through enough copies that
-every launch reads them from HBM, not from L2). Whole models through the CUDA backend (wall
-clock per step, each step ending in its one synchronization): decode tok/s at 1, 32 and 64
-streams on either decode route (`*_decode_tiles`) and prefill-512 tok/s on a
+time) on Llama-3-8B's FFN shapes on each decode route (the matvec, the decode tiles and the
+mma matvec) at 1 to 64 rows, beside the device's own copy bandwidth, and the tensor-core tiles
+at prefill size, timed with CUDA events over many launches (the weights cycle through enough
+copies that every launch reads them from HBM, not from L2). Whole models through the CUDA
+backend (wall clock per step, each step ending in its one synchronization): decode tok/s at
+1, 32 and 64 streams on the matvec and the decode tiles routes (`*_decode_tiles`), at 1 and
+32 on the mma matvec route (`llama3_8b_matvec_mma`), and prefill-512 tok/s on a
 Llama-3-8B-shaped file (benchmarks/synthetic_gguf.py), one-stream decode on gemma-3-270m, and
 the stream operations and kernels of a decode step. Whole models through the Engine (greedy,
 ignore_eos, a fixed token count) at 1, 32 and 64 streams beside the bare backend's figures:
@@ -48,6 +49,7 @@ ANCHORS = {"matvec_q4_K_effective_TBps": 3.4, "copy_TBps_seen_on_h200": 4.3,
 DECODE_PROMPT = 32  # tokens each stream holds before its timed decode steps
 DECODE_STEPS = 64
 DECODE_STREAMS = (1, 32, 64)
+MMA_DECODE_STREAMS = (1, 32)  # the 8B on the matvec_mma route (device time is short)
 MODEL_BLOCK = 16
 ENGINE_TOKENS = 64  # generated per stream through the Engine
 
@@ -95,22 +97,29 @@ def bench_copy(repeats: int) -> dict[str, float]:
             "TBps_read_plus_write": 2 * COPY_BYTES / seconds / 1e12}
 
 
+# The file holding each decode route's Q4_K product.
+ROUTE_FILES = {"matvec": "matvec.cu", "tiles": "matmul.cu", "matvec_mma": "matvec_mma.cu"}
+
+
 def decode_product(compiled: dict[str, Any], route: str, rows: int, n_in: int,
                    batch: int) -> tuple[str, Any, plan.Launch]:
     """The Q4_K kernel decode rows take on `route` (plan.DECODE_ROUTES), its function and
     launch for `batch` rows of a rows x n_in matrix."""
     if route == "matvec":
         name, launch = plan.matvec_kernel("Q4_K"), plan.matvec_launch(rows, n_in)
-        return name, compiled["matvec.cu"].get_function(name), launch
-    name = plan.decode_tiles_kernel("Q4_K")
-    return (name, compiled["matmul.cu"].get_function(name),
-            plan.decode_tiles_launch("Q4_K", rows, n_in, batch))
+    elif route == "matvec_mma":
+        name, launch = plan.matvec_mma_kernel("Q4_K"), plan.matvec_mma_launch(rows, n_in)
+    else:
+        name = plan.decode_tiles_kernel("Q4_K")
+        launch = plan.decode_tiles_launch("Q4_K", rows, n_in, batch)
+    return name, compiled[ROUTE_FILES[route]].get_function(name), launch
 
 
 def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: int,
                  repeats: int) -> list[dict[str, Any]]:
-    """Both decode routes' Q4_K products (the matvec and the decode tiles) at each shape and
-    decode batch, the weights read from HBM."""
+    """Each decode route's Q4_K product (the matvec, the decode tiles, the mma matvec) at each
+    shape and decode batch, the weights read from HBM; a route whose file did not compile
+    is left out (compile_s says why)."""
     import pycuda.driver as cuda
 
     results = []
@@ -124,10 +133,10 @@ def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: i
         for batch in MATVEC_BATCHES:
             x = cuda.to_device(rng.standard_normal((batch, n_in)).astype(np.float32))
             y = cuda.mem_alloc(batch * rows * 4)
-            for route in plan.DECODE_ROUTES:
+            for route in (r for r in plan.DECODE_ROUTES if ROUTE_FILES[r] in compiled):
                 name, function, launch = decode_product(compiled, route, rows, n_in, batch)
                 # the decode tiles' K-split workspace (counters zero, as the backend's)
-                split_args = () if route == "matvec" else (workspace, counters)
+                split_args = (workspace, counters) if route == "tiles" else ()
                 seconds = time_launches(
                     lambda i: function(copies[i % len(copies)], pitch, x, np.int32(n_in), y,
                                        np.int32(rows), np.int32(rows), np.int32(n_in),
@@ -383,6 +392,8 @@ def main() -> None:
         section("llama3_8b", lambda: bench_model(args.model_8b, DECODE_STREAMS, 512, rng))
         section("llama3_8b_decode_tiles",
                 lambda: bench_model(args.model_8b, DECODE_STREAMS, None, rng, "tiles"))
+        section("llama3_8b_matvec_mma",
+                lambda: bench_model(args.model_8b, MMA_DECODE_STREAMS, None, rng, "matvec_mma"))
     if args.gemma3:
         section("gemma3_270m", lambda: bench_model(args.gemma3, (1,), None, rng))
     for path in args.model:
@@ -403,9 +414,11 @@ def main() -> None:
 
 
 def compile_all(compiled: dict[str, Any]) -> float:
-    """Compiles the benchmarked files into `compiled`; the seconds it took."""
+    """Compiles the benchmarked files into `compiled`, one at a time (a file that fails
+    leaves those before it); the seconds it took."""
     started = time.perf_counter()
-    compiled.update({name: compile_module(name) for name in ("matvec.cu", "matmul.cu")})
+    for name in ROUTE_FILES.values():
+        compiled[name] = compile_module(name)
     return time.perf_counter() - started
 
 if __name__ == "__main__":

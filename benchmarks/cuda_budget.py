@@ -16,7 +16,8 @@
    and the chunk pass's per weight byte and activation row (a full chunk of 8).
 3. Kernels of one decode step (one stream), from actors.compute.cuda_launches.forward_calls +
    candidate_calls: the Llama-3-8B shape of benchmarks/synthetic_gguf.py (Q4_K_M types), also
-   on the decode tiles route, and gemma-3 (the default model's file).
+   on the decode tiles route and the mma matvec route (mul_mat_vec_mma where it serves a
+   matrix), and gemma-3 (the default model's file).
 Targets (issue 17): Q4_K inner loop <= 4 SASS instructions per weight byte; no hot kernel
 below 16 resident warps per SM; <= 7 kernels per layer.
 """
@@ -56,6 +57,8 @@ HOT_ENTRIES = {
                   "mul_mat_decode_tiles_f16x2_q4_K": plan.DECODE_TILE_THREADS,
                   "mul_mat_decode_tiles_f16x2_q6_K": plan.DECODE_TILE_THREADS,
                   "mul_mat_decode_tiles_gate_up_silu_f16x2_q4_K": plan.DECODE_TILE_THREADS},
+    "matvec_mma.cu": {"mul_mat_vec_mma_q4_K": plan.MATVEC_MMA_THREADS,
+                      "mul_mat_vec_mma_gate_up_silu_q4_K": plan.MATVEC_MMA_THREADS},
     "attention.cu": {"attention_decode": plan.DECODE_THREADS,
                      "attention_prefill": plan.ATTN_WARPS * 32},
     "norm.cu": {"residual_rms_norm": plan.NORM_THREADS},
@@ -257,7 +260,8 @@ def budgets(gemma_path: Path | None = None) -> dict:
                                           "nvidia-cuda-nvdisasm provide it)")
     report["decode_step"] = {
         "llama3_8b_q4_k_m": decode_kernels(*llama_8b_layouts()),
-        "llama3_8b_q4_k_m_decode_tiles": decode_kernels(*llama_8b_layouts(), "tiles")}
+        "llama3_8b_q4_k_m_decode_tiles": decode_kernels(*llama_8b_layouts(), "tiles"),
+        "llama3_8b_q4_k_m_matvec_mma": decode_kernels(*llama_8b_layouts(), "matvec_mma")}
     try:
         report["decode_step"]["gemma3"] = decode_kernels(*gemma_layouts(gemma_path))
     except (FileNotFoundError, OSError) as error:

@@ -109,6 +109,11 @@ class KernelTwins:
         return dequantize(raw[:, : row_bytes(type_name, n_in)].copy(), type_name, (rows, n_in))
 
     def launch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
+        if name.startswith("mul_mat_vec_mma_"):
+            # The tensor cores' matvec (mul_mat_vec_mma_<suffix>, its gate_up_<act>_<suffix>):
+            # the matvec's arguments and twins; its own summation on the device, within the
+            # same float32 bound.
+            name = "mul_mat_vec_" + name[len("mul_mat_vec_mma_"):]
         if name.startswith("get_rows_"):
             self.get_rows(TYPE_OF_SUFFIX[name[len("get_rows_"):]], grid, *args)
         elif name == "mul_mat_vec_qkv":

@@ -215,7 +215,7 @@ def test_logit_rows_are_gathered_only_when_they_are_not_the_first_rows(
 
 def _decode_step(gguf: GGUFFile, streams: int) -> list[launches.KernelCall]:
     spec = spec_from_gguf(gguf)
-    shape = launches.graph_shape(plan.bucket_for(streams, plan.graph_buckets(64)), 8,
+    shape = launches.graph_shape(launches.bucket_for(streams, launches.graph_buckets(64)), 8,
                                  launches.split_keys_for(spec.context_length),
                                  spec.context_length, BLOCK)
     return launches.forward_calls(spec, launches.tensor_layouts(gguf), shape,
@@ -231,7 +231,7 @@ def test_decode_rows_always_take_the_matvec(models: dict[str, GGUFFile], streams
     assert products and all(c.kernel.startswith("mul_mat_vec") for c in products)
     batches = {int(c.args[PRODUCT_ARGS - 1] if c.kernel == "mul_mat_vec_qkv" else c.args[-1])
                for c in products}
-    assert batches == {plan.bucket_for(streams, plan.graph_buckets(64))}
+    assert batches == {launches.bucket_for(streams, launches.graph_buckets(64))}
 
 
 def test_decode_rows_keep_the_matvec_when_a_prefill_shares_their_step(
@@ -342,8 +342,63 @@ def test_decode_rows_on_the_decode_tiles_route_take_them_whatever_shares_the_ste
         launches.row_runs(shape, "wmma")
 
 
-def test_gate_and_up_of_different_types_take_two_products_and_the_activation(
+def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves() -> None:
+    """The Llama-3-8B shape (Q4_K_M): on the matvec_mma route the decode rows' Q4_K products
+    take mul_mat_vec_mma, gate and up with the activation in its fused entry, q, k and v a
+    launch each then qkv_finish; the Q6_K matrices (v and down in some layers) and the logits
+    rows keep the matvec. Ten launches a layer."""
+    from benchmarks.cuda_budget import llama_8b_layouts
+
+    spec, layouts = llama_8b_layouts()
+    shape = launches.graph_shape(4, 8, launches.split_keys_for(spec.context_length),
+                                 spec.context_length, BLOCK)
+    assert launches.row_runs(shape, "matvec_mma") == [launches.RowRun(0, 4, launches.DECODE_MMA)]
+    calls = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT, "matvec_mma")
+    layers = _layer_slices(calls)
+    assert len(layers) == spec.n_layers
+    served = set()
+    for layer in layers:
+        products = [c for c in layer if c.kernel.startswith("mul_mat_vec")
+                    and c.args[0].name.startswith("blk.")]
+        assert not any(c.kernel in ("mul_mat_vec_qkv", "gated_silu") for c in layer)
+        assert [c.kernel for c in layer].count("qkv_finish") == 1
+        for call in products:
+            if "gate_up" in call.kernel:
+                assert call.kernel == plan.matvec_mma_gate_up_kernel("silu", "Q4_K")
+                assert call.launch == plan.Launch((2 * spec.ffn_dim // 16, 1, 1), (256, 1, 1))
+                continue
+            matrix = layouts[call.args[0].name]
+            served.add((matrix.type_name, call.kernel))
+            assert call.kernel == (plan.matvec_mma_kernel("Q4_K") if matrix.type_name == "Q4_K"
+                                   else plan.matvec_kernel(matrix.type_name))
+            assert call.launch == (plan.matvec_mma_launch(matrix.rows, matrix.row_length)
+                                   if matrix.type_name == "Q4_K"
+                                   else plan.matvec_launch(matrix.rows, matrix.row_length))
+            assert int(call.args[8]) == 4
+    assert served == {("Q4_K", "mul_mat_vec_mma_q4_K"), ("Q6_K", "mul_mat_vec_q6_K")}
+    assert {len(layer) for layer in layers[:-1]} == {10}
+    # The logits rows (this spec's output is the Q4_K embedding, tied) keep the matvec.
+    assert calls[-1].kernel == plan.matvec_kernel(layouts[calls[-1].args[0].name].type_name)
+    assert calls[-1].args[4] == launches.Ref("logits")
+
+
+def test_the_matvec_mma_route_keeps_the_matvec_where_it_serves_nothing(
         models: dict[str, GGUFFile]) -> None:
+    """SmolLM2 (Q4_1 and Q8_0 blocks) decodes exactly as on the matvec route."""
+    decode = [StepItem((5,), 3, (0,)), StepItem((6,), 4, (1,))]
+    assert _calls(models["llama"], decode, "matvec_mma") == _calls(models["llama"], decode)
+
+
+@pytest.mark.parametrize(("route", "ffn"), [
+    ("matvec", ["mul_mat_vec_q4_K", "mul_mat_vec_q8_0", "gated_silu", "mul_mat_vec_q4_K"]),
+    # the decode row's gate on mul_mat_vec_mma, its up on the matvec, then the prompt's (its
+    # own run, on the matvec), the activation over every row, down for each run
+    ("matvec_mma", ["mul_mat_vec_mma_q4_K", "mul_mat_vec_q8_0", "mul_mat_vec_q4_K",
+                    "mul_mat_vec_q8_0", "gated_silu", "mul_mat_vec_mma_q4_K",
+                    "mul_mat_vec_q4_K"]),
+])
+def test_gate_and_up_of_different_types_take_two_products_and_the_activation(
+        models: dict[str, GGUFFile], route: str, ffn: list[str]) -> None:
     gguf = models["llama-tiny"]
     spec = spec_from_gguf(gguf)
     layouts = launches.tensor_layouts(gguf)
@@ -352,10 +407,9 @@ def test_gate_and_up_of_different_types_take_two_products_and_the_activation(
     shape = launches.step_shape(_plan(spec, DECODE_AND_PREFILL), 8,
                                 launches.split_keys_for(spec.context_length),
                                 spec.context_length)
-    layer = launches.layer_calls(spec, layouts, shape, 0, launches.TILE_INPUT)
-    ffn = [c.kernel for c in layer[layer.index(next(
-        c for c in layer if c.kernel == "residual_rms_norm" and c is not layer[0])) + 1 :]]
-    assert ffn == ["mul_mat_vec_q4_K", "mul_mat_vec_q8_0", "gated_silu", "mul_mat_vec_q4_K"]
+    layer = launches.layer_calls(spec, layouts, shape, 0, launches.TILE_INPUT, route)
+    assert [c.kernel for c in layer[layer.index(next(
+        c for c in layer if c.kernel == "residual_rms_norm" and c is not layer[0])) + 1 :]] == ffn
 
 
 def test_a_decode_layer_is_a_handful_of_kernels(models: dict[str, GGUFFile]) -> None:
@@ -439,7 +493,7 @@ def test_a_decode_graph_reads_only_the_decode_step_arrays(models: dict[str, GGUF
 def test_graph_buckets_serve_steps_of_single_tokens_that_all_want_logits(
         models: dict[str, GGUFFile]) -> None:
     spec = spec_from_gguf(models["llama-tiny"])
-    buckets = plan.graph_buckets(8)
+    buckets = launches.graph_buckets(8)
     decode = [StepItem((i + 1,), 2, (i,)) for i in range(3)]
     assert launches.graph_bucket(_plan(spec, decode), buckets) == 4
     assert launches.graph_bucket(_plan(spec, decode[:1]), buckets) == 1

@@ -36,3 +36,6 @@ def test_budget_report() -> None:
     tiles = report["decode_step"]["llama3_8b_q4_k_m_decode_tiles"]
     # q, k, v, gate and up a launch each on the decode tiles, qkv_finish and the activation
     assert tiles["kernels_per_layer"] > llama["kernels_per_layer"]
+    mma = report["decode_step"]["llama3_8b_q4_k_m_matvec_mma"]
+    # q, k and v a launch each on the mma matvec (Q4_K q and k), then qkv_finish
+    assert mma["kernels_per_layer"] == llama["kernels_per_layer"] + 3

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from actors.compute import cuda_launches as launches
 from actors.compute import cuda_packing as packing
 from actors.compute import cuda_plan as plan
 from actors.errors import ComputeError, InvalidRequest
@@ -58,17 +59,17 @@ def test_importing_actors_and_the_plan_never_imports_pycuda() -> None:
 def test_graph_buckets_are_powers_of_two_covering_the_batch(
     max_batch: int, expected: tuple[int, ...]
 ) -> None:
-    assert plan.graph_buckets(max_batch) == expected
+    assert launches.graph_buckets(max_batch) == expected
 
 
 def test_bucket_is_the_smallest_that_holds_the_batch() -> None:
-    buckets = plan.graph_buckets(64)
-    chosen = [plan.bucket_for(n, buckets) for n in range(1, 65)]
+    buckets = launches.graph_buckets(64)
+    chosen = [launches.bucket_for(n, buckets) for n in range(1, 65)]
     assert chosen[:9] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
     assert all(b >= n and (b == 1 or b // 2 < n) for n, b in enumerate(chosen, start=1))
     for bad in (0, 65):
         with pytest.raises(InvalidRequest):
-            plan.bucket_for(bad, buckets)
+            launches.bucket_for(bad, buckets)
 
 
 def test_row_pitch_rounds_rows_up_to_16_bytes() -> None:

@@ -230,7 +230,7 @@ class CudaBackend:
         self._stream = cuda.Stream(flags=STREAM_NON_BLOCKING)
         self._layouts = launches.tensor_layouts(model.gguf)
         self._split_keys = launches.split_keys_for(spec.context_length)
-        self._buckets = plan.graph_buckets(min(kv.max_sequences, MAX_GRAPH_BATCH))
+        self._buckets = launches.graph_buckets(min(kv.max_sequences, MAX_GRAPH_BATCH))
         weight_addresses, weight_bytes = self._upload_weights(model)
         self._addresses = {"null": 0, **weight_addresses}
         limits = plan.StepLimits(

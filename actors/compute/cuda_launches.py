@@ -5,22 +5,26 @@ arguments; arguments that are device addresses are `Ref`s (a name and a byte off
 backend resolves when it launches: the GGUF tensor names for weights, `k_cache.<layer>` /
 `v_cache.<layer>` for the KV pool, the names of `cuda_plan.workspace_buffers` for the
 workspace, `step.<array>` and `rows.<array>` for the arrays packed into the step's input
-buffer (actors.compute.cuda_packing). So the order of the kernels and every architecture quirk they honour (embedding scale,
-q/k/v biases, q/k head norms, RoPE layout and per-layer base, sliding window, post norms, the
-gated activation, the tied output) are tested on any machine, and the backend is a loop.
+buffer (actors.compute.cuda_packing). So the order of the kernels and every architecture
+quirk they honour (embedding scale, q/k/v biases, q/k head norms, RoPE layout and per-layer
+base, sliding window, post norms, the gated activation, the tied output) are tested on any
+machine, and the backend is a loop.
 
 Layouts are the kernels' (cuda_src/README.md): activations float32 rows; q, k and v side by
 side in one `qkv` row (q heads, then k heads, then v); gate and up side by side in `gate_up`.
 Each layer's residual add is fused into the next RMSNorm (residual_rms_norm's `delta`).
 
-Decode rows always take one route, any number of them: the matvec (the default) or the
-decode tiles (tensor cores, 8 tokens a tile); a short prefill item takes the matvec, a long
-one the tiles, a launch per matrix (`row_runs`): a sequence's tokens do not depend on what else
-shares its step. On the matvec a decode layer is seven launches: residual_rms_norm,
-mul_mat_vec_qkv (its epilogue finishes q, k and v: biases, q/k norms, RoPE, the K/V write),
-attention_decode, the output matvec, residual_rms_norm, the fused gate+up+activation matvec,
-the down matvec. Rows on either tiles take qkv_finish after their q, k and v products; on the
-decode tiles q, k and v are a launch each and gate, up and the activation one.
+Decode rows always take one route, any number of them: the matvec (the default), the
+decode tiles (tensor cores, 8 tokens a tile) or the mma matvec (mul_mat_vec_mma, the matvec
+on the tensor cores, for the matrices it serves; the matvec for the others); a short prefill
+item takes the matvec, a long one the tiles, a launch per matrix (`row_runs`): a sequence's
+tokens do not depend on what else shares its step. On the matvec a decode layer is seven
+launches: residual_rms_norm, mul_mat_vec_qkv (its epilogue finishes q, k and v: biases, q/k
+norms, RoPE, the K/V write), attention_decode, the output matvec, residual_rms_norm, the
+fused gate+up+activation matvec, the down matvec. Rows on either tiles take qkv_finish after
+their q, k and v products; on the decode tiles q, k and v are a launch each and gate, up and
+the activation one. The mma matvec keeps mul_mat_vec_qkv where it serves none of q, k and v
+(else a launch each, then qkv_finish) and fuses gate, up and the activation as the matvec.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.compute import cuda_plan as plan
+from actors.errors import InvalidRequest
 from actors.model.arch import ModelSpec
 from actors.model.gguf.reader import TensorInfo
 from actors.model.step import StepPlan
@@ -121,6 +126,23 @@ def leading_decode_items(lengths: np.ndarray) -> int:
     return int(longer[0]) if longer.size else len(lengths)
 
 
+def graph_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes decode graphs are captured for: 1, 2, 4, ... up to the first power of two
+    >= max_batch. A step of n sequences replays the smallest bucket >= n, padded."""
+    if max_batch < 1:
+        raise InvalidRequest(f"max_batch must be >= 1, got {max_batch}", field="max_batch")
+    return tuple(1 << i for i in range((max_batch - 1).bit_length() + 1))
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= n (buckets ascending)."""
+    index = int(np.searchsorted(np.asarray(buckets), n))
+    if n < 1 or index == len(buckets):
+        raise InvalidRequest(f"no graph bucket holds a batch of {n} (buckets {list(buckets)})",
+                             field="batch")
+    return int(buckets[index])
+
+
 def graph_bucket(step: StepPlan, buckets: Sequence[int]) -> int | None:
     """The decode-graph bucket a step replays, or None when it runs launch by launch: a
     graph serves steps whose every item is one token that wants logits, up to the largest
@@ -132,7 +154,7 @@ def graph_bucket(step: StepPlan, buckets: Sequence[int]) -> int | None:
         or n_items > buckets[-1]
     ):
         return None
-    return plan.bucket_for(n_items, buckets)
+    return bucket_for(n_items, buckets)
 
 
 def split_keys_for(context_length: int, max_splits: int = 32) -> int:
@@ -188,7 +210,11 @@ def _i32(value: int) -> np.int32:
     return np.int32(value)
 
 
-MATVEC, TILES, DECODE_TILES = "matvec", "tiles", "decode_tiles"  # a RowRun's kernels
+# A RowRun's kernels: the matvec, the prefill tiles, and the decode rows' other routes (the
+# decode tiles; the tensor cores' matvec, mul_mat_vec_mma, where it serves a matrix).
+MATVEC, TILES, DECODE_TILES, DECODE_MMA = "matvec", "tiles", "decode_tiles", "decode_mma"
+# The kernels of the decode rows on each of plan.DECODE_ROUTES.
+DECODE_KERNELS = {"matvec": MATVEC, "tiles": DECODE_TILES, "matvec_mma": DECODE_MMA}
 # The decode tiles' K-split workspace, the last arguments of each of their launches.
 DECODE_SPLIT_WORKSPACE = (Ref("decode_tile_partials"), Ref("decode_tile_counters"))
 
@@ -196,11 +222,12 @@ DECODE_SPLIT_WORKSPACE = (Ref("decode_tile_partials"), Ref("decode_tile_counters
 @dataclass(frozen=True)
 class RowRun:
     """Consecutive rows of a step that one launch per product serves: `rows` rows from
-    `first`, on the matvec, the (prefill) tiles or the decode tiles."""
+    `first`, on the matvec, the (prefill) tiles, the decode tiles or the decode rows' mma
+    matvec (the matvec for the matrices mul_mat_vec_mma does not serve)."""
 
     first: int
     rows: int
-    kernels: str  # MATVEC, TILES or DECODE_TILES
+    kernels: str  # MATVEC, TILES, DECODE_TILES or DECODE_MMA
 
     @property
     def matvec(self) -> bool:
@@ -209,13 +236,13 @@ class RowRun:
 
 def row_runs(shape: StepShape, decode_route: str = "matvec") -> list[RowRun]:
     """The step's rows in launches: the decode rows on `decode_route` (plan.DECODE_ROUTES: the
-    matvec or the decode tiles), any number of them; each prefill item on the matvec when it
-    is short (plan.uses_matvec of its own length), else on the tiles; neighbours on the same
-    kernels share a launch. A row's route depends on its own item alone and every kernel's
-    rows are independent of each other, so a sequence's tokens do not depend on what shares
-    its step (a decode row never shares a prefill tile)."""
+    matvec, the decode tiles or the mma matvec), any number of them; each prefill item on the
+    matvec when it is short (plan.uses_matvec of its own length), else on the tiles;
+    neighbours on the same kernels share a launch. A row's route depends on its own item
+    alone and every kernel's rows are independent of each other, so a sequence's tokens do
+    not depend on what shares its step (a decode row never shares a prefill tile)."""
     runs: list[RowRun] = []
-    decode_kernels = MATVEC if plan.check_decode_route(decode_route) == "matvec" else DECODE_TILES
+    decode_kernels = DECODE_KERNELS[plan.check_decode_route(decode_route)]
     routes = [(shape.n_decode, decode_kernels)] if shape.n_decode else []
     routes += [(n, MATVEC if plan.uses_matvec(n) else TILES) for n in shape.prefill_lengths]
     first = 0
@@ -234,15 +261,20 @@ def _rows_in(ref: Ref, rows: int, stride: int) -> Ref:
 
 
 def matvec_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
-                y_stride: int, batch: int) -> KernelCall:
-    """y[b][r] = W[r] . x[b] for the matrix `name`, b < batch, on the matvec."""
+                y_stride: int, batch: int, mma: bool = False) -> KernelCall:
+    """y[b][r] = W[r] . x[b] for the matrix `name`, b < batch, on the matvec; with `mma` on
+    its tensor-core twin mul_mat_vec_mma (the same arguments) where that serves the matrix
+    (plan.uses_matvec_mma)."""
     matrix = weights[name]
-    return KernelCall(
-        plan.matvec_kernel(matrix.type_name),
-        plan.matvec_launch(matrix.rows, matrix.row_length),
-        (Ref(name), np.int64(matrix.pitch), x, _i32(x_stride), y, _i32(y_stride),
-         _i32(matrix.rows), _i32(matrix.row_length), _i32(batch)),
-    )
+    if mma and plan.uses_matvec_mma(matrix.type_name, matrix.row_length):
+        kernel = plan.matvec_mma_kernel(matrix.type_name)
+        launch = plan.matvec_mma_launch(matrix.rows, matrix.row_length)
+    else:
+        kernel = plan.matvec_kernel(matrix.type_name)
+        launch = plan.matvec_launch(matrix.rows, matrix.row_length)
+    return KernelCall(kernel, launch,
+                      (Ref(name), np.int64(matrix.pitch), x, _i32(x_stride), y, _i32(y_stride),
+                       _i32(matrix.rows), _i32(matrix.row_length), _i32(batch)))
 
 
 def tiles_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
@@ -263,18 +295,23 @@ def tiles_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride:
                       plan.matmul_launch(matrix.rows, n_tokens), args)
 
 
+def product_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int,
+                 y: Ref, y_stride: int, run: RowRun, tile_input: str) -> KernelCall:
+    """y = W x over the rows of `run` (x and y: its first rows) on the run's kernels."""
+    run_x, run_y = _rows_in(x, run.first, x_stride), _rows_in(y, run.first, y_stride)
+    if run.kernels in (MATVEC, DECODE_MMA):
+        return matvec_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows,
+                           mma=run.kernels == DECODE_MMA)
+    return tiles_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows, tile_input,
+                      run.kernels)
+
+
 def matmul_calls(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int,
                  y: Ref, y_stride: int, runs: Sequence[RowRun],
                  tile_input: str) -> list[KernelCall]:
     """y = W x over the rows of `runs`, one launch per run."""
-    calls = []
-    for run in runs:
-        run_x, run_y = _rows_in(x, run.first, x_stride), _rows_in(y, run.first, y_stride)
-        calls.append(
-            matvec_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows) if run.matvec
-            else tiles_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows,
-                            tile_input, run.kernels))
-    return calls
+    return [product_call(weights, name, x, x_stride, y, y_stride, run, tile_input)
+            for run in runs]
 
 
 def _optional(name: str, present: bool) -> Ref:
@@ -344,28 +381,29 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
               layer: int, tile_input: str) -> list[KernelCall]:
     """q, k and v side by side in each `qkv` row, finished (biases, head norms, RoPE, the K/V
     write) for attention: a matvec run in one launch (mul_mat_vec_qkv, a block type per
-    segment, the finish in its epilogue), a tiles run in one launch per matrix then
-    qkv_finish over its rows. Each row is finished once, by its own run's launches."""
+    segment, the finish in its epilogue), as is an mma run where mul_mat_vec_mma serves none
+    of the three; any other run in one launch per matrix then qkv_finish over its rows. Each
+    row is finished once, by its own run's launches."""
     d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
     names = [f"blk.{layer}.attn_{part}.weight" for part in "qkv"]
+    any_mma = any(plan.uses_matvec_mma(weights[name].type_name, d) for name in names)
     segments = [arg for name in names for arg in (
         Ref(name), np.int64(weights[name].pitch),
         _i32(plan.kernel_type_code(weights[name].type_name)), _i32(weights[name].rows))]
     columns = (0, spec.q_dim, spec.q_dim + spec.kv_dim)
     calls = []
     for run in runs:
-        x = _rows_in(Ref("normed"), run.first, d)
-        if run.matvec:
+        if run.matvec or (run.kernels == DECODE_MMA and not any_mma):
             calls.append(KernelCall(
                 "mul_mat_vec_qkv",
                 plan.qkv_launch(*(weights[name].rows for name in names), d),
-                (*segments, x, _i32(d), _rows_in(Ref("qkv"), run.first, qkv_stride),
-                 _i32(qkv_stride), _i32(d), _i32(run.rows), _i32(spec.head_dim),
+                (*segments, _rows_in(Ref("normed"), run.first, d), _i32(d),
+                 _rows_in(Ref("qkv"), run.first, qkv_stride), _i32(qkv_stride), _i32(d),
+                 _i32(run.rows), _i32(spec.head_dim),
                  *_finish_args(spec, weights, layer, run.first), Ref("qkv_counters"))))
         else:
-            calls += [tiles_call(weights, name, x, d,
-                                 _rows_in(Ref("qkv", column * F32), run.first, qkv_stride),
-                                 qkv_stride, run.rows, tile_input, run.kernels)
+            calls += [product_call(weights, name, Ref("normed"), d, Ref("qkv", column * F32),
+                                   qkv_stride, run, tile_input)
                       for name, column in zip(names, columns)]
             calls.append(qkv_finish_call(spec, weights, run, layer))
     return calls
@@ -384,12 +422,39 @@ def qkv_finish_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run: R
          *_finish_args(spec, weights, layer, run.first)))
 
 
+def fused_gate_up_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run: RowRun,
+                       layer: int, tile_input: str) -> KernelCall | None:
+    """`gated` = act(gate x) * (up x) over the run's rows in one launch, where gate and up
+    share a block type and the run's kernels have a fused entry (all but the prefill tiles):
+    the decode tiles', mul_mat_vec_mma's on an mma run where it serves the matrices, else the
+    matvec's. None where nothing fuses."""
+    d, ffn = spec.d_model, spec.ffn_dim
+    gate, up = f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"
+    type_name = weights[gate].type_name
+    if type_name != weights[up].type_name or run.kernels == TILES:
+        return None
+    args = (Ref(gate), Ref(up), np.int64(weights[gate].pitch),
+            _rows_in(Ref("normed"), run.first, d), _i32(d),
+            _rows_in(Ref("gated"), run.first, ffn), _i32(ffn), _i32(ffn), _i32(d),
+            _i32(run.rows))
+    if run.kernels == DECODE_TILES:
+        return KernelCall(
+            plan.decode_tiles_gate_up_kernel(spec.activation, type_name, tile_input),
+            plan.decode_tiles_gate_up_launch(type_name, ffn, d, run.rows),
+            (*args, *DECODE_SPLIT_WORKSPACE))
+    if run.kernels == DECODE_MMA and plan.uses_matvec_mma(type_name, d):
+        return KernelCall(plan.matvec_mma_gate_up_kernel(spec.activation, type_name),
+                          plan.matvec_mma_launch(2 * ffn, d), args)
+    return KernelCall(plan.gate_up_kernel(spec.activation, plan.kernel_suffix(type_name)),
+                      plan.matvec_launch(2 * ffn, d), args)
+
+
 def gated_ffn_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
                     runs: Sequence[RowRun], layer: int, tile_input: str) -> list[KernelCall]:
-    """`gated` = act(gate x) * (up x): a matvec or decode tiles run in one fused launch where
-    gate and up share a block type; otherwise the run's gate and up products into `gate_up`
-    (gate, then up, in each row) and gated_<act> over its rows (one over all rows where
-    nothing fuses)."""
+    """`gated` = act(gate x) * (up x): each run in one fused launch where it can
+    (fused_gate_up_call); otherwise the run's gate and up products into `gate_up` (gate, then
+    up, in each row) and gated_<act> over its rows (one over all rows where gate and up have
+    different block types)."""
     d, ffn = spec.d_model, spec.ffn_dim
     gate, up = f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"
     fuses = weights[gate].type_name == weights[up].type_name
@@ -401,25 +466,13 @@ def gated_ffn_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
 
     calls = []
     for run in runs:
-        if fuses and run.kernels != TILES:
-            type_name = weights[gate].type_name
-            args = (Ref(gate), Ref(up), np.int64(weights[gate].pitch),
-                    _rows_in(Ref("normed"), run.first, d), _i32(d),
-                    _rows_in(Ref("gated"), run.first, ffn), _i32(ffn), _i32(ffn), _i32(d),
-                    _i32(run.rows))
-            if run.matvec:
-                calls.append(KernelCall(
-                    plan.gate_up_kernel(spec.activation, plan.kernel_suffix(type_name)),
-                    plan.matvec_launch(2 * ffn, d), args))
-            else:
-                calls.append(KernelCall(
-                    plan.decode_tiles_gate_up_kernel(spec.activation, type_name, tile_input),
-                    plan.decode_tiles_gate_up_launch(type_name, ffn, d, run.rows),
-                    (*args, *DECODE_SPLIT_WORKSPACE)))
+        fused = fused_gate_up_call(spec, weights, run, layer, tile_input)
+        if fused is not None:
+            calls.append(fused)
             continue
         for name, column in ((gate, 0), (up, ffn)):
-            calls += matmul_calls(weights, name, Ref("normed"), d, Ref("gate_up", column * F32),
-                                  2 * ffn, [run], tile_input)
+            calls.append(product_call(weights, name, Ref("normed"), d,
+                                      Ref("gate_up", column * F32), 2 * ffn, run, tile_input))
         if fuses:
             calls.append(gated(run.first, run.rows))
     if not fuses:

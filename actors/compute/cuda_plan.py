@@ -1,18 +1,18 @@
 """Host-side planning for the CUDA backend: pure Python and numpy, no pycuda.
 
 Everything the CUDA actor decides before it touches the device lives here, so it is tested on
-every machine: where the kernel sources are and what their entry points are called, which
-CUDA-graph batch bucket a step uses, how device memory splits into weights, workspace and KV
-pool, and the launch geometry of each kernel (which kernel multiplies a matrix: the matvec,
-the prefill tiles or the decode tiles, and their K-splits). A step's int32 arrays are packed
-by actors.compute.cuda_packing. The layouts named here are the kernels' (see the comment at
-the top of each cuda_src/*.cu file).
+every machine: where the kernel sources are and what their entry points are called, how
+device memory splits into weights, workspace and KV pool, and each kernel's launch geometry
+(which kernel multiplies a matrix: the matvec, the prefill or decode tiles, the tensor cores'
+matvec; their K-splits). The launches of a step, and the graph bucket it replays, are
+actors.compute.cuda_launches'; its int32 arrays, actors.compute.cuda_packing's. The layouts
+named here are the kernels' (see the comment at the top of each cuda_src/*.cu file).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,9 +59,13 @@ MAX_DECODE_SPLITS = 8
 # DECODE_TILE_MIN_BLOCKS (decode_tiles_splits stops at the first power of two past), and the
 # fused gate+up has twice the row tiles of its matrices (16 rows of each a tile).
 DECODE_PARTIAL_ROWS = 4 * DECODE_TILE_MIN_BLOCKS * DECODE_TILE_ROWS
+# mul_mat_vec_mma (matvec_mma.cu): the decode matvec on the tensor cores, one MMA row tile of
+# 16 rows a block, 8 warps splitting K; the block types it has entries for.
+MATVEC_MMA_TYPES = ("Q4_K",)
+MATVEC_MMA_ROWS, MATVEC_MMA_THREADS = 16, 256
 # Where decode rows' products run (cuda_launches.row_runs), whatever their number: the
-# CUDA-core matvec, or the tensor cores' decode tiles.
-DECODE_ROUTES = ("matvec", "tiles")
+# CUDA-core matvec, the tensor cores' decode tiles, or the tensor cores' matvec.
+DECODE_ROUTES = ("matvec", "tiles", "matvec_mma")
 NORM_THREADS = 256
 HEAD_NORM_HEADS_PER_BLOCK = 4
 QKV_FINISH_HEADS_PER_BLOCK = 4
@@ -132,6 +136,9 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
                         for s in suffixes for i in TILE_INPUTS),
                       *(decode_tiles_gate_up_kernel(a, t, i) for a in ACTIVATIONS
                         for t in KERNEL_TYPE_SUFFIX for i in TILE_INPUTS)),
+        "matvec_mma.cu": (*(matvec_mma_kernel(t) for t in MATVEC_MMA_TYPES),
+                          *(matvec_mma_gate_up_kernel(a, t) for a in ACTIVATIONS
+                            for t in MATVEC_MMA_TYPES)),
         "embedding.cu": tuple(f"get_rows_{s}" for s in suffixes),
         "norm.cu": ("residual_rms_norm", "head_rms_norm"),
         "rope.cu": ("rope",),
@@ -163,27 +170,6 @@ def kernel_type_code(type_name: str) -> int:
     QK_FOR_EACH_TYPE in cuda_src/quant_blocks.cuh)."""
     kernel_suffix(type_name)
     return list(KERNEL_TYPE_SUFFIX).index(type_name)
-
-
-# ---------------------------------------------------------------------------------------------
-# CUDA-graph batch buckets
-
-
-def graph_buckets(max_batch: int) -> tuple[int, ...]:
-    """Batch sizes decode graphs are captured for: 1, 2, 4, ... up to the first power of two
-    >= max_batch. A step of n sequences replays the smallest bucket >= n, padded."""
-    if max_batch < 1:
-        raise InvalidRequest(f"max_batch must be >= 1, got {max_batch}", field="max_batch")
-    return tuple(1 << i for i in range((max_batch - 1).bit_length() + 1))
-
-
-def bucket_for(n: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket >= n (buckets ascending)."""
-    index = int(np.searchsorted(np.asarray(buckets), n))
-    if n < 1 or index == len(buckets):
-        raise InvalidRequest(f"no graph bucket holds a batch of {n} (buckets {list(buckets)})",
-                             field="batch")
-    return int(buckets[index])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,8 +367,8 @@ def _check_grid(launch: Launch) -> Launch:
 
 def uses_matvec(n_tokens: int) -> bool:
     """A prefill item of up to MATVEC_MAX_BATCH tokens takes mul_mat_vec; a longer one goes
-    to the tensor-core tiles. (Decode rows take one route whatever their number, the matvec
-    or the decode tiles: cuda_launches.row_runs.)"""
+    to the tensor-core tiles. (Decode rows take one route whatever their number, one of
+    DECODE_ROUTES: cuda_launches.row_runs.)"""
     return n_tokens <= MATVEC_MAX_BATCH
 
 
@@ -456,6 +442,29 @@ def decode_tiles_gate_up_launch(type_name: str, ffn_rows: int, n_in: int,
                                 n_tokens: int) -> Launch:
     """mul_mat_decode_tiles_gate_up: 16 ffn rows (gate and up) x 8 tokens a block."""
     return decode_tiles_launch(type_name, ffn_rows, n_in, n_tokens, DECODE_TILE_ROWS // 2)
+
+
+def uses_matvec_mma(type_name: str, n_in: int) -> bool:
+    """Whether the matvec_mma route gives this matrix to mul_mat_vec_mma (else the matvec)."""
+    return type_name in MATVEC_MMA_TYPES and n_in % 256 == 0
+
+
+def matvec_mma_kernel(type_name: str) -> str:
+    """mul_mat_vec's twin on the tensor cores (its arguments, its own summation)."""
+    return f"mul_mat_vec_mma_{kernel_suffix(type_name)}"
+
+
+def matvec_mma_gate_up_kernel(activation: str, type_name: str) -> str:
+    """mul_mat_vec_mma's y = act(gate . x) * (up . x) entry for a block type."""
+    return f"mul_mat_vec_mma_gate_up_{activation}_{kernel_suffix(type_name)}"
+
+
+def matvec_mma_launch(rows: int, n_in: int) -> Launch:
+    """mul_mat_vec_mma (`rows` output rows) or its gate+up (2 * ffn rows: 8 gate and the same
+    8 up rows a block), any batch: MATVEC_MMA_ROWS rows a block, its 8 warps splitting n_in
+    (which the grid does not depend on)."""
+    return _check_grid(Launch((_blocks(rows, MATVEC_MMA_ROWS), 1, 1),
+                              (MATVEC_MMA_THREADS, 1, 1)))
 
 
 def check_decode_route(route: str) -> str:

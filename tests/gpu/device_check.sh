@@ -6,16 +6,18 @@
 #      on the reference sequences; the engine on backend="cuda");
 #   3. benchmarks/synthetic_gguf.py: the Llama-3-8B-shaped Q4_K_M file and how long it takes
 #      there (SYNTHETIC_LAYERS, default 32; the file is deleted afterwards);
-#   4. benchmarks/bench_cuda.py (Q4_K decode products on both decode routes, the matvec and
-#      the decode tiles, in effective TB/s; copy bandwidth; tensor-core tiles;
-#      whole-model decode / prefill tok/s on that file and, where its file is here,
-#      gemma-3-270m; launches per decode step).
+#   4. benchmarks/bench_cuda.py (Q4_K decode products on the three decode routes, the matvec,
+#      the decode tiles and the mma matvec, in effective TB/s; copy bandwidth; tensor-core
+#      tiles; whole-model decode / prefill tok/s on that file (the 8B decode on the mma matvec
+#      route at 1 and 32 streams, `llama3_8b_matvec_mma`, bare backend only) and, where its
+#      file is here, gemma-3-270m; launches per decode step).
 #   5. Nsight Compute (ncu) on the benchmark's matrix kernels, where ncu is there.
 # Results under $OUT: gpu_tests.log, gpu_tests.xml, synthetic_gguf.log, bench_cuda.log,
 # bench_cuda.json, ncu.txt and device_check.json (exit codes and seconds of each part).
-# Budget (the whole run under 10 minutes): tests 240 s, synthetic model 45 s, bench 240 s (both
-# decode routes on the 8B file and the shrunk models, the grown gemma-3, then the Engine), ncu
-# 60 s, each adjustable (TESTS_S, TEST_S a test, SYNTHETIC_S, BENCH_S, NCU_S; 0 = no ncu).
+# Budget (the whole run under 10 minutes): tests 240 s, synthetic model 45 s, bench 240 s (the
+# matvec and decode tiles routes on the 8B file and the shrunk models, the mma matvec route on
+# the 8B file, the grown gemma-3, then the Engine), ncu 60 s, each adjustable (TESTS_S, TEST_S
+# a test, SYNTHETIC_S, BENCH_S, NCU_S; 0 = no ncu).
 # Rehearsal without a GPU: PYCUDA_CHECK=import with LD_LIBRARY_PATH at a libcuda stub
 # (.cudacarry/make_libcuda_stub.sh): PyCUDA installs and imports, tests/gpu skips, no bench.
 set -uo pipefail

@@ -128,7 +128,8 @@ def run_and_compare(backend: Any, items: list[StepItem], positions: list[tuple[i
                                         for name in MODELS],
                 ids=lambda param: "-".join(param))
 def compared(request: pytest.FixtureRequest) -> Iterator[tuple[str, Comparison]]:
-    """Each model on each decode route (the products of its decode rows: matvec or tiles)."""
+    """Each model on each decode route (the products of its decode rows: the matvec, the
+    decode tiles or the mma matvec)."""
     name, route = request.param
     model = load_model(model_path(name))
     sequences = reference_sequences(name)
@@ -214,8 +215,8 @@ INVARIANCE_STREAMS = (1, 8, 9, 32, 64)
 @pytest.mark.parametrize("route", plan.DECODE_ROUTES)
 def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(route: str) -> None:
     """Sequence 0 decoded beside 0, 7, 8, 31 and 63 others: decode rows always take one
-    route (the matvec or the decode tiles), whose rows are independent, so its tokens and
-    logits rows are the same bits."""
+    route (the matvec, the decode tiles or the mma matvec), whose rows are independent, so
+    its tokens and logits rows are the same bits."""
     model = open_model(TINY_MODELS["qwen2-q4k-tiny"])
     steps, most = 6, max(INVARIANCE_STREAMS)
     rng = np.random.default_rng(17)
