@@ -13,7 +13,9 @@
    (Q4_K 144 / 8 = 18, Q6_K 210 / 8 = 26.25). The kernel has two: the lone-row loop (a batch
    of one: the fewer FFMAs) and the chunk loop (8 activation rows a pass, one forward-branch
    region per row). Reported: the lone-row pass's SASS instructions per weight byte (batch 1),
-   and the chunk pass's per weight byte and activation row (a full chunk of 8).
+   and the chunk pass's per weight byte and activation row (a full chunk of 8). The same for
+   the tensor-core matvec mul_mat_vec_mma_q4_K (route "matvec_mma"): its K-block loop (the
+   innermost loop holding its 32 MMAs: two K-blocks a pass, 144 weight bytes a lane).
 3. Kernels of one decode step (one stream), from actors.compute.cuda_launches.forward_calls +
    candidate_calls: the Llama-3-8B shape of benchmarks/synthetic_gguf.py (Q4_K_M types), also
    on the decode tiles route and the mma matvec route (mul_mat_vec_mma where it serves a
@@ -69,6 +71,10 @@ HOT_ENTRIES = {
 }
 # Weight bytes one lane consumes per pass of the matvec loop: its slice's share of a block.
 LOOP_BYTES = {"mul_mat_vec_q4_K": 144 / 8, "mul_mat_vec_q6_K": 210 / 8}
+# The tensor-core matvec's pass: two K-blocks of its lane's two rows, a quarter of each
+# (matvec_mma.cu: lane c takes chunk c and the header of rows g and g + 8), 16 MMAs a K-block.
+MMA_LOOP_BYTES = {"mul_mat_vec_mma_q4_K": 2 * 2 * 144 / 4}
+MMA_PER_PASS = 32
 
 
 def find_tool(name: str) -> str | None:
@@ -144,15 +150,8 @@ def matvec_loops(instructions: list[tuple[int, str, str]]) -> dict[str, int]:
     """The slice loops (backward branches whose bodies hold FFMAs): the lone-row loop (the
     fewest FFMAs: batch 1) and the chunk loop (the most: up to 8 rows a pass, each row's
     region skipped by a forward branch when the batch has fewer)."""
-    by_address = {address: i for i, (address, _, _) in enumerate(instructions)}
-    backward = [(by_address[t], i) for i, (address, opcode, operands) in enumerate(instructions)
-                if opcode == "BRA" and (t := branch_target(operands)) is not None
-                and t < address and t in by_address]
     loops = []
-    for start, stop in backward:
-        if any(start <= a and b < stop for a, b in backward if (a, b) != (start, stop)):
-            continue  # an outer loop: only innermost loops are passes
-        body = instructions[start : stop + 1]
+    for body in innermost_loops(instructions):  # only innermost loops are passes
         ffma = sum(op == "FFMA" for _, op, _ in body)
         if ffma >= 32:
             loops.append((ffma, body))
@@ -170,8 +169,27 @@ def matvec_loops(instructions: list[tuple[int, str, str]]) -> dict[str, int]:
             "chunk_row_regions": row_regions}
 
 
+def innermost_loops(instructions: list[tuple[int, str, str]]) -> list[list[tuple[int, str, str]]]:
+    """The bodies of the innermost loops (backward branches holding no other)."""
+    by_address = {address: i for i, (address, _, _) in enumerate(instructions)}
+    backward = [(by_address[t], i) for i, (address, opcode, operands) in enumerate(instructions)
+                if opcode == "BRA" and (t := branch_target(operands)) is not None
+                and t < address and t in by_address]
+    return [instructions[start : stop + 1] for start, stop in backward
+            if not any(start <= a and b < stop for a, b in backward if (a, b) != (start, stop))]
+
+
+def mma_matvec_loop(instructions: list[tuple[int, str, str]]) -> dict[str, int]:
+    """The tensor-core matvec's K-block loop: the innermost loop holding its MMAs."""
+    loops = [body for body in innermost_loops(instructions)
+             if sum(op.startswith("HMMA") for _, op, _ in body) == MMA_PER_PASS]
+    if len(loops) != 1:
+        raise RuntimeError(f"expected one loop of {MMA_PER_PASS} MMAs, found {len(loops)}")
+    return {"pass_instructions": len(loops[0]), "mma_per_pass": MMA_PER_PASS}
+
+
 def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
-    report: dict = {"entries": {}, "matvec_loops": {}}
+    report: dict = {"entries": {}, "matvec_loops": {}, "matvec_mma_loops": {}}
     for source, entries in HOT_ENTRIES.items():
         cubin = work / f"{Path(source).stem}.cubin"
         resources = ptxas_resources(compile_cubin(plan.kernel_source_dir() / source, cubin, nvcc))
@@ -193,6 +211,13 @@ def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
                     "sass_per_weight_byte_and_row_chunk8": round(
                         loop["chunk_pass_instructions"] / (lane_bytes * chunk), 2),
                 }
+        if source == "matvec_mma.cu" and cuobjdump:
+            for name, lane_bytes in MMA_LOOP_BYTES.items():
+                loop = mma_matvec_loop(sass_instructions(cubin, name, cuobjdump))
+                report["matvec_mma_loops"][name] = {
+                    **loop, "lane_weight_bytes_per_pass": lane_bytes,
+                    "sass_per_weight_byte_batch1": round(
+                        loop["pass_instructions"] / lane_bytes, 2)}
     return report
 
 
@@ -289,6 +314,8 @@ def main() -> None:
     for name, loop in report["matvec_loops"].items():
         print(f"{name}: {loop['sass_per_weight_byte_batch1']} SASS / weight byte at batch 1, "
               f"{loop['sass_per_weight_byte_and_row_chunk8']} per byte and row at 8")
+    for name, loop in report["matvec_mma_loops"].items():
+        print(f"{name}: {loop['sass_per_weight_byte_batch1']} SASS / weight byte a token")
     for model, step in report["decode_step"].items():
         print(f"{model}: {step}")
 
