@@ -18,8 +18,8 @@
 // elements) in turn, warp w blocks w, w + 8, ... Lane 4g + c holds rows g and g + 8 of the tile
 // and chunk c of each of their blocks' quants (matvec_mma_blocks.cuh): two 16-byte loads a row
 // plus the 16-byte header, every byte its own lane's, loaded a K-block ahead. Its words become
-// the A fragments directly: one AND per float16 pair (the levels as exact subnormals), one
-// MMA per word and nibble half. The B fragment's eight columns are four lanes x (hi, lo):
+// the A fragments directly: a LOP3 and a float16 subtraction per pair (the exact levels),
+// one MMA per word and nibble half. The B fragment's eight columns are four lanes x (hi, lo):
 // column 2c + p holds part p of x at lane c's elements and zero at every other lane's, so
 // the tensor cores add each lane's own products (a sub-block of one row) into that lane's
 // own accumulators, apart from the other sub-blocks: each lane then applies its two
@@ -120,8 +120,11 @@ __device__ __forceinline__ void multiply_lane_block(const LaneBlock& block, cons
         const NibblePairs g = nibble_pairs_of(word_of(block.quants[0], i));
         const NibblePairs g8 = nibble_pairs_of(word_of(block.quants[1], i));
         const uint4 b = entries[2 * i];
-        const uint32_t a_low[4] = {g.low02, g8.low02, g.low13, g8.low13};
-        const uint32_t a_high[4] = {g.high02, g8.high02, g.high13, g8.high13};
+        auto level = [](uint32_t biased) { return sub_halves(biased, HALF_1024_PAIR); };
+        const uint32_t a_low[4] = {level(g.low02), level(g8.low02), level(g.low13),
+                                   level(g8.low13)};
+        const uint32_t a_high[4] = {level(g.high02), level(g8.high02), level(g.high13),
+                                    level(g8.high13)};
         const uint32_t b_low[2] = {b.x, b.y}, b_high[2] = {b.z, b.w};
         if (i == 0) {
             mma_first(low, a_low, b_low);

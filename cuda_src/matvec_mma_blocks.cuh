@@ -6,28 +6,27 @@
 // 4i..4i+3) holds elements 4i..4i+3 of both sub-blocks; they become the MMA's float16 pairs
 // (elements 4i, 4i + 2) and (4i + 1, 4i + 3), low half first, as the tiles pair them.
 //
-// The levels are float16 subnormals: a nibble u masked in place is the half u * 2^-24 (bits
-// 0..3) or u * 2^-20 (bits 4..7), exact, with no offset to subtract: one AND a pair, and the
-// sums of level x activation the tensor cores take stay exact products of small integers
-// times powers of two. The sub-block's scale carries the power back: SCALE_LOW = 2^24 for the
-// low nibbles' sub-block, SCALE_HIGH = 2^20 for the high ones', folded into the integer scale
-// (exact), so scale * sum is (d * sc) * sum(level * x) rounded once more, never less exact.
+// The levels are exact float16 integers: a nibble masked in place and ORed into 1024.0 is the
+// half 1024 + u (bits 0..3) or 1024 + 16 u (bits 4..7), one LOP3 a pair; the kernel subtracts
+// 1024 in float16 (exact), leaving u or 16 u. Normal numbers on purpose: PTX leaves the tensor
+// cores' handling of subnormal inputs unspecified (levels u * 2^-24 would save the
+// subtraction). The high nibbles' sub-block carries the 16 back in its scale (sc / 16, exact).
 #pragma once
 
-#include "quant_blocks.cuh"
+#include "tile_levels.cuh"
 
 constexpr uint32_t LOW_NIBBLE_PAIR = 0x000F000Fu, HIGH_NIBBLE_PAIR = 0x00F000F0u;
 
-// The four float16 pairs of word `bits`: low nibbles (sub-block 2c) of bytes (0, 2) and
-// (1, 3), then high nibbles (sub-block 2c + 1) of the same bytes.
+// The four float16 pairs of word `bits`, 1024 + level: low nibbles (sub-block 2c) of bytes
+// (0, 2) and (1, 3), then high nibbles (sub-block 2c + 1, 16 x the nibble) of the same bytes.
 struct NibblePairs {
     uint32_t low02, low13, high02, high13;
 };
 
 QK_HD NibblePairs nibble_pairs_of(uint32_t bits) {
     const uint32_t odd = bits >> 8;
-    return {bits & LOW_NIBBLE_PAIR, odd & LOW_NIBBLE_PAIR, bits & HIGH_NIBBLE_PAIR,
-            odd & HIGH_NIBBLE_PAIR};
+    return {masked_1024_pair(bits, LOW_NIBBLE_PAIR), masked_1024_pair(odd, LOW_NIBBLE_PAIR),
+            masked_1024_pair(bits, HIGH_NIBBLE_PAIR), masked_1024_pair(odd, HIGH_NIBBLE_PAIR)};
 }
 
 // The byte of `bits` at bit `shift` times 2^(EXPONENT - 150), exactly: the float whose
@@ -40,11 +39,10 @@ QK_HD float byte_times_power(uint32_t bits, int shift) {
 }
 
 constexpr int EXPONENT_ONE = 150;                      // byte * 2^0
-constexpr int EXPONENT_SCALE_LOW = EXPONENT_ONE + 24;  // byte * 2^24
-constexpr int EXPONENT_SCALE_HIGH = EXPONENT_ONE + 20;  // byte * 2^20
+constexpr int EXPONENT_SIXTEENTH = EXPONENT_ONE - 4;   // byte * 2^-4
 
 // Lane c's sub-blocks 2c and 2c + 1 of a block whose header words are `packed` (the 12 scale
-// bytes as three little-endian words): their 6-bit scales times SCALE_LOW / SCALE_HIGH and
+// bytes as three little-endian words): their 6-bit scales (the high nibbles' over 16) and
 // their 6-bit mins, as floats. One formula for every lane (no divergence): lanes 0 and 1 read
 // bytes 2c, 2c + 1 of words 0 (scales) and 1 (mins); lanes 2 and 3 the same bytes of word 2
 // (low bits) and of words 0 and 1 (the top two bits), as k_scale_min does byte by byte.
@@ -59,8 +57,8 @@ QK_HD LaneScales lane_scales(uint32_t word0, uint32_t word1, uint32_t word2, int
     const uint32_t scales = ((first ? word0 : word2) & low_mask) | ((word0 >> 2) & top_mask);
     const uint32_t mins = ((first ? word1 : word2 >> 4) & low_mask) | ((word1 >> 2) & top_mask);
     const int shift = 16 * (c % 2);  // bytes 2c, 2c + 1 of each word (mod 4)
-    return {byte_times_power<EXPONENT_SCALE_LOW>(scales, shift),
-            byte_times_power<EXPONENT_SCALE_HIGH>(scales, shift + 8),
+    return {byte_times_power<EXPONENT_ONE>(scales, shift),
+            byte_times_power<EXPONENT_SIXTEENTH>(scales, shift + 8),
             byte_times_power<EXPONENT_ONE>(mins, shift),
             byte_times_power<EXPONENT_ONE>(mins, shift + 8)};
 }

@@ -111,15 +111,15 @@ void slice_dot_rows(const uint8_t* src, int64_t rows, int64_t pitch, int64_t row
     }
 }
 
-// Element 4i + j of a sub-block from a float16 pair (low half: j = 0 or 1, high: j + 2):
-// the subnormal level times 2^24 / 2^20 is the nibble, the lane's scale that power times sc.
-inline void rebuild_pair(uint32_t pair, float power, float d, float scale, float dmin,
+// Elements 4i + j and 4i + j + 2 of a sub-block from a float16 pair of 1024 + `step` x level
+// (the kernel subtracts the 1024 exactly), times the lane's scale (`step` x sc), plus its min.
+inline void rebuild_pair(uint32_t pair, float step, float d, float scale, float dmin,
                          float min, float* first, float* third) {
-    const float levels[2] = {half_to_float(uint16_t(pair)) * power,
-                             half_to_float(uint16_t(pair >> 16)) * power};
-    const float offset = -mul_rn(dmin, min);
-    *first = add_rn(mul_rn(levels[0], mul_rn(d, scale / power)), offset);
-    *third = add_rn(mul_rn(levels[1], mul_rn(d, scale / power)), offset);
+    const float offset = -mul_rn(dmin, min), sc = scale * step;  // exact: powers of two
+    *first = add_rn(mul_rn((half_to_float(uint16_t(pair)) - 1024.0f) / step, mul_rn(d, sc)),
+                    offset);
+    *third = add_rn(mul_rn((half_to_float(uint16_t(pair >> 16)) - 1024.0f) / step, mul_rn(d, sc)),
+                    offset);
 }
 
 extern "C" void mma_lane_values_q4_K(const uint8_t* src, int64_t blocks, float* out) {
@@ -134,12 +134,12 @@ extern "C" void mma_lane_values_q4_K(const uint8_t* src, int64_t blocks, float* 
                 const NibblePairs p = nibble_pairs_of(load_u32(block + 16 + 32 * c + 4 * i));
                 float* low = values + 64 * c + 4 * i;  // sub-block 2c, elements 4i..4i+3
                 float* high = low + 32;                 // sub-block 2c + 1
-                rebuild_pair(p.low02, 16777216.0f, d, s.scale_low, dmin, s.min_low, low, low + 2);
-                rebuild_pair(p.low13, 16777216.0f, d, s.scale_low, dmin, s.min_low, low + 1,
+                rebuild_pair(p.low02, 1.0f, d, s.scale_low, dmin, s.min_low, low, low + 2);
+                rebuild_pair(p.low13, 1.0f, d, s.scale_low, dmin, s.min_low, low + 1,
                              low + 3);
-                rebuild_pair(p.high02, 1048576.0f, d, s.scale_high, dmin, s.min_high, high,
+                rebuild_pair(p.high02, 16.0f, d, s.scale_high, dmin, s.min_high, high,
                              high + 2);
-                rebuild_pair(p.high13, 1048576.0f, d, s.scale_high, dmin, s.min_high, high + 1,
+                rebuild_pair(p.high13, 16.0f, d, s.scale_high, dmin, s.min_high, high + 1,
                              high + 3);
             }
         }

@@ -2,7 +2,7 @@
 device: every lane's A fragments from its own weight bytes, its B fragments from the shared
 activation table as fill_table lays it out and the owner / zero rule reads it, the MMAs by the
 PTX m16n8k16 fragment layout, each lane's scales on its own accumulator columns. The result
-must be the product of the decoded weights: a wrong word, pair, entry, column or scale power
+must be the product of the decoded weights: a wrong word, pair, entry, column or scale
 in the layout moves it far off. (What only a device shows, the tensor cores' own float32
 sums, is the device tests' part: tests/gpu/test_kernels.py.)"""
 
@@ -75,6 +75,13 @@ def fill_table(x: np.ndarray, first: int, count: int) -> tuple[np.ndarray, np.nd
     return table, sums
 
 
+def levels(words: np.ndarray, mask: int) -> np.ndarray:
+    """The kernel's level pairs: the masked bits ORed into float16 1024 (nibble_pairs_of),
+    then 1024 subtracted in float16."""
+    biased = halves((words & mask) | 0x64006400).astype(np.float16) - np.float16(1024)
+    return pairs_of(biased[..., 0], biased[..., 1])
+
+
 def lane_block_sums(raw_tile: np.ndarray, table: np.ndarray, sums: np.ndarray, block: int,
                     k: int) -> np.ndarray:
     """multiply_lane_block for every lane of K-block `block` (table index k): (32, 2) sums of
@@ -92,10 +99,12 @@ def lane_block_sums(raw_tile: np.ndarray, table: np.ndarray, sums: np.ndarray, b
     low, high = np.zeros((LANES, 4)), np.zeros((LANES, 4))
     for i in range(8):
         w, w8 = words[:, i], words8[:, i]
-        a_low = np.stack([w & LOW_NIBBLE_PAIR, w8 & LOW_NIBBLE_PAIR, (w >> 8) & LOW_NIBBLE_PAIR,
-                          (w8 >> 8) & LOW_NIBBLE_PAIR], axis=1)
-        a_high = np.stack([w & HIGH_NIBBLE_PAIR, w8 & HIGH_NIBBLE_PAIR,
-                           (w >> 8) & HIGH_NIBBLE_PAIR, (w8 >> 8) & HIGH_NIBBLE_PAIR], axis=1)
+        a_low = np.stack([levels(w, LOW_NIBBLE_PAIR), levels(w8, LOW_NIBBLE_PAIR),
+                          levels(w >> 8, LOW_NIBBLE_PAIR), levels(w8 >> 8, LOW_NIBBLE_PAIR)],
+                         axis=1)
+        a_high = np.stack([levels(w, HIGH_NIBBLE_PAIR), levels(w8, HIGH_NIBBLE_PAIR),
+                           levels(w >> 8, HIGH_NIBBLE_PAIR), levels(w8 >> 8, HIGH_NIBBLE_PAIR)],
+                          axis=1)
         b = table[entry + 2 * i]
         low = mma(a_low, b[:, 0:2], low)
         high = mma(a_high, b[:, 2:4], high)
@@ -106,8 +115,8 @@ def lane_block_sums(raw_tile: np.ndarray, table: np.ndarray, sums: np.ndarray, b
         dmin = head[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float64)
         scales = np.array([[k_scale_min(head[j, 4:16], 2 * c[j] + h) for h in range(2)]
                            for j in lane], dtype=np.float64)  # (32, 2 sub-blocks, sc / m)
-        scaled = (scales[:, 0, 0] * 2.0**24 * (low[:, 2 * r] + low[:, 2 * r + 1]) +
-                  scales[:, 1, 0] * 2.0**20 * (high[:, 2 * r] + high[:, 2 * r + 1]))
+        scaled = (scales[:, 0, 0] * (low[:, 2 * r] + low[:, 2 * r + 1]) +
+                  scales[:, 1, 0] / 16 * (high[:, 2 * r] + high[:, 2 * r + 1]))
         lane_sums = sums[k * 4 + c]
         mins = scales[:, 0, 1] * lane_sums[:, 0] + scales[:, 1, 1] * lane_sums[:, 1]
         out[:, r] = d * scaled - dmin * mins

@@ -339,8 +339,7 @@ def test_matvec_mma_matches_its_twin(kernel: Kernel, n_in: int, batch: int) -> N
     hi + lo, exact levels): 70 rows (a partial row tile); 512 inputs (2 K-blocks: six warps
     idle), 4096, 8448 (a full activation table, then a piece of one K-block) and 14336 (the
     8B down projection: 32 + 24). Within 4x the classic bound, and far below one float16
-    rounding of x: a lost lo part, a wrong power of two (the subnormal levels) or a misplaced
-    scale fails. Subnormal float16 inputs the tensor cores flushed would zero whole sums."""
+    rounding of x: a lost lo part, a level off its 1024 or a misplaced scale fails."""
     rows = 70
     rng = np.random.default_rng(41 + n_in)
     raw = finite_blocks("Q4_K", rows, n_in, rng)
