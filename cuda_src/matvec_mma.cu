@@ -38,7 +38,9 @@
 // route (cuda_plan.DECODE_ROUTES), never mixed with it within a matrix.
 // Batch invariance: tokens go one at a time, each through the same operations in the same
 // order (the table, the warps' K-blocks, the lanes' and warps' sums in fixed order): a row's
-// result for a token never depends on the batch.
+// result for a token never depends on the batch. Each token pays the whole pass (its weights
+// from L2 after the first token's), so this is the route for few streams; sharing each
+// unpacked fragment among a chunk of tokens needed more than 128 registers a thread.
 #include "activation_ops.cuh"
 #include "device_common.cuh"
 #include "matvec_mma_blocks.cuh"
