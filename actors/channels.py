@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any, Generic, Self, TypeVar
 
@@ -79,7 +80,7 @@ def _expire(waiter: asyncio.Future[bool]) -> None:
         waiter.set_result(True)
 
 
-class _End(Generic[S]):
+class _End(ABC, Generic[S]):
     """What every end of a channel has: the channel's shared state, and `close` on leaving a
     `with` block."""
 
@@ -88,8 +89,9 @@ class _End(Generic[S]):
     def __init__(self, state: S) -> None:
         self._state = state
 
+    @abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Closes this end (each kind says what the other end then sees)."""
 
     def __enter__(self) -> Self:
         return self

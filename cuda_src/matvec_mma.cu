@@ -48,8 +48,7 @@
 
 constexpr int MMA_MATVEC_WARPS = 8;
 constexpr int MMA_MATVEC_ROWS = 16;
-constexpr int K_BLOCK = 256;         // elements of a Q4_K block
-constexpr int K_BLOCK_BYTES = 144;   // its bytes: d, dmin, 12 scale bytes, 128 quant bytes
+constexpr int K_BLOCK = type_q4_K::BLOCK_ELEMENTS;  // a K-block: one Q4_K block a row
 constexpr int TABLE_BLOCKS = 32;     // K-blocks of activations a table holds: 8192 elements
 // 16-byte entries a K-block: 4 chunks x 8 words x 2 parts (hi, lo).
 constexpr int ENTRIES_PER_BLOCK = 64;
@@ -179,7 +178,7 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
             // one, in L1: no address leaves the rows). The first load flies while the table
             // fills.
             auto load = [&](int k, LaneBlock& out) {
-                load_lane_block(row_g, row_g8, int64_t(first + min(k, count - 1)) * K_BLOCK_BYTES,
+                load_lane_block(row_g, row_g8, int64_t(first + min(k, count - 1)) * type_q4_K::BLOCK_BYTES,
                                 c, out);
             };
             auto multiply = [&](int k, const LaneBlock& block) {

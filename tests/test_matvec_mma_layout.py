@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.model.gguf.quants import dequantize
+from actors.model.gguf.quants import _k_scales_mins, dequantize
 from tests.cuda_samples import finite_blocks
 
 ROWS, LANES = 16, 32
@@ -93,8 +93,8 @@ def lane_block_sums(raw_tile: np.ndarray, table: np.ndarray, sums: np.ndarray, b
     entry = np.where(owner, k * ENTRIES_PER_BLOCK + 16 * c + column % 2,
                      TABLE_BLOCKS * ENTRIES_PER_BLOCK)
     blocks = raw_tile[:, block * 144:(block + 1) * 144]
-    chunk = np.stack([blocks[g[j], 16 + 32 * c[j]:48 + 32 * c[j]] for j in lane])  # row g
-    chunk8 = np.stack([blocks[g[j] + 8, 16 + 32 * c[j]:48 + 32 * c[j]] for j in lane])
+    chunk_bytes = (16 + 32 * c)[:, None] + np.arange(32)  # each lane's chunk of the quants
+    chunk, chunk8 = blocks[g[:, None], chunk_bytes], blocks[g[:, None] + 8, chunk_bytes]
     words, words8 = chunk.view("<u4"), chunk8.view("<u4")
     low, high = np.zeros((LANES, 4)), np.zeros((LANES, 4))
     for i in range(8):
@@ -113,22 +113,15 @@ def lane_block_sums(raw_tile: np.ndarray, table: np.ndarray, sums: np.ndarray, b
         head = blocks[rows, :16]
         d = head[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float64)
         dmin = head[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float64)
-        scales = np.array([[k_scale_min(head[j, 4:16], 2 * c[j] + h) for h in range(2)]
-                           for j in lane], dtype=np.float64)  # (32, 2 sub-blocks, sc / m)
-        scaled = (scales[:, 0, 0] * (low[:, 2 * r] + low[:, 2 * r + 1]) +
-                  scales[:, 1, 0] / 16 * (high[:, 2 * r] + high[:, 2 * r + 1]))
+        scales, mins = _k_scales_mins(head[:, 4:16])  # (32 lanes, 8 sub-blocks)
+        sub_block = 2 * c
+        scaled = (scales[lane, sub_block] * (low[:, 2 * r] + low[:, 2 * r + 1]) +
+                  scales[lane, sub_block + 1] / 16 * (high[:, 2 * r] + high[:, 2 * r + 1]))
         lane_sums = sums[k * 4 + c]
-        mins = scales[:, 0, 1] * lane_sums[:, 0] + scales[:, 1, 1] * lane_sums[:, 1]
-        out[:, r] = d * scaled - dmin * mins
+        min_terms = (mins[lane, sub_block] * lane_sums[:, 0] +
+                     mins[lane, sub_block + 1] * lane_sums[:, 1])
+        out[:, r] = d * scaled - dmin * min_terms
     return out
-
-
-def k_scale_min(packed: np.ndarray, j: int) -> tuple[int, int]:
-    """quant_blocks.cuh's k_scale_min: sub-block j's 6-bit scale and min."""
-    q = [int(v) for v in packed]
-    if j < 4:
-        return q[j] & 63, q[j + 4] & 63
-    return (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
 
 
 def mma_matvec_row_tile(raw_tile: np.ndarray, x: np.ndarray) -> np.ndarray:
