@@ -60,10 +60,10 @@ DECODE_PARTIAL_ROWS = 4 * DECODE_TILE_MIN_BLOCKS * DECODE_TILE_ROWS
 # mul_mat_vec_mma (matvec_mma.cu): the decode matvec on the tensor cores, one MMA row tile of
 # 16 rows a block, 8 warps splitting K; the block types it has entries for.
 MATVEC_MMA_TYPES = ("Q4_K", "Q6_K")
-# mul_mat_vec_mma reads a Q6_K matrix from a second device copy in the row-planar layout
-# (planar_q6_K_rows: the file's 210-byte blocks are only 2-byte aligned), held under the
-# tensor's name and this suffix; the other kernels read the file-layout copy.
-PLANAR_SUFFIX = ".planar"
+# mul_mat_vec_mma reads matrices of these types from a second device copy in the row-planar
+# layout (planar_q6_K_rows: the file's 210-byte Q6_K blocks are only 2-byte aligned), held
+# under the tensor's name and this suffix; the other kernels read the file-layout copy.
+PLANAR_TYPES, PLANAR_SUFFIX = ("Q6_K",), ".planar"
 MATVEC_MMA_ROWS, MATVEC_MMA_THREADS = 16, 256
 # Where decode rows' products run (cuda_launches.row_runs), whatever their number: the
 # CUDA-core matvec, the tensor cores' decode tiles, or the tensor cores' matvec.
@@ -432,7 +432,7 @@ def matvec_mma_kernel(type_name: str) -> str:
 def matvec_mma_weights(name: str, type_name: str) -> str:
     """The device tensor mul_mat_vec_mma reads for the matrix `name`: a Q6_K matrix's
     row-planar copy (PLANAR_SUFFIX), any other's file-layout blocks (the tensor itself)."""
-    return name + PLANAR_SUFFIX if type_name == "Q6_K" else name
+    return name + PLANAR_SUFFIX if type_name in PLANAR_TYPES else name
 
 
 def matvec_mma_gate_up_kernel(activation: str, type_name: str) -> str:

@@ -93,7 +93,7 @@ def device_rows(rows: np.ndarray, type_name: str, row_length: int,
     """(n, row_pitch) uint8 device rows of (n, row bytes) file rows of `row_length` elements:
     the blocks as stored then zeros, or with `planar` (Q6_K only) the row-planar layout."""
     if planar:
-        if type_name != "Q6_K":
+        if type_name not in plan.PLANAR_TYPES:
             raise InvalidRequest(f"only Q6_K matrices have a row-planar layout, not {type_name}",
                                  field="type")
         return plan.planar_q6_K_rows(rows)
