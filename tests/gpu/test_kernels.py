@@ -317,14 +317,21 @@ def test_decode_tiles_rows_do_not_depend_on_the_batch(kernel: Kernel, type_name:
     np.testing.assert_array_equal(alone[0].view(np.uint32), full[37].view(np.uint32))
 
 
-def matvec_mma(kernel: Kernel, raw: np.ndarray, x: np.ndarray, batch: int) -> np.ndarray:
-    """mul_mat_vec_mma_q4_K of raw Q4_K blocks with the first `batch` rows of x (x's stride:
-    its width); y's 3 spare columns must stay NaN."""
+def mma_rows(raw: np.ndarray, type_name: str, n_in: int) -> np.ndarray:
+    """Weight rows as mul_mat_vec_mma_<type> reads them: Q4_K at the device pitch, Q6_K in the
+    row-planar layout (cuda_plan.planar_q6_K_rows)."""
+    return plan.planar_q6_K_rows(raw) if type_name == "Q6_K" else pitched(raw, type_name, n_in)
+
+
+def matvec_mma(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
+               batch: int) -> np.ndarray:
+    """mul_mat_vec_mma_<type> of raw blocks with the first `batch` rows of x (x's stride: its
+    width); y's 3 spare columns must stay NaN."""
     rows, n_in = raw.shape[0], x.shape[1] - 4
     y = nan_filled(batch, rows + 3)
-    run(kernel("matvec_mma.cu", plan.matvec_mma_kernel("Q4_K")),
-        plan.matvec_mma_launch(rows, n_in), ptr(to_device(pitched(raw, "Q4_K", n_in))),
-        np.int64(plan.row_pitch("Q4_K", n_in)), ptr(to_device(x[:batch])),
+    run(kernel("matvec_mma.cu", plan.matvec_mma_kernel(type_name)),
+        plan.matvec_mma_launch(rows, n_in), ptr(to_device(mma_rows(raw, type_name, n_in))),
+        np.int64(plan.row_pitch(type_name, n_in)), ptr(to_device(x[:batch])),
         np.int32(x.shape[1]), ptr(y), np.int32(rows + 3), np.int32(rows), np.int32(n_in),
         np.int32(batch))
     got = y.get()
@@ -332,64 +339,71 @@ def matvec_mma(kernel: Kernel, raw: np.ndarray, x: np.ndarray, batch: int) -> np
     return got[:, :rows]
 
 
+@pytest.mark.parametrize("type_name", plan.MATVEC_MMA_TYPES)
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("n_in", [512, 4096, 8448, 14336])
-def test_matvec_mma_matches_its_twin(kernel: Kernel, n_in: int, batch: int) -> None:
+def test_matvec_mma_matches_its_twin(kernel: Kernel, n_in: int, batch: int,
+                                     type_name: str) -> None:
     """The tensor-core matvec against the tiles' twin (the same numbers: x split into float16
     hi + lo, exact levels): 70 rows (a partial row tile); 512 inputs (2 K-blocks: six warps
     idle), 4096, 8448 (a full activation table, then a piece of one K-block) and 14336 (the
     8B down projection: 32 + 24). Within 4x the classic bound, and far below one float16
-    rounding of x: a lost lo part, a level off its 1024 or a misplaced scale fails."""
+    rounding of x: a lost lo part, a level off its bias or a misplaced scale fails."""
     rows = 70
     rng = np.random.default_rng(41 + n_in)
-    raw = finite_blocks("Q4_K", rows, n_in, rng)
+    raw = finite_blocks(type_name, rows, n_in, rng)
     x = activations(rng, batch, n_in)
-    got = matvec_mma(kernel, raw, x, batch)
-    w = dequantize(raw, "Q4_K", (rows, n_in)).astype(np.float64)
+    got = matvec_mma(kernel, raw, type_name, x, batch)
+    w = dequantize(raw, type_name, (rows, n_in)).astype(np.float64)
     x64 = x[:, :n_in].astype(np.float64)
-    error = np.abs(got - tile_product(w, x[:, :n_in], "Q4_K"))
+    error = np.abs(got - tile_product(w, x[:, :n_in], type_name))
     assert (error <= summation_bound(w, x64, factor=4.0) + 1e-30).all()
     one_rounding = np.abs(x[:, :n_in].astype(np.float16).astype(np.float64) @ w.T - x64 @ w.T)
     assert error.mean() < 0.05 * one_rounding.mean()
 
 
-def test_matvec_mma_rows_do_not_depend_on_the_batch(kernel: Kernel) -> None:
+@pytest.mark.parametrize("type_name", plan.MATVEC_MMA_TYPES)
+def test_matvec_mma_rows_do_not_depend_on_the_batch(kernel: Kernel, type_name: str) -> None:
     """The matvec_mma route's promise: row b of y is bit for bit the same alone or among 9,
     33 or 64 tokens, whatever its place in the batch (4608 inputs)."""
     rows, n_in = 70, 4608
     rng = np.random.default_rng(43)
-    raw = finite_blocks("Q4_K", rows, n_in, rng)
+    raw = finite_blocks(type_name, rows, n_in, rng)
     x = activations(rng, 64, n_in)
-    full = matvec_mma(kernel, raw, x, 64)
+    full = matvec_mma(kernel, raw, type_name, x, 64)
     for batch in (1, 9, 33):
-        np.testing.assert_array_equal(matvec_mma(kernel, raw, x, batch).view(np.uint32),
-                                      full[:batch].view(np.uint32))
-    alone = matvec_mma(kernel, raw, x[37:], 1)
+        np.testing.assert_array_equal(
+            matvec_mma(kernel, raw, type_name, x, batch).view(np.uint32),
+            full[:batch].view(np.uint32))
+    alone = matvec_mma(kernel, raw, type_name, x[37:], 1)
     np.testing.assert_array_equal(alone[0].view(np.uint32), full[37].view(np.uint32))
 
 
+@pytest.mark.parametrize("type_name", plan.MATVEC_MMA_TYPES)
 @pytest.mark.parametrize("act", plan.ACTIVATIONS)
 @pytest.mark.parametrize("batch", [1, 9])
 def test_fused_matvec_mma_gate_up_equals_matvec_mma_then_gated(kernel: Kernel, act: str,
-                                                                batch: int) -> None:
-    """mul_mat_vec_mma_gate_up_<act>_q4_K == mul_mat_vec_mma_q4_K of gate and of up into one
-    gate|up buffer, then gated_<act>, bit for bit: a row's sums are the same in rows g and
-    g + 8 of the MMA tile (ffn 100: a partial last block)."""
+                                                                batch: int,
+                                                                type_name: str) -> None:
+    """mul_mat_vec_mma_gate_up_<act>_<type> == mul_mat_vec_mma_<type> of gate and of up into
+    one gate|up buffer, then gated_<act>, bit for bit: a row's sums are the same in rows g
+    and g + 8 of the MMA tile (ffn 100: a partial last block)."""
     ffn, n_in = 100, 4608
     rng = np.random.default_rng(47)
-    gate, up = (finite_blocks("Q4_K", ffn, n_in, rng) for _ in range(2))
+    gate, up = (finite_blocks(type_name, ffn, n_in, rng) for _ in range(2))
     x = activations(rng, batch, n_in)
-    gate_up = to_device(np.concatenate([matvec_mma(kernel, gate, x, batch),
-                                        matvec_mma(kernel, up, x, batch)], axis=1))
+    gate_up = to_device(np.concatenate([matvec_mma(kernel, gate, type_name, x, batch),
+                                        matvec_mma(kernel, up, type_name, x, batch)], axis=1))
     expected = nan_filled(batch, ffn)
     run(kernel("activation.cu", f"gated_{act}"), plan.elementwise_launch(batch * ffn),
         ptr(gate_up), ptr(expected), np.int32(batch), np.int32(ffn))
     fused = nan_filled(batch, ffn + 5)
-    run(kernel("matvec_mma.cu", plan.matvec_mma_gate_up_kernel(act, "Q4_K")),
-        plan.matvec_mma_launch(2 * ffn, n_in), ptr(to_device(pitched(gate, "Q4_K", n_in))),
-        ptr(to_device(pitched(up, "Q4_K", n_in))), np.int64(plan.row_pitch("Q4_K", n_in)),
-        ptr(to_device(x)), np.int32(x.shape[1]), ptr(fused), np.int32(ffn + 5), np.int32(ffn),
-        np.int32(n_in), np.int32(batch))
+    run(kernel("matvec_mma.cu", plan.matvec_mma_gate_up_kernel(act, type_name)),
+        plan.matvec_mma_launch(2 * ffn, n_in),
+        ptr(to_device(mma_rows(gate, type_name, n_in))),
+        ptr(to_device(mma_rows(up, type_name, n_in))),
+        np.int64(plan.row_pitch(type_name, n_in)), ptr(to_device(x)), np.int32(x.shape[1]),
+        ptr(fused), np.int32(ffn + 5), np.int32(ffn), np.int32(n_in), np.int32(batch))
     got = fused.get()
     assert np.isnan(got[:, ffn:]).all()
     np.testing.assert_array_equal(got[:, :ffn].view(np.uint32), expected.get().view(np.uint32))
