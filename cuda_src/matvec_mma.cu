@@ -9,6 +9,11 @@
 //                                        int y_stride, int ffn_rows, int n_in, int batch)
 //       y[b][r] = act(gate[r] . x[b]) * (up[r] . x[b]), act as activation.cu's gated_<act>:
 //       bit for bit mul_mat_vec_mma_<type> on both matrices, then gated_<act>.
+//   mul_mat_vec_mma_qkv(the arguments of matvec.cu's mul_mat_vec_qkv)
+//       q | k | v as mul_mat_vec_qkv lays them out and finishes them (biases, head norms,
+//       RoPE, the K/V write: qkv_finish_ops.cuh's epilogue, per-head counters), each segment
+//       Q4_K or Q6_K (its type code): bit for bit mul_mat_vec_mma_<type> x3 then qkv_finish.
+//       Geometry: the three matrices' blocks of 16 rows one after the other.
 // Layouts as matvec.cu's (weights rows row_pitch bytes apart from a 16-byte aligned base; x
 // float32 [batch][x_stride], x_stride % 4 == 0, 16-byte aligned); n_in % 256 == 0. Q4_K rows
 // hold the file's blocks; Q6_K rows the row-planar layout (cuda_plan.planar_q6_K_rows: the
@@ -45,10 +50,13 @@
 // result for a token never depends on the batch. Each token pays the whole pass (its weights
 // from L2 after the first token's), so this is the route for few streams; sharing each
 // unpacked fragment among a chunk of tokens needed more than 128 registers a thread.
+#include <type_traits>
+
 #include "activation_ops.cuh"
 #include "device_common.cuh"
 #include "matvec_mma_blocks.cuh"
 #include "mma_ops.cuh"
+#include "qkv_finish_ops.cuh"
 
 constexpr int MMA_MATVEC_WARPS = 8;
 constexpr int MMA_MATVEC_ROWS = 16;
@@ -361,11 +369,12 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
 // Two blocks per SM at least (16 resident warps): ptxas may take up to 128 registers.
 #define QK_MMA_MATVEC_BOUNDS __launch_bounds__(MMA_MATVEC_WARPS * WARP, 2)
 
+// Block `block` of a matrix's 16-row blocks (rows [16 block, 16 block + 16) of y's columns).
 template <class Block>
 __device__ void mma_matvec_rows(const uint8_t* weights, int64_t row_pitch, const float* x,
                                 int x_stride, float* y, int y_stride, int rows, int n_in,
-                                int batch, MmaMatvecShared& shared) {
-    const int first = blockIdx.x * MMA_MATVEC_ROWS, g = threadIdx.x % WARP / 4;
+                                int batch, int block, MmaMatvecShared& shared) {
+    const int first = block * MMA_MATVEC_ROWS, g = threadIdx.x % WARP / 4;
     // Rows past the matrix read row 0 (a valid address) and are never stored.
     auto row_at = [&](int r) { return weights + (r < rows ? r : 0) * row_pitch; };
     mma_matvec<Block>(row_at(first + g), row_at(first + g + 8), x, x_stride, n_in, batch,
@@ -402,7 +411,7 @@ __device__ void mma_matvec_gate_up(const uint8_t* gate_w, const uint8_t* up_w,
         int y_stride, int rows, int n_in, int batch) {                                         \
         __shared__ MmaMatvecShared shared;                                                     \
         mma_matvec_rows<block>(weights, row_pitch, x, x_stride, y, y_stride, rows, n_in,      \
-                               batch, shared);                                                 \
+                               batch, blockIdx.x, shared);                                     \
     }                                                                                          \
     QK_MMA_GATE_UP_ENTRY(silu, silu_op, suffix, block)                                         \
     QK_MMA_GATE_UP_ENTRY(gelu_tanh, gelu_tanh_op, suffix, block)
@@ -418,3 +427,83 @@ __device__ void mma_matvec_gate_up(const uint8_t* gate_w, const uint8_t* up_w,
 
 QK_MMA_MATVEC_ENTRIES(q4_K, MmaQ4K)
 QK_MMA_MATVEC_ENTRIES(q6_K, MmaQ6K)
+
+// The lane traits of a quant_blocks.cuh block type, where this kernel has them.
+template <class T>
+struct mma_lanes_of {
+    using type = void;
+};
+template <>
+struct mma_lanes_of<type_q4_K> {
+    using type = MmaQ4K;
+};
+template <>
+struct mma_lanes_of<type_q6_K> {
+    using type = MmaQ6K;
+};
+
+// One segment of mul_mat_vec_mma_qkv: blocks [block_first, ...) compute rows of one matrix into
+// columns [column, column + rows) of y.
+struct MmaQkvSegment {
+    const uint8_t* weights;
+    int64_t pitch;
+    int type_code, rows, column, block_first;
+};
+
+template <class T>
+__device__ void mma_qkv_segment(const MmaQkvSegment& seg, const float* x, int x_stride,
+                                float* y, int y_stride, int n_in, int batch,
+                                MmaMatvecShared& shared) {
+    using Lanes = typename mma_lanes_of<T>::type;
+    if constexpr (std::is_void_v<Lanes>) {
+        __trap();  // cuda_plan launches it only for the types this kernel serves
+    } else {
+        mma_matvec_rows<Lanes>(seg.weights, seg.pitch, x, x_stride, y + seg.column, y_stride,
+                               seg.rows, n_in, batch, int(blockIdx.x) - seg.block_first,
+                               shared);
+    }
+}
+
+// Type codes: the order of QK_FOR_EACH_TYPE (= cuda_plan.KERNEL_TYPE_SUFFIX).
+#define QK_MMA_QKV_CASE(suffix, type)                                                 \
+    if (seg.type_code == code++) {                                                    \
+        mma_qkv_segment<type>(seg, x, x_stride, y, y_stride, n_in, batch, shared);    \
+        return;                                                                       \
+    }
+
+__device__ void mma_qkv_segment_of_its_type(const MmaQkvSegment& seg, const float* x,
+                                            int x_stride, float* y, int y_stride, int n_in,
+                                            int batch, MmaMatvecShared& shared) {
+    int code = 0;  // the segment's type is block-uniform: every thread takes the same case
+    QK_FOR_EACH_TYPE(QK_MMA_QKV_CASE)
+}
+
+extern "C" __global__ void QK_MMA_MATVEC_BOUNDS mul_mat_vec_mma_qkv(
+    const uint8_t* w_q, int64_t pitch_q, int type_q, int rows_q, const uint8_t* w_k,
+    int64_t pitch_k, int type_k, int rows_k, const uint8_t* w_v, int64_t pitch_v, int type_v,
+    int rows_v, const float* x, int x_stride, float* y, int y_stride, int n_in, int batch,
+    int head_dim, const float* q_bias, const float* k_bias, const float* v_bias,
+    const float* q_norm, const float* k_norm, float eps, const int* positions, int rope_dim,
+    double base, const float* freq_factors, int neox, const int* slots, __half* k_cache,
+    __half* v_cache, int* head_counters) {
+    __shared__ MmaMatvecShared shared;
+    const int blocks_q = (rows_q + MMA_MATVEC_ROWS - 1) / MMA_MATVEC_ROWS;
+    const int blocks_k = (rows_k + MMA_MATVEC_ROWS - 1) / MMA_MATVEC_ROWS;
+    MmaQkvSegment seg;
+    if (int(blockIdx.x) < blocks_q) {
+        seg = {w_q, pitch_q, type_q, rows_q, 0, 0};
+    } else if (int(blockIdx.x) < blocks_q + blocks_k) {
+        seg = {w_k, pitch_k, type_k, rows_k, rows_q, blocks_q};
+    } else {
+        seg = {w_v, pitch_v, type_v, rows_v, rows_q + rows_k, blocks_q + blocks_k};
+    }
+    mma_qkv_segment_of_its_type(seg, x, x_stride, y, y_stride, n_in, batch, shared);
+    const QkvFinish finish{rows_q / head_dim, rows_k / head_dim, head_dim, q_bias, k_bias,
+                           v_bias, q_norm, k_norm, eps, positions, rope_dim, base,
+                           freq_factors, neox, slots, k_cache, v_cache};
+    const int first = (int(blockIdx.x) - seg.block_first) * MMA_MATVEC_ROWS;
+    // The activation table holds a head_dim copy a warp: the products are done with it.
+    finish_completed_heads<MMA_MATVEC_ROWS>(
+        first, min(first + MMA_MATVEC_ROWS, seg.rows) - 1, MMA_MATVEC_ROWS, seg.column, finish,
+        y, y_stride, batch, head_counters, reinterpret_cast<float*>(shared.table));
+}

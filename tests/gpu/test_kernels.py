@@ -607,32 +607,58 @@ def test_qkv_finish_equals_the_separate_kernels_bit_for_bit(kernel: Kernel, quir
     assert (k_fused.get()[1] == -7.0).all()  # slot 1: nobody's
 
 
-# (heads, kv_heads, head_dim, n_in, block types of q, k, v): rows per matvec block are 16 at
-# n_in 4608 (two K-splits) and 32 below 4096, so a 72-wide head spans five blocks, a
-# block holds two 16-wide heads, and 24-wide heads straddle block edges (a block holds parts
-# of two of them); every segment ends in a partial block.
+# (heads, kv_heads, head_dim, n_in, block types of q, k, v) for each fused QKV kernel. The
+# matvec's blocks hold 16 rows at n_in 4608 (two K-splits) and 32 below 4096, the mma
+# matvec's 16: heads span several blocks, a block holds two or more heads, and heads
+# straddle block edges (a block holds parts of two of them); every segment ends in a
+# partial block. The mma kernel serves Q4_K and Q6_K segments (Q6_K rows row-planar).
 QKV_SHAPES = {
-    "heads_span_blocks": (5, 1, 72, 4608, ("Q4_K", "Q4_K", "Q6_K")),
-    "blocks_hold_heads": (9, 3, 16, 1024, ("Q8_0", "F16", "Q5_0")),
-    "heads_straddle_blocks": (6, 2, 24, 512, ("Q5_K", "Q4_1", "BF16")),
+    "matvec": {
+        "heads_span_blocks": (5, 1, 72, 4608, ("Q4_K", "Q4_K", "Q6_K")),
+        "blocks_hold_heads": (9, 3, 16, 1024, ("Q8_0", "F16", "Q5_0")),
+        "heads_straddle_blocks": (6, 2, 24, 512, ("Q5_K", "Q4_1", "BF16")),
+    },
+    "matvec_mma": {
+        "heads_span_blocks": (5, 1, 72, 4608, ("Q4_K", "Q4_K", "Q6_K")),
+        "blocks_hold_heads": (12, 4, 8, 512, ("Q6_K", "Q4_K", "Q4_K")),
+        "heads_straddle_blocks": (6, 2, 24, 512, ("Q6_K", "Q6_K", "Q4_K")),
+    },
 }
+QKV_CASES = [(route, shape) for route, shapes in QKV_SHAPES.items() for shape in shapes]
+
+
+def product_launch(kernel: Kernel, route: str, type_name: str, matrix: Any, rows: int,
+                   n_in: int, x: Any, y: Any, y_stride: int, batch: int) -> None:
+    """One matrix's product on the route's kernel (mul_mat_vec or mul_mat_vec_mma)."""
+    if route == "matvec":
+        function, launch = (kernel("matvec.cu", plan.matvec_kernel(type_name)),
+                            plan.matvec_launch(rows, n_in))
+    else:
+        function, launch = (kernel("matvec_mma.cu", plan.matvec_mma_kernel(type_name)),
+                            plan.matvec_mma_launch(rows, n_in))
+    run(function, launch, ptr(matrix), np.int64(plan.row_pitch(type_name, n_in)), ptr(x),
+        np.int32(n_in + 4), y, np.int32(y_stride), np.int32(rows), np.int32(n_in),
+        np.int32(batch))
 
 
 @pytest.mark.parametrize("batch", [1, 8, 9, 33])
-@pytest.mark.parametrize("shape", list(QKV_SHAPES))
+@pytest.mark.parametrize(("route", "shape"), QKV_CASES)
 @pytest.mark.parametrize("quirks", ["llama", "qwen2", "gemma3"])
-def test_fused_qkv_equals_three_matvecs_then_qkv_finish(kernel: Kernel, quirks: str,
-                                                        shape: str, batch: int) -> None:
-    """mul_mat_vec_qkv (products, then each head finished by the block that stores its last
-    rows) against mul_mat_vec_<type> of each matrix into its columns then qkv_finish: the same
-    bits in every y row, its padding left NaN, and both caches; the head counters are zero
-    again after the launch, and a second launch gives the same bits."""
-    heads, kv_heads, head_dim, n_in, types = QKV_SHAPES[shape]
+def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks: str,
+                                                         route: str, shape: str,
+                                                         batch: int) -> None:
+    """mul_mat_vec_qkv (route matvec) and mul_mat_vec_mma_qkv (route matvec_mma): products,
+    then each head finished by the block that stores its last rows, against the route's
+    product of each matrix into its columns then qkv_finish: the same bits in every y row,
+    its padding left NaN, and both caches; the head counters are zero again after the launch,
+    and a second launch gives the same bits."""
+    heads, kv_heads, head_dim, n_in, types = QKV_SHAPES[route][shape]
     counts = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
     width, stride, kv_dim = sum(counts), sum(counts) + 2, counts[1]
     rng = np.random.default_rng(batch)
     raws = [finite_blocks(t, n, n_in, rng) for t, n in zip(types, counts)]
-    weights = [to_device(pitched(raw, t, n_in)) for raw, t in zip(raws, types)]
+    weights = [to_device(pitched(raw, t, n_in) if route == "matvec" else mma_rows(raw, t, n_in))
+               for raw, t in zip(raws, types)]
     x = to_device(activations(rng, batch, n_in))
     positions = to_device(rng.integers(0, 8192, batch).astype(np.int32))
     slots = to_device(rng.permutation(4 * batch)[:batch].astype(np.int32))
@@ -642,10 +668,8 @@ def test_fused_qkv_equals_three_matvecs_then_qkv_finish(kernel: Kernel, quirks: 
     separate, k_sep, v_sep = nan_filled(batch, stride), to_device(sentinel), to_device(sentinel)
     for matrix, type_name, rows, column in zip(weights, types, counts,
                                                (0, counts[0], counts[0] + counts[1])):
-        run(kernel("matvec.cu", plan.matvec_kernel(type_name)), plan.matvec_launch(rows, n_in),
-            ptr(matrix), np.int64(plan.row_pitch(type_name, n_in)), ptr(x),
-            np.int32(n_in + 4), at(separate, column), np.int32(stride), np.int32(rows),
-            np.int32(n_in), np.int32(batch))
+        product_launch(kernel, route, type_name, matrix, rows, n_in, x, at(separate, column),
+                       stride, batch)
     run(kernel("qkv_finish.cu", "qkv_finish"), plan.qkv_finish_launch(batch, heads + 2 * kv_heads),
         ptr(separate), np.int32(stride), np.int32(heads), np.int32(kv_heads), np.int32(head_dim),
         *finish_args(model, positions, slots, k_sep, v_sep))
@@ -655,10 +679,14 @@ def test_fused_qkv_equals_three_matvecs_then_qkv_finish(kernel: Kernel, quirks: 
     for matrix, type_name, rows in zip(weights, types, counts):
         segments += [ptr(matrix), np.int64(plan.row_pitch(type_name, n_in)),
                      np.int32(plan.kernel_type_code(type_name)), np.int32(rows)]
+    fused_kernel, fused_launch = (
+        (kernel("matvec.cu", "mul_mat_vec_qkv"), plan.qkv_launch(*counts, n_in))
+        if route == "matvec" else
+        (kernel("matvec_mma.cu", "mul_mat_vec_mma_qkv"), plan.matvec_mma_qkv_launch(*counts)))
     for _ in range(2):  # the first launch must leave the counters as the second needs them
         fused, k_fused, v_fused = (nan_filled(batch, stride), to_device(sentinel),
                                    to_device(sentinel))
-        run(kernel("matvec.cu", "mul_mat_vec_qkv"), plan.qkv_launch(*counts, n_in), *segments,
+        run(fused_kernel, fused_launch, *segments,
             ptr(x), np.int32(n_in + 4), ptr(fused), np.int32(stride), np.int32(n_in),
             np.int32(batch), np.int32(head_dim),
             *finish_args(model, positions, slots, k_fused, v_fused), ptr(counters))
