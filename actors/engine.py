@@ -480,6 +480,7 @@ class Engine(EngineDoor):
             tokens=self._scheduler.tokens,
             bytes_from_compute=self._scheduler.bytes_from_compute,
             last_step_s=self._scheduler.last_step_s,
+            compute_busy_s=self._scheduler.compute_busy_s,
         )
 
 

@@ -108,3 +108,6 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     # whole rows the sampler asked for.
     bytes_from_compute: int = 0
     last_step_s: float = 0.0  # wall time of the latest forward step
+    # The backend's own time in all steps so far (the compute thread's run calls): the rest
+    # of the steps' wall time is the actors' (scheduling, sampling, the hops between them).
+    compute_busy_s: float = 0.0

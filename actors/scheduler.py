@@ -147,6 +147,7 @@ class Scheduler:
         self.steps = 0
         self.tokens = 0
         self.bytes_from_compute = 0
+        self.compute_busy_s = 0.0  # the backend's own time in the steps (StepDone.busy_s)
         # Why the backend can no longer run (BackendLost), once it cannot.
         self.lost: str | None = None
         self._log = get_logger(_LOGGER)
@@ -325,11 +326,13 @@ class Scheduler:
 
     async def _run_step(
         self, step: RunStep
-    ) -> tuple[StepSampled | StepFailed | SamplingFailed | BackendLost, float]:
+    ) -> tuple[StepSampled | StepFailed | SamplingFailed | BackendLost, float, float]:
         """The forward, then the token choice for the items that wanted logits (fetching the
-        whole rows the sampler asks for)."""
+        whole rows the sampler asks for); the result, the step's wall time and the backend's
+        own time in it (ms)."""
         started = time.perf_counter()
         result = await self._ask_compute(step)
+        compute_ms = result.busy_s * 1000.0 if isinstance(result, StepDone) else 0.0
         if isinstance(result, StepDone):
             samplers = tuple(
                 self._sequences[item.seq_id].sampler for item in step.items if item.want_logits
@@ -357,7 +360,7 @@ class Scheduler:
                     )
                 result = rows
         self._last_step_s = time.perf_counter() - started
-        return result, self._last_step_s * 1000.0
+        return result, self._last_step_s * 1000.0, compute_ms
 
     async def _ask_compute(self, message: RunStep | FetchRows) -> Any:
         """The compute actor's answer; a step past its deadline is a failed step, and a
@@ -382,6 +385,7 @@ class Scheduler:
     def _counted(self, answer: Any) -> Any:
         if isinstance(answer, StepDone):
             self.bytes_from_compute += answer.candidates.nbytes
+            self.compute_busy_s += answer.busy_s
         elif isinstance(answer, RowsFetched):
             self.bytes_from_compute += answer.logits.nbytes
         return answer
@@ -397,6 +401,7 @@ class Scheduler:
         step: RunStep,
         result: StepSampled | StepFailed | SamplingFailed | BackendLost,
         ms: float,
+        compute_ms: float,
     ) -> None:
         n_tokens = sum(len(item.tokens) for item in step.items)
         self.tokens += n_tokens
@@ -411,6 +416,7 @@ class Scheduler:
                 prefill_items=len(step.items) - decode_items,
                 tokens=n_tokens,
                 ms=round(ms, 3),
+                compute_ms=round(compute_ms, 3),
             )
         sequences = [self._sequences[item.seq_id] for item in step.items]
         if isinstance(result, BackendLost):

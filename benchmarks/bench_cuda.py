@@ -305,8 +305,10 @@ async def engine_decode(path: Path, streams: tuple[int, ...], rng: np.random.Gen
     async with cuda_engine(path, streams, decode_route) as engine:
         vocab = engine.info.vocab_size
 
-        async def run(n: int, request: SamplingParams) -> tuple[float, float, float, int]:
-            """(start, last first token, end) wall clocks and the engine steps taken."""
+        async def run(n: int,
+                      request: SamplingParams) -> tuple[float, float, float, int, float]:
+            """(start, last first token, end) wall clocks, the engine steps taken and the
+            backend's own time in them (the compute thread's run calls)."""
             firsts: list[float] = []
 
             async def one() -> None:
@@ -317,20 +319,26 @@ async def engine_decode(path: Path, streams: tuple[int, ...], rng: np.random.Gen
                         firsts.append(time.perf_counter())
                         first = False
 
-            steps = engine.stats().steps
+            before = engine.stats()
             started = time.perf_counter()
             async with anyio.create_task_group() as tasks:
                 for _ in range(n):
                     tasks.start_soon(one)
-            return started, max(firsts), time.perf_counter(), engine.stats().steps - steps
+            after = engine.stats()
+            return (started, max(firsts), time.perf_counter(), after.steps - before.steps,
+                    after.compute_busy_s - before.compute_busy_s)
 
         results = []
         for n in streams:
             await run(n, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-            started, last_first, ended, steps = await run(n, params)
+            started, last_first, ended, steps, busy_s = await run(n, params)
             decode_s = ended - last_first
             results.append({
                 "streams": n, "tokens": ENGINE_TOKENS, "steps": steps,
+                # The share of the run's wall time the backend was busy (host work and device
+                # in its run calls); the rest, the GPU waits for the actors.
+                "backend_busy_share": busy_s / (ended - started),
+                "backend_ms_per_step": busy_s / steps * 1e3,
                 "tok_s": n * ENGINE_TOKENS / (ended - started),
                 "decode_tok_s": n * (ENGINE_TOKENS - 1) / decode_s,
                 "ms_per_decode_step": decode_s / (ENGINE_TOKENS - 1) * 1e3})

@@ -6,7 +6,9 @@ For each concurrency N: N requests with distinct prompts, each generating --toke
 under the same token budget, then one decode step for all N per token); "engine" runs the same
 requests through the Engine. Overhead = how much longer the engine takes than the bare loop;
 `engine_ms_per_step` is a decode step through the engine (from the last request's first token
-to the end, over the steps taken meanwhile), `bare_ms_per_step` the bare loop's. `row_share`
+to the end, over the steps taken meanwhile), `bare_ms_per_step` the bare loop's;
+`backend_busy_share` the share of the engine run's wall time its backend spent in its run calls
+(EngineStats.compute_busy_s): the rest, the backend waited for the actors. `row_share`
 is what crossed from the compute actor to the host per token chosen, as a share of a whole
 float32 logits row (the contract's goal: at most 1%). Each figure is the best of --repeats
 runs, bare and engine interleaved, because the machine may be shared. Anchors (llama-server,
@@ -132,6 +134,7 @@ class EngineRun(NamedTuple):
     seconds: float  # all the requests, from the first sent to the last answered
     bytes_from_compute: int  # what crossed from the compute actor meanwhile
     decode_step_s: float  # a step once every request has its first token
+    backend_busy_share: float  # of `seconds`, the backend's own time in its run calls
 
 
 async def through_engine(
@@ -152,7 +155,7 @@ async def through_engine(
         )
     async with opened as engine:
         await engine.complete([2, 3, 4], params)  # warm the threads
-        bytes_before = engine.stats().bytes_from_compute
+        before = engine.stats()
         firsts: list[tuple[float, int]] = []  # (when, steps taken by then) per first token
 
         async def one(prompt: list[int]) -> None:
@@ -168,10 +171,12 @@ async def through_engine(
                 tasks.start_soon(one, prompt)
         ended = time.perf_counter()
         last_first, steps_then = max(firsts)
+        after = engine.stats()
         return EngineRun(
             seconds=ended - started,
-            bytes_from_compute=engine.stats().bytes_from_compute - bytes_before,
-            decode_step_s=(ended - last_first) / max(1, engine.stats().steps - steps_then),
+            bytes_from_compute=after.bytes_from_compute - before.bytes_from_compute,
+            decode_step_s=(ended - last_first) / max(1, after.steps - steps_then),
+            backend_busy_share=(after.compute_busy_s - before.compute_busy_s) / (ended - started),
         )
 
 
@@ -211,6 +216,9 @@ def main() -> None:
                 "overhead_pct": round((best.seconds / bare_s - 1) * 100, 1),
                 "bare_ms_per_step": round(bare_step_s * 1e3, 3),
                 "engine_ms_per_step": round(decode_step_s * 1e3, 3),
+                # Of the best engine run's wall time, the share its backend was busy; the
+                # rest the backend waited for the actors.
+                "backend_busy_share": round(best.backend_busy_share, 3),
                 "bytes_per_token": round(best.bytes_from_compute / generated, 1),
                 "row_share_pct": round(best.bytes_from_compute / generated / row_bytes * 100, 4),
             }

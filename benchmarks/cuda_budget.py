@@ -14,8 +14,9 @@
    of one: the fewer FFMAs) and the chunk loop (8 activation rows a pass, one forward-branch
    region per row). Reported: the lone-row pass's SASS instructions per weight byte (batch 1),
    and the chunk pass's per weight byte and activation row (a full chunk of 8). The same for
-   the tensor-core matvec mul_mat_vec_mma_q4_K (route "matvec_mma"): its K-block loop (the
-   innermost loop holding its 32 MMAs: two K-blocks a pass, 144 weight bytes a lane).
+   the tensor-core matvec mul_mat_vec_mma_q4_K / _q6_K (route "matvec_mma"): its K-block loop
+   (the innermost loop holding its 32 MMAs: two K-blocks a pass, a quarter of two rows' blocks
+   a lane: 144 weight bytes for Q4_K, 210 for Q6_K).
 3. Kernels of one decode step (one stream), from actors.compute.cuda_launches.forward_calls +
    candidate_calls: the Llama-3-8B shape of benchmarks/synthetic_gguf.py (Q4_K_M types), also
    on the decode tiles route and the mma matvec route (mul_mat_vec_mma where it serves a
@@ -60,7 +61,10 @@ HOT_ENTRIES = {
                   "mul_mat_decode_tiles_f16x2_q6_K": plan.DECODE_TILE_THREADS,
                   "mul_mat_decode_tiles_gate_up_silu_f16x2_q4_K": plan.DECODE_TILE_THREADS},
     "matvec_mma.cu": {"mul_mat_vec_mma_q4_K": plan.MATVEC_MMA_THREADS,
-                      "mul_mat_vec_mma_gate_up_silu_q4_K": plan.MATVEC_MMA_THREADS},
+                      "mul_mat_vec_mma_gate_up_silu_q4_K": plan.MATVEC_MMA_THREADS,
+                      "mul_mat_vec_mma_q6_K": plan.MATVEC_MMA_THREADS,
+                      "mul_mat_vec_mma_gate_up_silu_q6_K": plan.MATVEC_MMA_THREADS,
+                      "mul_mat_vec_mma_qkv": plan.MATVEC_MMA_THREADS},
     "attention.cu": {"attention_decode": plan.DECODE_THREADS,
                      "attention_prefill": plan.ATTN_WARPS * 32},
     "norm.cu": {"residual_rms_norm": plan.NORM_THREADS},
@@ -72,8 +76,8 @@ HOT_ENTRIES = {
 # Weight bytes one lane consumes per pass of the matvec loop: its slice's share of a block.
 LOOP_BYTES = {"mul_mat_vec_q4_K": 144 / 8, "mul_mat_vec_q6_K": 210 / 8}
 # The tensor-core matvec's pass: two K-blocks of its lane's two rows, a quarter of each
-# (matvec_mma.cu: lane c takes chunk c and the header of rows g and g + 8), 16 MMAs a K-block.
-MMA_LOOP_BYTES = {"mul_mat_vec_mma_q4_K": 2 * 2 * 144 / 4}
+# (matvec_mma.cu: lane c takes its quarter of rows g and g + 8), 16 MMAs a K-block.
+MMA_LOOP_BYTES = {"mul_mat_vec_mma_q4_K": 2 * 2 * 144 / 4, "mul_mat_vec_mma_q6_K": 2 * 2 * 210 / 4}
 MMA_PER_PASS = 32
 
 

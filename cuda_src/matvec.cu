@@ -300,61 +300,6 @@ __device__ void qkv_segment_of_its_type(const QkvSegment& seg, const float* __re
     QK_FOR_EACH_TYPE(QK_QKV_CASE)
 }
 
-// Heads one block's rows touch: rows per block >= 4 and head_dim % 8 == 0.
-constexpr int QKV_MAX_HEADS_PER_BLOCK = MATVEC_MAX_ROWS_PER_BLOCK / 8 + 1;
-
-// finish_head kept out of line: inlined, it made ptxas spill registers in the K-quant products
-// of this kernel (at launch_bounds' 128), though it runs after them. It reads the QkvFinish
-// from shared memory: a reference to a local copy would put that copy on the stack.
-__device__ __noinline__ void finish_head_out_of_line(float* v, int head, int token,
-                                                    const QkvFinish& finish, int lane) {
-    finish_head(v, head, token, finish, lane);
-}
-
-// After the block has stored its rows of y (every activation row): it counts itself on each
-// head its rows touch, and finishes for every activation row the heads it counted last (all
-// their rows are then stored), a warp per (head, row) on a copy in shared memory read from
-// L2 (other blocks wrote the rows; L1 is not coherent), written back to y after.
-__device__ void finish_completed_heads(const QkvSegment& seg, const QkvFinish& finish,
-                                       float* y, int y_stride, int batch, int* head_counters,
-                                       MatvecShared& shared) {
-    __shared__ bool completed[QKV_MAX_HEADS_PER_BLOCK];
-    __shared__ QkvFinish shared_finish;
-    const int head_dim = finish.head_dim, per_block = rows_per_block();
-    const int first = (int(blockIdx.x) - seg.block_first) * per_block;
-    const int last = min(first + per_block, seg.rows) - 1;
-    const int first_head = first / head_dim, touched = last / head_dim - first_head + 1;
-    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-    if (tid == 0) shared_finish = finish;
-    __threadfence();  // this block's rows are visible device-wide before it is counted
-    __syncthreads();
-    if (tid < touched) {
-        const int head = first_head + tid;  // within the segment
-        const int blocks =  // the blocks holding the head's rows
-            ((head + 1) * head_dim - 1) / per_block - head * head_dim / per_block + 1;
-        int* counter = head_counters + seg.column / head_dim + head;
-        completed[tid] = atomicAdd(counter, 1) == blocks - 1;
-        if (completed[tid]) atomicExch(counter, 0);  // every block of the head has counted
-    }
-    __syncthreads();
-    __threadfence();  // the other blocks' rows are read after their counts
-    const int warp = tid / WARP, lane = tid % WARP;
-    const int warps = blockDim.x * blockDim.y / WARP;
-    float* copy = shared.run_sums + warp * head_dim;  // free: the products are done
-    for (int task = warp; task < touched * batch; task += warps) {
-        const int t = task / batch, token = task % batch;
-        if (!completed[t]) continue;  // the whole warp skips
-        const int head = seg.column / head_dim + first_head + t;  // in the row: q, k, v heads
-        float* row = y + int64_t(token) * y_stride + int64_t(head) * head_dim;
-        for (int i = lane; i < head_dim; i += WARP) copy[i] = __ldcg(row + i);
-        __syncwarp();
-        finish_head_out_of_line(copy, head, token, shared_finish, lane);
-        __syncwarp();
-        for (int i = lane; i < head_dim; i += WARP) row[i] = copy[i];
-        __syncwarp();  // the copy is rewritten by the warp's next task
-    }
-}
-
 extern "C" __global__ void QK_MATVEC_BOUNDS mul_mat_vec_qkv(
     const uint8_t* w_q, int64_t pitch_q, int type_q, int rows_q, const uint8_t* w_k,
     int64_t pitch_k, int type_k, int rows_k, const uint8_t* w_v, int64_t pitch_v, int type_v,
@@ -379,5 +324,9 @@ extern "C" __global__ void QK_MATVEC_BOUNDS mul_mat_vec_qkv(
     const QkvFinish finish{rows_q / head_dim, rows_k / head_dim, head_dim, q_bias, k_bias,
                            v_bias, q_norm, k_norm, eps, positions, rope_dim, base,
                            freq_factors, neox, slots, k_cache, v_cache};
-    finish_completed_heads(seg, finish, y, y_stride, batch, head_counters, shared);
+    const int first = (int(blockIdx.x) - seg.block_first) * per_block;
+    // run_sums holds a head_dim copy a warp: the products are done with it.
+    finish_completed_heads<MATVEC_MAX_ROWS_PER_BLOCK>(
+        first, min(first + per_block, seg.rows) - 1, per_block, seg.column, finish, y,
+        y_stride, batch, head_counters, shared.run_sums);
 }

@@ -1,54 +1,66 @@
-// Decode matrix x activations on the tensor cores, Q4_K: y[b][r] = sum_i W[r][i] * x[b][i] for
-// any batch >= 1, each weight byte straight from global memory into an MMA fragment.
+// Decode matrix x activations on the tensor cores, Q4_K and Q6_K: y[b][r] = sum_i W[r][i] *
+// x[b][i] for any batch >= 1, each weight byte straight from global memory into an MMA fragment.
 //
-// Entry points (<act>: silu, gelu_tanh):
-//   mul_mat_vec_mma_q4_K(weights, int64 row_pitch, x, int x_stride, y, int y_stride, int rows,
-//                        int n_in, int batch)
+// Entry points (<type>: q4_K, q6_K; <act>: silu, gelu_tanh):
+//   mul_mat_vec_mma_<type>(weights, int64 row_pitch, x, int x_stride, y, int y_stride,
+//                          int rows, int n_in, int batch)
 //       y[b][r] = W[r] . x[b] for r < rows, b < batch.
-//   mul_mat_vec_mma_gate_up_<act>_q4_K(gate_w, up_w, int64 row_pitch, x, int x_stride, y,
-//                                      int y_stride, int ffn_rows, int n_in, int batch)
+//   mul_mat_vec_mma_gate_up_<act>_<type>(gate_w, up_w, int64 row_pitch, x, int x_stride, y,
+//                                        int y_stride, int ffn_rows, int n_in, int batch)
 //       y[b][r] = act(gate[r] . x[b]) * (up[r] . x[b]), act as activation.cu's gated_<act>:
-//       bit for bit mul_mat_vec_mma_q4_K on both matrices, then gated_<act>.
+//       bit for bit mul_mat_vec_mma_<type> on both matrices, then gated_<act>.
+//   mul_mat_vec_mma_qkv(the arguments of matvec.cu's mul_mat_vec_qkv)
+//       q | k | v as mul_mat_vec_qkv lays them out and finishes them (biases, head norms,
+//       RoPE, the K/V write: qkv_finish_ops.cuh's epilogue, per-head counters), each segment
+//       Q4_K or Q6_K (its type code): bit for bit mul_mat_vec_mma_<type> x3 then qkv_finish.
+//       Geometry: the three matrices' blocks of 16 rows one after the other.
 // Layouts as matvec.cu's (weights rows row_pitch bytes apart from a 16-byte aligned base; x
-// float32 [batch][x_stride], x_stride % 4 == 0, 16-byte aligned); n_in % 256 == 0.
+// float32 [batch][x_stride], x_stride % 4 == 0, 16-byte aligned); n_in % 256 == 0. Q4_K rows
+// hold the file's blocks; Q6_K rows the row-planar layout (cuda_plan.planar_q6_K_rows: the
+// blocks' ql + qh, 192 bytes each, then their 16-byte scales, then their d), since the
+// file's 210-byte blocks are only 2-byte aligned.
 // Geometry (cuda_plan.matvec_mma_launch): 256 threads, a block per 16 output rows (the gate
 // entry: 8 gate rows and the same 8 up rows), grid.x = ceil(rows / 16).
 //
 // The block's 16 rows are one MMA row tile (m16n8k16); its 8 warps take the K-blocks (256
 // elements) in turn, warp w blocks w, w + 8, ... Lane 4g + c holds rows g and g + 8 of the tile
-// and chunk c of each of their blocks' quants (matvec_mma_blocks.cuh): two 16-byte loads a row
-// plus the 16-byte header, every byte its own lane's, loaded a K-block ahead. Its words become
-// the A fragments directly: a LOP3 and a float16 subtraction per pair (the exact levels),
-// one MMA per word and nibble half. The B fragment's eight columns are four lanes x (hi, lo):
+// and its quarter c of each of their blocks (matvec_mma_blocks.cuh), loaded a K-block ahead
+// with 16-byte loads, every quant byte its own lane's: Q4_K's chunk c (two loads a row) and
+// the 16-byte header; Q6_K's three runs, its 8 scale bytes and d. Its words become the A
+// fragments directly (the exact levels as float16 integers), one MMA per word and nibble
+// half (Q4_K) or quarter (Q6_K). The B fragment's eight columns are four lanes x (hi, lo):
 // column 2c + p holds part p of x at lane c's elements and zero at every other lane's, so
 // the tensor cores add each lane's own products (a sub-block of one row) into that lane's
-// own accumulators, apart from the other sub-blocks: each lane then applies its two
-// sub-blocks' scales and mins to its own sums, no shuffles. The other lanes' B registers
-// read 256 zero bytes.
+// own accumulators, apart from the other sub-blocks: each lane then applies its sub-blocks'
+// scales (and Q4_K's mins) to its own sums, no shuffles. The other lanes' B registers read
+// 256 zero bytes.
 //
 // The activations are split into float16 hi + lo once per block and token, into a shared
-// table laid out as the B fragments are read (one 16-byte load per lane gives both nibble
-// halves' fragments of a word), with each sub-block's float32 sum of x for the mins; n_in
+// table laid out as the B fragments are read (one 16-byte load per lane gives the fragments of
+// two MMAs: a word's two nibble halves), with Q4_K's sub-block float32 sums of x for the mins; n_in
 // past TABLE_BLOCKS K-blocks goes in pieces, the warps' partial sums carried across.
 //
 // Numerics: products of exact levels with the float16 parts of x (about 22 bits of x), summed
 // in float32 by the tensor cores per sub-block, then d * (scale * sum) - dmin * (min * sum(x))
-// per sub-block in float32: within the float32 summation bound of the exact product of the
-// decoded weights, as the tiles are. Different summation from mul_mat_vec_q4_K's: a different
+// per sub-block in float32 (Q6_K: d * the sum over sub-blocks of scale * sum): within the float32 summation bound of the exact product of the
+// decoded weights, as the tiles are. Different summation from mul_mat_vec_<type>'s: a different
 // route (cuda_plan.DECODE_ROUTES), never mixed with it within a matrix.
 // Batch invariance: tokens go one at a time, each through the same operations in the same
 // order (the table, the warps' K-blocks, the lanes' and warps' sums in fixed order): a row's
 // result for a token never depends on the batch. Each token pays the whole pass (its weights
 // from L2 after the first token's), so this is the route for few streams; sharing each
 // unpacked fragment among a chunk of tokens needed more than 128 registers a thread.
+#include <type_traits>
+
 #include "activation_ops.cuh"
 #include "device_common.cuh"
 #include "matvec_mma_blocks.cuh"
 #include "mma_ops.cuh"
+#include "qkv_finish_ops.cuh"
 
 constexpr int MMA_MATVEC_WARPS = 8;
 constexpr int MMA_MATVEC_ROWS = 16;
-constexpr int K_BLOCK = type_q4_K::BLOCK_ELEMENTS;  // a K-block: one Q4_K block a row
+constexpr int K_BLOCK = 256;         // a K-block: one Q4_K or Q6_K block a row
 constexpr int TABLE_BLOCKS = 32;     // K-blocks of activations a table holds: 8192 elements
 // 16-byte entries a K-block: 4 chunks x 8 words x 2 parts (hi, lo).
 constexpr int ENTRIES_PER_BLOCK = 64;
@@ -56,21 +68,213 @@ constexpr int ZERO_ENTRIES = 16;     // what the non-owner lanes read for a K-bl
 
 struct MmaMatvecShared {
     uint4 table[TABLE_BLOCKS * ENTRIES_PER_BLOCK + ZERO_ENTRIES];
-    float2 sums[TABLE_BLOCKS * 4];  // per K-block, its sub-blocks' sums of x in pairs (2c, 2c+1)
+    float2 sums[TABLE_BLOCKS * 4];  // Q4_K: per K-block, its sub-blocks' sums of x, pairs (2c, 2c+1)
     float partial[MMA_MATVEC_WARPS][MMA_MATVEC_ROWS];
 };
 
+// The block types' lanes (quarter c of a K-block of rows g and g + 8). Each gives:
+//   Lane: the lane's bytes of a K-block; Rows: the lane's addresses in K-block 0 of its rows,
+//   rows_of(row_g, row_g8, n_blocks, c); load(rows, k, out): K-block k into a Lane;
+//   multiply(lane, entries, sums, c, acc): the K-block's products added to acc[row];
+//   first_element(c, i), SECOND_OFFSET: the elements of table entry i of chunk c (elements
+//   first .. first + 3 for the entry's first MMA, SECOND_OFFSET on for its second);
+//   NEEDS_SUMS: whether multiply reads the sub-blocks' sums of x.
+
+// Q4_K: chunk c of the quants (sub-blocks 2c, 2c + 1) and the header, file layout.
+struct MmaQ4K {
+    static constexpr int SECOND_OFFSET = 32;
+    static constexpr bool NEEDS_SUMS = true;
+    static __device__ __forceinline__ int first_element(int c, int i) { return 64 * c + 4 * i; }
+
+    struct Lane {
+        uint4 head[2], quants[2][2];
+    };
+
+    // The lane's addresses in K-block 0 of rows g and g + 8: the header, its chunk.
+    struct Rows {
+        const uint8_t *head[2], *chunk[2];
+    };
+
+    static __device__ __forceinline__ Rows rows_of(const uint8_t* row_g, const uint8_t* row_g8,
+                                                   int, int c) {
+        return {{row_g, row_g8}, {row_g + 16 + 32 * c, row_g8 + 16 + 32 * c}};
+    }
+
+    static __device__ __forceinline__ void load(const Rows& rows, int k, Lane& out) {
+        const int64_t offset = int64_t(k) * type_q4_K::BLOCK_BYTES;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            out.head[r] = __ldg(reinterpret_cast<const uint4*>(rows.head[r] + offset));
+            const uint4* chunk = reinterpret_cast<const uint4*>(rows.chunk[r] + offset);
+            out.quants[r][0] = __ldg(chunk);
+            out.quants[r][1] = __ldg(chunk + 1);
+        }
+    }
+
+    // 16 MMAs (a word's low nibbles, then its high ones, per word), then each row's two
+    // sub-blocks' scales and mins.
+    static __device__ __forceinline__ void multiply(const Lane& block, const uint4* entries,
+                                                    float2 sums, int c, float (&acc)[2]) {
+        float low[4], high[4];  // (row g: hi, lo part; row g + 8: hi, lo) of sub-blocks 2c, 2c+1
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const NibblePairs g = nibble_pairs_of(word_of(block.quants[0][i / 4], i % 4));
+            const NibblePairs g8 = nibble_pairs_of(word_of(block.quants[1][i / 4], i % 4));
+            const uint4 b = entries[2 * i];
+            auto level = [](uint32_t biased) { return sub_halves(biased, HALF_1024_PAIR); };
+            const uint32_t a_low[4] = {level(g.low02), level(g8.low02), level(g.low13),
+                                       level(g8.low13)};
+            const uint32_t a_high[4] = {level(g.high02), level(g8.high02), level(g.high13),
+                                        level(g8.high13)};
+            const uint32_t b_low[2] = {b.x, b.y}, b_high[2] = {b.z, b.w};
+            if (i == 0) {
+                mma_first(low, a_low, b_low);
+                mma_first(high, a_high, b_high);
+            } else {
+                mma(low, a_low, b_low);
+                mma(high, a_high, b_high);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint4 head = block.head[r];
+            const LaneScales s = lane_scales(head.y, head.z, head.w, c);
+            const float2 d = unpack_halves(head.x);  // d, dmin
+            // Rounded as written (no contraction left to the compiler), so rows g and g + 8
+            // round alike: the fused gate+up entry puts a row where the plain one may not.
+            const float scaled =
+                __fmaf_rn(s.scale_high, __fadd_rn(high[2 * r], high[2 * r + 1]),
+                          __fmul_rn(s.scale_low, __fadd_rn(low[2 * r], low[2 * r + 1])));
+            const float mins = __fmaf_rn(s.min_high, sums.y, __fmul_rn(s.min_low, sums.x));
+            acc[r] = __fmaf_rn(-d.y, mins, __fmaf_rn(d.x, scaled, acc[r]));
+        }
+    }
+
+    static __device__ __forceinline__ uint32_t word_of(const uint4& q, int i) {
+        return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
+    }
+};
+
+// Q6_K, row-planar: the lane's sub-blocks 8h + 2t + v (h = c / 2, v = c % 2, t = 0..3),
+// three 16-byte runs, 8 scale bytes and d a row.
+struct MmaQ6K {
+    static constexpr int SECOND_OFFSET = 64;  // quarter u + 2 beside quarter u
+    static constexpr bool NEEDS_SUMS = false;
+    // Entry i of chunk c: quarter i / 4's word i % 4 (then quarter i / 4 + 2's).
+    static __device__ __forceinline__ int first_element(int c, int i) {
+        return 128 * (c / 2) + 16 * (c % 2) + 32 * (i / 4) + 4 * (i % 4);
+    }
+
+    struct Lane {
+        uint4 runs[2][3];  // per row: ql (quarters 0, 2), ql (1, 3), qh
+        uint2 scales[2];   // per row: scales 8h .. 8h + 7
+        // Per row: d's bits, converted when multiplied (a conversion here would wait for the
+        // load that should still be flying).
+        unsigned short d[2];
+    };
+
+    // The lane's addresses in K-block 0 of rows g and g + 8: its first ql run (the second is
+    // 32 bytes on), its qh run, its scales and d.
+    struct Rows {
+        const uint8_t *ql[2], *qh[2], *scales[2], *d[2];
+    };
+
+    static __device__ __forceinline__ Rows rows_of(const uint8_t* row_g, const uint8_t* row_g8,
+                                                   int n_blocks, int c) {
+        const int h = c / 2, v = c % 2;
+        const int64_t scales = int64_t(n_blocks) * 192 + 8 * h, d = int64_t(n_blocks) * 208;
+        return {{row_g + 64 * h + 16 * v, row_g8 + 64 * h + 16 * v},
+                {row_g + 128 + 32 * h + 16 * v, row_g8 + 128 + 32 * h + 16 * v},
+                {row_g + scales, row_g8 + scales},
+                {row_g + d, row_g8 + d}};
+    }
+
+    static __device__ __forceinline__ void load(const Rows& rows, int k, Lane& out) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint4* ql = reinterpret_cast<const uint4*>(rows.ql[r] + 192 * k);
+            out.runs[r][0] = __ldg(ql);
+            out.runs[r][1] = __ldg(ql + 2);
+            out.runs[r][2] = __ldg(reinterpret_cast<const uint4*>(rows.qh[r] + 192 * k));
+            out.scales[r] = __ldg(reinterpret_cast<const uint2*>(rows.scales[r] + 16 * k));
+            out.d[r] = __ldg(reinterpret_cast<const unsigned short*>(rows.d[r] + 2 * k));
+        }
+    }
+
+    // Quarter u and u + 2 of word j of row r's runs: their A pairs (the levels less 32).
+    template <int QUARTER>
+    static __device__ __forceinline__ void quarter_pairs(const Lane& block, int j,
+                                                         uint32_t (&a)[4]) {
+        uint32_t levels[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            levels[r] = six_bit_levels<QUARTER>(MmaQ4K::word_of(block.runs[r][0], j),
+                                                MmaQ4K::word_of(block.runs[r][1], j),
+                                                MmaQ4K::word_of(block.runs[r][2], j));
+        }
+        a[0] = sub_halves(level_pair(levels[0], false), HALF_1056_PAIR);
+        a[1] = sub_halves(level_pair(levels[1], false), HALF_1056_PAIR);
+        a[2] = sub_halves(level_pair(levels[0], true), HALF_1056_PAIR);
+        a[3] = sub_halves(level_pair(levels[1], true), HALF_1056_PAIR);
+    }
+
+    // Quarters u and u + 2 (4 MMAs each), their sums scaled into the block's sum per row.
+    template <int U>
+    static __device__ __forceinline__ void multiply_quarters(const Lane& block,
+                                                             const uint4* entries, int v,
+                                                             float (&block_sum)[2]) {
+        float first[4], second[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            uint32_t a_first[4], a_second[4];
+            quarter_pairs<U>(block, j, a_first);
+            quarter_pairs<U + 2>(block, j, a_second);
+            const uint4 b = entries[2 * (4 * U + j)];
+            const uint32_t b_first[2] = {b.x, b.y}, b_second[2] = {b.z, b.w};
+            if (j == 0) {
+                mma_first(first, a_first, b_first);
+                mma_first(second, a_second, b_second);
+            } else {
+                mma(first, a_first, b_first);
+                mma(second, a_second, b_second);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint2 sc = block.scales[r];
+            const float scale_first = q6_K_lane_scale(sc.x, sc.y, U, v);
+            const float scale_second = q6_K_lane_scale(sc.x, sc.y, U + 2, v);
+            const float scaled =
+                __fmaf_rn(scale_second, __fadd_rn(second[2 * r], second[2 * r + 1]),
+                          __fmul_rn(scale_first, __fadd_rn(first[2 * r], first[2 * r + 1])));
+            block_sum[r] = U == 0 ? scaled : __fadd_rn(block_sum[r], scaled);
+        }
+    }
+
+    static __device__ __forceinline__ void multiply(const Lane& block, const uint4* entries,
+                                                    float2, int c, float (&acc)[2]) {
+        float block_sum[2];
+        multiply_quarters<0>(block, entries, c % 2, block_sum);
+        multiply_quarters<1>(block, entries, c % 2, block_sum);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            acc[r] = __fmaf_rn(half_to_float(block.d[r]), block_sum[r], acc[r]);
+        }
+    }
+};
+
 // K-blocks [first, first + count) of one activation row into the table: an item per (block,
-// chunk c, word i) splits elements 4i..4i+3 of sub-blocks 2c and 2c + 1 into the hi entry
-// and the lo entry (each: the low half's two B registers, then the high half's), and the
-// eight items of a chunk sum its sub-blocks in one fixed shuffle tree.
+// chunk c, entry i) splits elements e .. e + 3 (e = first_element(c, i)) and e + SECOND_OFFSET
+// .. + 3 into the hi entry and the lo entry (each: the first MMA's two B registers, then the
+// second's); for Q4_K the eight items of a chunk sum its sub-blocks in one fixed shuffle tree.
+template <class Block>
 __device__ void fill_table(const float* __restrict__ x, int first, int count,
                            MmaMatvecShared& shared) {
     for (int item = threadIdx.x; item < count * 32; item += blockDim.x) {  // whole warps
         const int block = item / 32, c = item / 8 % 4, i = item % 8;
-        const float* elements = x + int64_t(first + block) * K_BLOCK + 64 * c + 4 * i;
+        const float* elements = x + int64_t(first + block) * K_BLOCK + Block::first_element(c, i);
         const float4 low = *reinterpret_cast<const float4*>(elements);
-        const float4 high = *reinterpret_cast<const float4*>(elements + 32);
+        const float4 high = *reinterpret_cast<const float4*>(elements + Block::SECOND_OFFSET);
         uint4 hi, lo;
         split_pair(low.x, low.z, &hi.x, &lo.x);
         split_pair(low.y, low.w, &hi.y, &lo.y);
@@ -79,79 +283,22 @@ __device__ void fill_table(const float* __restrict__ x, int first, int count,
         uint4* entry = shared.table + block * ENTRIES_PER_BLOCK + (8 * c + i) * 2;
         entry[0] = hi;
         entry[1] = lo;
-        float2 sums = make_float2((low.x + low.y) + (low.z + low.w),
-                                  (high.x + high.y) + (high.z + high.w));
+        if constexpr (Block::NEEDS_SUMS) {
+            float2 sums = make_float2((low.x + low.y) + (low.z + low.w),
+                                      (high.x + high.y) + (high.z + high.w));
 #pragma unroll
-        for (int offset = 1; offset < 8; offset *= 2) {
-            sums.x += __shfl_xor_sync(FULL_MASK, sums.x, offset);
-            sums.y += __shfl_xor_sync(FULL_MASK, sums.y, offset);
+            for (int offset = 1; offset < 8; offset *= 2) {
+                sums.x += __shfl_xor_sync(FULL_MASK, sums.x, offset);
+                sums.y += __shfl_xor_sync(FULL_MASK, sums.y, offset);
+            }
+            if (i == 0) shared.sums[block * 4 + c] = sums;
         }
-        if (i == 0) shared.sums[block * 4 + c] = sums;
-    }
-}
-
-// One lane's bytes of a K-block: rows g and g + 8, each its header and its chunk's 32 bytes.
-struct LaneBlock {
-    uint4 head[2], quants[2][2];
-};
-
-__device__ __forceinline__ void load_lane_block(const uint8_t* row_g, const uint8_t* row_g8,
-                                                int64_t offset, int c, LaneBlock& out) {
-    const uint8_t* rows[2] = {row_g + offset, row_g8 + offset};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        out.head[r] = __ldg(reinterpret_cast<const uint4*>(rows[r]));
-        out.quants[r][0] = __ldg(reinterpret_cast<const uint4*>(rows[r] + 16 + 32 * c));
-        out.quants[r][1] = __ldg(reinterpret_cast<const uint4*>(rows[r] + 32 + 32 * c));
-    }
-}
-
-__device__ __forceinline__ uint32_t word_of(const uint4 (&quants)[2], int i) {
-    const uint4& q = quants[i / 4];
-    return i % 4 == 0 ? q.x : i % 4 == 1 ? q.y : i % 4 == 2 ? q.z : q.w;
-}
-
-// The lane's two sub-blocks of rows g and g + 8 in one K-block, added to acc[row]: 16 MMAs
-// (a word's low nibbles, then its high ones, per word), B from the lane's table entries.
-__device__ __forceinline__ void multiply_lane_block(const LaneBlock& block, const uint4* entries,
-                                                    float2 sums, int c, float (&acc)[2]) {
-    float low[4], high[4];  // (row g: hi, lo part; row g + 8: hi, lo) of sub-blocks 2c, 2c+1
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const NibblePairs g = nibble_pairs_of(word_of(block.quants[0], i));
-        const NibblePairs g8 = nibble_pairs_of(word_of(block.quants[1], i));
-        const uint4 b = entries[2 * i];
-        auto level = [](uint32_t biased) { return sub_halves(biased, HALF_1024_PAIR); };
-        const uint32_t a_low[4] = {level(g.low02), level(g8.low02), level(g.low13),
-                                   level(g8.low13)};
-        const uint32_t a_high[4] = {level(g.high02), level(g8.high02), level(g.high13),
-                                    level(g8.high13)};
-        const uint32_t b_low[2] = {b.x, b.y}, b_high[2] = {b.z, b.w};
-        if (i == 0) {
-            mma_first(low, a_low, b_low);
-            mma_first(high, a_high, b_high);
-        } else {
-            mma(low, a_low, b_low);
-            mma(high, a_high, b_high);
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const uint4 head = block.head[r];
-        const LaneScales s = lane_scales(head.y, head.z, head.w, c);
-        const float2 d = unpack_halves(head.x);  // d, dmin
-        // Rounded as written (no contraction left to the compiler), so rows g and g + 8 of
-        // the tile round alike: the fused gate+up entry puts a row where the plain one may not.
-        const float scaled = __fmaf_rn(s.scale_high, __fadd_rn(high[2 * r], high[2 * r + 1]),
-                                       __fmul_rn(s.scale_low, __fadd_rn(low[2 * r], low[2 * r + 1])));
-        const float mins = __fmaf_rn(s.min_high, sums.y, __fmul_rn(s.min_low, sums.x));
-        acc[r] = __fmaf_rn(-d.y, mins, __fmaf_rn(d.x, scaled, acc[r]));
     }
 }
 
 // The block's 16 rows (row_g, row_g8: this lane's rows g and g + 8) times each activation
 // row; epilogue(total, b) stores token b's results, total(r) = row r's dot product.
-template <class Epilogue>
+template <class Block, class Epilogue>
 __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __restrict__ row_g8,
                            const float* __restrict__ x, int x_stride, int n_in, int batch,
                            MmaMatvecShared& shared, Epilogue epilogue) {
@@ -168,6 +315,7 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
         shared.table[TABLE_BLOCKS * ENTRIES_PER_BLOCK + threadIdx.x] = make_uint4(0, 0, 0, 0);
     }
     const int n_blocks = n_in / K_BLOCK;
+    const typename Block::Rows rows = Block::rows_of(row_g, row_g8, n_blocks, c);
     for (int b = 0; b < batch; ++b) {
         const float* xb = x + int64_t(b) * x_stride;
         float acc[2] = {0.0f, 0.0f};
@@ -177,18 +325,16 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
             // each loaded a block ahead (past the piece's last block a load repeats the last
             // one, in L1: no address leaves the rows). The first load flies while the table
             // fills.
-            auto load = [&](int k, LaneBlock& out) {
-                load_lane_block(row_g, row_g8, int64_t(first + min(k, count - 1)) * type_q4_K::BLOCK_BYTES,
-                                c, out);
+            auto load = [&](int k, typename Block::Lane& out) {
+                Block::load(rows, first + min(k, count - 1), out);
             };
-            auto multiply = [&](int k, const LaneBlock& block) {
-                multiply_lane_block(block, entries + k * entry_step, shared.sums[k * 4 + c], c,
-                                    acc);
+            auto multiply = [&](int k, const typename Block::Lane& block) {
+                Block::multiply(block, entries + k * entry_step, shared.sums[k * 4 + c], c, acc);
             };
-            LaneBlock even, odd;
+            typename Block::Lane even, odd;
             if (warp < count) load(warp, even);
             __syncthreads();  // the previous piece's table is read
-            fill_table(xb, first, count, shared);
+            fill_table<Block>(xb, first, count, shared);
             __syncthreads();
 #pragma unroll 1  // two K-blocks a pass: the budget tool reads the pass's SASS per weight byte
             for (int k = warp; k < count; k += 2 * MMA_MATVEC_WARPS) {
@@ -223,24 +369,25 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
 // Two blocks per SM at least (16 resident warps): ptxas may take up to 128 registers.
 #define QK_MMA_MATVEC_BOUNDS __launch_bounds__(MMA_MATVEC_WARPS * WARP, 2)
 
-extern "C" __global__ void QK_MMA_MATVEC_BOUNDS mul_mat_vec_mma_q4_K(
-    const uint8_t* weights, int64_t row_pitch, const float* x, int x_stride, float* y,
-    int y_stride, int rows, int n_in, int batch) {
-    __shared__ MmaMatvecShared shared;
-    const int first = blockIdx.x * MMA_MATVEC_ROWS, g = threadIdx.x % WARP / 4;
+// Block `block` of a matrix's 16-row blocks (rows [16 block, 16 block + 16) of y's columns).
+template <class Block>
+__device__ void mma_matvec_rows(const uint8_t* weights, int64_t row_pitch, const float* x,
+                                int x_stride, float* y, int y_stride, int rows, int n_in,
+                                int batch, int block, MmaMatvecShared& shared) {
+    const int first = block * MMA_MATVEC_ROWS, g = threadIdx.x % WARP / 4;
     // Rows past the matrix read row 0 (a valid address) and are never stored.
     auto row_at = [&](int r) { return weights + (r < rows ? r : 0) * row_pitch; };
-    mma_matvec(row_at(first + g), row_at(first + g + 8), x, x_stride, n_in, batch, shared,
-               [&](auto total, int b) {
-                   const int r = threadIdx.x;
-                   if (r < MMA_MATVEC_ROWS && first + r < rows) {
-                       y[int64_t(b) * y_stride + first + r] = total(r);
-                   }
-               });
+    mma_matvec<Block>(row_at(first + g), row_at(first + g + 8), x, x_stride, n_in, batch,
+                      shared, [&](auto total, int b) {
+                          const int r = threadIdx.x;
+                          if (r < MMA_MATVEC_ROWS && first + r < rows) {
+                              y[int64_t(b) * y_stride + first + r] = total(r);
+                          }
+                      });
 }
 
 // Tile rows g are gate rows, rows g + 8 the same up rows: 8 feed-forward rows a block.
-template <class Op>
+template <class Block, class Op>
 __device__ void mma_matvec_gate_up(const uint8_t* gate_w, const uint8_t* up_w,
                                    int64_t row_pitch, const float* x, int x_stride, float* y,
                                    int y_stride, int ffn_rows, int n_in, int batch,
@@ -248,24 +395,115 @@ __device__ void mma_matvec_gate_up(const uint8_t* gate_w, const uint8_t* up_w,
     constexpr int HALF = MMA_MATVEC_ROWS / 2;
     const int first = blockIdx.x * HALF, g = threadIdx.x % WARP / 4;
     const int64_t offset = (first + g < ffn_rows ? first + g : 0) * row_pitch;
-    mma_matvec(gate_w + offset, up_w + offset, x, x_stride, n_in, batch, shared,
-               [&](auto total, int b) {
-                   const int f = threadIdx.x;
-                   if (f < HALF && first + f < ffn_rows) {
-                       y[int64_t(b) * y_stride + first + f] =
-                           Op::apply(total(f)) * total(f + HALF);
-                   }
-               });
+    mma_matvec<Block>(gate_w + offset, up_w + offset, x, x_stride, n_in, batch, shared,
+                      [&](auto total, int b) {
+                          const int f = threadIdx.x;
+                          if (f < HALF && first + f < ffn_rows) {
+                              y[int64_t(b) * y_stride + first + f] =
+                                  Op::apply(total(f)) * total(f + HALF);
+                          }
+                      });
 }
 
-#define QK_MMA_GATE_UP_ENTRY(act, op)                                                          \
-    extern "C" __global__ void QK_MMA_MATVEC_BOUNDS mul_mat_vec_mma_gate_up_##act##_q4_K(      \
+#define QK_MMA_MATVEC_ENTRIES(suffix, block)                                                   \
+    extern "C" __global__ void QK_MMA_MATVEC_BOUNDS mul_mat_vec_mma_##suffix(                  \
+        const uint8_t* weights, int64_t row_pitch, const float* x, int x_stride, float* y,     \
+        int y_stride, int rows, int n_in, int batch) {                                         \
+        __shared__ MmaMatvecShared shared;                                                     \
+        mma_matvec_rows<block>(weights, row_pitch, x, x_stride, y, y_stride, rows, n_in,      \
+                               batch, blockIdx.x, shared);                                     \
+    }                                                                                          \
+    QK_MMA_GATE_UP_ENTRY(silu, silu_op, suffix, block)                                         \
+    QK_MMA_GATE_UP_ENTRY(gelu_tanh, gelu_tanh_op, suffix, block)
+
+#define QK_MMA_GATE_UP_ENTRY(act, op, suffix, block)                                           \
+    extern "C" __global__ void QK_MMA_MATVEC_BOUNDS mul_mat_vec_mma_gate_up_##act##_##suffix(  \
         const uint8_t* gate_w, const uint8_t* up_w, int64_t row_pitch, const float* x,         \
         int x_stride, float* y, int y_stride, int ffn_rows, int n_in, int batch) {             \
         __shared__ MmaMatvecShared shared;                                                     \
-        mma_matvec_gate_up<op>(gate_w, up_w, row_pitch, x, x_stride, y, y_stride, ffn_rows,   \
-                               n_in, batch, shared);                                           \
+        mma_matvec_gate_up<block, op>(gate_w, up_w, row_pitch, x, x_stride, y, y_stride,       \
+                                      ffn_rows, n_in, batch, shared);                          \
     }
 
-QK_MMA_GATE_UP_ENTRY(silu, silu_op)
-QK_MMA_GATE_UP_ENTRY(gelu_tanh, gelu_tanh_op)
+QK_MMA_MATVEC_ENTRIES(q4_K, MmaQ4K)
+QK_MMA_MATVEC_ENTRIES(q6_K, MmaQ6K)
+
+// The lane traits of a quant_blocks.cuh block type, where this kernel has them.
+template <class T>
+struct mma_lanes_of {
+    using type = void;
+};
+template <>
+struct mma_lanes_of<type_q4_K> {
+    using type = MmaQ4K;
+};
+template <>
+struct mma_lanes_of<type_q6_K> {
+    using type = MmaQ6K;
+};
+
+// One segment of mul_mat_vec_mma_qkv: blocks [block_first, ...) compute rows of one matrix into
+// columns [column, column + rows) of y.
+struct MmaQkvSegment {
+    const uint8_t* weights;
+    int64_t pitch;
+    int type_code, rows, column, block_first;
+};
+
+template <class T>
+__device__ void mma_qkv_segment(const MmaQkvSegment& seg, const float* x, int x_stride,
+                                float* y, int y_stride, int n_in, int batch,
+                                MmaMatvecShared& shared) {
+    using Lanes = typename mma_lanes_of<T>::type;
+    if constexpr (std::is_void_v<Lanes>) {
+        __trap();  // cuda_plan launches it only for the types this kernel serves
+    } else {
+        mma_matvec_rows<Lanes>(seg.weights, seg.pitch, x, x_stride, y + seg.column, y_stride,
+                               seg.rows, n_in, batch, int(blockIdx.x) - seg.block_first,
+                               shared);
+    }
+}
+
+// Type codes: the order of QK_FOR_EACH_TYPE (= cuda_plan.KERNEL_TYPE_SUFFIX).
+#define QK_MMA_QKV_CASE(suffix, type)                                                 \
+    if (seg.type_code == code++) {                                                    \
+        mma_qkv_segment<type>(seg, x, x_stride, y, y_stride, n_in, batch, shared);    \
+        return;                                                                       \
+    }
+
+__device__ void mma_qkv_segment_of_its_type(const MmaQkvSegment& seg, const float* x,
+                                            int x_stride, float* y, int y_stride, int n_in,
+                                            int batch, MmaMatvecShared& shared) {
+    int code = 0;  // the segment's type is block-uniform: every thread takes the same case
+    QK_FOR_EACH_TYPE(QK_MMA_QKV_CASE)
+}
+
+extern "C" __global__ void QK_MMA_MATVEC_BOUNDS mul_mat_vec_mma_qkv(
+    const uint8_t* w_q, int64_t pitch_q, int type_q, int rows_q, const uint8_t* w_k,
+    int64_t pitch_k, int type_k, int rows_k, const uint8_t* w_v, int64_t pitch_v, int type_v,
+    int rows_v, const float* x, int x_stride, float* y, int y_stride, int n_in, int batch,
+    int head_dim, const float* q_bias, const float* k_bias, const float* v_bias,
+    const float* q_norm, const float* k_norm, float eps, const int* positions, int rope_dim,
+    double base, const float* freq_factors, int neox, const int* slots, __half* k_cache,
+    __half* v_cache, int* head_counters) {
+    __shared__ MmaMatvecShared shared;
+    const int blocks_q = (rows_q + MMA_MATVEC_ROWS - 1) / MMA_MATVEC_ROWS;
+    const int blocks_k = (rows_k + MMA_MATVEC_ROWS - 1) / MMA_MATVEC_ROWS;
+    MmaQkvSegment seg;
+    if (int(blockIdx.x) < blocks_q) {
+        seg = {w_q, pitch_q, type_q, rows_q, 0, 0};
+    } else if (int(blockIdx.x) < blocks_q + blocks_k) {
+        seg = {w_k, pitch_k, type_k, rows_k, rows_q, blocks_q};
+    } else {
+        seg = {w_v, pitch_v, type_v, rows_v, rows_q + rows_k, blocks_q + blocks_k};
+    }
+    mma_qkv_segment_of_its_type(seg, x, x_stride, y, y_stride, n_in, batch, shared);
+    const QkvFinish finish{rows_q / head_dim, rows_k / head_dim, head_dim, q_bias, k_bias,
+                           v_bias, q_norm, k_norm, eps, positions, rope_dim, base,
+                           freq_factors, neox, slots, k_cache, v_cache};
+    const int first = (int(blockIdx.x) - seg.block_first) * MMA_MATVEC_ROWS;
+    // The activation table holds a head_dim copy a warp: the products are done with it.
+    finish_completed_heads<MMA_MATVEC_ROWS>(
+        first, min(first + MMA_MATVEC_ROWS, seg.rows) - 1, MMA_MATVEC_ROWS, seg.column, finish,
+        y, y_stride, batch, head_counters, reinterpret_cast<float*>(shared.table));
+}

@@ -1,9 +1,11 @@
 // One head of one token between the QKV product and attention: qkv_finish.cu runs it on the
-// step's rows, matvec.cu's mul_mat_vec_qkv in its epilogue. One body, so both round the same.
+// step's rows, the fused QKV products (matvec.cu's mul_mat_vec_qkv, matvec_mma.cu's
+// mul_mat_vec_mma_qkv) in their epilogue. One body, so all round the same.
 #pragma once
 
 #include <cuda_fp16.h>
 
+#include "device_common.cuh"
 #include "head_ops.cuh"
 
 // What the finish of a head reads besides the head itself (qkv_finish.cu's arguments).
@@ -58,4 +60,59 @@ __device__ __forceinline__ void finish_head(float* v, int head, int token, const
     const int64_t dest = int64_t(f.slots[token]) * n_kv_heads * head_dim +
                          int64_t(in_segment) * head_dim;
     for (int i = lane; i < head_dim; i += WARP) cache[dest + i] = __float2half_rn(v[i]);
+}
+
+// finish_head kept out of line: inlined, it made ptxas spill registers in the K-quant products
+// of mul_mat_vec_qkv (at launch_bounds' 128), though it runs after them. It reads the
+// QkvFinish from shared memory: a reference to a local copy would put that copy on the stack.
+__device__ __noinline__ void finish_head_out_of_line(float* v, int head, int token,
+                                                    const QkvFinish& finish, int lane) {
+    finish_head(v, head, token, finish, lane);
+}
+
+// The epilogue of a fused QKV product, once the block has stored its rows [first, last] of
+// the segment at column `column` of y (every activation row; `per_block` rows a block, at most
+// MAX_ROWS): it counts itself on each head its rows touch (head_counters: one per head of the
+// q | k | v row, zero before the first launch; the last block of a head sets it back to zero),
+// and finishes for every activation row the heads it counted last (all their rows are then
+// stored), a warp per (head, row) on its copy in `scratch` (head_dim floats a warp) read from
+// L2 (other blocks wrote the rows; L1 is not coherent), written back to y after.
+template <int MAX_ROWS>
+__device__ void finish_completed_heads(int first, int last, int per_block, int column,
+                                       const QkvFinish& finish, float* y, int y_stride,
+                                       int batch, int* head_counters, float* scratch) {
+    constexpr int MAX_HEADS = MAX_ROWS / 8 + 1;  // head_dim % 8 == 0
+    __shared__ bool completed[MAX_HEADS];
+    __shared__ QkvFinish shared_finish;
+    const int head_dim = finish.head_dim;
+    const int first_head = first / head_dim, touched = last / head_dim - first_head + 1;
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+    if (tid == 0) shared_finish = finish;
+    __threadfence();  // this block's rows are visible device-wide before it is counted
+    __syncthreads();
+    if (tid < touched) {
+        const int head = first_head + tid;  // within the segment
+        const int blocks =  // the blocks holding the head's rows
+            ((head + 1) * head_dim - 1) / per_block - head * head_dim / per_block + 1;
+        int* counter = head_counters + column / head_dim + head;
+        completed[tid] = atomicAdd(counter, 1) == blocks - 1;
+        if (completed[tid]) atomicExch(counter, 0);  // every block of the head has counted
+    }
+    __syncthreads();
+    __threadfence();  // the other blocks' rows are read after their counts
+    const int warp = tid / WARP, lane = tid % WARP;
+    const int warps = blockDim.x * blockDim.y / WARP;
+    float* copy = scratch + warp * head_dim;
+    for (int task = warp; task < touched * batch; task += warps) {
+        const int t = task / batch, token = task % batch;
+        if (!completed[t]) continue;  // the whole warp skips
+        const int head = column / head_dim + first_head + t;  // in the row: q, k, v heads
+        float* row = y + int64_t(token) * y_stride + int64_t(head) * head_dim;
+        for (int i = lane; i < head_dim; i += WARP) copy[i] = __ldcg(row + i);
+        __syncwarp();
+        finish_head_out_of_line(copy, head, token, shared_finish, lane);
+        __syncwarp();
+        for (int i = lane; i < head_dim; i += WARP) row[i] = copy[i];
+        __syncwarp();  // the copy is rewritten by the warp's next task
+    }
 }

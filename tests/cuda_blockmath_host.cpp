@@ -7,8 +7,10 @@
 // row's dot product slice by slice in order, as one lane of the kernel does.
 // tile_values_<type> rebuilds every element from cuda_src/tile_levels.cuh (what the tensor-core
 // tiles multiply): level * scale + offset, rounded as quants.py rounds.
-// mma_lane_values_q4_K rebuilds every Q4_K element from what each lane of the tensor-core
-// matvec takes (cuda_src/matvec_mma_blocks.cuh): its words' float16 pairs and its scales.
+// mma_lane_values_q4_K / _q6_K rebuild every Q4_K / Q6_K element from what each lane of the
+// tensor-core matvec takes (cuda_src/matvec_mma_blocks.cuh): its words' float16 pairs and its
+// scales. The Q6_K lane reads its block's bytes at the same offsets in the row-planar layout
+// (ql, qh; scales; d), so file blocks serve here.
 #include <vector>
 
 #include "matvec_mma_blocks.cuh"
@@ -141,6 +143,41 @@ extern "C" void mma_lane_values_q4_K(const uint8_t* src, int64_t blocks, float* 
                              high + 2);
                 rebuild_pair(p.high13, 16.0f, d, s.scale_high, dmin, s.min_high, high + 1,
                              high + 3);
+            }
+        }
+    }
+}
+
+// Quarter t's elements 4j .. 4j + 3 of the lane's 16 from its levels: the float16 pairs less
+// 1056 (exact), times d * sc as quants.py rounds it.
+inline void rebuild_quarter(uint32_t levels, float scale, float* out) {
+    float pair_values[4];
+    unpair(level_pair(levels, false), level_pair(levels, true), pair_values);
+    for (int e = 0; e < 4; ++e) out[e] = mul_rn(pair_values[e] - 1056.0f, scale);
+}
+
+extern "C" void mma_lane_values_q6_K(const uint8_t* src, int64_t blocks, float* out) {
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = src + b * type_q6_K::BLOCK_BYTES;
+        float* values = out + b * type_q6_K::BLOCK_ELEMENTS;
+        const float d = load_half(block + 208);
+        for (int c = 0; c < 4; ++c) {
+            const int h = c / 2, v = c % 2;
+            const uint32_t scales0 = load_u32(block + 192 + 8 * h);
+            const uint32_t scales1 = load_u32(block + 196 + 8 * h);
+            for (int j = 0; j < 4; ++j) {
+                const uint32_t first = load_u32(block + 64 * h + 16 * v + 4 * j);
+                const uint32_t second = load_u32(block + 64 * h + 32 + 16 * v + 4 * j);
+                const uint32_t top = load_u32(block + 128 + 32 * h + 16 * v + 4 * j);
+                const uint32_t levels[4] = {six_bit_levels<0>(first, second, top),
+                                            six_bit_levels<1>(first, second, top),
+                                            six_bit_levels<2>(first, second, top),
+                                            six_bit_levels<3>(first, second, top)};
+                for (int t = 0; t < 4; ++t) {
+                    const float scale = mul_rn(d, q6_K_lane_scale(scales0, scales1, t, v));
+                    rebuild_quarter(levels[t], scale,
+                                    values + 128 * h + 32 * t + 16 * v + 4 * j);
+                }
             }
         }
     }

@@ -169,25 +169,28 @@ def test_tile_levels_rebuild_every_value_bit_for_bit(blockmath: ctypes.CDLL, typ
     assert_same_floats(host_rows(blockmath, "tile_values", raw, type_name, rows, ROW_LENGTH), expected)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("kind", ["quantized", "random", "edges"])
-def test_mma_lane_values_rebuild_every_q4_k_value_bit_for_bit(blockmath: ctypes.CDLL,
-                                                             kind: str) -> None:
-    """What each lane of the tensor-core matvec takes from a Q4_K block (matvec_mma_blocks.cuh:
-    its chunk's words as float16 subnormal pairs, its two sub-blocks' scales and mins from one
-    lane-uniform formula) gives back quants.py's values: every element, every lane."""
+def test_mma_lane_values_rebuild_every_value_bit_for_bit(blockmath: ctypes.CDLL, kind: str,
+                                                         type_name: str) -> None:
+    """What each lane of the tensor-core matvec takes from a block (matvec_mma_blocks.cuh:
+    Q4_K's chunk words as float16 pairs with its two sub-blocks' scales and mins from one
+    lane-uniform formula; Q6_K's three runs as four quarters' level bytes, paired by a byte
+    permute, with its four sub-blocks' int8 scales) gives back quants.py's values: every
+    element, every lane."""
     rng = np.random.default_rng(13)
     if kind == "quantized":
-        raw = finite_blocks("Q4_K", ROWS, ROW_LENGTH, rng)
+        raw = finite_blocks(type_name, ROWS, ROW_LENGTH, rng)
     else:
-        raw = edge_blocks("Q4_K", rng) if kind == "edges" else random_blocks(
-            "Q4_K", ROWS, ROW_LENGTH, rng)
+        raw = edge_blocks(type_name, rng) if kind == "edges" else random_blocks(
+            type_name, ROWS, ROW_LENGTH, rng)
     raw = np.ascontiguousarray(raw)
     rows = raw.shape[0]
     with np.errstate(invalid="ignore", over="ignore"):
-        expected = dequantize(raw, "Q4_K", (rows, ROW_LENGTH))
+        expected = dequantize(raw, type_name, (rows, ROW_LENGTH))
     out = np.empty((rows, ROW_LENGTH), dtype=np.float32)
-    blockmath.mma_lane_values_q4_K(_pointer(raw), ctypes.c_int64(rows * ROW_LENGTH // 256),
-                                   _pointer(out))
+    lane_values = getattr(blockmath, f"mma_lane_values_{_suffix(type_name)}")
+    lane_values(_pointer(raw), ctypes.c_int64(rows * ROW_LENGTH // 256), _pointer(out))
     assert_same_floats(out, expected)
 
 

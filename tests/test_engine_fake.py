@@ -234,6 +234,21 @@ async def test_budget_of_8_is_8_tokens_from_8_passes() -> None:
     assert backend.closed
 
 
+async def test_stats_split_the_steps_time_between_the_backend_and_the_actors() -> None:
+    """compute_busy_s counts the backend's own time in its run calls: eight steps of a
+    backend that takes 20 ms each put at least 160 ms there, and no more than the wall time
+    the requests took (the rest is the actors')."""
+    backend = CountingBackend(step_seconds=0.02)
+    async with open_fake(backend) as engine:
+        before = engine.stats()
+        started = time.perf_counter()
+        await engine.complete(PROMPT, greedy(8))
+        wall = time.perf_counter() - started
+        busy = engine.stats().compute_busy_s - before.compute_busy_s
+    assert len(backend.steps) == 8
+    assert 8 * 0.02 <= busy <= wall
+
+
 async def test_cancelled_before_admission_costs_no_forward_pass() -> None:
     backend = CountingBackend()
     async with open_fake(backend, max_sequences=1, max_queued=4) as engine:

@@ -73,6 +73,8 @@ async def test_sixteen_concurrent_requests_match_each_alone_in_full_steps(
     steps = [event for event in events if event["event"] == "step"][:steps_together]
     decoding = [step["items"] for step in steps if step["decode_items"] == step["items"]]
     assert decoding and np.mean(decoding) >= 14
+    # each step's time, and the CPU backend's own share of it (a forward: most of it)
+    assert all(0 < step["compute_ms"] <= step["ms"] for step in steps)
     finished = [event for event in events if event["event"] == "request_finished"]
     assert len(finished) == 32 and all("request_id" in event for event in finished)
     names = {event["event"] for event in events}

@@ -17,6 +17,7 @@ sampler's too).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
@@ -114,8 +115,10 @@ def _answer(
     """Run one message on the backend; a failure is an answer, not a crash (the contract)."""
     try:
         if isinstance(message, RunStep):
-            return StepDone(step_id=message.step_id,
-                            candidates=backend.run(message.items, message.rows))
+            started = time.perf_counter()
+            candidates = backend.run(message.items, message.rows)
+            return StepDone(step_id=message.step_id, candidates=candidates,
+                            busy_s=time.perf_counter() - started)
         logits = np.ascontiguousarray(backend.fetch_rows(message.rows), dtype=np.float32)
         return RowsFetched(step_id=message.step_id, logits=logits)
     except BackendLostError as exc:

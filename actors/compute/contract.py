@@ -153,10 +153,12 @@ class RunStep(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StepDone(msgspec.Struct, frozen=True, kw_only=True):
-    """The step ran: one candidates row per item that wanted logits, in item order."""
+    """The step ran: one candidates row per item that wanted logits, in item order;
+    `busy_s`: the backend's own time for it in the compute thread (host work and device)."""
 
     step_id: int
     candidates: Candidates
+    busy_s: float = 0.0
 
 
 class FetchRows(msgspec.Struct, frozen=True, kw_only=True):

@@ -317,14 +317,21 @@ def test_decode_tiles_rows_do_not_depend_on_the_batch(kernel: Kernel, type_name:
     np.testing.assert_array_equal(alone[0].view(np.uint32), full[37].view(np.uint32))
 
 
-def matvec_mma(kernel: Kernel, raw: np.ndarray, x: np.ndarray, batch: int) -> np.ndarray:
-    """mul_mat_vec_mma_q4_K of raw Q4_K blocks with the first `batch` rows of x (x's stride:
-    its width); y's 3 spare columns must stay NaN."""
+def mma_rows(raw: np.ndarray, type_name: str, n_in: int) -> np.ndarray:
+    """Weight rows as mul_mat_vec_mma_<type> reads them: Q4_K at the device pitch, Q6_K in the
+    row-planar layout (cuda_plan.planar_q6_K_rows)."""
+    return plan.planar_q6_K_rows(raw) if type_name == "Q6_K" else pitched(raw, type_name, n_in)
+
+
+def matvec_mma(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
+               batch: int) -> np.ndarray:
+    """mul_mat_vec_mma_<type> of raw blocks with the first `batch` rows of x (x's stride: its
+    width); y's 3 spare columns must stay NaN."""
     rows, n_in = raw.shape[0], x.shape[1] - 4
     y = nan_filled(batch, rows + 3)
-    run(kernel("matvec_mma.cu", plan.matvec_mma_kernel("Q4_K")),
-        plan.matvec_mma_launch(rows, n_in), ptr(to_device(pitched(raw, "Q4_K", n_in))),
-        np.int64(plan.row_pitch("Q4_K", n_in)), ptr(to_device(x[:batch])),
+    run(kernel("matvec_mma.cu", plan.matvec_mma_kernel(type_name)),
+        plan.matvec_mma_launch(rows, n_in), ptr(to_device(mma_rows(raw, type_name, n_in))),
+        np.int64(plan.row_pitch(type_name, n_in)), ptr(to_device(x[:batch])),
         np.int32(x.shape[1]), ptr(y), np.int32(rows + 3), np.int32(rows), np.int32(n_in),
         np.int32(batch))
     got = y.get()
@@ -332,64 +339,71 @@ def matvec_mma(kernel: Kernel, raw: np.ndarray, x: np.ndarray, batch: int) -> np
     return got[:, :rows]
 
 
+@pytest.mark.parametrize("type_name", plan.MATVEC_MMA_TYPES)
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("n_in", [512, 4096, 8448, 14336])
-def test_matvec_mma_matches_its_twin(kernel: Kernel, n_in: int, batch: int) -> None:
+def test_matvec_mma_matches_its_twin(kernel: Kernel, n_in: int, batch: int,
+                                     type_name: str) -> None:
     """The tensor-core matvec against the tiles' twin (the same numbers: x split into float16
     hi + lo, exact levels): 70 rows (a partial row tile); 512 inputs (2 K-blocks: six warps
     idle), 4096, 8448 (a full activation table, then a piece of one K-block) and 14336 (the
     8B down projection: 32 + 24). Within 4x the classic bound, and far below one float16
-    rounding of x: a lost lo part, a level off its 1024 or a misplaced scale fails."""
+    rounding of x: a lost lo part, a level off its bias or a misplaced scale fails."""
     rows = 70
     rng = np.random.default_rng(41 + n_in)
-    raw = finite_blocks("Q4_K", rows, n_in, rng)
+    raw = finite_blocks(type_name, rows, n_in, rng)
     x = activations(rng, batch, n_in)
-    got = matvec_mma(kernel, raw, x, batch)
-    w = dequantize(raw, "Q4_K", (rows, n_in)).astype(np.float64)
+    got = matvec_mma(kernel, raw, type_name, x, batch)
+    w = dequantize(raw, type_name, (rows, n_in)).astype(np.float64)
     x64 = x[:, :n_in].astype(np.float64)
-    error = np.abs(got - tile_product(w, x[:, :n_in], "Q4_K"))
+    error = np.abs(got - tile_product(w, x[:, :n_in], type_name))
     assert (error <= summation_bound(w, x64, factor=4.0) + 1e-30).all()
     one_rounding = np.abs(x[:, :n_in].astype(np.float16).astype(np.float64) @ w.T - x64 @ w.T)
     assert error.mean() < 0.05 * one_rounding.mean()
 
 
-def test_matvec_mma_rows_do_not_depend_on_the_batch(kernel: Kernel) -> None:
+@pytest.mark.parametrize("type_name", plan.MATVEC_MMA_TYPES)
+def test_matvec_mma_rows_do_not_depend_on_the_batch(kernel: Kernel, type_name: str) -> None:
     """The matvec_mma route's promise: row b of y is bit for bit the same alone or among 9,
     33 or 64 tokens, whatever its place in the batch (4608 inputs)."""
     rows, n_in = 70, 4608
     rng = np.random.default_rng(43)
-    raw = finite_blocks("Q4_K", rows, n_in, rng)
+    raw = finite_blocks(type_name, rows, n_in, rng)
     x = activations(rng, 64, n_in)
-    full = matvec_mma(kernel, raw, x, 64)
+    full = matvec_mma(kernel, raw, type_name, x, 64)
     for batch in (1, 9, 33):
-        np.testing.assert_array_equal(matvec_mma(kernel, raw, x, batch).view(np.uint32),
-                                      full[:batch].view(np.uint32))
-    alone = matvec_mma(kernel, raw, x[37:], 1)
+        np.testing.assert_array_equal(
+            matvec_mma(kernel, raw, type_name, x, batch).view(np.uint32),
+            full[:batch].view(np.uint32))
+    alone = matvec_mma(kernel, raw, type_name, x[37:], 1)
     np.testing.assert_array_equal(alone[0].view(np.uint32), full[37].view(np.uint32))
 
 
+@pytest.mark.parametrize("type_name", plan.MATVEC_MMA_TYPES)
 @pytest.mark.parametrize("act", plan.ACTIVATIONS)
 @pytest.mark.parametrize("batch", [1, 9])
 def test_fused_matvec_mma_gate_up_equals_matvec_mma_then_gated(kernel: Kernel, act: str,
-                                                                batch: int) -> None:
-    """mul_mat_vec_mma_gate_up_<act>_q4_K == mul_mat_vec_mma_q4_K of gate and of up into one
-    gate|up buffer, then gated_<act>, bit for bit: a row's sums are the same in rows g and
-    g + 8 of the MMA tile (ffn 100: a partial last block)."""
+                                                                batch: int,
+                                                                type_name: str) -> None:
+    """mul_mat_vec_mma_gate_up_<act>_<type> == mul_mat_vec_mma_<type> of gate and of up into
+    one gate|up buffer, then gated_<act>, bit for bit: a row's sums are the same in rows g
+    and g + 8 of the MMA tile (ffn 100: a partial last block)."""
     ffn, n_in = 100, 4608
     rng = np.random.default_rng(47)
-    gate, up = (finite_blocks("Q4_K", ffn, n_in, rng) for _ in range(2))
+    gate, up = (finite_blocks(type_name, ffn, n_in, rng) for _ in range(2))
     x = activations(rng, batch, n_in)
-    gate_up = to_device(np.concatenate([matvec_mma(kernel, gate, x, batch),
-                                        matvec_mma(kernel, up, x, batch)], axis=1))
+    gate_up = to_device(np.concatenate([matvec_mma(kernel, gate, type_name, x, batch),
+                                        matvec_mma(kernel, up, type_name, x, batch)], axis=1))
     expected = nan_filled(batch, ffn)
     run(kernel("activation.cu", f"gated_{act}"), plan.elementwise_launch(batch * ffn),
         ptr(gate_up), ptr(expected), np.int32(batch), np.int32(ffn))
     fused = nan_filled(batch, ffn + 5)
-    run(kernel("matvec_mma.cu", plan.matvec_mma_gate_up_kernel(act, "Q4_K")),
-        plan.matvec_mma_launch(2 * ffn, n_in), ptr(to_device(pitched(gate, "Q4_K", n_in))),
-        ptr(to_device(pitched(up, "Q4_K", n_in))), np.int64(plan.row_pitch("Q4_K", n_in)),
-        ptr(to_device(x)), np.int32(x.shape[1]), ptr(fused), np.int32(ffn + 5), np.int32(ffn),
-        np.int32(n_in), np.int32(batch))
+    run(kernel("matvec_mma.cu", plan.matvec_mma_gate_up_kernel(act, type_name)),
+        plan.matvec_mma_launch(2 * ffn, n_in),
+        ptr(to_device(mma_rows(gate, type_name, n_in))),
+        ptr(to_device(mma_rows(up, type_name, n_in))),
+        np.int64(plan.row_pitch(type_name, n_in)), ptr(to_device(x)), np.int32(x.shape[1]),
+        ptr(fused), np.int32(ffn + 5), np.int32(ffn), np.int32(n_in), np.int32(batch))
     got = fused.get()
     assert np.isnan(got[:, ffn:]).all()
     np.testing.assert_array_equal(got[:, :ffn].view(np.uint32), expected.get().view(np.uint32))
@@ -593,32 +607,58 @@ def test_qkv_finish_equals_the_separate_kernels_bit_for_bit(kernel: Kernel, quir
     assert (k_fused.get()[1] == -7.0).all()  # slot 1: nobody's
 
 
-# (heads, kv_heads, head_dim, n_in, block types of q, k, v): rows per matvec block are 16 at
-# n_in 4608 (two K-splits) and 32 below 4096, so a 72-wide head spans five blocks, a
-# block holds two 16-wide heads, and 24-wide heads straddle block edges (a block holds parts
-# of two of them); every segment ends in a partial block.
+# (heads, kv_heads, head_dim, n_in, block types of q, k, v) for each fused QKV kernel. The
+# matvec's blocks hold 16 rows at n_in 4608 (two K-splits) and 32 below 4096, the mma
+# matvec's 16: heads span several blocks, a block holds two or more heads, and heads
+# straddle block edges (a block holds parts of two of them); every segment ends in a
+# partial block. The mma kernel serves Q4_K and Q6_K segments (Q6_K rows row-planar).
 QKV_SHAPES = {
-    "heads_span_blocks": (5, 1, 72, 4608, ("Q4_K", "Q4_K", "Q6_K")),
-    "blocks_hold_heads": (9, 3, 16, 1024, ("Q8_0", "F16", "Q5_0")),
-    "heads_straddle_blocks": (6, 2, 24, 512, ("Q5_K", "Q4_1", "BF16")),
+    "matvec": {
+        "heads_span_blocks": (5, 1, 72, 4608, ("Q4_K", "Q4_K", "Q6_K")),
+        "blocks_hold_heads": (9, 3, 16, 1024, ("Q8_0", "F16", "Q5_0")),
+        "heads_straddle_blocks": (6, 2, 24, 512, ("Q5_K", "Q4_1", "BF16")),
+    },
+    "matvec_mma": {
+        "heads_span_blocks": (5, 1, 72, 4608, ("Q4_K", "Q4_K", "Q6_K")),
+        "blocks_hold_heads": (12, 4, 8, 512, ("Q6_K", "Q4_K", "Q4_K")),
+        "heads_straddle_blocks": (6, 2, 24, 512, ("Q6_K", "Q6_K", "Q4_K")),
+    },
 }
+QKV_CASES = [(route, shape) for route, shapes in QKV_SHAPES.items() for shape in shapes]
+
+
+def product_launch(kernel: Kernel, route: str, type_name: str, matrix: Any, rows: int,
+                   n_in: int, x: Any, y: Any, y_stride: int, batch: int) -> None:
+    """One matrix's product on the route's kernel (mul_mat_vec or mul_mat_vec_mma)."""
+    if route == "matvec":
+        function, launch = (kernel("matvec.cu", plan.matvec_kernel(type_name)),
+                            plan.matvec_launch(rows, n_in))
+    else:
+        function, launch = (kernel("matvec_mma.cu", plan.matvec_mma_kernel(type_name)),
+                            plan.matvec_mma_launch(rows, n_in))
+    run(function, launch, ptr(matrix), np.int64(plan.row_pitch(type_name, n_in)), ptr(x),
+        np.int32(n_in + 4), y, np.int32(y_stride), np.int32(rows), np.int32(n_in),
+        np.int32(batch))
 
 
 @pytest.mark.parametrize("batch", [1, 8, 9, 33])
-@pytest.mark.parametrize("shape", list(QKV_SHAPES))
+@pytest.mark.parametrize(("route", "shape"), QKV_CASES)
 @pytest.mark.parametrize("quirks", ["llama", "qwen2", "gemma3"])
-def test_fused_qkv_equals_three_matvecs_then_qkv_finish(kernel: Kernel, quirks: str,
-                                                        shape: str, batch: int) -> None:
-    """mul_mat_vec_qkv (products, then each head finished by the block that stores its last
-    rows) against mul_mat_vec_<type> of each matrix into its columns then qkv_finish: the same
-    bits in every y row, its padding left NaN, and both caches; the head counters are zero
-    again after the launch, and a second launch gives the same bits."""
-    heads, kv_heads, head_dim, n_in, types = QKV_SHAPES[shape]
+def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks: str,
+                                                         route: str, shape: str,
+                                                         batch: int) -> None:
+    """mul_mat_vec_qkv (route matvec) and mul_mat_vec_mma_qkv (route matvec_mma): products,
+    then each head finished by the block that stores its last rows, against the route's
+    product of each matrix into its columns then qkv_finish: the same bits in every y row,
+    its padding left NaN, and both caches; the head counters are zero again after the launch,
+    and a second launch gives the same bits."""
+    heads, kv_heads, head_dim, n_in, types = QKV_SHAPES[route][shape]
     counts = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
     width, stride, kv_dim = sum(counts), sum(counts) + 2, counts[1]
     rng = np.random.default_rng(batch)
     raws = [finite_blocks(t, n, n_in, rng) for t, n in zip(types, counts)]
-    weights = [to_device(pitched(raw, t, n_in)) for raw, t in zip(raws, types)]
+    weights = [to_device(pitched(raw, t, n_in) if route == "matvec" else mma_rows(raw, t, n_in))
+               for raw, t in zip(raws, types)]
     x = to_device(activations(rng, batch, n_in))
     positions = to_device(rng.integers(0, 8192, batch).astype(np.int32))
     slots = to_device(rng.permutation(4 * batch)[:batch].astype(np.int32))
@@ -628,10 +668,8 @@ def test_fused_qkv_equals_three_matvecs_then_qkv_finish(kernel: Kernel, quirks: 
     separate, k_sep, v_sep = nan_filled(batch, stride), to_device(sentinel), to_device(sentinel)
     for matrix, type_name, rows, column in zip(weights, types, counts,
                                                (0, counts[0], counts[0] + counts[1])):
-        run(kernel("matvec.cu", plan.matvec_kernel(type_name)), plan.matvec_launch(rows, n_in),
-            ptr(matrix), np.int64(plan.row_pitch(type_name, n_in)), ptr(x),
-            np.int32(n_in + 4), at(separate, column), np.int32(stride), np.int32(rows),
-            np.int32(n_in), np.int32(batch))
+        product_launch(kernel, route, type_name, matrix, rows, n_in, x, at(separate, column),
+                       stride, batch)
     run(kernel("qkv_finish.cu", "qkv_finish"), plan.qkv_finish_launch(batch, heads + 2 * kv_heads),
         ptr(separate), np.int32(stride), np.int32(heads), np.int32(kv_heads), np.int32(head_dim),
         *finish_args(model, positions, slots, k_sep, v_sep))
@@ -641,10 +679,14 @@ def test_fused_qkv_equals_three_matvecs_then_qkv_finish(kernel: Kernel, quirks: 
     for matrix, type_name, rows in zip(weights, types, counts):
         segments += [ptr(matrix), np.int64(plan.row_pitch(type_name, n_in)),
                      np.int32(plan.kernel_type_code(type_name)), np.int32(rows)]
+    fused_kernel, fused_launch = (
+        (kernel("matvec.cu", "mul_mat_vec_qkv"), plan.qkv_launch(*counts, n_in))
+        if route == "matvec" else
+        (kernel("matvec_mma.cu", "mul_mat_vec_mma_qkv"), plan.matvec_mma_qkv_launch(*counts)))
     for _ in range(2):  # the first launch must leave the counters as the second needs them
         fused, k_fused, v_fused = (nan_filled(batch, stride), to_device(sentinel),
                                    to_device(sentinel))
-        run(kernel("matvec.cu", "mul_mat_vec_qkv"), plan.qkv_launch(*counts, n_in), *segments,
+        run(fused_kernel, fused_launch, *segments,
             ptr(x), np.int32(n_in + 4), ptr(fused), np.int32(stride), np.int32(n_in),
             np.int32(batch), np.int32(head_dim),
             *finish_args(model, positions, slots, k_fused, v_fused), ptr(counters))
