@@ -7,7 +7,6 @@ and the registry's reasons."""
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import itertools
 import math
 import re
@@ -389,49 +388,6 @@ def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves(
     assert launches.planar_copies(spec, layouts, "matvec_mma") == q6_K
     assert {call.args[0].name for call in calls if call.kernel == "mul_mat_vec_mma_q6_K"} \
         == {name + plan.PLANAR_SUFFIX for name in q6_K}
-
-
-@pytest.mark.parametrize("untied", [False, True])
-def test_only_the_matvec_mma_route_reads_planar_copies_of_the_q6_K_matrices_it_multiplies(
-        models: dict[str, GGUFFile], untied: bool) -> None:
-    """The tiny qwen2 (Q6_K tied embedding, v and down of layer 2) on each route: the mma
-    route's Q6_K products, gate+up and the logits rows' included, read the planar copies and
-    every other launch the file's layout. A Q6_K embedding that only get_rows reads (beside
-    an output matrix) has no planar copy."""
-    gguf = models["qwen2"]
-    spec, layouts = spec_from_gguf(gguf), launches.tensor_layouts(gguf)
-    embedding = layouts["token_embd.weight"]
-    if untied:  # an output matrix of its own; gate and up of a layer in Q6_K too
-        spec = dataclasses.replace(spec, tied_output=False)
-        layouts["output.weight"] = launches.MatrixLayout("Q4_K", embedding.rows,
-                                                         embedding.row_length)
-        for part in ("gate", "up"):
-            matrix = layouts[f"blk.1.ffn_{part}.weight"]
-            layouts[f"blk.1.ffn_{part}.weight"] = dataclasses.replace(matrix, type_name="Q6_K")
-    q6_K = {name for name, matrix in layouts.items() if matrix.type_name == "Q6_K"}
-    expected = q6_K - {"token_embd.weight"} if untied else q6_K
-    shape = launches.step_shape(_plan(spec, DECODE_AND_PREFILL), 8,
-                                launches.split_keys_for(spec.context_length),
-                                spec.context_length)
-    for route in plan.DECODE_ROUTES:
-        planar = launches.planar_copies(spec, layouts, route)
-        assert planar == (expected if route == "matvec_mma" else frozenset()), route
-        calls = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT, route)
-        for call in calls:
-            weights = [arg.name for arg in call.args if isinstance(arg, launches.Ref)
-                       and arg.name.removesuffix(plan.PLANAR_SUFFIX) in layouts]
-            reads_planar = call.kernel.startswith("mul_mat_vec_mma_") \
-                and call.kernel.endswith("_q6_K")
-            assert all(name.endswith(plan.PLANAR_SUFFIX) == reads_planar for name in weights), \
-                (route, call.kernel, weights)
-        mma_q6_K = [c for c in calls if c.kernel.startswith("mul_mat_vec_mma_")
-                    and c.kernel.endswith("_q6_K")]
-        assert bool(mma_q6_K) == (route == "matvec_mma")
-        if untied and route == "matvec_mma":
-            fused = plan.matvec_mma_gate_up_kernel(spec.activation, "Q6_K")
-            assert [c.args[:2] for c in mma_q6_K if c.kernel == fused] == [
-                (launches.Ref("blk.1.ffn_gate.weight.planar"),
-                 launches.Ref("blk.1.ffn_up.weight.planar"))]
 
 
 def test_the_matvec_mma_route_keeps_the_matvec_where_it_serves_nothing(

@@ -1,19 +1,26 @@
 """The row-planar Q6_K layout mul_mat_vec_mma_q6_K reads (cuda_plan.planar_q6_K_rows) against
-a byte-by-byte reading of its definition, its inverse (the emulator's), and the emulated
-tensor-core matvec reading a planar copy: right with it, wrong with the file's layout."""
+a byte-by-byte reading of its definition, its inverse (the emulator's), the emulated
+tensor-core matvec reading a planar copy (right with it, wrong with the file's layout), and
+which launches read the planar copies (the matvec_mma route's Q6_K products alone)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
+from actors.compute import cuda_launches as launches
 from actors.compute import cuda_plan as plan
 from actors.compute import cuda_weights as weights
 from actors.errors import InvalidRequest
+from actors.model.arch import spec_from_gguf
 from actors.model.forward import gelu_tanh
 from actors.model.gguf.quantizers import quantize
 from actors.model.gguf.quants import dequantize
-from actors.model.gguf.reader import TensorInfo
+from actors.model.gguf.reader import TensorInfo, open_gguf
+from actors.model.step import StepItem, plan_step
+from tests.conftest import TINY_MODELS
 from tests.cuda_emulator import KernelTwins, Memory, file_q6_K_rows
 
 
@@ -103,3 +110,49 @@ def test_the_emulated_mma_matvec_reads_a_q6_K_matrix_from_its_planar_copy() -> N
     np.testing.assert_allclose(
         memory.view(y_at, np.float32, BATCH * ROWS).reshape(BATCH, ROWS),
         gelu_tanh(gates, np.empty_like(gates)) * (x @ decoded["up"].T), rtol=1e-3, atol=1e-3)
+
+
+DECODE_AND_PREFILL = [StepItem((5,), 3, (0,)), StepItem((7, 8, 9), 0, (1,))]
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_only_the_matvec_mma_route_reads_planar_copies_of_the_q6_K_matrices_it_multiplies(
+        untied: bool) -> None:
+    """The tiny qwen2 (Q6_K tied embedding, v and down of layer 2) on each route: the mma
+    route's Q6_K products, gate+up and the logits rows' included, read the planar copies and
+    every other launch the file's layout. A Q6_K embedding that only get_rows reads (beside
+    an output matrix) has no planar copy."""
+    with open_gguf(TINY_MODELS["qwen2-q4k-tiny"]) as gguf:
+        spec, layouts = spec_from_gguf(gguf), launches.tensor_layouts(gguf)
+    embedding = layouts["token_embd.weight"]
+    if untied:  # an output matrix of its own; gate and up of a layer in Q6_K too
+        spec = dataclasses.replace(spec, tied_output=False)
+        layouts["output.weight"] = launches.MatrixLayout("Q4_K", embedding.rows,
+                                                         embedding.row_length)
+        for part in ("gate", "up"):
+            matrix = layouts[f"blk.1.ffn_{part}.weight"]
+            layouts[f"blk.1.ffn_{part}.weight"] = dataclasses.replace(matrix, type_name="Q6_K")
+    q6_K = {name for name, matrix in layouts.items() if matrix.type_name == "Q6_K"}
+    expected = q6_K - {"token_embd.weight"} if untied else q6_K
+    shape = launches.step_shape(plan_step(DECODE_AND_PREFILL, spec, 64, 16), 8,
+                                launches.split_keys_for(spec.context_length),
+                                spec.context_length)
+    for route in plan.DECODE_ROUTES:
+        planar = launches.planar_copies(spec, layouts, route)
+        assert planar == (expected if route == "matvec_mma" else frozenset()), route
+        calls = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT, route)
+        for call in calls:
+            matrices = [arg.name for arg in call.args if isinstance(arg, launches.Ref)
+                        and arg.name.removesuffix(plan.PLANAR_SUFFIX) in layouts]
+            reads_planar = call.kernel.startswith("mul_mat_vec_mma_") \
+                and call.kernel.endswith("_q6_K")
+            assert all(name.endswith(plan.PLANAR_SUFFIX) == reads_planar for name in matrices), \
+                (route, call.kernel, matrices)
+        mma_q6_K = [c for c in calls if c.kernel.startswith("mul_mat_vec_mma_")
+                    and c.kernel.endswith("_q6_K")]
+        assert bool(mma_q6_K) == (route == "matvec_mma")
+        if untied and route == "matvec_mma":
+            fused = plan.matvec_mma_gate_up_kernel(spec.activation, "Q6_K")
+            assert [c.args[:2] for c in mma_q6_K if c.kernel == fused] == [
+                (launches.Ref("blk.1.ffn_gate.weight.planar"),
+                 launches.Ref("blk.1.ffn_up.weight.planar"))]
