@@ -1,6 +1,6 @@
 """GPU benchmark. Kernels: the Q4_K decode products' effective bandwidth (weight bytes read /
 time) on Llama-3-8B's FFN shapes on each decode route (the matvec, the decode tiles and the
-mma matvec) at 1 to 64 rows, beside the device's own copy bandwidth, and the tensor-core tiles
+mma matvec, there the Q6_K product too, from its row-planar copy) at 1 to 64 rows, beside the device's own copy bandwidth, and the tensor-core tiles
 at prefill size, timed with CUDA events over many launches (the weights cycle through enough
 copies that every launch reads them from HBM, not from L2). Whole models through the CUDA
 backend (wall clock per step, each step ending in its one synchronization): decode tok/s at
@@ -37,6 +37,7 @@ import numpy as np
 from synthetic_gguf import random_blocks
 
 from actors.compute import cuda_plan as plan
+from actors.compute.cuda_weights import device_rows
 from actors.model.gguf.quants import row_bytes
 
 MATVEC_SHAPES = ((14336, 4096), (4096, 14336))  # (output rows, inputs): gate/up, down
@@ -97,44 +98,55 @@ def bench_copy(repeats: int) -> dict[str, float]:
             "TBps_read_plus_write": 2 * COPY_BYTES / seconds / 1e12}
 
 
-# The file holding each decode route's Q4_K product.
+# The file holding each decode route's products.
 ROUTE_FILES = {"matvec": "matvec.cu", "tiles": "matmul.cu", "matvec_mma": "matvec_mma.cu"}
 
 
-def decode_product(compiled: dict[str, Any], route: str, rows: int, n_in: int,
+def decode_product(compiled: dict[str, Any], route: str, type_name: str, rows: int, n_in: int,
                    batch: int) -> tuple[str, Any, plan.Launch]:
-    """The Q4_K kernel decode rows take on `route` (plan.DECODE_ROUTES), its function and
-    launch for `batch` rows of a rows x n_in matrix."""
+    """The kernel decode rows of a `type_name` matrix take on `route` (plan.DECODE_ROUTES),
+    its function and launch for `batch` rows of a rows x n_in matrix."""
     if route == "matvec":
-        name, launch = plan.matvec_kernel("Q4_K"), plan.matvec_launch(rows, n_in)
+        name, launch = plan.matvec_kernel(type_name), plan.matvec_launch(rows, n_in)
     elif route == "matvec_mma":
-        name, launch = plan.matvec_mma_kernel("Q4_K"), plan.matvec_mma_launch(rows, n_in)
+        name, launch = plan.matvec_mma_kernel(type_name), plan.matvec_mma_launch(rows, n_in)
     else:
-        name = plan.decode_tiles_kernel("Q4_K")
-        launch = plan.decode_tiles_launch("Q4_K", rows, n_in, batch)
+        name = plan.decode_tiles_kernel(type_name)
+        launch = plan.decode_tiles_launch(type_name, rows, n_in, batch)
     return name, compiled[ROUTE_FILES[route]].get_function(name), launch
 
 
+def reads_planar(route: str, type_name: str) -> bool:
+    """Whether `route`'s product reads the matrix's row-planar copy (as the backend uploads
+    it for mul_mat_vec_mma) rather than the file's blocks."""
+    return route == "matvec_mma" and type_name in plan.PLANAR_TYPES
+
+
 def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: int,
-                 repeats: int, routes: tuple[str, ...]) -> list[dict[str, Any]]:
-    """The Q4_K product of each of `routes` (plan.DECODE_ROUTES) at each shape and decode
-    batch, the weights read from HBM; a route whose file did not compile is left out
-    (compile_s says why)."""
+                 repeats: int, routes: tuple[str, ...],
+                 types: tuple[str, ...] = ("Q4_K",)) -> list[dict[str, Any]]:
+    """The product of each of `types` on each of `routes` (plan.DECODE_ROUTES) at each shape
+    and decode batch, the weights (in the layout the route's kernel reads) from HBM; a route
+    whose file did not compile is left out (compile_s says why)."""
     import pycuda.driver as cuda
 
     results = []
     most = max(MATVEC_BATCHES)
     workspace = cuda.mem_alloc(plan.DECODE_PARTIAL_ROWS * most * 4)
     counters = cuda.to_device(np.zeros(plan.DECODE_TILE_MIN_BLOCKS * most, dtype=np.int32))
-    for rows, n_in in MATVEC_SHAPES:
-        matrix = random_blocks(rng, "Q4_K", rows * n_in // 256).reshape(rows, -1)
-        copies = weight_copies(matrix, l2_bytes)
-        pitch = np.int64(plan.row_pitch("Q4_K", n_in))
+    compiled_routes = [r for r in routes if ROUTE_FILES[r] in compiled]
+    for type_name, (rows, n_in) in ((t, shape) for t in types for shape in MATVEC_SHAPES):
+        matrix = random_blocks(rng, type_name, rows * n_in // 256).reshape(rows, -1)
+        images = {planar: weight_copies(device_rows(matrix, type_name, n_in, planar), l2_bytes)
+                  for planar in {reads_planar(r, type_name) for r in compiled_routes}}
+        pitch = np.int64(plan.row_pitch(type_name, n_in))
         for batch in MATVEC_BATCHES:
             x = cuda.to_device(rng.standard_normal((batch, n_in)).astype(np.float32))
             y = cuda.mem_alloc(batch * rows * 4)
-            for route in (r for r in routes if ROUTE_FILES[r] in compiled):
-                name, function, launch = decode_product(compiled, route, rows, n_in, batch)
+            for route in compiled_routes:
+                name, function, launch = decode_product(compiled, route, type_name, rows, n_in,
+                                                        batch)
+                copies = images[reads_planar(route, type_name)]
                 # the decode tiles' K-split workspace (counters zero, as the backend's)
                 split_args = (workspace, counters) if route == "tiles" else ()
                 seconds = time_launches(
@@ -143,13 +155,13 @@ def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: i
                                        np.int32(batch), *split_args, grid=launch.grid,
                                        block=launch.block),
                     repeats)
-                weight_bytes = rows * row_bytes("Q4_K", n_in)
-                results.append({"kernel": name, "route": route, "grid": launch.grid,
-                                "rows": rows, "n_in": n_in,
+                weight_bytes = rows * row_bytes(type_name, n_in)
+                results.append({"kernel": name, "route": route, "type": type_name,
+                                "grid": launch.grid, "rows": rows, "n_in": n_in,
                                 "batch": batch, "copies": len(copies), "us": seconds * 1e6,
                                 "weight_bytes": weight_bytes,
                                 "effective_TBps": weight_bytes / seconds / 1e12})
-        for copy in copies:
+        for copy in (copy for copies in images.values() for copy in copies):
             copy.free()
     return results
 
@@ -410,7 +422,7 @@ def main() -> None:
         section(f"{path.stem}_decode_tiles",
                 lambda: bench_model(path, DECODE_STREAMS, None, rng, "tiles"))
     section("matvec_mma", lambda: bench_matvec(compiled, rng, l2_bytes, args.repeats,
-                                               ("matvec_mma",)))
+                                               ("matvec_mma",), plan.MATVEC_MMA_TYPES))
     if args.model_8b:
         section("llama3_8b_matvec_mma",
                 lambda: bench_model(args.model_8b, MMA_DECODE_STREAMS, None, rng, "matvec_mma"))

@@ -80,6 +80,15 @@ def assert_each_head_counted_complete_once(rows: int, head_dim: int, per_block: 
     assert list(counts) == [len(held) for held in stored]
 
 
+def file_q6_K_rows(planar: np.ndarray, n_in: int) -> np.ndarray:
+    """cuda_plan.planar_q6_K_rows undone: (n, >= 210 * nb) row-planar Q6_K rows of n_in
+    elements -> (n, 210 * nb) rows of the file's blocks (ql + qh, scales, d each)."""
+    n, nb = len(planar), n_in // 256
+    fields = [planar[:, first * nb : last * nb].reshape(n, nb, last - first)
+              for first, last in ((0, 192), (192, 208), (208, 210))]
+    return np.concatenate(fields, axis=2).reshape(n, 210 * nb)
+
+
 def activation_and_rest(prefix: str, name: str) -> tuple[str, str]:
     """A fused gate+up entry's activation and what follows it: prefix<act>_<rest>."""
     return next((a, name[len(f"{prefix}{a}_"):]) for a in plan.ACTIVATIONS
@@ -103,16 +112,23 @@ class KernelTwins:
         flat = self.f32(address, (n - 1) * stride + width) if n else self.f32(address, 0)
         return np.lib.stride_tricks.as_strided(flat, (n, width), (4 * stride, 4), writeable=True)
 
-    def matrix(self, address: Any, pitch: int, type_name: str, rows: int, n_in: int) -> np.ndarray:
+    def matrix(self, address: Any, pitch: int, type_name: str, rows: int, n_in: int,
+               planar: bool = False) -> np.ndarray:
+        """The decoded rows at `address`: the file's blocks, or with `planar` a Q6_K matrix's
+        row-planar copy (cuda_plan.planar_q6_K_rows)."""
         raw = self.m.view(address, np.uint8, rows * pitch).reshape(rows, pitch)
         # A copy: quants' Q4_K decode shifts a single block's bytes in place.
-        return dequantize(raw[:, : row_bytes(type_name, n_in)].copy(), type_name, (rows, n_in))
+        blocks = (file_q6_K_rows(raw, n_in) if planar
+                  else raw[:, : row_bytes(type_name, n_in)].copy())
+        return dequantize(blocks, type_name, (rows, n_in))
 
     def launch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
+        planar = False
         if name.startswith("mul_mat_vec_mma_"):
             # The tensor cores' matvec (mul_mat_vec_mma_<suffix>, its gate_up_<act>_<suffix>):
-            # the matvec's arguments and twins; its own summation on the device, within the
-            # same float32 bound.
+            # the matvec's arguments and twins, Q6_K matrices read from their row-planar copy;
+            # its own summation on the device, within the same float32 bound.
+            planar = name.endswith("_q6_K")
             name = "mul_mat_vec_" + name[len("mul_mat_vec_mma_"):]
         if name.startswith("get_rows_"):
             self.get_rows(TYPE_OF_SUFFIX[name[len("get_rows_"):]], grid, *args)
@@ -120,9 +136,9 @@ class KernelTwins:
             self.mul_mat_vec_qkv(*args)
         elif name.startswith("mul_mat_vec_gate_up_"):
             activation, suffix = activation_and_rest("mul_mat_vec_gate_up_", name)
-            self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args)
+            self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args, planar=planar)
         elif name.startswith("mul_mat_vec_"):
-            self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args)
+            self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args, planar=planar)
         elif name.startswith("mul_mat_decode_tiles_gate_up_"):
             activation, rest = activation_and_rest("mul_mat_decode_tiles_gate_up_", name)
             tile_input, suffix = rest.split("_", 1)
@@ -156,27 +172,30 @@ class KernelTwins:
             self.f32(int(out) + 4 * i * d, d)[:] = dequantize(raw, type_name, (d,)) * scale
 
     def products(self, type_name: str, weights: Any, pitch: int, x: Any, x_stride: int,
-                 rows: int, n_in: int, n: int) -> np.ndarray:
+                 rows: int, n_in: int, n: int, planar: bool = False) -> np.ndarray:
         """The matvec's (n, rows) products, one activation row at a time: a row's result is
         the same whatever else shares the launch, as the kernel promises."""
-        w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in))
+        w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in), planar)
         xs = self.rows(x, int(n), int(x_stride), int(n_in))
         return np.stack([w @ row for row in xs]) if int(n) else np.zeros((0, int(rows)),
                                                                            np.float32)
 
     def product(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
-                x_stride: int, rows: int, n_in: int, n: int) -> np.ndarray:
-        """(n, rows) float32: the matvec's products, or with a tile input the tiles'."""
+                x_stride: int, rows: int, n_in: int, n: int,
+                planar: bool = False) -> np.ndarray:
+        """(n, rows) float32: the matvec's products (`planar`: of a row-planar Q6_K copy), or
+        with a tile input the tiles'."""
         if tile_input is None:
-            return self.products(type_name, weights, pitch, x, x_stride, rows, n_in, n)
+            return self.products(type_name, weights, pitch, x, x_stride, rows, n_in, n, planar)
         w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in))
         xs = self.rows(x, int(n), int(x_stride), int(n_in))
         return tile_product(w, xs, type_name).astype(np.float32)
 
     def matmul(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
-               x_stride: int, y: Any, y_stride: int, rows: int, n_in: int, n: int) -> None:
+               x_stride: int, y: Any, y_stride: int, rows: int, n_in: int, n: int,
+               planar: bool = False) -> None:
         self.rows(y, int(n), int(y_stride), int(rows))[:] = self.product(
-            type_name, tile_input, weights, pitch, x, x_stride, rows, n_in, n)
+            type_name, tile_input, weights, pitch, x, x_stride, rows, n_in, n, planar)
 
     def mul_mat_vec_qkv(self, *args: Any) -> None:
         """Three matvecs (q, k, v segments, a block type each) into one row of y, then
@@ -200,11 +219,12 @@ class KernelTwins:
 
     def gate_up(self, act: Callable[[np.ndarray, np.ndarray], np.ndarray], type_name: str,
                 gate: Any, up: Any, pitch: int, x: Any, x_stride: int, y: Any, y_stride: int,
-                rows: int, n_in: int, n: int, tile_input: str | None = None) -> None:
-        """y = act(gate . x) * (up . x): the two products (the matvec's, or with a tile input
-        the tiles') and the gated activation's twin."""
-        gates, ups = (self.product(type_name, tile_input, w, pitch, x, x_stride, rows, n_in, n)
-                      for w in (gate, up))
+                rows: int, n_in: int, n: int, tile_input: str | None = None,
+                planar: bool = False) -> None:
+        """y = act(gate . x) * (up . x): the two products (the matvec's, `planar` as
+        `product`'s, or with a tile input the tiles') and the gated activation's twin."""
+        gates, ups = (self.product(type_name, tile_input, w, pitch, x, x_stride, rows, n_in, n,
+                                   planar) for w in (gate, up))
         self.rows(y, int(n), int(y_stride), int(rows))[:] = act(gates, np.empty_like(gates)) * ups
 
     @staticmethod

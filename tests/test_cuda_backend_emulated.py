@@ -58,6 +58,8 @@ def compare(model: Model, backend: Any, tokens: list[int], split: int) -> float:
         candidates = backend.run(items, inputs)
         rows = backend.fetch_rows(range(len(positions)))
         for row, position, ids in zip(rows, positions, candidates.ids):
+            # A NaN would pass the bound below (max ignores it), so none may come back.
+            assert np.isfinite(row).all(), position
             top = np.argsort(-expected[position])[:16]
             worst = max(worst, float(np.abs(row[top] - expected[position, top]).max()))
             assert ids[0] == row.argmax()
@@ -85,6 +87,10 @@ def test_tiny_models_match_the_cpu(emulated: tuple[Any, EmulatedDevice], name: s
     assert compare(model, backend, tokens, 30) <= TOLERANCE
     # Every decode step replays the one graph of bucket 2.
     assert device.captures == 1 and device.replays == len(tokens) - 30
+    # Both files' Q6_K matrices (v and down of a layer, the output or the tied embedding;
+    # down's three blocks a row laid out otherwise than in the file) go to the tensor cores
+    # on that route, from their row-planar copies.
+    assert ("mul_mat_vec_mma_q6_K" in device.launches) == (route == "matvec_mma")
     backend.close()
     assert device.live == set()
 

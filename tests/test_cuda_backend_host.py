@@ -23,6 +23,7 @@ import pytest
 from actors.compute import cuda_launches as launches
 from actors.compute import cuda_packing as packing
 from actors.compute import cuda_plan as plan
+from actors.compute import cuda_weights
 from actors.compute.backends import CudaFactory
 from actors.errors import ComputeError, InvalidRequest
 from actors.model.arch import ModelSpec, spec_from_gguf
@@ -343,10 +344,10 @@ def test_decode_rows_on_the_decode_tiles_route_take_them_whatever_shares_the_ste
 
 
 def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves() -> None:
-    """The Llama-3-8B shape (Q4_K_M): on the matvec_mma route the decode rows' Q4_K products
-    take mul_mat_vec_mma, gate and up with the activation in its fused entry, q, k and v a
-    launch each then qkv_finish; the Q6_K matrices (v and down in some layers) and the logits
-    rows keep the matvec. Ten launches a layer."""
+    """The Llama-3-8B shape (Q4_K_M): on the matvec_mma route the decode rows' products take
+    mul_mat_vec_mma, gate and up with the activation in its fused entry, q, k and v a launch
+    each then qkv_finish; the Q4_K matrices from their file-layout blocks, the Q6_K ones (v
+    and down in some layers) from their row-planar copies. Ten launches a layer."""
     from benchmarks.cuda_budget import llama_8b_layouts
 
     spec, layouts = llama_8b_layouts()
@@ -366,20 +367,27 @@ def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves(
             if "gate_up" in call.kernel:
                 assert call.kernel == plan.matvec_mma_gate_up_kernel("silu", "Q4_K")
                 assert call.launch == plan.Launch((2 * spec.ffn_dim // 16, 1, 1), (256, 1, 1))
+                assert {ref.name for ref in call.args[:2]} <= set(layouts)  # file layout
                 continue
-            matrix = layouts[call.args[0].name]
-            served.add((matrix.type_name, call.kernel))
-            assert call.kernel == (plan.matvec_mma_kernel("Q4_K") if matrix.type_name == "Q4_K"
-                                   else plan.matvec_kernel(matrix.type_name))
-            assert call.launch == (plan.matvec_mma_launch(matrix.rows, matrix.row_length)
-                                   if matrix.type_name == "Q4_K"
-                                   else plan.matvec_launch(matrix.rows, matrix.row_length))
+            name = call.args[0].name.removesuffix(plan.PLANAR_SUFFIX)
+            matrix = layouts[name]
+            served.add((matrix.type_name, call.kernel, call.args[0].name == name))
+            assert call.kernel == plan.matvec_mma_kernel(matrix.type_name)
+            assert call.launch == plan.matvec_mma_launch(matrix.rows, matrix.row_length)
             assert int(call.args[8]) == 4
-    assert served == {("Q4_K", "mul_mat_vec_mma_q4_K"), ("Q6_K", "mul_mat_vec_q6_K")}
+    assert served == {("Q4_K", "mul_mat_vec_mma_q4_K", True),
+                      ("Q6_K", "mul_mat_vec_mma_q6_K", False)}
     assert {len(layer) for layer in layers[:-1]} == {10}
-    # The logits rows (this spec's output is the Q4_K embedding, tied) keep the matvec.
-    assert calls[-1].kernel == plan.matvec_kernel(layouts[calls[-1].args[0].name].type_name)
+    # The logits rows (this spec's output is the Q4_K embedding, tied) take it too.
+    assert calls[-1].kernel == plan.matvec_mma_kernel("Q4_K")
+    assert calls[-1].args[0] == launches.Ref("token_embd.weight")
     assert calls[-1].args[4] == launches.Ref("logits")
+    # (Its Q6_K output.weight is no product: the spec ties the output to the embedding.)
+    q6_K = {name for name, matrix in layouts.items()
+            if matrix.type_name == "Q6_K" and name.startswith("blk.")}
+    assert launches.planar_copies(spec, layouts, "matvec_mma") == q6_K
+    assert {call.args[0].name for call in calls if call.kernel == "mul_mat_vec_mma_q6_K"} \
+        == {name + plan.PLANAR_SUFFIX for name in q6_K}
 
 
 def test_the_matvec_mma_route_keeps_the_matvec_where_it_serves_nothing(
@@ -462,7 +470,10 @@ def test_every_address_names_something_the_backend_holds(models: dict[str, GGUFF
         step = _plan(spec, DECODE_AND_PREFILL)
         masked = RowInputs(allowed=np.ones(mask_words(spec.vocab_size), np.int32))
         rows = packing.row_arrays([RowInputs(), masked], spec.vocab_size)
-        held = {"null", *(info.name for info in gguf),
+        layouts = launches.tensor_layouts(gguf)
+        arena = {name for route in plan.DECODE_ROUTES for name in cuda_weights.weight_arena(
+            gguf, launches.planar_copies(spec, layouts, route))[0]}
+        held = {"null", *arena,
                 *plan.workspace_buffers(spec, plan.StepLimits(4, 2, 2, 16)),
                 *(f"{kv}_cache.{layer}" for kv in "kv" for layer in range(spec.n_layers)),
                 *(f"step.{name}" for name in packing.step_arrays(step, 1, 8)),
@@ -719,16 +730,34 @@ def test_kv_pool_fills_the_memory_fraction_up_to_what_sequences_use() -> None:
         plan.kv_pool_blocks(6 * gib, 0.9, 5 * gib, gib, 2 << 20, None, useful=64)
 
 
-def test_weights_upload_as_stored_blocks_at_the_row_pitch(models: dict[str, GGUFFile]) -> None:
+@pytest.mark.parametrize("route", plan.DECODE_ROUTES)
+def test_weights_upload_as_stored_blocks_at_the_row_pitch(models: dict[str, GGUFFile],
+                                                          route: str) -> None:
+    """Every tensor's blocks as stored at the row pitch; on the matvec_mma route also the
+    row-planar copies of the Q6_K matrices it multiplies, counted in the arena's size."""
     for name in ("llama-tiny", "qwen2", "llama"):
         gguf = models[name]
-        offsets, size = plan.weight_arena(gguf)
+        planar = launches.planar_copies(spec_from_gguf(gguf), launches.tensor_layouts(gguf),
+                                        route)
+        offsets, size = cuda_weights.weight_arena(gguf, planar)
         arena = np.zeros(size, dtype=np.uint8)
         for info in gguf:
-            assert offsets[info.name] % plan.ARENA_ALIGN == 0
-            for at, data in plan.device_bytes_of(gguf.raw(info.name), info, chunk_rows=100):
-                start = offsets[info.name] + at
+            for entry, at, data in cuda_weights.arena_images(gguf.raw(info.name), info, planar,
+                                                             chunk_rows=100):
+                assert offsets[entry] % cuda_weights.ARENA_ALIGN == 0
+                start = offsets[entry] + at
                 arena[start : start + data.size] = data
+        assert set(offsets) == {info.name for info in gguf} | {
+            n + plan.PLANAR_SUFFIX for n in planar}
+        assert bool(planar) == (route == "matvec_mma" and name != "llama")  # smollm2: no Q6_K
+        for name in planar:
+            info = next(info for info in gguf if info.name == name)
+            pitch = plan.row_pitch("Q6_K", info.shape[-1])
+            rows = math.prod(info.shape[:-1])
+            start = offsets[name + plan.PLANAR_SUFFIX]
+            np.testing.assert_array_equal(
+                arena[start : start + rows * pitch].reshape(rows, pitch),
+                plan.planar_q6_K_rows(gguf.raw(name).reshape(rows, -1)))
         for info in gguf:
             start = offsets[info.name]
             if len(info.shape) == 1:
@@ -741,8 +770,10 @@ def test_weights_upload_as_stored_blocks_at_the_row_pitch(models: dict[str, GGUF
             device_rows = arena[start : start + rows * pitch].reshape(rows, pitch)
             raw = gguf.raw(info.name).reshape(rows, -1)
             np.testing.assert_array_equal(device_rows[:, : raw.shape[1]], raw)
-        file_bytes = sum(info.n_bytes for info in gguf)
-        assert size <= 1.1 * file_bytes + plan.ARENA_ALIGN * len(offsets)
+        file_bytes = sum(info.n_bytes for info in gguf if info.name not in planar)
+        file_bytes += 2 * sum(info.n_bytes for info in gguf if info.name in planar)
+        assert size <= 1.1 * file_bytes + cuda_weights.ARENA_ALIGN * len(offsets)
+        assert cuda_weights.weight_bytes(gguf, planar) <= size
 
 
 # --- the registry ---------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from pycuda.compiler import SourceModule
 from actors.compute import cuda_launches as launches
 from actors.compute import cuda_packing as packing
 from actors.compute import cuda_plan as plan
+from actors.compute import cuda_weights as weights
 from actors.compute.contract import (
     BackendLostError,
     Candidates,
@@ -263,16 +264,19 @@ class CudaBackend:
         return allocation
 
     def _upload_weights(self, model: OpenedModel) -> tuple[dict[str, int], int]:
-        """Every tensor into one allocation, blocks as stored (cuda_plan.device_bytes_of):
-        each tensor's address, and the allocation's size."""
-        offsets, size = plan.weight_arena(model.gguf)
+        """Every tensor into one allocation, blocks as stored, and on the matvec_mma route the
+        row-planar copies its launches read (actors.compute.cuda_weights): each entry's
+        address, and the allocation's size."""
+        planar = launches.planar_copies(self._spec, self._layouts, self._decode_route)
+        offsets, size = weights.weight_arena(model.gguf, planar)
         base = int(self._allocate(size))
         with progress_callback("uploading the weights to the GPU") as report:
-            total = len(offsets)
-            for done, info in enumerate(model.gguf, start=1):
-                for at, data in plan.device_bytes_of(model.gguf.raw(info.name), info):
-                    cuda.memcpy_htod(base + offsets[info.name] + at, data)
-                report(done, total)
+            tensors = list(model.gguf)
+            for done, info in enumerate(tensors, start=1):
+                for entry, at, data in weights.arena_images(model.gguf.raw(info.name), info,
+                                                            planar):
+                    cuda.memcpy_htod(base + offsets[entry] + at, data)
+                report(done, len(tensors))
         return {name: base + offset for name, offset in offsets.items()}, size
 
     def _allocate_kv(self, block_bytes: int) -> dict[str, int]:

@@ -16,9 +16,10 @@ Each layer's residual add is fused into the next RMSNorm (residual_rms_norm's `d
 
 Decode rows always take one route, any number of them: the matvec (the default), the
 decode tiles (tensor cores, 8 tokens a tile) or the mma matvec (mul_mat_vec_mma, the matvec
-on the tensor cores, for the matrices it serves; the matvec for the others); a short prefill
-item takes the matvec, a long one the tiles, a launch per matrix (`row_runs`): a sequence's
-tokens do not depend on what else shares its step. On the matvec a decode layer is seven
+on the tensor cores, for the matrices it serves, a Q6_K matrix read from its row-planar copy;
+the matvec for the others; on that route the logits rows' product too); a short prefill item
+takes the matvec, a long one the tiles, a launch per matrix (`row_runs`): a sequence's tokens
+do not depend on what else shares its step. On the matvec a decode layer is seven
 launches: residual_rms_norm, mul_mat_vec_qkv (its epilogue finishes q, k and v: biases, q/k
 norms, RoPE, the K/V write), attention_decode, the output matvec, residual_rms_norm, the
 fused gate+up+activation matvec, the down matvec. Rows on either tiles take qkv_finish after
@@ -263,12 +264,13 @@ def _rows_in(ref: Ref, rows: int, stride: int) -> Ref:
 def matvec_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
                 y_stride: int, batch: int, mma: bool = False) -> KernelCall:
     """y[b][r] = W[r] . x[b] for the matrix `name`, b < batch, on the matvec; with `mma` on
-    its tensor-core twin mul_mat_vec_mma (the same arguments) where that serves the matrix
-    (plan.uses_matvec_mma)."""
+    its tensor-core twin mul_mat_vec_mma (the same arguments; a Q6_K matrix's row-planar
+    copy) where that serves the matrix (plan.uses_matvec_mma)."""
     matrix = weights[name]
     if mma and plan.uses_matvec_mma(matrix.type_name, matrix.row_length):
         kernel = plan.matvec_mma_kernel(matrix.type_name)
         launch = plan.matvec_mma_launch(matrix.rows, matrix.row_length)
+        name = plan.matvec_mma_weights(name, matrix.type_name)
     else:
         kernel = plan.matvec_kernel(matrix.type_name)
         launch = plan.matvec_launch(matrix.rows, matrix.row_length)
@@ -443,8 +445,9 @@ def fused_gate_up_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run
             plan.decode_tiles_gate_up_launch(type_name, ffn, d, run.rows),
             (*args, *DECODE_SPLIT_WORKSPACE))
     if run.kernels == DECODE_MMA and plan.uses_matvec_mma(type_name, d):
+        matrices = tuple(Ref(plan.matvec_mma_weights(name, type_name)) for name in (gate, up))
         return KernelCall(plan.matvec_mma_gate_up_kernel(spec.activation, type_name),
-                          plan.matvec_mma_launch(2 * ffn, d), args)
+                          plan.matvec_mma_launch(2 * ffn, d), (*matrices, *args[2:]))
     return KernelCall(plan.gate_up_kernel(spec.activation, plan.kernel_suffix(type_name)),
                       plan.matvec_launch(2 * ffn, d), args)
 
@@ -526,11 +529,25 @@ def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: S
             (Ref("normed"), np.int64(plan.row_pitch("F32", spec.d_model)),
              Ref("step.logit_rows"), final, _i32(spec.d_model), np.float32(1.0))))
     if shape.n_logit_rows:
-        # Every logits row on the matvec: one row per item, each independent of the others.
+        # Every logits row on the matvec (on the matvec_mma route its tensor-core twin, where
+        # that serves the matrix): one row per item, each independent of the others.
         output = "token_embd.weight" if spec.tied_output else "output.weight"
         calls.append(matvec_call(weights, output, final, spec.d_model, Ref("logits"),
-                                 spec.vocab_size, shape.n_logit_rows))
+                                 spec.vocab_size, shape.n_logit_rows,
+                                 mma=decode_route == "matvec_mma"))
     return calls
+
+
+def planar_copies(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
+                  decode_route: str) -> frozenset[str]:
+    """The matrices whose row-planar copy (plan.PLANAR_SUFFIX) the launches on `decode_route`
+    read: on the matvec_mma route the Q6_K matrices mul_mat_vec_mma multiplies, none on the
+    others. Read off the launches of a decode row, which take every product of the route."""
+    shape = graph_shape(1, 1, split_keys_for(spec.context_length), spec.context_length, 1)
+    named = {arg.name for call in forward_calls(spec, weights, shape, TILE_INPUT, decode_route)
+             for arg in call.args if isinstance(arg, Ref)}
+    return frozenset(name.removesuffix(plan.PLANAR_SUFFIX) for name in named
+                     if name.endswith(plan.PLANAR_SUFFIX))
 
 
 def candidate_calls(spec: ModelSpec, n_rows: int, width: int, any_penalty: bool,

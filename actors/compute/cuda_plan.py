@@ -4,15 +4,14 @@ Everything the CUDA actor decides before it touches the device lives here, so it
 every machine: where the kernel sources are and what their entry points are called, how
 device memory splits into weights, workspace and KV pool, and each kernel's launch geometry
 (which kernel multiplies a matrix: the matvec, the prefill or decode tiles, the tensor cores'
-matvec; their K-splits). The launches of a step, and the graph bucket it replays, are
-actors.compute.cuda_launches'; its int32 arrays, actors.compute.cuda_packing's. The layouts
-named here are the kernels' (see the comment at the top of each cuda_src/*.cu file).
+matvec; their K-splits). The weights' device image is actors.compute.cuda_weights'; the
+launches of a step, and the graph bucket it replays, actors.compute.cuda_launches'; its int32
+arrays, actors.compute.cuda_packing's. The layouts named here are the kernels' (see the
+comment at the top of each cuda_src/*.cu file).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,11 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from actors.errors import ComputeError, InvalidRequest
-from actors.model.gguf.quants import dequantize, row_bytes
+from actors.model.gguf.quants import row_bytes
 
 if TYPE_CHECKING:  # annotations only: the GPU machine's tests import this without `gguf`
     from actors.model.arch import ModelSpec
-    from actors.model.gguf.reader import TensorInfo
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
@@ -61,7 +59,11 @@ MAX_DECODE_SPLITS = 8
 DECODE_PARTIAL_ROWS = 4 * DECODE_TILE_MIN_BLOCKS * DECODE_TILE_ROWS
 # mul_mat_vec_mma (matvec_mma.cu): the decode matvec on the tensor cores, one MMA row tile of
 # 16 rows a block, 8 warps splitting K; the block types it has entries for.
-MATVEC_MMA_TYPES = ("Q4_K",)
+MATVEC_MMA_TYPES = ("Q4_K", "Q6_K")
+# mul_mat_vec_mma reads matrices of these types from a second device copy in the row-planar
+# layout (planar_q6_K_rows: the file's 210-byte Q6_K blocks are only 2-byte aligned), held
+# under the tensor's name and this suffix; the other kernels read the file-layout copy.
+PLANAR_TYPES, PLANAR_SUFFIX = ("Q6_K",), ".planar"
 MATVEC_MMA_ROWS, MATVEC_MMA_THREADS = 16, 256
 # Where decode rows' products run (cuda_launches.row_runs), whatever their number: the
 # CUDA-core matvec, the tensor cores' decode tiles, or the tensor cores' matvec.
@@ -184,17 +186,23 @@ def row_pitch(type_name: str, row_length: int) -> int:
     return -(-row_bytes(type_name, row_length) // ROW_ALIGN) * ROW_ALIGN
 
 
-def device_tensor_bytes(info: TensorInfo) -> int:
-    """Device bytes of one GGUF tensor: matrices keep their blocks at a 16-byte row pitch;
-    vectors (norms, biases, RoPE factors) are float32."""
-    if len(info.shape) == 1:
-        return info.shape[0] * 4
-    return math.prod(info.shape[:-1]) * row_pitch(info.type_name, info.shape[-1])
+Q6_K_BLOCK_BYTES, Q6_K_QUANT_BYTES, Q6_K_SCALE_BYTES = 210, 192, 16  # ql + qh; scales; d
 
 
-def weight_bytes(tensors: Iterable[TensorInfo]) -> int:
-    """Device bytes of all of a file's tensors (about the file's size)."""
-    return sum(device_tensor_bytes(info) for info in tensors)
+def planar_q6_K_rows(rows: np.ndarray) -> np.ndarray:
+    """Q6_K rows (n, 210 * nb) uint8 as the file holds them -> (n, row_pitch) uint8 rows in
+    the row-planar layout mul_mat_vec_mma_q6_K reads: block k's ql and qh (its first 192
+    bytes) at 192 * k, its 16 scales at 192 * nb + 16 * k, its float16 d at 208 * nb + 2 * k,
+    then zeros to the pitch. The same bytes, reordered so that every load is aligned."""
+    n, width = rows.shape
+    if width % Q6_K_BLOCK_BYTES:
+        raise InvalidRequest(f"Q6_K rows of {width} bytes are not whole blocks", field="shape")
+    nb = width // Q6_K_BLOCK_BYTES
+    blocks = rows.reshape(n, nb, Q6_K_BLOCK_BYTES)
+    fields = np.split(blocks, [Q6_K_QUANT_BYTES, Q6_K_QUANT_BYTES + Q6_K_SCALE_BYTES], axis=2)
+    out = np.zeros((n, row_pitch("Q6_K", 256 * nb)), dtype=np.uint8)
+    out[:, :width] = np.concatenate([field.reshape(n, -1) for field in fields], axis=1)
+    return out
 
 
 def kv_block_bytes(spec: ModelSpec, block_size: int) -> int:
@@ -290,39 +298,6 @@ def plan_memory(free_bytes: int, fraction: float, weights: int, workspace: int,
             "smaller model, a larger fraction or a smaller step"
         )
     return MemoryPlan(weights, workspace, block_bytes, int(blocks))
-
-
-ARENA_ALIGN = 256  # each tensor of the weight arena starts where cuMemAlloc would put it
-
-
-def weight_arena(tensors: Iterable[TensorInfo]) -> tuple[dict[str, int], int]:
-    """Each tensor's byte offset in one device allocation holding them all, and its size."""
-    offsets, cursor = {}, 0
-    for info in tensors:
-        offsets[info.name] = cursor
-        cursor += -(-device_tensor_bytes(info) // ARENA_ALIGN) * ARENA_ALIGN
-    return offsets, cursor
-
-
-def device_bytes_of(raw: np.ndarray, info: TensorInfo,
-                    chunk_rows: int = 4096) -> Iterable[tuple[int, np.ndarray]]:
-    """The device image of a tensor from its raw GGUF bytes, as (byte offset, bytes) chunks:
-    a matrix's blocks as stored at `row_pitch` (the raw view itself where the pitch is the
-    row's size), a vector as float32."""
-    if len(info.shape) == 1:
-        yield 0, np.ascontiguousarray(dequantize(raw, info.type_name, info.shape),
-                                      dtype=np.float32).view(np.uint8)
-        return
-    rows = raw.reshape(-1, raw.shape[-1])
-    pitch = row_pitch(info.type_name, info.shape[-1])
-    if pitch == rows.shape[1]:
-        yield 0, rows.reshape(-1)
-        return
-    for first in range(0, len(rows), chunk_rows):
-        chunk = rows[first : first + chunk_rows]
-        out = np.zeros((len(chunk), pitch), dtype=np.uint8)
-        out[:, : chunk.shape[1]] = chunk
-        yield first * pitch, out.reshape(-1)
 
 
 def kv_pool_blocks(free_bytes: int, fraction: float, weights: int, workspace: int,
@@ -452,6 +427,12 @@ def uses_matvec_mma(type_name: str, n_in: int) -> bool:
 def matvec_mma_kernel(type_name: str) -> str:
     """mul_mat_vec's twin on the tensor cores (its arguments, its own summation)."""
     return f"mul_mat_vec_mma_{kernel_suffix(type_name)}"
+
+
+def matvec_mma_weights(name: str, type_name: str) -> str:
+    """The device tensor mul_mat_vec_mma reads for the matrix `name`: a Q6_K matrix's
+    row-planar copy (PLANAR_SUFFIX), any other's file-layout blocks (the tensor itself)."""
+    return name + PLANAR_SUFFIX if type_name in PLANAR_TYPES else name
 
 
 def matvec_mma_gate_up_kernel(activation: str, type_name: str) -> str:
