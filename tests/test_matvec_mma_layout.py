@@ -1,5 +1,5 @@
-"""The tensor-core matvec's data layout (cuda_src/matvec_mma.cu), played on numpy without a
-device: every lane's A fragments from its own weight bytes, its B fragments from the shared
+"""The tensor-core matvec's data layout (cuda_src/matvec_mma.cu), Q4_K and Q6_K (row-planar),
+played on numpy without a device: every lane's A fragments from its own weight bytes, its B fragments from the shared
 activation table as fill_table lays it out and the owner / zero rule reads it, the MMAs by the
 PTX m16n8k16 fragment layout, each lane's scales on its own accumulator columns. The result
 must be the product of the decoded weights: a wrong word, pair, entry, column or scale
@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from actors.compute.cuda_plan import planar_q6_K_rows
 from actors.model.gguf.quants import _k_scales_mins, dequantize
 from tests.cuda_samples import finite_blocks
 
@@ -55,15 +56,29 @@ def pairs_of(first: np.ndarray, second: np.ndarray) -> np.ndarray:
                                                       << 16)
 
 
-def fill_table(x: np.ndarray, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+def q4_K_first_element(c: int, i: int) -> int:
+    """MmaQ4K::first_element: chunk c (sub-blocks 2c, 2c + 1), word i."""
+    return 64 * c + 4 * i
+
+
+def q6_K_first_element(c: int, i: int) -> int:
+    """MmaQ6K::first_element: lane c's positions 16 (c % 2).. of half c / 2, quarter i / 4,
+    word i % 4."""
+    return 128 * (c // 2) + 16 * (c % 2) + 32 * (i // 4) + 4 * (i % 4)
+
+
+def fill_table(x: np.ndarray, first: int, count: int, first_element=q4_K_first_element,
+               second_offset: int = 32) -> tuple[np.ndarray, np.ndarray]:
     """fill_table's entries (uint32, 4 a 16-byte entry; 16 zero entries at the end) and sums
-    (per K-block and chunk c: sub-blocks 2c, 2c + 1) of K-blocks [first, first + count)."""
+    (per K-block and chunk c: the entries' first and second elements) of K-blocks [first,
+    first + count); entry i of chunk c splits elements first_element(c, i) .. + 3 and
+    second_offset on."""
     table = np.zeros((TABLE_BLOCKS * ENTRIES_PER_BLOCK + 16, 4), dtype=np.uint32)
     sums = np.zeros((TABLE_BLOCKS * 4, 2))
     for item in range(count * 32):
         block, c, i = item // 32, item // 8 % 4, item % 8
-        base = (first + block) * 256 + 64 * c + 4 * i
-        low, high = x[base:base + 4], x[base + 32:base + 36]
+        base = (first + block) * 256 + first_element(c, i)
+        low, high = x[base:base + 4], x[base + second_offset:base + second_offset + 4]
         parts = [split(low), split(high)]
         for part in range(2):  # hi entry, then lo entry
             (low_part, high_part) = (parts[0][part], parts[1][part])
@@ -124,30 +139,88 @@ def lane_block_sums(raw_tile: np.ndarray, table: np.ndarray, sums: np.ndarray, b
     return out
 
 
-def mma_matvec_row_tile(raw_tile: np.ndarray, x: np.ndarray) -> np.ndarray:
+def six_bit_pairs(first_run: np.ndarray, second_run: np.ndarray, top: np.ndarray,
+                  quarter: int) -> np.ndarray:
+    """(32 lanes, 2) level pairs (bytes 0 and 2, then 1 and 3) of one quarter's word: the 6-bit
+    level u - 32 as float16 (u: its nibble from the quarter's run, its top bits from qh)."""
+    nibbles = (second_run if quarter % 2 else first_run) >> (4 * (quarter // 2))
+    tops = (top >> (2 * quarter)) & 0x03030303
+    level_bytes = ((nibbles & 0x0F0F0F0F) | (tops << 4)).astype("<u4").view(np.uint8)
+    level_bytes = level_bytes.reshape(-1, 4).astype(np.float16) - np.float16(32)
+    return np.stack([pairs_of(level_bytes[:, 0], level_bytes[:, 2]),
+                     pairs_of(level_bytes[:, 1], level_bytes[:, 3])], axis=1)
+
+
+def q6_K_lane_block_sums(planar_tile: np.ndarray, n_blocks: int, table: np.ndarray,
+                         block: int, k: int) -> np.ndarray:
+    """MmaQ6K::multiply for every lane of K-block `block` (table index k), reading the
+    row-planar rows: (32, 2) sums of rows g and g + 8 over the lane's four sub-blocks."""
+    lane = np.arange(LANES)
+    g, c = lane // 4, lane % 4
+    h, v = c // 2, c % 2
+    column = lane // 4
+    owner = column // 2 == c
+    entry = np.where(owner, k * ENTRIES_PER_BLOCK + 16 * c + column % 2,
+                     TABLE_BLOCKS * ENTRIES_PER_BLOCK)
+    runs, scales, d = [], [], []  # per row of the lane (g, g + 8)
+    for rows in (g, g + 8):
+        at = [192 * block + offset[:, None] + np.arange(16)
+              for offset in (64 * h + 16 * v, 64 * h + 32 + 16 * v, 128 + 32 * h + 16 * v)]
+        runs.append([planar_tile[rows[:, None], where].view("<u4") for where in at])
+        scale_at = 192 * n_blocks + 16 * block + 8 * h[:, None] + 2 * np.arange(4) + v[:, None]
+        scales.append(planar_tile[rows[:, None], scale_at].view(np.int8).astype(np.float64))
+        d_at = 208 * n_blocks + 2 * block
+        d.append(planar_tile[rows, d_at:d_at + 2].copy().view(np.float16)[:, 0]
+                 .astype(np.float64))
+    out = np.zeros((LANES, 2))
+    for u in range(2):  # quarters u and u + 2 share each table entry
+        sums = [np.zeros((LANES, 4)), np.zeros((LANES, 4))]
+        for j in range(4):
+            b = table[entry + 2 * (4 * u + j)]
+            for half, quarter in enumerate((u, u + 2)):
+                row_g, row_g8 = (six_bit_pairs(*(words[:, j] for words in row_runs), quarter)
+                                 for row_runs in runs)
+                a = np.stack([row_g[:, 0], row_g8[:, 0], row_g[:, 1], row_g8[:, 1]], axis=1)
+                sums[half] = mma(a, b[:, 2 * half:2 * half + 2], sums[half])
+        for r in range(2):
+            for half, quarter in enumerate((u, u + 2)):
+                out[:, r] += d[r] * scales[r][:, quarter] * (sums[half][:, 2 * r] +
+                                                             sums[half][:, 2 * r + 1])
+    return out
+
+
+def mma_matvec_row_tile(raw_tile: np.ndarray, x: np.ndarray, type_name: str) -> np.ndarray:
     """mma_matvec for one token: the pieces of TABLE_BLOCKS K-blocks, the warps' K-blocks,
-    the lanes' sums added over the 4 lanes of a row (16 rows)."""
+    the lanes' sums added over the 4 lanes of a row (16 rows). Q6_K reads the rows as
+    cuda_plan.planar_q6_K_rows lays them out."""
     n_blocks = x.size // 256
+    planar = planar_q6_K_rows(raw_tile) if type_name == "Q6_K" else None
     acc = np.zeros((LANES, 2))
     for first in range(0, n_blocks, TABLE_BLOCKS):
         count = min(TABLE_BLOCKS, n_blocks - first)
-        table, sums = fill_table(x, first, count)
-        for k in range(count):
-            acc += lane_block_sums(raw_tile, table, sums, first + k, k)
+        if planar is None:
+            table, sums = fill_table(x, first, count)
+            for k in range(count):
+                acc += lane_block_sums(raw_tile, table, sums, first + k, k)
+        else:
+            table, _ = fill_table(x, first, count, q6_K_first_element, 64)
+            for k in range(count):
+                acc += q6_K_lane_block_sums(planar, n_blocks, table, first + k, k)
     per_row = acc.reshape(8, 4, 2).sum(axis=1)  # lanes 4g..4g+3
     return np.concatenate([per_row[:, 0], per_row[:, 1]])
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("n_in", [512, 8448])
-def test_lane_fragments_and_table_give_the_product(n_in: int) -> None:
+def test_lane_fragments_and_table_give_the_product(n_in: int, type_name: str) -> None:
     """512: two K-blocks (most warps idle); 8448: 33 K-blocks, a full table and a piece of
     one. Within float32 of the decoded weights' product (the d * sc products the decode
     rounds to float32 are the only difference left in an exact sum)."""
     rng = np.random.default_rng(n_in)
-    raw = finite_blocks("Q4_K", ROWS, n_in, rng)
+    raw = finite_blocks(type_name, ROWS, n_in, rng)
     x = rng.standard_normal(n_in).astype(np.float32)
-    w = dequantize(raw, "Q4_K", (ROWS, n_in)).astype(np.float64)
-    got = mma_matvec_row_tile(raw, x)
+    w = dequantize(raw, type_name, (ROWS, n_in)).astype(np.float64)
+    got = mma_matvec_row_tile(raw, x, type_name)
     expected = w @ x.astype(np.float64)
     scale = np.abs(w) @ np.abs(x.astype(np.float64))
     assert (np.abs(got - expected) <= 1e-6 * scale).all()
