@@ -123,17 +123,17 @@ class KernelTwins:
         return dequantize(blocks, type_name, (rows, n_in))
 
     def launch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
-        planar = False
-        if name.startswith("mul_mat_vec_mma_"):
-            # The tensor cores' matvec (mul_mat_vec_mma_<suffix>, its gate_up_<act>_<suffix>):
-            # the matvec's arguments and twins, Q6_K matrices read from their row-planar copy;
-            # its own summation on the device, within the same float32 bound.
+        planar = mma = name.startswith("mul_mat_vec_mma_")
+        if mma:
+            # The tensor cores' matvec (mul_mat_vec_mma_<suffix>, its gate_up_<act>_<suffix>,
+            # its qkv): the matvec's arguments and twins, Q6_K matrices read from their
+            # row-planar copy; its own summation on the device, within the same float32 bound.
             planar = name.endswith("_q6_K")
             name = "mul_mat_vec_" + name[len("mul_mat_vec_mma_"):]
         if name.startswith("get_rows_"):
             self.get_rows(TYPE_OF_SUFFIX[name[len("get_rows_"):]], grid, *args)
         elif name == "mul_mat_vec_qkv":
-            self.mul_mat_vec_qkv(*args)
+            self.mul_mat_vec_qkv(*args, mma=mma)
         elif name.startswith("mul_mat_vec_gate_up_"):
             activation, suffix = activation_and_rest("mul_mat_vec_gate_up_", name)
             self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args, planar=planar)
@@ -197,17 +197,19 @@ class KernelTwins:
         self.rows(y, int(n), int(y_stride), int(rows))[:] = self.product(
             type_name, tile_input, weights, pitch, x, x_stride, rows, n_in, n, planar)
 
-    def mul_mat_vec_qkv(self, *args: Any) -> None:
-        """Three matvecs (q, k, v segments, a block type each) into one row of y, then
-        qkv_finish's twin on those rows (positions and slots per activation row). The head
-        counters must be zero (the backend zero-fills them; every launch leaves them so)."""
+    def mul_mat_vec_qkv(self, *args: Any, mma: bool = False) -> None:
+        """Three matvecs (q, k, v segments, a block type each; with `mma` those of
+        mul_mat_vec_mma_qkv, whose Q6_K segments are row-planar copies) into one row of y,
+        then qkv_finish's twin on those rows (positions and slots per activation row). The
+        head counters must be zero (the backend zero-fills them; every launch leaves them so)."""
         segments, (x, x_stride, y, y_stride, n_in, n) = args[:12], args[12:18]
         head_dim, finish, counters = int(args[18]), args[19:-1], args[-1]
         column = 0
         for weights, pitch, code, rows in zip(*[iter(segments)] * 4):
             type_name = list(plan.KERNEL_TYPE_SUFFIX)[int(code)]
             self.matmul(type_name, None, weights, pitch, x, x_stride,
-                        int(y) + 4 * column, y_stride, rows, n_in, n)
+                        int(y) + 4 * column, y_stride, rows, n_in, n,
+                        planar=mma and type_name in plan.PLANAR_TYPES)
             column += int(rows)
         heads, kv_heads = int(segments[3]) // head_dim, int(segments[7]) // head_dim
         assert not self.i32(counters, heads + 2 * kv_heads).any(), "qkv counters are not zero"

@@ -91,6 +91,8 @@ def test_tiny_models_match_the_cpu(emulated: tuple[Any, EmulatedDevice], name: s
     # down's three blocks a row laid out otherwise than in the file) go to the tensor cores
     # on that route, from their row-planar copies.
     assert ("mul_mat_vec_mma_q6_K" in device.launches) == (route == "matvec_mma")
+    # Their decode rows' q, k and v (Q4_K and Q6_K) in one launch with the finish, there.
+    assert ("mul_mat_vec_mma_qkv" in device.launches) == (route == "matvec_mma")
     backend.close()
     assert device.live == set()
 

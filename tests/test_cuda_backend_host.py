@@ -345,9 +345,10 @@ def test_decode_rows_on_the_decode_tiles_route_take_them_whatever_shares_the_ste
 
 def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves() -> None:
     """The Llama-3-8B shape (Q4_K_M): on the matvec_mma route the decode rows' products take
-    mul_mat_vec_mma, gate and up with the activation in its fused entry, q, k and v a launch
-    each then qkv_finish; the Q4_K matrices from their file-layout blocks, the Q6_K ones (v
-    and down in some layers) from their row-planar copies. Ten launches a layer."""
+    mul_mat_vec_mma, gate and up with the activation in its fused entry, q, k and v in one
+    mul_mat_vec_mma_qkv with the finish; the Q4_K matrices from their file-layout blocks,
+    the Q6_K ones (v and down in some layers) from their row-planar copies. Seven launches a
+    layer, as on the matvec route."""
     from benchmarks.cuda_budget import llama_8b_layouts
 
     spec, layouts = llama_8b_layouts()
@@ -361,8 +362,15 @@ def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves(
     for layer in layers:
         products = [c for c in layer if c.kernel.startswith("mul_mat_vec")
                     and c.args[0].name.startswith("blk.")]
-        assert not any(c.kernel in ("mul_mat_vec_qkv", "gated_silu") for c in layer)
-        assert [c.kernel for c in layer].count("qkv_finish") == 1
+        assert not any(c.kernel in ("mul_mat_vec_qkv", "gated_silu", "qkv_finish")
+                       for c in layer)
+        (qkv,) = [c for c in products if c.kernel == "mul_mat_vec_mma_qkv"]
+        products.remove(qkv)
+        assert qkv.launch == plan.matvec_mma_qkv_launch(spec.q_dim, spec.kv_dim, spec.kv_dim)
+        for ref, code in zip(qkv.args[0:12:4], qkv.args[2:12:4]):
+            type_name = list(plan.KERNEL_TYPE_SUFFIX)[int(code)]
+            assert layouts[ref.name.removesuffix(plan.PLANAR_SUFFIX)].type_name == type_name
+            assert ref.name.endswith(plan.PLANAR_SUFFIX) == (type_name == "Q6_K")
         for call in products:
             if "gate_up" in call.kernel:
                 assert call.kernel == plan.matvec_mma_gate_up_kernel("silu", "Q4_K")
@@ -377,7 +385,7 @@ def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves(
             assert int(call.args[8]) == 4
     assert served == {("Q4_K", "mul_mat_vec_mma_q4_K", True),
                       ("Q6_K", "mul_mat_vec_mma_q6_K", False)}
-    assert {len(layer) for layer in layers[:-1]} == {10}
+    assert {len(layer) for layer in layers[:-1]} == {7}
     # The logits rows (this spec's output is the Q4_K embedding, tied) take it too.
     assert calls[-1].kernel == plan.matvec_mma_kernel("Q4_K")
     assert calls[-1].args[0] == launches.Ref("token_embd.weight")
@@ -386,8 +394,10 @@ def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves(
     q6_K = {name for name, matrix in layouts.items()
             if matrix.type_name == "Q6_K" and name.startswith("blk.")}
     assert launches.planar_copies(spec, layouts, "matvec_mma") == q6_K
-    assert {call.args[0].name for call in calls if call.kernel == "mul_mat_vec_mma_q6_K"} \
-        == {name + plan.PLANAR_SUFFIX for name in q6_K}
+    planar_reads = {arg.name for call in calls if call.kernel.startswith("mul_mat_vec_mma_")
+                    for arg in call.args if isinstance(arg, launches.Ref)
+                    and arg.name.endswith(plan.PLANAR_SUFFIX)}
+    assert planar_reads == {name + plan.PLANAR_SUFFIX for name in q6_K}
 
 
 def test_the_matvec_mma_route_keeps_the_matvec_where_it_serves_nothing(

@@ -144,9 +144,12 @@ def test_only_the_matvec_mma_route_reads_planar_copies_of_the_q6_K_matrices_it_m
         for call in calls:
             matrices = [arg.name for arg in call.args if isinstance(arg, launches.Ref)
                         and arg.name.removesuffix(plan.PLANAR_SUFFIX) in layouts]
-            reads_planar = call.kernel.startswith("mul_mat_vec_mma_") \
-                and call.kernel.endswith("_q6_K")
-            assert all(name.endswith(plan.PLANAR_SUFFIX) == reads_planar for name in matrices), \
+            # mul_mat_vec_mma_qkv reads each segment as its type's mma kernel does
+            reads_planar = [call.kernel.startswith("mul_mat_vec_mma_") and (
+                call.kernel.endswith("_q6_K") if call.kernel != "mul_mat_vec_mma_qkv"
+                else layouts[name.removesuffix(plan.PLANAR_SUFFIX)].type_name == "Q6_K")
+                for name in matrices]
+            assert [name.endswith(plan.PLANAR_SUFFIX) for name in matrices] == reads_planar, \
                 (route, call.kernel, matrices)
         mma_q6_K = [c for c in calls if c.kernel.startswith("mul_mat_vec_mma_")
                     and c.kernel.endswith("_q6_K")]

@@ -383,32 +383,46 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
               layer: int, tile_input: str) -> list[KernelCall]:
     """q, k and v side by side in each `qkv` row, finished (biases, head norms, RoPE, the K/V
     write) for attention: a matvec run in one launch (mul_mat_vec_qkv, a block type per
-    segment, the finish in its epilogue), as is an mma run where mul_mat_vec_mma serves none
-    of the three; any other run in one launch per matrix then qkv_finish over its rows. Each
-    row is finished once, by its own run's launches."""
+    segment, the finish in its epilogue), as is an mma run (mul_mat_vec_mma_qkv where
+    mul_mat_vec_mma serves all three matrices, mul_mat_vec_qkv where it serves none); any
+    other run in one launch per matrix then qkv_finish over its rows. Each row is finished
+    once, by its own run's launches."""
     d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
     names = [f"blk.{layer}.attn_{part}.weight" for part in "qkv"]
-    any_mma = any(plan.uses_matvec_mma(weights[name].type_name, d) for name in names)
-    segments = [arg for name in names for arg in (
-        Ref(name), np.int64(weights[name].pitch),
-        _i32(plan.kernel_type_code(weights[name].type_name)), _i32(weights[name].rows))]
+    served = [plan.uses_matvec_mma(weights[name].type_name, d) for name in names]
     columns = (0, spec.q_dim, spec.q_dim + spec.kv_dim)
     calls = []
     for run in runs:
-        if run.matvec or (run.kernels == DECODE_MMA and not any_mma):
-            calls.append(KernelCall(
-                "mul_mat_vec_qkv",
-                plan.qkv_launch(*(weights[name].rows for name in names), d),
-                (*segments, _rows_in(Ref("normed"), run.first, d), _i32(d),
-                 _rows_in(Ref("qkv"), run.first, qkv_stride), _i32(qkv_stride), _i32(d),
-                 _i32(run.rows), _i32(spec.head_dim),
-                 *_finish_args(spec, weights, layer, run.first), Ref("qkv_counters"))))
+        if run.matvec or (run.kernels == DECODE_MMA and not any(served)):
+            calls.append(_fused_qkv_call(spec, weights, names, run, layer, mma=False))
+        elif run.kernels == DECODE_MMA and all(served):
+            calls.append(_fused_qkv_call(spec, weights, names, run, layer, mma=True))
         else:
             calls += [product_call(weights, name, Ref("normed"), d, Ref("qkv", column * F32),
                                    qkv_stride, run, tile_input)
                       for name, column in zip(names, columns)]
             calls.append(qkv_finish_call(spec, weights, run, layer))
     return calls
+
+
+def _fused_qkv_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], names: Sequence[str],
+                    run: RowRun, layer: int, mma: bool) -> KernelCall:
+    """mul_mat_vec_qkv, or with `mma` mul_mat_vec_mma_qkv (its arguments; a Q6_K segment
+    reads its row-planar copy), over the run's rows: three products and the finish."""
+    d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
+    layouts = [weights[name] for name in names]
+    segments = [arg for name, layout in zip(names, layouts) for arg in (
+        Ref(plan.matvec_mma_weights(name, layout.type_name) if mma else name),
+        np.int64(layout.pitch), _i32(plan.kernel_type_code(layout.type_name)),
+        _i32(layout.rows))]
+    rows = [layout.rows for layout in layouts]
+    kernel, launch = (("mul_mat_vec_mma_qkv", plan.matvec_mma_qkv_launch(*rows)) if mma
+                      else ("mul_mat_vec_qkv", plan.qkv_launch(*rows, d)))
+    return KernelCall(kernel, launch, (
+        *segments, _rows_in(Ref("normed"), run.first, d), _i32(d),
+        _rows_in(Ref("qkv"), run.first, qkv_stride), _i32(qkv_stride), _i32(d),
+        _i32(run.rows), _i32(spec.head_dim), *_finish_args(spec, weights, layer, run.first),
+        Ref("qkv_counters")))
 
 
 def qkv_finish_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run: RowRun,

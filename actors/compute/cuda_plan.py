@@ -140,7 +140,7 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
                         for t in KERNEL_TYPE_SUFFIX for i in TILE_INPUTS)),
         "matvec_mma.cu": (*(matvec_mma_kernel(t) for t in MATVEC_MMA_TYPES),
                           *(matvec_mma_gate_up_kernel(a, t) for a in ACTIVATIONS
-                            for t in MATVEC_MMA_TYPES)),
+                            for t in MATVEC_MMA_TYPES), "mul_mat_vec_mma_qkv"),
         "embedding.cu": tuple(f"get_rows_{s}" for s in suffixes),
         "norm.cu": ("residual_rms_norm", "head_rms_norm"),
         "rope.cu": ("rope",),
@@ -446,6 +446,12 @@ def matvec_mma_launch(rows: int, n_in: int) -> Launch:
     (which the grid does not depend on)."""
     return _check_grid(Launch((_blocks(rows, MATVEC_MMA_ROWS), 1, 1),
                               (MATVEC_MMA_THREADS, 1, 1)))
+
+
+def matvec_mma_qkv_launch(rows_q: int, rows_k: int, rows_v: int) -> Launch:
+    """mul_mat_vec_mma_qkv: the 16-row blocks of the three matrices one after the other."""
+    blocks = sum(_blocks(rows, MATVEC_MMA_ROWS) for rows in (rows_q, rows_k, rows_v))
+    return _check_grid(Launch((blocks, 1, 1), (MATVEC_MMA_THREADS, 1, 1)))
 
 
 def check_decode_route(route: str) -> str:
