@@ -24,8 +24,9 @@ launches: residual_rms_norm, mul_mat_vec_qkv (its epilogue finishes q, k and v: 
 norms, RoPE, the K/V write), attention_decode, the output matvec, residual_rms_norm, the
 fused gate+up+activation matvec, the down matvec. Rows on either tiles take qkv_finish after
 their q, k and v products; on the decode tiles q, k and v are a launch each and gate, up and
-the activation one. The mma matvec keeps mul_mat_vec_qkv where it serves none of q, k and v
-(else a launch each, then qkv_finish) and fuses gate, up and the activation as the matvec.
+the activation one. The mma matvec takes q, k and v in mul_mat_vec_mma_qkv where it serves
+all three (seven launches a layer too), keeps mul_mat_vec_qkv where it serves none (else a
+launch each, then qkv_finish) and fuses gate, up and the activation as the matvec.
 """
 
 from __future__ import annotations
