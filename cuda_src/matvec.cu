@@ -231,14 +231,6 @@ __device__ void mul_mat_vec_gate_up(const uint8_t* __restrict__ gate_w,
                     });
 }
 
-// One segment of mul_mat_vec_qkv: blocks [block_first, ...) compute rows of one matrix into
-// columns [column, column + rows) of y.
-struct QkvSegment {
-    const uint8_t* weights;
-    int64_t pitch;
-    int type_code, rows, column, block_first;
-};
-
 template <class T>
 __device__ void qkv_segment(const QkvSegment& seg, const float* __restrict__ x, int x_stride,
                             float* __restrict__ y, int y_stride, int n_in, int batch,
@@ -300,33 +292,13 @@ __device__ void qkv_segment_of_its_type(const QkvSegment& seg, const float* __re
     QK_FOR_EACH_TYPE(QK_QKV_CASE)
 }
 
-extern "C" __global__ void QK_MATVEC_BOUNDS mul_mat_vec_qkv(
-    const uint8_t* w_q, int64_t pitch_q, int type_q, int rows_q, const uint8_t* w_k,
-    int64_t pitch_k, int type_k, int rows_k, const uint8_t* w_v, int64_t pitch_v, int type_v,
-    int rows_v, const float* x, int x_stride, float* y, int y_stride, int n_in, int batch,
-    int head_dim, const float* q_bias, const float* k_bias, const float* v_bias,
-    const float* q_norm, const float* k_norm, float eps, const int* positions, int rope_dim,
-    double base, const float* freq_factors, int neox, const int* slots, __half* k_cache,
-    __half* v_cache, int* head_counters) {
+extern "C" __global__ void QK_MATVEC_BOUNDS mul_mat_vec_qkv(QK_QKV_PARAMETERS) {
     __shared__ MatvecShared shared;
-    const int per_block = rows_per_block();
-    const int blocks_q = (rows_q + per_block - 1) / per_block;
-    const int blocks_k = (rows_k + per_block - 1) / per_block;
-    QkvSegment seg;
-    if (int(blockIdx.x) < blocks_q) {
-        seg = {w_q, pitch_q, type_q, rows_q, 0, 0};
-    } else if (int(blockIdx.x) < blocks_q + blocks_k) {
-        seg = {w_k, pitch_k, type_k, rows_k, rows_q, blocks_q};
-    } else {
-        seg = {w_v, pitch_v, type_v, rows_v, rows_q + rows_k, blocks_q + blocks_k};
-    }
-    qkv_segment_of_its_type(seg, x, x_stride, y, y_stride, n_in, batch, shared);
-    const QkvFinish finish{rows_q / head_dim, rows_k / head_dim, head_dim, q_bias, k_bias,
-                           v_bias, q_norm, k_norm, eps, positions, rope_dim, base,
-                           freq_factors, neox, slots, k_cache, v_cache};
-    const int first = (int(blockIdx.x) - seg.block_first) * per_block;
-    // run_sums holds a head_dim copy a warp: the products are done with it.
-    finish_completed_heads<MATVEC_MAX_ROWS_PER_BLOCK>(
-        first, min(first + per_block, seg.rows) - 1, per_block, seg.column, finish, y,
-        y_stride, batch, head_counters, shared.run_sums);
+    // run_sums holds a head_dim copy a warp once the products are done with it.
+    fused_qkv_block<MATVEC_MAX_ROWS_PER_BLOCK>(
+        rows_per_block(), shared.run_sums,
+        [&](const QkvSegment& seg) {
+            qkv_segment_of_its_type(seg, x, x_stride, y, y_stride, n_in, batch, shared);
+        },
+        QK_QKV_ARGUMENTS);
 }

@@ -72,6 +72,21 @@ struct MmaMatvecShared {
     float partial[MMA_MATVEC_WARPS][MMA_MATVEC_ROWS];
 };
 
+// A table entry's two MMAs (its B registers .x, .y for the first, .z, .w for the second), each
+// adding to its own chain of sums; `start` begins the chains.
+__device__ __forceinline__ void entry_mmas(bool start, const uint4& b, const uint32_t (&a_first)[4],
+                                           const uint32_t (&a_second)[4], float (&first)[4],
+                                           float (&second)[4]) {
+    const uint32_t b_first[2] = {b.x, b.y}, b_second[2] = {b.z, b.w};
+    if (start) {
+        mma_first(first, a_first, b_first);
+        mma_first(second, a_second, b_second);
+    } else {
+        mma(first, a_first, b_first);
+        mma(second, a_second, b_second);
+    }
+}
+
 // The block types' lanes (quarter c of a K-block of rows g and g + 8). Each gives:
 //   Lane: the lane's bytes of a K-block; Rows: the lane's addresses in K-block 0 of its rows,
 //   rows_of(row_g, row_g8, n_blocks, c); load(rows, k, out): K-block k into a Lane;
@@ -120,20 +135,12 @@ struct MmaQ4K {
         for (int i = 0; i < 8; ++i) {
             const NibblePairs g = nibble_pairs_of(word_of(block.quants[0][i / 4], i % 4));
             const NibblePairs g8 = nibble_pairs_of(word_of(block.quants[1][i / 4], i % 4));
-            const uint4 b = entries[2 * i];
             auto level = [](uint32_t biased) { return sub_halves(biased, HALF_1024_PAIR); };
             const uint32_t a_low[4] = {level(g.low02), level(g8.low02), level(g.low13),
                                        level(g8.low13)};
             const uint32_t a_high[4] = {level(g.high02), level(g8.high02), level(g.high13),
                                         level(g8.high13)};
-            const uint32_t b_low[2] = {b.x, b.y}, b_high[2] = {b.z, b.w};
-            if (i == 0) {
-                mma_first(low, a_low, b_low);
-                mma_first(high, a_high, b_high);
-            } else {
-                mma(low, a_low, b_low);
-                mma(high, a_high, b_high);
-            }
+            entry_mmas(i == 0, entries[2 * i], a_low, a_high, low, high);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -229,15 +236,7 @@ struct MmaQ6K {
             uint32_t a_first[4], a_second[4];
             quarter_pairs<U>(block, j, a_first);
             quarter_pairs<U + 2>(block, j, a_second);
-            const uint4 b = entries[2 * (4 * U + j)];
-            const uint32_t b_first[2] = {b.x, b.y}, b_second[2] = {b.z, b.w};
-            if (j == 0) {
-                mma_first(first, a_first, b_first);
-                mma_first(second, a_second, b_second);
-            } else {
-                mma(first, a_first, b_first);
-                mma(second, a_second, b_second);
-            }
+            entry_mmas(j == 0, entries[2 * (4 * U + j)], a_first, a_second, first, second);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -442,16 +441,8 @@ struct mma_lanes_of<type_q6_K> {
     using type = MmaQ6K;
 };
 
-// One segment of mul_mat_vec_mma_qkv: blocks [block_first, ...) compute rows of one matrix into
-// columns [column, column + rows) of y.
-struct MmaQkvSegment {
-    const uint8_t* weights;
-    int64_t pitch;
-    int type_code, rows, column, block_first;
-};
-
 template <class T>
-__device__ void mma_qkv_segment(const MmaQkvSegment& seg, const float* x, int x_stride,
+__device__ void mma_qkv_segment(const QkvSegment& seg, const float* x, int x_stride,
                                 float* y, int y_stride, int n_in, int batch,
                                 MmaMatvecShared& shared) {
     using Lanes = typename mma_lanes_of<T>::type;
@@ -471,39 +462,20 @@ __device__ void mma_qkv_segment(const MmaQkvSegment& seg, const float* x, int x_
         return;                                                                       \
     }
 
-__device__ void mma_qkv_segment_of_its_type(const MmaQkvSegment& seg, const float* x,
+__device__ void mma_qkv_segment_of_its_type(const QkvSegment& seg, const float* x,
                                             int x_stride, float* y, int y_stride, int n_in,
                                             int batch, MmaMatvecShared& shared) {
     int code = 0;  // the segment's type is block-uniform: every thread takes the same case
     QK_FOR_EACH_TYPE(QK_MMA_QKV_CASE)
 }
 
-extern "C" __global__ void QK_MMA_MATVEC_BOUNDS mul_mat_vec_mma_qkv(
-    const uint8_t* w_q, int64_t pitch_q, int type_q, int rows_q, const uint8_t* w_k,
-    int64_t pitch_k, int type_k, int rows_k, const uint8_t* w_v, int64_t pitch_v, int type_v,
-    int rows_v, const float* x, int x_stride, float* y, int y_stride, int n_in, int batch,
-    int head_dim, const float* q_bias, const float* k_bias, const float* v_bias,
-    const float* q_norm, const float* k_norm, float eps, const int* positions, int rope_dim,
-    double base, const float* freq_factors, int neox, const int* slots, __half* k_cache,
-    __half* v_cache, int* head_counters) {
+extern "C" __global__ void QK_MMA_MATVEC_BOUNDS mul_mat_vec_mma_qkv(QK_QKV_PARAMETERS) {
     __shared__ MmaMatvecShared shared;
-    const int blocks_q = (rows_q + MMA_MATVEC_ROWS - 1) / MMA_MATVEC_ROWS;
-    const int blocks_k = (rows_k + MMA_MATVEC_ROWS - 1) / MMA_MATVEC_ROWS;
-    MmaQkvSegment seg;
-    if (int(blockIdx.x) < blocks_q) {
-        seg = {w_q, pitch_q, type_q, rows_q, 0, 0};
-    } else if (int(blockIdx.x) < blocks_q + blocks_k) {
-        seg = {w_k, pitch_k, type_k, rows_k, rows_q, blocks_q};
-    } else {
-        seg = {w_v, pitch_v, type_v, rows_v, rows_q + rows_k, blocks_q + blocks_k};
-    }
-    mma_qkv_segment_of_its_type(seg, x, x_stride, y, y_stride, n_in, batch, shared);
-    const QkvFinish finish{rows_q / head_dim, rows_k / head_dim, head_dim, q_bias, k_bias,
-                           v_bias, q_norm, k_norm, eps, positions, rope_dim, base,
-                           freq_factors, neox, slots, k_cache, v_cache};
-    const int first = (int(blockIdx.x) - seg.block_first) * MMA_MATVEC_ROWS;
-    // The activation table holds a head_dim copy a warp: the products are done with it.
-    finish_completed_heads<MMA_MATVEC_ROWS>(
-        first, min(first + MMA_MATVEC_ROWS, seg.rows) - 1, MMA_MATVEC_ROWS, seg.column, finish,
-        y, y_stride, batch, head_counters, reinterpret_cast<float*>(shared.table));
+    // The activation table holds a head_dim copy a warp once the products are done with it.
+    fused_qkv_block<MMA_MATVEC_ROWS>(
+        MMA_MATVEC_ROWS, reinterpret_cast<float*>(shared.table),
+        [&](const QkvSegment& seg) {
+            mma_qkv_segment_of_its_type(seg, x, x_stride, y, y_stride, n_in, batch, shared);
+        },
+        QK_QKV_ARGUMENTS);
 }

@@ -116,3 +116,54 @@ __device__ void finish_completed_heads(int first, int last, int per_block, int c
         __syncwarp();  // the copy is rewritten by the warp's next task
     }
 }
+
+// The fused QKV kernels' parameters (matvec.cu documents mul_mat_vec_qkv's; matvec_mma.cu's
+// mul_mat_vec_mma_qkv takes the same), and the same names as arguments.
+#define QK_QKV_PARAMETERS                                                                    \
+    const uint8_t *w_q, int64_t pitch_q, int type_q, int rows_q, const uint8_t *w_k,        \
+        int64_t pitch_k, int type_k, int rows_k, const uint8_t *w_v, int64_t pitch_v,       \
+        int type_v, int rows_v, const float *x, int x_stride, float *y, int y_stride,       \
+        int n_in, int batch, int head_dim, const float *q_bias, const float *k_bias,        \
+        const float *v_bias, const float *q_norm, const float *k_norm, float eps,           \
+        const int *positions, int rope_dim, double base, const float *freq_factors,         \
+        int neox, const int *slots, __half *k_cache, __half *v_cache, int *head_counters
+#define QK_QKV_ARGUMENTS                                                                     \
+    w_q, pitch_q, type_q, rows_q, w_k, pitch_k, type_k, rows_k, w_v, pitch_v, type_v,       \
+        rows_v, x, x_stride, y, y_stride, n_in, batch, head_dim, q_bias, k_bias, v_bias,    \
+        q_norm, k_norm, eps, positions, rope_dim, base, freq_factors, neox, slots, k_cache, \
+        v_cache, head_counters
+
+// One segment of a fused QKV kernel: blocks [block_first, ...) compute rows of one matrix
+// into columns [column, column + rows) of y.
+struct QkvSegment {
+    const uint8_t* weights;
+    int64_t pitch;
+    int type_code, rows, column, block_first;
+};
+
+// A fused QKV kernel's block (`per_block` rows of one matrix, at most MAX_ROWS; the three
+// matrices' blocks one after the other): `products(seg)` stores its rows of its segment,
+// then finish_completed_heads, `scratch` holding a head_dim copy a warp (free once the
+// products are done).
+template <int MAX_ROWS, class Products>
+__device__ void fused_qkv_block(int per_block, float* scratch, Products products,
+                                QK_QKV_PARAMETERS) {
+    const int blocks_q = (rows_q + per_block - 1) / per_block;
+    const int blocks_k = (rows_k + per_block - 1) / per_block;
+    QkvSegment seg;
+    if (int(blockIdx.x) < blocks_q) {
+        seg = {w_q, pitch_q, type_q, rows_q, 0, 0};
+    } else if (int(blockIdx.x) < blocks_q + blocks_k) {
+        seg = {w_k, pitch_k, type_k, rows_k, rows_q, blocks_q};
+    } else {
+        seg = {w_v, pitch_v, type_v, rows_v, rows_q + rows_k, blocks_q + blocks_k};
+    }
+    products(seg);
+    const QkvFinish finish{rows_q / head_dim, rows_k / head_dim, head_dim, q_bias, k_bias,
+                           v_bias, q_norm, k_norm, eps, positions, rope_dim, base,
+                           freq_factors, neox, slots, k_cache, v_cache};
+    const int first = (int(blockIdx.x) - seg.block_first) * per_block;
+    finish_completed_heads<MAX_ROWS>(first, min(first + per_block, seg.rows) - 1, per_block,
+                                     seg.column, finish, y, y_stride, batch, head_counters,
+                                     scratch);
+}
