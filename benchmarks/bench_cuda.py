@@ -1,15 +1,17 @@
 """GPU benchmark. Kernels: the Q4_K decode products' effective bandwidth (weight bytes read /
 time) on Llama-3-8B's FFN shapes on each decode route (the matvec, the decode tiles and the
-mma matvec, there the Q6_K product too, from its row-planar copy) at 1 to 64 rows, beside the device's own copy bandwidth, and the tensor-core tiles
-at prefill size, timed with CUDA events over many launches (the weights cycle through enough
+mma matvec, there the Q6_K product too, from its row-planar copy) at 1 to 64 rows, beside the
+device's own copy bandwidth, and the tensor-core tiles at prefill size, timed with CUDA events over many launches (the weights cycle through enough
 copies that every launch reads them from HBM, not from L2). Whole models through the CUDA
 backend (wall clock per step, each step ending in its one synchronization): decode tok/s at
 1, 32 and 64 streams on the matvec and the decode tiles routes (`*_decode_tiles`), at 1 and
 32 on the mma matvec route (`llama3_8b_matvec_mma`), and prefill-512 tok/s on a
 Llama-3-8B-shaped file (benchmarks/synthetic_gguf.py), one-stream decode on gemma-3-270m, and
 the stream operations and kernels of a decode step. Whole models through the Engine (greedy,
-ignore_eos, a fixed token count) at 1, 32 and 64 streams beside the bare backend's figures:
-the difference per decode step is what the actors cost.
+ignore_eos, a fixed token count) at 1, 32 and 64 streams beside the bare backend's figures
+(the 8B also on the decode tiles route, and on the mma matvec route at 1 stream): the
+difference per decode step is what the actors cost; the backend's busy share of the run
+(EngineStats.compute_busy_s) tells how much of it falls inside the backend's run calls.
 
     python benchmarks/bench_cuda.py [--json OUT.json] [--repeats N] [--model-8b PATH]
                                     [--gemma3 PATH]
@@ -432,10 +434,14 @@ def main() -> None:
         if path and engine_streams:
             section(f"{key}_engine",
                     lambda: bench_engine(path, engine_streams, report.get(key), rng))
-    if args.model_8b and engine_streams:  # the other route through the Engine: the 8B alone
+    if args.model_8b and engine_streams:  # the other routes through the Engine: the 8B alone
         section("llama3_8b_decode_tiles_engine",
                 lambda: bench_engine(args.model_8b, engine_streams,
                                      report.get("llama3_8b_decode_tiles"), rng, "tiles"))
+        # The mma matvec's route is the one-stream candidate: its Engine figure at 1 stream.
+        section("llama3_8b_matvec_mma_engine",
+                lambda: bench_engine(args.model_8b, (1,), report.get("llama3_8b_matvec_mma"),
+                                     rng, "matvec_mma"))
     print(json.dumps(report, indent=2))
 
 
