@@ -186,7 +186,8 @@ def row_pitch(type_name: str, row_length: int) -> int:
     return -(-row_bytes(type_name, row_length) // ROW_ALIGN) * ROW_ALIGN
 
 
-Q6_K_BLOCK_BYTES, Q6_K_QUANT_BYTES, Q6_K_SCALE_BYTES = 210, 192, 16  # ql + qh; scales; d
+# A Q6_K block's bytes (quants' format), its ql + qh, its scales (then its float16 d).
+Q6_K_BLOCK_BYTES, Q6_K_QUANT_BYTES, Q6_K_SCALE_BYTES = row_bytes("Q6_K", 256), 192, 16
 
 
 def planar_q6_K_rows(rows: np.ndarray) -> np.ndarray:
