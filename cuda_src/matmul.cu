@@ -29,6 +29,14 @@
 //       y[t][f] = act(gate[f] . x[t]) * (up[f] . x[t]): 16 gate and the same 16 up rows a
 //       block, bit for bit the decode tiles of gate and of up (launched with their K-split)
 //       then activation.cu's gated_<act>.
+//   mul_mat_decode_tiles_qkv_f16x2(matvec.cu's mul_mat_vec_qkv arguments, int splits_q,
+//                                  int splits_k, int splits_v, partials, counters)
+//       q, k and v (a block type each) into one qkv row and their heads finished, as
+//       mul_mat_vec_qkv: bit for bit mul_mat_decode_tiles_f16x2_<type> of each matrix (its
+//       K-split given: splits_<m> of the grid's gridDim.z, the largest) then qkv_finish.
+//       Grid y: the row tiles of q, then k, then v; each segment's split partials after the
+//       previous segment's (cuda_plan.decode_tiles_qkv_partials); head_counters: one per
+//       head of the qkv row per token tile.
 // Each computes every y value from its own weight row and token alone, in the same order
 // whatever n_tokens is: a token's results do not depend on the batch (each entry point on
 // its own; the prefill and decode tiles differ).
@@ -57,6 +65,7 @@
 #include "activation_ops.cuh"
 #include "device_common.cuh"
 #include "mma_ops.cuh"
+#include "qkv_finish_ops.cuh"
 #include "tile_levels.cuh"
 
 // Resident blocks per SM the registers are capped for (128 registers a thread at 4): 16 warps
@@ -574,18 +583,48 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
 // The scale table of a chunk is decoded once it is in, at its first stage. The offset types'
 // sums of x are taken once a stage by the threads that split it (not by MMAs in every warp).
 //
-// K-split: blockIdx.z = split of gridDim.z takes chunks [split C / splits, (split + 1) C /
-// splits) of the row's C chunks (splits chosen from the matrix alone: cuda_plan
-// decode_tiles_splits). With one split a block has its tile's sums; with more each stores its
-// sums in `partials` ([split][token][tile row], n_tokens x gridDim.y * 32 a split), is counted
-// on its tile's counter (`counters`, [token tile + row tile * gridDim.x], zero between
-// launches), and the last of the tile's splits adds the splits' sums in split order and
-// zeroes the counter. The job (DecodeMatrix, DecodeGateUp) stores the tile's sums.
+// K-split: blockIdx.z = split of the job's splits (DecodeSplits; gridDim.z for one matrix)
+// takes chunks [split C / splits, (split + 1) C / splits) of the row's C chunks (splits chosen
+// from the matrix alone: cuda_plan decode_tiles_splits). With one split a block has its
+// tile's sums; with more each stores its sums in the job's partials ([split][token][tile
+// row], n_tokens x tiles * 32 a split), is counted on its tile's counter (`counters`, [token
+// tile + row tile * gridDim.x], zero between launches), and the last of the tile's splits
+// adds the splits' sums in split order and zeroes the counter. The job (DecodeMatrix,
+// DecodeGateUp, DecodeQkvSegment) stores the tile's sums.
 constexpr int DECODE_BUFFERS = 3;
 
-// What a decode tiles launch computes, as two jobs share the kernel: which weight row is the
-// block's tile row r (`row(r)`), and what becomes of the tile's sums (`store(sums, token0,
-// n_tokens)`, sums[t][r] the tile's token t and row r, every thread of the block taking part).
+// A decode tiles block's shared memory for block type T: a struct, so that one kernel can
+// hold several types' in a union (mul_mat_decode_tiles_qkv) and use the largest only.
+template <class T>
+struct DecodeTileShared {
+    using C = tile_chunk<T>;
+    static constexpr int CHUNK_BYTES = DecodeTile::ROWS * C::ROW_STRIDE;
+    __align__(16) uint8_t weight_chunks[DECODE_BUFFERS * CHUNK_BYTES + PIECE];
+    __align__(16) uint4 x_stages[2][DecodeTile::TOKENS * X_PIECES];
+    float2 scale_table[C::SCALE_TABLE ? DecodeTile::ROWS * C::TABLE_GROUPS : 1];
+    __align__(8) float x_sums[2][DecodeTile::TOKENS];  // a stage's x summed a token
+    float tile_sums[DecodeTile::TOKENS][DecodeTile::ROWS];
+    bool last_split;
+};
+
+// How a decode tiles block splits K: `count` splits (this block blockIdx.z of them), the
+// splits' sums at `partials` ([split][token][`rows`], the block's tile at row `tile` * 32).
+struct DecodeSplits {
+    int count;
+    float* partials;
+    int rows, tile;
+};
+
+// One matrix's launch: gridDim.z splits, partials over every row tile of the grid.
+__device__ DecodeSplits grid_splits(float* partials) {
+    return DecodeSplits{int(gridDim.z), partials, int(gridDim.y) * DecodeTile::ROWS,
+                        int(blockIdx.y)};
+}
+
+// What a decode tiles launch computes, as several jobs share the kernel: which weight row is
+// the block's tile row r (`row(r)`), how K splits (`splits(partials)`), and what becomes of
+// the tile's sums (`store(sums, token0, n_tokens)`, sums[t][r] the tile's token t and row r,
+// every thread of the block taking part).
 // One matrix: tile rows are matrix rows, y[t][row] their sums.
 struct DecodeMatrix {
     const uint8_t* weights;
@@ -598,6 +637,7 @@ struct DecodeMatrix {
     __device__ WeightRow row(int r) const {
         return WeightRow{weights + (first_row() + r) * row_pitch, first_row() + r < rows};
     }
+    __device__ DecodeSplits splits(float* partials) const { return grid_splits(partials); }
     __device__ void store(const float (&sums)[DecodeTile::TOKENS][DecodeTile::ROWS], int token0,
                           int n_tokens) const {
         for (int e = threadIdx.x; e < DecodeTile::ROWS * DecodeTile::TOKENS; e += blockDim.x) {
@@ -626,6 +666,7 @@ struct DecodeGateUp {
         const int f = first_row() + r % HALF;
         return WeightRow{(r < HALF ? gate : up) + f * row_pitch, f < ffn_rows};
     }
+    __device__ DecodeSplits splits(float* partials) const { return grid_splits(partials); }
     __device__ void store(const float (&sums)[DecodeTile::TOKENS][DecodeTile::ROWS], int token0,
                           int n_tokens) const {
         for (int e = threadIdx.x; e < HALF * DecodeTile::TOKENS; e += blockDim.x) {
@@ -638,45 +679,50 @@ struct DecodeGateUp {
     }
 };
 
-// The tile's sums from its splits' partials ([split][token][tile row of the grid], `rows`
-// a token), added in split order, by the tile's last block; tokens past n_tokens left out.
-__device__ void combine_decode_splits(const float* partials, int rows, int n_tokens,
-                                      int token0,
+// The tile's sums from its splits' partials, added in split order, by the tile's last
+// block; tokens past n_tokens left out.
+__device__ void combine_decode_splits(const DecodeSplits& splits, int n_tokens, int token0,
                                       float (&sums)[DecodeTile::TOKENS][DecodeTile::ROWS]) {
-    const int64_t split_floats = int64_t(n_tokens) * rows;
+    const int64_t split_floats = int64_t(n_tokens) * splits.rows;
     for (int e = threadIdx.x; e < DecodeTile::ROWS * DecodeTile::TOKENS; e += blockDim.x) {
         const int r = e % DecodeTile::ROWS, t = e / DecodeTile::ROWS;
         if (token0 + t >= n_tokens) continue;
-        const float* part = partials + int64_t(token0 + t) * rows +
-                            blockIdx.y * DecodeTile::ROWS + r;
+        const float* part = splits.partials + int64_t(token0 + t) * splits.rows +
+                            splits.tile * DecodeTile::ROWS + r;
         float sum = __ldcg(part);  // written by other blocks: L2, not a stale L1 line
-        for (int split = 1; split < int(gridDim.z); ++split) {
+        for (int split = 1; split < splits.count; ++split) {
             sum += __ldcg(part + split * split_floats);
         }
         sums[t][r] = sum;
     }
 }
 
+// The block's tile of the job (see above); true when this block stored it (its only or last
+// split), false for the other splits.
 template <class T, class Job>
-__device__ void mul_mat_decode_tiles(const Job& job, const float* __restrict__ x, int x_stride,
-                                     int n_in, int n_tokens, float* __restrict__ partials,
+__device__ bool mul_mat_decode_tiles(const Job& job, DecodeTileShared<T>& shared,
+                                     const float* __restrict__ x, int x_stride, int n_in,
+                                     int n_tokens, float* __restrict__ partials,
                                      int* __restrict__ counters) {
     using Shape = DecodeTile;
     using C = tile_chunk<T>;
     static_assert(stage_passes<Shape>::PASSES == 1, "a thread holds one piece of a stage");
-    constexpr int CHUNK_BYTES = Shape::ROWS * C::ROW_STRIDE;
-    __shared__ __align__(16) uint8_t weight_chunks[DECODE_BUFFERS * CHUNK_BYTES + PIECE];
-    __shared__ __align__(16) uint4 x_stages[2][Shape::TOKENS * X_PIECES];
-    __shared__ float2 scale_table[C::SCALE_TABLE ? Shape::ROWS * C::TABLE_GROUPS : 1];
-    __shared__ __align__(8) float x_sums[2][Shape::TOKENS];  // a stage's x summed a token
-    __shared__ float tile_sums[Shape::TOKENS][Shape::ROWS];
+    constexpr int CHUNK_BYTES = DecodeTileShared<T>::CHUNK_BYTES;
+    uint8_t* const weight_chunks = shared.weight_chunks;
+    auto& x_stages = shared.x_stages;
+    float2* const scale_table = shared.scale_table;
+    auto& x_sums = shared.x_sums;
+    auto& tile_sums = shared.tile_sums;
+    const DecodeSplits splits = job.splits(partials);
+    const int split_count = splits.count;
 
     const int token0 = blockIdx.x * Shape::TOKENS;
     const int warp = threadIdx.x / WARP;
     const int warp_rows = Shape::warp_rows(warp), warp_tokens = Shape::warp_tokens(warp);
     const int n_stages = n_in / GROUP, n_chunks = (n_stages + C::STAGES - 1) / C::STAGES;
-    const int split = blockIdx.z, splits = gridDim.z;
-    const int first_chunk = split * n_chunks / splits, end_chunk = (split + 1) * n_chunks / splits;
+    const int split = blockIdx.z;
+    const int first_chunk = split * n_chunks / split_count;
+    const int end_chunk = (split + 1) * n_chunks / split_count;
     const int first_stage = first_chunk * C::STAGES;
     const int end_stage = min(end_chunk * C::STAGES, n_stages);
     // This thread's piece of each stage: 4 floats of one token.
@@ -733,30 +779,140 @@ __device__ void mul_mat_decode_tiles(const Job& job, const float* __restrict__ x
                 x_stages[buffer], warp_tokens, acc, x_sums[buffer]);
         }
     }
-    if (splits == 1) {
+    if (split_count == 1) {
         store_tile<Shape>(acc, &tile_sums[0][0], Shape::ROWS, warp_rows, warp_tokens,
                           Shape::ROWS, Shape::TOKENS);
     } else {
-        // Partials a token: every tile row of the grid (rows past the matrix included).
-        const int rows = gridDim.y * Shape::ROWS;
-        store_tile<Shape>(acc, partials + int64_t(split) * n_tokens * rows, rows,
-                          blockIdx.y * Shape::ROWS + warp_rows, token0 + warp_tokens, rows,
+        // Partials a token: every tile row of the job's (rows past the matrix included).
+        const int rows = splits.rows;
+        store_tile<Shape>(acc, splits.partials + int64_t(split) * n_tokens * rows, rows,
+                          splits.tile * Shape::ROWS + warp_rows, token0 + warp_tokens, rows,
                           n_tokens);
         __threadfence();  // this split's sums are visible device-wide before it is counted
         __syncthreads();
-        __shared__ bool last_split;
         if (threadIdx.x == 0) {
             int* counter = counters + blockIdx.x + blockIdx.y * gridDim.x;
-            last_split = atomicAdd(counter, 1) == splits - 1;
-            if (last_split) atomicExch(counter, 0);  // every split has counted
+            shared.last_split = atomicAdd(counter, 1) == splits.count - 1;
+            if (shared.last_split) atomicExch(counter, 0);  // every split has counted
         }
         __syncthreads();
-        if (!last_split) return;
+        if (!shared.last_split) return false;
         __threadfence();  // the other splits' sums are read after their counts
-        combine_decode_splits(partials, rows, n_tokens, token0, tile_sums);
+        combine_decode_splits(splits, n_tokens, token0, tile_sums);
     }
     __syncthreads();  // the tile's sums are in for every thread
     job.store(tile_sums, token0, n_tokens);
+    return true;
+}
+
+// One segment (q, k or v) of mul_mat_decode_tiles_qkv: the block's tile rows are its rows
+// from (blockIdx.y - block_first) * 32, its sums go to y at the segment's column, K splits as
+// the segment's own launch would (`count` splits, partials at `partials` (floats), the
+// segment's tiles only).
+struct DecodeQkvSegment {
+    QkvSegment seg;
+    int split_count;
+    int64_t partials;
+    float* y;
+    int y_stride;
+
+    __device__ int first_row() const { return (blockIdx.y - seg.block_first) * DecodeTile::ROWS; }
+    __device__ WeightRow row(int r) const {
+        return WeightRow{seg.weights + (first_row() + r) * seg.pitch, first_row() + r < seg.rows};
+    }
+    __device__ DecodeSplits splits(float* all_partials) const {
+        return DecodeSplits{split_count, all_partials + partials,
+                            (seg.rows + DecodeTile::ROWS - 1) / DecodeTile::ROWS * DecodeTile::ROWS,
+                            int(blockIdx.y) - seg.block_first};
+    }
+    __device__ void store(const float (&sums)[DecodeTile::TOKENS][DecodeTile::ROWS], int token0,
+                          int n_tokens) const {
+        for (int e = threadIdx.x; e < DecodeTile::ROWS * DecodeTile::TOKENS; e += blockDim.x) {
+            const int r = e % DecodeTile::ROWS, t = e / DecodeTile::ROWS;
+            if (first_row() + r < seg.rows && token0 + t < n_tokens) {
+                y[int64_t(token0 + t) * y_stride + seg.column + first_row() + r] = sums[t][r];
+            }
+        }
+    }
+};
+
+// Partial floats a token of a segment's K-split (none with one split).
+__device__ int64_t segment_partial_rows(int rows, int splits) {
+    return splits > 1 ? int64_t(splits) * ((rows + DecodeTile::ROWS - 1) / DecodeTile::ROWS) *
+                            DecodeTile::ROWS
+                      : 0;
+}
+
+// The largest head mul_mat_decode_tiles_qkv finishes (attention.cu's MAX_HEAD_DIM).
+constexpr int DECODE_QKV_MAX_HEAD_DIM = 256;
+
+// The shared memory of every block type's decode tiles in one place (a block multiplies one
+// segment, of one type), and the finish's head copies (a head_dim copy a warp, used once the
+// products are done).
+#define QK_DECODE_SHARED_MEMBER(suffix, type) DecodeTileShared<type> suffix;
+union DecodeQkvShared {
+    QK_FOR_EACH_TYPE(QK_DECODE_SHARED_MEMBER)
+    float head_copies[DecodeTile::THREADS / WARP * DECODE_QKV_MAX_HEAD_DIM];
+};
+
+// The block's tile of its segment, bit for bit mul_mat_decode_tiles_f16x2_<type> of the
+// segment's matrix; whether it stored the tile. Type codes as mul_mat_vec_qkv's.
+template <class T>
+__device__ __noinline__ bool decode_qkv_tile(const DecodeQkvSegment& job,
+                                             DecodeTileShared<T>& shared,
+                                             const float* __restrict__ x, int x_stride,
+                                             int n_in, int n_tokens, float* partials,
+                                             int* counters) {
+    return mul_mat_decode_tiles<T>(job, shared, x, x_stride, n_in, n_tokens, partials,
+                                   counters);
+}
+
+#define QK_DECODE_QKV_CASE(suffix, type)                                                     \
+    if (job.seg.type_code == code++) {                                                       \
+        return decode_qkv_tile<type>(job, shared.suffix, x, x_stride, n_in, n_tokens,        \
+                                     partials, counters);                                    \
+    }
+
+__device__ bool decode_qkv_segment_of_its_type(const DecodeQkvSegment& job,
+                                               DecodeQkvShared& shared,
+                                               const float* __restrict__ x, int x_stride,
+                                               int n_in, int n_tokens, float* partials,
+                                               int* counters) {
+    int code = 0;  // the segment's type is block-uniform: every thread takes the same case
+    QK_FOR_EACH_TYPE(QK_DECODE_QKV_CASE)
+    __trap();  // a type code cuda_plan.kernel_type_code never gives
+}
+
+// mul_mat_decode_tiles_qkv_f16x2: q, k and v (a block type each) on the decode tiles, each
+// tile's K-split its matrix's own (splits_q, splits_k, splits_v), the heads finished in the
+// epilogue per token tile (head_counters: n_heads + 2 n_kv_heads counters a token tile).
+extern "C" __global__ void __launch_bounds__(DecodeTile::THREADS, DECODE_TILE_BLOCKS_PER_SM)
+    mul_mat_decode_tiles_qkv_f16x2(QK_QKV_PARAMETERS, int splits_q, int splits_k, int splits_v,
+                                   float* partials, int* tile_counters) {
+    __shared__ DecodeQkvShared shared;
+    // The segment's job in shared memory and the product out of line (decode_qkv_tile): the
+    // eleven products inlined here spilled registers (no one of them alone did).
+    __shared__ DecodeQkvSegment job;
+    const QkvSegment seg = qkv_segment_of_block(blockIdx.y, DecodeTile::ROWS, QK_QKV_ARGUMENTS);
+    const bool is_q = seg.column == 0, is_k = !is_q && seg.column == rows_q;
+    const int split_count = is_q ? splits_q : is_k ? splits_k : splits_v;
+    if (int(blockIdx.z) >= split_count) return;  // a split of a longer segment
+    if (threadIdx.x == 0) {
+        const int64_t partials_k = segment_partial_rows(rows_q, splits_q) * batch;
+        const int64_t partials_v = partials_k + segment_partial_rows(rows_k, splits_k) * batch;
+        job = {seg, split_count, is_q ? 0 : is_k ? partials_k : partials_v, y, y_stride};
+    }
+    __syncthreads();
+    if (!decode_qkv_segment_of_its_type(job, shared, x, x_stride, n_in, batch, partials,
+                                        tile_counters)) {
+        return;  // not the tile's last split
+    }
+    const int token0 = blockIdx.x * DecodeTile::TOKENS;
+    const int heads = (rows_q + rows_k + rows_v) / head_dim;
+    finish_qkv_block<DecodeTile::ROWS>(
+        QkvBlock{int(blockIdx.y), DecodeTile::ROWS, token0,
+                 min(token0 + DecodeTile::TOKENS, batch), head_counters + blockIdx.x * heads},
+        job.seg, shared.head_copies, QK_QKV_ARGUMENTS);
 }
 
 #define QK_DECODE_GATE_UP_ENTRY(act, op, suffix, type)                                           \
@@ -765,8 +921,9 @@ __device__ void mul_mat_decode_tiles(const Job& job, const float* __restrict__ x
             const uint8_t* gate, const uint8_t* up, int64_t row_pitch, const float* x,           \
             int x_stride, float* y, int y_stride, int ffn_rows, int n_in, int n_tokens,          \
             float* partials, int* counters) {                                                    \
+        __shared__ DecodeTileShared<type> shared;                                                \
         mul_mat_decode_tiles<type>(DecodeGateUp<op>{gate, up, row_pitch, ffn_rows, y, y_stride}, \
-                                   x, x_stride, n_in, n_tokens, partials, counters);             \
+                                   shared, x, x_stride, n_in, n_tokens, partials, counters);     \
     }
 
 #define QK_MATMUL_ENTRIES(suffix, type)                                                          \
@@ -782,8 +939,9 @@ __device__ void mul_mat_decode_tiles(const Job& job, const float* __restrict__ x
                                             const float* x, int x_stride, float* y,             \
                                             int y_stride, int rows, int n_in, int n_tokens,      \
                                             float* partials, int* counters) {                    \
-        mul_mat_decode_tiles<type>(DecodeMatrix{weights, row_pitch, rows, y, y_stride}, x,      \
-                                   x_stride, n_in, n_tokens, partials, counters);                \
+        __shared__ DecodeTileShared<type> shared;                                                \
+        mul_mat_decode_tiles<type>(DecodeMatrix{weights, row_pitch, rows, y, y_stride}, shared, \
+                                   x, x_stride, n_in, n_tokens, partials, counters);             \
     }                                                                                            \
     QK_DECODE_GATE_UP_ENTRY(silu, silu_op, suffix, type)                                         \
     QK_DECODE_GATE_UP_ENTRY(gelu_tanh, gelu_tanh_op, suffix, type)

@@ -296,7 +296,7 @@ extern "C" __global__ void QK_MATVEC_BOUNDS mul_mat_vec_qkv(QK_QKV_PARAMETERS) {
     __shared__ MatvecShared shared;
     // run_sums holds a head_dim copy a warp once the products are done with it.
     fused_qkv_block<MATVEC_MAX_ROWS_PER_BLOCK>(
-        rows_per_block(), shared.run_sums,
+        QkvBlock{int(blockIdx.x), rows_per_block(), 0, batch, head_counters}, shared.run_sums,
         [&](const QkvSegment& seg) {
             qkv_segment_of_its_type(seg, x, x_stride, y, y_stride, n_in, batch, shared);
         },

@@ -473,7 +473,8 @@ extern "C" __global__ void QK_MMA_MATVEC_BOUNDS mul_mat_vec_mma_qkv(QK_QKV_PARAM
     __shared__ MmaMatvecShared shared;
     // The activation table holds a head_dim copy a warp once the products are done with it.
     fused_qkv_block<MMA_MATVEC_ROWS>(
-        MMA_MATVEC_ROWS, reinterpret_cast<float*>(shared.table),
+        QkvBlock{int(blockIdx.x), MMA_MATVEC_ROWS, 0, batch, head_counters},
+        reinterpret_cast<float*>(shared.table),
         [&](const QkvSegment& seg) {
             mma_qkv_segment_of_its_type(seg, x, x_stride, y, y_stride, n_in, batch, shared);
         },

@@ -71,16 +71,17 @@ __device__ __noinline__ void finish_head_out_of_line(float* v, int head, int tok
 }
 
 // The epilogue of a fused QKV product, once the block has stored its rows [first, last] of
-// the segment at column `column` of y (every activation row; `per_block` rows a block, at most
-// MAX_ROWS): it counts itself on each head its rows touch (head_counters: one per head of the
-// q | k | v row, zero before the first launch; the last block of a head sets it back to zero),
-// and finishes for every activation row the heads it counted last (all their rows are then
-// stored), a warp per (head, row) on its copy in `scratch` (head_dim floats a warp) read from
-// L2 (other blocks wrote the rows; L1 is not coherent), written back to y after.
+// the segment at column `column` of y for the activation rows [token0, token_end): it counts
+// itself on each head its rows touch (head_counters: one per head of the q | k | v row for
+// those activation rows, zero before the first launch; the last block of a head sets it back
+// to zero), and finishes for those activation rows the heads it counted last (all their rows
+// are then stored), a warp per (head, row) on its copy in `scratch` (head_dim floats a warp)
+// read from L2 (other blocks wrote the rows; L1 is not coherent), written back to y after.
 template <int MAX_ROWS>
 __device__ void finish_completed_heads(int first, int last, int per_block, int column,
                                        const QkvFinish& finish, float* y, int y_stride,
-                                       int batch, int* head_counters, float* scratch) {
+                                       int token0, int token_end, int* head_counters,
+                                       float* scratch) {
     constexpr int MAX_HEADS = MAX_ROWS / 8 + 1;  // head_dim % 8 == 0
     __shared__ bool completed[MAX_HEADS];
     __shared__ QkvFinish shared_finish;
@@ -101,10 +102,10 @@ __device__ void finish_completed_heads(int first, int last, int per_block, int c
     __syncthreads();
     __threadfence();  // the other blocks' rows are read after their counts
     const int warp = tid / WARP, lane = tid % WARP;
-    const int warps = blockDim.x * blockDim.y / WARP;
+    const int warps = blockDim.x * blockDim.y / WARP, tokens = token_end - token0;
     float* copy = scratch + warp * head_dim;
-    for (int task = warp; task < touched * batch; task += warps) {
-        const int t = task / batch, token = task % batch;
+    for (int task = warp; task < touched * tokens; task += warps) {
+        const int t = task / tokens, token = token0 + task % tokens;
         if (!completed[t]) continue;  // the whole warp skips
         const int head = column / head_dim + first_head + t;  // in the row: q, k, v heads
         float* row = y + int64_t(token) * y_stride + int64_t(head) * head_dim;
@@ -141,29 +142,46 @@ struct QkvSegment {
     int type_code, rows, column, block_first;
 };
 
-// A fused QKV kernel's block (`per_block` rows of one matrix, at most MAX_ROWS; the three
-// matrices' blocks one after the other): `products(seg)` stores its rows of its segment,
-// then finish_completed_heads, `scratch` holding a head_dim copy a warp (free once the
-// products are done).
-template <int MAX_ROWS, class Products>
-__device__ void fused_qkv_block(int per_block, float* scratch, Products products,
-                                QK_QKV_PARAMETERS) {
+// Where a fused QKV kernel's block stands: `block` its index along the three matrices'
+// blocks (one after the other, `per_block` rows of one matrix each, at most MAX_ROWS), the
+// activation rows [token0, token_end) it computes, and their head counters (`counters`, a
+// counter per head of the q | k | v row).
+struct QkvBlock {
+    int block, per_block, token0, token_end;
+    int* counters;
+};
+
+// The segment of block `block` (per_block rows of one matrix a block).
+__device__ __forceinline__ QkvSegment qkv_segment_of_block(int block, int per_block,
+                                                           QK_QKV_PARAMETERS) {
     const int blocks_q = (rows_q + per_block - 1) / per_block;
     const int blocks_k = (rows_k + per_block - 1) / per_block;
-    QkvSegment seg;
-    if (int(blockIdx.x) < blocks_q) {
-        seg = {w_q, pitch_q, type_q, rows_q, 0, 0};
-    } else if (int(blockIdx.x) < blocks_q + blocks_k) {
-        seg = {w_k, pitch_k, type_k, rows_k, rows_q, blocks_q};
-    } else {
-        seg = {w_v, pitch_v, type_v, rows_v, rows_q + rows_k, blocks_q + blocks_k};
-    }
-    products(seg);
+    if (block < blocks_q) return {w_q, pitch_q, type_q, rows_q, 0, 0};
+    if (block < blocks_q + blocks_k) return {w_k, pitch_k, type_k, rows_k, rows_q, blocks_q};
+    return {w_v, pitch_v, type_v, rows_v, rows_q + rows_k, blocks_q + blocks_k};
+}
+
+// A fused QKV kernel's epilogue, once the block has stored its rows of `seg`:
+// finish_completed_heads, `scratch` holding a head_dim copy a warp (free once the products
+// are done).
+template <int MAX_ROWS>
+__device__ void finish_qkv_block(const QkvBlock& at, const QkvSegment& seg, float* scratch,
+                                 QK_QKV_PARAMETERS) {
     const QkvFinish finish{rows_q / head_dim, rows_k / head_dim, head_dim, q_bias, k_bias,
                            v_bias, q_norm, k_norm, eps, positions, rope_dim, base,
                            freq_factors, neox, slots, k_cache, v_cache};
-    const int first = (int(blockIdx.x) - seg.block_first) * per_block;
-    finish_completed_heads<MAX_ROWS>(first, min(first + per_block, seg.rows) - 1, per_block,
-                                     seg.column, finish, y, y_stride, batch, head_counters,
-                                     scratch);
+    const int first = (at.block - seg.block_first) * at.per_block;
+    finish_completed_heads<MAX_ROWS>(first, min(first + at.per_block, seg.rows) - 1,
+                                     at.per_block, seg.column, finish, y, y_stride, at.token0,
+                                     at.token_end, at.counters, scratch);
+}
+
+// A fused matvec QKV kernel's block: `products(seg)` stores its rows of its segment, then
+// finish_qkv_block.
+template <int MAX_ROWS, class Products>
+__device__ void fused_qkv_block(const QkvBlock& at, float* scratch, Products products,
+                                QK_QKV_PARAMETERS) {
+    const QkvSegment seg = qkv_segment_of_block(at.block, at.per_block, QK_QKV_ARGUMENTS);
+    products(seg);
+    finish_qkv_block<MAX_ROWS>(at, seg, scratch, QK_QKV_ARGUMENTS);
 }

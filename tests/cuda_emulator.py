@@ -139,6 +139,10 @@ class KernelTwins:
             self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args, planar=planar)
         elif name.startswith("mul_mat_vec_"):
             self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args, planar=planar)
+        elif name.startswith("mul_mat_decode_tiles_qkv_"):
+            tile_input = name[len("mul_mat_decode_tiles_qkv_"):]
+            assert tile_input in plan.TILE_INPUTS, name
+            self.mul_mat_vec_qkv(*self.split_counters_zero(grid, args), tile_input=tile_input)
         elif name.startswith("mul_mat_decode_tiles_gate_up_"):
             activation, rest = activation_and_rest("mul_mat_decode_tiles_gate_up_", name)
             tile_input, suffix = rest.split("_", 1)
@@ -197,26 +201,41 @@ class KernelTwins:
         self.rows(y, int(n), int(y_stride), int(rows))[:] = self.product(
             type_name, tile_input, weights, pitch, x, x_stride, rows, n_in, n, planar)
 
-    def mul_mat_vec_qkv(self, *args: Any, mma: bool = False) -> None:
+    def mul_mat_vec_qkv(self, *args: Any, mma: bool = False,
+                        tile_input: str | None = None) -> None:
         """Three matvecs (q, k, v segments, a block type each; with `mma` those of
-        mul_mat_vec_mma_qkv, whose Q6_K segments are row-planar copies) into one row of y,
-        then qkv_finish's twin on those rows (positions and slots per activation row). The
-        head counters must be zero (the backend zero-fills them; every launch leaves them so)."""
+        mul_mat_vec_mma_qkv, whose Q6_K segments are row-planar copies; with a tile input
+        mul_mat_decode_tiles_qkv's decode tiles, its last arguments each matrix's K-splits)
+        into one row of y, then qkv_finish's twin on those rows (positions and slots per
+        activation row). The head counters must be zero (the backend zero-fills them; every
+        launch leaves them so)."""
         segments, (x, x_stride, y, y_stride, n_in, n) = args[:12], args[12:18]
-        head_dim, finish, counters = int(args[18]), args[19:-1], args[-1]
+        head_dim, finish, counters = int(args[18]), args[19:33], args[33]
+        types = [list(plan.KERNEL_TYPE_SUFFIX)[int(code)] for code in segments[2::4]]
+        rows = [int(r) for r in segments[3::4]]
+        per_block = plan.matvec_rows_per_block(int(n_in))
+        counter_tiles = 1
+        if tile_input is not None:
+            # Each matrix K-split as its own decode tiles launch: the same sums, bit for bit.
+            assert tuple(int(s) for s in args[34:]) == plan.decode_tiles_qkv_splits(
+                types, rows, int(n_in))
+            per_block, counter_tiles = plan.DECODE_TILE_ROWS, -(-int(n) //
+                                                                plan.DECODE_TILE_TOKENS)
+        else:
+            assert len(args) == 34
         column = 0
-        for weights, pitch, code, rows in zip(*[iter(segments)] * 4):
-            type_name = list(plan.KERNEL_TYPE_SUFFIX)[int(code)]
-            self.matmul(type_name, None, weights, pitch, x, x_stride,
-                        int(y) + 4 * column, y_stride, rows, n_in, n,
+        for (weights, pitch, _, _), type_name, count in zip(zip(*[iter(segments)] * 4), types,
+                                                           rows):
+            self.matmul(type_name, tile_input, weights, pitch, x, x_stride,
+                        int(y) + 4 * column, y_stride, count, n_in, n,
                         planar=mma and type_name in plan.PLANAR_TYPES)
-            column += int(rows)
-        heads, kv_heads = int(segments[3]) // head_dim, int(segments[7]) // head_dim
-        assert not self.i32(counters, heads + 2 * kv_heads).any(), "qkv counters are not zero"
-        for rows in (int(segments[3]), int(segments[7]), int(segments[11])):
-            assert rows % head_dim == 0
-            assert_each_head_counted_complete_once(rows, head_dim,
-                                                   plan.matvec_rows_per_block(int(n_in)))
+            column += count
+        heads, kv_heads = rows[0] // head_dim, rows[1] // head_dim
+        assert not self.i32(counters, (heads + 2 * kv_heads) * counter_tiles).any(), \
+            "qkv counters are not zero"
+        for count in rows:
+            assert count % head_dim == 0
+            assert_each_head_counted_complete_once(count, head_dim, per_block)
         self.qkv_finish((1, int(n)), y, y_stride, heads, kv_heads, head_dim, *finish)
 
     def gate_up(self, act: Callable[[np.ndarray, np.ndarray], np.ndarray], type_name: str,

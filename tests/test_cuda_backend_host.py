@@ -329,8 +329,19 @@ def test_decode_rows_on_the_decode_tiles_route_take_them_whatever_shares_the_ste
     assert all(c.launch.grid[0] == 1 and c.launch.block == (plan.DECODE_TILE_THREADS, 1, 1)
                for c in decode)
     layer = _layer_slices(calls)[0]
-    assert [_kind(c) for c in layer[:4]] == ["residual_rms_norm"] + \
-        ["mul_mat_decode_tiles_f16x2_q4_K"] * 3
+    # q, k and v with their finish in one launch over the decode rows: each matrix K-split as
+    # its own launch would be, the split workspace last
+    assert [_kind(c) for c in layer[:2]] == ["residual_rms_norm", "mul_mat_decode_tiles_qkv_f16x2"]
+    qkv = layer[1]
+    rows = (spec.q_dim, spec.kv_dim, spec.kv_dim)
+    assert tuple(int(a) for a in qkv.args[-5:-2]) == tuple(
+        plan.decode_tiles_splits("Q4_K", n, spec.d_model) for n in rows)
+    assert qkv.args[-2:] == launches.DECODE_SPLIT_WORKSPACE
+    assert qkv.args[-6] == launches.Ref("qkv_counters") and int(qkv.args[17]) == 2
+    assert qkv.launch == plan.decode_tiles_qkv_launch(["Q4_K"] * 3, rows, spec.d_model, 2)
+    assert qkv.launch.grid[1] == sum(-(-n // plan.DECODE_TILE_ROWS) for n in rows)
+    # the prompt on the prefill tiles: a launch per matrix, then qkv_finish over its 20 rows
+    assert [int(c.launch.grid[1]) for c in layer if c.kernel == "qkv_finish"] == [20]
     # gate, up and the activation in one launch over the decode rows
     fused = [c for c in layer if c.kernel.startswith("mul_mat_decode_tiles_gate_up_")]
     assert [(c.kernel, int(c.args[9])) for c in fused] == [

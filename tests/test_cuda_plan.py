@@ -103,6 +103,10 @@ def test_workspace_buffers_scale_with_the_step() -> None:
     assert small["partial_acc"] == 8 * 32 * 4 * 128 * 4
     assert small["attention_counters"] == 8 * 32 * 4  # at most one per (sequence, head)
     assert small["qkv_counters"] == (32 + 2 * 8) * 4  # one per head of the qkv row
+    # ... per 8-token tile of the decode tiles' fused QKV
+    many = plan.workspace_buffers(LLAMA3_8B, plan.StepLimits(64, 33, 4, 64))
+    assert many["qkv_counters"] == (32 + 2 * 8) * 5 * 4
+    assert many["decode_tile_counters"] == 2 * plan.DECODE_TILE_MIN_BLOCKS * 5 * 4
     assert small["candidate_partials"] == 8 * 32 * (2 + 2 * 64) * 4
     assert small["candidate_counters"] == 8 * 4
     assert set(plan.ZEROED_BUFFERS) <= set(small)
@@ -176,6 +180,23 @@ def test_launches_cover_their_work() -> None:
     assert plan.candidates_launch(3, 64, 262144).grid == (32, 3, 1)  # at most 32 slices
     with pytest.raises(InvalidRequest):
         plan.rope_launch(70000, 8)  # past the grid's y limit
+
+
+def test_decode_tiles_qkv_splits_each_matrix_as_its_own_launch() -> None:
+    """The fused QKV on the decode tiles: each matrix's K-split, grid y their row tiles, z the
+    most splits; the split matrices' partial sums one after the other fit the workspace for
+    any q / k / v sizes (a split matrix has splits x row tiles < 2 DECODE_TILE_MIN_BLOCKS)."""
+    types, rows = ("Q4_K", "Q4_K", "Q6_K"), (4096, 1024, 1024)
+    assert plan.decode_tiles_qkv_splits(types, rows, 4096) == (4, 8, 8)
+    assert plan.decode_tiles_qkv_launch(types, rows, 4096, 33) == plan.Launch((5, 192, 8),
+                                                                             (64, 1, 1))
+    assert plan.decode_tiles_qkv_partials(types, rows, 4096) == (4 * 128 + 2 * 8 * 32) * 32
+    # q of 264 row tiles does not split: only k and v hold partial sums
+    assert plan.decode_tiles_qkv_partials(types, (8448, 1024, 1024), 4096) == 2 * 8 * 32 * 32
+    worst = max(plan.decode_tiles_qkv_partials(("Q8_0",) * 3, (n, m, m), 8192)
+                for n in range(32, 20000, 32) for m in (32, 64, 2048, 8416))
+    assert 0 < worst <= plan.DECODE_PARTIAL_ROWS
+    assert plan.decode_tiles_qkv_kernel() == "mul_mat_decode_tiles_qkv_f16x2"
 
 
 def test_decode_splits_cover_the_context() -> None:

@@ -22,11 +22,12 @@ takes the matvec, a long one the tiles, a launch per matrix (`row_runs`): a sequ
 do not depend on what else shares its step. On the matvec a decode layer is seven
 launches: residual_rms_norm, mul_mat_vec_qkv (its epilogue finishes q, k and v: biases, q/k
 norms, RoPE, the K/V write), attention_decode, the output matvec, residual_rms_norm, the
-fused gate+up+activation matvec, the down matvec. Rows on either tiles take qkv_finish after
-their q, k and v products; on the decode tiles q, k and v are a launch each and gate, up and
-the activation one. The mma matvec takes q, k and v in mul_mat_vec_mma_qkv where it serves
-all three (seven launches a layer too), keeps mul_mat_vec_qkv where it serves none (else a
-launch each, then qkv_finish) and fuses gate, up and the activation as the matvec.
+fused gate+up+activation matvec, the down matvec. The decode tiles fuse the same (seven
+launches a layer too): q, k and v with the finish in mul_mat_decode_tiles_qkv, gate, up and
+the activation in one launch. The mma matvec takes q, k and v in mul_mat_vec_mma_qkv where it
+serves all three (seven launches a layer too), keeps mul_mat_vec_qkv where it serves none
+(else a launch each, then qkv_finish) and fuses gate, up and the activation as the matvec.
+Rows on the prefill tiles take a launch per matrix and qkv_finish after q, k and v.
 """
 
 from __future__ import annotations
@@ -384,10 +385,10 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
               layer: int, tile_input: str) -> list[KernelCall]:
     """q, k and v side by side in each `qkv` row, finished (biases, head norms, RoPE, the K/V
     write) for attention: a matvec run in one launch (mul_mat_vec_qkv, a block type per
-    segment, the finish in its epilogue), as is an mma run (mul_mat_vec_mma_qkv where
-    mul_mat_vec_mma serves all three matrices, mul_mat_vec_qkv where it serves none); any
-    other run in one launch per matrix then qkv_finish over its rows. Each row is finished
-    once, by its own run's launches."""
+    segment, the finish in its epilogue), as are a decode tiles run (mul_mat_decode_tiles_qkv)
+    and an mma run (mul_mat_vec_mma_qkv where mul_mat_vec_mma serves all three matrices,
+    mul_mat_vec_qkv where it serves none); any other run in one launch per matrix then
+    qkv_finish over its rows. Each row is finished once, by its own run's launches."""
     d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
     names = [f"blk.{layer}.attn_{part}.weight" for part in "qkv"]
     served = [plan.uses_matvec_mma(weights[name].type_name, d) for name in names]
@@ -395,9 +396,10 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
     calls = []
     for run in runs:
         if run.matvec or (run.kernels == DECODE_MMA and not any(served)):
-            calls.append(_fused_qkv_call(spec, weights, names, run, layer, mma=False))
-        elif run.kernels == DECODE_MMA and all(served):
-            calls.append(_fused_qkv_call(spec, weights, names, run, layer, mma=True))
+            calls.append(_fused_qkv_call(spec, weights, names, run, layer, MATVEC, tile_input))
+        elif run.kernels == DECODE_TILES or (run.kernels == DECODE_MMA and all(served)):
+            calls.append(_fused_qkv_call(spec, weights, names, run, layer, run.kernels,
+                                         tile_input))
         else:
             calls += [product_call(weights, name, Ref("normed"), d, Ref("qkv", column * F32),
                                    qkv_stride, run, tile_input)
@@ -407,23 +409,34 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
 
 
 def _fused_qkv_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], names: Sequence[str],
-                    run: RowRun, layer: int, mma: bool) -> KernelCall:
-    """mul_mat_vec_qkv, or with `mma` mul_mat_vec_mma_qkv (its arguments; a Q6_K segment
-    reads its row-planar copy), over the run's rows: three products and the finish."""
+                    run: RowRun, layer: int, kernels: str, tile_input: str) -> KernelCall:
+    """Three products and the finish over the run's rows in one launch, on `kernels`:
+    mul_mat_vec_qkv (MATVEC), mul_mat_vec_mma_qkv (DECODE_MMA: its arguments, a Q6_K segment
+    read from its row-planar copy) or mul_mat_decode_tiles_qkv (DECODE_TILES: those
+    arguments, then each matrix's K-splits and the split workspace)."""
     d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
     layouts = [weights[name] for name in names]
+    mma = kernels == DECODE_MMA
     segments = [arg for name, layout in zip(names, layouts) for arg in (
         Ref(plan.matvec_mma_weights(name, layout.type_name) if mma else name),
         np.int64(layout.pitch), _i32(plan.kernel_type_code(layout.type_name)),
         _i32(layout.rows))]
-    rows = [layout.rows for layout in layouts]
-    kernel, launch = (("mul_mat_vec_mma_qkv", plan.matvec_mma_qkv_launch(*rows)) if mma
-                      else ("mul_mat_vec_qkv", plan.qkv_launch(*rows, d)))
+    rows, types = [layout.rows for layout in layouts], [layout.type_name for layout in layouts]
+    split_args: tuple[Arg, ...] = ()
+    if kernels == DECODE_TILES:
+        kernel = plan.decode_tiles_qkv_kernel(tile_input)
+        launch = plan.decode_tiles_qkv_launch(types, rows, d, run.rows)
+        split_args = (*map(_i32, plan.decode_tiles_qkv_splits(types, rows, d)),
+                      *DECODE_SPLIT_WORKSPACE)
+    elif mma:
+        kernel, launch = "mul_mat_vec_mma_qkv", plan.matvec_mma_qkv_launch(*rows)
+    else:
+        kernel, launch = "mul_mat_vec_qkv", plan.qkv_launch(*rows, d)
     return KernelCall(kernel, launch, (
         *segments, _rows_in(Ref("normed"), run.first, d), _i32(d),
         _rows_in(Ref("qkv"), run.first, qkv_stride), _i32(qkv_stride), _i32(d),
         _i32(run.rows), _i32(spec.head_dim), *_finish_args(spec, weights, layer, run.first),
-        Ref("qkv_counters")))
+        Ref("qkv_counters"), *split_args))
 
 
 def qkv_finish_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run: RowRun,

@@ -12,6 +12,7 @@ comment at the top of each cuda_src/*.cu file).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,9 +55,10 @@ DECODE_TILE_THREADS = 64
 DECODE_TILE_MIN_BLOCKS = 264
 MAX_DECODE_SPLITS = 8
 # Partial sums a split launch needs at most a token: splits x row tiles stays under twice
-# DECODE_TILE_MIN_BLOCKS (decode_tiles_splits stops at the first power of two past), and the
-# fused gate+up has twice the row tiles of its matrices (16 rows of each a tile).
-DECODE_PARTIAL_ROWS = 4 * DECODE_TILE_MIN_BLOCKS * DECODE_TILE_ROWS
+# DECODE_TILE_MIN_BLOCKS (decode_tiles_splits stops at the first power of two past), the
+# fused gate+up has twice the row tiles of its matrices (16 rows of each a tile), and the
+# fused QKV holds three matrices' partials one after the other.
+DECODE_PARTIAL_ROWS = 6 * DECODE_TILE_MIN_BLOCKS * DECODE_TILE_ROWS
 # mul_mat_vec_mma (matvec_mma.cu): the decode matvec on the tensor cores, one MMA row tile of
 # 16 rows a block, 8 warps splitting K; the block types it has entries for.
 MATVEC_MMA_TYPES = ("Q4_K", "Q6_K")
@@ -137,7 +139,8 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
         "matmul.cu": (*(f"mul_mat_{shape}_{i}_{s}" for shape in ("tiles", "decode_tiles")
                         for s in suffixes for i in TILE_INPUTS),
                       *(decode_tiles_gate_up_kernel(a, t, i) for a in ACTIVATIONS
-                        for t in KERNEL_TYPE_SUFFIX for i in TILE_INPUTS)),
+                        for t in KERNEL_TYPE_SUFFIX for i in TILE_INPUTS),
+                      *(decode_tiles_qkv_kernel(i) for i in TILE_INPUTS)),
         "matvec_mma.cu": (*(matvec_mma_kernel(t) for t in MATVEC_MMA_TYPES),
                           *(matvec_mma_gate_up_kernel(a, t) for a in ACTIVATIONS
                             for t in MATVEC_MMA_TYPES), "mul_mat_vec_mma_qkv"),
@@ -233,6 +236,8 @@ def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
     in ZEROED_BUFFERS must be zero-filled once when allocated."""
     t, rows, f32 = limits.max_tokens, limits.max_rows, 4
     partials = rows * spec.n_heads * limits.max_splits
+    token_tiles = _blocks(rows, DECODE_TILE_TOKENS)
+    qkv_tiles = sum(_blocks(n, DECODE_TILE_ROWS) for n in (spec.q_dim, spec.kv_dim, spec.kv_dim))
     return {
         "x": t * spec.d_model * f32,
         "normed": t * spec.d_model * f32,
@@ -247,12 +252,14 @@ def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
         "partial_sum": partials * f32,
         # attention_decode: one counter per (sequence, block row of heads) <= n_heads.
         "attention_counters": rows * spec.n_heads * 4,
-        # mul_mat_vec_qkv: one counter per head of the qkv row (its blocks that have stored).
-        "qkv_counters": (spec.n_heads + 2 * spec.n_kv_heads) * 4,
-        # mul_mat_decode_tiles with a K-split: each split's sums, and a counter per tile (only
-        # matrices of fewer than DECODE_TILE_MIN_BLOCKS row tiles split).
+        # The fused QKV kernels: one counter per head of the qkv row (its blocks that have
+        # stored), per token tile of mul_mat_decode_tiles_qkv.
+        "qkv_counters": (spec.n_heads + 2 * spec.n_kv_heads) * token_tiles * 4,
+        # mul_mat_decode_tiles with a K-split: each split's sums, and a counter per tile of the
+        # grid (a split matrix has fewer than DECODE_TILE_MIN_BLOCKS row tiles, the fused
+        # gate+up twice that, the fused QKV the row tiles of all three).
         "decode_tile_partials": DECODE_PARTIAL_ROWS * rows * f32,
-        "decode_tile_counters": 2 * DECODE_TILE_MIN_BLOCKS * _blocks(rows, DECODE_TILE_TOKENS) * 4,
+        "decode_tile_counters": max(2 * DECODE_TILE_MIN_BLOCKS, qkv_tiles) * token_tiles * 4,
         "final": rows * spec.d_model * f32,  # the logits rows' normed states, gathered
         "candidates": rows * candidate_record_words(limits.max_candidates) * 4,
         "candidate_partials": rows * MAX_SLICES * SLICE_WORDS * 4,
@@ -418,6 +425,36 @@ def decode_tiles_gate_up_launch(type_name: str, ffn_rows: int, n_in: int,
                                 n_tokens: int) -> Launch:
     """mul_mat_decode_tiles_gate_up: 16 ffn rows (gate and up) x 8 tokens a block."""
     return decode_tiles_launch(type_name, ffn_rows, n_in, n_tokens, DECODE_TILE_ROWS // 2)
+
+
+def decode_tiles_qkv_kernel(tile_input: str = TILE_INPUTS[0]) -> str:
+    """The decode tiles' fused QKV entry (q, k and v, a block type each, and the finish)."""
+    return f"mul_mat_decode_tiles_qkv_{_tile_input(tile_input)}"
+
+
+def decode_tiles_qkv_splits(types: Sequence[str], rows: Sequence[int],
+                            n_in: int) -> tuple[int, ...]:
+    """mul_mat_decode_tiles_qkv's K-splits of q, k and v: each matrix's own launch's."""
+    return tuple(decode_tiles_splits(t, n, n_in) for t, n in zip(types, rows))
+
+
+def decode_tiles_qkv_partials(types: Sequence[str], rows: Sequence[int], n_in: int) -> int:
+    """Partial sums a token of mul_mat_decode_tiles_qkv: each split matrix's splits x its row
+    tiles' rows, one matrix after the other (matmul.cu's segment_partial_rows)."""
+    return sum(splits * _blocks(n, DECODE_TILE_ROWS) * DECODE_TILE_ROWS
+               for splits, n in zip(decode_tiles_qkv_splits(types, rows, n_in), rows)
+               if splits > 1)
+
+
+def decode_tiles_qkv_launch(types: Sequence[str], rows: Sequence[int], n_in: int,
+                            n_tokens: int) -> Launch:
+    """mul_mat_decode_tiles_qkv: the 32 x 8 tiles of q, then k, then v (grid y), token tiles
+    fastest, grid.z the most K-splits of the three (a matrix's blocks past its own return).
+    Its partial sums (decode_tiles_qkv_partials) fit DECODE_PARTIAL_ROWS whatever the sizes."""
+    return _check_grid(Launch((_blocks(n_tokens, DECODE_TILE_TOKENS),
+                               sum(_blocks(n, DECODE_TILE_ROWS) for n in rows),
+                               max(decode_tiles_qkv_splits(types, rows, n_in))),
+                              (DECODE_TILE_THREADS, 1, 1)))
 
 
 def uses_matvec_mma(type_name: str, n_in: int) -> bool:

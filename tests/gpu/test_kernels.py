@@ -618,6 +618,13 @@ QKV_SHAPES = {
         "blocks_hold_heads": (9, 3, 16, 1024, ("Q8_0", "F16", "Q5_0")),
         "heads_straddle_blocks": (6, 2, 24, 512, ("Q5_K", "Q4_1", "BF16")),
     },
+    # 32-row tiles: heads of 72 span tiles, tiles hold two heads of 16, heads of 24 straddle
+    # tile edges; 4608 inputs split K 8 ways, uneven across the three matrices' tiles.
+    "tiles": {
+        "heads_span_blocks": (5, 1, 72, 4608, ("Q4_K", "Q4_K", "Q6_K")),
+        "blocks_hold_heads": (9, 3, 16, 1024, ("Q8_0", "F16", "Q5_0")),
+        "heads_straddle_blocks": (6, 2, 24, 512, ("Q5_K", "Q4_1", "BF16")),
+    },
     "matvec_mma": {
         "heads_span_blocks": (5, 1, 72, 4608, ("Q4_K", "Q4_K", "Q6_K")),
         "blocks_hold_heads": (12, 4, 8, 512, ("Q6_K", "Q4_K", "Q4_K")),
@@ -629,16 +636,22 @@ QKV_CASES = [(route, shape) for route, shapes in QKV_SHAPES.items() for shape in
 
 def product_launch(kernel: Kernel, route: str, type_name: str, matrix: Any, rows: int,
                    n_in: int, x: Any, y: Any, y_stride: int, batch: int) -> None:
-    """One matrix's product on the route's kernel (mul_mat_vec or mul_mat_vec_mma)."""
+    """One matrix's product on the route's kernel (mul_mat_vec, mul_mat_decode_tiles with its
+    K-split, or mul_mat_vec_mma)."""
+    workspace: tuple[np.uintp, ...] = ()
     if route == "matvec":
         function, launch = (kernel("matvec.cu", plan.matvec_kernel(type_name)),
                             plan.matvec_launch(rows, n_in))
+    elif route == "tiles":
+        function, launch = (kernel("matmul.cu", plan.decode_tiles_kernel(type_name)),
+                            plan.decode_tiles_launch(type_name, rows, n_in, batch))
+        workspace = split_workspace(launch, batch)
     else:
         function, launch = (kernel("matvec_mma.cu", plan.matvec_mma_kernel(type_name)),
                             plan.matvec_mma_launch(rows, n_in))
     run(function, launch, ptr(matrix), np.int64(plan.row_pitch(type_name, n_in)), ptr(x),
         np.int32(n_in + 4), y, np.int32(y_stride), np.int32(rows), np.int32(n_in),
-        np.int32(batch))
+        np.int32(batch), *workspace)
 
 
 @pytest.mark.parametrize("batch", [1, 8, 9, 33])
@@ -647,18 +660,20 @@ def product_launch(kernel: Kernel, route: str, type_name: str, matrix: Any, rows
 def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks: str,
                                                          route: str, shape: str,
                                                          batch: int) -> None:
-    """mul_mat_vec_qkv (route matvec) and mul_mat_vec_mma_qkv (route matvec_mma): products,
-    then each head finished by the block that stores its last rows, against the route's
-    product of each matrix into its columns then qkv_finish: the same bits in every y row,
-    its padding left NaN, and both caches; the head counters are zero again after the launch,
-    and a second launch gives the same bits."""
+    """mul_mat_vec_qkv (route matvec), mul_mat_decode_tiles_qkv (route tiles: each matrix
+    K-split as its own launch, heads counted per token tile) and mul_mat_vec_mma_qkv (route
+    matvec_mma): products, then each head finished by the block that stores its last rows,
+    against the route's product of each matrix into its columns then qkv_finish: the same
+    bits in every y row, its padding left NaN, and both caches; the head counters (and the
+    split counters) are zero again after the launch, and a second launch gives the same
+    bits."""
     heads, kv_heads, head_dim, n_in, types = QKV_SHAPES[route][shape]
     counts = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
     width, stride, kv_dim = sum(counts), sum(counts) + 2, counts[1]
     rng = np.random.default_rng(batch)
     raws = [finite_blocks(t, n, n_in, rng) for t, n in zip(types, counts)]
-    weights = [to_device(pitched(raw, t, n_in) if route == "matvec" else mma_rows(raw, t, n_in))
-               for raw, t in zip(raws, types)]
+    weights = [to_device(mma_rows(raw, t, n_in) if route == "matvec_mma"
+                         else pitched(raw, t, n_in)) for raw, t in zip(raws, types)]
     x = to_device(activations(rng, batch, n_in))
     positions = to_device(rng.integers(0, 8192, batch).astype(np.int32))
     slots = to_device(rng.permutation(4 * batch)[:batch].astype(np.int32))
@@ -674,22 +689,31 @@ def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks:
         ptr(separate), np.int32(stride), np.int32(heads), np.int32(kv_heads), np.int32(head_dim),
         *finish_args(model, positions, slots, k_sep, v_sep))
 
-    counters = to_device(np.zeros(heads + 2 * kv_heads, dtype=np.int32))
+    token_tiles = -(-batch // plan.DECODE_TILE_TOKENS) if route == "tiles" else 1
+    counters = to_device(np.zeros((heads + 2 * kv_heads) * token_tiles, dtype=np.int32))
     segments = []
     for matrix, type_name, rows in zip(weights, types, counts):
         segments += [ptr(matrix), np.int64(plan.row_pitch(type_name, n_in)),
                      np.int32(plan.kernel_type_code(type_name)), np.int32(rows)]
-    fused_kernel, fused_launch = (
-        (kernel("matvec.cu", "mul_mat_vec_qkv"), plan.qkv_launch(*counts, n_in))
-        if route == "matvec" else
-        (kernel("matvec_mma.cu", "mul_mat_vec_mma_qkv"), plan.matvec_mma_qkv_launch(*counts)))
+    splits: tuple[Any, ...] = ()
+    if route == "matvec":
+        fused_kernel, fused_launch = (kernel("matvec.cu", "mul_mat_vec_qkv"),
+                                      plan.qkv_launch(*counts, n_in))
+    elif route == "tiles":
+        fused_kernel = kernel("matmul.cu", plan.decode_tiles_qkv_kernel())
+        fused_launch = plan.decode_tiles_qkv_launch(types, counts, n_in, batch)
+        splits = (*map(np.int32, plan.decode_tiles_qkv_splits(types, counts, n_in)),
+                  *split_workspace(fused_launch, batch))
+    else:
+        fused_kernel, fused_launch = (kernel("matvec_mma.cu", "mul_mat_vec_mma_qkv"),
+                                      plan.matvec_mma_qkv_launch(*counts))
     for _ in range(2):  # the first launch must leave the counters as the second needs them
         fused, k_fused, v_fused = (nan_filled(batch, stride), to_device(sentinel),
                                    to_device(sentinel))
         run(fused_kernel, fused_launch, *segments,
             ptr(x), np.int32(n_in + 4), ptr(fused), np.int32(stride), np.int32(n_in),
             np.int32(batch), np.int32(head_dim),
-            *finish_args(model, positions, slots, k_fused, v_fused), ptr(counters))
+            *finish_args(model, positions, slots, k_fused, v_fused), ptr(counters), *splits)
         assert not counters.get().any()
         got = fused.get()
         assert np.isnan(got[:, width:]).all()
