@@ -220,6 +220,16 @@ def test_block_tables_are_padded_per_row() -> None:
     assert table.dtype == np.int32
     with pytest.raises(InvalidRequest):
         packing.block_table_array([[1, 2, 3]], rows=1, stride=2, fill=0)
+    # The same from a 2-d array (a step's padded tables) and the entries used in each row,
+    # wider or narrower than the stride
+    for tables in ([[4, 5, 6, 7, 0], [3, 0, 0, 0, 0], [9, 8, 0, 0, 0]], [[4, 5], [3, 1], [9, 8]]):
+        np.testing.assert_array_equal(
+            packing.block_table_array(np.array(tables), rows=4, stride=4, fill=-1,
+                                      used=np.array([2, 0, 1])),
+            [[4, 5, -1, -1], [-1] * 4, [9, -1, -1, -1], [-1] * 4])
+    with pytest.raises(InvalidRequest):
+        packing.block_table_array(np.zeros((1, 3)), rows=1, stride=2, fill=0,
+                                  used=np.array([3]))
 
 
 def test_pack_int32_aligns_each_array_to_16_bytes() -> None:

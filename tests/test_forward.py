@@ -362,6 +362,12 @@ def small_pool_stepper(tiny: Model, backend_name: str):
         ([StepItem((1,) * 17, 0, (0,))], "blocks"),
         ([StepItem((1,), 0, (4,))], "blocks"),
         ([StepItem((1,), 0, (0,)), StepItem((2,), 0, (0,))], "blocks"),
+        # one bad item among good ones (whose values are checked a whole step at a time)
+        ([StepItem((1,), 0, (0,)), StepItem((2,), 0, (True,))], "blocks"),
+        ([StepItem((1,), 0, (0,)), StepItem((2.0,), 16, (1, 2))], "tokens"),  # type: ignore[arg-type]
+        ([StepItem((1,), 0, (0,)), StepItem(((2,),), 0, (1,))], "tokens"),  # type: ignore[arg-type]
+        ([StepItem((1,), 0, (0,)), StepItem((2,), 0, (9,))], "blocks"),
+        ([StepItem((1,), 0, (0,)), StepItem((2,), True, (1,))], "start"),  # type: ignore[arg-type]
     ],
 )
 def test_bad_items_are_refused_by_field(small_pool_stepper: Stepper, tiny: Model, items: list,

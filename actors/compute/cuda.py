@@ -398,9 +398,9 @@ class CudaBackend:
             pad_block = self.num_blocks  # the extra block past the scheduler's pool
             arrays = packing.decode_step_arrays(
                 step.token_ids, step.positions, step.slot_blocks * self.block_size +
-                step.slot_offsets, [table[:1 + p // self.block_size] for table, p in
-                                    zip(step.block_tables, step.positions)],
-                bucket, self._table_stride, pad_block * self.block_size, pad_block)
+                step.slot_offsets, step.block_tables, bucket, self._table_stride,
+                pad_block * self.block_size, pad_block,
+                used=1 + step.positions // self.block_size)
         packed = packing.pack_int32({f"step.{k}": v for k, v in arrays.items()})
         n_rows = len(rows)
         self._fit_workspace(shape, n_rows, packed.buffer.size)

@@ -32,9 +32,19 @@ def padded(values: Sequence[int] | np.ndarray, length: int, fill: int) -> np.nda
     return out
 
 
-def block_table_array(tables: Sequence[Sequence[int]], rows: int, stride: int,
-                      fill: int) -> np.ndarray:
-    """Ragged block tables -> int32 (rows, stride), each padded with `fill`."""
+def block_table_array(tables: Sequence[Sequence[int]] | np.ndarray, rows: int, stride: int,
+                      fill: int, used: np.ndarray | None = None) -> np.ndarray:
+    """Ragged block tables -> int32 (rows, stride), each padded with `fill`; or, with `used`,
+    the first used[i] entries of row i of a 2-d array of tables (at once, no work a row)."""
+    if used is not None:
+        lengths = np.asarray(used, dtype=np.int64)
+        if len(tables) > rows or (lengths.size and lengths.max() > stride):
+            raise InvalidRequest(f"block tables do not fit ({rows}, {stride})", field="blocks")
+        out = np.full((rows, stride), fill, dtype=np.int32)
+        width = min(np.shape(tables)[1], stride) if len(tables) else 0
+        kept = np.arange(width) < lengths[:, None]
+        out[: len(tables), :width] = np.where(kept, np.asarray(tables)[:, :width], fill)
+        return out
     lengths = np.array([len(table) for table in tables], dtype=np.int64)
     if len(tables) > rows or (lengths.size and lengths.max() > stride):
         raise InvalidRequest(f"block tables do not fit ({rows}, {stride})", field="blocks")
@@ -76,17 +86,19 @@ def pack_int32(arrays: Mapping[str, np.ndarray]) -> PackedArrays:
 
 
 def decode_step_arrays(token_ids: Sequence[int], positions: Sequence[int],
-                       slots: Sequence[int], tables: Sequence[Sequence[int]], bucket: int,
-                       table_stride: int, pad_slot: int, pad_block: int) -> dict[str, np.ndarray]:
+                       slots: Sequence[int], tables: Sequence[Sequence[int]] | np.ndarray,
+                       bucket: int, table_stride: int, pad_slot: int, pad_block: int,
+                       used: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """A decode step (one token per sequence) padded to its graph bucket: token_ids,
-    positions, slots (block * block_size + offset) and block_tables. Padding rows read token 0
-    at position 0 through `pad_block` and write their K/V to `pad_slot`, a slot of a block the
+    positions, slots (block * block_size + offset) and block_tables (ragged, or a 2-d array
+    and the entries `used` of each row: block_table_array). Padding rows read token 0 at
+    position 0 through `pad_block` and write their K/V to `pad_slot`, a slot of a block the
     scheduler never hands out, so a replayed graph touches no sequence's cache."""
     return {
         "token_ids": padded(token_ids, bucket, 0),
         "positions": padded(positions, bucket, 0),
         "slots": padded(slots, bucket, pad_slot),
-        "block_tables": block_table_array(tables, bucket, table_stride, pad_block),
+        "block_tables": block_table_array(tables, bucket, table_stride, pad_block, used),
     }
 
 
@@ -120,12 +132,20 @@ def _words(values: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(values).view(np.int32)
 
 
+_NO_IDS = np.zeros(0, np.int64)
+
+
 def _csr(lists: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Per-row id lists -> (offsets (rows + 1,), ids) int32."""
     lengths = [len(ids) for ids in lists]
     offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).astype(np.int32)
-    ids = np.concatenate([np.zeros(0, np.int32), *(ids.astype(np.int32) for ids in lists)])
-    return offsets, ids
+    return offsets, _concatenated_int32(lists)
+
+
+def _concatenated_int32(lists: Sequence[np.ndarray]) -> np.ndarray:
+    """The lists one after the other as int32 (the empty ones cost nothing)."""
+    return np.concatenate([np.zeros(0, np.int64), *(ids for ids in lists if len(ids))]
+                          ).astype(np.int32)
 
 
 def _checked_ids(ids: Sequence[int], vocab: int, field: str) -> np.ndarray:
@@ -178,6 +198,11 @@ def row_arrays(rows: Sequence[RowInputs], vocab: int) -> RowArrays:
     masks = token_masks(rows, vocab)
     repeated, counted, counts = [], [], []
     for row in rows:
+        if not (row.repeated or row.generated or row.generated_counts):
+            repeated.append(_NO_IDS)  # most rows: no ids to check or sort
+            counted.append(_NO_IDS)
+            counts.append(_NO_IDS)
+            continue
         rep = np.unique(_checked_ids(row.repeated, vocab, "repeated"))
         repeated.append(rep if row.repetition_penalty != 1.0 else rep[:0])
         ids = _checked_ids(row.generated, vocab, "generated")
@@ -214,7 +239,7 @@ def row_arrays(rows: Sequence[RowInputs], vocab: int) -> RowArrays:
         "rep_ids": rep_ids,
         "count_offsets": count_offsets,
         "count_ids": count_ids,
-        "counts": np.concatenate([np.zeros(0, np.int32), *(c.astype(np.int32) for c in counts)]),
+        "counts": _concatenated_int32(counts),
         **masks,
     }
     return RowArrays(arrays, int(most.max()) if len(rows) else 1,

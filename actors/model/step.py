@@ -12,6 +12,7 @@ attention metadata.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from dataclasses import dataclass
 
 import msgspec
@@ -102,6 +103,36 @@ def _int_array(values: np.ndarray, what: str, field: str, low: int, high: int) -
     return values.astype(np.int64, copy=False)
 
 
+def _flat_ints(groups: Sequence[Sequence[int]]) -> np.ndarray:
+    """The groups' values in one 1-d array: at once where all are Python ints, else group by
+    group (numpy ints as they are); an object array where a group is not a flat sequence of
+    integers (a float, a bool, a nested sequence), for _int_array to refuse."""
+    flat = list(chain.from_iterable(groups))
+    if set(map(type, flat)) <= {int}:
+        return np.array(flat)  # int64 (object past its range: refused as not integers)
+    arrays = [np.asarray(group) for group in groups]
+    if all(array.ndim == 1 and array.dtype.kind in "iu" for array in arrays):
+        return np.concatenate(arrays)
+    return np.array(flat, dtype=object)
+
+
+def _well_formed(items: Sequence[StepItem]) -> bool:
+    """Whether every item is a StepItem of tuples and an int start: the exact types the
+    scheduler builds, checked in one cheap pass (anything else takes _check_item's)."""
+    sequence = (tuple, list)
+    return all(type(item) is StepItem and type(item.start) is int
+               and type(item.tokens) in sequence and type(item.blocks) in sequence
+               for item in items)
+
+
+def _first_bad_item(bad: np.ndarray, items: Sequence[StepItem], spec: ModelSpec,
+                    block_size: int) -> None:
+    """_check_item's error for the first item flagged in `bad`, if any is."""
+    if bad.any():
+        index = int(np.argmax(bad))
+        _check_item(items[index], index, spec, block_size)
+
+
 def plan_step(
     items: Sequence[StepItem], spec: ModelSpec, num_blocks: int, block_size: int
 ) -> StepPlan:
@@ -114,20 +145,33 @@ def plan_step(
     """
     if len(items) == 0:
         raise InvalidRequest("a step needs at least one item", field="items")
-    spans = [_check_item(item, i, spec, block_size) for i, item in enumerate(items)]
-    lengths = np.array([end - start for start, end in spans], dtype=np.int64)
-    starts = np.array([start for start, _ in spans], dtype=np.int64)
+    if not _well_formed(items):
+        for i, item in enumerate(items):
+            _check_item(item, i, spec, block_size)
+    n_items = len(items)
+    # Whole-step arrays, then the checks on them (a decode step of 64 items is on the
+    # backend's critical path: no numpy call per item).
+    starts = np.fromiter((item.start for item in items), np.int64, n_items)
+    lengths = np.fromiter((len(item.tokens) for item in items), np.int64, n_items)
+    ends = starts + lengths
+    blocks_needed = -(-ends // block_size)
+    table_lengths = np.fromiter((len(item.blocks) for item in items), np.int64, n_items)
+    _first_bad_item((starts < 0) | (lengths == 0) | (ends > spec.context_length) |
+                    (table_lengths < blocks_needed), items, spec, block_size)
     first_rows = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     n_tokens = int(lengths.sum())
-    token_ids = _int_array(np.concatenate([np.asarray(item.tokens) for item in items]),
-                           "token ids", "tokens", 0, spec.vocab_size)
-    blocks_needed = -(-(starts + lengths) // block_size)
-    tables = np.zeros((len(items), int(blocks_needed.max())), dtype=np.int64)
-    for i, item in enumerate(items):
-        tables[i, : blocks_needed[i]] = _int_array(
-            np.asarray(item.blocks[: blocks_needed[i]]), f"items[{i}].blocks", "blocks", 0,
-            num_blocks,
-        )
+    token_ids = _int_array(_flat_ints([item.tokens for item in items]), "token ids", "tokens",
+                           0, spec.vocab_size)
+    needed = blocks_needed.tolist()
+    named = _flat_ints([item.blocks[:n] for item, n in zip(items, needed)])
+    if named.dtype.kind not in "iu" or (
+            named.size and (named.min() < 0 or named.max() >= num_blocks)):
+        # Name the first item whose table is at fault, as the check of each item does.
+        for i, (item, n) in enumerate(zip(items, needed)):
+            _int_array(np.asarray(item.blocks[:n]), f"items[{i}].blocks", "blocks", 0,
+                       num_blocks)
+    tables = np.zeros((n_items, int(blocks_needed.max())), dtype=np.int64)
+    tables[np.arange(tables.shape[1]) < blocks_needed[:, None]] = named
 
     item_of_row = np.repeat(np.arange(len(items)), lengths)
     positions = np.arange(n_tokens) - first_rows[item_of_row] + starts[item_of_row]

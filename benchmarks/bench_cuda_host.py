@@ -1,0 +1,83 @@
+"""The CUDA backend's host work a decode step, timed without a GPU.
+
+`CudaBackend.run` over the emulated device of the tests (tests/cuda_emulator.py) with no
+kernel run: what is timed is the host's part of a step (plan_step, the step and row arrays,
+their pinned copies, the decode graph's replay call, the candidate kernels' launches, the
+records' way back), which a device step must not wait for. Per row count: the step's
+`ms_per_step` (best of --repeats runs of --steps steps), and of it `plan_ms` (plan_step, before
+the forward launches) and `row_arrays_ms` (packed while the forward runs).
+
+    python benchmarks/bench_cuda_host.py [--model PATH] [--rows 1 32 64] [--steps 300]
+                                         [--route matvec|tiles|matvec_mma]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' emulator
+
+from actors.compute import cuda_packing as packing  # noqa: E402
+from actors.compute.contract import KVRequest, RowInputs, StepItem  # noqa: E402
+from actors.compute.cuda_plan import DECODE_ROUTES  # noqa: E402
+from actors.model.loaded import load_model  # noqa: E402
+from actors.model.step import plan_step  # noqa: E402
+from tests.conftest import TINY_MODELS  # noqa: E402
+from tests.cuda_emulator import EmulatedDevice, install  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def best_ms(work: Callable[[], object], steps: int, repeats: int) -> float:
+    """The best of `repeats` timings of `steps` calls, in ms a call."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(steps):
+            work()
+        best = min(best, (time.perf_counter() - started) / steps)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(TINY_MODELS["llama-q4k-tiny"]),
+                        help="GGUF path (default: the tests' tiny llama)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 64])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--route", choices=DECODE_ROUTES, default="matvec")
+    args = parser.parse_args()
+    with pytest.MonkeyPatch.context() as patches:
+        module = install(patches, EmulatedDevice(run_kernels=False))
+        model = load_model(args.model)
+        spec = model.spec
+        for rows in args.rows:
+            blocks = 2 * rows + 1
+            backend = module.build_cuda_backend(
+                model, KVRequest(blocks=blocks, block_size=BLOCK_SIZE, max_sequences=rows),
+                0.9, decode_route=args.route)
+            # Every row a decode token at position 20 of its own two blocks, greedy.
+            items = [StepItem((5,), 20, (2 * i, 2 * i + 1), seq_id=i) for i in range(rows)]
+            inputs = [RowInputs(candidates=1)] * rows
+            backend.run(items, inputs)  # the graph's capture
+            step_ms = best_ms(lambda: backend.run(items, inputs), args.steps, args.repeats)
+            plan_ms = best_ms(lambda: plan_step(items, spec, blocks, BLOCK_SIZE), args.steps,
+                              args.repeats)
+            rows_ms = best_ms(lambda: packing.row_arrays(inputs, spec.vocab_size), args.steps,
+                              args.repeats)
+            backend.close()
+            print(json.dumps({"rows": rows, "route": args.route,
+                              "ms_per_step": round(step_ms, 3), "plan_ms": round(plan_ms, 3),
+                              "row_arrays_ms": round(rows_ms, 3)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
