@@ -4,6 +4,7 @@ compiled from cuda_src/ (each file once)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,17 +30,40 @@ def cuda_unavailable_reason() -> str | None:
     return None if count else "no CUDA device on this machine"
 
 
-def never_run_on_a_device(item: pytest.Item) -> bool:
-    """The tests of the kernels no device has run yet (the mma matvec and its route)."""
-    return "mma" in item.nodeid
+# The device tests in groups, each run in a process of its own by device_check.sh (the
+# environment's GPU_TEST_GROUP names one): a kernel's fault that leaves the CUDA context
+# unusable then costs only its own group. In that order: the kernels one by one (most of them
+# measured on a device before), the default matvec route (its fused QKV, the backend end to
+# end, the engine), then the two other decode routes' kernels and ends to end.
+GPU_TEST_GROUPS = ("kernels", "matvec_route", "tiles_route", "mma_route")
+
+
+def device_group(item: pytest.Item) -> str:
+    """The group of a tests/gpu test (GPU_TEST_GROUPS), from its id."""
+    if "matvec_mma" in item.nodeid:  # not "mma": gemma3 holds it
+        return "mma_route"
+    if "tiles" in item.nodeid:
+        return "tiles_route"
+    if "fused_qkv" in item.nodeid or Path(item.path).name == "test_cuda_backend.py":
+        return "matvec_route"
+    return "kernels"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = cuda_unavailable_reason()
     if reason is None:
-        # Never-run kernels last: a fault in one leaves the context unusable for every test
-        # after it, so the proven kernels' results come first.
-        items.sort(key=never_run_on_a_device)  # stable: the rest keep their order
+        group = os.environ.get("GPU_TEST_GROUP")
+        if group is not None and group not in GPU_TEST_GROUPS:
+            raise pytest.UsageError(f"GPU_TEST_GROUP={group!r} is none of {GPU_TEST_GROUPS}")
+        order = {item: GPU_TEST_GROUPS.index(device_group(item)) for item in items
+                 if GPU_DIR in Path(item.path).parents}
+        if group is not None:
+            others = [item for item, index in order.items() if GPU_TEST_GROUPS[index] != group]
+            config.hook.pytest_deselected(items=others)
+            items[:] = [item for item in items if item not in set(others)]
+        # In one process, the groups in order: a fault leaves the context unusable for every
+        # test after it, so the kernels measured before come first.
+        items.sort(key=lambda item: order.get(item, 0))  # stable: each group keeps its order
         return
     for item in items:
         if GPU_DIR in Path(item.path).parents:

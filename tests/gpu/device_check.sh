@@ -3,7 +3,8 @@
 # .cudacarry/ carried (made here by tests/gpu/prepare_carry.sh):
 #   1. PyCUDA from the bundle (.cudacarry/device_setup.sh) and the carried wheels;
 #   2. pytest tests/gpu (each kernel against its numpy twin; the CUDA backend against the CPU
-#      on the reference sequences; the engine on backend="cuda");
+#      on the reference sequences; the engine on backend="cuda"), in four groups of a process
+#      each (tests/gpu/conftest.py's GPU_TEST_GROUPS) so that a fault costs its group only;
 #   3. benchmarks/synthetic_gguf.py: the Llama-3-8B-shaped Q4_K_M file and how long it takes
 #      there (SYNTHETIC_LAYERS, default 32; the file is deleted afterwards);
 #   4. benchmarks/bench_cuda.py (Q4_K decode products on the three decode routes, the matvec,
@@ -12,12 +13,12 @@
 #      route at 1 and 32 streams, `llama3_8b_matvec_mma`, bare backend only) and, where its
 #      file is here, gemma-3-270m; launches per decode step).
 #   5. Nsight Compute (ncu) on the benchmark's matrix kernels, where ncu is there.
-# Results under $OUT: gpu_tests.log, gpu_tests.xml, synthetic_gguf.log, bench_cuda.log,
+# Results under $OUT: gpu_tests.log, gpu_tests_<group>.xml, synthetic_gguf.log, bench_cuda.log,
 # bench_cuda.json, ncu.txt and device_check.json (exit codes and seconds of each part).
 # Budget (the whole run under 10 minutes): tests 240 s, synthetic model 45 s, bench 240 s (the
 # matvec and decode tiles routes on the 8B file and the shrunk models, the mma matvec route on
 # the 8B file, the grown gemma-3, then the Engine), ncu 60 s, each adjustable (TESTS_S, TEST_S
-# a test, SYNTHETIC_S, BENCH_S, NCU_S; 0 = no ncu).
+# a test, TEST_GROUP_SHARES, SYNTHETIC_S, BENCH_S, NCU_S; 0 = no ncu).
 # Rehearsal without a GPU: PYCUDA_CHECK=import with LD_LIBRARY_PATH at a libcuda stub
 # (.cudacarry/make_libcuda_stub.sh): PyCUDA installs and imports, tests/gpu skips, no bench.
 set -uo pipefail
@@ -38,9 +39,23 @@ setup_s=$(( $(date +%s) - started ))
 # A test that hangs is cut at its own limit where pytest-timeout is there (the GPU image has it).
 per_test=()
 "$py" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout "${TEST_S:-90}")
-timeout "${TESTS_S:-240}" "$py" -m pytest -q -p no:cacheprovider -rs --durations=12 "${per_test[@]}" \
-    tests/gpu --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
-tests_rc=${PIPESTATUS[0]}
+# The groups of tests/gpu/conftest.py (GPU_TEST_GROUPS), a process each: a kernel fault that
+# leaves the CUDA context unusable costs its own group only. Each gets the test budget's share
+# in TEST_GROUP_SHARES (percent), the kernels compiled once (PyCUDA's cache folder) for all.
+tests_rc=0
+groups_rc=""
+read -r -a shares <<< "${TEST_GROUP_SHARES:-40 20 20 20}"
+index=0
+for group in kernels matvec_route tiles_route mma_route; do
+    limit=$(( ${TESTS_S:-240} * ${shares[$index]} / 100 ))
+    index=$((index + 1))
+    GPU_TEST_GROUP=$group timeout "$limit" "$py" -m pytest -q -p no:cacheprovider -rs \
+        --durations=6 "${per_test[@]}" tests/gpu --junitxml="$OUT/gpu_tests_$group.xml" \
+        2>&1 | tee -a "$OUT/gpu_tests.log"
+    rc=${PIPESTATUS[0]}
+    groups_rc="$groups_rc\"$group\": $rc, "
+    [ "$rc" = 0 ] || tests_rc=$rc
+done
 tests_s=$(( $(date +%s) - started - setup_s ))
 
 model_8b=/tmp/llama3-8b-synthetic.gguf
@@ -82,7 +97,7 @@ if [ -n "$ncu" ] && [ "${PYCUDA_CHECK:-}" != import ] && [ "${NCU_S:-60}" != 0 ]
     ncu_rc=$?
 fi
 total_s=$(( $(date +%s) - started ))
-printf '{"setup_s": %s, "tests_rc": %s, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "ncu_rc": %s, "total_s": %s}\n' \
-    "$setup_s" "$tests_rc" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$ncu_rc" "$total_s" \
+printf '{"setup_s": %s, "tests_rc": %s, "test_groups_rc": {%s}, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "ncu_rc": %s, "total_s": %s}\n' \
+    "$setup_s" "$tests_rc" "${groups_rc%, }" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$ncu_rc" "$total_s" \
     | tee "$OUT/device_check.json"
 [ "$tests_rc" = 0 ] && [ "$synthetic_rc" = 0 ] && { [ "${PYCUDA_CHECK:-}" = import ] || [ "$bench_rc" = 0 ]; }

@@ -1,0 +1,38 @@
+"""tests/gpu's device groups (tests/gpu/conftest.py), which device_check.sh runs a process
+each so that a kernel's fault costs only its group: checked on the collected test ids, with no
+device needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from tests.gpu.conftest import GPU_TEST_GROUPS, device_group
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_device_test_has_a_group_and_every_group_tests() -> None:
+    listed = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "tests/gpu"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    ids = [line for line in listed.splitlines() if line.startswith("tests/gpu/")]
+    groups = {node_id: device_group(SimpleNamespace(nodeid=node_id,
+                                                    path=ROOT / node_id.split("::")[0]))
+              for node_id in ids}
+    assert set(groups.values()) == set(GPU_TEST_GROUPS)
+    # Each decode route's own kernels and end-to-end checks go with it
+    for node_id, group in groups.items():
+        if "matvec_mma" in node_id:
+            assert group == "mma_route", node_id
+        elif "tiles" in node_id:
+            assert group == "tiles_route", node_id
+        elif "test_cuda_backend.py" in node_id or "fused_qkv" in node_id:
+            assert group == "matvec_route", node_id
+        else:
+            assert group == "kernels", node_id
+    # the default route end to end has its own process, apart from the kernels one by one
+    assert groups["tests/gpu/test_cuda_backend.py::test_a_decode_step_is_a_handful_of_launches"] \
+        == "matvec_route"
