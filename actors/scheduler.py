@@ -254,7 +254,8 @@ class Scheduler:
         for seq in decoding:
             # An earlier reservation in this loop may have preempted it.
             if seq.seq_id in self._running and self._reserve(seq, len(seq.tokens), in_step):
-                items.append(self._item(seq, len(seq.tokens)))
+                self._reserve_next_position(seq)
+                items.append(self._item(seq, len(seq.tokens), len(seq.tokens) + 1))
                 in_step.add(seq.seq_id)
         budget = max(self._prefill_chunk - len(items), self.kv.block_size)
         for seq in prefilling:
@@ -275,14 +276,24 @@ class Scheduler:
         )
         return RunStep(step_id=self.steps, items=tuple(items), rows=rows)
 
-    def _item(self, seq: _Sequence, end: int) -> StepItem:
+    def _item(self, seq: _Sequence, end: int, covered: int | None = None) -> StepItem:
+        """The step's item of `seq` up to `end`, its table covering positions up to `covered`
+        (default `end`) where it holds them."""
         return StepItem(
             seq_id=seq.seq_id,
             tokens=tuple(seq.tokens[seq.kv.held : end]),
             start=seq.kv.held,
-            blocks=self.kv.step_blocks(seq.kv, end),
+            blocks=self.kv.step_blocks(seq.kv, end if covered is None else covered),
             want_logits=end == len(seq.tokens),
         )
+
+    def _reserve_next_position(self, seq: _Sequence) -> None:
+        """The block of a decoding sequence's next position too, a step early, where the pool
+        has a free block for every running sequence besides (so it takes none another
+        sequence needs, and preempts nothing): a backend may then run the next step ahead
+        (actors.compute.cuda_ahead), which it does only inside the tables it was given."""
+        if self.kv.pool.available > len(self._running):
+            self.kv.reserve(seq.kv, len(seq.tokens) + 1)
 
     def _admit(self) -> None:
         """Move waiting sequences (first come, first served) into the running set while there

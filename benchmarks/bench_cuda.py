@@ -249,7 +249,9 @@ def bench_model(path: Path, streams: tuple[int, ...], prefill: int | None,
     per_stream = -(-(DECODE_PROMPT + DECODE_STEPS + 2) // MODEL_BLOCK)
     blocks = max(max(streams) * per_stream, -(-(prefill or 0) // MODEL_BLOCK))
     started = time.perf_counter()
-    backend = CudaFactory(decode_route=decode_route).build(
+    # Steps one at a time (random tokens, not the greedy ones a step run ahead would feed):
+    # the device's own speed; the Engine figures run steps ahead.
+    backend = CudaFactory(decode_route=decode_route, run_ahead=False).build(
         model, KVRequest(blocks=blocks, block_size=MODEL_BLOCK, max_sequences=max(streams)))
     report: dict[str, Any] = {"model": str(path), "decode_route": decode_route,
                               "build_s": time.perf_counter() - started}

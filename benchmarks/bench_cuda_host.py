@@ -5,7 +5,9 @@ kernel run: what is timed is the host's part of a step (plan_step, the step and 
 their pinned copies, the decode graph's replay call, the candidate kernels' launches, the
 records' way back), which a device step must not wait for. Per row count: the step's
 `ms_per_step` (best of --repeats runs of --steps steps), and of it `plan_ms` (plan_step, before
-the forward launches) and `row_arrays_ms` (packed while the forward runs).
+the forward launches) and `row_arrays_ms` (packed while the forward runs); `ahead_ms_per_step`
+a greedy decode whose every step was run ahead (actors.compute.cuda_ahead: the step is
+recognized, the next one queued, the records read), over AHEAD_STEPS steps.
 
     python benchmarks/bench_cuda_host.py [--model PATH] [--rows 1 32 64] [--steps 300]
                                          [--route matvec|tiles|matvec_mma]
@@ -33,6 +35,7 @@ from tests.conftest import TINY_MODELS  # noqa: E402
 from tests.cuda_emulator import EmulatedDevice, install  # noqa: E402
 
 BLOCK_SIZE = 16
+AHEAD_STEPS = 100
 
 
 def best_ms(work: Callable[[], object], steps: int, repeats: int) -> float:
@@ -60,15 +63,25 @@ def main() -> None:
         model = load_model(args.model)
         spec = model.spec
         for rows in args.rows:
-            blocks = 2 * rows + 1
+            per_row = -(-(20 + AHEAD_STEPS + 1) // BLOCK_SIZE)
+            blocks = per_row * rows + 1
             backend = module.build_cuda_backend(
                 model, KVRequest(blocks=blocks, block_size=BLOCK_SIZE, max_sequences=rows),
                 0.9, decode_route=args.route)
-            # Every row a decode token at position 20 of its own two blocks, greedy.
-            items = [StepItem((5,), 20, (2 * i, 2 * i + 1), seq_id=i) for i in range(rows)]
+            tables = [tuple(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
+            # Every row a decode token at position 20 of its own blocks, greedy: the same step
+            # again and again (the step queued after the first is dropped, none after it).
+            items = [StepItem((5,), 20, table, seq_id=i) for i, table in enumerate(tables)]
             inputs = [RowInputs(candidates=1)] * rows
             backend.run(items, inputs)  # the graph's capture
             step_ms = best_ms(lambda: backend.run(items, inputs), args.steps, args.repeats)
+            # The emulated records name token 0: steps feeding it go on as run ahead.
+            started = time.perf_counter()
+            for position in range(20, 20 + AHEAD_STEPS):
+                backend.run([StepItem((0,), position, table, seq_id=i)
+                             for i, table in enumerate(tables)], inputs)
+            ahead_ms = (time.perf_counter() - started) / AHEAD_STEPS * 1e3
+            assert backend.steps_run_ahead >= AHEAD_STEPS - 3
             plan_ms = best_ms(lambda: plan_step(items, spec, blocks, BLOCK_SIZE), args.steps,
                               args.repeats)
             rows_ms = best_ms(lambda: packing.row_arrays(inputs, spec.vocab_size), args.steps,
@@ -76,7 +89,8 @@ def main() -> None:
             backend.close()
             print(json.dumps({"rows": rows, "route": args.route,
                               "ms_per_step": round(step_ms, 3), "plan_ms": round(plan_ms, 3),
-                              "row_arrays_ms": round(rows_ms, 3)}), flush=True)
+                              "row_arrays_ms": round(rows_ms, 3),
+                              "ahead_ms_per_step": round(ahead_ms, 3)}), flush=True)
 
 
 if __name__ == "__main__":

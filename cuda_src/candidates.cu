@@ -50,6 +50,10 @@
 //   top k of the slices' candidates (they hold the row's top k: a member of it is in its
 //   slice's top k) and merges the sums in a fixed order, so the record does not depend on
 //   which block finished last.
+//
+// feed_greedy_tokens(records, record_words, token_ids, n), grid-stride: token_ids[i] = the id
+//   of candidate 0 in row i's record (record_words apart): the tokens of the decode step the
+//   CUDA backend runs ahead, on the device before the host has seen the records.
 #include "device_common.cuh"
 
 constexpr int CANDIDATE_THREADS = 1024;
@@ -415,4 +419,11 @@ extern "C" __global__ void __launch_bounds__(CANDIDATE_THREADS) top_candidates(
     select_top([&](int i) { return pool_keys[i]; }, pool_size, k, selection);
     write_candidates(selection, k, pool_ids, l, cand_ids, cand_logits, sorted_logits);
     finish_record(record, sorted_logits, k, scale, row_total, least[row], mass[row]);
+}
+
+extern "C" __global__ void feed_greedy_tokens(const int* __restrict__ records, int record_words,
+                                              int* __restrict__ token_ids, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        token_ids[i] = records[int64_t(i) * record_words + 2];
+    }
 }

@@ -1,11 +1,16 @@
-"""Shared fixtures: where the models and the reference data are."""
+"""Shared fixtures: where the models and the reference data are; the CUDA backend over an
+emulated device."""
 
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.cuda_emulator import EmulatedDevice, emulated_backend_module
 
 REFERENCE_DIR = Path(__file__).parent / "reference"
 TINY_MODELS = {
@@ -91,3 +96,15 @@ def smollm2(smollm2_model_path: Path):
     from actors.model.loaded import load_model
 
     return load_model(smollm2_model_path)
+
+
+@pytest.fixture
+def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, EmulatedDevice]]:
+    """The CUDA backend's module over an emulated device that runs the kernels' numpy twins."""
+    yield from emulated_backend_module(monkeypatch, run_kernels=True)
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, EmulatedDevice]]:
+    """The CUDA backend's module over an emulated device that only records the launches."""
+    yield from emulated_backend_module(monkeypatch, run_kernels=False)

@@ -14,7 +14,7 @@ import math
 import sys
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -297,6 +297,11 @@ class KernelTwins:
                 row = self.f32(int(source) + 4 * t * int(stride), kv_dim)
                 self.m.view(int(cache) + 2 * int(slot) * kv_dim, np.float16, kv_dim)[:] = row
 
+    def feed_greedy_tokens(self, grid: tuple[int, ...], records: Any, record_words: int,
+                           token_ids: Any, n: int) -> None:
+        words = self.i32(records, int(n) * int(record_words)).reshape(int(n), int(record_words))
+        self.i32(token_ids, int(n))[:] = words[:, 2]
+
     def qkv_finish(self, grid: tuple[int, ...], qkv: Any, stride: int, heads: int,
                    kv_heads: int, head_dim: int, q_bias: Any, k_bias: Any, v_bias: Any,
                    q_norm: Any, k_norm: Any, eps: float, positions: Any, rope_dim: int,
@@ -566,7 +571,15 @@ class EmulatedDevice:
             def synchronize(self) -> None:
                 device.synchronizations += 1
 
+        class Event:
+            def record(self, stream: Any) -> None:
+                pass
+
+            def synchronize(self) -> None:
+                device.synchronizations += 1
+
         module.Context, module.Device, module.Stream = Context, Device, Stream
+        module.Event = Event
         module.init = lambda: None
         module.mem_get_info = self.mem_get_info
         module.mem_alloc = Allocation
@@ -681,3 +694,14 @@ def install(monkeypatch: pytest.MonkeyPatch, device: EmulatedDevice) -> Any:
     device.real_driver_graphs = module.DriverGraphs  # for tests of it over a fake libcuda
     monkeypatch.setattr(module, "DriverGraphs", device.graph_api())
     return module
+
+
+def emulated_backend_module(monkeypatch: pytest.MonkeyPatch,
+                            run_kernels: bool) -> Iterator[tuple[Any, EmulatedDevice]]:
+    """actors.compute.cuda over a new EmulatedDevice (its kernels' twins run or only
+    recorded), and the device; the module is dropped again after (a fixture's body)."""
+    device = EmulatedDevice(run_kernels=run_kernels)
+    try:
+        yield install(monkeypatch, device), device
+    finally:
+        sys.modules.pop("actors.compute.cuda", None)

@@ -8,7 +8,6 @@ close frees everything and releases the context."""
 
 from __future__ import annotations
 
-import sys
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -21,14 +20,6 @@ from actors.errors import ComputeError, InvalidRequest
 from actors.model.candidates import mask_words
 from actors.model.loaded import OpenedModel, open_model
 from tests.conftest import TINY_MODELS
-from tests.cuda_emulator import EmulatedDevice, install
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, EmulatedDevice]]:
-    device = EmulatedDevice(run_kernels=False)
-    yield install(monkeypatch, device), device
-    sys.modules.pop("actors.compute.cuda", None)
-
 
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[OpenedModel]:
@@ -37,9 +28,12 @@ def tiny() -> Iterator[OpenedModel]:
     model.gguf.close()
 
 
-def _backend(cuda_module: Any, model: OpenedModel, blocks: int | None = 32) -> Any:
+def _backend(cuda_module: Any, model: OpenedModel, blocks: int | None = 32,
+             run_ahead: bool = False) -> Any:
+    """A backend over the fake driver; counting tests see one step at a time unless
+    `run_ahead` (then a greedy decode step queues the next: test_the_next_greedy_step_...)."""
     kv = KVRequest(blocks=blocks, block_size=16, max_sequences=8)
-    return cuda_module.build_cuda_backend(model, kv, 0.9)
+    return cuda_module.build_cuda_backend(model, kv, 0.9, run_ahead=run_ahead)
 
 
 def test_build_compiles_uploads_and_sizes_the_pool(fake: Any, tiny: OpenedModel) -> None:
@@ -129,6 +123,31 @@ def test_decode_steps_replay_one_graph_per_bucket(fake: Any, tiny: OpenedModel) 
     assert driver.captures == 2  # bucket 1
     backend.close()
     assert driver.destroyed == 2
+
+
+def test_the_next_greedy_step_is_queued_in_the_other_lane_and_taken(
+        fake: Any, tiny: OpenedModel) -> None:
+    """A greedy decode step queues the next one (the other lane's graph, the tokens fed on
+    the device, its candidates and their copy) before its one wait; that step, asked for,
+    is answered after one wait, having queued the one after it; any other step drops it."""
+    cuda_module, driver = fake
+    backend = _backend(cuda_module, tiny, run_ahead=True)
+    backend.run([StepItem((1, 2, 3), 0, (0,)), StepItem((4, 5), 0, (1,))], [RowInputs()] * 2)
+    synchronizations = driver.synchronizations
+    driver.launches.clear()
+    # the fake's records name token 0 for every row: the steps asked for feed it
+    for position in range(3, 7):
+        backend.run([StepItem((0,), position, (0,)), StepItem((0,), position - 1, (1,))],
+                    [RowInputs()] * 2)
+        assert backend.launches_per_step == 5
+    assert backend.steps_run_ahead == 3 and driver.captures == 2  # a graph a lane
+    assert driver.synchronizations == synchronizations + 4  # one wait a step
+    # each step's graph ran when it was queued: one a step, and the one queued last
+    assert driver.replays == 5 and driver.launches.count("feed_greedy_tokens") == 4
+    backend.run([StepItem((9,), 7, (0,)), StepItem((0,), 6, (1,))], [RowInputs()] * 2)
+    assert backend.steps_run_ahead == 3  # another token: dropped
+    backend.close()
+    assert driver.live == set()
 
 
 def test_penalties_add_a_launch(fake: Any, tiny: OpenedModel) -> None:

@@ -411,6 +411,24 @@ async def test_full_cache_waits_or_preempts_but_never_fails() -> None:
         assert results[index] == solo_tokens(prompt, 20)
 
 
+async def test_decode_items_hold_their_next_positions_block_where_the_pool_has_room() -> None:
+    """A decode item's table covers the next position too, a step early, where the pool has a
+    free block for every running sequence besides (a backend may then run the next step
+    ahead, actors.compute.cuda_ahead); with no block to spare it ends at the item's own."""
+    roomy = CountingBackend(num_blocks=64, block_size=4, context_length=4096)
+    tight = CountingBackend(num_blocks=4, block_size=4, context_length=4096)
+    for backend in (roomy, tight):
+        async with open_fake(backend) as engine:
+            done = await engine.complete([5, 6, 7], greedy(12))
+        assert list(done.token_ids) == solo_tokens([5, 6, 7], 12)
+    # The decode items at the last position of a block (3, 7, 11): the next block with them,
+    # but for the tight pool's last one (one block free, one running sequence: none spare).
+    for backend, tables in ((roomy, [2, 3, 4]), (tight, [2, 3, 3])):
+        decode = [item for step in backend.steps for item in step if item.start >= 3]
+        assert [len(item.blocks) for item in decode if item.start % 4 == 3] == tables
+        assert all(len(item.blocks) >= item.start // 4 + 1 for item in decode)
+
+
 async def test_overload_is_refused_at_once() -> None:
     backend = CountingBackend()
     results: dict[int, list[int]] = {}

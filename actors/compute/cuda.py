@@ -17,10 +17,13 @@ penalized logits rows stay on the device for `fetch_rows`. Everything runs on on
 non-blocking stream, so no operation on the legacy stream (anyone's synchronous copy) can
 break a graph capture.
 
-The compute contract is synchronous (`run` answers the step's candidates), so the host cannot
-pack step n+1 while step n runs: that needs a contract that submits a step and collects its
-candidates later (the engine deciding step n+1's items before step n's tokens are known,
-which only holds for items not waiting on step n, e.g. prefill chunks).
+The compute contract is synchronous (`run` answers the step's candidates), yet the GPU need
+not wait while the host hands out step n's tokens and the engine builds step n+1: after a
+greedy decode step the backend queues the step that follows if every sequence goes on
+(actors.compute.cuda_ahead), its tokens fed on the device from step n's candidate records,
+in the other of two lanes (pinned input, logits rows, candidate records, graphs); when step
+n+1 comes and is that one, its candidates are already there and the next is queued at once
+(`steps_run_ahead` counts those; `run_ahead=False` turns it off).
 
 Errors: out of memory or any other CUDA error in a step fails the step; when the context then
 fails a probe (a synchronize and a memory query), the error was sticky (an illegal address, a
@@ -33,12 +36,14 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pycuda.driver as cuda
 from pycuda.compiler import SourceModule
 
+from actors.compute import cuda_ahead
 from actors.compute import cuda_launches as launches
 from actors.compute import cuda_packing as packing
 from actors.compute import cuda_plan as plan
@@ -167,9 +172,40 @@ class InputBuffer:
         self.pinned.base.free()
 
 
+class Lane:
+    """What a step keeps apart from the step queued beside it: the step arrays' input buffer
+    (its decode graphs read it), its logits rows (fetch_rows reads them after it) and the
+    pinned candidate records it answers from; the event that marks its end."""
+
+    def __init__(self, logits: Any, limits: plan.StepLimits, input_words: int) -> None:
+        self.logits = logits
+        self.input = InputBuffer(input_words)
+        record = plan.candidate_record_words(limits.max_candidates)
+        self.pinned_candidates = cuda.pagelocked_empty(limits.max_rows * record, np.int32)
+        self.done = cuda.Event()
+
+    def free(self) -> None:
+        self.input.free()
+        self.pinned_candidates.base.free()
+
+
+@dataclass
+class QueuedStep:
+    """A decode step queued ahead in `lane`: its bucket, `width` candidates a record, the
+    stream operations and kernels it enqueued, and once the step before it has answered (its
+    tokens known) its items and rows (`step`)."""
+
+    lane: int
+    bucket: int
+    width: int
+    operations: int
+    kernels: int
+    step: cuda_ahead.AheadStep | None = None
+
+
 class Workspace:
-    """The step's device buffers (cuda_plan.workspace_buffers) and the step arrays' input
-    buffer (the decode graphs read it), sized for `limits` and `input_words` int32s."""
+    """The step's device buffers (cuda_plan.workspace_buffers) and its two lanes (the second
+    with logits rows of its own), sized for `limits` and `input_words` int32s."""
 
     def __init__(self, spec: Any, limits: plan.StepLimits, input_words: int) -> None:
         self.limits = limits
@@ -178,38 +214,49 @@ class Workspace:
         for name in plan.ZEROED_BUFFERS:  # the kernels' cross-block counters start at zero
             cuda.memset_d32(self.buffers[name], 0, sizes[name] // 4)
         cuda.Context.synchronize()  # zeroed before any stream's first launch reads them
-        self.input = InputBuffer(input_words)
-        record = plan.candidate_record_words(limits.max_candidates)
-        self.pinned_candidates = cuda.pagelocked_empty(limits.max_rows * record, np.int32)
+        self.lanes = (Lane(self.buffers["logits"], limits, input_words),
+                      Lane(self.buffers["logits_ahead"], limits, input_words))
 
     def covers(self, tokens: int, rows: int, input_words: int) -> bool:
         return (tokens <= self.limits.max_tokens and rows <= self.limits.max_rows
-                and input_words <= self.input.words)
+                and input_words <= self.lanes[0].input.words)
 
     def free(self) -> None:
         for allocation in self.buffers.values():
             allocation.free()
-        self.input.free()
-        self.pinned_candidates.base.free()
+        for lane in self.lanes:
+            lane.free()
 
 
 class CudaBackend:
     """Owns the device's weights, KV pool, workspace, kernels and decode graphs."""
 
     def __init__(self, model: OpenedModel, kv: KVRequest, memory_fraction: float,
-                 notices: Sequence[str] = (), decode_route: str = "matvec") -> None:
+                 notices: Sequence[str] = (), decode_route: str = "matvec",
+                 run_ahead: bool = True) -> None:
         # Where decode rows' products run (plan.DECODE_ROUTES), checked before the device.
         self._decode_route = plan.check_decode_route(decode_route)
+        self._run_ahead = run_ahead  # queue the greedy decode step that may come next
         cuda.init()
         device = cuda.Device(0)
         self._context = device.retain_primary_context()
         self._allocations: list[Any] = []
-        self._graphs: dict[int, tuple[int, dict[str, int], int]] = {}
+        # Decode graphs by (bucket, lane): each lane's reads its own input buffer and logits.
+        self._graphs: dict[tuple[int, int], tuple[int, dict[str, int], int]] = {}
+        self._ahead: QueuedStep | None = None  # the step queued after the last one
+        # The step expected next where none was queued, and whether to queue: not after a
+        # step queued was dropped, until an expected step comes true (a dropped step cost the
+        # device a whole step).
+        self._expected: cuda_ahead.AheadStep | None = None
+        self._queue_allowed = True
+        self._lane = 0  # the last step's lane (its logits rows are fetch_rows')
+        self._row_addresses: dict[str, int] = {}  # the last rows' arrays on the device
         self._workspace: Workspace | None = None
         self._row_input: InputBuffer | None = None  # the rows' arrays: graphs never read it
         self._functions: dict[str, Any] = {}
         self._stream: Any = None
         self._last_rows = 0
+        self.steps_run_ahead = 0  # decode steps answered from the step queued ahead
         self.launches_per_step = 0  # stream operations the last step enqueued (copies, launches)
         self.kernels_per_step = 0  # kernels the last step ran on the device
         try:
@@ -239,7 +286,8 @@ class CudaBackend:
             max_splits=plan.decode_splits(spec.context_length, self._split_keys),
             max_candidates=plan.MAX_CANDIDATES)
         first_input = 1 << 16
-        workspace_bytes = sum(plan.workspace_buffers(spec, limits).values()) + 4 * first_input
+        workspace_bytes = (sum(plan.workspace_buffers(spec, limits).values()) +
+                           2 * 4 * first_input)  # the two lanes' input buffers
         block_bytes = plan.kv_block_bytes(spec, kv.block_size)
         self.num_blocks = plan.kv_pool_blocks(
             free_bytes, memory_fraction, weight_bytes, workspace_bytes, block_bytes,
@@ -290,7 +338,9 @@ class CudaBackend:
         return addresses
 
     def _set_workspace(self, limits: plan.StepLimits, input_words: int) -> None:
-        """(Re)allocate the workspace; graphs captured over the old one are dropped."""
+        """(Re)allocate the workspace; graphs captured over the old one are dropped, and a
+        step queued ahead (it uses the old one) is waited for and dropped."""
+        self._settle()
         self._drop_graphs()
         if self._workspace is not None:
             self._workspace.free()
@@ -317,6 +367,20 @@ class CudaBackend:
     def run(self, items: Sequence[StepItem], rows: Sequence[RowInputs]) -> Candidates:
         # Forget the last step's rows first: a failed step leaves nothing to fetch.
         self._last_rows = 0
+        ahead, self._ahead = self._ahead, None
+        expected, self._expected = self._expected, None
+        if (ahead is not None and ahead.step is not None
+                and cuda_ahead.is_ahead_step(ahead.step, items, rows)):
+            with self._current(), self._lost_on_sticky_errors():
+                candidates = self._take(ahead, items, rows)
+            self._last_rows = len(rows)
+            return candidates
+        if ahead is not None:
+            self._queue_allowed = False
+        elif expected is not None and cuda_ahead.is_ahead_step(expected, items, rows):
+            self._queue_allowed = True
+        # A dropped step may still be queued: this one takes the other lane.
+        lane = self._lane if ahead is None else 1 - ahead.lane
         step = plan_step(items, self._spec, self.num_blocks, self.block_size)
         if len(rows) != len(step.logit_rows):
             raise InvalidRequest(
@@ -325,7 +389,7 @@ class CudaBackend:
             )
         packing.check_token_masks(rows, self._spec.vocab_size)  # before any kernel runs
         with self._current(), self._lost_on_sticky_errors():
-            candidates = self._run(step, rows)
+            candidates = self._run(step, items, rows, lane)
         self._last_rows = len(rows)
         return candidates
 
@@ -339,7 +403,7 @@ class CudaBackend:
         vocab = self._spec.vocab_size
         out = np.empty((index.size, vocab), dtype=np.float32)
         with self._current(), self._lost_on_sticky_errors():
-            logits = int(self._workspace.buffers["logits"])
+            logits = int(self._workspace.lanes[self._lane].logits)
             for i, row in enumerate(index):
                 cuda.memcpy_dtoh(out[i], logits + int(row) * vocab * 4)
         return out
@@ -349,6 +413,7 @@ class CudaBackend:
             return
         try:
             with self._current():
+                self._settle()
                 self._drop_graphs()
                 if self._workspace is not None:
                     self._workspace.free()
@@ -385,7 +450,8 @@ class CudaBackend:
                     f"(probe: {probe})") from error
             raise
 
-    def _run(self, step: Any, rows: Sequence[RowInputs]) -> Candidates:
+    def _run(self, step: Any, items: Sequence[StepItem], rows: Sequence[RowInputs],
+             lane: int) -> Candidates:
         spec = self._spec
         bucket = launches.graph_bucket(step, self._buckets)
         if bucket is None:
@@ -404,47 +470,128 @@ class CudaBackend:
         packed = packing.pack_int32({f"step.{k}": v for k, v in arrays.items()})
         n_rows = len(rows)
         self._fit_workspace(shape, n_rows, packed.buffer.size)
-        workspace = self._workspace
+        at = self._workspace.lanes[lane]
         try:
-            addresses = workspace.input.upload(packed, self._stream)
+            addresses = {**at.input.upload(packed, self._stream), "logits": int(at.logits)}
             if bucket is None:
                 calls = self._forward_calls(shape)
                 self._launch(calls, addresses)
                 kernels = len(calls)
             else:
-                kernels = self._replay(bucket, shape, addresses)
+                kernels = self._replay(bucket, lane, shape, addresses)
             operations = 2 if bucket is not None else 1 + kernels
             # The GPU runs the forward while the host packs the rows' inputs.
             row_pack = packing.row_arrays(rows, spec.vocab_size)
             record = plan.candidate_record_words(row_pack.width)
-            out = workspace.pinned_candidates[: n_rows * record]
             if n_rows:
                 packed_rows = packing.pack_int32({f"rows.{k}": v
                                                for k, v in row_pack.arrays.items()})
-                addresses.update(self._row_buffer(packed_rows.buffer.size).upload(
-                    packed_rows, self._stream))
+                self._row_addresses = self._row_buffer(packed_rows.buffer.size).upload(
+                    packed_rows, self._stream)
                 tail = launches.candidate_calls(spec, n_rows, row_pack.width,
                                                 row_pack.any_penalty, row_pack.n_masked)
-                self._launch(tail, addresses)
-                cuda.memcpy_dtoh_async(out, workspace.buffers["candidates"], self._stream)
+                self._launch(tail, {**addresses, **self._row_addresses})
+                cuda.memcpy_dtoh_async(at.pinned_candidates[: n_rows * record],
+                                       self._workspace.buffers["candidates"], self._stream)
                 operations += len(tail) + 2
                 kernels += len(tail)
+            at.done.record(self._stream)
+            pending = (self._queue_ahead(items, rows, bucket, lane, row_pack.width)
+                       if bucket is not None and self._run_ahead else None)
+            at.done.synchronize()  # the step's one wait (not for the step queued after it)
         except BaseException:
-            # Wait after a failure too, so that no copy still reads the pinned inputs the
-            # next step rewrites; a sticky error here is the probe's to report, not this one.
-            with suppress(cuda.Error):
-                self._stream.synchronize()
+            self._abandon()
             raise
-        self._stream.synchronize()  # the step's one wait
+        self._lane = lane
         self.launches_per_step, self.kernels_per_step = operations, kernels
-        return packing.candidates_from_records(out.reshape(n_rows, record).copy(),
-                                                row_pack.width, rows)
+        return self._answer(at, n_rows, row_pack.width, rows, pending)
+
+    def _answer(self, at: Lane, n_rows: int, width: int, rows: Sequence[RowInputs],
+                pending: tuple[StepItem, ...] | None) -> Candidates:
+        """The step's candidates from its lane's records; the step queued after it (its
+        `pending` items) learns the tokens the device fed it."""
+        record = plan.candidate_record_words(width)
+        records = at.pinned_candidates[: n_rows * record].reshape(n_rows, record).copy()
+        if pending is not None:
+            # Each record's candidate 0 (what feed_greedy_tokens took, where it ran).
+            following = cuda_ahead.ahead_step(pending, records[:, 2], rows)
+            if self._ahead is not None:
+                self._ahead.step = following
+            else:
+                self._expected = following
+        return packing.candidates_from_records(records, width, rows)
+
+    def _take(self, ahead: QueuedStep, items: Sequence[StepItem],
+              rows: Sequence[RowInputs]) -> Candidates:
+        """The step queued ahead is the one asked for: queue the one after it, wait for it."""
+        at = self._workspace.lanes[ahead.lane]
+        try:
+            pending = (self._queue_ahead(items, rows, ahead.bucket, ahead.lane, ahead.width)
+                       if self._run_ahead else None)
+            at.done.synchronize()
+        except BaseException:
+            self._abandon()
+            raise
+        self._lane = ahead.lane
+        self.steps_run_ahead += 1
+        self.launches_per_step, self.kernels_per_step = ahead.operations, ahead.kernels
+        return self._answer(at, len(rows), ahead.width, rows, pending)
+
+    def _queue_ahead(self, items: Sequence[StepItem], rows: Sequence[RowInputs], bucket: int,
+                     lane: int, width: int) -> tuple[StepItem, ...] | None:
+        """Queue, in the other lane, the decode step after `items` (just queued in `lane`) if
+        every sequence goes on with its first candidate (cuda_ahead.next_items) and queueing
+        is allowed: its arrays, the tokens fed from the records on the device, the bucket's
+        graph, the same rows' candidates. Its items (tokens unknown yet), or None where no
+        step follows that way."""
+        pending = cuda_ahead.next_items(items, rows, self.block_size, self.num_blocks)
+        if pending is None or not self._queue_allowed:
+            return pending
+        ahead_lane = 1 - lane
+        at = self._workspace.lanes[ahead_lane]
+        pad_block = self.num_blocks
+        positions = [item.start for item in pending]
+        slots = [item.blocks[-1] * self.block_size + p % self.block_size
+                 for item, p in zip(pending, positions)]
+        packed = packing.pack_int32({f"step.{k}": v for k, v in packing.decode_step_arrays(
+            [0] * len(pending), positions, slots, [item.blocks for item in pending], bucket,
+            self._table_stride, pad_block * self.block_size, pad_block).items()})
+        addresses = {**at.input.upload(packed, self._stream), "logits": int(at.logits)}
+        feed = launches.feed_tokens_call(len(rows), width, launches.Ref("step.token_ids"))
+        self._launch([feed], addresses)
+        shape = launches.graph_shape(bucket, self._table_stride, self._split_keys,
+                                     self._spec.context_length, self.block_size)
+        kernels = self._replay(bucket, ahead_lane, shape, addresses)
+        tail = launches.candidate_calls(self._spec, len(rows), width, False, 0)
+        self._launch(tail, {**addresses, **self._row_addresses})
+        record = plan.candidate_record_words(width)
+        cuda.memcpy_dtoh_async(at.pinned_candidates[: len(rows) * record],
+                               self._workspace.buffers["candidates"], self._stream)
+        at.done.record(self._stream)
+        self._ahead = QueuedStep(ahead_lane, bucket, width, 3 + len(tail) + 1,
+                                 kernels + 1 + len(tail))
+        return pending
+
+    def _abandon(self) -> None:
+        """After a failure: no step queued ahead, and nothing queued still reads the pinned
+        inputs the next step rewrites (a sticky error here is the probe's to report)."""
+        self._ahead = self._expected = None
+        with suppress(cuda.Error):
+            self._stream.synchronize()
+
+    def _settle(self) -> None:
+        """Drop the step queued ahead and wait for everything queued (a step dropped may still
+        be), before buffers they use go."""
+        self._ahead = self._expected = None
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def _row_buffer(self, words: int) -> InputBuffer:
         """The rows' input buffer, grown to hold `words` (no graph reads it: growing it
         drops none). The last step that used it has ended."""
         if self._row_input is None or self._row_input.words < words:
             if self._row_input is not None:
+                self._stream.synchronize()  # a step queued ahead may still read it
                 self._row_input.free()
                 self._row_input = None
             self._row_input = InputBuffer(max(words, 1024))
@@ -462,7 +609,7 @@ class CudaBackend:
                             max_rows=max(limits.max_rows, rows),
                             max_splits=limits.max_splits,
                             max_candidates=limits.max_candidates),
-            max(workspace.input.words, input_words))
+            max(workspace.lanes[0].input.words, input_words))
 
     def _forward_calls(self, shape: launches.StepShape) -> list[launches.KernelCall]:
         """The step's kernels, eager or to capture, on this backend's decode route."""
@@ -481,25 +628,26 @@ class CudaBackend:
         base = step_addresses[arg.name] if arg.name in step_addresses else self._addresses[arg.name]
         return np.uintp(base + arg.offset)
 
-    def _replay(self, bucket: int, shape: launches.StepShape,
+    def _replay(self, bucket: int, lane: int, shape: launches.StepShape,
                 step_addresses: dict[str, int]) -> int:
-        """Launch the bucket's decode graph (captured now if this is its first step); the
-        number of kernels it holds."""
-        if bucket not in self._graphs:
+        """Launch the bucket's decode graph of `lane` (captured now if this is its first
+        step); the number of kernels it holds."""
+        key = (bucket, lane)
+        if key not in self._graphs:
             calls = self._forward_calls(shape)
             executable = self._driver_graphs.capture(
                 self._stream, lambda: self._launch(calls, step_addresses))
-            self._graphs[bucket] = (executable, dict(step_addresses), len(calls))
-        executable, captured_addresses, kernels = self._graphs[bucket]
-        forward_addresses = {k: v for k, v in step_addresses.items() if k.startswith("step.")}
-        if any(captured_addresses[k] != v for k, v in forward_addresses.items()):
-            raise RuntimeError(f"the decode graph of bucket {bucket} was captured over other "
-                               "step-array addresses")
+            self._graphs[key] = (executable, dict(step_addresses), len(calls))
+        executable, captured_addresses, kernels = self._graphs[key]
+        if any(captured_addresses[k] != v for k, v in step_addresses.items()):
+            raise RuntimeError(f"the decode graph of bucket {bucket}, lane {lane} was captured "
+                               "over other step-array addresses")
         self._driver_graphs.launch(executable, self._stream)
         return kernels
 
 
 def build_cuda_backend(model: OpenedModel, kv: KVRequest, memory_fraction: float,
-                       notices: Sequence[str] = (), decode_route: str = "matvec") -> CudaBackend:
+                       notices: Sequence[str] = (), decode_route: str = "matvec",
+                       run_ahead: bool = True) -> CudaBackend:
     """The CUDA backend for `model` (called in the compute actor's thread)."""
-    return CudaBackend(model, kv, memory_fraction, notices, decode_route)
+    return CudaBackend(model, kv, memory_fraction, notices, decode_route, run_ahead)

@@ -601,3 +601,11 @@ def candidate_calls(spec: ModelSpec, n_rows: int, width: int, any_penalty: bool,
          Ref("rows.inv_temp"), _i32(width), Ref("candidates"), Ref("candidate_partials"),
          Ref("candidate_counters"))))
     return calls
+
+
+def feed_tokens_call(n_rows: int, width: int, token_ids: Ref) -> KernelCall:
+    """The first candidate of each of the last step's `n_rows` records (`width` candidates
+    a record) into `token_ids`: the tokens of the step run ahead, fed on the device."""
+    return KernelCall("feed_greedy_tokens", plan.elementwise_launch(n_rows),
+                      (Ref("candidates"), _i32(plan.candidate_record_words(width)), token_ids,
+                       _i32(n_rows)))

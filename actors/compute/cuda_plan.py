@@ -150,7 +150,8 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
         "activation.cu": ("gated_silu", "gated_gelu_tanh"),
         "kv_cache.cu": ("kv_write",),
         "attention.cu": ("attention_decode", "attention_prefill"),
-        "candidates.cu": ("apply_token_mask", "apply_penalties", "top_candidates"),
+        "candidates.cu": ("apply_token_mask", "apply_penalties", "top_candidates",
+                          "feed_greedy_tokens"),
         "bias.cu": ("add_bias",),
         "qkv_finish.cu": ("qkv_finish",),
     }
@@ -247,6 +248,9 @@ def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
         "gate_up": t * 2 * spec.ffn_dim * f32,
         "gated": t * spec.ffn_dim * f32,
         "logits": rows * spec.vocab_size * f32,
+        # The logits rows of the decode step the CUDA backend runs ahead (actors.compute.
+        # cuda_ahead): the last step's stay readable beside them.
+        "logits_ahead": rows * spec.vocab_size * f32,
         "partial_acc": partials * spec.head_dim * f32,
         "partial_max": partials * f32,
         "partial_sum": partials * f32,

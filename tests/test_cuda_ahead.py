@@ -1,0 +1,157 @@
+"""The decode step the CUDA backend runs ahead (actors.compute.cuda_ahead): when it may, which
+step it is, and, over the emulated device (tests/cuda_emulator.py, the kernels' numpy twins),
+that a backend running steps ahead answers every step bit for bit as one that does not, taken
+ahead or dropped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from actors.compute import cuda_ahead
+from actors.compute.contract import KVRequest, RowInputs, StepItem
+from actors.model.loaded import Model, load_model
+from tests.conftest import TINY_MODELS
+from tests.cuda_emulator import EmulatedDevice
+
+BLOCK = 16
+GREEDY = RowInputs()
+
+
+def test_only_rows_that_must_take_their_first_candidate_run_ahead() -> None:
+    assert cuda_ahead.takes_its_candidate(GREEDY)
+    assert cuda_ahead.takes_its_candidate(RowInputs(want_log_z=True, inv_temp=2.0))
+    for row in (RowInputs(candidates=4), RowInputs(max_candidates=8), RowInputs(mass=0.9),
+                RowInputs(allowed=np.ones(4, np.int32)),
+                RowInputs(repetition_penalty=1.2, repeated=(3,)),
+                RowInputs(presence_penalty=0.5), RowInputs(frequency_penalty=0.5)):
+        assert not cuda_ahead.takes_its_candidate(row), row
+
+
+def test_the_next_items_advance_each_sequence_inside_its_own_blocks() -> None:
+    items = [StepItem((7,), 14, (3, 4), seq_id=1), StepItem((8,), 3, (5,), seq_id=2)]
+    following = cuda_ahead.next_items(items, [GREEDY] * 2, BLOCK, 8)
+    assert following == (StepItem((), 15, (3,), True, 1), StepItem((), 4, (5,), True, 2))
+    # the block of position 16 is in the table: the step crosses into it
+    crossing = cuda_ahead.next_items([StepItem((7,), 15, (3, 4))], [GREEDY], BLOCK, 8)
+    assert crossing == (StepItem((), 16, (3, 4)),)
+    # not when the table lacks it (the scheduler's tables end at the step's last block), names
+    # a block outside the pool, or another item's table holds it (a shared block is full)
+    for table in ((3,), (3, 9)):
+        assert cuda_ahead.next_items([StepItem((7,), 15, table)], [GREEDY], BLOCK, 8) is None
+    shared = [StepItem((7,), 3, (5,)), StepItem((8,), 20, (5, 6))]
+    assert cuda_ahead.next_items(shared, [GREEDY] * 2, BLOCK, 8) is None
+    assert cuda_ahead.next_items(items, [GREEDY, RowInputs(candidates=2)], BLOCK, 8) is None
+
+
+def test_the_step_asked_for_is_the_one_run_ahead_only_when_nothing_differs() -> None:
+    items = [StepItem((7,), 14, (3, 4), seq_id=1), StepItem((8,), 3, (5,), seq_id=2)]
+    following = cuda_ahead.next_items(items, [GREEDY] * 2, BLOCK, 8)
+    ahead = cuda_ahead.ahead_step(following, np.array([11, 12], np.int32), [GREEDY] * 2)
+    asked = [StepItem((11,), 15, (3, 4), seq_id=1), StepItem((12,), 4, (5, 6), seq_id=2)]
+    assert cuda_ahead.is_ahead_step(ahead, asked, [GREEDY] * 2)  # later blocks do not matter
+    different = [
+        [asked[0], StepItem((13,), 4, (5,), seq_id=2)],  # another token
+        [asked[0], StepItem((12,), 5, (5,), seq_id=2)],  # another position
+        [asked[0], StepItem((12,), 4, (6,), seq_id=2)],  # another block
+        [asked[0], StepItem((12,), 4, (5,), seq_id=3)],  # another sequence
+        [asked[0], StepItem((12,), 4, (5,), want_logits=False, seq_id=2)],
+        [asked[0]],  # a sequence left
+        asked[::-1],
+    ]
+    for step in different:
+        assert not cuda_ahead.is_ahead_step(ahead, step, [GREEDY] * len(step)), step
+    assert not cuda_ahead.is_ahead_step(ahead, asked, [GREEDY, RowInputs(want_log_z=True)])
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return load_model(TINY_MODELS["llama-q4k-tiny"])
+
+
+def backends(module: Any, model: Model) -> tuple[Any, Any]:
+    """A backend that runs steps ahead and one that does not, over one emulated device."""
+    kv = KVRequest(blocks=48, block_size=BLOCK, max_sequences=4)
+    return (module.build_cuda_backend(model, kv, 0.9, run_ahead=True),
+            module.build_cuda_backend(model, kv, 0.9, run_ahead=False))
+
+
+def assert_same_step(pair: tuple[Any, Any], items: list[StepItem],
+                     rows: list[RowInputs]) -> np.ndarray:
+    """Both backends run the step: the same candidates and logits rows, bit for bit; the
+    first candidates."""
+    ahead, plain = (backend.run(items, rows) for backend in pair)
+    for name in ("ids", "count", "logits", "log_z"):
+        np.testing.assert_array_equal(np.asarray(getattr(ahead, name)).view(np.uint8),
+                                      np.asarray(getattr(plain, name)).view(np.uint8), name)
+    every = range(len(rows))
+    np.testing.assert_array_equal(pair[0].fetch_rows(every).view(np.uint32),
+                                  pair[1].fetch_rows(every).view(np.uint32))
+    return ahead.ids[:, 0]
+
+
+def test_greedy_decoding_takes_the_steps_run_ahead_bit_for_bit(
+        emulated: tuple[Any, EmulatedDevice], model: Model) -> None:
+    """Two sequences decoding greedily past a block edge (their whole tables given): every
+    decode step after the first is the one run ahead, and every answer is the plain
+    backend's; a step that differs (another token fed, a sequence left, a row asking for
+    more) drops the step run ahead and runs as usual, in the other lane; none is queued again
+    until the step expected comes."""
+    module, device = emulated
+    pair = backends(module, model)
+    tables = [(0, 1, 2), (3, 4, 5)]
+    prompts = [(5, 17, 300, 42, 9, 11, 12), (8, 6, 4, 2, 1)]
+    tokens = [assert_same_step(pair, [StepItem(p, 0, t)], [GREEDY])[0]
+              for p, t in zip(prompts, tables)]
+    positions = [len(p) for p in prompts]
+    for step in range(14):
+        items = [StepItem((int(token),), p + step, table, seq_id=i)
+                 for i, (token, p, table) in enumerate(zip(tokens, positions, tables))]
+        tokens = assert_same_step(pair, items, [GREEDY] * 2)
+    assert pair[0].steps_run_ahead == 13 and pair[1].steps_run_ahead == 0
+    held = [p + 14 for p in positions]
+    # another token than the one fed: dropped, run as asked; the next step is not queued
+    # (a dropped step cost a whole one), but is expected, and as it comes true the one after
+    # it is queued again
+    items = [StepItem((int(tokens[0]) + 1,), held[0], tables[0], seq_id=0),
+             StepItem((int(tokens[1]),), held[1], tables[1], seq_id=1)]
+    tokens = assert_same_step(pair, items, [GREEDY] * 2)
+    for step in range(1, 4):
+        items = [StepItem((int(token),), p + step, table, seq_id=i)
+                 for i, (token, p, table) in enumerate(zip(tokens, held, tables))]
+        tokens = assert_same_step(pair, items, [GREEDY] * 2)
+    assert pair[0].steps_run_ahead == 15
+    # a sequence leaves (dropped); then a row asking for four candidates
+    tokens = assert_same_step(pair, [StepItem((int(tokens[0]),), held[0] + 4, tables[0])],
+                              [GREEDY])
+    assert_same_step(pair, [StepItem((int(tokens[0]),), held[0] + 5, tables[0])],
+                     [RowInputs(candidates=4, want_log_z=True)])
+    assert pair[0].steps_run_ahead == 15
+    for backend in pair:
+        backend.close()
+    assert device.live == set()
+
+
+def test_no_step_runs_ahead_past_the_blocks_a_table_holds(
+        emulated: tuple[Any, EmulatedDevice], model: Model) -> None:
+    """The scheduler's tables end at a step's last block: at the block's last position the
+    next step needs a block not given yet, so none runs ahead; the step after it does again.
+    A prefill step larger than the workspace, with a step queued ahead, grows the workspace
+    after the queued step is done; closing with one queued frees everything."""
+    module, device = emulated
+    pair = backends(module, model)
+    prompt = tuple(range(1, 14))
+    token = assert_same_step(pair, [StepItem(prompt, 0, (0,))], [GREEDY])[0]
+    for position in range(13, 19):
+        table = tuple(range(position // BLOCK + 1))
+        token = assert_same_step(pair, [StepItem((int(token),), position, table)], [GREEDY])[0]
+    # 14 and 15 run ahead; 16 not (15's table lacks block 1); 17 and 18 again
+    assert pair[0].steps_run_ahead == 4
+    long_prompt = tuple(int(t) % 200 + 1 for t in range(600))
+    assert_same_step(pair, [StepItem(long_prompt, 0, tuple(range(2, 40)))], [GREEDY])
+    assert_same_step(pair, [StepItem((int(token),), 19, (0, 1))], [GREEDY])
+    for backend in pair:
+        backend.close()
+    assert device.live == set()
