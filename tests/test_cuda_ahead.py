@@ -64,6 +64,8 @@ def test_the_step_asked_for_is_the_one_run_ahead_only_when_nothing_differs() -> 
     for step in different:
         assert not cuda_ahead.is_ahead_step(ahead, step, [GREEDY] * len(step)), step
     assert not cuda_ahead.is_ahead_step(ahead, asked, [GREEDY, RowInputs(want_log_z=True)])
+    masked = RowInputs(allowed=np.ones(4, np.int32))  # a mask: refused, not compared
+    assert not cuda_ahead.is_ahead_step(ahead, asked, [GREEDY, masked])
 
 
 @pytest.fixture(scope="module")

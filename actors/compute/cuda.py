@@ -413,7 +413,8 @@ class CudaBackend:
             return
         try:
             with self._current():
-                self._settle()
+                with suppress(cuda.Error):  # a lost context: free what can be freed
+                    self._settle()
                 self._drop_graphs()
                 if self._workspace is not None:
                     self._workspace.free()

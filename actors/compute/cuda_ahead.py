@@ -82,7 +82,9 @@ def is_ahead_step(ahead: AheadStep, items: Sequence[StepItem],
     """Whether the step asked for is the one run ahead: the same sequences at the same
     positions with the fed tokens, wanting logits, tables that agree on every block it used,
     and the same rows."""
-    return (len(items) == len(ahead.items) and tuple(rows) == ahead.rows
+    # Rows that must take their candidate first: no mask array to compare.
+    return (len(items) == len(ahead.items) and all(map(takes_its_candidate, rows))
+            and tuple(rows) == ahead.rows
             and all(type(item) is StepItem and item.tokens == expected.tokens
                     and item.start == expected.start and item.want_logits
                     and item.seq_id == expected.seq_id
