@@ -7,14 +7,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
+from actors import Engine, SamplingParams
 from actors.compute import cuda_ahead
 from actors.compute.contract import KVRequest, RowInputs, StepItem
 from actors.model.loaded import Model, load_model
 from tests.conftest import TINY_MODELS
 from tests.cuda_emulator import EmulatedDevice
+from tests.test_engine_fake import FakeTokenizer
 
 BLOCK = 16
 GREEDY = RowInputs()
@@ -157,3 +160,44 @@ def test_no_step_runs_ahead_past_the_blocks_a_table_holds(
     for backend in pair:
         backend.close()
     assert device.live == set()
+
+
+class TinyTokenizer(FakeTokenizer):
+    vocab_size = 1024  # the tiny models'
+
+
+async def engine_run(module: Any, model: Model, run_ahead: bool) -> tuple[list[list[int]], int]:
+    """Three greedy requests at once through an Engine on the CUDA backend (emulated): their
+    tokens, and the decode steps the backend answered from a step run ahead."""
+    built: list[Any] = []
+
+    def make() -> Any:
+        kv = KVRequest(blocks=32, block_size=BLOCK, max_sequences=4)
+        built.append(module.build_cuda_backend(model, kv, 0.9, run_ahead=run_ahead))
+        return built[-1]
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 17, 300, 42, 9, 11, 12], [8, 6, 4, 2, 1], list(range(20, 33))]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    async with Engine.open_backend(make, TinyTokenizer(), max_sequences=4) as engine:
+        async def one(index: int) -> None:
+            tokens[index] = list((await engine.complete(prompts[index], params)).token_ids)
+
+        async with anyio.create_task_group() as tasks:
+            for index in range(len(prompts)):
+                tasks.start_soon(one, index)
+    return tokens, built[0].steps_run_ahead
+
+
+def test_an_engine_takes_its_greedy_steps_ahead_and_answers_the_same(
+        emulated: tuple[Any, EmulatedDevice], model: Model) -> None:
+    """Through the actors (the scheduler's items, their tables a block early where the pool
+    has room): most decode steps of three greedy requests are the ones run ahead, and every
+    token is the one a backend that does not run ahead gives."""
+    module, _ = emulated
+    ahead, taken = anyio.run(engine_run, module, model, True)
+    plain, none = anyio.run(engine_run, module, model, False)
+    assert ahead == plain and all(len(t) == 24 for t in ahead)
+    # 22 of the 23 decode steps here: all but the first (the one queued after the last is
+    # dropped as the requests end)
+    assert none == 0 and taken >= 20, taken
