@@ -7,9 +7,11 @@ backend (wall clock per step, each step ending in its one synchronization): deco
 1, 32 and 64 streams on the matvec and the decode tiles routes (`*_decode_tiles`), at 1 and
 32 on the mma matvec route (`llama3_8b_matvec_mma`), and prefill-512 tok/s on a
 Llama-3-8B-shaped file (benchmarks/synthetic_gguf.py), one-stream decode on gemma-3-270m, and
-the stream operations and kernels of a decode step. Whole models through the Engine (greedy,
+the stream operations and kernels of a decode step (the bare backend runs one step at a time:
+its random tokens would drop every step run ahead). Whole models through the Engine (greedy,
 ignore_eos, a fixed token count) at 1, 32 and 64 streams beside the bare backend's figures
-(the 8B also on the decode tiles route, and on the mma matvec route at 1 stream): the
+(the 8B also on the decode tiles route, and on the mma matvec route at 1 stream, and without
+the greedy steps run ahead at 1 and 32, `llama3_8b_engine_one_step_at_a_time`): the
 difference per decode step is what the actors cost; the backend's busy share of the run
 (EngineStats.compute_busy_s) tells how much of it falls inside the backend's run calls.
 
@@ -267,11 +269,11 @@ def bench_model(path: Path, streams: tuple[int, ...], prefill: int | None,
 
 
 @asynccontextmanager
-async def cuda_engine(path: Path, streams: tuple[int, ...],
-                      decode_route: str) -> AsyncIterator[Any]:
+async def cuda_engine(path: Path, streams: tuple[int, ...], decode_route: str,
+                      run_ahead: bool = True) -> AsyncIterator[Any]:
     """An Engine on the CUDA backend for the file at `path`: Engine.open for the default
-    route, Engine.open_backend over a CudaFactory for another (the same engine, the model
-    opened here)."""
+    route, Engine.open_backend over a CudaFactory for another or without the greedy steps
+    run ahead (the same engine, the model opened here)."""
     from actors.compute.backends import CudaFactory
     from actors.compute.contract import KVRequest
     from actors.engine import Engine
@@ -279,7 +281,7 @@ async def cuda_engine(path: Path, streams: tuple[int, ...],
 
     per_stream = -(-(DECODE_PROMPT + ENGINE_TOKENS) // MODEL_BLOCK)
     kv_blocks = max(streams) * per_stream + 1
-    if decode_route == "matvec":
+    if decode_route == "matvec" and run_ahead:
         async with Engine.open(path, backend="cuda", max_sequences=max(streams),
                                kv_blocks=kv_blocks, block_size=MODEL_BLOCK) as engine:
             yield engine
@@ -288,7 +290,8 @@ async def cuda_engine(path: Path, streams: tuple[int, ...],
     kv = KVRequest(blocks=kv_blocks, block_size=MODEL_BLOCK, max_sequences=max(streams))
     try:
         async with Engine.open_backend(
-                partial(CudaFactory(decode_route=decode_route).build, model, kv),
+                partial(CudaFactory(decode_route=decode_route, run_ahead=run_ahead).build,
+                        model, kv),
                 model.tokenizer, backend="cuda", max_sequences=max(streams)) as engine:
             yield engine
     finally:
@@ -296,7 +299,7 @@ async def cuda_engine(path: Path, streams: tuple[int, ...],
 
 
 async def engine_decode(path: Path, streams: tuple[int, ...], rng: np.random.Generator,
-                        decode_route: str) -> list[dict[str, Any]]:
+                        decode_route: str, run_ahead: bool = True) -> list[dict[str, Any]]:
     """Each stream count in turn through one Engine: that many concurrent greedy requests of
     ENGINE_TOKENS tokens (ignore_eos) after DECODE_PROMPT-token prompts, after a warm-up that
     captures the decode graphs. Decode figures run from the last stream's first token to the
@@ -306,7 +309,7 @@ async def engine_decode(path: Path, streams: tuple[int, ...], rng: np.random.Gen
     from actors.params import SamplingParams
 
     params = SamplingParams(max_tokens=ENGINE_TOKENS, temperature=0.0, ignore_eos=True)
-    async with cuda_engine(path, streams, decode_route) as engine:
+    async with cuda_engine(path, streams, decode_route, run_ahead) as engine:
         vocab = engine.info.vocab_size
 
         async def run(n: int,
@@ -350,13 +353,14 @@ async def engine_decode(path: Path, streams: tuple[int, ...], rng: np.random.Gen
 
 
 def bench_engine(path: Path, streams: tuple[int, ...], bare: Any, rng: np.random.Generator,
-                 decode_route: str = "matvec") -> list[dict[str, Any]]:
+                 decode_route: str = "matvec", run_ahead: bool = True) -> list[dict[str, Any]]:
     """engine_decode's figures, each beside the bare backend's decode step at the same
     stream count (from `bare`, bench_model's report of the same file on the same route, where
-    it has one): actors_ms_per_step is what the engine's actors add to a decode step."""
+    it has one): actors_ms_per_step is what the engine's actors add to a decode step (less
+    what the steps run ahead hide)."""
     import anyio
 
-    results = anyio.run(engine_decode, path, streams, rng, decode_route)
+    results = anyio.run(engine_decode, path, streams, rng, decode_route, run_ahead)
     bare_ms = {row["streams"]: row["ms_per_step"]
                for row in (bare or {}).get("decode", []) if "ms_per_step" in row}
     for row in results:
@@ -437,6 +441,10 @@ def main() -> None:
             section(f"{key}_engine",
                     lambda: bench_engine(path, engine_streams, report.get(key), rng))
     if args.model_8b and engine_streams:  # the other routes through the Engine: the 8B alone
+        # Without the greedy steps run ahead, at 1 and 32 streams: what running ahead hides.
+        section("llama3_8b_engine_one_step_at_a_time",
+                lambda: bench_engine(args.model_8b, tuple(n for n in engine_streams if n <= 32),
+                                     report.get("llama3_8b"), rng, run_ahead=False))
         section("llama3_8b_decode_tiles_engine",
                 lambda: bench_engine(args.model_8b, engine_streams,
                                      report.get("llama3_8b_decode_tiles"), rng, "tiles"))
