@@ -376,6 +376,8 @@ class CudaBackend:
             self._last_rows = len(rows)
             return candidates
         if ahead is not None:
+            # Also what keeps the dropped step's lane unwritten until a later step's wait
+            # (its pinned input may not have been copied yet): nothing is queued this step.
             self._queue_allowed = False
         elif expected is not None and cuda_ahead.is_ahead_step(expected, items, rows):
             self._queue_allowed = True
