@@ -35,23 +35,25 @@ def test_only_rows_that_must_take_their_first_candidate_run_ahead() -> None:
 
 def test_the_next_items_advance_each_sequence_inside_its_own_blocks() -> None:
     items = [StepItem((7,), 14, (3, 4), seq_id=1), StepItem((8,), 3, (5,), seq_id=2)]
-    following = cuda_ahead.next_items(items, [GREEDY] * 2, BLOCK, 8)
+    following = cuda_ahead.next_items(items, [GREEDY] * 2, BLOCK, 8, 128)
     assert following == (StepItem((), 15, (3,), True, 1), StepItem((), 4, (5,), True, 2))
     # the block of position 16 is in the table: the step crosses into it
-    crossing = cuda_ahead.next_items([StepItem((7,), 15, (3, 4))], [GREEDY], BLOCK, 8)
+    crossing = cuda_ahead.next_items([StepItem((7,), 15, (3, 4))], [GREEDY], BLOCK, 8, 128)
     assert crossing == (StepItem((), 16, (3, 4)),)
     # not when the table lacks it (the scheduler's tables end at the step's last block), names
     # a block outside the pool, or another item's table holds it (a shared block is full)
     for table in ((3,), (3, 9)):
-        assert cuda_ahead.next_items([StepItem((7,), 15, table)], [GREEDY], BLOCK, 8) is None
+        assert cuda_ahead.next_items([StepItem((7,), 15, table)], [GREEDY], BLOCK, 8, 128) is None
     shared = [StepItem((7,), 3, (5,)), StepItem((8,), 20, (5, 6))]
-    assert cuda_ahead.next_items(shared, [GREEDY] * 2, BLOCK, 8) is None
-    assert cuda_ahead.next_items(items, [GREEDY, RowInputs(candidates=2)], BLOCK, 8) is None
+    assert cuda_ahead.next_items(shared, [GREEDY] * 2, BLOCK, 8, 128) is None
+    assert cuda_ahead.next_items(items, [GREEDY, RowInputs(candidates=2)], BLOCK, 8, 128) is None
+    # nor past the context: the sequence ends there
+    assert cuda_ahead.next_items([StepItem((7,), 31, (3, 4, 5))], [GREEDY], BLOCK, 8, 32) is None
 
 
 def test_the_step_asked_for_is_the_one_run_ahead_only_when_nothing_differs() -> None:
     items = [StepItem((7,), 14, (3, 4), seq_id=1), StepItem((8,), 3, (5,), seq_id=2)]
-    following = cuda_ahead.next_items(items, [GREEDY] * 2, BLOCK, 8)
+    following = cuda_ahead.next_items(items, [GREEDY] * 2, BLOCK, 8, 128)
     ahead = cuda_ahead.ahead_step(following, np.array([11, 12], np.int32), [GREEDY] * 2)
     asked = [StepItem((11,), 15, (3, 4), seq_id=1), StepItem((12,), 4, (5, 6), seq_id=2)]
     assert cuda_ahead.is_ahead_step(ahead, asked, [GREEDY] * 2)  # later blocks do not matter

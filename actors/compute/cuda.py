@@ -547,7 +547,8 @@ class CudaBackend:
         is allowed: its arrays, the tokens fed from the records on the device, the bucket's
         graph, the same rows' candidates. Its items (tokens unknown yet), or None where no
         step follows that way."""
-        pending = cuda_ahead.next_items(items, rows, self.block_size, self.num_blocks)
+        pending = cuda_ahead.next_items(items, rows, self.block_size, self.num_blocks,
+                                        self._spec.context_length)
         if pending is None or not self._queue_allowed:
             return pending
         ahead_lane = 1 - lane

@@ -48,15 +48,17 @@ def takes_its_candidate(row: RowInputs) -> bool:
 
 
 def next_items(items: Sequence[StepItem], rows: Sequence[RowInputs], block_size: int,
-               num_blocks: int) -> tuple[StepItem, ...] | None:
+               num_blocks: int, context_length: int) -> tuple[StepItem, ...] | None:
     """The items of the step after `items` (a validated decode step: one token an item, every
     item wanting logits) if every sequence goes on with its candidate, their tokens left
-    empty; None where a row may not take its candidate, or an item's next position needs a
-    block its table lacks, or that block is also in another item's table."""
+    empty; None where a row may not take its candidate, or an item's next position is past
+    the context or needs a block its table lacks, or that block is also in another item's
+    table."""
     if not all(map(takes_its_candidate, rows)):
         return None
     positions = [item.start + 1 for item in items]
-    if any(len(item.blocks) <= p // block_size for item, p in zip(items, positions)):
+    if any(p >= context_length or len(item.blocks) <= p // block_size
+           for item, p in zip(items, positions)):
         return None
     tables = [tuple(item.blocks[: p // block_size + 1]) for item, p in zip(items, positions)]
     named = np.fromiter(chain.from_iterable(tables), np.int64)
