@@ -9,8 +9,16 @@ the forward launches) and `row_arrays_ms` (packed while the forward runs); `ahea
 a greedy decode whose every step was run ahead (actors.compute.cuda_ahead: the step is
 recognized, the next one queued, the records read), over AHEAD_STEPS steps.
 
+`--engine-streams`: the whole Engine over the same device, its stream keeping time as a GPU
+whose every decode step takes `--device-ms` (the work done at once, each wait sleeping until
+the work queued before it would be done; the candidate kernels' twins run, so every row
+answers token 0). That many concurrent greedy requests of ENGINE_TOKENS tokens, one step at a
+time and with the steps run ahead: `ms_per_step` a decode step, and `device_idle_ms` what of it
+the device waits for the host (the actors and the backend's host work).
+
     python benchmarks/bench_cuda_host.py [--model PATH] [--rows 1 32 64] [--steps 300]
                                          [--route matvec|tiles|matvec_mma]
+                                         [--engine-streams 1 32 64] [--device-ms 2]
 """
 
 from __future__ import annotations
@@ -19,13 +27,16 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' emulator
 
+from actors import Engine, SamplingParams  # noqa: E402
 from actors.compute import cuda_packing as packing  # noqa: E402
 from actors.compute.contract import KVRequest, RowInputs, StepItem  # noqa: E402
 from actors.compute.cuda_plan import DECODE_ROUTES  # noqa: E402
@@ -36,6 +47,7 @@ from tests.cuda_emulator import EmulatedDevice, install  # noqa: E402
 
 BLOCK_SIZE = 16
 AHEAD_STEPS = 100
+ENGINE_TOKENS = 64
 
 
 def best_ms(work: Callable[[], object], steps: int, repeats: int) -> float:
@@ -49,6 +61,64 @@ def best_ms(work: Callable[[], object], steps: int, repeats: int) -> float:
     return best * 1e3
 
 
+class ToyTokenizer:
+    """Token i is the text " t<i>": enough of a tokenizer for the Engine's answers."""
+
+    bos_id = None
+    eos_id = 1
+    stop_ids = frozenset({1})
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, *, add_bos: bool | None = None,
+               parse_special: bool = False) -> list[int]:
+        return [2 + ord(char) % (self.vocab_size - 2) for char in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(f" t{i}" for i in ids)
+
+    def incremental_decoder(self) -> Any:
+        return ToyDecoder(self)
+
+
+class ToyDecoder:
+    def __init__(self, tokenizer: ToyTokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def push(self, token: int) -> str:
+        return self._tokenizer.decode([token])
+
+    def flush(self) -> str:
+        return ""
+
+
+async def engine_step_ms(module: Any, model: Any, streams: int, run_ahead: bool) -> float:
+    """A decode step's wall time through an Engine over the timed emulated device: `streams`
+    concurrent greedy requests, from the last one's first token to the end."""
+    per_stream = -(-(8 + ENGINE_TOKENS + 1) // BLOCK_SIZE) + 1
+    kv = KVRequest(blocks=streams * per_stream, block_size=BLOCK_SIZE, max_sequences=streams)
+    params = SamplingParams(max_tokens=ENGINE_TOKENS, temperature=0.0, ignore_eos=True)
+    firsts: list[float] = []
+
+    async def one(engine: Engine, index: int) -> None:
+        first = True
+        async for chunk in engine.generate([2 + index % 50] * 8, params):
+            if first and chunk.token_id is not None:
+                firsts.append(time.perf_counter())
+                first = False
+
+    async with Engine.open_backend(
+            lambda: module.build_cuda_backend(model, kv, 0.9, run_ahead=run_ahead),
+            ToyTokenizer(model.spec.vocab_size), max_sequences=streams) as engine:
+        await engine.complete([2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0))
+        async with anyio.create_task_group() as tasks:
+            for index in range(streams):
+                tasks.start_soon(one, engine, index)
+        ended = time.perf_counter()
+    return (ended - max(firsts)) / (ENGINE_TOKENS - 1) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(TINY_MODELS["llama-q4k-tiny"]),
@@ -57,6 +127,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--route", choices=DECODE_ROUTES, default="matvec")
+    parser.add_argument("--engine-streams", type=int, nargs="*", default=[],
+                        help="stream counts through the Engine over a timed device")
+    parser.add_argument("--device-ms", type=float, default=2.0,
+                        help="the timed device's decode step (ms)")
     args = parser.parse_args()
     with pytest.MonkeyPatch.context() as patches:
         module = install(patches, EmulatedDevice(run_kernels=False))
@@ -91,6 +165,17 @@ def main() -> None:
                               "ms_per_step": round(step_ms, 3), "plan_ms": round(plan_ms, 3),
                               "row_arrays_ms": round(rows_ms, 3),
                               "ahead_ms_per_step": round(ahead_ms, 3)}), flush=True)
+    for streams in args.engine_streams:
+        with pytest.MonkeyPatch.context() as patches:
+            module = install(patches, EmulatedDevice(run_kernels=False, run_candidates=True,
+                                                     graph_seconds=args.device_ms / 1e3))
+            for run_ahead in (False, True):
+                step_ms = anyio.run(engine_step_ms, module, model, streams, run_ahead)
+                print(json.dumps({"engine_streams": streams, "run_ahead": run_ahead,
+                                  "device_ms": args.device_ms,
+                                  "ms_per_step": round(step_ms, 3),
+                                  "device_idle_ms": round(step_ms - args.device_ms, 3)}),
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import functools
 import importlib
 import math
 import sys
+import time
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -472,10 +473,18 @@ class KernelTwins:
         self.i32(out, records.size)[:] = records.ravel()
 
 
+# The kernels that choose and feed tokens (EmulatedDevice's run_candidates).
+CANDIDATE_KERNELS = frozenset({"apply_token_mask", "apply_penalties", "top_candidates",
+                               "feed_greedy_tokens"})
+
+
 class EmulatedDevice:
     """The pycuda.driver and pycuda.compiler the backend imports, and the graph API it calls
     through libcuda, over `Memory`. Counts what the backend asks for; `fail_kernel` makes that
-    kernel's launches raise, `context_broken` makes the context probe fail."""
+    kernel's launches raise, `context_broken` makes the context probe fail. With
+    `graph_seconds`, the stream keeps time as a device would: each graph launch takes that
+    long after the stream's earlier work, and a wait (an event's or the stream's) sleeps until
+    the work before it is done (the work itself still happens at once)."""
 
     class Error(Exception):
         pass
@@ -486,7 +495,13 @@ class EmulatedDevice:
     class LogicError(Error):
         pass
 
-    def __init__(self, run_kernels: bool, free_bytes: int = 100 * GIB) -> None:
+    def __init__(self, run_kernels: bool, free_bytes: int = 100 * GIB,
+                 graph_seconds: float = 0.0, run_candidates: bool = False) -> None:
+        self.graph_seconds = graph_seconds
+        # Without the kernels, the candidates' still (over whatever the logits rows hold):
+        # an engine over the device then gets answers.
+        self.run_candidates = run_candidates
+        self.busy_until = 0.0  # perf_counter time the stream's queued work ends
         self.memory = Memory()
         self.twins = KernelTwins(self.memory)
         self.run_kernels = run_kernels
@@ -570,13 +585,17 @@ class EmulatedDevice:
 
             def synchronize(self) -> None:
                 device.synchronizations += 1
+                device.wait_until(device.busy_until)
 
         class Event:
+            recorded = 0.0
+
             def record(self, stream: Any) -> None:
-                pass
+                self.recorded = device.busy_until
 
             def synchronize(self) -> None:
                 device.synchronizations += 1
+                device.wait_until(self.recorded)
 
         module.Context, module.Device, module.Stream = Context, Device, Stream
         module.Event = Event
@@ -651,7 +670,7 @@ class EmulatedDevice:
             self.capturing.append((name, grid, args))
             return
         self.launches.append(name)
-        if self.run_kernels:
+        if self.run_kernels or (self.run_candidates and name in CANDIDATE_KERNELS):
             self.twins.launch(name, grid, args)
 
     # --- the graph API (actors.compute.cuda.DriverGraphs) -------------------------------
@@ -666,7 +685,15 @@ class EmulatedDevice:
             self.capturing = None
         return self.captures
 
+    def wait_until(self, moment: float) -> None:
+        """Sleep until the emulated stream's work queued before `moment` is done."""
+        left = moment - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
     def launch_graph(self, executable: int, stream: Any) -> None:
+        if self.graph_seconds:
+            self.busy_until = max(self.busy_until, time.perf_counter()) + self.graph_seconds
         self.replays += 1
         for name, grid, args in self.graphs[executable]:
             self.launch(name, grid, args)
