@@ -18,7 +18,7 @@
 # Budget (the whole run under 10 minutes): tests 240 s, synthetic model 45 s, bench 240 s (the
 # matvec and decode tiles routes on the 8B file and the shrunk models, the mma matvec route on
 # the 8B file, the grown gemma-3, then the Engine), ncu 60 s, each adjustable (TESTS_S, TEST_S
-# a test, TEST_GROUP_SHARES, SYNTHETIC_S, BENCH_S, NCU_S; 0 = no ncu).
+# a test, GROUP_MIN_S, SYNTHETIC_S, BENCH_S, NCU_S; 0 = no ncu).
 # Rehearsal without a GPU: PYCUDA_CHECK=import with LD_LIBRARY_PATH at a libcuda stub
 # (.cudacarry/make_libcuda_stub.sh): PyCUDA installs and imports, tests/gpu skips, no bench.
 set -uo pipefail
@@ -28,6 +28,9 @@ py=${PY:-python3}
 started=$(date +%s)
 
 . ./.cudacarry/device_setup.sh || exit 1
+# The setup can go wrong without saying so (a build error past its checks): without PyCUDA
+# every device test would skip, so stop here rather than spend the device's time.
+"$py" -c 'import pycuda.driver' || { echo "device_check: PyCUDA does not import" >&2; exit 1; }
 # The carried wheels, where the interpreter lacks them (the GPU image does; a rehearsal's has them).
 "$py" -c 'import gguf, msgspec, structlog' 2>/dev/null ||
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -40,15 +43,17 @@ setup_s=$(( $(date +%s) - started ))
 per_test=()
 "$py" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout "${TEST_S:-90}")
 # The groups of tests/gpu/conftest.py (GPU_TEST_GROUPS), a process each: a kernel fault that
-# leaves the CUDA context unusable costs its own group only. Each gets the test budget's share
-# in TEST_GROUP_SHARES (percent), the kernels compiled once (PyCUDA's cache folder) for all.
+# leaves the CUDA context unusable costs its own group only. Each may use what is left of the
+# test budget but GROUP_MIN_S for each group after it (the kernels compiled once, in PyCUDA's
+# cache folder, for all).
 tests_rc=0
 groups_rc=""
-read -r -a shares <<< "${TEST_GROUP_SHARES:-40 20 20 20}"
-index=0
+tests_started=$(date +%s)
+left_after=3
 for group in kernels matvec_route tiles_route mma_route; do
-    limit=$(( ${TESTS_S:-240} * ${shares[$index]} / 100 ))
-    index=$((index + 1))
+    limit=$(( ${TESTS_S:-240} - ($(date +%s) - tests_started) - left_after * ${GROUP_MIN_S:-30} ))
+    [ "$limit" -ge "${GROUP_MIN_S:-30}" ] || limit=${GROUP_MIN_S:-30}
+    left_after=$((left_after - 1))
     GPU_TEST_GROUP=$group timeout "$limit" "$py" -m pytest -q -p no:cacheprovider -rs \
         --durations=6 "${per_test[@]}" tests/gpu --junitxml="$OUT/gpu_tests_$group.xml" \
         2>&1 | tee -a "$OUT/gpu_tests.log"
