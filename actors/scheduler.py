@@ -251,10 +251,13 @@ class Scheduler:
             pending = suspects[:1]
         decoding = [seq for seq in pending if len(seq.tokens) - seq.kv.held == 1]
         prefilling = [seq for seq in pending if len(seq.tokens) - seq.kv.held > 1]
+        # Decoding alone, nothing waiting: the next step may well be this one again.
+        steady = not prefilling and not self._waiting
         for seq in decoding:
             # An earlier reservation in this loop may have preempted it.
             if seq.seq_id in self._running and self._reserve(seq, len(seq.tokens), in_step):
-                self._reserve_next_position(seq)
+                if steady:
+                    self._reserve_next_position(seq)
                 items.append(self._item(seq, len(seq.tokens), len(seq.tokens) + 1))
                 in_step.add(seq.seq_id)
         budget = max(self._prefill_chunk - len(items), self.kv.block_size)
@@ -288,10 +291,11 @@ class Scheduler:
         )
 
     def _reserve_next_position(self, seq: _Sequence) -> None:
-        """The block of a decoding sequence's next position too, a step early, where the pool
-        has a free block for every running sequence besides (so it takes none another
-        sequence needs, and preempts nothing): a backend may then run the next step ahead
-        (actors.compute.cuda_ahead), which it does only inside the tables it was given."""
+        """The block of a decoding sequence's next position too, a step early (in a step of
+        decoding sequences alone, none waiting), where the pool has a free block for every
+        running sequence besides (so it takes none another sequence needs, and preempts
+        nothing): a backend may then run the next step ahead (actors.compute.cuda_ahead),
+        which it does only inside the tables it was given."""
         if self.kv.pool.available > len(self._running):
             self.kv.reserve(seq.kv, len(seq.tokens) + 1)
 

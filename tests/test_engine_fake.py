@@ -412,9 +412,10 @@ async def test_full_cache_waits_or_preempts_but_never_fails() -> None:
 
 
 async def test_decode_items_hold_their_next_positions_block_where_the_pool_has_room() -> None:
-    """A decode item's table covers the next position too, a step early, where the pool has a
-    free block for every running sequence besides (a backend may then run the next step
-    ahead, actors.compute.cuda_ahead); with no block to spare it ends at the item's own."""
+    """A decode item's table covers the next position too, a step early, in a step of
+    decoding sequences alone where the pool has a free block for every running sequence
+    besides (a backend may then run the next step ahead, actors.compute.cuda_ahead); with no
+    block to spare it ends at the item's own."""
     roomy = CountingBackend(num_blocks=64, block_size=4, context_length=4096)
     tight = CountingBackend(num_blocks=4, block_size=4, context_length=4096)
     for backend in (roomy, tight):
