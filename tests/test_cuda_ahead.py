@@ -15,22 +15,36 @@ from actors import Engine, SamplingParams
 from actors.compute import cuda_ahead
 from actors.compute.contract import KVRequest, RowInputs, StepItem
 from actors.model.loaded import Model, load_model
+from actors.sampling import SequenceSampling
 from tests.conftest import TINY_MODELS
 from tests.cuda_emulator import EmulatedDevice
 from tests.test_engine_fake import FakeTokenizer
 
 BLOCK = 16
 GREEDY = RowInputs()
+# What the sampler asks for a greedy row with 4 logprobs (actors.sampling.SequenceSampling).
+GREEDY_LOGPROBS = RowInputs(candidates=4, max_candidates=4, want_log_z=True, greedy=True)
 
 
 def test_only_rows_that_must_take_their_first_candidate_run_ahead() -> None:
     assert cuda_ahead.takes_its_candidate(GREEDY)
     assert cuda_ahead.takes_its_candidate(RowInputs(want_log_z=True, inv_temp=2.0))
+    assert cuda_ahead.takes_its_candidate(GREEDY_LOGPROBS)
     for row in (RowInputs(candidates=4), RowInputs(max_candidates=8), RowInputs(mass=0.9),
                 RowInputs(allowed=np.ones(4, np.int32)),
                 RowInputs(repetition_penalty=1.2, repeated=(3,)),
-                RowInputs(presence_penalty=0.5), RowInputs(frequency_penalty=0.5)):
+                RowInputs(presence_penalty=0.5), RowInputs(frequency_penalty=0.5),
+                RowInputs(greedy=True, repetition_penalty=1.2, repeated=(3,)),
+                RowInputs(greedy=True, allowed=np.ones(4, np.int32))):
         assert not cuda_ahead.takes_its_candidate(row), row
+    # the sampler says which rows are greedy: temperature 0, logprobs or not
+    for params, greedy in ((SamplingParams(temperature=0.0, logprobs=4), True),
+                           (SamplingParams(temperature=0.0), True),
+                           (SamplingParams(temperature=0.8, top_k=1), False)):
+        row = SequenceSampling(params, [1, 2], 1024).row_inputs()
+        assert row.greedy is greedy, params
+    assert SequenceSampling(SamplingParams(temperature=0.0, logprobs=4), [1, 2],
+                            1024).row_inputs() == GREEDY_LOGPROBS
 
 
 def test_the_next_items_advance_each_sequence_inside_its_own_blocks() -> None:
@@ -99,24 +113,26 @@ def assert_same_step(pair: tuple[Any, Any], items: list[StepItem],
     return ahead.ids[:, 0]
 
 
+@pytest.mark.parametrize("greedy", [GREEDY, GREEDY_LOGPROBS])
 def test_greedy_decoding_takes_the_steps_run_ahead_bit_for_bit(
-        emulated: tuple[Any, EmulatedDevice], model: Model) -> None:
+        emulated: tuple[Any, EmulatedDevice], model: Model, greedy: RowInputs) -> None:
     """Two sequences decoding greedily past a block edge (their whole tables given): every
     decode step after the first is the one run ahead, and every answer is the plain
     backend's; a step that differs (another token fed, a sequence left, a row asking for
     more) drops the step run ahead and runs as usual, in the other lane; none is queued again
-    until the step expected comes."""
+    until the step expected comes. Greedy rows asking for logprobs (four candidates and the
+    log-partition) run ahead as well."""
     module, device = emulated
     pair = backends(module, model)
     tables = [(0, 1, 2), (3, 4, 5)]
     prompts = [(5, 17, 300, 42, 9, 11, 12), (8, 6, 4, 2, 1)]
-    tokens = [assert_same_step(pair, [StepItem(p, 0, t)], [GREEDY])[0]
+    tokens = [assert_same_step(pair, [StepItem(p, 0, t)], [greedy])[0]
               for p, t in zip(prompts, tables)]
     positions = [len(p) for p in prompts]
     for step in range(14):
         items = [StepItem((int(token),), p + step, table, seq_id=i)
                  for i, (token, p, table) in enumerate(zip(tokens, positions, tables))]
-        tokens = assert_same_step(pair, items, [GREEDY] * 2)
+        tokens = assert_same_step(pair, items, [greedy] * 2)
     assert pair[0].steps_run_ahead == 13 and pair[1].steps_run_ahead == 0
     held = [p + 14 for p in positions]
     # another token than the one fed: dropped, run as asked; the next step is not queued
@@ -124,15 +140,15 @@ def test_greedy_decoding_takes_the_steps_run_ahead_bit_for_bit(
     # it is queued again
     items = [StepItem((int(tokens[0]) + 1,), held[0], tables[0], seq_id=0),
              StepItem((int(tokens[1]),), held[1], tables[1], seq_id=1)]
-    tokens = assert_same_step(pair, items, [GREEDY] * 2)
+    tokens = assert_same_step(pair, items, [greedy] * 2)
     for step in range(1, 4):
         items = [StepItem((int(token),), p + step, table, seq_id=i)
                  for i, (token, p, table) in enumerate(zip(tokens, held, tables))]
-        tokens = assert_same_step(pair, items, [GREEDY] * 2)
+        tokens = assert_same_step(pair, items, [greedy] * 2)
     assert pair[0].steps_run_ahead == 15
     # a sequence leaves (dropped); then a row asking for four candidates
     tokens = assert_same_step(pair, [StepItem((int(tokens[0]),), held[0] + 4, tables[0])],
-                              [GREEDY])
+                              [greedy])
     assert_same_step(pair, [StepItem((int(tokens[0]),), held[0] + 5, tables[0])],
                      [RowInputs(candidates=4, want_log_z=True)])
     assert pair[0].steps_run_ahead == 15

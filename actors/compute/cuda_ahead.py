@@ -2,8 +2,8 @@
 
 Between two decode steps the host hands each sequence its token, the sequence asks for the
 next, the scheduler builds the step and the backend packs it; the GPU waits all that time.
-After a decode step whose every row takes its one candidate (`takes_its_candidate`: one
-candidate asked, no mass, penalty or mask: greedy, or top-k of 1) and whose every item's next
+After a decode step whose every row takes its first candidate (`takes_its_candidate`: a
+greedy row, logprobs or not, or one asking for a single candidate; no penalty or mask) and whose every item's next
 position lies in a block its own table holds and no other item of the step uses
 (`next_items`), the backend queues the step that follows if every sequence goes on with that
 token: the same items one position on, the tokens fed on the device from the step's candidate
@@ -40,10 +40,11 @@ class AheadStep:
 
 
 def takes_its_candidate(row: RowInputs) -> bool:
-    """Whether the sampler must choose the row's first candidate: it asks for one, no mass,
-    and nothing changes its logits from step to step (no penalty, no mask)."""
-    return (row.candidates <= 1 and row.max_candidates <= 1 and row.mass == 0
-            and row.allowed is None and row.repetition_penalty == 1.0
+    """Whether the sampler must choose the row's first candidate (a greedy row, whatever it
+    asks for logprobs, or one asking for one candidate and no mass) and nothing changes its
+    logits from step to step (no penalty, no mask)."""
+    first = row.greedy or (row.candidates <= 1 and row.max_candidates <= 1 and row.mass == 0)
+    return (first and row.allowed is None and row.repetition_penalty == 1.0
             and row.presence_penalty == 0 and row.frequency_penalty == 0)
 
 

@@ -54,6 +54,9 @@ class RowInputs(msgspec.Struct, frozen=True, kw_only=True):
     max_candidates: int = 1
     inv_temp: float = 1.0  # 1 / temperature, for log_z and the mass
     want_log_z: bool = False
+    # The sampler takes the row's first candidate (greedy, whatever it asks for logprobs): a
+    # backend may feed that token to the next step before the sampler has seen it.
+    greedy: bool = False
     repetition_penalty: float = 1.0
     repeated: tuple[int, ...] = ()  # distinct token ids the repetition penalty applies to
     presence_penalty: float = 0.0

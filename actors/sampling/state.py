@@ -135,6 +135,7 @@ class SequenceSampling:
             max_candidates=MAX_CANDIDATES if mass else candidates,
             inv_temp=self.inv_temp,
             want_log_z=want_log_z,
+            greedy=self.greedy,
             repetition_penalty=params.repetition_penalty,
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
