@@ -157,6 +157,7 @@ def test_greedy_decoding_takes_the_steps_run_ahead_bit_for_bit(
     assert device.live == set()
 
 
+@pytest.mark.slow  # the 600-token prompt through the emulated tiles: seconds
 def test_no_step_runs_ahead_past_the_blocks_a_table_holds(
         emulated: tuple[Any, EmulatedDevice], model: Model) -> None:
     """The scheduler's tables end at a step's last block: at the block's last position the
