@@ -27,7 +27,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from actors.model.loaded import load_model  # noqa: E402
 from actors.model.step import plan_step  # noqa: E402
 from tests.conftest import TINY_MODELS  # noqa: E402
 from tests.cuda_emulator import EmulatedDevice, install  # noqa: E402
+from tests.test_engine_fake import FakeTokenizer  # noqa: E402
 
 BLOCK_SIZE = 16
 AHEAD_STEPS = 100
@@ -59,38 +60,6 @@ def best_ms(work: Callable[[], object], steps: int, repeats: int) -> float:
             work()
         best = min(best, (time.perf_counter() - started) / steps)
     return best * 1e3
-
-
-class ToyTokenizer:
-    """Token i is the text " t<i>": enough of a tokenizer for the Engine's answers."""
-
-    bos_id = None
-    eos_id = 1
-    stop_ids = frozenset({1})
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-
-    def encode(self, text: str, *, add_bos: bool | None = None,
-               parse_special: bool = False) -> list[int]:
-        return [2 + ord(char) % (self.vocab_size - 2) for char in text]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(f" t{i}" for i in ids)
-
-    def incremental_decoder(self) -> Any:
-        return ToyDecoder(self)
-
-
-class ToyDecoder:
-    def __init__(self, tokenizer: ToyTokenizer) -> None:
-        self._tokenizer = tokenizer
-
-    def push(self, token: int) -> str:
-        return self._tokenizer.decode([token])
-
-    def flush(self) -> str:
-        return ""
 
 
 async def engine_step_ms(module: Any, model: Any, streams: int, run_ahead: bool) -> float:
@@ -110,7 +79,7 @@ async def engine_step_ms(module: Any, model: Any, streams: int, run_ahead: bool)
 
     async with Engine.open_backend(
             lambda: module.build_cuda_backend(model, kv, 0.9, run_ahead=run_ahead),
-            ToyTokenizer(model.spec.vocab_size), max_sequences=streams) as engine:
+            FakeTokenizer(model.spec.vocab_size), max_sequences=streams) as engine:
         await engine.complete([2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0))
         async with anyio.create_task_group() as tasks:
             for index in range(streams):

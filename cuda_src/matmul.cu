@@ -805,6 +805,11 @@ __device__ bool mul_mat_decode_tiles(const Job& job, DecodeTileShared<T>& shared
     return true;
 }
 
+// A matrix's rows rounded up to whole decode tiles (its partials' rows a split).
+__device__ __forceinline__ int whole_tile_rows(int rows) {
+    return (rows + DecodeTile::ROWS - 1) / DecodeTile::ROWS * DecodeTile::ROWS;
+}
+
 // One segment (q, k or v) of mul_mat_decode_tiles_qkv: the block's tile rows are its rows
 // from (blockIdx.y - block_first) * 32, its sums go to y at the segment's column, K splits as
 // the segment's own launch would (`count` splits, partials at `partials` (floats), the
@@ -821,8 +826,7 @@ struct DecodeQkvSegment {
         return WeightRow{seg.weights + (first_row() + r) * seg.pitch, first_row() + r < seg.rows};
     }
     __device__ DecodeSplits splits(float* all_partials) const {
-        return DecodeSplits{split_count, all_partials + partials,
-                            (seg.rows + DecodeTile::ROWS - 1) / DecodeTile::ROWS * DecodeTile::ROWS,
+        return DecodeSplits{split_count, all_partials + partials, whole_tile_rows(seg.rows),
                             int(blockIdx.y) - seg.block_first};
     }
     __device__ void store(const float (&sums)[DecodeTile::TOKENS][DecodeTile::ROWS], int token0,
@@ -838,9 +842,7 @@ struct DecodeQkvSegment {
 
 // Partial floats a token of a segment's K-split (none with one split).
 __device__ int64_t segment_partial_rows(int rows, int splits) {
-    return splits > 1 ? int64_t(splits) * ((rows + DecodeTile::ROWS - 1) / DecodeTile::ROWS) *
-                            DecodeTile::ROWS
-                      : 0;
+    return splits > 1 ? int64_t(splits) * whole_tile_rows(rows) : 0;
 }
 
 // The largest head mul_mat_decode_tiles_qkv finishes (attention.cu's MAX_HEAD_DIM).

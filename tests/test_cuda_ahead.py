@@ -181,10 +181,6 @@ def test_no_step_runs_ahead_past_the_blocks_a_table_holds(
     assert device.live == set()
 
 
-class TinyTokenizer(FakeTokenizer):
-    vocab_size = 1024  # the tiny models'
-
-
 async def engine_run(module: Any, model: Model, run_ahead: bool) -> tuple[list[list[int]], int]:
     """Three greedy requests at once through an Engine on the CUDA backend (emulated): their
     tokens, and the decode steps the backend answered from a step run ahead."""
@@ -198,7 +194,8 @@ async def engine_run(module: Any, model: Model, run_ahead: bool) -> tuple[list[l
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[5, 17, 300, 42, 9, 11, 12], [8, 6, 4, 2, 1], list(range(20, 33))]
     tokens: list[list[int]] = [[] for _ in prompts]
-    async with Engine.open_backend(make, TinyTokenizer(), max_sequences=4) as engine:
+    async with Engine.open_backend(make, FakeTokenizer(model.spec.vocab_size),
+                                   max_sequences=4) as engine:
         async def one(index: int) -> None:
             tokens[index] = list((await engine.complete(prompts[index], params)).token_ids)
 

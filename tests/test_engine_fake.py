@@ -151,12 +151,15 @@ class FakeDecoder:
 
 
 class FakeTokenizer:
-    """Each token is two letters, so stop strings can straddle tokens."""
+    """Each token is two letters, so stop strings can straddle tokens; `vocab_size` that of
+    the model it stands beside (the fake model's by default)."""
 
-    vocab_size = VOCAB
     bos_id = None
     eos_id = EOS
     stop_ids = frozenset({EOS})
+
+    def __init__(self, vocab_size: int = VOCAB) -> None:
+        self.vocab_size = vocab_size
 
     def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
         return [ord(char) % (VOCAB - 2) + 2 for char in text]

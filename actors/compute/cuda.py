@@ -481,7 +481,7 @@ class CudaBackend:
                 self._launch(calls, addresses)
                 kernels = len(calls)
             else:
-                kernels = self._replay(bucket, lane, shape, addresses)
+                kernels = self._replay(bucket, lane, addresses)
             operations = 2 if bucket is not None else 1 + kernels
             # The GPU runs the forward while the host packs the rows' inputs.
             row_pack = packing.row_arrays(rows, spec.vocab_size)
@@ -563,16 +563,15 @@ class CudaBackend:
         addresses = {**at.input.upload(packed, self._stream), "logits": int(at.logits)}
         feed = launches.feed_tokens_call(len(rows), width, launches.Ref("step.token_ids"))
         self._launch([feed], addresses)
-        shape = launches.graph_shape(bucket, self._table_stride, self._split_keys,
-                                     self._spec.context_length, self.block_size)
-        kernels = self._replay(bucket, ahead_lane, shape, addresses)
+        kernels = self._replay(bucket, ahead_lane, addresses)
         tail = launches.candidate_calls(self._spec, len(rows), width, False, 0)
         self._launch(tail, {**addresses, **self._row_addresses})
         record = plan.candidate_record_words(width)
         cuda.memcpy_dtoh_async(at.pinned_candidates[: len(rows) * record],
                                self._workspace.buffers["candidates"], self._stream)
         at.done.record(self._stream)
-        self._ahead = QueuedStep(ahead_lane, bucket, width, 3 + len(tail) + 1,
+        # Operations: the arrays' copy, the feed, the graph, the tail, the records' copy.
+        self._ahead = QueuedStep(ahead_lane, bucket, width, len(tail) + 4,
                                  kernels + 1 + len(tail))
         return pending
 
@@ -632,13 +631,14 @@ class CudaBackend:
         base = step_addresses[arg.name] if arg.name in step_addresses else self._addresses[arg.name]
         return np.uintp(base + arg.offset)
 
-    def _replay(self, bucket: int, lane: int, shape: launches.StepShape,
-                step_addresses: dict[str, int]) -> int:
+    def _replay(self, bucket: int, lane: int, step_addresses: dict[str, int]) -> int:
         """Launch the bucket's decode graph of `lane` (captured now if this is its first
         step); the number of kernels it holds."""
         key = (bucket, lane)
         if key not in self._graphs:
-            calls = self._forward_calls(shape)
+            calls = self._forward_calls(launches.graph_shape(
+                bucket, self._table_stride, self._split_keys, self._spec.context_length,
+                self.block_size))
             executable = self._driver_graphs.capture(
                 self._stream, lambda: self._launch(calls, step_addresses))
             self._graphs[key] = (executable, dict(step_addresses), len(calls))

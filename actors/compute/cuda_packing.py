@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -35,22 +36,18 @@ def padded(values: Sequence[int] | np.ndarray, length: int, fill: int) -> np.nda
 def block_table_array(tables: Sequence[Sequence[int]] | np.ndarray, rows: int, stride: int,
                       fill: int, used: np.ndarray | None = None) -> np.ndarray:
     """Ragged block tables -> int32 (rows, stride), each padded with `fill`; or, with `used`,
-    the first used[i] entries of row i of a 2-d array of tables (at once, no work a row)."""
-    if used is not None:
-        lengths = np.asarray(used, dtype=np.int64)
-        if len(tables) > rows or (lengths.size and lengths.max() > stride):
-            raise InvalidRequest(f"block tables do not fit ({rows}, {stride})", field="blocks")
-        out = np.full((rows, stride), fill, dtype=np.int32)
-        width = min(np.shape(tables)[1], stride) if len(tables) else 0
-        kept = np.arange(width) < lengths[:, None]
-        out[: len(tables), :width] = np.where(kept, np.asarray(tables)[:, :width], fill)
-        return out
-    lengths = np.array([len(table) for table in tables], dtype=np.int64)
+    the first used[i] entries of row i of a 2-d array of tables."""
+    lengths = (np.array([len(table) for table in tables], dtype=np.int64) if used is None
+               else np.asarray(used, dtype=np.int64))
     if len(tables) > rows or (lengths.size and lengths.max() > stride):
         raise InvalidRequest(f"block tables do not fit ({rows}, {stride})", field="blocks")
     out = np.full((rows, stride), fill, dtype=np.int32)
-    if lengths.sum():
-        flat = np.concatenate([np.asarray(table, dtype=np.int32) for table in tables])
+    if used is not None:
+        width = min(np.shape(tables)[1], stride) if len(tables) else 0
+        kept = np.arange(width) < lengths[:, None]
+        out[: len(tables), :width] = np.where(kept, np.asarray(tables)[:, :width], fill)
+    elif lengths.sum():
+        flat = np.fromiter(chain.from_iterable(tables), np.int32, int(lengths.sum()))
         row = np.repeat(np.arange(len(tables)), lengths)
         column = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         out[row, column] = flat

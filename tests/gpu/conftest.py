@@ -60,7 +60,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group is not None:
             others = [item for item, index in order.items() if GPU_TEST_GROUPS[index] != group]
             config.hook.pytest_deselected(items=others)
-            items[:] = [item for item in items if item not in set(others)]
+            left_out = set(others)
+            items[:] = [item for item in items if item not in left_out]
         # In one process, the groups in order: a fault leaves the context unusable for every
         # test after it, so the kernels measured before come first.
         items.sort(key=lambda item: order.get(item, 0))  # stable: each group keeps its order
