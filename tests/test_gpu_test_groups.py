@@ -36,3 +36,32 @@ def test_every_device_test_has_a_group_and_every_group_tests() -> None:
     # the default route end to end has its own process, apart from the kernels one by one
     assert groups["tests/gpu/test_cuda_backend.py::test_a_decode_step_is_a_handful_of_launches"] \
         == "matvec_route"
+
+
+def test_the_figures_tests_record_end_the_log() -> None:
+    from tests.gpu.conftest import pytest_terminal_summary
+
+    class Reporter:
+        def __init__(self) -> None:
+            self.lines: list[str] = []
+            self.stats = {
+                "passed": [SimpleNamespace(nodeid="t.py::b", when="call",
+                                           user_properties=[("worst", "0.01"), ("top1", "1.0")]),
+                           SimpleNamespace(nodeid="t.py::c", when="call", user_properties=[])],
+                "failed": [SimpleNamespace(nodeid="t.py::a", when="call",
+                                           user_properties=[("worst", "0.3")])],
+                "": [SimpleNamespace(nodeid="t.py::d", when="setup",
+                                     user_properties=[("x", "1")])],
+                "warnings": [SimpleNamespace(message="deprecated")]}
+
+        def section(self, title: str) -> None:
+            self.lines.append(f"== {title}")
+
+        def write_line(self, line: str) -> None:
+            self.lines.append(line)
+
+    reporter = Reporter()
+    pytest_terminal_summary(reporter)
+    # a failed check's figure too (how far it was off), sorted; nothing of other phases
+    assert reporter.lines == ["== figures recorded by the device tests", "t.py::a: worst=0.3",
+                              "t.py::b: worst=0.01, top1=1.0"]

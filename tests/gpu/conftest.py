@@ -96,3 +96,17 @@ def kernel(cuda_context: Any) -> Callable[[str, str], Any]:
         return modules[file_name].get_function(name)
 
     return get
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The figures the tests recorded (`record_property`), a line a test, at the end of the
+    log: a device run then shows how close each check came, not only that it passed, in the
+    one log device_check.sh keeps."""
+    figures = [(report.nodeid, report.user_properties)
+               for reports in terminalreporter.stats.values() for report in reports
+               if getattr(report, "when", None) == "call" and getattr(report, "user_properties", None)]
+    if figures:
+        terminalreporter.section("figures recorded by the device tests")
+        for node_id, properties in sorted(figures):
+            terminalreporter.write_line(
+                f"{node_id}: " + ", ".join(f"{name}={value}" for name, value in properties))

@@ -6,19 +6,23 @@
 #      on the reference sequences; the engine on backend="cuda"), in four groups of a process
 #      each (tests/gpu/conftest.py's GPU_TEST_GROUPS) so that a fault costs its group only;
 #   3. benchmarks/synthetic_gguf.py: the Llama-3-8B-shaped Q4_K_M file and how long it takes
-#      there (SYNTHETIC_LAYERS, default 32; the file is deleted afterwards);
+#      there (SYNTHETIC_LAYERS, default 32);
 #   4. benchmarks/bench_cuda.py (Q4_K decode products on the three decode routes, the matvec,
 #      the decode tiles and the mma matvec, in effective TB/s; copy bandwidth; tensor-core
 #      tiles; whole-model decode / prefill tok/s on that file (the 8B decode on the mma matvec
 #      route at 1 and 32 streams, `llama3_8b_matvec_mma`, bare backend only) and, where its
-#      file is here, gemma-3-270m; launches per decode step).
-#   5. Nsight Compute (ncu) on the benchmark's matrix kernels, where ncu is there.
-# Results under $OUT: gpu_tests.log, gpu_tests_<group>.xml, synthetic_gguf.log, bench_cuda.log,
-# bench_cuda.json, ncu.txt and device_check.json (exit codes and seconds of each part).
-# Budget (the whole run under 10 minutes): tests 240 s, synthetic model 45 s, bench 240 s (the
-# matvec and decode tiles routes on the 8B file and the shrunk models, the mma matvec route on
-# the 8B file, the grown gemma-3, then the Engine), ncu 60 s, each adjustable (TESTS_S, TEST_S
-# a test, GROUP_MIN_S, SYNTHETIC_S, BENCH_S, NCU_S; 0 = no ncu).
+#      file is here, gemma-3-270m; launches per decode step);
+#   5. where .cudacarry/llama-cuda.tar.xz is (tests/gpu/prepare_llama_cpp.sh), llama.cpp's CUDA
+#      figures on the same files and GPU, and ours as ratios to them
+#      (benchmarks/llama_cpp_cuda_anchors.py);
+#   6. Nsight Compute (ncu) on the benchmark's matrix kernels, where ncu is there.
+# Results under $OUT (a device run brings back at most 8 files): device_check.log (every part's
+# output, the tests' recorded figures at the end of each group), bench_cuda.json,
+# llama_cpp_cuda.json, ncu.txt and device_check.json (exit codes and seconds of each part).
+# Time: the whole run ends within TOTAL_S (570 s: a device call may last 600). Each part has a
+# budget, cut to what is left: tests 240 s (TESTS_S; GROUP_MIN_S, 30, kept for each later
+# group; TEST_S, 90, a test), synthetic model 45 s (SYNTHETIC_S), bench 240 s (BENCH_S),
+# llama.cpp 60 s (ANCHORS_S; 0 = none), ncu 60 s (NCU_S; 0 = none).
 # Rehearsal without a GPU: PYCUDA_CHECK=import with LD_LIBRARY_PATH at a libcuda stub
 # (.cudacarry/make_libcuda_stub.sh): PyCUDA installs and imports, tests/gpu skips, no bench.
 set -uo pipefail
@@ -26,6 +30,19 @@ OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 py=${PY:-python3}
 started=$(date +%s)
+deadline=$(( started + ${TOTAL_S:-570} ))
+log=$OUT/device_check.log
+work=${WORK:-/tmp/device_check}
+mkdir -p "$work"
+exec > >(tee -a "$log") 2>&1  # every part's output, here and in the log
+
+# A part's seconds: its budget $1, cut to what is left before the deadline less $2 (what the
+# parts after it need at least); at least 1.
+part_s() {
+    local budget=$1 left=$(( deadline - $(date +%s) - ${2:-0} ))
+    [ "$left" -lt "$budget" ] && budget=$left
+    echo $(( budget < 1 ? 1 : budget ))
+}
 
 . ./.cudacarry/device_setup.sh || exit 1
 # The setup can go wrong without saying so (a build error past its checks): without PyCUDA
@@ -45,31 +62,32 @@ per_test=()
 # The groups of tests/gpu/conftest.py (GPU_TEST_GROUPS), a process each: a kernel fault that
 # leaves the CUDA context unusable costs its own group only. Each may use what is left of the
 # test budget but GROUP_MIN_S for each group after it (the kernels compiled once, in PyCUDA's
-# cache folder, for all).
+# cache folder, for all); the tests leave 150 s for the model file and the benchmark.
 tests_rc=0
 groups_rc=""
 tests_started=$(date +%s)
+tests_deadline=$(( tests_started + $(part_s "${TESTS_S:-240}" 150) ))
 left_after=3
 for group in kernels matvec_route tiles_route mma_route; do
-    limit=$(( ${TESTS_S:-240} - ($(date +%s) - tests_started) - left_after * ${GROUP_MIN_S:-30} ))
+    limit=$(( tests_deadline - $(date +%s) - left_after * ${GROUP_MIN_S:-30} ))
     [ "$limit" -ge "${GROUP_MIN_S:-30}" ] || limit=${GROUP_MIN_S:-30}
     left_after=$((left_after - 1))
     GPU_TEST_GROUP=$group timeout "$limit" "$py" -m pytest -q -p no:cacheprovider -rs \
-        --durations=6 "${per_test[@]}" tests/gpu --junitxml="$OUT/gpu_tests_$group.xml" \
-        2>&1 | tee -a "$OUT/gpu_tests.log"
-    rc=${PIPESTATUS[0]}
+        --durations=6 "${per_test[@]}" tests/gpu
+    rc=$?
     groups_rc="$groups_rc\"$group\": $rc, "
     [ "$rc" = 0 ] || tests_rc=$rc
 done
-tests_s=$(( $(date +%s) - started - setup_s ))
+tests_s=$(( $(date +%s) - tests_started ))
 
 model_8b=/tmp/llama3-8b-synthetic.gguf
 synthetic_started=$(date +%s)
-timeout "${SYNTHETIC_S:-45}" "$py" benchmarks/synthetic_gguf.py "$model_8b" \
-    --layers "${SYNTHETIC_LAYERS:-32}" 2>&1 | tee "$OUT/synthetic_gguf.log"
-synthetic_rc=${PIPESTATUS[0]}
+timeout "$(part_s "${SYNTHETIC_S:-45}" 100)" "$py" benchmarks/synthetic_gguf.py "$model_8b" \
+    --layers "${SYNTHETIC_LAYERS:-32}"
+synthetic_rc=$?
 synthetic_s=$(( $(date +%s) - synthetic_started ))
 
+gemma3=""
 if [ "${PYCUDA_CHECK:-}" = import ]; then
     bench_rc='"skipped: PYCUDA_CHECK=import (no device)"'
 else
@@ -80,29 +98,52 @@ else
         */gemma3-shrunk.gguf|'')
             gemma3=/tmp/gemma3-270m-grown.gguf
             "$py" benchmarks/grow_gguf.py .cudacarry/models/gemma3-shrunk.gguf "$gemma3" \
-                --layers 18 --vocab 262144 2>&1 | tee "$OUT/grow_gguf.log" || gemma3= ;;
+                --layers 18 --vocab 262144 || gemma3= ;;
     esac
     model_args=()
-    [ "$synthetic_rc" = 0 ] && model_args+=(--model-8b "$model_8b")
+    [ "$synthetic_rc" = 0 ] || model_8b=""
+    [ -n "$model_8b" ] && model_args+=(--model-8b "$model_8b")
     [ -n "$gemma3" ] && model_args+=(--gemma3 "$gemma3")
     for shrunk in .cudacarry/models/*.gguf; do [ -f "$shrunk" ] && model_args+=(--model "$shrunk"); done
-    timeout "${BENCH_S:-240}" "$py" benchmarks/bench_cuda.py --json "$OUT/bench_cuda.json" "${model_args[@]}" \
-        2>&1 | tee "$OUT/bench_cuda.log"
-    bench_rc=${PIPESTATUS[0]}
+    timeout "$(part_s "${BENCH_S:-240}" 40)" "$py" benchmarks/bench_cuda.py \
+        --json "$OUT/bench_cuda.json" "${model_args[@]}"
+    bench_rc=$?
 fi
-rm -f "$model_8b" /tmp/gemma3-270m-grown.gguf
-# 5. Nsight Compute on the benchmarked matrix kernels (each launched a few times): DRAM
+
+# 5. llama.cpp's CUDA tools (built on the dev machine: tests/gpu/prepare_llama_cpp.sh) on the
+#    same files, after ours, as the last user of the 8B file.
+anchors_rc='"skipped: no .cudacarry/llama-cuda.tar.xz"'
+if [ "${PYCUDA_CHECK:-}" = import ]; then
+    anchors_rc='"skipped: PYCUDA_CHECK=import (no device)"'
+elif [ "${ANCHORS_S:-60}" = 0 ]; then
+    anchors_rc='"skipped: ANCHORS_S=0"'
+elif [ -f .cudacarry/llama-cuda.tar.xz ]; then
+    tar xJf .cudacarry/llama-cuda.tar.xz -C "$work"
+    libs=$(bash benchmarks/llama_cpp_cuda.sh libs)
+    anchor_args=()
+    [ -n "$model_8b" ] && anchor_args+=(--model-8b "$model_8b")
+    [ -n "$gemma3" ] && anchor_args+=(--gemma3 "$gemma3")
+    LD_LIBRARY_PATH="$work/llama-cuda/bin:$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        timeout "$(part_s "${ANCHORS_S:-60}" 10)" "$py" benchmarks/llama_cpp_cuda_anchors.py \
+        "$work/llama-cuda/bin" "${anchor_args[@]}" --ours "$OUT/bench_cuda.json" \
+        --json "$OUT/llama_cpp_cuda.json"
+    anchors_rc=$?
+fi
+rm -f /tmp/llama3-8b-synthetic.gguf /tmp/gemma3-270m-grown.gguf
+
+# 6. Nsight Compute on the benchmarked matrix kernels (each launched a few times): DRAM
 #    throughput, instructions, time, bytes read, shared-memory bank conflicts, warps active.
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
 ncu_rc='"skipped: no ncu"'
 if [ -n "$ncu" ] && [ "${PYCUDA_CHECK:-}" != import ] && [ "${NCU_S:-60}" != 0 ]; then
-    timeout "${NCU_S:-60}" "$ncu" --clock-control none -k regex:mul_mat \
+    timeout "$(part_s "${NCU_S:-60}" 5)" "$ncu" --clock-control none -k regex:mul_mat \
         --metrics dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__warps_active.avg.pct_of_peak_sustained_active \
         "$py" benchmarks/bench_cuda.py --repeats 2 > "$OUT/ncu.txt" 2>&1
     ncu_rc=$?
 fi
 total_s=$(( $(date +%s) - started ))
-printf '{"setup_s": %s, "tests_rc": %s, "test_groups_rc": {%s}, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "ncu_rc": %s, "total_s": %s}\n' \
-    "$setup_s" "$tests_rc" "${groups_rc%, }" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$ncu_rc" "$total_s" \
-    | tee "$OUT/device_check.json"
+printf '{"setup_s": %s, "tests_rc": %s, "test_groups_rc": {%s}, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "anchors_rc": %s, "ncu_rc": %s, "total_s": %s}\n' \
+    "$setup_s" "$tests_rc" "${groups_rc%, }" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$anchors_rc" "$ncu_rc" "$total_s" \
+    > "$OUT/device_check.json"
+cat "$OUT/device_check.json"
 [ "$tests_rc" = 0 ] && [ "$synthetic_rc" = 0 ] && { [ "${PYCUDA_CHECK:-}" = import ] || [ "$bench_rc" = 0 ]; }

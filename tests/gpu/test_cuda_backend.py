@@ -167,7 +167,7 @@ def compared(request: pytest.FixtureRequest) -> Iterator[tuple[str, Comparison]]
         backend.close()
 
 
-# Each figure also goes to the JUnit XML as a property (device_check.sh keeps the XML), so a
+# Each figure is recorded as a property, which conftest.py prints at the end of the run, so a
 # device run reports how close the backend came, not only that it passed.
 def test_top16_logits_within_tolerance_of_the_cpu(compared: tuple[str, Comparison],
                                                    record_property: Any) -> None:
