@@ -33,7 +33,6 @@ types as a harmless bad argument, so the type cannot tell) and the backend is lo
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from actors.compute import cuda_launches as launches
 from actors.compute import cuda_packing as packing
 from actors.compute import cuda_plan as plan
 from actors.compute import cuda_weights as weights
+from actors.compute.cuda_graphs import DriverError, DriverGraphs
 from actors.compute.contract import (
     BackendLostError,
     Candidates,
@@ -66,75 +66,8 @@ from actors.progress import progress_callback
 FIRST_STEP_TOKENS = 512
 # Decode graphs are captured for batch buckets up to this many sequences.
 MAX_GRAPH_BATCH = 64
-# CUstreamCaptureMode RELAXED: PyCUDA's launch also calls cuFuncSetBlockShape (a legacy,
-# not stream-ordered call) before each cuLaunchKernel; the stricter modes may refuse it.
-CAPTURE_RELAXED = 2
 # CU_STREAM_NON_BLOCKING: the stream does not synchronize with the legacy stream.
 STREAM_NON_BLOCKING = 1
-
-
-class DriverError(RuntimeError):
-    """A CUDA driver call made through ctypes (the graph API) returned an error."""
-
-
-class DriverGraphs:
-    """CUDA graph capture and replay through libcuda itself: the PyCUDA build this project
-    ships (2026.1) wraps no graph API. The calls act on the current context, which is
-    PyCUDA's, so captured launches are PyCUDA's kernel launches on a PyCUDA stream."""
-
-    def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        void_p, p_void_p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
-        signatures = {
-            "cuStreamBeginCapture_v2": (void_p, ctypes.c_int),
-            "cuStreamEndCapture": (void_p, p_void_p),
-            "cuGraphInstantiateWithFlags": (p_void_p, void_p, ctypes.c_ulonglong),
-            "cuGraphLaunch": (void_p, void_p),
-            "cuGraphExecDestroy": (void_p,),
-            "cuGraphDestroy": (void_p,),
-            "cuGetErrorString": (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)),
-        }
-        for name, argtypes in signatures.items():
-            function = getattr(lib, name)
-            function.argtypes = argtypes
-            function.restype = ctypes.c_int
-        self._lib = lib
-
-    def _check(self, name: str, *args: Any) -> None:
-        code = getattr(self._lib, name)(*args)
-        if code != 0:
-            text = ctypes.c_char_p()
-            self._lib.cuGetErrorString(code, ctypes.byref(text))
-            message = text.value.decode() if text.value else "unknown error"
-            raise DriverError(f"{name} failed: {message} (CUresult {code})")
-
-    def capture(self, stream: cuda.Stream, enqueue: Any) -> int:
-        """Capture what `enqueue()` puts on `stream` into an executable graph (its handle)."""
-        handle = ctypes.c_void_p(stream.handle)
-        self._check("cuStreamBeginCapture_v2", handle, CAPTURE_RELAXED)
-        graph = ctypes.c_void_p()
-        try:
-            enqueue()
-        except BaseException:
-            # End the capture, or the stream stays in capture mode; but raise what enqueue
-            # raised, not the end-capture error the broken capture then gives.
-            self._lib.cuStreamEndCapture(handle, ctypes.byref(graph))
-            if graph.value:
-                self._lib.cuGraphDestroy(graph)
-            raise
-        self._check("cuStreamEndCapture", handle, ctypes.byref(graph))
-        try:
-            executable = ctypes.c_void_p()
-            self._check("cuGraphInstantiateWithFlags", ctypes.byref(executable), graph, 0)
-        finally:
-            self._check("cuGraphDestroy", graph)
-        return int(executable.value)
-
-    def launch(self, executable: int, stream: cuda.Stream) -> None:
-        self._check("cuGraphLaunch", ctypes.c_void_p(executable), ctypes.c_void_p(stream.handle))
-
-    def destroy(self, executable: int) -> None:
-        self._check("cuGraphExecDestroy", ctypes.c_void_p(executable))
 
 
 def compile_kernels(capability: tuple[int, int]) -> dict[str, cuda.Function]:
