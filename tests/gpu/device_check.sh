@@ -12,17 +12,16 @@
 #      tiles; whole-model decode / prefill tok/s on that file (the 8B decode on the mma matvec
 #      route at 1 and 32 streams, `llama3_8b_matvec_mma`, bare backend only) and, where its
 #      file is here, gemma-3-270m; launches per decode step);
-#   5. where .cudacarry/llama-cuda.tar.xz is (tests/gpu/prepare_llama_cpp.sh), llama.cpp's CUDA
-#      figures on the same files and GPU, and ours as ratios to them
-#      (benchmarks/llama_cpp_cuda_anchors.py);
-#   6. Nsight Compute (ncu) on the benchmark's matrix kernels, where ncu is there.
+#   5. Nsight Compute (ncu) on the benchmark's matrix kernels, where ncu is there.
+# The model files and bench_cuda.json stay in /tmp for tests/gpu/device_anchors.sh: llama.cpp's
+# CUDA figures on the same files and GPU, the next call on the same machine.
 # Results under $OUT (a device run brings back at most 8 files): device_check.log (every part's
-# output, the tests' recorded figures at the end of each group), bench_cuda.json,
-# llama_cpp_cuda.json, ncu.txt and device_check.json (exit codes and seconds of each part).
+# output, the tests' recorded figures at the end of each group), bench_cuda.json, ncu.txt and
+# device_check.json (exit codes and seconds of each part).
 # Time: the whole run ends within TOTAL_S (570 s: a device call may last 600). Each part has a
 # budget, cut to what is left: tests 240 s (TESTS_S; GROUP_MIN_S, 30, kept for each later
 # group; TEST_S, 90, a test), synthetic model 45 s (SYNTHETIC_S), bench 240 s (BENCH_S),
-# llama.cpp 60 s (ANCHORS_S; 0 = none), ncu 60 s (NCU_S; 0 = none).
+# ncu 60 s (NCU_S; 0 = none).
 # Rehearsal without a GPU: PYCUDA_CHECK=import with LD_LIBRARY_PATH at a libcuda stub
 # (.cudacarry/make_libcuda_stub.sh): PyCUDA installs and imports, tests/gpu skips, no bench.
 set -uo pipefail
@@ -105,33 +104,17 @@ else
     [ -n "$model_8b" ] && model_args+=(--model-8b "$model_8b")
     [ -n "$gemma3" ] && model_args+=(--gemma3 "$gemma3")
     for shrunk in .cudacarry/models/*.gguf; do [ -f "$shrunk" ] && model_args+=(--model "$shrunk"); done
-    timeout "$(part_s "${BENCH_S:-240}" 40)" "$py" benchmarks/bench_cuda.py \
+    timeout "$(part_s "${BENCH_S:-240}" 30)" "$py" benchmarks/bench_cuda.py \
         --json "$OUT/bench_cuda.json" "${model_args[@]}"
     bench_rc=$?
 fi
 
-# 5. llama.cpp's CUDA tools (built on the dev machine: tests/gpu/prepare_llama_cpp.sh) on the
-#    same files, after ours, as the last user of the 8B file.
-anchors_rc='"skipped: no .cudacarry/llama-cuda.tar.xz"'
-if [ "${PYCUDA_CHECK:-}" = import ]; then
-    anchors_rc='"skipped: PYCUDA_CHECK=import (no device)"'
-elif [ "${ANCHORS_S:-60}" = 0 ]; then
-    anchors_rc='"skipped: ANCHORS_S=0"'
-elif [ -f .cudacarry/llama-cuda.tar.xz ]; then
-    tar xJf .cudacarry/llama-cuda.tar.xz -C "$work"
-    libs=$(bash benchmarks/llama_cpp_cuda.sh libs)
-    anchor_args=()
-    [ -n "$model_8b" ] && anchor_args+=(--model-8b "$model_8b")
-    [ -n "$gemma3" ] && anchor_args+=(--gemma3 "$gemma3")
-    LD_LIBRARY_PATH="$work/llama-cuda/bin:$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-        timeout "$(part_s "${ANCHORS_S:-60}" 10)" "$py" benchmarks/llama_cpp_cuda_anchors.py \
-        "$work/llama-cuda/bin" "${anchor_args[@]}" --ours "$OUT/bench_cuda.json" \
-        --json "$OUT/llama_cpp_cuda.json"
-    anchors_rc=$?
-fi
-rm -f /tmp/llama3-8b-synthetic.gguf /tmp/gemma3-270m-grown.gguf
+# The model files and our figures stay for tests/gpu/device_anchors.sh, the next call on this
+# machine (llama.cpp's tools do not fit this call's carry beside the shrunk models).
+printf 'model_8b=%s\ngemma3=%s\n' "$model_8b" "$gemma3" > "$work/models.env"
+[ -f "$OUT/bench_cuda.json" ] && cp "$OUT/bench_cuda.json" "$work/"
 
-# 6. Nsight Compute on the benchmarked matrix kernels (each launched a few times): DRAM
+# 5. Nsight Compute on the benchmarked matrix kernels (each launched a few times): DRAM
 #    throughput, instructions, time, bytes read, shared-memory bank conflicts, warps active.
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
 ncu_rc='"skipped: no ncu"'
@@ -142,8 +125,8 @@ if [ -n "$ncu" ] && [ "${PYCUDA_CHECK:-}" != import ] && [ "${NCU_S:-60}" != 0 ]
     ncu_rc=$?
 fi
 total_s=$(( $(date +%s) - started ))
-printf '{"setup_s": %s, "tests_rc": %s, "test_groups_rc": {%s}, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "anchors_rc": %s, "ncu_rc": %s, "total_s": %s}\n' \
-    "$setup_s" "$tests_rc" "${groups_rc%, }" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$anchors_rc" "$ncu_rc" "$total_s" \
+printf '{"setup_s": %s, "tests_rc": %s, "test_groups_rc": {%s}, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "ncu_rc": %s, "total_s": %s}\n' \
+    "$setup_s" "$tests_rc" "${groups_rc%, }" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$ncu_rc" "$total_s" \
     > "$OUT/device_check.json"
 cat "$OUT/device_check.json"
 [ "$tests_rc" = 0 ] && [ "$synthetic_rc" = 0 ] && { [ "${PYCUDA_CHECK:-}" = import ] || [ "$bench_rc" = 0 ]; }
