@@ -4,7 +4,7 @@ ours as ratios to them: the speed targets read on the machine that measured them
     python benchmarks/llama_cpp_cuda_anchors.py BIN_DIR --model-8b 8B.gguf [--gemma3 G.gguf]
         [--ours bench_cuda.json] [--json OUT.json]
 
-BIN_DIR holds llama-bench and llama-batched-bench (benchmarks/llama_cpp_cuda_build.sh), run with
+BIN_DIR holds llama-bench and llama-batched-bench (benchmarks/llama_cpp_cuda.sh), run with
 every layer on the GPU and llama.cpp's defaults otherwise. The shapes follow bench_cuda's:
 
 - one stream's decode and a 512-token prefill: llama-bench (`-p 512 -n DECODE_STEPS`);
