@@ -13,8 +13,8 @@
 # ggml-cuda links cuBLAS and the driver: cuBLAS from the CUDA toolkit or, where the toolkit lacks
 # it, an nvidia-cublas wheel's folder (CUBLAS_DIR, else the first found under /usr/local, /opt
 # and the Python site folders); the driver from its own folder (CUDA_DRIVER_DIR: a stub's, to
-# build where no driver is). `libs` prints the cuBLAS and driver folders, ':'-joined, for
-# LD_LIBRARY_PATH.
+# build where no driver is). `libs` prints the folders of cuBLAS, the CUDA runtime and the
+# driver, ':'-joined, for LD_LIBRARY_PATH.
 set -euo pipefail
 
 # The first file named $1 under the folders $2...; empty where none is.
@@ -23,10 +23,12 @@ first_file() {
     find "$@" -maxdepth 4 -name "$name" 2>/dev/null | sort | head -1 || true
 }
 
-cublas_library() {
-    local search=(${CUBLAS_DIR:-/usr/local/cuda*/ /usr/local/lib /opt \
+# The first library named $1 in the CUDA toolkit's or the Python packages' folders, or in
+# $2 where given.
+cuda_library() {
+    local search=(${2:-/usr/local/cuda*/ /usr/local/lib /opt \
         $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null)})
-    first_file 'libcublas.so*' "${search[@]}"
+    first_file "$1" "${search[@]}"
 }
 
 # ggml-cuda links the driver (its VMM pool); a driver's folder holds only libcuda.so.1.
@@ -38,10 +40,11 @@ cuda_driver_library() {
 
 case ${1:-} in
 libs)
-    cublas=$(cublas_library)
+    cublas=$(cuda_library 'libcublas.so*' "${CUBLAS_DIR:-}")
     [ -n "$cublas" ] || { echo "llama_cpp_cuda: no libcublas.so found" >&2; exit 1; }
-    driver=$(cuda_driver_library)
-    echo "$(dirname "$cublas")${driver:+:$(dirname "$driver")}"
+    folders=$(for library in "$cublas" "$(cuda_library 'libcudart.so.13*')" "$(cuda_driver_library)"; do
+        [ -n "$library" ] && dirname "$library"; done | awk '!seen[$0]++' | paste -sd:)
+    echo "$folders"
     ;;
 build)
     source_tarball=$2
@@ -49,7 +52,7 @@ build)
     jobs=${JOBS:-$(nproc)}
     mkdir -p "$work"
     [ -d "$work/llama.cpp" ] || tar xJf "$source_tarball" -C "$work"
-    cublas=$(cublas_library)
+    cublas=$(cuda_library 'libcublas.so*' "${CUBLAS_DIR:-}")
     [ -n "$cublas" ] || { echo "llama_cpp_cuda: no libcublas.so found" >&2; exit 1; }
     driver=$(cuda_driver_library)
     [ -n "$driver" ] || { echo "llama_cpp_cuda: no libcuda.so found" >&2; exit 1; }
