@@ -70,9 +70,11 @@ def compile_module(file_name: str) -> Any:
 
 
 def time_launches(launch: Any, repeats: int) -> float:
-    """Seconds per call of launch(i), from CUDA events around `repeats` calls (after a warmup
-    of a tenth as many)."""
+    """Seconds per call of launch(i), from CUDA events around `repeats` calls (at least one)
+    after a warmup of a tenth as many."""
     import pycuda.driver as cuda
+
+    repeats = max(repeats, 1)  # a fraction of --repeats may round to none (ncu's run asks 2)
 
     for i in range(max(repeats // 10, 1)):
         launch(i)

@@ -38,7 +38,8 @@ class Memory:
     def __init__(self) -> None:
         self.bases: list[int] = []
         self.blocks: dict[int, np.ndarray] = {}
-        self.next_address = 1 << 20
+        # Above 4 GiB, as a device's addresses are: an address squeezed into 32 bits fails
+        self.next_address = 1 << 40
 
     def allocate(self, size: int) -> int:
         address = self.next_address
@@ -170,7 +171,7 @@ class KernelTwins:
 
     def get_rows(self, type_name: str, grid: tuple[int, ...], table: Any, pitch: int, ids: Any,
                  out: Any, d: int, scale: float) -> None:
-        n = grid[0]
+        n, d = grid[0], int(d)
         for i, token in enumerate(self.i32(ids, n)):
             raw = self.m.view(int(table) + int(token) * int(pitch), np.uint8,
                               row_bytes(type_name, d)).copy()  # see `matrix`
@@ -506,6 +507,7 @@ class EmulatedDevice:
         self.twins = KernelTwins(self.memory)
         self.run_kernels = run_kernels
         self.free_bytes = free_bytes
+        self.attributes = {"L2_CACHE_SIZE": 60 << 20}
         self.launches: list[str] = []
         self.copies = self.synchronizations = self.detached = 0
         self.context_stack: list[Any] = []
@@ -563,12 +565,23 @@ class EmulatedDevice:
             def synchronize() -> None:
                 device.probe()
 
+            @staticmethod
+            def get_device() -> Device:
+                return Device(0)
+
         class Device:
             def __init__(self, ordinal: int) -> None:
                 pass
 
+            @staticmethod
+            def count() -> int:
+                return 1
+
             def compute_capability(self) -> tuple[int, int]:
                 return (9, 0)
+
+            def get_attribute(self, attribute: str) -> int:
+                return device.attributes[attribute]
 
             def name(self) -> str:
                 return "Emulated H200"
@@ -590,15 +603,32 @@ class EmulatedDevice:
         class Event:
             recorded = 0.0
 
-            def record(self, stream: Any) -> None:
-                self.recorded = device.busy_until
+            def record(self, stream: Any = None) -> None:
+                # when the stream's work before it ends (now, where it has none left)
+                self.recorded = max(device.busy_until, time.perf_counter())
 
             def synchronize(self) -> None:
                 device.synchronizations += 1
                 device.wait_until(self.recorded)
 
+            def time_since(self, start: Event) -> float:
+                """Milliseconds from `start`'s record to this one's, as CUDA's events give."""
+                return (self.recorded - start.recorded) * 1e3
+
+        def to_device(array: np.ndarray) -> Allocation:
+            allocation = Allocation(array.nbytes)
+            device.copy_in(allocation.address, array)
+            return allocation
+
+        def memcpy_dtod(destination: Any, source: Any, size: int) -> None:
+            device.memory.view(destination, np.uint8, size)[:] = \
+                device.memory.view(source, np.uint8, size)
+
         module.Context, module.Device, module.Stream = Context, Device, Stream
         module.Event = Event
+        module.device_attribute = types.SimpleNamespace(L2_CACHE_SIZE="L2_CACHE_SIZE")
+        module.to_device, module.memcpy_dtod = to_device, memcpy_dtod
+        self.allocation_type = Allocation
         module.init = lambda: None
         module.mem_get_info = self.mem_get_info
         module.mem_alloc = Allocation
@@ -653,7 +683,10 @@ class EmulatedDevice:
             def get_function(self, name: str) -> Callable[..., None]:
                 # A function holds its module, as PyCUDA's do (custodian and ward).
                 def function(*args: Any, grid: tuple[int, ...], block: tuple[int, ...],
-                             stream: Any, module: SourceModule = self) -> None:
+                             stream: Any = None, module: SourceModule = self) -> None:
+                    # PyCUDA passes an allocation as its address
+                    args = tuple(np.uintp(a.address) if isinstance(a, device.allocation_type)
+                                 else a for a in args)
                     assert all(isinstance(a, (np.uintp, np.int32, np.int64, np.float32,
                                               np.float64)) for a in args), name
                     assert math.prod(block) <= 1024 and min(grid) >= 1, (name, grid, block)
@@ -713,9 +746,12 @@ def install(monkeypatch: pytest.MonkeyPatch, device: EmulatedDevice) -> Any:
     which the caller drops from sys.modules); returns the module."""
     package = types.ModuleType("pycuda")
     package.driver, package.compiler = device.driver_module(), device.compiler_module()
+    # importing it makes the primary context current, as PyCUDA's does
+    package.autoprimaryctx = types.ModuleType("pycuda.autoprimaryctx")
+    package.autoprimaryctx.context = package.driver.Context()
+    for name in ("driver", "compiler", "autoprimaryctx"):
+        monkeypatch.setitem(sys.modules, f"pycuda.{name}", getattr(package, name))
     monkeypatch.setitem(sys.modules, "pycuda", package)
-    monkeypatch.setitem(sys.modules, "pycuda.driver", package.driver)
-    monkeypatch.setitem(sys.modules, "pycuda.compiler", package.compiler)
     monkeypatch.delitem(sys.modules, "actors.compute.cuda", raising=False)
     module = importlib.import_module("actors.compute.cuda")
     device.real_driver_graphs = module.DriverGraphs  # for tests of it over a fake libcuda

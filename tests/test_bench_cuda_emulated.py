@@ -1,0 +1,64 @@
+"""benchmarks/bench_cuda.py end to end over the emulated device, whose kernel twins check each
+launch's arguments as they run: every section a device run makes, so a mistake in the
+benchmark's own code (a kernel's arguments, a section's plumbing) shows here rather than in a
+device run's few minutes. Its matrices are cut small; the figures are meaningless; what is
+checked is that each section ran and reports its fields."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import TINY_MODELS
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.mark.slow
+def test_every_section_runs_and_reports(emulated: tuple[Any, Any], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_cuda
+
+    monkeypatch.setattr(bench_cuda, "COPY_BYTES", 1 << 20)
+    monkeypatch.setattr(bench_cuda, "MATVEC_SHAPES", ((96, 512), (64, 1024)))
+    for name, value in [("DECODE_STREAMS", (1, 4)), ("MMA_DECODE_STREAMS", (1, 4)),
+                        ("DECODE_STEPS", 4), ("ENGINE_TOKENS", 6)]:
+        monkeypatch.setattr(bench_cuda, name, value)
+    out = tmp_path / "bench_cuda.json"
+    llama, qwen = TINY_MODELS["llama-q4k-tiny"], TINY_MODELS["qwen2-q4k-tiny"]
+    monkeypatch.setattr(sys, "argv", [
+        "bench_cuda.py", "--json", str(out), "--repeats", "2", "--model-8b", str(llama),
+        "--gemma3", str(qwen), "--model", str(qwen), "--engine-streams", "1", "3"])
+    bench_cuda.main()
+    capsys.readouterr()
+    report = json.loads(out.read_text())
+
+    errors = {name: section["error"] for name, section in report.items()
+              if isinstance(section, dict) and "error" in section}
+    assert not errors
+    routes = {row["route"] for row in report["matvec"] + report["matvec_mma"]}
+    assert routes == {"matvec", "tiles", "matvec_mma"}
+    assert {row["type"] for row in report["matvec_mma"]} == {"Q4_K", "Q6_K"}
+    assert all(row["us"] > 0 for row in report["matvec"])
+    assert report["tiles"][0]["tokens"] == bench_cuda.PREFILL_TOKENS
+    for section, streams in [("llama3_8b", bench_cuda.DECODE_STREAMS),
+                             ("llama3_8b_decode_tiles", bench_cuda.DECODE_STREAMS),
+                             ("llama3_8b_matvec_mma", bench_cuda.MMA_DECODE_STREAMS),
+                             ("gemma3_270m", (1,)), ("qwen2-q4k-tiny", bench_cuda.DECODE_STREAMS)]:
+        assert [row["streams"] for row in report[section]["decode"]] == list(streams), section
+    assert report["llama3_8b"]["prefill"]["tokens"] == bench_cuda.PREFILL_TOKENS
+    for section, streams in [("llama3_8b_engine", [1, 3]), ("gemma3_270m_engine", [1, 3]),
+                             ("qwen2-q4k-tiny_engine", [1, 3]),
+                             ("llama3_8b_engine_one_step_at_a_time", [1, 3]),
+                             ("llama3_8b_decode_tiles_engine", [1, 3]),
+                             ("llama3_8b_matvec_mma_engine", [1])]:
+        rows = report[section]
+        assert [row["streams"] for row in rows] == streams, section
+        # each beside the bare backend's step at the same count, where that one was measured
+        assert all("decode_tok_s" in row for row in rows), section
