@@ -11,11 +11,16 @@ import bisect
 import functools
 import importlib
 import math
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import types
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +34,26 @@ from tests.cuda_samples import penalties_twin, tile_product, top_candidates_twin
 GIB = 1 << 30
 TYPE_OF_SUFFIX = {suffix: name for name, suffix in plan.KERNEL_TYPE_SUFFIX.items()}
 GATED = {"silu": silu, "gelu_tanh": gelu_tanh}
+# The PTX type each launch argument's type becomes (an address: u64).
+PTX_TYPE = {np.uintp: "u64", np.int64: "u64", np.int32: "u32", np.float32: "f32",
+            np.float64: "f64"}
+
+
+@functools.cache
+def ptx_signatures(source: str) -> dict[str, list[str]]:
+    """Entry point -> its parameters' PTX types, from nvcc -ptx of `source` (a cuda_src
+    file's text, compiled with the backend's options); empty where no nvcc is."""
+    if shutil.which("nvcc") is None:
+        return {}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernels.cu"
+        path.write_text(source)
+        ptx = subprocess.run(
+            ["nvcc", "-ptx", "-arch=sm_80", *plan.nvcc_options(),
+             f"-I{plan.kernel_source_dir()}", str(path), "-o", "-"],
+            check=True, capture_output=True, text=True).stdout
+    return {entry: re.findall(r"\.param\s+\.(\w+)", params)
+            for entry, params in re.findall(r"\.entry (\w+)\(([^)]*)\)", ptx)}
 
 
 class Memory:
@@ -508,6 +533,7 @@ class EmulatedDevice:
         self.run_kernels = run_kernels
         self.free_bytes = free_bytes
         self.attributes = {"L2_CACHE_SIZE": 60 << 20}
+        self.check_signatures = True
         self.launches: list[str] = []
         self.copies = self.synchronizations = self.detached = 0
         self.context_stack: list[Any] = []
@@ -628,7 +654,7 @@ class EmulatedDevice:
         module.Event = Event
         module.device_attribute = types.SimpleNamespace(L2_CACHE_SIZE="L2_CACHE_SIZE")
         module.to_device, module.memcpy_dtod = to_device, memcpy_dtod
-        self.allocation_type = Allocation
+        self.allocation_type = Allocation  # gpuarray's and launches' too
         module.init = lambda: None
         module.mem_get_info = self.mem_get_info
         module.mem_alloc = Allocation
@@ -640,6 +666,26 @@ class EmulatedDevice:
         module.memcpy_dtoh_async = lambda data, address, stream: self.copy_out(data, address)
         module.memset_d32 = self.fill
         module.Function = object
+        return module
+
+    def gpuarray_module(self) -> types.ModuleType:
+        """pycuda.gpuarray's to_gpu, as tests/gpu use it: an array's allocation (`gpudata`)
+        and `get()`."""
+        device = self
+        module = types.ModuleType("pycuda.gpuarray")
+
+        class GPUArray:
+            def __init__(self, array: np.ndarray) -> None:
+                self.shape, self.dtype = array.shape, array.dtype
+                self.gpudata = device.allocation_type(array.nbytes)
+                device.copy_in(self.gpudata.address, array)
+
+            def get(self) -> np.ndarray:
+                out = np.empty(self.shape, self.dtype)
+                device.copy_out(out, self.gpudata.address)
+                return out
+
+        module.to_gpu = GPUArray
         return module
 
     def release(self, what: str) -> None:
@@ -676,6 +722,9 @@ class EmulatedDevice:
 
         class SourceModule:
             def __init__(self, source: str, **options: Any) -> None:
+                # Where nvcc is, each launch's arguments are checked against the compiled
+                # kernel's parameters: their number and types, which a twin cannot see.
+                self.signatures = ptx_signatures(source) if device.check_signatures else {}
                 device.compiled.append((source, options))
                 device.modules_made += 1
                 weakref.finalize(self, device.release, "module")
@@ -687,8 +736,10 @@ class EmulatedDevice:
                     # PyCUDA passes an allocation as its address
                     args = tuple(np.uintp(a.address) if isinstance(a, device.allocation_type)
                                  else a for a in args)
-                    assert all(isinstance(a, (np.uintp, np.int32, np.int64, np.float32,
-                                              np.float64)) for a in args), name
+                    assert all(isinstance(a, tuple(PTX_TYPE)) for a in args), name
+                    if name in module.signatures:
+                        assert [PTX_TYPE[type(a)] for a in args] == module.signatures[name], \
+                            (name, "arguments unlike the kernel's parameters")
                     assert math.prod(block) <= 1024 and min(grid) >= 1, (name, grid, block)
                     device.launch(name, grid, args)
                 return function
@@ -746,10 +797,11 @@ def install(monkeypatch: pytest.MonkeyPatch, device: EmulatedDevice) -> Any:
     which the caller drops from sys.modules); returns the module."""
     package = types.ModuleType("pycuda")
     package.driver, package.compiler = device.driver_module(), device.compiler_module()
+    package.gpuarray = device.gpuarray_module()
     # importing it makes the primary context current, as PyCUDA's does
     package.autoprimaryctx = types.ModuleType("pycuda.autoprimaryctx")
     package.autoprimaryctx.context = package.driver.Context()
-    for name in ("driver", "compiler", "autoprimaryctx"):
+    for name in ("driver", "compiler", "gpuarray", "autoprimaryctx"):
         monkeypatch.setitem(sys.modules, f"pycuda.{name}", getattr(package, name))
     monkeypatch.setitem(sys.modules, "pycuda", package)
     monkeypatch.delitem(sys.modules, "actors.compute.cuda", raising=False)

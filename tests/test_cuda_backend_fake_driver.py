@@ -8,6 +8,7 @@ close frees everything and releases the context."""
 
 from __future__ import annotations
 
+import shutil
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -240,3 +241,24 @@ def test_decode_rows_without_logits_still_fit_the_attention_partials(
     backend.run([*silent, StepItem((1, 2), 0, (63,))], [RowInputs()])
     assert backend._workspace.limits.max_rows >= rows_before + 3
     backend.close()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+def test_a_launch_unlike_its_kernels_parameters_is_refused(fake: Any) -> None:
+    """The emulated device checks each launch against the compiled kernel's parameters, so a
+    test or benchmark that passes a kernel the wrong arguments fails here, not on a device."""
+    from pycuda.compiler import SourceModule
+
+    from actors.compute import cuda_plan as plan
+
+    matvec = SourceModule((plan.kernel_source_dir() / "matvec.cu").read_text()).get_function(
+        "mul_mat_vec_q4_K")
+    address = np.uintp(1 << 40)
+    right = (address, np.int64(144), address, np.int32(256), address, np.int32(1),
+             np.int32(1), np.int32(256), np.int32(1))
+    grid, block = (1, 1, 1), (256, 1, 1)
+    matvec(*right, grid=grid, block=block)  # recorded: the fake device runs no kernel
+    for wrong in (right[:-1],  # an argument short
+                  (right[0], np.int32(144), *right[2:])):  # a 64-bit pitch passed as 32 bits
+        with pytest.raises(AssertionError, match="unlike the kernel's parameters"):
+            matvec(*wrong, grid=grid, block=block)

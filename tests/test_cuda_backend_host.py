@@ -9,9 +9,7 @@ from __future__ import annotations
 import builtins
 import itertools
 import math
-import re
 import shutil
-import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -38,6 +36,7 @@ from actors.model.gguf.quants import dequantize
 from actors.model.gguf.reader import GGUFFile, open_gguf
 from actors.model.step import StepItem, plan_step
 from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
+from tests.cuda_emulator import PTX_TYPE, ptx_signatures
 from tests.cuda_samples import (
     penalties_twin,
     random_row_inputs,
@@ -452,23 +451,6 @@ def test_a_decode_layer_is_a_handful_of_kernels(models: dict[str, GGUFFile]) -> 
             assert len(calls) == 7 * spec.n_layers + 3, (name, streams)
 
 
-def _ptx_signatures(files: list[str]) -> dict[str, list[str]]:
-    """Entry point -> its parameters' PTX types, from nvcc -ptx of the kernel sources."""
-    signatures = {}
-    for name in files:
-        ptx = subprocess.run(
-            ["nvcc", "-ptx", "-arch=sm_80", *plan.nvcc_options(),
-             f"-I{plan.kernel_source_dir()}", str(plan.kernel_source_dir() / name), "-o", "-"],
-            check=True, capture_output=True, text=True).stdout
-        for entry, params in re.findall(r"\.entry (\w+)\(([^)]*)\)", ptx):
-            signatures[entry] = re.findall(r"\.param\s+\.(\w+)", params)
-    return signatures
-
-
-PTX_TYPE = {launches.Ref: "u64", np.int64: "u64", np.int32: "u32", np.float32: "f32",
-            np.float64: "f64"}
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
 def test_every_launch_matches_its_kernels_compiled_signature(
         models: dict[str, GGUFFile]) -> None:
@@ -479,9 +461,11 @@ def test_every_launch_matches_its_kernels_compiled_signature(
         calls.update((call.kernel, call) for call in [*forward, *tail])
     files = [name for name, entries in plan.kernel_entry_points().items()
              if any(entry in calls for entry in entries)]
-    signatures = _ptx_signatures(files)
+    signatures = {entry: types for name in files for entry, types in
+                  ptx_signatures((plan.kernel_source_dir() / name).read_text()).items()}
+    planned_type = {launches.Ref: "u64", **PTX_TYPE}  # a Ref becomes an address
     for kernel, call in calls.items():
-        assert [PTX_TYPE[type(arg)] for arg in call.args] == signatures[kernel], kernel
+        assert [planned_type[type(arg)] for arg in call.args] == signatures[kernel], kernel
 
 
 def test_every_address_names_something_the_backend_holds(models: dict[str, GGUFFile]) -> None:

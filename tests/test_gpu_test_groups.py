@@ -1,13 +1,17 @@
-"""tests/gpu's device groups (tests/gpu/conftest.py), which device_check.sh runs a process
-each so that a kernel's fault costs only its group: checked on the collected test ids, with no
-device needed."""
+"""tests/gpu without a device: its groups (tests/gpu/conftest.py), which device_check.sh runs a
+process each so that a kernel's fault costs only its group, checked on the collected test ids;
+the figures its tests record, printed at the end of a run; and the device tests themselves run
+over the emulated device, which rehearses their own code."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from tests.gpu.conftest import GPU_TEST_GROUPS, device_group
 
@@ -65,3 +69,18 @@ def test_the_figures_tests_record_end_the_log() -> None:
     # a failed check's figure too (how far it was off), sorted; nothing of other phases
     assert reporter.lines == ["== figures recorded by the device tests", "t.py::a: worst=0.3",
                               "t.py::b: worst=0.01, top1=1.0"]
+
+
+@pytest.mark.slow
+def test_the_device_tests_pass_over_the_emulated_device() -> None:
+    """tests/gpu over the emulated device (GPU_TESTS_EMULATED=1: each kernel its numpy twin,
+    each launch checked against the compiled kernel's parameters): the device tests' own code
+    (arguments, shapes, fixtures) is right before a device's few minutes are spent on it. The
+    full-size SmolLM2 and gemma-3 are left out here (the tiny models take the same code)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-k", "not smollm2 and not gemma3", "tests/gpu"],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "GPU_TESTS_EMULATED": "1"})
+    assert done.returncode == 0, done.stdout[-4000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary

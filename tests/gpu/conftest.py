@@ -15,6 +15,14 @@ from actors.compute.cuda_plan import kernel_source_dir, source_module_options
 
 GPU_DIR = Path(__file__).parent
 
+# GPU_TESTS_EMULATED=1: the tests run over the emulated device (tests/cuda_emulator.py: each
+# kernel's numpy twin, checking its launch's arguments), which rehearses the device tests'
+# own code (arguments, shapes, fixtures) without a GPU; their figures then mean nothing.
+if os.environ.get("GPU_TESTS_EMULATED") == "1":
+    from tests.cuda_emulator import EmulatedDevice, install
+
+    install(pytest.MonkeyPatch(), EmulatedDevice(run_kernels=True))
+
 
 def cuda_unavailable_reason() -> str | None:
     """None where a CUDA device can be used, else why not (the check the README gives)."""
