@@ -422,7 +422,8 @@ def main() -> None:
     section("tiles", lambda: bench_tiles(compiled["matmul.cu"], rng, args.repeats))
     engine_streams = tuple(args.engine_streams)
     if args.model_8b:
-        section("llama3_8b", lambda: bench_model(args.model_8b, DECODE_STREAMS, 512, rng))
+        section("llama3_8b",
+                lambda: bench_model(args.model_8b, DECODE_STREAMS, PREFILL_TOKENS, rng))
         section("llama3_8b_decode_tiles",
                 lambda: bench_model(args.model_8b, DECODE_STREAMS, None, rng, "tiles"))
     if args.gemma3:

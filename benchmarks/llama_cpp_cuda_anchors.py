@@ -115,7 +115,8 @@ def our_figures(report: dict[str, Any]) -> dict[str, dict[str, tuple[float, str]
                 keep("bare", figure_name(model, row["streams"]), row["tok_s"], section)
             prefill = bare.get("prefill") if isinstance(bare, dict) else None
             if prefill and "tok_s" in prefill:
-                keep("bare", f"{model}_prefill_{prefill['tokens']}_tok_s", prefill["tok_s"], section)
+                keep("bare", f"{model}_prefill_{prefill['tokens']}_tok_s", prefill["tok_s"],
+                     section)
             engine = report.get(f"{section}_engine")
             for row in engine if isinstance(engine, list) else []:
                 keep("engine", figure_name(model, row["streams"]), row["decode_tok_s"],

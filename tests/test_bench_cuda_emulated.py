@@ -28,7 +28,7 @@ def test_every_section_runs_and_reports(emulated: tuple[Any, Any], tmp_path: Pat
     monkeypatch.setattr(bench_cuda, "COPY_BYTES", 1 << 20)
     monkeypatch.setattr(bench_cuda, "MATVEC_SHAPES", ((96, 512), (64, 1024)))
     for name, value in [("DECODE_STREAMS", (1, 4)), ("MMA_DECODE_STREAMS", (1, 4)),
-                        ("DECODE_STEPS", 4), ("ENGINE_TOKENS", 6)]:
+                        ("DECODE_STEPS", 4), ("ENGINE_TOKENS", 6), ("PREFILL_TOKENS", 64)]:
         monkeypatch.setattr(bench_cuda, name, value)
     out = tmp_path / "bench_cuda.json"
     llama, qwen = TINY_MODELS["llama-q4k-tiny"], TINY_MODELS["qwen2-q4k-tiny"]

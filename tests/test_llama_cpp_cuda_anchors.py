@@ -47,7 +47,8 @@ def fake_tools(bin_dir: Path, bench_output: str, batched_output: str,
         script = bin_dir / tool
         script.write_text(
             f"#!{sys.executable}\nimport json, sys\n"
-            f"open({str(bin_dir / f'args-{tool}.json')!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+            f"open({str(bin_dir / f'args-{tool}.json')!r}, 'a')"
+            ".write(json.dumps(sys.argv[1:]) + '\\n')\n"
             + ("sys.stderr.write('CUDA error: out of memory\\n'); sys.exit(1)\n" if tool == fail
                else f"sys.stdout.write({output!r})\n"))
         script.chmod(0o755)
@@ -79,17 +80,20 @@ def test_llama_cpp_figures_are_named_as_bench_cuda_names_its_anchors(
     assert batched[batched.index("-npp") + 1] == str(anchors.DECODE_PROMPT)
     assert batched[batched.index("-ntg") + 1] == str(anchors.DECODE_STEPS)
     assert batched[batched.index("-npl") + 1] == "1,32,64"
-    assert int(batched[batched.index("-c") + 1]) >= 64 * (anchors.DECODE_PROMPT + anchors.DECODE_STEPS)
+    held = 64 * (anchors.DECODE_PROMPT + anchors.DECODE_STEPS)
+    assert int(batched[batched.index("-c") + 1]) >= held
 
 
 def test_a_missing_figure_is_named(anchors: ModuleType, tmp_path: Path) -> None:
-    bin_dir = fake_tools(tmp_path / "bin", json.dumps(LLAMA_BENCH_JSON[1:]), "\n".join(BATCHED_LINES))
+    bin_dir = fake_tools(tmp_path / "bin", json.dumps(LLAMA_BENCH_JSON[1:]),
+                         "\n".join(BATCHED_LINES))
     with pytest.raises(RuntimeError, match="llama-bench printed no prefill_512 figure"):
         anchors.llama_cpp_figures(bin_dir, "llama3_8b", tmp_path / "8b.gguf", (1, 32), 512)
 
 
 def test_one_stream_needs_no_batched_bench(anchors: ModuleType, tmp_path: Path) -> None:
-    bin_dir = fake_tools(tmp_path / "bin", json.dumps(LLAMA_BENCH_JSON[1:]), "", fail="llama-batched-bench")
+    bin_dir = fake_tools(tmp_path / "bin", json.dumps(LLAMA_BENCH_JSON[1:]), "",
+                         fail="llama-batched-bench")
     figures = anchors.llama_cpp_figures(bin_dir, "gemma3_270m", tmp_path / "g.gguf", (1,), None)
     assert figures == {"llama_bench": {"gemma3_270m_decode_1_stream_tok_s": 142.25},
                        "batched_bench": {}}

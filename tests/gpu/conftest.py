@@ -112,7 +112,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     one log device_check.sh keeps."""
     figures = [(report.nodeid, report.user_properties)
                for reports in terminalreporter.stats.values() for report in reports
-               if getattr(report, "when", None) == "call" and getattr(report, "user_properties", None)]
+               if getattr(report, "when", None) == "call"
+               and getattr(report, "user_properties", None)]
     if figures:
         terminalreporter.section("figures recorded by the device tests")
         for node_id, properties in sorted(figures):
