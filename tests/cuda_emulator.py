@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import importlib
+import json
 import math
 import re
 import shutil
@@ -42,9 +44,17 @@ PTX_TYPE = {np.uintp: "u64", np.int64: "u64", np.int32: "u32", np.float32: "f32"
 @functools.cache
 def ptx_signatures(source: str) -> dict[str, list[str]]:
     """Entry point -> its parameters' PTX types, from nvcc -ptx of `source` (a cuda_src
-    file's text, compiled with the backend's options); empty where no nvcc is."""
+    file's text, compiled with the backend's options); empty where no nvcc is. Kept in the
+    kernel cache folder between runs, keyed by the source, the headers, the options and the
+    nvcc (a file's PTX takes seconds)."""
     if shutil.which("nvcc") is None:
         return {}
+    headers = [path.read_text() for path in sorted(plan.kernel_source_dir().glob("*.cuh"))]
+    nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([source, *headers, *plan.nvcc_options(), nvcc]).encode())
+    kept = plan.kernel_cache_dir() / f"ptx-signatures-{key.hexdigest()[:32]}.json"
+    if kept.exists():
+        return json.loads(kept.read_text())
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "kernels.cu"
         path.write_text(source)
@@ -52,8 +62,12 @@ def ptx_signatures(source: str) -> dict[str, list[str]]:
             ["nvcc", "-ptx", "-arch=sm_80", *plan.nvcc_options(),
              f"-I{plan.kernel_source_dir()}", str(path), "-o", "-"],
             check=True, capture_output=True, text=True).stdout
-    return {entry: re.findall(r"\.param\s+\.(\w+)", params)
-            for entry, params in re.findall(r"\.entry (\w+)\(([^)]*)\)", ptx)}
+        signatures = {entry: re.findall(r"\.param\s+\.(\w+)", params)
+                      for entry, params in re.findall(r"\.entry (\w+)\(([^)]*)\)", ptx)}
+        written = Path(folder) / "signatures.json"
+        written.write_text(json.dumps(signatures))
+        written.replace(kept)  # whole or not at all, should two runs write it at once
+    return signatures
 
 
 class Memory:
