@@ -110,11 +110,11 @@ def our_figures(report: dict[str, Any]) -> dict[str, dict[str, tuple[float, str]
 
     for model, sections in ROUTE_SECTIONS.items():
         for section in sections:
-            bare = report.get(section) or {}
-            for row in bare.get("decode", []) if isinstance(bare, dict) else []:
+            bare = report.get(section, {})  # a model's figures, or {"error": ...}
+            for row in bare.get("decode", []):
                 keep("bare", figure_name(model, row["streams"]), row["tok_s"], section)
-            prefill = bare.get("prefill") if isinstance(bare, dict) else None
-            if prefill and "tok_s" in prefill:
+            prefill = bare.get("prefill")
+            if prefill:
                 keep("bare", f"{model}_prefill_{prefill['tokens']}_tok_s", prefill["tok_s"],
                      section)
             engine = report.get(f"{section}_engine")

@@ -42,6 +42,15 @@ PTX_TYPE = {np.uintp: "u64", np.int64: "u64", np.int32: "u32", np.float32: "f32"
 
 
 @functools.cache
+def ptx_compile_context() -> tuple[str, ...]:
+    """What a cuda_src file's PTX depends on besides its own text: the headers, the options
+    and the nvcc (read once a run)."""
+    headers = [path.read_text() for path in sorted(plan.kernel_source_dir().glob("*.cuh"))]
+    nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout
+    return (*headers, *plan.nvcc_options(), nvcc)
+
+
+@functools.cache
 def ptx_signatures(source: str) -> dict[str, list[str]]:
     """Entry point -> its parameters' PTX types, from nvcc -ptx of `source` (a cuda_src
     file's text, compiled with the backend's options); empty where no nvcc is. Kept in the
@@ -49,9 +58,7 @@ def ptx_signatures(source: str) -> dict[str, list[str]]:
     nvcc (a file's PTX takes seconds)."""
     if shutil.which("nvcc") is None:
         return {}
-    headers = [path.read_text() for path in sorted(plan.kernel_source_dir().glob("*.cuh"))]
-    nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source, *headers, *plan.nvcc_options(), nvcc]).encode())
+    key = hashlib.sha256("\0".join([source, *ptx_compile_context()]).encode())
     kept = plan.kernel_cache_dir() / f"ptx-signatures-{key.hexdigest()[:32]}.json"
     if kept.exists():
         return json.loads(kept.read_text())

@@ -24,9 +24,7 @@ tar xJf .llamacarry/llama-cuda.tar.xz -C "$work" || exit 1
 libs=$(bash benchmarks/llama_cpp_cuda.sh libs) || exit 1
 # The checkout's actors and the wheels device_check installed (bench_cuda's shapes import them).
 export PYTHONPATH=".:${SITE:-/tmp/site}${PYTHONPATH:+:$PYTHONPATH}"
-"$py" -c 'import gguf' 2>/dev/null || "$py" -m pip install -q --no-index --no-deps \
-    --no-compile --no-cache-dir --disable-pip-version-check --upgrade \
-    --target "${SITE:-/tmp/site}" .cudacarry/wheels/*.whl || exit 1
+bash tests/gpu/install_carried_wheels.sh "$py" || exit 1
 model_8b="" gemma3=""
 [ -f "$work/models.env" ] && . "$work/models.env"
 if [ -z "$model_8b" ] || [ ! -f "$model_8b" ]; then

@@ -48,10 +48,7 @@ part_s() {
 # every device test would skip, so stop here rather than spend the device's time.
 "$py" -c 'import pycuda.driver' || { echo "device_check: PyCUDA does not import" >&2; exit 1; }
 # The carried wheels, where the interpreter lacks them (the GPU image does; a rehearsal's has them).
-"$py" -c 'import gguf, msgspec, structlog' 2>/dev/null ||
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --disable-pip-version-check --upgrade --target "${SITE:-/tmp/site}" \
-        .cudacarry/wheels/*.whl || exit 1
+bash tests/gpu/install_carried_wheels.sh "$py" || exit 1
 export PYTHONPATH=".:$PYTHONPATH"  # the checkout's actors, not an installed one
 setup_s=$(( $(date +%s) - started ))
 

@@ -29,7 +29,8 @@ if [ ! -f llama.cpp-src.tar.xz ]; then
     tar cJf llama.cpp-src.tar.xz -C download/llama_cpp_python-0.3.36/vendor \
         "${unused[@]/#/--exclude=llama.cpp/}" llama.cpp
 fi
-if ! find /usr/local/cuda*/ -maxdepth 4 -name 'libcublas.so*' 2>/dev/null | grep -q .; then
+# cuBLAS as the build will look for it (the toolkit, the Python packages); else the wheel's.
+if ! bash "$here/benchmarks/llama_cpp_cuda.sh" libs > /dev/null 2>&1; then
     [ -d cublas ] || {
         "$python" -m pip download -q --no-deps --only-binary=:all: nvidia-cublas==13.0.0.19 -d download
         mkdir -p cublas && unzip -q -o download/nvidia_cublas-*.whl -d cublas
