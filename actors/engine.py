@@ -16,6 +16,7 @@ Everything a request can get wrong is checked here, before any work starts.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager, nullcontext
@@ -556,9 +557,11 @@ def _check_limits(
     if (
         isinstance(step_timeout_s, bool)
         or not isinstance(step_timeout_s, (int, float))
-        or not 0 < step_timeout_s < float("inf")
+        # An int past the largest float compares below infinity but cannot become a deadline.
+        or not 0 < step_timeout_s <= sys.float_info.max
     ):
         raise InvalidRequest(
-            f"step_timeout_s must be a positive number of seconds, got {step_timeout_s!r}",
+            f"step_timeout_s must be a positive, finite number of seconds, got "
+            f"{step_timeout_s!r:.60}",
             field="step_timeout_s",
         )

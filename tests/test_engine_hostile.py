@@ -101,6 +101,8 @@ async def test_the_issues_locking_request_is_refused_at_the_door() -> None:
         ({"log_file": "a\x00b"}, "log_file"),  # found by the options fuzzer
         ({"log_file": 5}, "log_file"),
         ({"log_level": ["info"]}, "log_level"),
+        ({"step_timeout_s": 2**1024}, "step_timeout_s"),  # past a float: found by the fuzzer
+        ({"step_timeout_s": float("nan")}, "step_timeout_s"),
     ],
 )
 async def test_absurd_open_options_are_refused_before_loading(
