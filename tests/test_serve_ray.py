@@ -3,8 +3,10 @@ with the official `openai` client: answers equal one engine's, a shared prompt p
 to the replica that holds it, unrelated prompts spread over both replicas, and a replica
 killed mid-stream ends that stream with an error while the other serves what comes next.
 
-One Ray instance serves every test of the module: the test process starts it, and `q4k serve`
-joins it through RAY_ADDRESS (so it can look up the replicas' processes)."""
+One Ray instance serves every test of the module, started as `ray start --head --block` in a
+process group of its own and stopped by signalling that group; `q4k serve` joins it through
+RAY_ADDRESS. The test process never joins it: whatever Ray sets up in a driver's process, or
+fails to take down, stays out of the tests that run after this module."""
 
 from __future__ import annotations
 
@@ -29,8 +31,7 @@ import numpy as np
 import openai
 import pytest
 
-ray = pytest.importorskip("ray", reason="needs the `ray` extra: pip install 'q4k-actors[ray]'")
-from ray import serve  # noqa: E402  (after the skip)
+pytest.importorskip("ray", reason="needs the `ray` extra: pip install 'q4k-actors[ray]'")
 
 from actors.compute.contract import KVRequest  # noqa: E402
 from actors.compute.cpu import build_cpu_backend  # noqa: E402
@@ -58,12 +59,18 @@ PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 # chats by the rendered prompt) are given this one.
 TEMPLATE = ROOT / "examples" / "chat_templates" / "chatml_tools.jinja"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# For the instance and `q4k serve`: the replicas import this checkout's `actors`, as the test
+# process does; the instance listens on this machine only, so it runs without Ray's token.
+RAY_ENVIRONMENT = {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+HEAD_ADDRESS = re.compile(r"ray start --address='([^']+)'")
+ENGINE_REPLICA = "SERVE_REPLICA::q4k#EngineReplica#"
 
 
 class Endpoint(msgspec.Struct):
     url: str
     client: openai.OpenAI
-    process: subprocess.Popen[str]
+    # Each EngineReplica's id (as REPLICA_HEADER names it) and process, as they started.
+    replica_pids: dict[str, int]
 
 
 def _free_port() -> int:
@@ -72,60 +79,114 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _banner(process: subprocess.Popen[str]) -> re.Match[str]:
-    """The endpoint line `q4k serve` prints once its replicas are up (Ray's own lines come
-    first); fails with what it printed if it never comes."""
-    lines: queue.Queue[str] = queue.Queue()
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the process's group (it leads one of its own), SIGKILL if it outlasts 30 s."""
+    for signal_number in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, signal_number)
+            process.wait(timeout=30)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _first_match(pattern: re.Pattern[str], lines: Iterator[str], what: str) -> re.Match[str]:
+    """The first of `lines` that `pattern` finds, within START_TIMEOUT_S in all; fails with what
+    came before if the lines end or the time runs out first."""
+    found: queue.Queue[str] = queue.Queue()
 
     def read() -> None:
-        for line in process.stderr:
-            lines.put(line)
-        lines.put("")  # it ended
+        for line in lines:
+            found.put(line)
+        found.put("")  # they ended
 
     threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + START_TIMEOUT_S
     seen = []
     while True:
         try:
-            line = lines.get(timeout=START_TIMEOUT_S)
+            line = found.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             line = ""
         if not line:
-            pytest.fail("q4k serve --replicas printed no endpoint:\n" + "".join(seen))
+            pytest.fail(f"{what} within {START_TIMEOUT_S} s:\n" + "".join(seen))
         seen.append(line)
-        if found := BANNER.search(line):
-            return found
+        if match := pattern.search(line):
+            return match
+
+
+def _lines_of(log: Path, process: subprocess.Popen) -> Iterator[str]:
+    """The lines of a file a process writes, as they come, until the process ends."""
+    with log.open() as text:
+        while True:
+            line = text.readline()
+            if line:
+                yield line
+            elif process.poll() is not None:
+                return
+            else:
+                time.sleep(0.1)
+
+
+def _replica_pids(address: str) -> dict[str, int]:
+    """Each EngineReplica's id and process, asked of Ray by a driver of its own."""
+    script = (
+        "import json, os, sys, ray\n"
+        "ray.init(address=sys.argv[1], log_to_driver=False)\n"
+        "names = [actor['name'] for actor in ray.util.list_named_actors(all_namespaces=True)\n"
+        "         if actor['name'].startswith(sys.argv[2])]\n"
+        "pids = [ray.get_actor(name, namespace='serve').__ray_call__.remote(lambda _: os.getpid())\n"
+        "        for name in names]\n"
+        "print(json.dumps(dict(zip([n[len(sys.argv[2]):] for n in names], ray.get(pids)))))\n"
+    )
+    asked = subprocess.run([sys.executable, "-c", script, address, ENGINE_REPLICA],
+                           env={**os.environ, **RAY_ENVIRONMENT}, capture_output=True, text=True,
+                           timeout=START_TIMEOUT_S, check=True)
+    return msgspec.json.decode(asked.stdout.splitlines()[-1], type=dict[str, int])
 
 
 @pytest.fixture(scope="module")
-def endpoint(tiny_model_paths: dict[str, Path]) -> Iterator[Endpoint]:
-    # The replicas' processes import this checkout's `actors`, as the test process does; the
-    # instance listens on loopback only, so `q4k serve` joins it without Ray's token.
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
-    saved = os.environ.copy()
-    os.environ.update(environment)
-    context = ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A local Ray instance of 2 CPUs, in a process group of its own: its GCS address."""
+    log = tmp_path_factory.mktemp("ray") / "head.log"
+    with log.open("w") as output:
+        head = subprocess.Popen(
+            [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+             "--port", "0", "--ray-client-server-port", str(_free_port()), "--num-cpus", "2",
+             "--include-dashboard", "false", "--disable-usage-stats"],
+            env={**os.environ, **RAY_ENVIRONMENT}, stdout=output, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield _first_match(HEAD_ADDRESS, _lines_of(log, head), "ray start printed no address")[1]
+    finally:
+        _stop_group(head)
+
+
+@pytest.fixture(scope="module")
+def endpoint(ray_address: str, tiny_model_paths: dict[str, Path]) -> Iterator[Endpoint]:
     process = subprocess.Popen(
         [sys.executable, "-m", "actors.cli", "serve", "--model",
          str(tiny_model_paths[MODEL]), "--backend", "cpu", "--replicas", "2",
          "--template", str(TEMPLATE), "--port", str(_free_port())],
-        env={**environment, "RAY_ADDRESS": context.address_info["gcs_address"]},
+        env={**os.environ, **RAY_ENVIRONMENT, "RAY_ADDRESS": ray_address},
         stderr=subprocess.PIPE, text=True,
     )
     try:
-        url = f"http://127.0.0.1:{_banner(process).group(1)}"
+        # The endpoint line comes once the replicas are up (Ray's own lines come first).
+        banner = _first_match(BANNER, process.stderr, "q4k serve --replicas printed no endpoint")
+        url = f"http://127.0.0.1:{banner[1]}"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60,
                                max_retries=0)
-        yield Endpoint(url=url, client=client, process=process)
+        yield Endpoint(url=url, client=client, replica_pids=_replica_pids(ray_address))
     finally:
         process.send_signal(signal.SIGINT)
         try:
             process.wait(timeout=60)
         finally:
             process.kill()
-            serve.shutdown()
-            ray.shutdown()
-            os.environ.clear()
-            os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")
@@ -283,8 +344,7 @@ def test_a_replica_killed_mid_stream_ends_its_stream_with_an_error(endpoint: End
     killed = raw.headers[REPLICA_HEADER]
     chunks = iter(raw.parse())
     next(chunks)
-    replica = ray.get_actor(f"SERVE_REPLICA::q4k#EngineReplica#{killed}", namespace="serve")
-    os.kill(ray.get(replica.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+    os.kill(endpoint.replica_pids[killed], signal.SIGKILL)
     with pytest.raises(openai.APIError, match="replica"):
         for _ in chunks:
             pass
