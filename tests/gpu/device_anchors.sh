@@ -10,7 +10,7 @@
 # gemma-3 and the ratios; `python benchmarks/llama_cpp_cuda_anchors.py --theirs
 # llama_cpp_cuda.json --ours bench_cuda.json` sets the two calls' figures side by side here.
 # Results under $OUT: device_anchors.log and llama_cpp_cuda.json
-# (benchmarks/llama_cpp_cuda_anchors.py), within ANCHORS_S (240 s).
+# (benchmarks/llama_cpp_cuda_anchors.py), within ANCHORS_S (150 s).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
@@ -37,7 +37,7 @@ args=(--model-8b "$model_8b" --json "$OUT/llama_cpp_cuda.json")
 [ -n "$gemma3" ] && args+=(--gemma3 "$gemma3")
 [ -f "$work/bench_cuda.json" ] && args+=(--ours "$work/bench_cuda.json")
 LD_LIBRARY_PATH="$work/llama-cuda/bin:$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    timeout "${ANCHORS_S:-240}" "$py" benchmarks/llama_cpp_cuda_anchors.py \
+    timeout "${ANCHORS_S:-150}" "$py" benchmarks/llama_cpp_cuda_anchors.py \
     "$work/llama-cuda/bin" "${args[@]}"
 rc=$?
 echo "device_anchors: exit $rc in $(( $(date +%s) - started )) s"

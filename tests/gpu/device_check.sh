@@ -18,10 +18,11 @@
 # Results under $OUT (a device run brings back at most 8 files): device_check.log (every part's
 # output, the tests' recorded figures at the end of each group), bench_cuda.json, ncu.txt and
 # device_check.json (exit codes and seconds of each part).
-# Time: the whole run ends within TOTAL_S (570 s: a device call may last 600). Each part has a
-# budget, cut to what is left: tests 240 s (TESTS_S; GROUP_MIN_S, 30, kept for each later
-# group; TEST_S, 90, a test), synthetic model 45 s (SYNTHETIC_S), bench 240 s (BENCH_S),
-# ncu 60 s (NCU_S; 0 = none).
+# Time: the whole run ends within TOTAL_S (420 s: a session's 15 minutes of device time hold the
+# machine's start, 1-2 minutes, this call and device_anchors.sh's 150 s). Each part has a
+# budget, cut to what is left: tests 200 s (TESTS_S; GROUP_MIN_S, 30, kept for each later
+# group; TEST_S, 90, a test), synthetic model 45 s (SYNTHETIC_S), bench 180 s (BENCH_S),
+# ncu 40 s (NCU_S; 0 = none).
 # Rehearsal without a GPU: PYCUDA_CHECK=import with LD_LIBRARY_PATH at a libcuda stub
 # (.cudacarry/make_libcuda_stub.sh): PyCUDA installs and imports, tests/gpu skips, no bench.
 set -uo pipefail
@@ -29,7 +30,7 @@ OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 py=${PY:-python3}
 started=$(date +%s)
-deadline=$(( started + ${TOTAL_S:-570} ))
+deadline=$(( started + ${TOTAL_S:-420} ))
 log=$OUT/device_check.log
 work=${WORK:-/tmp/device_check}
 mkdir -p "$work"
@@ -62,7 +63,7 @@ per_test=()
 tests_rc=0
 groups_rc=""
 tests_started=$(date +%s)
-tests_deadline=$(( tests_started + $(part_s "${TESTS_S:-240}" 150) ))
+tests_deadline=$(( tests_started + $(part_s "${TESTS_S:-200}" 150) ))
 left_after=3
 for group in kernels matvec_route tiles_route mma_route; do
     limit=$(( tests_deadline - $(date +%s) - left_after * ${GROUP_MIN_S:-30} ))
@@ -101,7 +102,7 @@ else
     [ -n "$model_8b" ] && model_args+=(--model-8b "$model_8b")
     [ -n "$gemma3" ] && model_args+=(--gemma3 "$gemma3")
     for shrunk in .cudacarry/models/*.gguf; do [ -f "$shrunk" ] && model_args+=(--model "$shrunk"); done
-    timeout "$(part_s "${BENCH_S:-240}" 30)" "$py" benchmarks/bench_cuda.py \
+    timeout "$(part_s "${BENCH_S:-180}" 30)" "$py" benchmarks/bench_cuda.py \
         --json "$OUT/bench_cuda.json" "${model_args[@]}"
     bench_rc=$?
 fi
@@ -115,15 +116,17 @@ printf 'model_8b=%s\ngemma3=%s\n' "$model_8b" "$gemma3" > "$work/models.env"
 #    throughput, instructions, time, bytes read, shared-memory bank conflicts, warps active.
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
 ncu_rc='"skipped: no ncu"'
-if [ -n "$ncu" ] && [ "${PYCUDA_CHECK:-}" != import ] && [ "${NCU_S:-60}" != 0 ]; then
-    timeout "$(part_s "${NCU_S:-60}" 5)" "$ncu" --clock-control none -k regex:mul_mat \
+if [ -n "$ncu" ] && [ "${PYCUDA_CHECK:-}" != import ] && [ "${NCU_S:-40}" != 0 ]; then
+    timeout "$(part_s "${NCU_S:-40}" 5)" "$ncu" --clock-control none -k regex:mul_mat \
         --metrics dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__warps_active.avg.pct_of_peak_sustained_active \
         "$py" benchmarks/bench_cuda.py --repeats 2 > "$OUT/ncu.txt" 2>&1
     ncu_rc=$?
 fi
 total_s=$(( $(date +%s) - started ))
-printf '{"setup_s": %s, "tests_rc": %s, "test_groups_rc": {%s}, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "ncu_rc": %s, "total_s": %s}\n' \
-    "$setup_s" "$tests_rc" "${groups_rc%, }" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$ncu_rc" "$total_s" \
+# Which card gave the figures (the issue's absolute anchors are an H200's; an H100 may be lent).
+gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
+printf '{"gpu": "%s", "setup_s": %s, "tests_rc": %s, "test_groups_rc": {%s}, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "ncu_rc": %s, "total_s": %s}\n' \
+    "${gpu:-none}" "$setup_s" "$tests_rc" "${groups_rc%, }" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$ncu_rc" "$total_s" \
     > "$OUT/device_check.json"
 cat "$OUT/device_check.json"
 [ "$tests_rc" = 0 ] && [ "$synthetic_rc" = 0 ] && { [ "${PYCUDA_CHECK:-}" = import ] || [ "$bench_rc" = 0 ]; }
