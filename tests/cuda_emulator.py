@@ -525,6 +525,36 @@ CANDIDATE_KERNELS = frozenset({"apply_token_mask", "apply_penalties", "top_candi
                                "feed_greedy_tokens"})
 
 
+class EmulatedModule:
+    """A module loaded from an emulated cubin (pycuda.driver.module_from_buffer): its
+    functions launch the kernels' twins on `device`."""
+
+    def __init__(self, device: EmulatedDevice, cubin: bytes) -> None:
+        # Where nvcc is, each launch's arguments are checked against the compiled kernel's
+        # parameters: their number and types, which a twin cannot see.
+        self.device = device
+        self.signatures = ptx_signatures(cubin.decode()) if device.check_signatures else {}
+        device.modules_made += 1
+        weakref.finalize(self, device.release, "module")
+
+    def get_function(self, name: str) -> Callable[..., None]:
+        device = self.device
+
+        # A function holds its module, as PyCUDA's do (custodian and ward).
+        def function(*args: Any, grid: tuple[int, ...], block: tuple[int, ...],
+                     stream: Any = None, module: EmulatedModule = self) -> None:
+            # PyCUDA passes an allocation as its address
+            args = tuple(np.uintp(a.address) if isinstance(a, device.allocation_type)
+                         else a for a in args)
+            assert all(isinstance(a, tuple(PTX_TYPE)) for a in args), name
+            if name in module.signatures:
+                assert [PTX_TYPE[type(a)] for a in args] == module.signatures[name], \
+                    (name, "arguments unlike the kernel's parameters")
+            assert math.prod(block) <= 1024 and min(grid) >= 1, (name, grid, block)
+            device.launch(name, grid, args)
+        return function
+
+
 class EmulatedDevice:
     """The pycuda.driver and pycuda.compiler the backend imports, and the graph API it calls
     through libcuda, over `Memory`. Counts what the backend asks for; `fail_kernel` makes that
@@ -582,6 +612,7 @@ class EmulatedDevice:
         module = types.ModuleType("pycuda.driver")
         module.Error, module.MemoryError, module.LogicError = (self.Error, self.MemoryError,
                                                                 self.LogicError)
+        module.module_from_buffer = functools.partial(EmulatedModule, device)
 
         class Allocation:
             def __init__(self, size: int) -> None:
@@ -741,31 +772,17 @@ class EmulatedDevice:
         device = self
         module = types.ModuleType("pycuda.compiler")
 
-        class SourceModule:
+        def compile(source: str, **options: Any) -> bytes:
+            # The emulated cubin is the source itself: a module made from it reads its
+            # kernels' parameters there.
+            device.compiled.append((source, options))
+            return source.encode()
+
+        class SourceModule(EmulatedModule):
             def __init__(self, source: str, **options: Any) -> None:
-                # Where nvcc is, each launch's arguments are checked against the compiled
-                # kernel's parameters: their number and types, which a twin cannot see.
-                self.signatures = ptx_signatures(source) if device.check_signatures else {}
-                device.compiled.append((source, options))
-                device.modules_made += 1
-                weakref.finalize(self, device.release, "module")
+                super().__init__(device, compile(source, **options))
 
-            def get_function(self, name: str) -> Callable[..., None]:
-                # A function holds its module, as PyCUDA's do (custodian and ward).
-                def function(*args: Any, grid: tuple[int, ...], block: tuple[int, ...],
-                             stream: Any = None, module: SourceModule = self) -> None:
-                    # PyCUDA passes an allocation as its address
-                    args = tuple(np.uintp(a.address) if isinstance(a, device.allocation_type)
-                                 else a for a in args)
-                    assert all(isinstance(a, tuple(PTX_TYPE)) for a in args), name
-                    if name in module.signatures:
-                        assert [PTX_TYPE[type(a)] for a in args] == module.signatures[name], \
-                            (name, "arguments unlike the kernel's parameters")
-                    assert math.prod(block) <= 1024 and min(grid) >= 1, (name, grid, block)
-                    device.launch(name, grid, args)
-                return function
-
-        module.SourceModule = SourceModule
+        module.compile, module.SourceModule = compile, SourceModule
         return module
 
     def launch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:

@@ -34,13 +34,14 @@ types as a harmless bad argument, so the type cannot tell) and the backend is lo
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pycuda.driver as cuda
-from pycuda.compiler import SourceModule
+from pycuda.compiler import compile as compile_cubin
 
 from actors.compute import cuda_ahead
 from actors.compute import cuda_launches as launches
@@ -75,10 +76,20 @@ def compile_kernels(capability: tuple[int, int]) -> dict[str, cuda.Function]:
     the cubins in cuda_plan.kernel_cache_dir(), shared with tests/gpu and the benchmark).
     Each function holds its module: dropping the functions unloads the modules."""
     source_dir = plan.kernel_source_dir()
+    options = plan.source_module_options(capability)
+    files = plan.kernel_entry_points()
+
+    def compiled(file_name: str) -> bytes:
+        return compile_cubin((source_dir / file_name).read_text(), **options)
+
+    # nvcc runs in processes of its own, so the files compile side by side: a first start
+    # waits for the longest file, not for them all (likewise the preprocessing that keys
+    # PyCUDA's cache on every start). Modules load here, where the context is current.
+    with ThreadPoolExecutor(len(files)) as pool:
+        cubins = list(pool.map(compiled, files))
     functions = {}
-    for file_name, entry_points in plan.kernel_entry_points().items():
-        module = SourceModule((source_dir / file_name).read_text(),
-                              **plan.source_module_options(capability))
+    for (file_name, entry_points), cubin in zip(files.items(), cubins, strict=True):
+        module = cuda.module_from_buffer(cubin)
         functions.update((name, module.get_function(name)) for name in entry_points)
     return functions
 
