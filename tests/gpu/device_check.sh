@@ -5,8 +5,8 @@
 #   2. pytest tests/gpu (each kernel against its numpy twin; the CUDA backend against the CPU
 #      on the reference sequences; the engine on backend="cuda"), in four groups of a process
 #      each (tests/gpu/conftest.py's GPU_TEST_GROUPS) so that a fault costs its group only;
-#   3. benchmarks/synthetic_gguf.py: the Llama-3-8B-shaped Q4_K_M file and how long it takes
-#      there (SYNTHETIC_LAYERS, default 32);
+#   3. beside the tests: benchmarks/synthetic_gguf.py, the Llama-3-8B-shaped Q4_K_M file, and
+#      how long it takes there (SYNTHETIC_LAYERS, default 32), and the grown gemma-3;
 #   4. benchmarks/bench_cuda.py (Q4_K decode products on the three decode routes, the matvec,
 #      the decode tiles and the mma matvec, in effective TB/s; copy bandwidth; tensor-core
 #      tiles; whole-model decode / prefill tok/s on that file (the 8B decode on the mma matvec
@@ -21,8 +21,8 @@
 # Time: the whole run ends within TOTAL_S (420 s: a session's 15 minutes of device time hold the
 # machine's start, 1-2 minutes, this call and device_anchors.sh's 150 s). Each part has a
 # budget, cut to what is left: tests 200 s (TESTS_S; GROUP_MIN_S, 30, kept for each later
-# group; TEST_S, 90, a test), synthetic model 45 s (SYNTHETIC_S), bench 180 s (BENCH_S),
-# ncu 40 s (NCU_S; 0 = none).
+# group; TEST_S, 90, a test; the model files are written meanwhile, within SYNTHETIC_S, 90),
+# bench 180 s (BENCH_S), ncu 40 s (NCU_S; 0 = none).
 # Rehearsal without a GPU: PYCUDA_CHECK=import with LD_LIBRARY_PATH at a libcuda stub
 # (.cudacarry/make_libcuda_stub.sh): PyCUDA installs and imports, tests/gpu skips, no bench.
 set -uo pipefail
@@ -53,13 +53,39 @@ bash tests/gpu/install_carried_wheels.sh "$py" || exit 1
 export PYTHONPATH=".:$PYTHONPATH"  # the checkout's actors, not an installed one
 setup_s=$(( $(date +%s) - started ))
 
+# The benchmark's model files are written while the tests run (CPU and disk work, where the
+# tests mostly wait on the GPU), each into its own log, shown once it is done: the 8B-shaped
+# Q4_K_M file, and, where gemma-3-270m's own file (a PyPI package) is not installed, the
+# carried shrunk file grown back to the real one's 18 layers and 262,144 tokens.
+model_8b=/tmp/llama3-8b-synthetic.gguf
+(
+    written=$(date +%s)
+    timeout "${SYNTHETIC_S:-90}" "$py" benchmarks/synthetic_gguf.py "$model_8b" \
+        --layers "${SYNTHETIC_LAYERS:-32}"
+    rc=$?
+    echo $(( $(date +%s) - written )) > "$work/synthetic.s"
+    exit $rc
+) > "$work/synthetic.log" 2>&1 &
+synthetic_pid=$!
+gemma3="" grow_pid=""
+if [ "${PYCUDA_CHECK:-}" != import ]; then
+    gemma3=$("$py" -c 'from tests.conftest import gemma3_path; print(gemma3_path())' 2>/dev/null)
+    case "$gemma3" in
+        */gemma3-shrunk.gguf|'')
+            gemma3=/tmp/gemma3-270m-grown.gguf
+            "$py" benchmarks/grow_gguf.py .cudacarry/models/gemma3-shrunk.gguf "$gemma3" \
+                --layers 18 --vocab 262144 > "$work/grow.log" 2>&1 &
+            grow_pid=$! ;;
+    esac
+fi
+
 # A test that hangs is cut at its own limit where pytest-timeout is there (the GPU image has it).
 per_test=()
 "$py" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout "${TEST_S:-90}")
 # The groups of tests/gpu/conftest.py (GPU_TEST_GROUPS), a process each: a kernel fault that
 # leaves the CUDA context unusable costs its own group only. Each may use what is left of the
 # test budget but GROUP_MIN_S for each group after it (the kernels compiled once, in PyCUDA's
-# cache folder, for all); the tests leave 150 s for the model file and the benchmark.
+# cache folder, for all); the tests leave 150 s for the benchmark.
 tests_rc=0
 groups_rc=""
 tests_started=$(date +%s)
@@ -77,26 +103,18 @@ for group in kernels matvec_route tiles_route mma_route; do
 done
 tests_s=$(( $(date +%s) - tests_started ))
 
-model_8b=/tmp/llama3-8b-synthetic.gguf
-synthetic_started=$(date +%s)
-timeout "$(part_s "${SYNTHETIC_S:-45}" 100)" "$py" benchmarks/synthetic_gguf.py "$model_8b" \
-    --layers "${SYNTHETIC_LAYERS:-32}"
+wait "$synthetic_pid"
 synthetic_rc=$?
-synthetic_s=$(( $(date +%s) - synthetic_started ))
+cat "$work/synthetic.log"
+synthetic_s=$(cat "$work/synthetic.s" 2>/dev/null || echo null)
+if [ -n "$grow_pid" ]; then
+    wait "$grow_pid" || gemma3=""
+    cat "$work/grow.log"
+fi
 
-gemma3=""
 if [ "${PYCUDA_CHECK:-}" = import ]; then
     bench_rc='"skipped: PYCUDA_CHECK=import (no device)"'
 else
-    # gemma-3-270m's file comes from a PyPI package; where it is not installed, the carried
-    # shrunk file grown back to the real one's 18 layers and 262,144 tokens stands in.
-    gemma3=$("$py" -c 'from tests.conftest import gemma3_path; print(gemma3_path())' 2>/dev/null)
-    case "$gemma3" in
-        */gemma3-shrunk.gguf|'')
-            gemma3=/tmp/gemma3-270m-grown.gguf
-            "$py" benchmarks/grow_gguf.py .cudacarry/models/gemma3-shrunk.gguf "$gemma3" \
-                --layers 18 --vocab 262144 || gemma3= ;;
-    esac
     model_args=()
     [ "$synthetic_rc" = 0 ] || model_8b=""
     [ -n "$model_8b" ] && model_args+=(--model-8b "$model_8b")
