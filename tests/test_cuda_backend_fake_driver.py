@@ -8,6 +8,8 @@ close frees everything and releases the context."""
 
 from __future__ import annotations
 
+import io
+import json
 import shutil
 import types
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ import pytest
 
 from actors.compute.contract import BackendLostError, KVRequest, RowInputs, StepItem
 from actors.errors import ComputeError, InvalidRequest
+from actors.logs import logging_to
 from actors.model.candidates import mask_words
 from actors.model.loaded import OpenedModel, open_model
 from tests.conftest import TINY_MODELS
@@ -72,6 +75,22 @@ def test_compiles_share_one_cache_folder_with_the_tests(fake: Any, tiny: OpenedM
         str(cuda_plan.kernel_cache_dir())}
     assert all(options == cuda_plan.source_module_options((9, 0))
                for _, options in driver.compiled)
+
+
+def test_the_compile_reports_its_progress(fake: Any, tiny: OpenedModel) -> None:
+    """A first start on a machine compiles for tens of seconds: the log (and a bar, on a
+    terminal) says what it is doing, file by file."""
+    from actors.compute import cuda_plan
+
+    cuda_module, _ = fake
+    log = io.StringIO()
+    with logging_to("info", log, as_json=True):
+        _backend(cuda_module, tiny).close()
+    events = [json.loads(line) for line in log.getvalue().splitlines()]
+    compiling = [event for event in events if event.get("task") == "compiling the CUDA kernels"]
+    files = len(cuda_plan.kernel_entry_points())
+    assert compiling and {event["total"] for event in compiling} == {files}
+    assert compiling[-1]["done"] == files
 
 
 class FailingCaptureLibrary:

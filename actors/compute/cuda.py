@@ -34,7 +34,7 @@ types as a harmless bad argument, so the type cannot tell) and the backend is lo
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -85,11 +85,16 @@ def compile_kernels(capability: tuple[int, int]) -> dict[str, cuda.Function]:
     # nvcc runs in processes of its own, so the files compile side by side: a first start
     # waits for the longest file, not for them all (likewise the preprocessing that keys
     # PyCUDA's cache on every start). Modules load here, where the context is current.
-    with ThreadPoolExecutor(len(files)) as pool:
-        cubins = list(pool.map(compiled, files))
+    with (progress_callback("compiling the CUDA kernels") as report,
+          ThreadPoolExecutor(len(files)) as pool):
+        pending = {pool.submit(compiled, file_name): file_name for file_name in files}
+        cubins = {}
+        for done, future in enumerate(as_completed(pending), start=1):
+            cubins[pending[future]] = future.result()
+            report(done, len(files))
     functions = {}
-    for (file_name, entry_points), cubin in zip(files.items(), cubins, strict=True):
-        module = cuda.module_from_buffer(cubin)
+    for file_name, entry_points in files.items():
+        module = cuda.module_from_buffer(cubins[file_name])
         functions.update((name, module.get_function(name)) for name in entry_points)
     return functions
 
