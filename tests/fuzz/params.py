@@ -77,9 +77,11 @@ def check(case: tuple[dict[str, Any], bool, tuple[Any, ...]]) -> str:
             else:
                 params = SamplingParams(*positional, **kwargs)
         except InvalidRequest as exc:
-            # A nested field is named by its path: structured.regex.
+            # A nested field is named by its path: structured.regex. An unknown one is named as
+            # given, dots and all.
             top = None if exc.field is None else exc.field.split(".")[0]
-            if top is None or (top not in kwargs and top not in ("args", "params")):
+            if top is None or (exc.field not in kwargs and top not in kwargs
+                               and top not in ("args", "params")):
                 raise Escape(f"InvalidRequest names {exc.field!r}, not a field given: {exc}") from exc
             raise
         SequenceSampling(params, PROMPT, VOCAB)
