@@ -71,29 +71,40 @@ MAX_GRAPH_BATCH = 64
 STREAM_NON_BLOCKING = 1
 
 
-def compile_kernels(capability: tuple[int, int]) -> dict[str, cuda.Function]:
-    """Every entry point of cuda_src, each file compiled once for this device (PyCUDA keeps
-    the cubins in cuda_plan.kernel_cache_dir(), shared with tests/gpu and the benchmark).
-    Each function holds its module: dropping the functions unloads the modules."""
+def compile_cubins(capability: tuple[int, int], *, cache_dir: str | None = None,
+                   jobs: int | None = None) -> dict[str, bytes]:
+    """Each cuda_src file compiled for this compute capability, file name -> cubin; no
+    context needed. `cache_dir`: PyCUDA's cache folder (default cuda_plan.kernel_cache_dir(),
+    shared with tests/gpu and the benchmark); `jobs`: files compiled at once (default all)."""
     source_dir = plan.kernel_source_dir()
     options = plan.source_module_options(capability)
-    files = plan.kernel_entry_points()
+    if cache_dir is not None:
+        options = {**options, "cache_dir": cache_dir}
+    files = list(plan.kernel_entry_points())
 
     def compiled(file_name: str) -> bytes:
         return compile_cubin((source_dir / file_name).read_text(), **options)
 
     # nvcc runs in processes of its own, so the files compile side by side: a first start
     # waits for the longest file, not for them all (likewise the preprocessing that keys
-    # PyCUDA's cache on every start). Modules load here, where the context is current.
+    # PyCUDA's cache on every start).
     with (progress_callback("compiling the CUDA kernels") as report,
-          ThreadPoolExecutor(len(files)) as pool):
+          ThreadPoolExecutor(jobs or len(files)) as pool):
         pending = {pool.submit(compiled, file_name): file_name for file_name in files}
         cubins = {}
         for done, future in enumerate(as_completed(pending), start=1):
             cubins[pending[future]] = future.result()
             report(done, len(files))
+    return cubins
+
+
+def compile_kernels(capability: tuple[int, int]) -> dict[str, cuda.Function]:
+    """Every entry point of cuda_src, each file compiled once for this device
+    (compile_cubins) and loaded here, where the context is current. Each function holds its
+    module: dropping the functions unloads the modules."""
+    cubins = compile_cubins(capability)
     functions = {}
-    for file_name, entry_points in files.items():
+    for file_name, entry_points in plan.kernel_entry_points().items():
         module = cuda.module_from_buffer(cubins[file_name])
         functions.update((name, module.get_function(name)) for name in entry_points)
     return functions
