@@ -2,7 +2,7 @@
 launch's arguments as they run: every section a device run makes, so a mistake in the
 benchmark's own code (a kernel's arguments, a section's plumbing) shows here rather than in a
 device run's few minutes. Its matrices are cut small; the figures are meaningless; what is
-checked is that each section ran and reports its fields."""
+checked is that each section ran and reports its fields. benchmarks/bench_compile.py likewise."""
 
 from __future__ import annotations
 
@@ -62,3 +62,23 @@ def test_every_section_runs_and_reports(emulated: tuple[Any, Any], tmp_path: Pat
         assert [row["streams"] for row in rows] == streams, section
         # each beside the bare backend's step at the same count, where that one was measured
         assert all("decode_tok_s" in row for row in rows), section
+
+
+def test_the_compile_benchmark_times_every_case(emulated: tuple[Any, Any],
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/bench_compile.py over the emulated compiler: each case timed, and every
+    file compiled in each of the four."""
+    _, device = emulated
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.delitem(sys.modules, "bench_compile", raising=False)  # over this emulator
+    import bench_compile
+
+    monkeypatch.setattr(sys, "argv", ["bench_compile.py"])
+    bench_compile.main()
+    figures = json.loads(capsys.readouterr().out)
+    cases = [f"{way}_{cache}_s" for way in ("one_at_a_time", "side_by_side")
+             for cache in ("cold", "cached")]
+    assert set(figures) == {"files", *cases}
+    assert all(figures[case] >= 0 for case in cases)
+    assert len(device.compiled) == 4 * figures["files"]
