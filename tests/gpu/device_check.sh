@@ -79,6 +79,18 @@ if [ "${PYCUDA_CHECK:-}" != import ]; then
     esac
 fi
 
+# The kernels compiled once, all files side by side, into the cache folder the tests and the
+# backend share (compile_cubins: no context needed); the tests, compiling file by file as they
+# go, then find every file there. A file that fails here fails its own tests again below.
+capability=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)
+if [ -n "$capability" ]; then
+    compile_started=$(date +%s)
+    "$py" -c 'import sys; from actors.compute.cuda import compile_cubins
+compile_cubins(tuple(int(part) for part in sys.argv[1].split(".")))' "$capability" \
+        || echo "device_check: the kernels' compile failed (each file's tests show where)"
+    echo "device_check: kernels compiled in $(( $(date +%s) - compile_started )) s"
+fi
+
 # A test that hangs is cut at its own limit where pytest-timeout is there (the GPU image has it).
 per_test=()
 "$py" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout "${TEST_S:-90}")
