@@ -113,19 +113,6 @@ def _first_match(pattern: re.Pattern[str], lines: Iterator[str], what: str) -> r
             return match
 
 
-def _lines_of(log: Path, process: subprocess.Popen) -> Iterator[str]:
-    """The lines of a file a process writes, as they come, until the process ends."""
-    with log.open() as text:
-        while True:
-            line = text.readline()
-            if line:
-                yield line
-            elif process.poll() is not None:
-                return
-            else:
-                time.sleep(0.1)
-
-
 def _replica_pids(address: str) -> dict[str, int]:
     """Each EngineReplica's id and process, asked of Ray by a driver of its own."""
     script = (
@@ -144,19 +131,18 @@ def _replica_pids(address: str) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def ray_address() -> Iterator[str]:
     """A local Ray instance of 2 CPUs, in a process group of its own: its GCS address."""
-    log = tmp_path_factory.mktemp("ray") / "head.log"
-    with log.open("w") as output:
-        head = subprocess.Popen(
-            [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-             "--port", "0", "--ray-client-server-port", str(_free_port()), "--num-cpus", "2",
-             "--include-dashboard", "false", "--disable-usage-stats"],
-            env={**os.environ, **RAY_ENVIRONMENT}, stdout=output, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    head = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+         "--port", "0", "--ray-client-server-port", str(_free_port()), "--num-cpus", "2",
+         "--include-dashboard", "false", "--disable-usage-stats"],
+        env={**os.environ, **RAY_ENVIRONMENT}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )
     try:
-        yield _first_match(HEAD_ADDRESS, _lines_of(log, head), "ray start printed no address")[1]
+        # _first_match's reader drains the pipe to its end, so the head never blocks on it.
+        yield _first_match(HEAD_ADDRESS, head.stdout, "ray start printed no address")[1]
     finally:
         _stop_group(head)
 
