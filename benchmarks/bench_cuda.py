@@ -1,7 +1,8 @@
 """GPU benchmark. Kernels: the Q4_K decode products' effective bandwidth (weight bytes read /
 time) on Llama-3-8B's FFN shapes on each decode route (the matvec, the decode tiles and the
-mma matvec, there the Q6_K product too, from its row-planar copy) at 1 to 64 rows, beside the
-device's own copy bandwidth, and the tensor-core tiles at prefill size, timed with CUDA events over many launches (the weights cycle through enough
+mma matvec, there the Q6_K product too, row-planar as that route holds it) at 1 to 64 rows,
+beside the device's own copy bandwidth, and the tensor-core tiles at prefill size (Q4_K;
+Q6_K as the file holds it and row-planar), timed with CUDA events over many launches (the weights cycle through enough
 copies that every launch reads them from HBM, not from L2). Whole models through the CUDA
 backend (wall clock per step, each step ending in its one synchronization): decode tok/s at
 1, 32 and 64 streams on the matvec and the decode tiles routes (`*_decode_tiles`), at 1 and
@@ -27,6 +28,7 @@ gemma-3-270m >= 300 tok/s one stream.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -122,12 +124,6 @@ def decode_product(compiled: dict[str, Any], route: str, type_name: str, rows: i
     return name, compiled[ROUTE_FILES[route]].get_function(name), launch
 
 
-def reads_planar(route: str, type_name: str) -> bool:
-    """Whether `route`'s product reads the matrix's row-planar copy (as the backend uploads
-    it for mul_mat_vec_mma) rather than the file's blocks."""
-    return route == "matvec_mma" and type_name in plan.PLANAR_TYPES
-
-
 def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: int,
                  repeats: int, routes: tuple[str, ...],
                  types: tuple[str, ...] = ("Q4_K",)) -> list[dict[str, Any]]:
@@ -144,7 +140,7 @@ def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: i
     for type_name, (rows, n_in) in ((t, shape) for t in types for shape in MATVEC_SHAPES):
         matrix = random_blocks(rng, type_name, rows * n_in // 256).reshape(rows, -1)
         images = {planar: weight_copies(device_rows(matrix, type_name, n_in, planar), l2_bytes)
-                  for planar in {reads_planar(r, type_name) for r in compiled_routes}}
+                  for planar in {plan.holds_planar(type_name, r) for r in compiled_routes}}
         pitch = np.int64(plan.row_pitch(type_name, n_in))
         for batch in MATVEC_BATCHES:
             x = cuda.to_device(rng.standard_normal((batch, n_in)).astype(np.float32))
@@ -152,7 +148,7 @@ def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: i
             for route in compiled_routes:
                 name, function, launch = decode_product(compiled, route, type_name, rows, n_in,
                                                         batch)
-                copies = images[reads_planar(route, type_name)]
+                copies = images[plan.holds_planar(type_name, route)]
                 # the decode tiles' K-split workspace (counters zero, as the backend's)
                 split_args = (workspace, counters) if route == "tiles" else ()
                 seconds = time_launches(
@@ -172,25 +168,33 @@ def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: i
     return results
 
 
+# The prefill tiles timed: Q4_K, and Q6_K as the file holds it and row-planar (the matvec_mma
+# route's layout), whose staging is all aligned copies and whose level words aligned loads.
+TILE_MATRICES = (("Q4_K", False), ("Q6_K", False), ("Q6_K", True))
+
+
 def bench_tiles(module: Any, rng: np.random.Generator, repeats: int) -> list[dict[str, Any]]:
     import pycuda.driver as cuda
 
     rows, n_in = MATVEC_SHAPES[0]
-    weights = cuda.to_device(random_blocks(rng, "Q4_K", rows * n_in // 256))
     x = cuda.to_device(rng.standard_normal((PREFILL_TOKENS, n_in)).astype(np.float32))
     y = cuda.mem_alloc(PREFILL_TOKENS * rows * 4)
     launch = plan.matmul_launch(rows, PREFILL_TOKENS)
     results = []
-    for tile_input in plan.TILE_INPUTS:
-        name = plan.matmul_kernel("Q4_K", PREFILL_TOKENS, tile_input)
+    for (type_name, planar), tile_input in itertools.product(TILE_MATRICES, plan.TILE_INPUTS):
+        matrix = random_blocks(rng, type_name, rows * n_in // 256).reshape(rows, -1)
+        weights = cuda.to_device(device_rows(matrix, type_name, n_in, planar))
+        name = plan.matmul_kernel(type_name, PREFILL_TOKENS, tile_input, planar)
         function = module.get_function(name)
         seconds = time_launches(
-            lambda i: function(weights, np.int64(plan.row_pitch("Q4_K", n_in)), x, np.int32(n_in),
-                               y, np.int32(rows), np.int32(rows), np.int32(n_in),
-                               np.int32(PREFILL_TOKENS), grid=launch.grid, block=launch.block),
+            lambda i: function(weights, np.int64(plan.row_pitch(type_name, n_in)), x,
+                               np.int32(n_in), y, np.int32(rows), np.int32(rows),
+                               np.int32(n_in), np.int32(PREFILL_TOKENS), grid=launch.grid,
+                               block=launch.block),
             max(repeats // 10, 3))
-        results.append({"kernel": name, "rows": rows, "n_in": n_in, "tokens": PREFILL_TOKENS,
-                        "us": seconds * 1e6,
+        weights.free()
+        results.append({"kernel": name, "type": type_name, "rows": rows, "n_in": n_in,
+                        "tokens": PREFILL_TOKENS, "us": seconds * 1e6,
                         "TFLOPs": 2 * rows * n_in * PREFILL_TOKENS / seconds / 1e12})
     return results
 

@@ -57,6 +57,7 @@ HOT_ENTRIES = {
         "mul_mat_vec_qkv")},
     "matmul.cu": {"mul_mat_tiles_f16x2_q4_K": plan.TILE_THREADS,
                   "mul_mat_tiles_f16x2_q6_K": plan.TILE_THREADS,
+                  "mul_mat_tiles_f16x2_q6_K_planar": plan.TILE_THREADS,
                   "mul_mat_decode_tiles_f16x2_q4_K": plan.DECODE_TILE_THREADS,
                   "mul_mat_decode_tiles_f16x2_q6_K": plan.DECODE_TILE_THREADS,
                   "mul_mat_decode_tiles_gate_up_silu_f16x2_q4_K": plan.DECODE_TILE_THREADS,
@@ -246,8 +247,11 @@ def decode_kernels(spec, layouts, decode_route: str = "matvec") -> dict[str, int
             "kernels_per_layer": per_layer}
 
 
-def llama_8b_layouts():
+def llama_8b_layouts(decode_route: str = "matvec"):
+    """The Llama-3-8B Q4_K_M shape's spec and tensors as they lie on the device for an engine
+    on `decode_route`."""
     from actors.compute.cuda_launches import MatrixLayout
+    from actors.compute.cuda_plan import holds_planar
     from actors.model.arch import ModelSpec
     from benchmarks.synthetic_gguf import LlamaShape, q4_k_m_types, tensor_shapes
 
@@ -260,7 +264,8 @@ def llama_8b_layouts():
                      rope_dim=shape.d_model // shape.heads, rope_neox=False)
     types = q4_k_m_types(shape)
     layouts = {name: MatrixLayout("F32", 1, dims[0]) if len(dims) == 1
-               else MatrixLayout(types[name], math.prod(dims[:-1]), dims[-1])
+               else MatrixLayout(types[name], math.prod(dims[:-1]), dims[-1],
+                                 holds_planar(types[name], decode_route))
                for name, dims in tensor_shapes(shape)}
     return spec, layouts
 
@@ -290,8 +295,9 @@ def budgets(gemma_path: Path | None = None) -> dict:
                                           "nvidia-cuda-nvdisasm provide it)")
     report["decode_step"] = {
         "llama3_8b_q4_k_m": decode_kernels(*llama_8b_layouts()),
-        "llama3_8b_q4_k_m_decode_tiles": decode_kernels(*llama_8b_layouts(), "tiles"),
-        "llama3_8b_q4_k_m_matvec_mma": decode_kernels(*llama_8b_layouts(), "matvec_mma")}
+        "llama3_8b_q4_k_m_decode_tiles": decode_kernels(*llama_8b_layouts("tiles"), "tiles"),
+        "llama3_8b_q4_k_m_matvec_mma": decode_kernels(*llama_8b_layouts("matvec_mma"),
+                                                      "matvec_mma")}
     try:
         report["decode_step"]["gemma3"] = decode_kernels(*gemma_layouts(gemma_path))
     except (FileNotFoundError, OSError) as error:

@@ -107,20 +107,24 @@ __host__ __device__ constexpr bool has_offsets() {
 }
 
 // How a type's weights are staged: BLOCKS whole blocks per chunk, copied as the 16-byte
-// aligned window holding them (WINDOW bytes at most), ROW_STRIDE bytes apart in shared memory.
+// aligned window holding them (WINDOW bytes at most), ROW_STRIDE bytes apart in shared memory;
+// a planar Q6_K block (type_q6_K_planar) as its STAGED_PIECES pieces from three planes.
 template <class T>
 struct tile_chunk {
+    static constexpr bool PLANAR = std::is_same<T, type_q6_K_planar>::value;
     static constexpr int BLOCKS =
         T::BLOCK_ELEMENTS > GROUP || tile_levels<T>::KIND != KIND_LEVELS ? 1 : 4;
     static constexpr int ELEMENTS = BLOCKS * T::BLOCK_ELEMENTS;
     static constexpr int BYTES = BLOCKS * T::BLOCK_BYTES;
-    static constexpr bool ALIGNED = BYTES % PIECE == 0;  // every chunk starts on a piece
-    static constexpr int WINDOW = ALIGNED ? BYTES : round_up16(BYTES + PIECE - 1);
+    static constexpr bool ALIGNED = PLANAR || BYTES % PIECE == 0;  // every chunk starts on a piece
+    static constexpr int WINDOW = PLANAR    ? type_q6_K_planar::STAGED_PIECES * PIECE
+                                  : ALIGNED ? BYTES
+                                            : round_up16(BYTES + PIECE - 1);
     // An odd number of pieces: the 8 rows of a fragment read 8 distinct groups of 4 banks.
     static constexpr int ROW_STRIDE = (WINDOW / PIECE) % 2 ? WINDOW : WINDOW + PIECE;
     static constexpr int STAGES = ELEMENTS / GROUP;
     // Words of every level field start on 4-byte boundaries in shared memory.
-    static constexpr bool WORD_ALIGNED = ALIGNED && T::BLOCK_BYTES % 4 == 0;
+    static constexpr bool WORD_ALIGNED = PLANAR || (ALIGNED && T::BLOCK_BYTES % 4 == 0);
     // Q4_K / Q5_K: each group's scale and offset (~20 instructions of 6-bit unpacking a row)
     // decoded once per chunk into a shared table of TABLE_GROUPS entries a row (see
     // scale_table_index).
@@ -128,6 +132,32 @@ struct tile_chunk {
                                         T::BLOCK_ELEMENTS > GROUP;
     static constexpr int TABLE_GROUPS = ELEMENTS / GROUP;
     static_assert(!SCALE_TABLE || TABLE_GROUPS == 8, "scale_table_index swizzles 8 groups");
+
+    // The pieces chunk `chunk` of a row of n_in elements is staged from (the last chunk's
+    // window ends at the row's bytes rounded up to 16, within row_pitch), and where piece
+    // `piece` of them lies in the row.
+    static __device__ int pieces(int n_in, int chunk) {
+        if constexpr (PLANAR) return type_q6_K_planar::STAGED_PIECES;
+        const int row_bytes = n_in / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
+        return (round_up16(min((chunk + 1) * BYTES, row_bytes)) - first_byte(chunk)) / PIECE;
+    }
+    static __device__ int64_t piece_source(int n_in, int chunk, int piece) {
+        if constexpr (PLANAR) {
+            return type_q6_K_planar::piece_source(n_in / T::BLOCK_ELEMENTS, chunk, piece);
+        }
+        return first_byte(chunk) + piece * PIECE;
+    }
+    // Where the chunk's first block starts in its staged window.
+    static __device__ int window_offset(int chunk) { return PLANAR ? 0 : chunk * BYTES % PIECE; }
+    // A stage's element `element` of the chunk as multiply_stage takes it: within its block,
+    // a planar block's d slot added (see tile_levels<type_q6_K_planar>).
+    static __device__ int stage_element(int chunk, int element) {
+        if constexpr (PLANAR) return type_q6_K_planar::staged_element(chunk, element);
+        return element % T::BLOCK_ELEMENTS;
+    }
+
+  private:
+    static __device__ int first_byte(int chunk) { return chunk * BYTES / PIECE * PIECE; }
 };
 
 // Entry of row r's group in a scale table (8 float2 a row, 64 bytes): the groups XOR-swizzled
@@ -357,17 +387,14 @@ template <class T, class Shape, class RowAt>
 __device__ __forceinline__ void copy_weight_rows(uint8_t* dest, RowAt row_at, int n_in,
                                                  int chunk) {
     using C = tile_chunk<T>;
-    const int row_bytes = n_in / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
-    const int start = chunk * C::BYTES / PIECE * PIECE;
-    const int end = round_up16(min((chunk + 1) * C::BYTES, row_bytes));  // <= row_pitch
-    const int pieces = (end - start) / PIECE;
+    const int pieces = C::pieces(n_in, chunk);
     constexpr int MAX_PIECES = C::WINDOW / PIECE;
     for (int i = threadIdx.x; i < Shape::ROWS * MAX_PIECES; i += Shape::THREADS) {
         const int r = i / MAX_PIECES, piece = i % MAX_PIECES;
         const WeightRow row = row_at(r);
         if (piece < pieces && row.present) {
             copy_piece_async(dest + r * C::ROW_STRIDE + piece * PIECE,
-                             row.bytes + start + piece * PIECE);
+                             row.bytes + C::piece_source(n_in, chunk, piece));
         }
     }
 }
@@ -563,11 +590,11 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
 
         const int element = (s % C::STAGES) * GROUP;  // within the chunk
         const uint8_t* block = weight_chunks + chunk % 2 * CHUNK_BYTES +
-                               warp_rows * C::ROW_STRIDE + (chunk * C::BYTES) % PIECE +
+                               warp_rows * C::ROW_STRIDE + C::window_offset(chunk) +
                                element / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
         const float2* scales = scale_tables + (C::SCALE_TABLE ? chunk % 2 * TABLE_ENTRIES +
                                                warp_rows * C::TABLE_GROUPS : 0);
-        multiply_stage<T, Shape::I, Shape::J>(block, element % T::BLOCK_ELEMENTS, scales,
+        multiply_stage<T, Shape::I, Shape::J>(block, C::stage_element(chunk, element), scales,
                                               s % C::STAGES, x_stages[s % 2], warp_tokens, acc,
                                               x_sums[s % 2]);
     }
@@ -771,10 +798,10 @@ __device__ bool mul_mat_decode_tiles(const Job& job, DecodeTileShared<T>& shared
             if (s + 1 < end_stage && in_range) next = __ldg(own_x + (s + 1) * (GROUP / 4));
             const int element = in_chunk * GROUP;  // within the chunk
             const uint8_t* block = chunk_bytes + warp_rows * C::ROW_STRIDE +
-                                   (chunk * C::BYTES) % PIECE +
+                                   C::window_offset(chunk) +
                                    element / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
             multiply_stage<T, Shape::I, Shape::J>(
-                block, element % T::BLOCK_ELEMENTS,
+                block, C::stage_element(chunk, element),
                 scale_table + (C::SCALE_TABLE ? warp_rows * C::TABLE_GROUPS : 0), in_chunk,
                 x_stages[buffer], warp_tokens, acc, x_sums[buffer]);
         }
@@ -928,14 +955,17 @@ extern "C" __global__ void __launch_bounds__(DecodeTile::THREADS, DECODE_TILE_BL
                                    shared, x, x_stride, n_in, n_tokens, partials, counters);     \
     }
 
-#define QK_MATMUL_ENTRIES(suffix, type)                                                          \
+#define QK_PREFILL_TILES_ENTRY(suffix, type)                                                     \
     extern "C" __global__ void __launch_bounds__(PrefillTile::THREADS, TILE_BLOCKS_PER_SM)        \
         mul_mat_tiles_f16x2_##suffix(const uint8_t* weights, int64_t row_pitch, const float* x,  \
                                      int x_stride, float* y, int y_stride, int rows, int n_in,   \
                                      int n_tokens) {                                             \
         mul_mat_tiles<type, PrefillTile>(weights, row_pitch, x, x_stride, y, y_stride, rows,     \
                                          n_in, n_tokens);                                        \
-    }                                                                                            \
+    }
+
+#define QK_MATMUL_ENTRIES(suffix, type)                                                          \
+    QK_PREFILL_TILES_ENTRY(suffix, type)                                                         \
     extern "C" __global__ void __launch_bounds__(DecodeTile::THREADS, DECODE_TILE_BLOCKS_PER_SM)  \
         mul_mat_decode_tiles_f16x2_##suffix(const uint8_t* weights, int64_t row_pitch,           \
                                             const float* x, int x_stride, float* y,             \
@@ -949,3 +979,7 @@ extern "C" __global__ void __launch_bounds__(DecodeTile::THREADS, DECODE_TILE_BL
     QK_DECODE_GATE_UP_ENTRY(gelu_tanh, gelu_tanh_op, suffix, type)
 
 QK_FOR_EACH_TYPE(QK_MATMUL_ENTRIES)
+
+// A Q6_K matrix held row-planar (the matvec_mma route's; cuda_plan.planar_q6_K_rows): the
+// prefill tiles of its file blocks, bit for bit.
+QK_PREFILL_TILES_ENTRY(q6_K_planar, type_q6_K_planar)

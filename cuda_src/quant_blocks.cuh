@@ -136,28 +136,48 @@ struct type_q5_K {
     }
 };
 
+// Q6_K group g (elements [32 g, 32 g + 32)) of a block whose ql + qh (192 bytes), int8 scales
+// (16) and float16 d lie at `quants`, `scales` and `d`: adjacent in the file's block, apart
+// in the row-planar copy (cuda_plan.planar_q6_K_rows, dequantize_planar_q6_K_group).
+QK_HD void dequantize_q6_K_group(const uint8_t* quants, const uint8_t* scales, const uint8_t* d,
+                                 int g, float* out) {
+    const int half = g / 4, quarter = g % 4;
+    const uint8_t* ql = quants + 64 * half + 32 * (quarter % 2);
+    const uint8_t* qh = quants + 128 + 32 * half;
+    const int nibble_shift = 4 * (quarter / 2), top_shift = 2 * quarter;
+    int levels[GROUP];
+    for (int i = 0; i < GROUP; ++i) {
+        levels[i] = (((ql[i] >> nibble_shift) & 0x0F) | (((qh[i] >> top_shift) & 3) << 4)) - 32;
+    }
+    const float scale = load_half(d);
+    const float first = mul_rn(scale, float(int8_t(scales[2 * g])));
+    const float second = mul_rn(scale, float(int8_t(scales[2 * g + 1])));
+    scale_levels(levels, first, out, 16);  // 16 elements at each scale
+    scale_levels(levels + 16, second, out + 16, 16);
+}
+
 struct type_q6_K {
     // ql[128], qh[64], scales[16] int8, d. Half h (128 elements) has ql bytes a = ql[64h..+32],
     // b = ql[64h+32..+32] and qh[32h..+32]; its quarters are a's low nibbles, b's low, a's high,
     // b's high, with two top bits from qh at shifts 0, 2, 4, 6; levels are those 6 bits - 32.
     // Scale per 16 elements: d * scales[e / 16].
     static constexpr int BLOCK_ELEMENTS = 256, BLOCK_BYTES = 210;
+    static constexpr int QUANT_BYTES = 192, SCALE_BYTES = 16;  // ql + qh, then the scales
     static QK_HD void dequantize_group(const uint8_t* block, int g, float* out) {
-        const int half = g / 4, quarter = g % 4;
-        const uint8_t* ql = block + 64 * half + 32 * (quarter % 2);
-        const uint8_t* qh = block + 128 + 32 * half;
-        const int nibble_shift = 4 * (quarter / 2), top_shift = 2 * quarter;
-        int levels[GROUP];
-        for (int i = 0; i < GROUP; ++i) {
-            levels[i] = (((ql[i] >> nibble_shift) & 0x0F) | (((qh[i] >> top_shift) & 3) << 4)) - 32;
-        }
-        const float d = load_half(block + 208);
-        const float first = mul_rn(d, float(int8_t(block[192 + 2 * g])));
-        const float second = mul_rn(d, float(int8_t(block[193 + 2 * g])));
-        scale_levels(levels, first, out, 16);  // 16 elements at each scale
-        scale_levels(levels + 16, second, out + 16, 16);
+        dequantize_q6_K_group(block, block + QUANT_BYTES, block + QUANT_BYTES + SCALE_BYTES, g,
+                              out);
     }
 };
+
+// Group `group` of a Q6_K row of `blocks` blocks in the row-planar layout
+// (cuda_plan.planar_q6_K_rows): block k's ql + qh at 192 k, its scales at 192 blocks + 16 k,
+// its d at 208 blocks + 2 k.
+QK_HD void dequantize_planar_q6_K_group(const uint8_t* row, int blocks, int group, float* out) {
+    const int k = group / 8;
+    constexpr int Q = type_q6_K::QUANT_BYTES, S = type_q6_K::SCALE_BYTES;
+    dequantize_q6_K_group(row + Q * k, row + Q * blocks + S * k, row + (Q + S) * blocks + 2 * k,
+                          group % 8, out);
+}
 
 // Float types: GGUF blocks of one element, walked by kernels in blocks of one group.
 struct type_f32 {

@@ -142,6 +142,44 @@ struct tile_levels<type_q6_K> {
     }
 };
 
+// Q6_K's row-planar copy (cuda_plan.planar_q6_K_rows: the layout the matvec_mma route holds its
+// Q6_K matrices in), as the prefill tiles stage one block of it: its ql + qh and its scales at
+// the file block's offsets, then the 16-byte piece of the row's d plane that holds its d
+// (blocks 8 j .. 8 j + 7 share one). Every piece's source is 16-byte aligned, so the whole
+// block is staged by cp.async, and every level word is 4-byte aligned in shared memory.
+struct type_q6_K_planar {
+    static constexpr int BLOCK_ELEMENTS = 256, BLOCK_BYTES = 210;
+    static constexpr int QUANT_PIECES = type_q6_K::QUANT_BYTES / 16;  // 12, then scales, d
+    static constexpr int STAGED_PIECES = QUANT_PIECES + 2, D_SLOTS = 8;  // d's a piece holds
+    // Where staged piece `piece` (0 .. STAGED_PIECES - 1) of block k comes from: its byte in a
+    // row of `blocks` blocks.
+    static QK_HD int64_t piece_source(int blocks, int k, int piece) {
+        constexpr int Q = type_q6_K::QUANT_BYTES, S = type_q6_K::SCALE_BYTES;
+        if (piece < QUANT_PIECES) return int64_t(Q) * k + 16 * piece;
+        if (piece == QUANT_PIECES) return int64_t(Q) * blocks + S * k;
+        return int64_t(Q + S) * blocks + 16 * (k / D_SLOTS);
+    }
+    // Element e of staged block k as tile_levels<type_q6_K_planar> takes it: its d's slot in
+    // the staged d piece rides above the block's 256 elements.
+    static QK_HD int staged_element(int k, int e) { return e + BLOCK_ELEMENTS * (k % D_SLOTS); }
+};
+
+// A staged planar block's element comes as type_q6_K_planar::staged_element gives it; the
+// levels and scales are the file block's.
+template <>
+struct tile_levels<type_q6_K_planar> : tile_levels<type_q6_K> {
+    template <class Load>
+    static QK_HD void pairs(const uint8_t* block, int e, Load load, uint32_t* even, uint32_t* odd) {
+        tile_levels<type_q6_K>::pairs(block, e % 256, load, even, odd);
+    }
+    static QK_HD void scale_offset(const uint8_t* block, int e, float* scale, float* offset) {
+        constexpr int D = type_q6_K::QUANT_BYTES + type_q6_K::SCALE_BYTES;
+        *scale = mul_rn(load_half(block + D + 2 * (e / 256)),
+                        float(int8_t(block[type_q6_K::QUANT_BYTES + e % 256 / 16])));
+        *offset = 0.0f;
+    }
+};
+
 template <>
 struct tile_levels<type_f16> {
     static constexpr TileKind KIND = KIND_HALVES;

@@ -11,6 +11,10 @@
 // tensor-core matvec takes (cuda_src/matvec_mma_blocks.cuh): its words' float16 pairs and its
 // scales. The Q6_K lane reads its block's bytes at the same offsets in the row-planar layout
 // (ql, qh; scales; d), so file blocks serve here.
+// dequantize_planar_q6_K decodes row-planar Q6_K rows as get_rows_q6_K_planar does;
+// tile_values_q6_K_planar stages each of their blocks as the prefill tiles do
+// (type_q6_K_planar's pieces) and rebuilds every element from the staged bytes.
+#include <cstring>
 #include <vector>
 
 #include "matvec_mma_blocks.cuh"
@@ -67,6 +71,39 @@ void tile_values_rows(const uint8_t* src, int64_t rows, int64_t groups_per_row, 
     for (int64_t b = 0; b < rows * blocks; ++b) {
         for (int e = 0; e < T::BLOCK_ELEMENTS; e += 4) {
             tile_values<T>(src + b * T::BLOCK_BYTES, e, out + b * T::BLOCK_ELEMENTS + e);
+        }
+    }
+}
+
+// The staging stays inside each row's pitch; -1 where a piece would read past it.
+extern "C" int tile_values_q6_K_planar(const uint8_t* src, int64_t rows, int64_t pitch,
+                                       int64_t row_length, float* out) {
+    using P = type_q6_K_planar;
+    const int blocks = int(row_length / P::BLOCK_ELEMENTS);
+    uint8_t staged[P::STAGED_PIECES * 16];
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int k = 0; k < blocks; ++k) {
+            for (int piece = 0; piece < P::STAGED_PIECES; ++piece) {
+                const int64_t source = P::piece_source(blocks, k, piece);
+                if (source % 16 != 0 || source + 16 > pitch) return -1;
+                std::memcpy(staged + 16 * piece, src + r * pitch + source, 16);
+            }
+            float* block_out = out + r * row_length + int64_t(k) * P::BLOCK_ELEMENTS;
+            for (int e = 0; e < P::BLOCK_ELEMENTS; e += 4) {
+                tile_values<P>(staged, P::staged_element(k, e), block_out + e);
+            }
+        }
+    }
+    return 0;
+}
+
+extern "C" void dequantize_planar_q6_K(const uint8_t* src, int64_t rows, int64_t pitch,
+                                       int64_t row_length, float* out) {
+    const int blocks = int(row_length / type_q6_K::BLOCK_ELEMENTS);
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < row_length / GROUP; ++g) {
+            dequantize_planar_q6_K_group(src + r * pitch, blocks, int(g),
+                                         out + r * row_length + g * GROUP);
         }
     }
 }

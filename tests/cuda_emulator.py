@@ -162,8 +162,8 @@ class KernelTwins:
 
     def matrix(self, address: Any, pitch: int, type_name: str, rows: int, n_in: int,
                planar: bool = False) -> np.ndarray:
-        """The decoded rows at `address`: the file's blocks, or with `planar` a Q6_K matrix's
-        row-planar copy (cuda_plan.planar_q6_K_rows)."""
+        """The decoded rows at `address`: the file's blocks, or with `planar` a Q6_K matrix
+        row-planar (cuda_plan.planar_q6_K_rows)."""
         raw = self.m.view(address, np.uint8, rows * pitch).reshape(rows, pitch)
         # A copy: quants' Q4_K decode shifts a single block's bytes in place.
         blocks = (file_q6_K_rows(raw, n_in) if planar
@@ -172,14 +172,18 @@ class KernelTwins:
 
     def launch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
         planar = mma = name.startswith("mul_mat_vec_mma_")
+        if name.endswith(plan.PLANAR_KERNEL):
+            # An entry reading a Q6_K matrix row-planar (the prefill tiles', get_rows'): its
+            # file-layout twin's numbers on the same values.
+            planar, name = True, name.removesuffix(plan.PLANAR_KERNEL)
         if mma:
             # The tensor cores' matvec (mul_mat_vec_mma_<suffix>, its gate_up_<act>_<suffix>,
             # its qkv): the matvec's arguments and twins, Q6_K matrices read from their
-            # row-planar copy; its own summation on the device, within the same float32 bound.
+            # row-planar layout; its own summation on the device, within the same float32 bound.
             planar = name.endswith("_q6_K")
             name = "mul_mat_vec_" + name[len("mul_mat_vec_mma_"):]
         if name.startswith("get_rows_"):
-            self.get_rows(TYPE_OF_SUFFIX[name[len("get_rows_"):]], grid, *args)
+            self.get_rows(TYPE_OF_SUFFIX[name[len("get_rows_"):]], grid, *args, planar=planar)
         elif name == "mul_mat_vec_qkv":
             self.mul_mat_vec_qkv(*args, mma=mma)
         elif name.startswith("mul_mat_vec_gate_up_"):
@@ -203,7 +207,7 @@ class KernelTwins:
             assert tile_input in plan.TILE_INPUTS, name
             if name.startswith("mul_mat_decode_tiles_"):
                 args = self.split_counters_zero(grid, args)
-            self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args)
+            self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args, planar=planar)
         else:
             getattr(self, name)(grid, *args)
 
@@ -216,12 +220,13 @@ class KernelTwins:
         return tuple(products)
 
     def get_rows(self, type_name: str, grid: tuple[int, ...], table: Any, pitch: int, ids: Any,
-                 out: Any, d: int, scale: float) -> None:
+                 out: Any, d: int, scale: float, planar: bool = False) -> None:
+        """The gather of table rows `ids` (`planar`: a Q6_K table row-planar) times scale."""
         n, d = grid[0], int(d)
         for i, token in enumerate(self.i32(ids, n)):
-            raw = self.m.view(int(table) + int(token) * int(pitch), np.uint8,
-                              row_bytes(type_name, d)).copy()  # see `matrix`
-            self.f32(int(out) + 4 * i * d, d)[:] = dequantize(raw, type_name, (d,)) * scale
+            row = self.matrix(int(table) + int(token) * int(pitch), int(pitch), type_name, 1, d,
+                              planar)[0]
+            self.f32(int(out) + 4 * i * d, d)[:] = row * scale
 
     def products(self, type_name: str, weights: Any, pitch: int, x: Any, x_stride: int,
                  rows: int, n_in: int, n: int, planar: bool = False) -> np.ndarray:
@@ -235,11 +240,11 @@ class KernelTwins:
     def product(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
                 x_stride: int, rows: int, n_in: int, n: int,
                 planar: bool = False) -> np.ndarray:
-        """(n, rows) float32: the matvec's products (`planar`: of a row-planar Q6_K copy), or
-        with a tile input the tiles'."""
+        """(n, rows) float32: the matvec's products, or with a tile input the tiles' (`planar`:
+        of a Q6_K matrix held row-planar)."""
         if tile_input is None:
             return self.products(type_name, weights, pitch, x, x_stride, rows, n_in, n, planar)
-        w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in))
+        w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in), planar)
         xs = self.rows(x, int(n), int(x_stride), int(n_in))
         return tile_product(w, xs, type_name).astype(np.float32)
 
@@ -252,7 +257,7 @@ class KernelTwins:
     def mul_mat_vec_qkv(self, *args: Any, mma: bool = False,
                         tile_input: str | None = None) -> None:
         """Three matvecs (q, k, v segments, a block type each; with `mma` those of
-        mul_mat_vec_mma_qkv, whose Q6_K segments are row-planar copies; with a tile input
+        mul_mat_vec_mma_qkv, whose Q6_K segments are held row-planar; with a tile input
         mul_mat_decode_tiles_qkv's decode tiles, its last arguments each matrix's K-splits)
         into one row of y, then qkv_finish's twin on those rows (positions and slots per
         activation row). The head counters must be zero (the backend zero-fills them; every

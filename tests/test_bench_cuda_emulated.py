@@ -46,7 +46,9 @@ def test_every_section_runs_and_reports(emulated: tuple[Any, Any], tmp_path: Pat
     assert routes == {"matvec", "tiles", "matvec_mma"}
     assert {row["type"] for row in report["matvec_mma"]} == {"Q4_K", "Q6_K"}
     assert all(row["us"] > 0 for row in report["matvec"])
-    assert report["tiles"][0]["tokens"] == bench_cuda.PREFILL_TOKENS
+    assert [row["kernel"] for row in report["tiles"]] == [
+        "mul_mat_tiles_f16x2_q4_K", "mul_mat_tiles_f16x2_q6_K", "mul_mat_tiles_f16x2_q6_K_planar"]
+    assert all(row["tokens"] == bench_cuda.PREFILL_TOKENS for row in report["tiles"])
     for section, streams in [("llama3_8b", bench_cuda.DECODE_STREAMS),
                              ("llama3_8b_decode_tiles", bench_cuda.DECODE_STREAMS),
                              ("llama3_8b_matvec_mma", bench_cuda.MMA_DECODE_STREAMS),

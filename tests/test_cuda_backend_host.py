@@ -69,8 +69,8 @@ def _calls(gguf: GGUFFile, items: list[StepItem],
     step = _plan(spec, items)
     shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
                                 spec.context_length)
-    return spec, launches.forward_calls(spec, launches.tensor_layouts(gguf), shape,
-                                        launches.TILE_INPUT, decode_route)
+    return spec, launches.forward_calls(spec, launches.tensor_layouts(gguf, decode_route),
+                                        shape, launches.TILE_INPUT, decode_route)
 
 
 def _layer_slices(calls: list[launches.KernelCall]) -> list[list[launches.KernelCall]]:
@@ -357,11 +357,11 @@ def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves(
     """The Llama-3-8B shape (Q4_K_M): on the matvec_mma route the decode rows' products take
     mul_mat_vec_mma, gate and up with the activation in its fused entry, q, k and v in one
     mul_mat_vec_mma_qkv with the finish; the Q4_K matrices from their file-layout blocks,
-    the Q6_K ones (v and down in some layers) from their row-planar copies. Seven launches a
-    layer, as on the matvec route."""
+    the Q6_K ones (v and down in some layers) held row-planar. Seven launches a layer, as on
+    the matvec route."""
     from benchmarks.cuda_budget import llama_8b_layouts
 
-    spec, layouts = llama_8b_layouts()
+    spec, layouts = llama_8b_layouts("matvec_mma")
     shape = launches.graph_shape(4, 8, launches.split_keys_for(spec.context_length),
                                  spec.context_length, BLOCK)
     assert launches.row_runs(shape, "matvec_mma") == [launches.RowRun(0, 4, launches.DECODE_MMA)]
@@ -379,35 +379,32 @@ def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves(
         assert qkv.launch == plan.matvec_mma_qkv_launch(spec.q_dim, spec.kv_dim, spec.kv_dim)
         for ref, code in zip(qkv.args[0:12:4], qkv.args[2:12:4]):
             type_name = list(plan.KERNEL_TYPE_SUFFIX)[int(code)]
-            assert layouts[ref.name.removesuffix(plan.PLANAR_SUFFIX)].type_name == type_name
-            assert ref.name.endswith(plan.PLANAR_SUFFIX) == (type_name == "Q6_K")
+            assert layouts[ref.name].type_name == type_name
+            assert layouts[ref.name].planar == (type_name == "Q6_K")
         for call in products:
             if "gate_up" in call.kernel:
                 assert call.kernel == plan.matvec_mma_gate_up_kernel("silu", "Q4_K")
                 assert call.launch == plan.Launch((2 * spec.ffn_dim // 16, 1, 1), (256, 1, 1))
                 assert {ref.name for ref in call.args[:2]} <= set(layouts)  # file layout
                 continue
-            name = call.args[0].name.removesuffix(plan.PLANAR_SUFFIX)
-            matrix = layouts[name]
-            served.add((matrix.type_name, call.kernel, call.args[0].name == name))
+            matrix = layouts[call.args[0].name]
+            served.add((matrix.type_name, call.kernel, matrix.planar))
             assert call.kernel == plan.matvec_mma_kernel(matrix.type_name)
             assert call.launch == plan.matvec_mma_launch(matrix.rows, matrix.row_length)
             assert int(call.args[8]) == 4
-    assert served == {("Q4_K", "mul_mat_vec_mma_q4_K", True),
-                      ("Q6_K", "mul_mat_vec_mma_q6_K", False)}
+    assert served == {("Q4_K", "mul_mat_vec_mma_q4_K", False),
+                      ("Q6_K", "mul_mat_vec_mma_q6_K", True)}
     assert {len(layer) for layer in layers[:-1]} == {7}
     # The logits rows (this spec's output is the Q4_K embedding, tied) take it too.
     assert calls[-1].kernel == plan.matvec_mma_kernel("Q4_K")
     assert calls[-1].args[0] == launches.Ref("token_embd.weight")
     assert calls[-1].args[4] == launches.Ref("logits")
     # (Its Q6_K output.weight is no product: the spec ties the output to the embedding.)
-    q6_K = {name for name, matrix in layouts.items()
-            if matrix.type_name == "Q6_K" and name.startswith("blk.")}
-    assert launches.planar_copies(spec, layouts, "matvec_mma") == q6_K
-    planar_reads = {arg.name for call in calls if call.kernel.startswith("mul_mat_vec_mma_")
-                    for arg in call.args if isinstance(arg, launches.Ref)
-                    and arg.name.endswith(plan.PLANAR_SUFFIX)}
-    assert planar_reads == {name + plan.PLANAR_SUFFIX for name in q6_K}
+    q6_K = {name for name, matrix in layouts.items() if matrix.type_name == "Q6_K"}
+    assert launches.planar_matrices(layouts) == q6_K
+    planar_reads = {arg.name for call in calls for arg in call.args
+                    if isinstance(arg, launches.Ref) and arg.name in q6_K}
+    assert planar_reads == q6_K - {"output.weight"}
 
 
 def test_the_matvec_mma_route_keeps_the_matvec_where_it_serves_nothing(
@@ -419,11 +416,10 @@ def test_the_matvec_mma_route_keeps_the_matvec_where_it_serves_nothing(
 
 @pytest.mark.parametrize(("route", "ffn"), [
     ("matvec", ["mul_mat_vec_q4_K", "mul_mat_vec_q8_0", "gated_silu", "mul_mat_vec_q4_K"]),
-    # the decode row's gate on mul_mat_vec_mma, its up on the matvec, then the prompt's (its
-    # own run, on the matvec), the activation over every row, down for each run
-    ("matvec_mma", ["mul_mat_vec_mma_q4_K", "mul_mat_vec_q8_0", "mul_mat_vec_q4_K",
-                    "mul_mat_vec_q8_0", "gated_silu", "mul_mat_vec_mma_q4_K",
-                    "mul_mat_vec_q4_K"]),
+    # the decode row and the short prompt in one run on this route: gate on mul_mat_vec_mma,
+    # up on the matvec, the activation, down
+    ("matvec_mma", ["mul_mat_vec_mma_q4_K", "mul_mat_vec_q8_0", "gated_silu",
+                    "mul_mat_vec_mma_q4_K"]),
 ])
 def test_gate_and_up_of_different_types_take_two_products_and_the_activation(
         models: dict[str, GGUFFile], route: str, ffn: list[str]) -> None:
@@ -455,8 +451,9 @@ def test_a_decode_layer_is_a_handful_of_kernels(models: dict[str, GGUFFile]) -> 
 def test_every_launch_matches_its_kernels_compiled_signature(
         models: dict[str, GGUFFile]) -> None:
     calls = {}
+    long_prefill = [*DECODE_AND_PREFILL, StepItem(tuple(range(1, 21)), 0, (12, 13))]
     for arch, route in itertools.product(("llama", "qwen2", "gemma3"), plan.DECODE_ROUTES):
-        spec, forward = _calls(models[arch], DECODE_AND_PREFILL, route)
+        spec, forward = _calls(models[arch], long_prefill, route)
         tail = launches.candidate_calls(spec, 2, 16, any_penalty=True, n_masked=1)
         calls.update((call.kernel, call) for call in [*forward, *tail])
     files = [name for name, entries in plan.kernel_entry_points().items()
@@ -475,9 +472,7 @@ def test_every_address_names_something_the_backend_holds(models: dict[str, GGUFF
         step = _plan(spec, DECODE_AND_PREFILL)
         masked = RowInputs(allowed=np.ones(mask_words(spec.vocab_size), np.int32))
         rows = packing.row_arrays([RowInputs(), masked], spec.vocab_size)
-        layouts = launches.tensor_layouts(gguf)
-        arena = {name for route in plan.DECODE_ROUTES for name in cuda_weights.weight_arena(
-            gguf, launches.planar_copies(spec, layouts, route))[0]}
+        arena = set(cuda_weights.weight_arena(gguf)[0])
         held = {"null", *arena,
                 *plan.workspace_buffers(spec, plan.StepLimits(4, 2, 2, 16)),
                 *(f"{kv}_cache.{layer}" for kv in "kv" for layer in range(spec.n_layers)),
@@ -738,33 +733,31 @@ def test_kv_pool_fills_the_memory_fraction_up_to_what_sequences_use() -> None:
 @pytest.mark.parametrize("route", plan.DECODE_ROUTES)
 def test_weights_upload_as_stored_blocks_at_the_row_pitch(models: dict[str, GGUFFile],
                                                           route: str) -> None:
-    """Every tensor's blocks as stored at the row pitch; on the matvec_mma route also the
-    row-planar copies of the Q6_K matrices it multiplies, counted in the arena's size."""
+    """Every tensor's blocks as stored at the row pitch, once (on the matvec_mma route its
+    Q6_K matrices row-planar instead), the arena about the file's size on every route."""
     for name in ("llama-tiny", "qwen2", "llama"):
         gguf = models[name]
-        planar = launches.planar_copies(spec_from_gguf(gguf), launches.tensor_layouts(gguf),
-                                        route)
-        offsets, size = cuda_weights.weight_arena(gguf, planar)
+        planar = launches.planar_matrices(launches.tensor_layouts(gguf, route))
+        offsets, size = cuda_weights.weight_arena(gguf)
         arena = np.zeros(size, dtype=np.uint8)
         for info in gguf:
-            for entry, at, data in cuda_weights.arena_images(gguf.raw(info.name), info, planar,
-                                                             chunk_rows=100):
-                assert offsets[entry] % cuda_weights.ARENA_ALIGN == 0
-                start = offsets[entry] + at
+            assert offsets[info.name] % cuda_weights.ARENA_ALIGN == 0
+            for at, data in cuda_weights.device_bytes_of(gguf.raw(info.name), info,
+                                                         chunk_rows=100,
+                                                         planar=info.name in planar):
+                start = offsets[info.name] + at
                 arena[start : start + data.size] = data
-        assert set(offsets) == {info.name for info in gguf} | {
-            n + plan.PLANAR_SUFFIX for n in planar}
+        assert set(offsets) == {info.name for info in gguf}
         assert bool(planar) == (route == "matvec_mma" and name != "llama")  # smollm2: no Q6_K
-        for name in planar:
-            info = next(info for info in gguf if info.name == name)
-            pitch = plan.row_pitch("Q6_K", info.shape[-1])
-            rows = math.prod(info.shape[:-1])
-            start = offsets[name + plan.PLANAR_SUFFIX]
-            np.testing.assert_array_equal(
-                arena[start : start + rows * pitch].reshape(rows, pitch),
-                plan.planar_q6_K_rows(gguf.raw(name).reshape(rows, -1)))
         for info in gguf:
             start = offsets[info.name]
+            if info.name in planar:
+                pitch = plan.row_pitch("Q6_K", info.shape[-1])
+                rows = math.prod(info.shape[:-1])
+                np.testing.assert_array_equal(
+                    arena[start : start + rows * pitch].reshape(rows, pitch),
+                    plan.planar_q6_K_rows(gguf.raw(info.name).reshape(rows, -1)))
+                continue
             if len(info.shape) == 1:
                 stored = arena[start : start + 4 * info.shape[0]].view(np.float32)
                 np.testing.assert_array_equal(
@@ -775,10 +768,9 @@ def test_weights_upload_as_stored_blocks_at_the_row_pitch(models: dict[str, GGUF
             device_rows = arena[start : start + rows * pitch].reshape(rows, pitch)
             raw = gguf.raw(info.name).reshape(rows, -1)
             np.testing.assert_array_equal(device_rows[:, : raw.shape[1]], raw)
-        file_bytes = sum(info.n_bytes for info in gguf if info.name not in planar)
-        file_bytes += 2 * sum(info.n_bytes for info in gguf if info.name in planar)
+        file_bytes = sum(info.n_bytes for info in gguf)
         assert size <= 1.1 * file_bytes + cuda_weights.ARENA_ALIGN * len(offsets)
-        assert cuda_weights.weight_bytes(gguf, planar) <= size
+        assert cuda_weights.weight_bytes(gguf) <= size
 
 
 # --- the registry ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.compute.cuda_plan import kernel_source_dir, row_pitch
+from actors.compute.cuda_plan import kernel_source_dir, planar_q6_K_rows, row_pitch
 from actors.model.gguf.quantizers import QUANTIZERS, quantize
 from actors.model.gguf.quants import FORMATS, dequantize
 from tests.cuda_samples import HALF_FIELDS, assert_same_floats, finite_blocks, random_blocks
@@ -192,6 +192,37 @@ def test_mma_lane_values_rebuild_every_value_bit_for_bit(blockmath: ctypes.CDLL,
     lane_values = getattr(blockmath, f"mma_lane_values_{_suffix(type_name)}")
     lane_values(_pointer(raw), ctypes.c_int64(rows * ROW_LENGTH // 256), _pointer(out))
     assert_same_floats(out, expected)
+
+
+@pytest.mark.parametrize("blocks_a_row", [1, 3, 9, 17])
+@pytest.mark.parametrize("kind", ["quantized", "random", "edges"])
+def test_planar_q6_K_rows_decode_and_stage_bit_for_bit(blockmath: ctypes.CDLL, kind: str,
+                                                       blocks_a_row: int) -> None:
+    """Row-planar Q6_K rows (the matvec_mma route's layout) give back quants.py's values
+    through get_rows_q6_K_planar's decode, and through the prefill tiles' staging of each
+    block (type_q6_K_planar's pieces from three planes, d at its slot in the d piece) and
+    tile_levels: every element, rows of 1 to 17 blocks (a d piece holds 8), no piece read
+    past the row's pitch."""
+    rng = np.random.default_rng(17 + blocks_a_row)
+    if kind == "quantized":
+        raw = finite_blocks("Q6_K", ROWS, ROW_LENGTH, rng)
+    else:
+        raw = edge_blocks("Q6_K", rng) if kind == "edges" else random_blocks(
+            "Q6_K", ROWS, ROW_LENGTH, rng)
+    blocks = raw.reshape(-1, FORMATS["Q6_K"].type_size)
+    rows = len(blocks) // blocks_a_row
+    raw = blocks[: rows * blocks_a_row].reshape(rows, -1)
+    row_length = 256 * blocks_a_row
+    planar = planar_q6_K_rows(raw)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = dequantize(raw, "Q6_K", (rows, row_length))
+    args = (_pointer(planar), ctypes.c_int64(rows), ctypes.c_int64(planar.shape[1]),
+            ctypes.c_int64(row_length))
+    decoded, staged = (np.empty((rows, row_length), dtype=np.float32) for _ in range(2))
+    blockmath.dequantize_planar_q6_K(*args, _pointer(decoded))
+    assert_same_floats(decoded, expected)
+    assert blockmath.tile_values_q6_K_planar(*args, _pointer(staged)) == 0
+    assert_same_floats(staged, expected)
 
 
 def test_edge_halves_reach_both_scales_of_two_scale_types() -> None:

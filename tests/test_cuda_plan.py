@@ -86,9 +86,6 @@ def test_weight_bytes_of_a_file_pitch_matrices_and_widen_vectors() -> None:
                tensor("blk.0.attn_q.weight", "Q8_0", (3, 96)),
                tensor("blk.0.attn_norm.weight", "F16", (4096,))]
     assert cuda_weights.weight_bytes(tensors) == 4096 * 56 * 210 + 3 * 112 + 4096 * 4
-    # the matvec_mma route's row-planar copy of down: its bytes once more, at the same pitch
-    assert cuda_weights.weight_bytes(tensors, {"blk.0.ffn_down.weight"}) == \
-        2 * 4096 * 56 * 210 + 3 * 112 + 4096 * 4
 
 
 def test_kv_block_bytes_are_float16_k_and_v_of_every_layer() -> None:

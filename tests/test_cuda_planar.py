@@ -1,7 +1,7 @@
-"""The row-planar Q6_K layout mul_mat_vec_mma_q6_K reads (cuda_plan.planar_q6_K_rows) against
-a byte-by-byte reading of its definition, its inverse (the emulator's), the emulated
-tensor-core matvec reading a planar copy (right with it, wrong with the file's layout), and
-which launches read the planar copies (the matvec_mma route's Q6_K products alone)."""
+"""The row-planar Q6_K layout the matvec_mma route holds its Q6_K matrices in
+(cuda_plan.planar_q6_K_rows) against a byte-by-byte reading of its definition, its inverse (the
+emulator's), the emulated kernels reading a planar matrix (right with it, wrong with the
+file's layout), and that on that route every launch reads its Q6_K matrices that way."""
 
 from __future__ import annotations
 
@@ -112,50 +112,117 @@ def test_the_emulated_mma_matvec_reads_a_q6_K_matrix_from_its_planar_copy() -> N
         gelu_tanh(gates, np.empty_like(gates)) * (x @ decoded["up"].T), rtol=1e-3, atol=1e-3)
 
 
-DECODE_AND_PREFILL = [StepItem((5,), 3, (0,)), StepItem((7, 8, 9), 0, (1,))]
+def test_the_emulated_planar_tiles_and_gather_read_a_row_planar_matrix() -> None:
+    """mul_mat_tiles_f16x2_q6_K_planar's twin on a planar matrix gives the file-layout tiles'
+    products, and get_rows_q6_K_planar's the decoded rows; on the file's layout they do not."""
+    rng = np.random.default_rng(9)
+    memory, pitch = Memory(), np.int64(plan.row_pitch("Q6_K", N_IN))
+    twins = KernelTwins(memory)
+    raw = quantize(rng.standard_normal((ROWS, N_IN)).astype(np.float32), "Q6_K")
+    tokens = 12
+    x_at = _floats(memory, rng.standard_normal((tokens, N_IN)).astype(np.float32))
+    grid = plan.matmul_launch(ROWS, tokens).grid
+
+    def tiles(kernel: str, planar: bool) -> np.ndarray:
+        y_at = memory.allocate(4 * tokens * ROWS)
+        twins.launch(kernel, grid, (np.uintp(_upload(memory, raw, planar)), pitch,
+                                    np.uintp(x_at), np.int32(N_IN), np.uintp(y_at),
+                                    np.int32(ROWS), np.int32(ROWS), np.int32(N_IN),
+                                    np.int32(tokens)))
+        return memory.view(y_at, np.float32, tokens * ROWS).copy()
+
+    planar_kernel = plan.matmul_kernel("Q6_K", tokens, planar=True)
+    file_tiles = tiles(plan.matmul_kernel("Q6_K", tokens), planar=False)
+    np.testing.assert_array_equal(tiles(planar_kernel, planar=True), file_tiles)
+    assert not np.allclose(tiles(planar_kernel, planar=False), file_tiles, atol=1e-1)
+
+    ids = np.array([3, 0, ROWS - 1], dtype=np.int32)
+    ids_at = memory.allocate(ids.nbytes)
+    memory.view(ids_at, np.int32, ids.size)[:] = ids
+    out_at = memory.allocate(4 * ids.size * N_IN)
+    for planar in (True, False):
+        twins.launch(plan.get_rows_kernel("Q6_K", planar=True), (ids.size, 1, 1),
+                     (np.uintp(_upload(memory, raw, planar)), pitch, np.uintp(ids_at),
+                      np.uintp(out_at), np.int32(N_IN), np.float32(0.5)))
+        gathered = memory.view(out_at, np.float32, ids.size * N_IN).reshape(ids.size, N_IN)
+        expected = dequantize(raw, "Q6_K", (ROWS, N_IN))[ids] * np.float32(0.5)
+        assert np.array_equal(gathered, expected) == planar
+
+
+# A decode row, a short prefill item (the matvec's length) and a long one (the tiles').
+STEP_ITEMS = [StepItem((5,), 3, (0,)), StepItem((7, 8, 9), 0, (1,)),
+              StepItem(tuple(range(10, 22)), 0, (2,))]
+
+
+def _reads_planar(kernel: str, layout: launches.MatrixLayout) -> bool:
+    """Whether `kernel` reads a matrix of `layout`'s type row-planar: the planar entries
+    (prefill tiles, get_rows), and mul_mat_vec_mma's Q6_K products (its qkv per segment)."""
+    return kernel.endswith(plan.PLANAR_KERNEL) or (
+        kernel.startswith("mul_mat_vec_mma_") and layout.type_name == "Q6_K")
 
 
 @pytest.mark.parametrize("untied", [False, True])
-def test_only_the_matvec_mma_route_reads_planar_copies_of_the_q6_K_matrices_it_multiplies(
-        untied: bool) -> None:
-    """The tiny qwen2 (Q6_K tied embedding, v and down of layer 2) on each route: the mma
-    route's Q6_K products, gate+up and the logits rows' included, read the planar copies and
-    every other launch the file's layout. A Q6_K embedding that only get_rows reads (beside
-    an output matrix) has no planar copy."""
+def test_the_matvec_mma_route_holds_its_q6_K_matrices_row_planar_alone(untied: bool) -> None:
+    """The tiny qwen2 (Q6_K tied embedding, v and down of layer 2) on each route: on the mma
+    route every Q6_K matrix lies on the device row-planar, once, and each launch that reads
+    one (the mma matvec's products, gate + up and qkv, the logits rows, the prefill tiles,
+    the embedding gather; short prefill items on the decode rows' products) reads that layout;
+    no launch of any route reads a matrix in a layout it does not have."""
     with open_gguf(TINY_MODELS["qwen2-q4k-tiny"]) as gguf:
-        spec, layouts = spec_from_gguf(gguf), launches.tensor_layouts(gguf)
-    embedding = layouts["token_embd.weight"]
-    if untied:  # an output matrix of its own; gate and up of a layer in Q6_K too
+        spec = spec_from_gguf(gguf)
+        layouts = {route: launches.tensor_layouts(gguf, route) for route in plan.DECODE_ROUTES}
+    q6_K = {name for name, matrix in layouts["matvec"].items() if matrix.type_name == "Q6_K"}
+    assert "token_embd.weight" in q6_K and len(q6_K) == 3
+    if untied:  # an output matrix of its own
         spec = dataclasses.replace(spec, tied_output=False)
-        layouts["output.weight"] = launches.MatrixLayout("Q4_K", embedding.rows,
-                                                         embedding.row_length)
-        for part in ("gate", "up"):
-            matrix = layouts[f"blk.1.ffn_{part}.weight"]
-            layouts[f"blk.1.ffn_{part}.weight"] = dataclasses.replace(matrix, type_name="Q6_K")
-    q6_K = {name for name, matrix in layouts.items() if matrix.type_name == "Q6_K"}
-    expected = q6_K - {"token_embd.weight"} if untied else q6_K
-    shape = launches.step_shape(plan_step(DECODE_AND_PREFILL, spec, 64, 16), 8,
+    shape = launches.step_shape(plan_step(STEP_ITEMS, spec, 64, 16), 8,
                                 launches.split_keys_for(spec.context_length),
                                 spec.context_length)
-    for route in plan.DECODE_ROUTES:
-        planar = launches.planar_copies(spec, layouts, route)
+    for route, weights_of_route in layouts.items():
+        if untied:  # its own output matrix; gate and up of a layer in Q6_K too
+            embedding = weights_of_route["token_embd.weight"]
+            weights_of_route["output.weight"] = launches.MatrixLayout(
+                "Q4_K", embedding.rows, embedding.row_length)
+            for part in ("gate", "up"):
+                name = f"blk.1.ffn_{part}.weight"
+                weights_of_route[name] = dataclasses.replace(
+                    weights_of_route[name], type_name="Q6_K",
+                    planar=plan.holds_planar("Q6_K", route))
+        planar = launches.planar_matrices(weights_of_route)
+        expected = q6_K | ({"blk.1.ffn_gate.weight", "blk.1.ffn_up.weight"} if untied else set())
         assert planar == (expected if route == "matvec_mma" else frozenset()), route
-        calls = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT, route)
+        calls = launches.forward_calls(spec, weights_of_route, shape, launches.TILE_INPUT,
+                                       route)
+        read = set()
         for call in calls:
-            matrices = [arg.name for arg in call.args if isinstance(arg, launches.Ref)
-                        and arg.name.removesuffix(plan.PLANAR_SUFFIX) in layouts]
-            # mul_mat_vec_mma_qkv reads each segment as its type's mma kernel does
-            reads_planar = [call.kernel.startswith("mul_mat_vec_mma_") and (
-                call.kernel.endswith("_q6_K") if call.kernel != "mul_mat_vec_mma_qkv"
-                else layouts[name.removesuffix(plan.PLANAR_SUFFIX)].type_name == "Q6_K")
-                for name in matrices]
-            assert [name.endswith(plan.PLANAR_SUFFIX) for name in matrices] == reads_planar, \
-                (route, call.kernel, matrices)
-        mma_q6_K = [c for c in calls if c.kernel.startswith("mul_mat_vec_mma_")
-                    and c.kernel.endswith("_q6_K")]
-        assert bool(mma_q6_K) == (route == "matvec_mma")
+            for arg in call.args:
+                if isinstance(arg, launches.Ref) and arg.name in weights_of_route:
+                    layout = weights_of_route[arg.name]
+                    if layout.type_name == "F32":
+                        continue  # vectors, and float32 rows gathered by get_rows_f32
+                    assert layout.planar == _reads_planar(call.kernel, layout), \
+                        (route, call.kernel, arg.name)
+                    read.add((call.kernel, arg.name))
+        if route == "matvec_mma":
+            assert {kernel for kernel, name in read if name in planar} >= {
+                "get_rows_q6_K_planar", "mul_mat_tiles_f16x2_q6_K_planar",
+                "mul_mat_vec_mma_q6_K", "mul_mat_vec_mma_qkv"}
+            assert launches.row_runs(shape, route) == [
+                launches.RowRun(0, 4, launches.DECODE_MMA),
+                launches.RowRun(4, 12, launches.TILES)]
         if untied and route == "matvec_mma":
             fused = plan.matvec_mma_gate_up_kernel(spec.activation, "Q6_K")
-            assert [c.args[:2] for c in mma_q6_K if c.kernel == fused] == [
-                (launches.Ref("blk.1.ffn_gate.weight.planar"),
-                 launches.Ref("blk.1.ffn_up.weight.planar"))]
+            assert [c.args[:2] for c in calls if c.kernel == fused] == [
+                (launches.Ref("blk.1.ffn_gate.weight"), launches.Ref("blk.1.ffn_up.weight"))]
+
+
+def test_only_a_q6_K_matrix_has_row_planar_entries() -> None:
+    """The matvec has no planar entry, nor has any type but Q6_K."""
+    assert plan.matmul_kernel("Q6_K", 9, planar=True) == "mul_mat_tiles_f16x2_q6_K_planar"
+    assert plan.get_rows_kernel("Q6_K", planar=True) == "get_rows_q6_K_planar"
+    with pytest.raises(InvalidRequest, match="no row-planar"):
+        plan.matmul_kernel("Q6_K", 8, planar=True)
+    with pytest.raises(InvalidRequest, match="not Q4_K"):
+        plan.get_rows_kernel("Q4_K", planar=True)
+    assert [plan.holds_planar(t, r) for t in ("Q6_K", "Q4_K") for r in plan.DECODE_ROUTES] == [
+        False, False, True, False, False, False]

@@ -236,7 +236,7 @@ class CudaBackend:
         self._functions = compile_kernels(capability)
         self._driver_graphs = DriverGraphs()
         self._stream = cuda.Stream(flags=STREAM_NON_BLOCKING)
-        self._layouts = launches.tensor_layouts(model.gguf)
+        self._layouts = launches.tensor_layouts(model.gguf, self._decode_route)
         self._split_keys = launches.split_keys_for(spec.context_length)
         self._buckets = launches.graph_buckets(min(kv.max_sequences, MAX_GRAPH_BATCH))
         weight_addresses, weight_bytes = self._upload_weights(model)
@@ -272,18 +272,18 @@ class CudaBackend:
         return allocation
 
     def _upload_weights(self, model: OpenedModel) -> tuple[dict[str, int], int]:
-        """Every tensor into one allocation, blocks as stored, and on the matvec_mma route the
-        row-planar copies its launches read (actors.compute.cuda_weights): each entry's
-        address, and the allocation's size."""
-        planar = launches.planar_copies(self._spec, self._layouts, self._decode_route)
-        offsets, size = weights.weight_arena(model.gguf, planar)
+        """Every tensor into one allocation, blocks as stored (on the matvec_mma route its
+        Q6_K matrices row-planar: actors.compute.cuda_weights): each tensor's address, and the
+        allocation's size."""
+        planar = launches.planar_matrices(self._layouts)
+        offsets, size = weights.weight_arena(model.gguf)
         base = int(self._allocate(size))
         with progress_callback("uploading the weights to the GPU") as report:
             tensors = list(model.gguf)
             for done, info in enumerate(tensors, start=1):
-                for entry, at, data in weights.arena_images(model.gguf.raw(info.name), info,
-                                                            planar):
-                    cuda.memcpy_htod(base + offsets[entry] + at, data)
+                for at, data in weights.device_bytes_of(model.gguf.raw(info.name), info,
+                                                        planar=info.name in planar):
+                    cuda.memcpy_htod(base + offsets[info.name] + at, data)
                 report(done, len(tensors))
         return {name: base + offset for name, offset in offsets.items()}, size
 

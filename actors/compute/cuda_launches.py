@@ -16,13 +16,16 @@ Each layer's residual add is fused into the next RMSNorm (residual_rms_norm's `d
 
 Decode rows always take one route, any number of them: the matvec (the default), the
 decode tiles (tensor cores, 8 tokens a tile) or the mma matvec (mul_mat_vec_mma, the matvec
-on the tensor cores, for the matrices it serves, a Q6_K matrix read from its row-planar copy;
-the matvec for the others; on that route the logits rows' product too); a short prefill item
-takes the matvec, a long one the tiles, a launch per matrix (`row_runs`): a sequence's tokens
-do not depend on what else shares its step. On the matvec a decode layer is seven
-launches: residual_rms_norm, mul_mat_vec_qkv (its epilogue finishes q, k and v: biases, q/k
-norms, RoPE, the K/V write), attention_decode, the output matvec, residual_rms_norm, the
-fused gate+up+activation matvec, the down matvec. The decode tiles fuse the same (seven
+on the tensor cores, for the matrices it serves; the matvec for the others; on that route the
+logits rows' product too); a short prefill item takes the matvec (on the mma route, the decode
+rows' products), a long one the tiles, a launch per matrix (`row_runs`): a sequence's tokens
+do not depend on what else shares its step. On the mma route the Q6_K matrices lie on the
+device row-planar alone (`MatrixLayout.planar`): the mma matvec, the prefill tiles and the
+embedding gather each have an entry that reads that layout, and no launch reads another.
+
+On the matvec a decode layer is seven launches: residual_rms_norm, mul_mat_vec_qkv (its
+epilogue finishes q, k and v: biases, q/k norms, RoPE, the K/V write), attention_decode, the
+output matvec, residual_rms_norm, the fused gate+up+activation matvec, the down matvec. The decode tiles fuse the same (seven
 launches a layer too): q, k and v with the finish in mul_mat_decode_tiles_qkv, gate, up and
 the activation in one launch. The mma matvec takes q, k and v in mul_mat_vec_mma_qkv where it
 serves all three (seven launches a layer too), keeps mul_mat_vec_qkv where it serves none
@@ -85,19 +88,28 @@ class MatrixLayout:
     type_name: str
     rows: int
     row_length: int
+    planar: bool = False  # held in the row-planar layout (cuda_plan.holds_planar)
 
     @property
     def pitch(self) -> int:
         return plan.row_pitch(self.type_name, self.row_length)
 
 
-def tensor_layouts(tensors: Iterable[TensorInfo]) -> dict[str, MatrixLayout]:
-    """Every tensor of a file as it lies on the device (vectors as one float32 row)."""
+def tensor_layouts(tensors: Iterable[TensorInfo],
+                   decode_route: str = "matvec") -> dict[str, MatrixLayout]:
+    """Every tensor of a file as it lies on the device for an engine on `decode_route`
+    (vectors as one float32 row; the mma route's Q6_K matrices row-planar)."""
     return {
         info.name: MatrixLayout("F32", 1, info.shape[0]) if len(info.shape) == 1
-        else MatrixLayout(info.type_name, math.prod(info.shape[:-1]), info.shape[-1])
+        else MatrixLayout(info.type_name, math.prod(info.shape[:-1]), info.shape[-1],
+                          plan.holds_planar(info.type_name, decode_route))
         for info in tensors
     }
+
+
+def planar_matrices(weights: Mapping[str, MatrixLayout]) -> frozenset[str]:
+    """The tensors held in the row-planar layout."""
+    return frozenset(name for name, layout in weights.items() if layout.planar)
 
 
 @dataclass(frozen=True)
@@ -240,14 +252,16 @@ class RowRun:
 def row_runs(shape: StepShape, decode_route: str = "matvec") -> list[RowRun]:
     """The step's rows in launches: the decode rows on `decode_route` (plan.DECODE_ROUTES: the
     matvec, the decode tiles or the mma matvec), any number of them; each prefill item on the
-    matvec when it is short (plan.uses_matvec of its own length), else on the tiles;
+    matvec when it is short (plan.uses_matvec of its own length; on the mma route, whose Q6_K
+    matrices the matvec cannot read, on the decode rows' products), else on the tiles;
     neighbours on the same kernels share a launch. A row's route depends on its own item
     alone and every kernel's rows are independent of each other, so a sequence's tokens do
     not depend on what shares its step (a decode row never shares a prefill tile)."""
     runs: list[RowRun] = []
     decode_kernels = DECODE_KERNELS[plan.check_decode_route(decode_route)]
     routes = [(shape.n_decode, decode_kernels)] if shape.n_decode else []
-    routes += [(n, MATVEC if plan.uses_matvec(n) else TILES) for n in shape.prefill_lengths]
+    short = DECODE_MMA if decode_kernels == DECODE_MMA else MATVEC
+    routes += [(n, short if plan.uses_matvec(n) else TILES) for n in shape.prefill_lengths]
     first = 0
     for rows, kernels in routes:
         if runs and runs[-1].kernels == kernels:
@@ -266,14 +280,16 @@ def _rows_in(ref: Ref, rows: int, stride: int) -> Ref:
 def matvec_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
                 y_stride: int, batch: int, mma: bool = False) -> KernelCall:
     """y[b][r] = W[r] . x[b] for the matrix `name`, b < batch, on the matvec; with `mma` on
-    its tensor-core twin mul_mat_vec_mma (the same arguments; a Q6_K matrix's row-planar
-    copy) where that serves the matrix (plan.uses_matvec_mma)."""
+    its tensor-core twin mul_mat_vec_mma (the same arguments; a Q6_K matrix row-planar)
+    where that serves the matrix (plan.uses_matvec_mma)."""
     matrix = weights[name]
     if mma and plan.uses_matvec_mma(matrix.type_name, matrix.row_length):
+        assert matrix.planar == (matrix.type_name in plan.PLANAR_TYPES), \
+            f"{name}: mul_mat_vec_mma reads its Q6_K matrices row-planar, and only those"
         kernel = plan.matvec_mma_kernel(matrix.type_name)
         launch = plan.matvec_mma_launch(matrix.rows, matrix.row_length)
-        name = plan.matvec_mma_weights(name, matrix.type_name)
     else:
+        assert not matrix.planar, f"{name}: the matvec reads no row-planar matrix"
         kernel = plan.matvec_kernel(matrix.type_name)
         launch = plan.matvec_launch(matrix.rows, matrix.row_length)
     return KernelCall(kernel, launch,
@@ -290,12 +306,13 @@ def tiles_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride:
     args = (Ref(name), np.int64(matrix.pitch), x, _i32(x_stride), y, _i32(y_stride),
             _i32(matrix.rows), _i32(matrix.row_length), _i32(n_tokens))
     if kernels == DECODE_TILES:
+        assert not matrix.planar, f"{name}: the decode tiles read no row-planar matrix"
         return KernelCall(
             plan.decode_tiles_kernel(matrix.type_name, tile_input),
             plan.decode_tiles_launch(matrix.type_name, matrix.rows, matrix.row_length, n_tokens),
             (*args, *DECODE_SPLIT_WORKSPACE))
     assert not plan.uses_matvec(n_tokens), n_tokens
-    return KernelCall(plan.matmul_kernel(matrix.type_name, n_tokens, tile_input),
+    return KernelCall(plan.matmul_kernel(matrix.type_name, n_tokens, tile_input, matrix.planar),
                       plan.matmul_launch(matrix.rows, n_tokens), args)
 
 
@@ -412,14 +429,12 @@ def _fused_qkv_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], names:
                     run: RowRun, layer: int, kernels: str, tile_input: str) -> KernelCall:
     """Three products and the finish over the run's rows in one launch, on `kernels`:
     mul_mat_vec_qkv (MATVEC), mul_mat_vec_mma_qkv (DECODE_MMA: its arguments, a Q6_K segment
-    read from its row-planar copy) or mul_mat_decode_tiles_qkv (DECODE_TILES: those
+    row-planar) or mul_mat_decode_tiles_qkv (DECODE_TILES: those
     arguments, then each matrix's K-splits and the split workspace)."""
     d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
     layouts = [weights[name] for name in names]
-    mma = kernels == DECODE_MMA
     segments = [arg for name, layout in zip(names, layouts) for arg in (
-        Ref(plan.matvec_mma_weights(name, layout.type_name) if mma else name),
-        np.int64(layout.pitch), _i32(plan.kernel_type_code(layout.type_name)),
+        Ref(name), np.int64(layout.pitch), _i32(plan.kernel_type_code(layout.type_name)),
         _i32(layout.rows))]
     rows, types = [layout.rows for layout in layouts], [layout.type_name for layout in layouts]
     split_args: tuple[Arg, ...] = ()
@@ -428,7 +443,7 @@ def _fused_qkv_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], names:
         launch = plan.decode_tiles_qkv_launch(types, rows, d, run.rows)
         split_args = (*map(_i32, plan.decode_tiles_qkv_splits(types, rows, d)),
                       *DECODE_SPLIT_WORKSPACE)
-    elif mma:
+    elif kernels == DECODE_MMA:
         kernel, launch = "mul_mat_vec_mma_qkv", plan.matvec_mma_qkv_launch(*rows)
     else:
         kernel, launch = "mul_mat_vec_qkv", plan.qkv_launch(*rows, d)
@@ -473,9 +488,8 @@ def fused_gate_up_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run
             plan.decode_tiles_gate_up_launch(type_name, ffn, d, run.rows),
             (*args, *DECODE_SPLIT_WORKSPACE))
     if run.kernels == DECODE_MMA and plan.uses_matvec_mma(type_name, d):
-        matrices = tuple(Ref(plan.matvec_mma_weights(name, type_name)) for name in (gate, up))
         return KernelCall(plan.matvec_mma_gate_up_kernel(spec.activation, type_name),
-                          plan.matvec_mma_launch(2 * ffn, d), (*matrices, *args[2:]))
+                          plan.matvec_mma_launch(2 * ffn, d), args)
     return KernelCall(plan.gate_up_kernel(spec.activation, plan.kernel_suffix(type_name)),
                       plan.matvec_launch(2 * ffn, d), args)
 
@@ -539,7 +553,7 @@ def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: S
     the decode rows' products on `decode_route` (plan.DECODE_ROUTES)."""
     embedding = weights["token_embd.weight"]
     calls = [KernelCall(
-        f"get_rows_{plan.kernel_suffix(embedding.type_name)}",
+        plan.get_rows_kernel(embedding.type_name, embedding.planar),
         plan.get_rows_launch(shape.n_tokens, spec.d_model),
         (Ref("token_embd.weight"), np.int64(embedding.pitch), Ref("step.token_ids"), Ref("x"),
          _i32(spec.d_model), np.float32(spec.embedding_scale)))]
@@ -564,18 +578,6 @@ def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: S
                                  spec.vocab_size, shape.n_logit_rows,
                                  mma=decode_route == "matvec_mma"))
     return calls
-
-
-def planar_copies(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
-                  decode_route: str) -> frozenset[str]:
-    """The matrices whose row-planar copy (plan.PLANAR_SUFFIX) the launches on `decode_route`
-    read: on the matvec_mma route the Q6_K matrices mul_mat_vec_mma multiplies, none on the
-    others. Read off the launches of a decode row, which take every product of the route."""
-    shape = graph_shape(1, 1, split_keys_for(spec.context_length), spec.context_length, 1)
-    named = {arg.name for call in forward_calls(spec, weights, shape, TILE_INPUT, decode_route)
-             for arg in call.args if isinstance(arg, Ref)}
-    return frozenset(name.removesuffix(plan.PLANAR_SUFFIX) for name in named
-                     if name.endswith(plan.PLANAR_SUFFIX))
 
 
 def candidate_calls(spec: ModelSpec, n_rows: int, width: int, any_penalty: bool,

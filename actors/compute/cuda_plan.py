@@ -62,10 +62,11 @@ DECODE_PARTIAL_ROWS = 6 * DECODE_TILE_MIN_BLOCKS * DECODE_TILE_ROWS
 # mul_mat_vec_mma (matvec_mma.cu): the decode matvec on the tensor cores, one MMA row tile of
 # 16 rows a block, 8 warps splitting K; the block types it has entries for.
 MATVEC_MMA_TYPES = ("Q4_K", "Q6_K")
-# mul_mat_vec_mma reads matrices of these types from a second device copy in the row-planar
-# layout (planar_q6_K_rows: the file's 210-byte Q6_K blocks are only 2-byte aligned), held
-# under the tensor's name and this suffix; the other kernels read the file-layout copy.
-PLANAR_TYPES, PLANAR_SUFFIX = ("Q6_K",), ".planar"
+# On the matvec_mma route the matrices of these types lie on the device in the row-planar
+# layout alone (planar_q6_K_rows: the file's 210-byte Q6_K blocks are only 2-byte aligned),
+# read by mul_mat_vec_mma, the prefill tiles' and get_rows' planar entries (PLANAR_KERNEL).
+PLANAR_TYPES = ("Q6_K",)
+PLANAR_KERNEL = "_planar"  # the suffix of those entries, after the block type's
 MATVEC_MMA_ROWS, MATVEC_MMA_THREADS = 16, 256
 # Where decode rows' products run (cuda_launches.row_runs), whatever their number: the
 # CUDA-core matvec, the tensor cores' decode tiles, or the tensor cores' matvec.
@@ -138,13 +139,16 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
                       "mul_mat_vec_qkv"),
         "matmul.cu": (*(f"mul_mat_{shape}_{i}_{s}" for shape in ("tiles", "decode_tiles")
                         for s in suffixes for i in TILE_INPUTS),
+                      *(matmul_kernel(t, MATVEC_MAX_BATCH + 1, i, planar=True)
+                        for t in PLANAR_TYPES for i in TILE_INPUTS),
                       *(decode_tiles_gate_up_kernel(a, t, i) for a in ACTIVATIONS
                         for t in KERNEL_TYPE_SUFFIX for i in TILE_INPUTS),
                       *(decode_tiles_qkv_kernel(i) for i in TILE_INPUTS)),
         "matvec_mma.cu": (*(matvec_mma_kernel(t) for t in MATVEC_MMA_TYPES),
                           *(matvec_mma_gate_up_kernel(a, t) for a in ACTIVATIONS
                             for t in MATVEC_MMA_TYPES), "mul_mat_vec_mma_qkv"),
-        "embedding.cu": tuple(f"get_rows_{s}" for s in suffixes),
+        "embedding.cu": (*(f"get_rows_{s}" for s in suffixes),
+                         *(get_rows_kernel(t, planar=True) for t in PLANAR_TYPES)),
         "norm.cu": ("residual_rms_norm", "head_rms_norm"),
         "rope.cu": ("rope",),
         "activation.cu": ("gated_silu", "gated_gelu_tanh"),
@@ -196,9 +200,10 @@ Q6_K_BLOCK_BYTES, Q6_K_QUANT_BYTES, Q6_K_SCALE_BYTES = row_bytes("Q6_K", 256), 1
 
 def planar_q6_K_rows(rows: np.ndarray) -> np.ndarray:
     """Q6_K rows (n, 210 * nb) uint8 as the file holds them -> (n, row_pitch) uint8 rows in
-    the row-planar layout mul_mat_vec_mma_q6_K reads: block k's ql and qh (its first 192
-    bytes) at 192 * k, its 16 scales at 192 * nb + 16 * k, its float16 d at 208 * nb + 2 * k,
-    then zeros to the pitch. The same bytes, reordered so that every load is aligned."""
+    the row-planar layout the matvec_mma route holds them in (holds_planar): block k's ql and
+    qh (its first 192 bytes) at 192 * k, its 16 scales at 192 * nb + 16 * k, its float16 d at
+    208 * nb + 2 * k, then zeros to the pitch. The same bytes, reordered so that every load
+    is aligned."""
     n, width = rows.shape
     if width % Q6_K_BLOCK_BYTES:
         raise InvalidRequest(f"Q6_K rows of {width} bytes are not whole blocks", field="shape")
@@ -365,12 +370,36 @@ def matvec_kernel(type_name: str) -> str:
     return f"mul_mat_vec_{kernel_suffix(type_name)}"
 
 
-def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = TILE_INPUTS[0]) -> str:
-    """The entry point multiplying a `type_name` matrix by n_tokens activation rows."""
+def holds_planar(type_name: str, decode_route: str) -> bool:
+    """Whether a matrix of `type_name` lies on the device in the row-planar layout (the
+    matvec_mma route's Q6_K matrices), not as the file's blocks."""
+    return check_decode_route(decode_route) == "matvec_mma" and type_name in PLANAR_TYPES
+
+
+def _layout_suffix(type_name: str, planar: bool) -> str:
+    """The entry-point suffix of a matrix's block type, and of its row-planar layout."""
     suffix = kernel_suffix(type_name)
+    if planar and type_name not in PLANAR_TYPES:
+        raise InvalidRequest(f"only {', '.join(PLANAR_TYPES)} matrices have a row-planar "
+                             f"layout, not {type_name}", field="type")
+    return suffix + PLANAR_KERNEL if planar else suffix
+
+
+def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = TILE_INPUTS[0],
+                  planar: bool = False) -> str:
+    """The entry point multiplying a `type_name` matrix (`planar`: held row-planar) by
+    n_tokens activation rows of a prefill item: the matvec or the prefill tiles."""
+    suffix = _layout_suffix(type_name, planar)
     if uses_matvec(n_tokens):
+        if planar:
+            raise InvalidRequest("the matvec reads no row-planar matrix", field="type")
         return matvec_kernel(type_name)
     return f"mul_mat_tiles_{_tile_input(tile_input)}_{suffix}"
+
+
+def get_rows_kernel(type_name: str, planar: bool = False) -> str:
+    """The embedding gather of a `type_name` table (`planar`: held row-planar)."""
+    return f"get_rows_{_layout_suffix(type_name, planar)}"
 
 
 def decode_tiles_kernel(type_name: str, tile_input: str = TILE_INPUTS[0]) -> str:
@@ -469,12 +498,6 @@ def uses_matvec_mma(type_name: str, n_in: int) -> bool:
 def matvec_mma_kernel(type_name: str) -> str:
     """mul_mat_vec's twin on the tensor cores (its arguments, its own summation)."""
     return f"mul_mat_vec_mma_{kernel_suffix(type_name)}"
-
-
-def matvec_mma_weights(name: str, type_name: str) -> str:
-    """The device tensor mul_mat_vec_mma reads for the matrix `name`: a Q6_K matrix's
-    row-planar copy (PLANAR_SUFFIX), any other's file-layout blocks (the tensor itself)."""
-    return name + PLANAR_SUFFIX if type_name in PLANAR_TYPES else name
 
 
 def matvec_mma_gate_up_kernel(activation: str, type_name: str) -> str:

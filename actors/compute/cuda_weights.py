@@ -2,16 +2,15 @@
 
 Every tensor of the file lies in one device allocation (the arena), each at a cuMemAlloc-like
 boundary: a matrix's blocks as the file stores them, rows cuda_plan.row_pitch apart; a vector
-as float32. A matrix named among the `planar` ones (cuda_launches.planar_copies: on the
-matvec_mma route, the Q6_K matrices mul_mat_vec_mma multiplies) has a second entry after it,
-its row-planar copy (cuda_plan.planar_q6_K_rows) under its name + cuda_plan.PLANAR_SUFFIX, at
-the same pitch; the other kernels keep reading the file-layout copy.
+as float32. A matrix named among the `planar` ones (cuda_launches.planar_matrices: on the
+matvec_mma route, the Q6_K matrices) lies there in the row-planar layout instead
+(cuda_plan.planar_q6_K_rows: the same bytes at the same pitch, reordered).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,44 +27,25 @@ ARENA_ALIGN = 256  # each entry of the weight arena starts where cuMemAlloc woul
 
 def device_tensor_bytes(info: TensorInfo) -> int:
     """Device bytes of one GGUF tensor: matrices keep their blocks at a 16-byte row pitch;
-    vectors (norms, biases, RoPE factors) are float32. A row-planar copy is as large."""
+    vectors (norms, biases, RoPE factors) are float32. A row-planar matrix is as large."""
     if len(info.shape) == 1:
         return info.shape[0] * 4
     return math.prod(info.shape[:-1]) * plan.row_pitch(info.type_name, info.shape[-1])
 
 
-def weight_bytes(tensors: Iterable[TensorInfo], planar: Collection[str] = ()) -> int:
-    """Device bytes of all of a file's tensors (about the file's size) and of the row-planar
-    copies of those named in `planar`."""
-    return sum(device_tensor_bytes(info) * (2 if info.name in planar else 1)
-               for info in tensors)
+def weight_bytes(tensors: Iterable[TensorInfo]) -> int:
+    """Device bytes of all of a file's tensors (about the file's size), in either layout."""
+    return sum(map(device_tensor_bytes, tensors))
 
 
-def arena_entries(info: TensorInfo, planar: Collection[str]) -> tuple[str, ...]:
-    """The arena's entries of a tensor: its own, then its row-planar copy's if it has one."""
-    return (info.name, info.name + plan.PLANAR_SUFFIX) if info.name in planar else (info.name,)
-
-
-def weight_arena(tensors: Iterable[TensorInfo],
-                 planar: Collection[str] = ()) -> tuple[dict[str, int], int]:
-    """Each arena entry's byte offset in one device allocation holding them all (every
-    tensor, and the row-planar copies of those named in `planar`), and the allocation's
-    size."""
+def weight_arena(tensors: Iterable[TensorInfo]) -> tuple[dict[str, int], int]:
+    """Each tensor's byte offset in one device allocation holding them all, and the
+    allocation's size."""
     offsets, cursor = {}, 0
     for info in tensors:
-        for entry in arena_entries(info, planar):
-            offsets[entry] = cursor
-            cursor += -(-device_tensor_bytes(info) // ARENA_ALIGN) * ARENA_ALIGN
+        offsets[info.name] = cursor
+        cursor += -(-device_tensor_bytes(info) // ARENA_ALIGN) * ARENA_ALIGN
     return offsets, cursor
-
-
-def arena_images(raw: np.ndarray, info: TensorInfo, planar: Collection[str],
-                 chunk_rows: int = 4096) -> Iterable[tuple[str, int, np.ndarray]]:
-    """What the arena holds of a tensor, from its raw GGUF bytes, as (entry, byte offset,
-    bytes) chunks: its device image, then its row-planar copy's where it has one."""
-    for entry in arena_entries(info, planar):
-        for at, data in device_bytes_of(raw, info, chunk_rows, planar=entry != info.name):
-            yield entry, at, data
 
 
 def device_bytes_of(raw: np.ndarray, info: TensorInfo, chunk_rows: int = 4096,

@@ -104,6 +104,20 @@ def test_get_rows_decodes_bit_for_bit(kernel: Kernel, type_name: str, scale: flo
     assert_same_floats(out.get(), expected)
 
 
+def test_get_rows_of_a_planar_q6_K_table_decodes_bit_for_bit(kernel: Kernel) -> None:
+    """get_rows_q6_K_planar (the matvec_mma route's Q6_K embeddings, held row-planar): rows
+    of 10 blocks, so a block's d lies in the first or second piece of the d plane."""
+    vocab, d = 40, 2560
+    raw = finite_blocks("Q6_K", vocab, d, np.random.default_rng(2))
+    ids = np.array([3, 0, 39, 3, 17], dtype=np.int32)
+    table, ids_dev, out = (to_device(plan.planar_q6_K_rows(raw)), to_device(ids),
+                           nan_filled(5, d))
+    run(kernel("embedding.cu", plan.get_rows_kernel("Q6_K", planar=True)),
+        plan.get_rows_launch(len(ids), d), ptr(table), np.int64(plan.row_pitch("Q6_K", d)),
+        ptr(ids_dev), ptr(out), np.int32(d), np.float32(0.5))
+    assert_same_floats(out.get(), dequantize(raw[ids], "Q6_K", (len(ids), d)) * np.float32(0.5))
+
+
 def matvec(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
            batch: int) -> np.ndarray:
     """mul_mat_vec_<type> of raw blocks (rows, row bytes) with the first `batch` rows of x
@@ -246,18 +260,19 @@ def test_fused_decode_tiles_gate_up_equal_decode_tiles_then_gated(
 
 
 def tiles(kernel: Kernel, shape: str, raw: np.ndarray, type_name: str, x: np.ndarray,
-          tokens: int) -> np.ndarray:
-    """mul_mat_tiles (shape "tiles") or mul_mat_decode_tiles ("decode_tiles") of raw blocks
-    with the first `tokens` rows of x (x's stride: its width); y's 3 spare columns must stay
-    NaN."""
+          tokens: int, planar: bool = False) -> np.ndarray:
+    """mul_mat_tiles (shape "tiles"; `planar`: its entry for a Q6_K matrix held row-planar)
+    or mul_mat_decode_tiles ("decode_tiles") of raw blocks with the first `tokens` rows of x
+    (x's stride: its width); y's 3 spare columns must stay NaN."""
     rows, n_in = raw.shape[0], x.shape[1] - 4
     y = nan_filled(tokens, rows + 3)
-    args = (ptr(to_device(pitched(raw, type_name, n_in))),
+    weights = plan.planar_q6_K_rows(raw) if planar else pitched(raw, type_name, n_in)
+    args = (ptr(to_device(weights)),
             np.int64(plan.row_pitch(type_name, n_in)), ptr(to_device(x[:tokens])),
             np.int32(x.shape[1]), ptr(y), np.int32(rows + 3), np.int32(rows), np.int32(n_in),
             np.int32(tokens))
     if shape == "tiles":
-        run(kernel("matmul.cu", plan.matmul_kernel(type_name, tokens)),
+        run(kernel("matmul.cu", plan.matmul_kernel(type_name, tokens, planar=planar)),
             plan.matmul_launch(rows, tokens), *args)
     else:
         launch = plan.decode_tiles_launch(type_name, rows, n_in, tokens)
@@ -297,6 +312,22 @@ def test_tensor_core_tiles_match_their_twin(kernel: Kernel, type_name: str, shap
     one_rounding = np.abs(x[:, :n_in].astype(np.float16).astype(np.float64) @ w.T - x64 @ w.T)
     # float32 summation here: ~0.0015 of it (numpy model of the kernel's sums); no lo: ~1
     assert error.mean() < 0.05 * one_rounding.mean()
+
+
+@pytest.mark.parametrize("tokens", [9, 70])
+def test_planar_q6_K_tiles_equal_the_file_layouts_bit_for_bit(kernel: Kernel,
+                                                              tokens: int) -> None:
+    """The prefill tiles of a Q6_K matrix held row-planar (the matvec_mma route's layout:
+    each block staged from three planes, d at its slot of a shared d piece) give the file
+    layout's tiles bit for bit: rows of 10 blocks (two d pieces, the second partly used),
+    100 rows (a partial row tile)."""
+    rows, n_in = 100, 2560
+    rng = np.random.default_rng(29)
+    raw = finite_blocks("Q6_K", rows, n_in, rng)
+    x = activations(rng, tokens, n_in)
+    np.testing.assert_array_equal(
+        tiles(kernel, "tiles", raw, "Q6_K", x, tokens, planar=True).view(np.uint32),
+        tiles(kernel, "tiles", raw, "Q6_K", x, tokens).view(np.uint32))
 
 
 @pytest.mark.parametrize("type_name", ALL_TYPES)
