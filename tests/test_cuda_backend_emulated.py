@@ -80,8 +80,10 @@ def test_tiny_models_match_the_cpu(emulated: tuple[Any, EmulatedDevice], name: s
     assert device.captures == 1 and device.replays == len(tokens) - 30
     # Both files' Q6_K matrices (v and down of a layer, the output or the tied embedding;
     # down's three blocks a row laid out otherwise than in the file) go to the tensor cores
-    # on that route, from their row-planar copies.
+    # on that route, held row-planar alone: the prompts' tiles read them so too.
     assert ("mul_mat_vec_mma_q6_K" in device.launches) == (route == "matvec_mma")
+    assert ("mul_mat_tiles_f16x2_q6_K_planar" in device.launches) == (route == "matvec_mma")
+    assert ("mul_mat_tiles_f16x2_q6_K" in device.launches) == (route != "matvec_mma")
     # Their decode rows' q, k and v (Q4_K and Q6_K) in one launch with the finish, there.
     assert ("mul_mat_vec_mma_qkv" in device.launches) == (route == "matvec_mma")
     backend.close()

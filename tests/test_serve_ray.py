@@ -166,7 +166,9 @@ def endpoint(ray_address: str, tiny_model_paths: dict[str, Path]) -> Iterator[En
     finally:
         process.send_signal(signal.SIGINT)
         try:
-            process.wait(timeout=60)
+            # It deletes its application from the joined instance: on a loaded machine, with a
+            # replica just killed and restarting, that took over 60 s once.
+            process.wait(timeout=150)
         finally:
             process.kill()
 
