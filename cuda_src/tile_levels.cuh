@@ -168,14 +168,15 @@ struct type_q6_K_planar {
 // levels and scales are the file block's.
 template <>
 struct tile_levels<type_q6_K_planar> : tile_levels<type_q6_K> {
+    static constexpr int N = type_q6_K::BLOCK_ELEMENTS;
     template <class Load>
     static QK_HD void pairs(const uint8_t* block, int e, Load load, uint32_t* even, uint32_t* odd) {
-        tile_levels<type_q6_K>::pairs(block, e % 256, load, even, odd);
+        tile_levels<type_q6_K>::pairs(block, e % N, load, even, odd);
     }
     static QK_HD void scale_offset(const uint8_t* block, int e, float* scale, float* offset) {
         constexpr int D = type_q6_K::QUANT_BYTES + type_q6_K::SCALE_BYTES;
-        *scale = mul_rn(load_half(block + D + 2 * (e / 256)),
-                        float(int8_t(block[type_q6_K::QUANT_BYTES + e % 256 / 16])));
+        *scale = mul_rn(load_half(block + D + 2 * (e / N)),
+                        float(int8_t(block[type_q6_K::QUANT_BYTES + e % N / SCALE_ELEMENTS])));
         *offset = 0.0f;
     }
 };

@@ -4,6 +4,7 @@ emulated device."""
 from __future__ import annotations
 
 import importlib.metadata
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,13 @@ from typing import Any
 import pytest
 
 from tests.cuda_emulator import EmulatedDevice, emulated_backend_module
+
+# A run started in the background by a shell without job control (`pytest &` in a script)
+# ignores SIGINT, and every process a test starts would inherit that: the tests that press
+# Ctrl-C on `q4k generate`, `q4k logs tail -f` and `q4k serve` would see it ignored. They
+# test Ctrl-C as a terminal delivers it, so the run takes SIGINT as Python does by default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REFERENCE_DIR = Path(__file__).parent / "reference"
 TINY_MODELS = {

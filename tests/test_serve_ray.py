@@ -166,9 +166,7 @@ def endpoint(ray_address: str, tiny_model_paths: dict[str, Path]) -> Iterator[En
     finally:
         process.send_signal(signal.SIGINT)
         try:
-            # It deletes its application from the joined instance: on a loaded machine, with a
-            # replica just killed and restarting, that took over 60 s once.
-            process.wait(timeout=150)
+            process.wait(timeout=60)
         finally:
             process.kill()
 
