@@ -137,6 +137,9 @@ def file_q6_K_rows(planar: np.ndarray, n_in: int) -> np.ndarray:
     return np.concatenate(fields, axis=2).reshape(n, 210 * nb)
 
 
+PRODUCT_ROWS = 4096  # weight rows the matvec twins decode at a time (KernelTwins.products)
+
+
 def activation_and_rest(prefix: str, name: str) -> tuple[str, str]:
     """A fused gate+up entry's activation and what follows it: prefix<act>_<rest>."""
     return next((a, name[len(f"{prefix}{a}_"):]) for a in plan.ACTIVATIONS
@@ -231,11 +234,18 @@ class KernelTwins:
     def products(self, type_name: str, weights: Any, pitch: int, x: Any, x_stride: int,
                  rows: int, n_in: int, n: int, planar: bool = False) -> np.ndarray:
         """The matvec's (n, rows) products, one activation row at a time: a row's result is
-        the same whatever else shares the launch, as the kernel promises."""
-        w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in), planar)
-        xs = self.rows(x, int(n), int(x_stride), int(n_in))
-        return np.stack([w @ row for row in xs]) if int(n) else np.zeros((0, int(rows)),
-                                                                           np.float32)
+        the same whatever else shares the launch, as the kernel promises. The weights are
+        decoded PRODUCT_ROWS rows at a time: a vocabulary's logits matrix decoded whole
+        (gemma-3's: 671 MB of float32) cost seconds a step in fresh pages alone."""
+        rows, n_in, pitch = int(rows), int(n_in), int(pitch)
+        xs = self.rows(x, int(n), int(x_stride), n_in)
+        out = np.empty((len(xs), rows), dtype=np.float32)
+        for first in range(0, rows, PRODUCT_ROWS):
+            count = min(PRODUCT_ROWS, rows - first)
+            w = self.matrix(int(weights) + first * pitch, pitch, type_name, count, n_in, planar)
+            for i, row in enumerate(xs):
+                out[i, first : first + count] = w @ row
+        return out
 
     def product(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
                 x_stride: int, rows: int, n_in: int, n: int,
