@@ -770,7 +770,7 @@ def test_weights_upload_as_stored_blocks_at_the_row_pitch(models: dict[str, GGUF
             np.testing.assert_array_equal(device_rows[:, : raw.shape[1]], raw)
         file_bytes = sum(info.n_bytes for info in gguf)
         assert size <= 1.1 * file_bytes + cuda_weights.ARENA_ALIGN * len(offsets)
-        assert cuda_weights.weight_bytes(gguf) <= size
+        assert sum(map(cuda_weights.device_tensor_bytes, gguf)) <= size
 
 
 # --- the registry ---------------------------------------------------------------------------

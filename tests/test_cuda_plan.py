@@ -81,11 +81,16 @@ def test_row_pitch_rounds_rows_up_to_16_bytes() -> None:
         plan.row_pitch("F16", 100)
 
 
-def test_weight_bytes_of_a_file_pitch_matrices_and_widen_vectors() -> None:
+def test_the_weight_arena_pitches_matrices_and_widens_vectors() -> None:
     tensors = [tensor("blk.0.ffn_down.weight", "Q6_K", (4096, 14336)),
                tensor("blk.0.attn_q.weight", "Q8_0", (3, 96)),
                tensor("blk.0.attn_norm.weight", "F16", (4096,))]
-    assert cuda_weights.weight_bytes(tensors) == 4096 * 56 * 210 + 3 * 112 + 4096 * 4
+    assert [cuda_weights.device_tensor_bytes(t) for t in tensors] == [
+        4096 * 56 * 210, 3 * 112, 4096 * 4]
+    # each entry where cuMemAlloc would put it: 256-byte boundaries
+    assert cuda_weights.weight_arena(tensors) == (
+        {"blk.0.ffn_down.weight": 0, "blk.0.attn_q.weight": 4096 * 56 * 210,
+         "blk.0.attn_norm.weight": 4096 * 56 * 210 + 512}, 4096 * 56 * 210 + 512 + 4096 * 4)
 
 
 def test_kv_block_bytes_are_float16_k_and_v_of_every_layer() -> None:

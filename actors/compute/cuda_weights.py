@@ -33,11 +33,6 @@ def device_tensor_bytes(info: TensorInfo) -> int:
     return math.prod(info.shape[:-1]) * plan.row_pitch(info.type_name, info.shape[-1])
 
 
-def weight_bytes(tensors: Iterable[TensorInfo]) -> int:
-    """Device bytes of all of a file's tensors (about the file's size), in either layout."""
-    return sum(map(device_tensor_bytes, tensors))
-
-
 def weight_arena(tensors: Iterable[TensorInfo]) -> tuple[dict[str, int], int]:
     """Each tensor's byte offset in one device allocation holding them all, and the
     allocation's size."""
