@@ -137,7 +137,12 @@ struct tile_levels<type_q6_K> {
         *odd |= ((top >> 8) & 0x00030003u) << 4;
     }
     static QK_HD void scale_offset(const uint8_t* block, int e, float* scale, float* offset) {
-        *scale = mul_rn(load_half(block + 208), float(int8_t(block[192 + e / 16])));
+        scale_with_d(block, e, block + 208, scale, offset);
+    }
+    // Element e's scale from the block's int8 scales and the float16 d at `d`.
+    static QK_HD void scale_with_d(const uint8_t* block, int e, const uint8_t* d, float* scale,
+                                   float* offset) {
+        *scale = mul_rn(load_half(d), float(int8_t(block[192 + e / SCALE_ELEMENTS])));
         *offset = 0.0f;
     }
 };
@@ -175,9 +180,7 @@ struct tile_levels<type_q6_K_planar> : tile_levels<type_q6_K> {
     }
     static QK_HD void scale_offset(const uint8_t* block, int e, float* scale, float* offset) {
         constexpr int D = type_q6_K::QUANT_BYTES + type_q6_K::SCALE_BYTES;
-        *scale = mul_rn(load_half(block + D + 2 * (e / N)),
-                        float(int8_t(block[type_q6_K::QUANT_BYTES + e % N / SCALE_ELEMENTS])));
-        *offset = 0.0f;
+        scale_with_d(block, e % N, block + D + 2 * (e / N), scale, offset);
     }
 };
 

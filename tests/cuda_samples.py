@@ -148,6 +148,11 @@ def float16_parts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return hi.astype(np.float64), lo.astype(np.float64)
 
 
+def planar_names(layouts: dict[str, Any]) -> frozenset[str]:
+    """The tensors of `layouts` (cuda_launches.MatrixLayout) held in the row-planar layout."""
+    return frozenset(name for name, layout in layouts.items() if layout.planar)
+
+
 def tile_product(w: np.ndarray, x: np.ndarray, type_name: str) -> np.ndarray:
     """x @ w.T as mul_mat_tiles_f16x2_<type> multiplies, summed exactly (float64): the
     activations split into float16 hi + lo, times the weights exactly (a quantized type's

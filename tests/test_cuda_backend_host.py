@@ -39,6 +39,7 @@ from tests.conftest import TINY_MODELS, gemma3_path, smollm2_path
 from tests.cuda_emulator import PTX_TYPE, ptx_signatures
 from tests.cuda_samples import (
     penalties_twin,
+    planar_names,
     random_row_inputs,
     top_candidates_twin,
 )
@@ -401,7 +402,7 @@ def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves(
     assert calls[-1].args[4] == launches.Ref("logits")
     # (Its Q6_K output.weight is no product: the spec ties the output to the embedding.)
     q6_K = {name for name, matrix in layouts.items() if matrix.type_name == "Q6_K"}
-    assert launches.planar_matrices(layouts) == q6_K
+    assert planar_names(layouts) == q6_K
     planar_reads = {arg.name for call in calls for arg in call.args
                     if isinstance(arg, launches.Ref) and arg.name in q6_K}
     assert planar_reads == q6_K - {"output.weight"}
@@ -737,7 +738,7 @@ def test_weights_upload_as_stored_blocks_at_the_row_pitch(models: dict[str, GGUF
     Q6_K matrices row-planar instead), the arena about the file's size on every route."""
     for name in ("llama-tiny", "qwen2", "llama"):
         gguf = models[name]
-        planar = launches.planar_matrices(launches.tensor_layouts(gguf, route))
+        planar = planar_names(launches.tensor_layouts(gguf, route))
         offsets, size = cuda_weights.weight_arena(gguf)
         arena = np.zeros(size, dtype=np.uint8)
         for info in gguf:

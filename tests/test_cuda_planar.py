@@ -22,6 +22,7 @@ from actors.model.gguf.reader import TensorInfo, open_gguf
 from actors.model.step import StepItem, plan_step
 from tests.conftest import TINY_MODELS
 from tests.cuda_emulator import KernelTwins, Memory, file_q6_K_rows
+from tests.cuda_samples import planar_names
 
 
 def planar_offset(nb: int, k: int, i: int) -> int:
@@ -188,7 +189,7 @@ def test_the_matvec_mma_route_holds_its_q6_K_matrices_row_planar_alone(untied: b
                 weights_of_route[name] = dataclasses.replace(
                     weights_of_route[name], type_name="Q6_K",
                     planar=plan.holds_planar("Q6_K", route))
-        planar = launches.planar_matrices(weights_of_route)
+        planar = planar_names(weights_of_route)
         expected = q6_K | ({"blk.1.ffn_gate.weight", "blk.1.ffn_up.weight"} if untied else set())
         assert planar == (expected if route == "matvec_mma" else frozenset()), route
         calls = launches.forward_calls(spec, weights_of_route, shape, launches.TILE_INPUT,

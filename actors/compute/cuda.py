@@ -275,14 +275,14 @@ class CudaBackend:
         """Every tensor into one allocation, blocks as stored (on the matvec_mma route its
         Q6_K matrices row-planar: actors.compute.cuda_weights): each tensor's address, and the
         allocation's size."""
-        planar = launches.planar_matrices(self._layouts)
         offsets, size = weights.weight_arena(model.gguf)
         base = int(self._allocate(size))
         with progress_callback("uploading the weights to the GPU") as report:
             tensors = list(model.gguf)
             for done, info in enumerate(tensors, start=1):
+                planar = self._layouts[info.name].planar
                 for at, data in weights.device_bytes_of(model.gguf.raw(info.name), info,
-                                                        planar=info.name in planar):
+                                                        planar=planar):
                     cuda.memcpy_htod(base + offsets[info.name] + at, data)
                 report(done, len(tensors))
         return {name: base + offset for name, offset in offsets.items()}, size

@@ -107,11 +107,6 @@ def tensor_layouts(tensors: Iterable[TensorInfo],
     }
 
 
-def planar_matrices(weights: Mapping[str, MatrixLayout]) -> frozenset[str]:
-    """The tensors held in the row-planar layout."""
-    return frozenset(name for name, layout in weights.items() if layout.planar)
-
-
 @dataclass(frozen=True)
 class StepShape:
     """What a step's launches depend on. Items are laid out as in `StepPlan`; the first

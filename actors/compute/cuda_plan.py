@@ -139,7 +139,7 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
                       "mul_mat_vec_qkv"),
         "matmul.cu": (*(f"mul_mat_{shape}_{i}_{s}" for shape in ("tiles", "decode_tiles")
                         for s in suffixes for i in TILE_INPUTS),
-                      *(matmul_kernel(t, MATVEC_MAX_BATCH + 1, i, planar=True)
+                      *(tiles_kernel(t, i, planar=True)
                         for t in PLANAR_TYPES for i in TILE_INPUTS),
                       *(decode_tiles_gate_up_kernel(a, t, i) for a in ACTIVATIONS
                         for t in KERNEL_TYPE_SUFFIX for i in TILE_INPUTS),
@@ -376,25 +376,36 @@ def holds_planar(type_name: str, decode_route: str) -> bool:
     return check_decode_route(decode_route) == "matvec_mma" and type_name in PLANAR_TYPES
 
 
+def check_planar_type(type_name: str) -> None:
+    """InvalidRequest unless matrices of `type_name` have a row-planar layout."""
+    if type_name not in PLANAR_TYPES:
+        raise InvalidRequest(f"only {', '.join(PLANAR_TYPES)} matrices have a row-planar "
+                             f"layout, not {type_name}", field="type")
+
+
 def _layout_suffix(type_name: str, planar: bool) -> str:
     """The entry-point suffix of a matrix's block type, and of its row-planar layout."""
     suffix = kernel_suffix(type_name)
-    if planar and type_name not in PLANAR_TYPES:
-        raise InvalidRequest(f"only {', '.join(PLANAR_TYPES)} matrices have a row-planar "
-                             f"layout, not {type_name}", field="type")
-    return suffix + PLANAR_KERNEL if planar else suffix
+    if not planar:
+        return suffix
+    check_planar_type(type_name)
+    return suffix + PLANAR_KERNEL
+
+
+def tiles_kernel(type_name: str, tile_input: str = TILE_INPUTS[0], planar: bool = False) -> str:
+    """The prefill tiles' entry point of a `type_name` matrix (`planar`: held row-planar)."""
+    return f"mul_mat_tiles_{_tile_input(tile_input)}_{_layout_suffix(type_name, planar)}"
 
 
 def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = TILE_INPUTS[0],
                   planar: bool = False) -> str:
     """The entry point multiplying a `type_name` matrix (`planar`: held row-planar) by
     n_tokens activation rows of a prefill item: the matvec or the prefill tiles."""
-    suffix = _layout_suffix(type_name, planar)
-    if uses_matvec(n_tokens):
-        if planar:
-            raise InvalidRequest("the matvec reads no row-planar matrix", field="type")
-        return matvec_kernel(type_name)
-    return f"mul_mat_tiles_{_tile_input(tile_input)}_{suffix}"
+    if not uses_matvec(n_tokens):
+        return tiles_kernel(type_name, tile_input, planar)
+    if planar:
+        raise InvalidRequest("the matvec reads no row-planar matrix", field="type")
+    return matvec_kernel(type_name)
 
 
 def get_rows_kernel(type_name: str, planar: bool = False) -> str:

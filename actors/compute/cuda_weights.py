@@ -2,7 +2,7 @@
 
 Every tensor of the file lies in one device allocation (the arena), each at a cuMemAlloc-like
 boundary: a matrix's blocks as the file stores them, rows cuda_plan.row_pitch apart; a vector
-as float32. A matrix named among the `planar` ones (cuda_launches.planar_matrices: on the
+as float32. A matrix whose layout is `planar` (cuda_launches.MatrixLayout: on the
 matvec_mma route, the Q6_K matrices) lies there in the row-planar layout instead
 (cuda_plan.planar_q6_K_rows: the same bytes at the same pitch, reordered).
 """
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from actors.compute import cuda_plan as plan
-from actors.errors import InvalidRequest
 from actors.model.gguf.quants import dequantize
 
 if TYPE_CHECKING:  # annotations only: the GPU machine's tests import this without `gguf`
@@ -68,9 +67,7 @@ def device_rows(rows: np.ndarray, type_name: str, row_length: int,
     """(n, row_pitch) uint8 device rows of (n, row bytes) file rows of `row_length` elements:
     the blocks as stored then zeros, or with `planar` (Q6_K only) the row-planar layout."""
     if planar:
-        if type_name not in plan.PLANAR_TYPES:
-            raise InvalidRequest(f"only Q6_K matrices have a row-planar layout, not {type_name}",
-                                 field="type")
+        plan.check_planar_type(type_name)
         return plan.planar_q6_K_rows(rows)
     out = np.zeros((len(rows), plan.row_pitch(type_name, row_length)), dtype=np.uint8)
     out[:, : rows.shape[1]] = rows
