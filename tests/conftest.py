@@ -24,6 +24,10 @@ REFERENCE_DIR = Path(__file__).parent / "reference"
 TINY_MODELS = {
     "llama-q4k-tiny": REFERENCE_DIR / "models" / "llama-q4k-tiny.gguf",
     "qwen2-q4k-tiny": REFERENCE_DIR / "models" / "qwen2-q4k-tiny.gguf",
+    "qwen3-q4k-tiny": REFERENCE_DIR / "models" / "qwen3-q4k-tiny.gguf",
+    "llama3-q4k-tiny": REFERENCE_DIR / "models" / "llama3-q4k-tiny.gguf",
+    "gemma3-scaled-q4k-tiny": REFERENCE_DIR / "models" / "gemma3-scaled-q4k-tiny.gguf",
+    "phi3-q4k-tiny": REFERENCE_DIR / "models" / "phi3-q4k-tiny.gguf",
 }
 
 

@@ -92,7 +92,8 @@ def test_json_keys_are_stable() -> None:
     report = inspect_json(TINY)
     assert list(report) == [
         "path", "file_bytes", "gguf_version", "tensor_count", "metadata_count", "name",
-        "architecture", "hyperparameters", "context_length", "tokenizer", "chat_template",
+        "architecture", "hyperparameters", "context_length", "features", "tokenizer",
+        "chat_template",
         "tensor_types", "parameter_count", "weight_bytes", "weight_bytes_f32",
         "kv_bytes_per_token",
     ]

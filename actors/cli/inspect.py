@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from actors.cli.common import console
+from actors.model.arch import architecture_features
 from actors.model.gguf.inventory import Inventory, inventory
 from actors.model.gguf.reader import open_gguf
 
@@ -62,14 +63,6 @@ def _count(value: int | None) -> str:
     return "-" if value is None else f"{value:,}"
 
 
-def _sliding_window_rows(report: Inventory) -> list[tuple[str, str]]:
-    spec = report.spec
-    if not spec.sliding_window:
-        return []
-    return [("sliding window", f"{spec.sliding_window:,} tokens; every {spec.global_every}th "
-                               "layer is global")]
-
-
 def _print_tables(report: Inventory) -> None:
     spec = report.spec
     out = console()
@@ -89,7 +82,7 @@ def _print_tables(report: Inventory) -> None:
                  f"{'neox' if spec.rope_neox else 'norm'}"),
         ("rms eps", f"{spec.rms_eps:g}"),
         ("context length", f"{spec.context_length:,}"),
-        *_sliding_window_rows(report),
+        ("features", "; ".join(architecture_features(spec))),
         ("tokenizer", f"{report.tokenizer_model or '-'} (pre {report.tokenizer_pre or '-'}), "
                       f"{_count(report.tokenizer_vocab_size)} tokens; embedding rows "
                       f"{spec.vocab_size:,}"),

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from actors.errors import ContextLengthExceeded, InvalidRequest, UnsupportedModelError
+from actors.errors import ContextLengthExceeded, InvalidRequest
 from actors.model.arch import ModelSpec, spec_from_gguf
 from actors.model.forward import KVPool, Transformer
 from actors.model.gguf.inventory import type_mix
 from actors.model.gguf.reader import GGUFFile, open_gguf
 from actors.model.step import StepItem, StepPlan, plan_step
+from actors.model.tensors import ModelTensors
 from actors.model.weights import ModelWeights, load_weights
 
 if TYPE_CHECKING:
@@ -30,12 +31,13 @@ LOGITS_BLOCK_SIZE = 16
 class OpenedModel:
     """A GGUF file opened and understood, weights not loaded: its `spec` (every architecture
     quirk included), tokenizer and chat template. Each backend loads the weights its own way
-    from `gguf` (the CPU as float32 arrays, a GPU as the file's quantized blocks)."""
+    from `tensors` (the CPU as float32 arrays, a GPU as the file's quantized blocks)."""
 
     def __init__(self, gguf: GGUFFile, spec: ModelSpec, load_ms: float) -> None:
         self.gguf = gguf
         self.spec = spec
         self.load_ms = load_ms
+        self.tensors = ModelTensors(gguf, spec)
 
     @property
     def path(self) -> Path:
@@ -110,17 +112,6 @@ class Model(OpenedModel):
         return out
 
 
-def _refuse_rope_scaling(gguf: GGUFFile, arch: str) -> None:
-    """RoPE scaling (linear, YaRN...) changes every angle; we implement none of it, so a model
-    that declares it is refused rather than run with wrong positions."""
-    kind = gguf.metadata.get(f"{arch}.rope.scaling.type", "none")
-    factor = gguf.metadata.get(f"{arch}.rope.scaling.factor", 1.0)
-    if kind != "none" and factor != 1.0:
-        raise UnsupportedModelError(
-            f"{gguf.path}: RoPE scaling {kind!r} (factor {factor}) is not supported"
-        )
-
-
 def open_model(path: str | Path | None = None) -> OpenedModel:
     """Open a GGUF file (None = the default gemma-3-270m) and read its spec, without loading
     any weights. Raises `ModelFormatError` for a broken file and `UnsupportedModelError` for an
@@ -132,12 +123,10 @@ def open_model(path: str | Path | None = None) -> OpenedModel:
     started = time.perf_counter()
     gguf = open_gguf(path)
     try:
-        spec = spec_from_gguf(gguf)
-        _refuse_rope_scaling(gguf, spec.arch)
+        return OpenedModel(gguf, spec_from_gguf(gguf), load_ms=(time.perf_counter() - started) * 1e3)
     except BaseException:
         gguf.close()
         raise
-    return OpenedModel(gguf, spec, load_ms=(time.perf_counter() - started) * 1e3)
 
 
 def load_float32(
@@ -147,7 +136,7 @@ def load_float32(
     total)` is called as layers load. Raises `UnsupportedModelError` for a tensor type we do
     not run and `ModelFormatError` for a missing or misshapen tensor."""
     started = time.perf_counter()
-    weights = load_weights(opened.gguf, opened.spec, progress)
+    weights = load_weights(opened.tensors, opened.spec, progress)
     load_ms = opened.load_ms + (time.perf_counter() - started) * 1e3
     return Model(opened.gguf, opened.spec, weights, load_ms=load_ms)
 

@@ -20,8 +20,8 @@ import numpy as np
 from actors.errors import ModelFormatError
 from actors.model.arch import ModelSpec
 from actors.model.gguf.quants import dequantize
-from actors.model.gguf.reader import GGUFFile
 from actors.model.rope import pair_order
+from actors.model.tensors import ModelTensors
 
 # Rows dequantized at a time: bounds the temporary of the 262144-row embedding to ~40 MB.
 DEQUANT_CHUNK_ROWS = 16384
@@ -52,7 +52,9 @@ class ModelWeights:
     output: np.ndarray  # (d_model, vocab); the same array as token_embd when tied
     output_norm: np.ndarray  # (d_model,)
     layers: tuple[LayerWeights, ...]
-    rope_freq_factors: np.ndarray | None  # (rope_dim // 2,) divides the RoPE frequencies
+    # (rope_dim // 2,) divides the global layers' RoPE frequencies (Llama 3's factors times
+    # any linear scaling: actors.model.tensors)
+    rope_freq_factors: np.ndarray | None
 
     @property
     def tied_output(self) -> bool:
@@ -72,26 +74,26 @@ class ModelWeights:
 
 
 class _Reader:
-    """Reads named tensors of one file into float32, checking their shapes against the spec."""
+    """Reads named tensors of a model into float32, checking their shapes against the spec."""
 
-    def __init__(self, gguf: GGUFFile) -> None:
-        self.gguf = gguf
+    def __init__(self, tensors: ModelTensors) -> None:
+        self.tensors = tensors
 
     def has(self, name: str) -> bool:
-        return name in self.gguf.tensors
+        return name in self.tensors
 
     def _check_shape(self, name: str, expected: tuple[int, ...]) -> None:
-        shape = self.gguf.tensor(name).shape
+        shape = self.tensors.tensor(name).shape
         if shape != expected:
             raise ModelFormatError(
-                f"{self.gguf.path}: tensor {name!r} has shape {shape}, expected {expected} "
+                f"{self.tensors.path}: tensor {name!r} has shape {shape}, expected {expected} "
                 "from the model's metadata"
             )
 
     def vector(self, name: str, length: int) -> np.ndarray:
         self._check_shape(name, (length,))
-        info = self.gguf.tensor(name)
-        return np.ascontiguousarray(dequantize(self.gguf.raw(name), info.type_name, info.shape))
+        info = self.tensors.tensor(name)
+        return np.ascontiguousarray(dequantize(self.tensors.raw(name), info.type_name, info.shape))
 
     def optional_vector(self, name: str, length: int) -> np.ndarray | None:
         return self.vector(name, length) if self.has(name) else None
@@ -104,8 +106,8 @@ class _Reader:
         full-size temporary exists."""
         cols, rows = out.shape
         self._check_shape(name, (rows, cols))
-        info = self.gguf.tensor(name)
-        raw = self.gguf.raw(name)
+        info = self.tensors.tensor(name)
+        raw = self.tensors.raw(name)
         if row_order is not None:
             raw = raw[row_order]
         for first in range(0, rows, DEQUANT_CHUNK_ROWS):
@@ -175,16 +177,16 @@ def _load_layer(read: _Reader, spec: ModelSpec, index: int) -> LayerWeights:
 
 
 def load_weights(
-    gguf: GGUFFile,
+    tensors: ModelTensors,
     spec: ModelSpec,
     progress: Callable[[int, int], None] | None = None,
 ) -> ModelWeights:
-    """Dequantize every weight of `gguf` to float32, one tensor at a time.
+    """Dequantize every weight of a model's `tensors` to float32, one tensor at a time.
 
     `progress(done, total)` is called after each layer (the embedding counts as one step).
     Raises `ModelFormatError` for a missing tensor or one whose shape contradicts `spec`.
     """
-    read = _Reader(gguf)
+    read = _Reader(tensors)
     total = spec.n_layers + 1
     token_embd = read.matrix("token_embd.weight", spec.vocab_size, spec.d_model)
     output = (

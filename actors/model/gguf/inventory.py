@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.errors import ModelFormatError
-from actors.model.arch import ModelSpec, spec_from_gguf
+from actors.model.arch import ModelSpec, architecture_features, spec_from_gguf
 from actors.model.gguf.reader import GGUFFile
 
 FLOAT32_BYTES = 4
@@ -86,6 +86,7 @@ class Inventory:
             "architecture": self.spec.arch,
             "hyperparameters": hyperparameters,
             "context_length": self.spec.context_length,
+            "features": architecture_features(self.spec),
             "tokenizer": {
                 "model": self.tokenizer_model,
                 "pre": self.tokenizer_pre,

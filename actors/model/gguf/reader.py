@@ -419,7 +419,11 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 view of the mapped file, shape
         `(*shape[:-1], row_bytes)`; nothing is read until the view is used."""
-        info = self.tensor(name)
+        return self.raw_of(self.tensor(name))
+
+    def raw_of(self, info: TensorInfo) -> np.ndarray:
+        """`raw` of a span of this file described by `info` (one of its tensors, or a range of
+        a tensor's rows)."""
         flat = np.frombuffer(self._map, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
         return flat.reshape(*info.shape[:-1], info.row_bytes)
 
