@@ -90,6 +90,23 @@ def test_tiny_models_match_the_cpu(emulated: tuple[Any, EmulatedDevice], name: s
     assert device.live == set()
 
 
+@pytest.mark.parametrize("route", DECODE_ROUTES)
+def test_scaled_gemma3_matches_the_cpu_past_its_window(emulated: tuple[Any, EmulatedDevice],
+                                                       route: str) -> None:
+    """Gemma 3 as from 4B up (linear RoPE scaling x8 on the global layers, the sliding layers
+    at their own base, unscaled), over 100 tokens of its long sequence: its 64-token window
+    is passed in the second prefill chunk and by every decode step."""
+    module, _ = emulated
+    name = "gemma3-scaled-q4k-tiny"
+    model = load_model(TINY_MODELS[name])
+    assert model.spec.rope_linear_factor == 8.0 and model.spec.sliding_window == 64
+    backend = module.build_cuda_backend(model, KVRequest(blocks=16, block_size=BLOCK,
+                                                         max_sequences=2), 0.9,
+                                        decode_route=route)
+    assert compare(model, backend, reference_tokens(name, 100), 80) <= TOLERANCE
+    backend.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("route", DECODE_ROUTES)
 def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str) -> None:

@@ -236,7 +236,7 @@ class CudaBackend:
         self._functions = compile_kernels(capability)
         self._driver_graphs = DriverGraphs()
         self._stream = cuda.Stream(flags=STREAM_NON_BLOCKING)
-        self._layouts = launches.tensor_layouts(model.gguf, self._decode_route)
+        self._layouts = launches.tensor_layouts(model.tensors, self._decode_route)
         self._split_keys = launches.split_keys_for(spec.context_length)
         self._buckets = launches.graph_buckets(min(kv.max_sequences, MAX_GRAPH_BATCH))
         weight_addresses, weight_bytes = self._upload_weights(model)
@@ -275,13 +275,13 @@ class CudaBackend:
         """Every tensor into one allocation, blocks as stored (on the matvec_mma route its
         Q6_K matrices row-planar: actors.compute.cuda_weights): each tensor's address, and the
         allocation's size."""
-        offsets, size = weights.weight_arena(model.gguf)
+        offsets, size = weights.weight_arena(model.tensors)
         base = int(self._allocate(size))
         with progress_callback("uploading the weights to the GPU") as report:
-            tensors = list(model.gguf)
+            tensors = list(model.tensors)
             for done, info in enumerate(tensors, start=1):
                 planar = self._layouts[info.name].planar
-                for at, data in weights.device_bytes_of(model.gguf.raw(info.name), info,
+                for at, data in weights.device_bytes_of(model.tensors.raw(info.name), info,
                                                         planar=planar):
                     cuda.memcpy_htod(base + offsets[info.name] + at, data)
                 report(done, len(tensors))
