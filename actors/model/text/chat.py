@@ -11,15 +11,18 @@ stopped otherwise), and in size and memory, by the sandbox that counts what it b
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 import threading
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from typing import Any
 
 import jinja2
 
 from actors.errors import InvalidRequest, TemplateError
 from actors.model.text.sandbox import (
+    GLOBAL_NAMES,
     RenderLimits,
     _Budget,
     _RenderTimeout,
@@ -35,11 +38,23 @@ ALL_RENDERS_MEMORY = 1 << 29
 
 _ALL_RENDERS = _SharedMemory(ALL_RENDERS_MEMORY)
 
+# The variables every render passes itself (transformers' apply_chat_template names).
+RENDER_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+# Names extra template variables may not take: the render's own, and the template's functions.
+RESERVED_TEMPLATE_NAMES = frozenset(RENDER_VARIABLES) | GLOBAL_NAMES
+# Extra template variables are a few switches (enable_thinking, a date, a persona): as JSON
+# they may take about this many characters, nested this deep.
+MAX_TEMPLATE_KWARGS_CHARS = 1 << 16
+MAX_TEMPLATE_KWARGS_DEPTH = 32
+TEMPLATE_KWARGS_FIELD = "chat_template_kwargs"
+
 
 class ChatTemplate:
-    """A compiled chat template; `render(messages)` gives the prompt text."""
+    """A compiled chat template; `render(messages)` gives the prompt text. `now` is the clock
+    the template's `strftime_now` reads (the local time; tests pin it)."""
 
-    def __init__(self, source: str, *, bos_token: str, eos_token: str) -> None:
+    def __init__(self, source: str, *, bos_token: str, eos_token: str,
+                 now: Callable[[], datetime] = datetime.now) -> None:
         if not isinstance(source, str):
             raise TemplateError(f"the chat template must be a string, not {type(source).__name__}")
         if not source.strip():
@@ -49,7 +64,7 @@ class ChatTemplate:
                 f"the chat template has {len(source):,} characters; at most "
                 f"{MAX_TEMPLATE_CHARS:,} are allowed"
             )
-        self._environment = _environment()
+        self._environment = _environment(now)
         try:
             self._template = self._environment.from_string(source)
         except jinja2.TemplateSyntaxError as error:
@@ -93,12 +108,17 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         limits: RenderLimits = RenderLimits(),
         tools: list[dict] | None = None,
+        *,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt for `messages` (dicts with at least a string `role`), within `limits`;
         `tools` (OpenAI function tools) are the template's `tools` variable (None, as
-        transformers passes it, when there are none). It blocks its thread for up to
-        `limits.seconds`: async code runs it in a worker."""
+        transformers passes it, when there are none). `chat_template_kwargs` are more
+        variables, as transformers' apply_chat_template passes its **kwargs (e.g. Qwen3's
+        `enable_thinking`); `check_template_kwargs` says which are taken. It blocks its thread
+        for up to `limits.seconds`: async code runs it in a worker."""
         check_messages(messages)
+        variables = check_template_kwargs(chat_template_kwargs)
         if tools and not self.renders_tools:
             raise InvalidRequest(
                 "this model's chat template does not render tools (it never reads a `tools` "
@@ -111,7 +131,7 @@ class ChatTemplate:
         try:
             return _with_deadline(
                 budget.seconds,
-                lambda: self._render(messages, add_generation_prompt, tools, budget),
+                lambda: self._render(messages, add_generation_prompt, tools, variables, budget),
             )
         except _RenderTimeout:
             raise TemplateError(
@@ -122,11 +142,12 @@ class ChatTemplate:
             budget.release()
 
     def _render(self, messages: list[dict], add_generation_prompt: bool,
-                tools: list[dict] | None, budget: _Budget) -> str:
+                tools: list[dict] | None, variables: dict[str, Any], budget: _Budget) -> str:
         pieces: list[str] = []
         size = 0
         try:
             for piece in self._template.generate(
+                **variables,
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
@@ -241,6 +262,84 @@ def _check_tool_calls(index: int, message: Mapping[str, Any]) -> None:
             'of {"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}',
             field="messages",
         )
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """`kwargs` as a template's extra variables (none for None); else `InvalidRequest` (field
+    chat_template_kwargs) unless it maps identifiers, none of RESERVED_TEMPLATE_NAMES, to JSON
+    values (null, booleans, finite numbers, strings, lists, objects with string keys) of at
+    most MAX_TEMPLATE_KWARGS_CHARS characters as JSON, nested at most
+    MAX_TEMPLATE_KWARGS_DEPTH deep."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise _kwargs_error(f"{TEMPLATE_KWARGS_FIELD} must be an object mapping names to JSON "
+                            f"values, not {type(kwargs).__name__}")
+    _check_json_value(kwargs)  # first: it bounds the number of keys the loop below reads
+    for key in kwargs:
+        if not key.isidentifier():
+            raise _kwargs_error(f"{TEMPLATE_KWARGS_FIELD} has the key {_shown(key)}; a template "
+                                "reads only names (letters, digits and _, not first a digit)")
+        if key in RESERVED_TEMPLATE_NAMES:
+            raise _kwargs_error(
+                f"{TEMPLATE_KWARGS_FIELD} may not set {key!r}: the renderer gives every template "
+                f"that name (reserved: {', '.join(sorted(RESERVED_TEMPLATE_NAMES))})")
+    return dict(kwargs)
+
+
+def _check_json_value(value: Any) -> None:
+    """InvalidRequest unless `value` is JSON within the size and depth bounds. A container's
+    items are read only once its own size (at least one character an item) is in bounds, so a
+    huge value costs no more than a small one."""
+    chars = 0
+    pending: list[tuple[Any, int]] = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if depth > MAX_TEMPLATE_KWARGS_DEPTH:
+            raise _kwargs_error(f"{TEMPLATE_KWARGS_FIELD} nests deeper than "
+                                f"{MAX_TEMPLATE_KWARGS_DEPTH} levels")
+        chars += _json_chars(item)
+        if chars > MAX_TEMPLATE_KWARGS_CHARS:
+            raise _kwargs_error(f"{TEMPLATE_KWARGS_FIELD} is larger than "
+                                f"{MAX_TEMPLATE_KWARGS_CHARS:,} characters as JSON")
+        if isinstance(item, list | tuple):
+            pending.extend((member, depth + 1) for member in item)
+        elif isinstance(item, Mapping):
+            for key, member in item.items():
+                if not isinstance(key, str):
+                    raise _kwargs_error(f"{TEMPLATE_KWARGS_FIELD} has a key that is not a "
+                                        f"string: {_shown(key)}")
+                pending.extend(((key, depth + 1), (member, depth + 1)))
+
+
+def _json_chars(item: Any) -> int:
+    """At least the characters `item` takes as JSON, a container's items not included;
+    InvalidRequest for a value JSON has no form for."""
+    if isinstance(item, str):
+        return len(item) + 2
+    if item is None or isinstance(item, bool):
+        return 5
+    if isinstance(item, int):
+        return item.bit_length() // 3 + 1  # at least its decimal digits
+    if isinstance(item, float) and math.isfinite(item):
+        return 24
+    if isinstance(item, list | tuple | Mapping):
+        return len(item) + 2  # brackets and separators
+    raise _kwargs_error(f"{TEMPLATE_KWARGS_FIELD} holds {_shown(item)}; its values are JSON: "
+                        "null, booleans, finite numbers, strings, lists and objects")
+
+
+def _kwargs_error(message: str) -> InvalidRequest:
+    return InvalidRequest(message, field=TEMPLATE_KWARGS_FIELD)
+
+
+def _shown(value: Any) -> str:
+    """A short repr of a value a request sent (which may be huge)."""
+    huge_int = isinstance(value, int) and value.bit_length() > 64  # its repr takes long
+    if huge_int or not isinstance(value, str | int | float):
+        return f"a {type(value).__name__}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _token_text(metadata: Mapping[str, Any], key: str) -> str:

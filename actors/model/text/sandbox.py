@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, NoReturn
 import jinja2
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, Frame
+from jinja2.defaults import DEFAULT_NAMESPACE
 from jinja2.ext import Extension, loopcontrols
 from jinja2.filters import do_join, make_attrgetter
 from jinja2.nodes import EvalContext
@@ -502,16 +503,25 @@ def _join(eval_context: EvalContext, value: Any, d: str = "", attribute: Any = N
     return do_join(eval_context, items, d)
 
 
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
+def _transformers_functions(now: Callable[[], datetime]) -> dict[str, Callable[..., str]]:
+    """The functions transformers gives every template; `strftime_now` formats `now()`."""
+
+    def strftime_now(format: str) -> str:
+        return now().strftime(format)
+
+    return {"raise_exception": _raise_exception, "strftime_now": strftime_now}
 
 
-def _environment() -> _CountingSandbox:
+# Every name a template finds without being passed it: Jinja's functions and transformers'.
+GLOBAL_NAMES = frozenset(DEFAULT_NAMESPACE) | frozenset(_transformers_functions(datetime.now))
+
+
+def _environment(now: Callable[[], datetime] = datetime.now) -> _CountingSandbox:
+    """A sandbox whose `strftime_now` reads the clock `now` (the local time by default)."""
     environment = _CountingSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
     )
     environment.filters["tojson"] = environment._bounded(_tojson, stringifies=False)
     environment.filters["join"] = environment._bounded(_join, stringifies=False)
-    environment.globals["raise_exception"] = _raise_exception
-    environment.globals["strftime_now"] = _strftime_now
+    environment.globals.update(_transformers_functions(now))
     return environment
