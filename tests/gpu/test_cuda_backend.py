@@ -35,7 +35,8 @@ from tests.cuda_samples import (
     short_prompt_alone_and_shared,
 )
 
-MODELS = ("llama-q4k-tiny", "qwen2-q4k-tiny", "smollm2-135m", "gemma3-270m")
+MODELS = ("llama-q4k-tiny", "qwen2-q4k-tiny", "qwen3-q4k-tiny", "llama3-q4k-tiny",
+          "gemma3-scaled-q4k-tiny", "phi3-q4k-tiny", "smollm2-135m", "gemma3-270m")
 TOP16_TOLERANCE = 0.05
 TOP1_AGREEMENT = 0.99
 CHUNKS = (37, 5, 64, 200, 8, 9)  # prefill chunk sizes, in turn: matvec, tiles, both sides of 8
