@@ -131,9 +131,9 @@ def test_reserved_names_are_refused_by_name(name: str) -> None:
         ({"enable thinking": False}, "the key 'enable thinking'"),
         ({"1st": False}, "the key '1st'"),
         ({"options": {1: "one"}}, "key that is not a string: 1"),
-        ({"when": datetime(2025, 1, 1)}, "holds a datetime"),
+        ({"when": datetime(2025, 1, 1)}, "holds a value of type datetime"),
         ({"ratio": float("nan")}, "holds nan"),
-        ({"tags": {"a", "b"}}, "holds a set"),
+        ({"tags": {"a", "b"}}, "holds a value of type set"),
         ({"notes": "x" * MAX_TEMPLATE_KWARGS_CHARS}, "larger than"),
         ({"items": [0] * MAX_TEMPLATE_KWARGS_CHARS}, "larger than"),
         ({"deep": json.loads("[" * (MAX_TEMPLATE_KWARGS_DEPTH + 1) + "]" *

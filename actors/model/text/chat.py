@@ -337,7 +337,7 @@ def _shown(value: Any) -> str:
     """A short repr of a value a request sent (which may be huge)."""
     huge_int = isinstance(value, int) and value.bit_length() > 64  # its repr takes long
     if huge_int or not isinstance(value, str | int | float):
-        return f"a {type(value).__name__}"
+        return f"a value of type {type(value).__name__}"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
