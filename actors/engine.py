@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager, nullcontext
 from functools import partial
 from pathlib import Path
@@ -58,7 +58,7 @@ from actors.logs import get_logger, logging_to
 from actors.messages import Advance, Chunk, CloseSequence, Completion, EngineStats, OpenSequence
 from actors.model.arch import MAX_CONTEXT
 from actors.model.loaded import Model
-from actors.model.text.chat import ChatTemplate
+from actors.model.text.chat import ChatTemplate, check_messages, check_template_kwargs
 from actors.params import SamplingParams
 from actors.sampling import (
     RowsWanted,
@@ -399,6 +399,7 @@ class Engine(EngineDoor):
         template: str | None = None,
         *,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         strict_max_tokens: bool = False,
     ) -> AsyncIterator[Chunk]:
         """Stream the assistant's answer to `messages`, rendered with the model's chat template
@@ -406,13 +407,16 @@ class Engine(EngineDoor):
         `actors.model.text.chat.CHAT_ROLES`; others raise InvalidRequest. `tools`: OpenAI-style
         function tools, rendered by the template (its `tools` variable; one that has none
         raises InvalidRequest); an assistant message may carry `tool_calls`, a `tool` message
-        answers one.
+        answers one. `chat_template_kwargs`: more variables for the template, as transformers'
+        apply_chat_template takes them (e.g. `{"enable_thinking": False}` for Qwen3); names
+        and JSON values, see `actors.model.text.chat.check_template_kwargs`.
 
         Bad messages, params or a template that is not a string raise at once (the messages
         of a chat longer than 16 Ki messages are checked in a worker thread, so their errors
         come from the first iteration; one with more messages than the context has tokens is
         refused at once); the template renders in a worker thread within a time and size
-        bound, so its errors (TemplateError, ContextLengthExceeded) come from the first
+        bound, so its errors (TemplateError, ContextLengthExceeded; a template's own refusal,
+        its `raise_exception`, is a TemplateError with its message) come from the first
         iteration. `strict_max_tokens`: as for `generate`."""
         self._check_open()
         if template is not None and not isinstance(template, str):
@@ -427,16 +431,18 @@ class Engine(EngineDoor):
         if long_chat:  # its messages are checked in the worker thread, its length here
             self._check_message_count(len(messages))
         else:
-            self._check_messages(messages)
+            self._check_chat(check_messages, messages)
         if tools is not None and not (
             isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)
         ):
             self._reject(InvalidRequest("tools must be a list of dicts (function tools)",
                                         field="tools"))
+        self._check_chat(check_template_kwargs, chat_template_kwargs)
         params = self._checked_params(params)
         return self._stream_when_ready(
-            partial(self._chat_prompt_ids, messages, template, tools, check=long_chat), params,
-            strict_max_tokens,
+            partial(self._chat_prompt_ids, messages, template, tools, chat_template_kwargs,
+                    check=long_chat),
+            params, strict_max_tokens,
         )
 
     async def complete(

@@ -10,7 +10,7 @@ source, the grammar compiler, the log) and holds no state of its own.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any, NoReturn
 
@@ -173,6 +173,7 @@ class EngineDoor:
         messages: list[dict[str, Any]],
         template: str | None,
         tools: list[dict[str, Any]] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
         *,
         check: bool = False,
     ) -> list[int]:
@@ -183,6 +184,7 @@ class EngineDoor:
             messages,
             template,
             tools,
+            chat_template_kwargs,
             abandon_on_cancel=True,
         )
         ids = await self._encode_in_worker(text, parse_special=True)
@@ -259,23 +261,28 @@ class EngineDoor:
         self._log.warning("request_rejected", request_id=new_request_id(), reason=reason, error=str(error))
         raise error
 
-    def _check_messages(self, messages: list[dict[str, Any]]) -> None:
+    def _check_chat(self, check: Callable[[Any], object], value: Any) -> None:
+        """`check(value)`, a chat request's messages or template kwargs; its InvalidRequest
+        logged as the request's rejection."""
         try:
-            check_messages(messages)
+            check(value)
         except InvalidRequest as exc:
             self._reject(exc)
 
     def _checked_render_chat(self, messages: list[dict[str, Any]], template: str | None,
-                             tools: list[dict[str, Any]] | None) -> str:
-        self._check_messages(messages)
-        return self._render_chat(messages, template, tools)
+                             tools: list[dict[str, Any]] | None,
+                             chat_template_kwargs: Mapping[str, Any] | None) -> str:
+        self._check_chat(check_messages, messages)
+        return self._render_chat(messages, template, tools, chat_template_kwargs)
 
     def _render_chat(self, messages: list[dict[str, Any]], template: str | None,
-                     tools: list[dict[str, Any]] | None) -> str:
+                     tools: list[dict[str, Any]] | None,
+                     chat_template_kwargs: Mapping[str, Any] | None) -> str:
         """Runs in a worker thread; bounded in time and in size (longer output could not fit
         the context anyway)."""
         chat_template = self.chat_template(template)
         max_token_bytes = getattr(self._tokenizer, "max_token_bytes", None)  # test doubles
         chars = RenderLimits().chars if max_token_bytes is None else self.context_length * max_token_bytes
         limits = RenderLimits(seconds=CHAT_RENDER_SECONDS, chars=chars)
-        return chat_template.render(messages, limits=limits, tools=tools)
+        return chat_template.render(messages, limits=limits, tools=tools,
+                                    chat_template_kwargs=chat_template_kwargs)
