@@ -1,7 +1,8 @@
 """The server app in-process (uvicorn on 127.0.0.1) over the counting fake backend: what a real
 model cannot be made to do on demand, fast: a model still loading, failing steps, exactly
 which steps carried a request whose client disconnected, and the server's own limits (the
-context, --max-tokens-limit, chat without a template)."""
+context, --max-tokens-limit, chat without a template); what a chat template gets from a
+request (chat_template_kwargs) and its refusals."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import uvicorn
 
 from actors.compute.contract import StepItem
 from actors.engine import Engine
+from actors.model.text.chat import ChatTemplate
 from actors.serve.app import ServerOptions, build_app
-from tests.test_engine_fake import CountingBackend, open_fake
+from tests.test_engine_fake import CountingBackend, FakeTokenizer, open_fake
 
 pytestmark = pytest.mark.anyio
 MODEL = "fake"
@@ -225,3 +227,62 @@ async def test_max_tokens_limit_refuses_more_and_caps_the_default() -> None:
     assert "--max-tokens-limit" in error["message"]
     assert defaulted.status_code == 200
     assert defaulted.json()["usage"]["completion_tokens"] == 8
+
+
+# Writes its `greeting` variable before the messages, and refuses a chat without one.
+GREETING_TEMPLATE = (
+    "{% if greeting is not defined %}{{ raise_exception('pass a greeting') }}{% endif %}"
+    "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+)
+HI = [{"role": "user", "content": "hi"}]
+
+
+def greeting_template(source: str | None) -> ChatTemplate:
+    return ChatTemplate(source or GREETING_TEMPLATE, bos_token="", eos_token="")
+
+
+async def test_chat_template_kwargs_reach_the_template() -> None:
+    backend = CountingBackend()
+    async with serving(lambda: open_fake(backend, chat_template=greeting_template)) as client:
+        await until_ready(client)
+        answered = await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": HI, "max_tokens": 1,
+            "chat_template_kwargs": {"greeting": "Hello, "}})
+    assert answered.status_code == 200, answered.text
+    (prompt, *_) = backend.steps[0]
+    assert prompt.tokens == tuple(FakeTokenizer().encode("Hello, hi"))
+
+
+async def test_a_template_refusal_is_400_with_its_message() -> None:
+    backend = CountingBackend()
+    async with serving(lambda: open_fake(backend, chat_template=greeting_template)) as client:
+        await until_ready(client)
+        whole = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": HI})
+        streamed = await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": HI, "stream": True})
+    for response in (whole, streamed):
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["code"] == "template_error"
+        assert error["message"] == "chat template refused the conversation: pass a greeting"
+    assert backend.steps == []
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ("greeting", "Expected `object | null`, got `str`"),
+    (["greeting", "Hello"], "Expected `object | null`, got `array`"),
+    ({"messages": []}, "may not set 'messages'"),
+    ({"add_generation_prompt": False}, "may not set 'add_generation_prompt'"),
+    ({"greeting-text": "Hello"}, "the key 'greeting-text'"),
+])
+async def test_bad_chat_template_kwargs_are_400_naming_the_field(kwargs: object,
+                                                                 message: str) -> None:
+    backend = CountingBackend()
+    async with serving(lambda: open_fake(backend, chat_template=greeting_template)) as client:
+        await until_ready(client)
+        response = await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": HI, "chat_template_kwargs": kwargs})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "chat_template_kwargs" and message in error["message"]
+    assert backend.steps == []

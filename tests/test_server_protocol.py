@@ -79,6 +79,14 @@ def test_chat_messages_as_templates_take_them() -> None:
     ]
 
 
+def test_chat_template_kwargs_are_vllms_field() -> None:
+    kwargs = {"enable_thinking": False, "persona": {"name": "Ada", "tags": ["terse"]}}
+    assert chat_generation(chat(chat_template_kwargs=kwargs), CONTEXT).chat_template_kwargs \
+        == kwargs
+    assert chat_generation(chat(), CONTEXT).chat_template_kwargs == {}
+    assert chat_generation(chat(chat_template_kwargs=None), CONTEXT).chat_template_kwargs == {}
+
+
 def test_chat_logprobs() -> None:
     assert chat_generation(chat(logprobs=True), CONTEXT).params.logprobs == 0
     assert chat_generation(chat(logprobs=True, top_logprobs=4), CONTEXT).params.logprobs == 4
@@ -99,6 +107,9 @@ def test_chat_logprobs() -> None:
     ({"stop": ["x"] * 17}, "stop"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
     ({"messages": [{"content": "no role"}]}, "messages"),
+    ({"chat_template_kwargs": True}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"": 1}}, "chat_template_kwargs"),
 ])
 def test_chat_refusals_name_the_field(fields: dict[str, object], field: str) -> None:
     request = {"messages": [{"role": "user", "content": "hi"}], **fields}

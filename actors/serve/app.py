@@ -330,7 +330,8 @@ class OpenAIServer:
         if generation.messages is not None:
             tools = list(generation.tools.tools) if generation.tools is not None else None
             return engine.chat(generation.messages, generation.params, self.options.chat_template,
-                               tools=tools, strict_max_tokens=must_fit)
+                               tools=tools, chat_template_kwargs=generation.chat_template_kwargs,
+                               strict_max_tokens=must_fit)
         return engine.generate(generation.prompt, generation.params, strict_max_tokens=must_fit)
 
     def _engine(self) -> Engine:

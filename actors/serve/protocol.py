@@ -5,6 +5,9 @@ type names its field), then checked the way the OpenAI API checks them: one choi
 no features the engine lacks (`echo`, `suffix`, `logit_bias`...). Unknown fields are ignored,
 as OpenAI-compatible servers do, so newer clients keep working.
 
+A chat request may pass its template more variables in vLLM's `chat_template_kwargs` (e.g.
+`{"enable_thinking": false}` for Qwen3), as transformers' apply_chat_template takes them.
+
 Structured output comes as OpenAI's `response_format` or vLLM's `guided_json`,
 `guided_regex`, `guided_choice` and `guided_grammar`; one request takes one of them (or an
 enforced tool call), and its errors name the field the client used.
@@ -19,7 +22,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from actors.errors import InvalidRequest
-from actors.model.text.chat import CHAT_ROLES
+from actors.model.text.chat import CHAT_ROLES, check_template_kwargs
 from actors.params import SamplingParams, StructuredOutput, field_of
 from actors.serve.tools import ToolCallFormat, ToolChoice, tool_choice
 
@@ -91,6 +94,7 @@ class ChatRequest(_Request):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class Generation(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,6 +113,8 @@ class Generation(msgspec.Struct, frozen=True, kw_only=True):
     structured_field: str | None = None
     # The request's tools (None: none, or tool_choice "none": the template does not see them).
     tools: ToolChoice | None = None
+    # A chat's more variables for its template (checked: names, JSON values).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def decode_body(body: bytes, kind: type[RequestT]) -> RequestT:
@@ -151,7 +157,8 @@ def chat_generation(body: bytes, context_length: int,
     tools = tool_choice(request.tools, request.tool_choice)
     return _generation(request, max_tokens, field, logprobs,
                        messages=_chat_messages(request.messages), renamed=renamed,
-                       tools=tools if tools is not None and tools.mode != "none" else None)
+                       tools=tools if tools is not None and tools.mode != "none" else None,
+                       chat_template_kwargs=check_template_kwargs(request.chat_template_kwargs))
 
 
 def with_tool_grammar(generation: Generation, tool_format: ToolCallFormat) -> Generation:
@@ -191,6 +198,7 @@ def _generation(
     messages: list[dict[str, Any]] | None = None,
     renamed: dict[str, str] | None = None,
     tools: ToolChoice | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Generation:
     if request.n not in (None, 1):
         raise InvalidRequest(f"n must be 1 (one choice per request), got {request.n}", field="n")
@@ -226,6 +234,7 @@ def _generation(
         max_tokens_field=max_tokens_field,
         structured_field=structured_field,
         tools=tools,
+        chat_template_kwargs=chat_template_kwargs,
     )
 
 

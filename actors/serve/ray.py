@@ -223,7 +223,9 @@ class PromptKeys:
             messages = request.get("messages")
             if self._template is None or not isinstance(messages, list):
                 return []
-            text = self._template.render(messages, limits=RenderLimits())
+            text = self._template.render(
+                messages, limits=RenderLimits(),
+                chat_template_kwargs=request.get("chat_template_kwargs"))
             ids = self._tokenizer.encode(text, parse_special=True)
             bos = self._tokenizer.bos_id
             # As the engine does: a template that writes the BOS itself gets no second one.
