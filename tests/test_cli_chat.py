@@ -1,5 +1,6 @@
 """`q4k chat`: a real session through a pseudo-terminal (pexpect) on SmolLM2, with a Ctrl-C in
-the middle of an answer; piped sessions and template errors on the tiny model."""
+the middle of an answer; piped sessions, template errors and --chat-template-kwargs on the tiny
+model."""
 
 from __future__ import annotations
 
@@ -95,6 +96,39 @@ def test_piped_session_with_a_template_file(tiny_llama: str, tmp_path: Path) -> 
     assert out.count("[length · ") == 2
     assert "system prompt set: Be brief." in out
     assert "unknown command /bogus" in out
+
+
+# Answers only when told to greet politely with "Hello, ".
+POLITE = (
+    "{% if greeting != 'Hello, ' or not polite %}{{ raise_exception('greet politely') }}"
+    "{% endif %}{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_llama: str, tmp_path: Path) -> None:
+    template = tmp_path / "polite.jinja"
+    template.write_text(POLITE)
+    chat = ("chat", "--model", tiny_llama, "--backend", "cpu", "--template", str(template),
+            "--temperature", "0", "--max-tokens", "2", "--ignore-eos")
+    # Merged in order: the second object's greeting replaces the first's.
+    told = run_q4k(*chat, "--chat-template-kwargs", '{"greeting": "Hi, ", "polite": true}',
+                   "--chat-template-kwargs", '{"greeting": "Hello, "}', stdin="hi\n")
+    untold = run_q4k(*chat, stdin="hi\n")
+    assert told.returncode == 0, told.stderr
+    assert "[length · " in told.stdout and "refused" not in told.stdout
+    assert untold.returncode == 0, untold.stderr
+    assert "error: chat template refused the conversation: greet politely" in untold.stdout
+
+
+@pytest.mark.parametrize(("value", "phrase"), [
+    ("enable_thinking=false", "is not JSON"),
+    ("[1]", "must be an object"),
+    ('{"messages": []}', "may not set 'messages'"),
+])
+def test_bad_chat_template_kwargs_are_one_line_naming_the_flag(tiny_llama: str, value: str,
+                                                               phrase: str) -> None:
+    assert_one_line_error(run_q4k("chat", "--model", tiny_llama, "--chat-template-kwargs", value),
+                          "--chat-template-kwargs: ", phrase)
 
 
 def test_without_a_model_it_chats_with_smollm2(smollm2_model_path: Path) -> None:

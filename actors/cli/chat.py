@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import signal
 import sys
 import threading
 from pathlib import Path
 from contextlib import aclosing
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from rich.console import Console
@@ -30,6 +31,7 @@ from actors.cli.common import (
     configure_logging_from,
     console,
     has_chat_template,
+    naming_the_flag,
     open_engine,
     read_template,
     sampling_params_from,
@@ -61,6 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--system", metavar="TEXT", default=None, help="a system prompt")
     parser.add_argument("--template", metavar="FILE", default=None,
                         help="a Jinja chat template to use instead of the model's own")
+    parser.add_argument("--chat-template-kwargs", metavar="JSON", action="append", default=[],
+                        help="more variables for the chat template, a JSON object, e.g. "
+                             "'{\"enable_thinking\": false}' for Qwen3 (repeatable; a later "
+                             "one's keys win)")
     add_model_flag(parser, default_help=f"SmolLM2-135M-Instruct from {CHAT_MODEL_PACKAGE}")
     add_backend_flag(parser)
     add_sampling_flags(parser, max_tokens=512)
@@ -72,6 +78,7 @@ def _chat(args: argparse.Namespace) -> int:
     configure_logging_from(args)
     params = sampling_params_from(args)
     template = read_template(args.template)
+    chat_template_kwargs = _chat_template_kwargs(args.chat_template_kwargs)
     args.model = str(_chat_model(args.model))
     if not has_chat_template(Path(args.model), template):
         raise TemplateError(
@@ -90,11 +97,29 @@ def _chat(args: argparse.Namespace) -> int:
             if stop_requested.is_set():  # pressed while loading: leave now it is safe
                 print("q4k chat: interrupted", file=sys.stderr)
                 return 130
-            session = ChatSession(portal, engine, params, template, args.system, console(),
-                                  stop_requested)
+            session = ChatSession(portal, engine, params, template, chat_template_kwargs,
+                                  args.system, console(), stop_requested)
             return session.run()
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _chat_template_kwargs(objects: list[str]) -> dict[str, Any]:
+    """The --chat-template-kwargs JSON objects, checked, merged in order."""
+    from actors.model.text.chat import TEMPLATE_KWARGS_FIELD, check_template_kwargs
+
+    merged: dict[str, Any] = {}
+    try:
+        for text in objects:
+            try:
+                value = json.loads(text)
+            except (ValueError, RecursionError) as exc:
+                raise InvalidRequest(f"{text[:80]!r} is not JSON: {exc}",
+                                     field=TEMPLATE_KWARGS_FIELD) from None
+            merged.update(check_template_kwargs(value))
+        return check_template_kwargs(merged)  # together, they may still be too large
+    except InvalidRequest as exc:
+        raise naming_the_flag(exc) from None
 
 
 def _chat_model(model: str | None) -> Path:
@@ -117,12 +142,13 @@ class ChatSession:
     """The REPL: reads turns, streams answers, keeps the history."""
 
     def __init__(self, portal: BlockingPortal, engine: Engine, params: SamplingParams,
-                 template: str | None, system: str | None, out: Console,
-                 stop_requested: threading.Event) -> None:
+                 template: str | None, chat_template_kwargs: dict[str, Any], system: str | None,
+                 out: Console, stop_requested: threading.Event) -> None:
         self.portal = portal
         self.engine = engine
         self.params = params
         self.template = template
+        self.chat_template_kwargs = chat_template_kwargs
         self.system = system
         self.out = out
         self.history: list[dict[str, str]] = []
@@ -177,7 +203,8 @@ class ChatSession:
         self.stop_requested.clear()
         answer = _Answer()
         future = self.portal.start_task_soon(answer.stream, self.engine, self.messages(),
-                                             self.params, self.template, self.out)
+                                             self.params, self.template,
+                                             self.chat_template_kwargs, self.out)
         while not answer.finished.wait(STOP_POLL_S):
             if self.stop_requested.is_set():
                 future.cancel()  # cancels the task's scope; its stream closes, freeing the KV
@@ -212,13 +239,15 @@ class _Answer:
         self.finished = threading.Event()
 
     async def stream(self, engine: Engine, messages: list[dict[str, str]],
-                     params: SamplingParams, template: str | None, out: Console) -> None:
+                     params: SamplingParams, template: str | None,
+                     chat_template_kwargs: dict[str, Any], out: Console) -> None:
         """Runs in the engine's event loop; closing the stream on cancel frees the sequence."""
         from actors.cli.generate import finish_line
 
         try:
             last: Chunk | None = None
-            async with aclosing(engine.chat(messages, params, template)) as chunks:
+            async with aclosing(engine.chat(messages, params, template,
+                                            chat_template_kwargs=chat_template_kwargs)) as chunks:
                 async for chunk in chunks:
                     out.file.write(chunk.text)
                     out.file.flush()
