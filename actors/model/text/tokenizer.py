@@ -3,13 +3,14 @@
 `Tokenizer.encode` follows `llama_vocab::impl::tokenize`: special-token texts are cut out first
 (`special`), each raw fragment goes through the SPM or BPE encoder (Hugging Face
 `tokenizers` models built in `spm` / `bpe`), BOS/EOS as the model asks.
-`decode` and the streaming `IncrementalDecoder` follow `token_to_piece` + `detokenize`.
+`decode` and the streaming `IncrementalDecoder` join `token_to_piece` pieces, as llama.cpp's
+server and llama-cpp-python do for generated text (not `llama_detokenize`, whose space
+cleaning and first-space stripping they do not use).
 """
 
 from __future__ import annotations
 
 import codecs
-import re
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import Any
@@ -162,17 +163,14 @@ class Tokenizer:
         return [token for token in ids if token != unknown] if unknown in ids else ids
 
     def decode(self, ids: Iterable[int], *, special: bool = False) -> str:
-        """Text of `ids` as llama.cpp detokenizes it; `special` also renders control tokens.
+        """Text of `ids`: the pieces of the tokens, joined (llama.cpp's `token_to_piece`);
+        `special` also renders control tokens. As llama.cpp gives generated text, spaces are
+        kept as the tokens have them: the space a SentencePiece token starts with too.
 
         Bytes that are not valid UTF-8 (a sequence cut inside a character) become U+FFFD.
         """
-        tokens = self._checked_ids(ids)
         pieces = self._pieces_special if special else self._pieces
-        data = b"".join(map(pieces.__getitem__, tokens))
-        if tokens and self.vocab.add_space_prefix and pieces[tokens[0]][:1] == b" ":
-            data = data[1:]  # llama.cpp strips the space SentencePiece put before the text
-        if self.vocab.clean_spaces:
-            data = _clean_spaces(data)
+        data = b"".join(map(pieces.__getitem__, self._checked_ids(ids)))
         return data.decode("utf-8", errors="replace")
 
     def incremental_decoder(self, *, special: bool = False) -> IncrementalDecoder:
@@ -208,44 +206,28 @@ class Tokenizer:
 class IncrementalDecoder:
     """Turns a stream of token ids into text chunks for streaming.
 
-    A chunk never holds broken UTF-8 (an emoji split over byte tokens waits for its last byte)
-    and never text a later token could change, so chunks are final: the concatenation of every
-    `push` and the `flush` equals `Tokenizer.decode` of the same ids.
+    A chunk never holds broken UTF-8 (an emoji split over byte tokens waits for its last byte),
+    so chunks are final: the concatenation of every `push` and the `flush` equals
+    `Tokenizer.decode` of the same ids.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, special: bool = False) -> None:
         self._tokenizer = tokenizer
         self._special = special
-        self._strip_space = tokenizer.vocab.add_space_prefix
-        self._clean = tokenizer.vocab.clean_spaces
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._pending = b""  # bytes space cleaning may still change
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
         piece = self._tokenizer.piece(token_id, special=self._special)
-        if self._strip_space:
-            self._strip_space = False  # only the first token, as llama.cpp does
-            if piece[:1] == b" ":
-                piece = piece[1:]
-        if not self._clean:
-            return self._decode(piece)
-        self._pending += piece
-        cut = _clean_boundary(self._pending)
-        ready, self._pending = self._pending[:cut], self._pending[cut:]
-        return self._decode(_clean_spaces(ready)) if ready else ""
-
-    def _decode(self, data: bytes) -> str:
         # ASCII with no partial character held decodes as is: most tokens, once a token,
         # without the codec's Python-level buffering.
-        if data.isascii() and not self._utf8.getstate()[0]:
-            return data.decode("ascii")
-        return self._utf8.decode(data)
+        if piece.isascii() and not self._utf8.getstate()[0]:
+            return piece.decode("ascii")
+        return self._utf8.decode(piece)
 
     def flush(self) -> str:
-        """The text still held back (at the end of the stream)."""
-        ready, self._pending = self._pending, b""
-        return self._utf8.decode(_clean_spaces(ready) if ready else b"", final=True)
+        """The text still held back (a character cut short at the end of the stream)."""
+        return self._utf8.decode(b"", final=True)
 
 
 def _token_pieces(vocab: Vocab) -> list[bytes]:
@@ -276,26 +258,3 @@ def _spm_texts(fragments: list[Fragment], add_space_prefix: bool) -> list[str]:
             texts.append((prefix + fragment).replace(" ", _SPM_SPACE))
         after_special = isinstance(fragment, int)
     return texts
-
-
-# llama.cpp's detokenize `clean_spaces` passes, in order (they only ever drop spaces).
-_CLEAN_PASSES = (
-    (re.compile(rb" ([?!.,])"), rb"\1"),
-    (re.compile(rb" ' "), rb"'"),
-    (re.compile(rb" '(?=[sm]|re|ve)"), rb"'"),
-)
-# A byte after which cleaning can be done independently: nothing before it can change with
-# more input. Spaces, apostrophes and 'r'/'v' (" 're", " 've") may still.
-_HOLD_BACK = re.compile(rb"[ 'rv]*\Z")
-
-
-def _clean_spaces(data: bytes) -> bytes:
-    for pattern, replacement in _CLEAN_PASSES:
-        data = pattern.sub(replacement, data)
-    return data
-
-
-def _clean_boundary(data: bytes) -> int:
-    match = _HOLD_BACK.search(data)
-    assert match is not None
-    return match.start()

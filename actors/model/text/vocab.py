@@ -52,7 +52,6 @@ class PreTokenizer:
     """One `tokenizer.ggml.pre` family: its regexes and the flags llama.cpp sets with it."""
 
     regexes: tuple[str, ...]
-    clean_spaces: bool = True
     ignore_merges: bool = False
     add_bos: bool = False
 
@@ -61,19 +60,20 @@ _DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", GPT2_REGEX, r"\p{N}+", "[0-9][
 _GPT2 = PreTokenizer((GPT2_REGEX,))
 _STARCODER = PreTokenizer((r"\p{N}", GPT2_REGEX))
 _LLAMA3 = PreTokenizer((LLAMA3_REGEX,), ignore_merges=True, add_bos=True)
-_QWEN2 = PreTokenizer((QWEN2_REGEX,), clean_spaces=False)
+_QWEN2 = PreTokenizer((QWEN2_REGEX,))
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "default": _DEFAULT,
     **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "exaone4", "mellum"), _GPT2),
-    **dict.fromkeys(("starcoder", "refact", "codeshell", "exaone", "minerva-7b"), _STARCODER),
-    **dict.fromkeys(("smollm", "command-r"), PreTokenizer(_STARCODER.regexes, clean_spaces=False)),
+    **dict.fromkeys(
+        ("starcoder", "refact", "codeshell", "exaone", "minerva-7b", "smollm", "command-r"),
+        _STARCODER,
+    ),
     **dict.fromkeys(
         ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0"), _LLAMA3
     ),
     **dict.fromkeys(("dbrx", "smaug-bpe"), PreTokenizer((LLAMA3_REGEX,))),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2),
-    "stablelm2": PreTokenizer((QWEN2_REGEX,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _QWEN2),
 }
 
 # Texts llama.cpp recognises as end-of-turn / end-of-generation tokens (llama-vocab.cpp),
@@ -138,7 +138,6 @@ class Vocab:
     add_bos: bool
     add_eos: bool
     add_space_prefix: bool
-    clean_spaces: bool
     ignore_merges: bool
 
     @property
@@ -160,7 +159,7 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
         pre = None
         merges: list[str] = []
         special = {"bos": 1, "eos": 2, "unk": 0}
-        add_bos, add_space_prefix, clean_spaces, ignore_merges = True, True, False, False
+        add_bos, add_space_prefix, ignore_merges = True, True, False
     elif model == "gpt2":
         pre_name = metadata.get("tokenizer.ggml.pre")
         if pre_name is not None:
@@ -178,8 +177,7 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
             )
         merges = _string_list(metadata, "tokenizer.ggml.merges")
         special = {"bos": 11, "eos": 11}
-        add_bos, add_space_prefix = pre.add_bos, False
-        clean_spaces, ignore_merges = pre.clean_spaces, pre.ignore_merges
+        add_bos, add_space_prefix, ignore_merges = pre.add_bos, False, pre.ignore_merges
     else:
         raise UnsupportedModelError(
             f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: "
@@ -228,7 +226,6 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
         add_bos=add_bos,
         add_eos=add_eos,
         add_space_prefix=add_space_prefix,
-        clean_spaces=clean_spaces,
         ignore_merges=ignore_merges,
     )
 
