@@ -26,12 +26,16 @@ import numpy as np
 
 from actors.model.text.vocab import (
     ATTR_CONTROL,
+    ATTR_RSTRIP,
     ATTR_UNKNOWN,
     ATTR_USER_DEFINED,
     Vocab,
 )
 
 Fragment = str | int  # raw text, or the id of a special token cut out of it
+
+# What C's isspace() takes for whitespace (llama.cpp strips these bytes around a token).
+_C_SPACES = re.compile(r"[ \t\n\v\f\r]*")
 
 
 class SpecialTokenSplitter:
@@ -41,9 +45,10 @@ class SpecialTokenSplitter:
         special = np.flatnonzero(vocab.attrs & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN))
         ids = sorted(special.tolist(), key=lambda token: -len(vocab.tokens[token]))
         always = [token for token in ids if not vocab.attrs[token] & (ATTR_CONTROL | ATTR_UNKNOWN)]
+        rstrip = frozenset(np.flatnonzero(vocab.attrs & ATTR_RSTRIP).tolist())
         self._matchers = {
-            False: _Matcher({vocab.tokens[token]: token for token in always}),
-            True: _Matcher({vocab.tokens[token]: token for token in ids}),
+            False: _Matcher({vocab.tokens[token]: token for token in always}, rstrip),
+            True: _Matcher({vocab.tokens[token]: token for token in ids}, rstrip),
         }
 
     def prepare(self) -> None:
@@ -58,11 +63,13 @@ class SpecialTokenSplitter:
 
 
 class _Matcher:
-    """The special tokens of one mode, longest first (llama.cpp's order)."""
+    """The special tokens of one mode, longest first (llama.cpp's order); those in `rstrip`
+    take the whitespace after them out of the text."""
 
-    def __init__(self, text_to_id: dict[str, int]) -> None:
+    def __init__(self, text_to_id: dict[str, int], rstrip: frozenset[int]) -> None:
         self.text_to_id = text_to_id
         self.rank = {text: rank for rank, text in enumerate(text_to_id)}
+        self.rstrip = rstrip
 
     def prepare(self) -> None:
         self._finder  # noqa: B018 - the cached properties build and keep them
@@ -124,9 +131,12 @@ class _Matcher:
                 span = bisect_right(starts, at) - 1
                 if span >= 0 and at + size <= ends[span]:
                     # Inside a raw fragment: cut it there, look again after the cut.
-                    cuts.append((at, at + size, token))
-                    _cut_span(starts, ends, span, at, at + size)
-                    at = text.find(token_text, at + size)
+                    end = at + size
+                    if token in self.rstrip:
+                        end = _C_SPACES.match(text, end, ends[span]).end()
+                    cuts.append((at, end, token))
+                    _cut_span(starts, ends, span, at, end)
+                    at = text.find(token_text, end)
                 elif span + 1 < len(starts):
                     # Starts in a cut, or runs past its fragment's end (as would any later
                     # start in that fragment): go on at the next raw fragment.

@@ -25,6 +25,7 @@ ATTR_NORMAL = 1 << 2
 ATTR_CONTROL = 1 << 3
 ATTR_USER_DEFINED = 1 << 4
 ATTR_BYTE = 1 << 5
+ATTR_RSTRIP = 1 << 8  # whitespace right after this special token is dropped
 
 # GGUF token types (llama_token_type) -> attribute bits; anything else is "undefined" (0).
 _TYPE_TO_ATTR = np.zeros(8, dtype=np.int32)
@@ -212,6 +213,7 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
                 f"tokenizer.ggml.add_{name}_token is set but the model has no {name} token"
             )
     eog_ids = _mark_special_tokens(token_to_id, attrs, special)
+    _mark_rstrip_tokens(metadata.get("general.name"), token_to_id, attrs)
     _check_token_lengths(tokens, attrs)
     return Vocab(
         model=model,
@@ -266,6 +268,23 @@ def _mark_special_tokens(
         eog.discard(eog_texts["</s>"])
         attrs[eog_texts["</s>"]] = ATTR_NORMAL
     return frozenset(eog)
+
+
+# llama.cpp sets some token attributes by model name, the file having none: in a model named
+# Phi-3 every special token drops the whitespace after it in the text, except these.
+_PHI3_NAMES = ("phi-3", "phi3")
+_PHI3_KEEP_SPACE = ("<unk>", "<s>", "<|endoftext|>")
+
+
+def _mark_rstrip_tokens(model_name: Any, token_to_id: dict[str, int], attrs: np.ndarray) -> None:
+    if not isinstance(model_name, str) or not any(
+        name in model_name.lower() for name in _PHI3_NAMES
+    ):
+        return
+    attrs[attrs & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN) != 0] |= ATTR_RSTRIP
+    for text in _PHI3_KEEP_SPACE:
+        if text in token_to_id:
+            attrs[token_to_id[text]] &= ~ATTR_RSTRIP
 
 
 def _string_list(metadata: Mapping[str, Any], key: str) -> list[str]:
