@@ -96,14 +96,21 @@ def test_chatml_tokens_parse_as_single_ids(smollm2: Tokenizer) -> None:
     assert smollm2.decode(ids) == "user\nHi\n"
 
 
-def test_tiny_models_use_a_1024_token_bpe() -> None:
+def test_tiny_models_use_a_1024_token_vocabulary() -> None:
     for path in TINY_MODELS.values():
         tokenizer = _load(path)
         assert tokenizer.vocab_size == 1024
         text = "The quick brown fox: 123 ünïcode 😀"
         ids = tokenizer.encode(text)
         assert max(ids) < 1024
-        assert tokenizer.decode(ids) == text
+        decoded = tokenizer.decode(ids)
+        if not tokenizer.vocab.byte_level:
+            # Cut to 1024 tokens, a SentencePiece vocabulary has no '▁' alone: a space no merge
+            # takes stays its byte tokens, which decode to '▁' (so does llama.cpp: the
+            # reference lines check it exactly); the space prefix stays too.
+            decoded = decoded.replace("\u2581", " ")
+            decoded = decoded.removeprefix(" ") if tokenizer.vocab.add_space_prefix else decoded
+        assert decoded == text
 
 
 def test_emoji_split_over_byte_tokens_waits_for_its_last_byte(gemma3: Tokenizer) -> None:

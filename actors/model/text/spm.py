@@ -3,9 +3,14 @@
 llama.cpp's llm_tokenizer_spm starts from single characters and keeps merging the adjacent
 pair whose concatenation is the vocabulary token with the highest score (leftmost on ties);
 characters that never become a token fall back to `<0xXX>` byte tokens. That is exactly a BPE
-whose merge list holds every way to cut a token into two tokens, ranked by the score of the
+whose merge list holds every way to cut a token into two symbols, ranked by the score of the
 token they make, with byte fallback. `tokenizers` runs that BPE in Rust; here we only derive
 the merge list, vectorized: a 262k-token vocabulary has ~1.6M cut points.
+
+A symbol is a token or a single character, and a character need not be a token to merge:
+a vocabulary cut short (the first 1024 tokens of a real one) has '▁the' but not '▁'. Such
+characters get ids past the vocabulary in the BPE model, and become their byte tokens when
+one is left unmerged.
 """
 
 from __future__ import annotations
@@ -21,23 +26,71 @@ _SLOT_MASK = np.uint64(_SLOTS - 1)
 _HASH_BASES = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9)
 
 
-def build_spm_model(vocab: Vocab) -> Tokenizer:
-    """A `tokenizers.Tokenizer` cutting one fragment (spaces already '▁') like llama.cpp."""
-    merged, left, right = merge_pairs(vocab.tokens)
-    # Best score first (token id on ties); among cuts of one token, transformers' order.
-    token_rank = np.empty(vocab.size, dtype=np.int64)
-    token_rank[np.argsort(-vocab.scores.astype(np.float64), kind="stable")] = np.arange(vocab.size)
-    order = np.lexsort((right, left, token_rank[merged]))
-    text = vocab.tokens.__getitem__
-    merges = list(zip(map(text, left[order].tolist()), map(text, right[order].tolist())))
-    model = models.BPE(vocab=vocab.token_to_id, merges=merges, byte_fallback=True)
-    return Tokenizer(model)
+class SpmEncoder:
+    """Cuts text fragments (spaces already '▁') into token ids like llama.cpp."""
+
+    def __init__(self, vocab: Vocab) -> None:
+        loose_chars = _chars_without_token(vocab.tokens)
+        symbols = vocab.tokens + loose_chars
+        merged, left, right = merge_pairs(symbols)
+        # Best score first (token id on ties); among cuts of one token, transformers' order.
+        token_rank = np.empty(vocab.size, dtype=np.int64)
+        token_rank[np.argsort(-vocab.scores.astype(np.float64), kind="stable")] = np.arange(
+            vocab.size
+        )
+        order = np.lexsort((right, left, token_rank[merged]))
+        text = symbols.__getitem__
+        merges = list(zip(map(text, left[order].tolist()), map(text, right[order].tolist())))
+        loose_ids = {char: vocab.size + index for index, char in enumerate(loose_chars)}
+        model = models.BPE(vocab={**vocab.token_to_id, **loose_ids}, merges=merges,
+                           byte_fallback=True)
+        self._tokenizer = Tokenizer(model)
+        self._n_tokens = vocab.size
+        # The byte tokens of each loose character, by its id past the vocabulary (a byte
+        # without a token is dropped).
+        self._loose_char_bytes = [
+            [vocab.token_to_id[name] for name in _byte_token_names(char)
+             if name in vocab.token_to_id]
+            for char in loose_chars
+        ]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        return [self._byte_fallback(encoding.ids) for encoding in encodings]
+
+    def _byte_fallback(self, ids: list[int]) -> list[int]:
+        """`ids` with each loose character left unmerged replaced by its byte tokens."""
+        if not self._loose_char_bytes or max(ids, default=0) < self._n_tokens:
+            return ids
+        tokens: list[int] = []
+        for token in ids:
+            if token < self._n_tokens:
+                tokens.append(token)
+            else:
+                tokens += self._loose_char_bytes[token - self._n_tokens]
+        return tokens
+
+
+def _byte_token_names(char: str) -> list[str]:
+    return [f"<0x{byte:02X}>" for byte in char.encode("utf-8")]
+
+
+def _code_points(tokens: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The code points of all tokens end to end, and each token's length."""
+    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    return np.frombuffer("".join(tokens).encode("utf-32-le"), dtype=np.uint32), lengths
+
+
+def _chars_without_token(tokens: list[str]) -> list[str]:
+    """The characters that occur in tokens but are no token themselves."""
+    codes, lengths = _code_points(tokens)
+    single = codes[(np.cumsum(lengths) - lengths)[lengths == 1]]
+    return [chr(code) for code in np.setdiff1d(codes, single).tolist()]
 
 
 def merge_pairs(tokens: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every (token, left, right) with text[token] == text[left] + text[right], as id arrays."""
-    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
-    codes = np.frombuffer("".join(tokens).encode("utf-32-le"), dtype=np.uint32)
+    codes, lengths = _code_points(tokens)
     ends = np.cumsum(lengths)
     starts = ends - lengths
 

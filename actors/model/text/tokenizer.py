@@ -16,28 +16,26 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer as HFTokenizer
 
 from actors.errors import InvalidRequest
 from actors.model.text.bpe import (
     BYTE_LEVEL_CHARS,
-    build_bpe_model,
+    ByteLevelBpeEncoder,
+    Utf8BpeEncoder,
     byte_level_bytes,
-    unknown_char_id,
 )
 from actors.model.text.special import Fragment, SpecialTokenSplitter
-from actors.model.text.spm import build_spm_model
+from actors.model.text.spm import SpmEncoder
 from actors.model.text.vocab import (
     ATTR_BYTE,
     ATTR_CONTROL,
     ATTR_NORMAL,
     ATTR_UNKNOWN,
     ATTR_USER_DEFINED,
+    SPM_SPACE,
     Vocab,
     read_vocab,
 )
-
-_SPM_SPACE = "\u2581"  # '▁', SentencePiece's escaped space
 
 
 class Tokenizer:
@@ -73,11 +71,13 @@ class Tokenizer:
         return self.vocab.eog_ids
 
     @cached_property
-    def _encoder(self) -> HFTokenizer:
-        # Built on first use: ~1 s for a 262k SentencePiece vocabulary, not needed to decode.
+    def _encoder(self) -> SpmEncoder | ByteLevelBpeEncoder | Utf8BpeEncoder:
+        # Built on first use: ~1 s for a 262k-token vocabulary, not needed to decode.
         if self.vocab.model == "llama":
-            return build_spm_model(self.vocab)
-        return build_bpe_model(self.vocab)
+            return SpmEncoder(self.vocab)
+        if self.vocab.byte_level:
+            return ByteLevelBpeEncoder(self.vocab)
+        return Utf8BpeEncoder(self.vocab)
 
     @cached_property
     def max_token_bytes(self) -> int:
@@ -87,11 +87,11 @@ class Tokenizer:
     @cached_property
     def _bytes_that_count(self) -> np.ndarray:
         """bool[256]: text bytes that cannot vanish in encoding. A byte-level BPE drops each
-        byte whose character is missing from its vocabulary (as llama.cpp does); a
-        SentencePiece vocabulary without all 256 byte tokens may drop whole characters, so
-        then only the ASCII bytes with a byte token count (a character with no token falls
-        back to its byte tokens; every byte of a non-ASCII character is >= 0x80)."""
-        if self.vocab.model != "llama":
+        byte whose character is missing from its vocabulary (as llama.cpp does); another
+        vocabulary without all 256 byte tokens may drop whole characters, so then only the
+        ASCII bytes with a byte token count (a character with no token falls back to its
+        byte tokens; every byte of a non-ASCII character is >= 0x80)."""
+        if self.vocab.byte_level:
             return np.array([char in self.vocab.token_to_id for char in BYTE_LEVEL_CHARS])
         present = np.array([f"<0x{byte:02X}>" in self.vocab.token_to_id for byte in range(256)])
         return present if present.all() else present & (np.arange(256) < 0x80)
@@ -151,16 +151,14 @@ class Tokenizer:
             raw = [fragment for fragment in fragments if isinstance(fragment, str)]
         if not raw:
             return [fragment for fragment in fragments if isinstance(fragment, int)]
-        encoded = iter(self._encoder.encode_batch_fast(raw, add_special_tokens=False))
+        encoded = iter(self._encoder.encode_batch(raw))
         ids: list[int] = []
         for fragment in fragments:
             if isinstance(fragment, str):
-                ids += next(encoded).ids
+                ids += next(encoded)
             else:
                 ids.append(fragment)
-        # llama.cpp drops a character its BPE vocabulary lacks (SPM's byte fallback has them all).
-        unknown = unknown_char_id(self.vocab)
-        return [token for token in ids if token != unknown] if unknown in ids else ids
+        return ids
 
     def decode(self, ids: Iterable[int], *, special: bool = False) -> str:
         """Text of `ids`: the pieces of the tokens, joined (llama.cpp's `token_to_piece`);
@@ -233,13 +231,15 @@ class IncrementalDecoder:
 def _token_pieces(vocab: Vocab) -> list[bytes]:
     """What each token renders as when special tokens are shown (llama.cpp's piece cache)."""
     attrs = vocab.attrs.tolist()
-    spm = vocab.model == "llama"
+    byte_level = vocab.byte_level
     pieces = []
     for text, attr in zip(vocab.tokens, attrs):
         if attr & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED):
             pieces.append(text.encode())
         elif attr & ATTR_NORMAL:
-            pieces.append(text.replace(_SPM_SPACE, " ").encode() if spm else byte_level_bytes(text))
+            pieces.append(
+                byte_level_bytes(text) if byte_level else text.replace(SPM_SPACE, " ").encode()
+            )
         elif attr & ATTR_BYTE:
             pieces.append(bytes([int(text[3:5], 16)]))
         else:  # unused and undefined tokens render as nothing
@@ -255,6 +255,6 @@ def _spm_texts(fragments: list[Fragment], add_space_prefix: bool) -> list[str]:
     for fragment in fragments:
         if isinstance(fragment, str):
             prefix = " " if add_space_prefix and after_special else ""
-            texts.append((prefix + fragment).replace(" ", _SPM_SPACE))
+            texts.append((prefix + fragment).replace(" ", SPM_SPACE))
         after_special = isinstance(fragment, int)
     return texts

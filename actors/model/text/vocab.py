@@ -27,6 +27,8 @@ ATTR_USER_DEFINED = 1 << 4
 ATTR_BYTE = 1 << 5
 ATTR_RSTRIP = 1 << 8  # whitespace right after this special token is dropped
 
+SPM_SPACE = "\u2581"  # '▁', how SentencePiece-style vocabularies write a space
+
 # GGUF token types (llama_token_type) -> attribute bits; anything else is "undefined" (0).
 _TYPE_TO_ATTR = np.zeros(8, dtype=np.int32)
 _TYPE_TO_ATTR[1] = ATTR_NORMAL
@@ -46,6 +48,11 @@ QWEN2_REGEX = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen 3.5: as Qwen 2, but runs of letters also take combining marks (\p{M}).
+QWEN35_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+"
+    r"|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,11 @@ class PreTokenizer:
     regexes: tuple[str, ...]
     ignore_merges: bool = False
     add_bos: bool = False
+    always_bos: bool = False  # a BOS even where the file's add_bos_token says none
+    # False for SentencePiece-style BPE (Gemma 4): token texts are UTF-8 with '▁' for a
+    # space and <0xXX> byte tokens instead of GPT-2's byte-level alphabet, and the text is
+    # cut into lines and runs of newlines instead of by regexes (see `bpe`).
+    byte_level: bool = True
 
 
 _DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", GPT2_REGEX, r"\p{N}+", "[0-9][0-9][0-9]"))
@@ -62,6 +74,7 @@ _GPT2 = PreTokenizer((GPT2_REGEX,))
 _STARCODER = PreTokenizer((r"\p{N}", GPT2_REGEX))
 _LLAMA3 = PreTokenizer((LLAMA3_REGEX,), ignore_merges=True, add_bos=True)
 _QWEN2 = PreTokenizer((QWEN2_REGEX,))
+_GEMMA4 = PreTokenizer((), always_bos=True, byte_level=False)
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "default": _DEFAULT,
@@ -75,6 +88,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     ),
     **dict.fromkeys(("dbrx", "smaug-bpe"), PreTokenizer((LLAMA3_REGEX,))),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), _QWEN2),
+    "qwen35": PreTokenizer((QWEN35_REGEX,)),
+    "gemma4": _GEMMA4,
 }
 
 # Texts llama.cpp recognises as end-of-turn / end-of-generation tokens (llama-vocab.cpp),
@@ -127,7 +142,7 @@ _SPECIAL_ID_KEYS = (
 class Vocab:
     """The tokenizer as llama.cpp sees it after loading: texts, scores, attributes, flags."""
 
-    model: str  # "llama" (SPM) or "gpt2" (BPE)
+    model: str  # "llama" (SPM), "gpt2" (byte-level BPE) or "gemma4" (SentencePiece-style BPE)
     tokens: list[str]
     token_to_id: dict[str, int]
     scores: np.ndarray  # float32, one per token
@@ -145,6 +160,12 @@ class Vocab:
     def size(self) -> int:
         return len(self.tokens)
 
+    @property
+    def byte_level(self) -> bool:
+        """Token texts spell bytes in GPT-2's byte-level alphabet; otherwise (SentencePiece,
+        Gemma 4) they are UTF-8 with '▁' for a space, and <0xXX> tokens stand for bytes."""
+        return self.pre is not None and self.pre.byte_level
+
 
 def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
     """Read `tokenizer.*` metadata; UnsupportedModelError for tokenizers this engine lacks."""
@@ -160,29 +181,18 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
         pre = None
         merges: list[str] = []
         special = {"bos": 1, "eos": 2, "unk": 0}
-        add_bos, add_space_prefix, ignore_merges = True, True, False
-    elif model == "gpt2":
-        pre_name = metadata.get("tokenizer.ggml.pre")
-        if pre_name is not None:
-            _check_text(metadata, "tokenizer.ggml.pre")
-        if pre_name is None:
-            raise UnsupportedModelError(
-                "BPE tokenizer without 'tokenizer.ggml.pre': the pre-tokenizer is unknown "
-                "(llama.cpp would guess 'default' and degrade quality); re-convert the model"
-            )
-        pre = PRE_TOKENIZERS.get(pre_name)
-        if pre is None:
-            raise UnsupportedModelError(
-                f"unsupported BPE pre-tokenizer {pre_name!r} (tokenizer.ggml.pre); supported: "
-                f"{', '.join(sorted(PRE_TOKENIZERS))}"
-            )
+        add_bos, add_space_prefix = True, True
+    elif model in ("gpt2", "gemma4"):
+        # llama.cpp gives tokenizer model gemma4 its own pre-tokenizer, whatever the file names.
+        pre = _GEMMA4 if model == "gemma4" else _named_pre_tokenizer(metadata)
         merges = _string_list(metadata, "tokenizer.ggml.merges")
-        special = {"bos": 11, "eos": 11}
-        add_bos, add_space_prefix, ignore_merges = pre.add_bos, False, pre.ignore_merges
+        special = {"bos": 11, "eos": 11} if model == "gpt2" else {}
+        add_bos, add_space_prefix = pre.add_bos, False
     else:
         raise UnsupportedModelError(
             f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: "
-            "'llama' (SentencePiece BPE) and 'gpt2' (byte-level BPE)"
+            "'llama' (SentencePiece BPE), 'gpt2' (byte-level BPE) and 'gemma4' "
+            "(SentencePiece-style BPE)"
         )
     add_space_prefix = _flag(metadata, "tokenizer.ggml.add_space_prefix", add_space_prefix)
 
@@ -205,7 +215,9 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
             raise ModelFormatError(f"metadata 'tokenizer.ggml.{key}' is not an integer: {value!r}")
         if 0 <= value < n_tokens:  # llama.cpp ignores an id outside the vocabulary
             special[name] = int(value)
-    add_bos = _flag(metadata, "tokenizer.ggml.add_bos_token", add_bos)
+    add_bos = _flag(metadata, "tokenizer.ggml.add_bos_token", add_bos) or (
+        pre is not None and pre.always_bos
+    )
     add_eos = _flag(metadata, "tokenizer.ggml.add_eos_token", False)
     for flag, name in ((add_bos, "bos"), (add_eos, "eos")):
         if flag and name not in special:
@@ -228,8 +240,26 @@ def read_vocab(metadata: Mapping[str, Any]) -> Vocab:
         add_bos=add_bos,
         add_eos=add_eos,
         add_space_prefix=add_space_prefix,
-        ignore_merges=ignore_merges,
+        ignore_merges=pre is not None and pre.ignore_merges,
     )
+
+
+def _named_pre_tokenizer(metadata: Mapping[str, Any]) -> PreTokenizer:
+    """The pre-tokenizer a `gpt2` BPE file names in `tokenizer.ggml.pre`."""
+    pre_name = metadata.get("tokenizer.ggml.pre")
+    if pre_name is None:
+        raise UnsupportedModelError(
+            "BPE tokenizer without 'tokenizer.ggml.pre': the pre-tokenizer is unknown "
+            "(llama.cpp would guess 'default' and degrade quality); re-convert the model"
+        )
+    _check_text(metadata, "tokenizer.ggml.pre")
+    pre = PRE_TOKENIZERS.get(pre_name)
+    if pre is None:
+        raise UnsupportedModelError(
+            f"unsupported BPE pre-tokenizer {pre_name!r} (tokenizer.ggml.pre); supported: "
+            f"{', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+    return pre
 
 
 def _mark_special_tokens(
