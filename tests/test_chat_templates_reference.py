@@ -68,12 +68,27 @@ def test_reference_case_renders_identically(templates: dict[Path, ChatTemplate],
     assert _render(templates[path], case) == case["rendered"]
 
 
-@pytest.mark.parametrize(("path", "index"), _entries("refused"))
-def test_reference_refusal_is_the_templates_own(templates: dict[Path, ChatTemplate], path: Path,
-                                                index: int) -> None:
-    refusal = _reference(path)["refused"][index]
-    with pytest.raises(TemplateError, match=re.escape(refusal["message"])):
-        _render(templates[path], refusal)
+# Where a refusal's recorded text may lie in a reference file's `refused` entry.
+REFUSAL_TEXT_KEYS = ("message", "error", "exception")
+
+
+def test_reference_refusals_are_the_templates_own(templates: dict[Path, ChatTemplate]) -> None:
+    """Every `refused` conversation of every file is a TemplateError carrying the text the
+    reference recorded; and, so that this cannot pass on empty lists, the Mistral and Gemma 3
+    templates refuse two user turns in a row with their own words."""
+    for path in REFERENCE_FILES:
+        for refusal in _reference(path)["refused"]:
+            recorded = next((refusal[key] for key in REFUSAL_TEXT_KEYS if key in refusal), "")
+            with pytest.raises(TemplateError, match=re.escape(recorded)):
+                templates[path].render(refusal["messages"],
+                                       refusal.get("add_generation_prompt", True),
+                                       tools=refusal.get("tools"),
+                                       chat_template_kwargs=refusal.get("kwargs"))
+    two_users = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    for name, words in (("mistralai-Mistral-Nemo-Instruct-2407", "roles must alternate"),
+                        ("google-gemma-3-it", "Conversation roles must alternate")):
+        with pytest.raises(TemplateError, match=f"refused the conversation: .*{words}"):
+            templates[TEMPLATES_DIR / f"{name}.json"].render(two_users)
 
 
 def test_the_pinned_clock_is_what_strftime_now_reads() -> None:
