@@ -92,7 +92,8 @@ def test_output_loads_in_both_readers_with_metadata_kept(
     assert len(output.tensors) == len(source.tensors)
     assert set(output.fields) == set(source.fields) | {"general.quantization_version"}
     assert output.fields["general.file_type"].contents() == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", f"{model[:5]}.block_count"):
+    arch = source.fields["general.architecture"].contents()
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", f"{arch}.block_count"):
         assert output.fields[key].contents() == source.fields[key].contents()
         assert output.fields[key].types == source.fields[key].types
 

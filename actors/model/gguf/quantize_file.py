@@ -10,7 +10,7 @@ supported file types:
   256 or the recipe is Q8_0 anyway.
 - Q4_K_M: Q4_K, with Q6_K for the attn_v and ffn_down tensors of the layers llama.cpp's
   `use_more_bits` picks (the first and last eighth of the layers and every third one between);
-  Q5_K for a fused attn_qkv.
+  a fused attn_qkv counts as an attn_v (llama.cpp's "attention-v-like" category).
 - Q4_K_S: Q4_K, with Q5_K for the first 4 attn_v tensors and the ffn_down of the first eighth
   of the layers.
 - Q6_K and Q8_0: that type for every matrix.
@@ -74,6 +74,11 @@ def _fits(type_name: str, row_length: int) -> bool:
     return row_length % FORMATS[type_name].block_size == 0
 
 
+def _is_attn_v_like(name: str) -> bool:
+    """attn_v, or a fused attn_qkv that holds it: the tensors most sensitive to quantization."""
+    return "attn_v.weight" in name or "attn_qkv.weight" in name
+
+
 def plan_tensor_types(tensors: Sequence[TensorInfo], recipe: str) -> dict[str, str]:
     """The type each tensor gets under `recipe` (see the module docstring), in file order."""
     if recipe not in FILE_TYPES:
@@ -84,7 +89,7 @@ def plan_tensor_types(tensors: Sequence[TensorInfo], recipe: str) -> dict[str, s
     base = _BASE_TYPE[recipe]
     names = [info.name for info in tensors]
     output_name = "output.weight" if "output.weight" in names else "token_embd.weight"
-    n_attn_v = sum("attn_v.weight" in name for name in names)
+    n_attn_v = sum(_is_attn_v_like(name) for name in names)
     n_ffn_down = sum("ffn_down" in name for name in names)
     i_attn_v = i_ffn_down = 0
     plan: dict[str, str] = {}
@@ -96,7 +101,7 @@ def plan_tensor_types(tensors: Sequence[TensorInfo], recipe: str) -> dict[str, s
         target = base
         if name == output_name:
             target = "Q8_0" if base == "Q8_0" or row_length % 256 else "Q6_K"
-        elif "attn_v.weight" in name:
+        elif _is_attn_v_like(name):
             if recipe == "Q4_K_M" and use_more_bits(i_attn_v, n_attn_v):
                 target = "Q6_K"
             elif recipe == "Q4_K_S" and i_attn_v < 4:
@@ -108,8 +113,6 @@ def plan_tensor_types(tensors: Sequence[TensorInfo], recipe: str) -> dict[str, s
             elif recipe == "Q4_K_S" and i_ffn_down < n_ffn_down // 8:
                 target = "Q5_K"
             i_ffn_down += 1
-        elif "attn_qkv.weight" in name and recipe == "Q4_K_M":
-            target = "Q5_K"
         if not _fits(target, row_length):
             target = _FALLBACK_TYPE.get(target, "F16")
             if not _fits(target, row_length):
