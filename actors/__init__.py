@@ -25,6 +25,7 @@ from actors.errors import (  # noqa: E402
 # Heavier names load on first use, so `import actors` stays cheap for the CLI and tests.
 _LAZY = {
     "load_model": "actors.model.loaded",
+    "load_tokenizer": "actors.model.text.tokenizer",
     "Model": "actors.model.loaded",
     "Engine": "actors.engine",
     "SamplingParams": "actors.params",

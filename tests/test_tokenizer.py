@@ -168,7 +168,7 @@ def test_unsupported_tokenizers_are_named() -> None:
         Tokenizer.from_gguf(_metadata_with(tiny, tokens=None))
 
 
-@pytest.mark.parametrize("pre", ["default", "gpt-2", "llama-bpe", "qwen2", "smollm"])
+@pytest.mark.parametrize("pre", ["default", "gpt-2", "llama-bpe", "qwen2", "qwen35", "smollm"])
 def test_every_supported_pre_tokenizer_round_trips(pre: str) -> None:
     tokenizer = Tokenizer.from_gguf(_metadata_with(smollm2_path(), pre=pre))
     text = "Hello world's 12345 numbers,\n\n  indented\tcode() + ünï 日本 😀"

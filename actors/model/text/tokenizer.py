@@ -6,18 +6,21 @@
 `decode` and the streaming `IncrementalDecoder` join `token_to_piece` pieces, as llama.cpp's
 server and llama-cpp-python do for generated text (not `llama_detokenize`, whose space
 cleaning and first-space stripping they do not use).
+`load_tokenizer` opens a GGUF file (a vocabulary-only one too) and builds its tokenizer.
 """
 
 from __future__ import annotations
 
 import codecs
+import os
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from actors.errors import InvalidRequest
+from actors.errors import InvalidRequest, ModelFormatError, UnsupportedModelError
+from actors.model.gguf.reader import open_gguf
 from actors.model.text.bpe import (
     BYTE_LEVEL_CHARS,
     ByteLevelBpeEncoder,
@@ -39,7 +42,8 @@ from actors.model.text.vocab import (
 
 
 class Tokenizer:
-    """A model's tokenizer. Build it with `Tokenizer.from_gguf(open_gguf(path))`."""
+    """A model's tokenizer: `load_tokenizer(path)`, or `Tokenizer.from_gguf(gguf_file)` for
+    a file already open."""
 
     def __init__(self, vocab: Vocab) -> None:
         self.vocab = vocab
@@ -199,6 +203,17 @@ class Tokenizer:
                 field="ids",
             )
         return array.tolist()
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer of the GGUF file at `path`: a whole model, or a vocabulary-only file
+    (no tensors). ModelFormatError for a file that is no valid GGUF or holds a broken
+    vocabulary, UnsupportedModelError for a tokenizer this engine lacks; both name the file."""
+    with open_gguf(path) as gguf_file:
+        try:
+            return Tokenizer.from_gguf(gguf_file)
+        except (ModelFormatError, UnsupportedModelError) as error:
+            raise type(error)(f"{gguf_file.path}: {error}") from None
 
 
 class IncrementalDecoder:
