@@ -4,6 +4,7 @@ and streaming decode == decode for any id sequence."""
 from __future__ import annotations
 
 import heapq
+import re
 import unicodedata
 from dataclasses import replace
 
@@ -13,9 +14,15 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from actors.model.gguf.reader import open_gguf
-from actors.model.text.tokenizer import Tokenizer
-from actors.model.text.vocab import ATTR_CONTROL, ATTR_UNKNOWN, ATTR_USER_DEFINED, Vocab
-from tests.conftest import gemma3_path, smollm2_path
+from actors.model.text.tokenizer import Tokenizer, load_tokenizer
+from actors.model.text.vocab import (
+    ATTR_CONTROL,
+    ATTR_RSTRIP,
+    ATTR_UNKNOWN,
+    ATTR_USER_DEFINED,
+    Vocab,
+)
+from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
 
 SETTINGS = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -24,8 +31,9 @@ SETTINGS = settings(
 # Text that exercises the tokenizers: code-ish ASCII, spaces/newlines/tabs, accents, CJK,
 # emoji (byte fallback), and pieces of special-token texts.
 _SNIPPETS = st.sampled_from(
-    ["<b>", "</s>", "<s>", "<start_of_turn>", "<|im_start|>", "<|im_end|>", "'s", "'re", " '",
-     "  ", "\n\n", "\t", "123", "ab", "==", "日本", "😀", "👍🏽", "é", "\u00a0", "\r\n"]
+    ["<b>", "</s>", "<s>", "<start_of_turn>", "<|im_start|>", "<|im_end|>", "<|user|>", "<|end|>",
+     "<|turn>", "<turn|>", "'s", "'re", " '", "  ", "\n\n", "\n\n\n", "\t", "123", "ab", "==",
+     "日本", "😀", "👍🏽", "é", "\u00a0", "\r\n"]
 )  # fmt: skip
 _CHARS = st.characters(blacklist_categories=("Cs", "Cn"))
 TEXT = st.lists(
@@ -42,6 +50,17 @@ def gemma3() -> Tokenizer:
 @pytest.fixture(scope="module")
 def smollm2() -> Tokenizer:
     return Tokenizer.from_gguf(open_gguf(smollm2_path()))
+
+
+@pytest.fixture(scope="module")
+def phi3_tiny() -> Tokenizer:
+    """SentencePiece cut to 1024 tokens ('▁the' but no '▁'), Phi-3's spacing after specials."""
+    return load_tokenizer(TINY_MODELS["phi3-q4k-tiny"])
+
+
+@pytest.fixture(scope="module")
+def gemma4() -> Tokenizer:
+    return load_tokenizer(REFERENCE_DIR / "vocab-gemma-4" / "ggml-vocab-gemma-4.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +88,8 @@ def _partition(vocab: Vocab, text: str, parse_special: bool) -> list[str | int]:
             while isinstance(fragment, str) and needle in fragment:
                 left, _, fragment = fragment.partition(needle)
                 result += [left, token] if left else [token]
+                if vocab.attrs[token] & ATTR_RSTRIP:
+                    fragment = fragment.lstrip(" \t\n\v\f\r")
             if fragment != "":
                 result.append(fragment)
         fragments = result
@@ -203,14 +224,7 @@ def _bpe_session(vocab: Vocab, ranks: dict[tuple[str, str], int], text: str) -> 
     words += _gpt2_split(piece) if piece else []
     out = []
     for word in map(_byte_level, words):
-        symbols = list(word)
-        while len(symbols) > 1:
-            pairs = [(ranks.get(p, 1 << 30), i) for i, p in enumerate(zip(symbols, symbols[1:]))]
-            rank, i = min(pairs)
-            if rank == 1 << 30:
-                break
-            symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
-        for symbol in symbols:
+        for symbol in _merged(word, ranks):
             if symbol in vocab.token_to_id:
                 out.append(vocab.token_to_id[symbol])
             else:  # llama.cpp tries each byte alone; only ASCII bytes can be a token there
@@ -219,9 +233,53 @@ def _bpe_session(vocab: Vocab, ranks: dict[tuple[str, str], int], text: str) -> 
     return out
 
 
+def _utf8_bpe_session(vocab: Vocab, ranks: dict[tuple[str, str], int], text: str) -> list[int]:
+    """llm_tokenizer_bpe_session for Gemma 4 (spaces escaped first by tokenize)."""
+    out = []
+    for word in re.findall(r"[^\n]+|[\n]+", text.replace(" ", "\u2581")):
+        if word.strip("\n") == "" and word in vocab.token_to_id:
+            out.append(vocab.token_to_id[word])
+            continue
+        for symbol in _merged(word, ranks):
+            if symbol in vocab.token_to_id:
+                out.append(vocab.token_to_id[symbol])
+            else:
+                out += [vocab.token_to_id[f"<0x{b:02X}>"] for b in symbol.encode()]
+    return out
+
+
+def _merged(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """A word's symbols after BPE: the lowest-ranked adjacent pair merges first, leftmost on
+    ties."""
+    symbols = list(word)
+    while len(symbols) > 1:
+        pairs = [(ranks.get(p, 1 << 30), i) for i, p in enumerate(zip(symbols, symbols[1:]))]
+        rank, i = min(pairs)
+        if rank == 1 << 30:
+            break
+        symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+    return symbols
+
+
+# Merge list id -> (the list, kept so that its id stays its own; its ranks).
+_RANKS: dict[int, tuple[list[str], dict[tuple[str, str], int]]] = {}
+
+
+def _ranks(merges: list[str]) -> dict[tuple[str, str], int]:
+    """llama.cpp's bpe_ranks: cut at the first space after the first character, first rank
+    kept; built once per merge list (Gemma 4 has 515k)."""
+    if id(merges) not in _RANKS:
+        ranks: dict[tuple[str, str], int] = {}
+        for rank, merge in enumerate(merges):
+            cut = merge.find(" ", 1)
+            ranks.setdefault((merge[:cut], merge[cut + 1 :]), rank)
+        _RANKS[id(merges)] = (merges, ranks)
+    return _RANKS[id(merges)][1]
+
+
 def llama_cpp_encode(tokenizer: Tokenizer, text: str, parse_special: bool) -> list[int]:
     vocab = tokenizer.vocab
-    ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(vocab.merges)} if vocab.merges else {}
+    ranks = _ranks(vocab.merges)
     ids = [tokenizer.bos_id] if vocab.add_bos else []
     after_special = True
     for fragment in _partition(vocab, text, parse_special):
@@ -230,8 +288,10 @@ def llama_cpp_encode(tokenizer: Tokenizer, text: str, parse_special: bool) -> li
         elif vocab.model == "llama":
             prefix = " " if vocab.add_space_prefix and after_special else ""
             ids += _spm_session(vocab, (prefix + fragment).replace(" ", "\u2581"))
-        else:
+        elif vocab.byte_level:
             ids += _bpe_session(vocab, ranks, fragment)
+        else:
+            ids += _utf8_bpe_session(vocab, ranks, fragment)
         after_special = isinstance(fragment, int)
     return ids
 
@@ -244,6 +304,24 @@ def llama_cpp_encode(tokenizer: Tokenizer, text: str, parse_special: bool) -> li
 def test_spm_matches_llama_cpp_port(gemma3: Tokenizer, text: str, parse_special: bool) -> None:
     assert gemma3.encode(text, parse_special=parse_special) == llama_cpp_encode(
         gemma3, text, parse_special
+    )
+
+
+@SETTINGS
+@given(text=TEXT, parse_special=st.booleans())
+def test_cut_short_spm_with_phi3_spacing_matches_llama_cpp_port(
+    phi3_tiny: Tokenizer, text: str, parse_special: bool
+) -> None:
+    assert phi3_tiny.encode(text, parse_special=parse_special) == llama_cpp_encode(
+        phi3_tiny, text, parse_special
+    )
+
+
+@SETTINGS
+@given(text=TEXT | st.text("\n a", max_size=80), parse_special=st.booleans())
+def test_gemma4_matches_llama_cpp_port(gemma4: Tokenizer, text: str, parse_special: bool) -> None:
+    assert gemma4.encode(text, parse_special=parse_special) == llama_cpp_encode(
+        gemma4, text, parse_special
     )
 
 
