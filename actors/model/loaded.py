@@ -45,9 +45,9 @@ class OpenedModel:
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
-        from actors.model.text.tokenizer import Tokenizer
+        from actors.model.text.tokenizer import tokenizer_of_file
 
-        return Tokenizer.from_gguf(self.gguf)
+        return tokenizer_of_file(self.gguf)
 
     @property
     def chat_template(self) -> str | None:

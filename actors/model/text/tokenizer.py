@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from actors.errors import InvalidRequest, ModelFormatError, UnsupportedModelError
-from actors.model.gguf.reader import open_gguf
+from actors.model.gguf.reader import GGUFFile, open_gguf
 from actors.model.text.bpe import (
     BYTE_LEVEL_CHARS,
     ByteLevelBpeEncoder,
@@ -210,10 +210,16 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     (no tensors). ModelFormatError for a file that is no valid GGUF or holds a broken
     vocabulary, UnsupportedModelError for a tokenizer this engine lacks; both name the file."""
     with open_gguf(path) as gguf_file:
-        try:
-            return Tokenizer.from_gguf(gguf_file)
-        except (ModelFormatError, UnsupportedModelError) as error:
-            raise type(error)(f"{gguf_file.path}: {error}") from None
+        return tokenizer_of_file(gguf_file)
+
+
+def tokenizer_of_file(gguf_file: GGUFFile) -> Tokenizer:
+    """The tokenizer of an open GGUF file (what `load_tokenizer` and an opened model use);
+    its errors name the file."""
+    try:
+        return Tokenizer.from_gguf(gguf_file)
+    except (ModelFormatError, UnsupportedModelError) as error:
+        raise type(error)(f"{gguf_file.path}: {error}") from None
 
 
 class IncrementalDecoder:
