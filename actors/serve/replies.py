@@ -34,6 +34,20 @@ def error_body(message: str, kind: str, param: str | None = None,
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+@contextmanager
+def counting_failures(count: CountOutcome) -> Iterator[None]:
+    """Count a project error under its outcome, anything else (a cancelled task, a closed
+    generator: the client left) as cancelled; then let it go on."""
+    try:
+        yield
+    except Q4KError as error:
+        count(outcome_of(error), None)
+        raise
+    except BaseException:
+        count("cancelled", None)
+        raise
+
+
 class CompletionsShape:
     """`/v1/completions`: choices carry `text`; logprobs are the legacy parallel lists."""
 
@@ -180,7 +194,7 @@ class Reply:
         texts: list[str] = []
         scored: list[Chunk] = []
         last: Chunk | None = None
-        with self._counting_failures():
+        with counting_failures(self._count):
             async with aclosing(chunks):
                 async for last in chunks:
                     texts.append(last.text)
@@ -195,7 +209,7 @@ class Reply:
     async def first(self, chunks: AsyncIterator[Chunk]) -> Chunk:
         """The first chunk, taken before a stream answers 200 (so that admission and compute
         errors still get their own status codes)."""
-        with self._counting_failures():
+        with counting_failures(self._count):
             return await anext(chunks)
 
     async def events(self, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
@@ -203,7 +217,7 @@ class Reply:
         usage when asked for, then `[DONE]`. `first` was already taken from `chunks`."""
         offset = 0
         chunk = first
-        with self._counting_failures():
+        with counting_failures(self._count):
             async with aclosing(chunks):
                 is_first = True
                 while True:
@@ -230,19 +244,6 @@ class Reply:
             yield sse_event({**self._head(self.shape.chunk_object), "choices": [],
                                "usage": usage_object(chunk.usage)})
         yield DONE_EVENT
-
-    @contextmanager
-    def _counting_failures(self) -> Iterator[None]:
-        """Count a project error under its outcome, anything else (a cancelled task, a closed
-        generator: the client left) as cancelled; then let it go on."""
-        try:
-            yield
-        except Q4KError as error:
-            self._count(outcome_of(error), None)
-            raise
-        except BaseException:
-            self._count("cancelled", None)
-            raise
 
     def _finished(self, last: Chunk) -> str:
         """Count a finished answer; its finish reason as OpenAI names it."""
