@@ -372,6 +372,9 @@ def build_app(open_engine: OpenEngine, model_name: str,
               limits: RequestLimits | None = None) -> ASGIApp:
     """The server's ASGI app: `open_engine()` is entered once the server starts; every request
     passes `limits` (RequestGuard) first."""
+    # Imported here: the Responses endpoint builds on this module's server and helpers.
+    from actors.serve.responses import ResponsesEndpoint
+
     host = EngineHost(open_engine, on_failure)
     server = OpenAIServer(host, model_name, options)
 
@@ -392,6 +395,7 @@ def build_app(open_engine: OpenEngine, model_name: str,
             Route("/v1/models/{model_id:path}", server.model),
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+            Route("/v1/responses", ResponsesEndpoint(server).create, methods=["POST"]),
         ],
         exception_handlers={HTTPException: _not_found, Exception: _internal_error},
         lifespan=lifespan,
