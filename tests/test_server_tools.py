@@ -14,7 +14,13 @@ from actors.errors import InvalidRequest
 from actors.model.text.chat import ChatTemplate
 from actors.serve.protocol import chat_generation, completion_generation, with_tool_grammar
 from actors.serve.replies import ChatShape
-from actors.serve.tools import ToolCall, ToolCallFormat, tool_choice
+from actors.serve.tools import (
+    MAX_TOOLS,
+    MAX_TOOLS_JSON_BYTES,
+    ToolCall,
+    ToolCallFormat,
+    tool_choice,
+)
 
 TEMPLATES = Path(__file__).parent.parent / "examples" / "chat_templates"
 CHATML_TOOLS = (TEMPLATES / "chatml_tools.jinja").read_text()
@@ -71,6 +77,36 @@ def test_tool_refusals_name_the_field(tools: object, choice: object, field: str)
     with pytest.raises(InvalidRequest) as caught:
         tool_choice(tools, choice)
     assert caught.value.field == field
+
+
+def function(name: str, description: str = "") -> dict[str, object]:
+    return {"type": "function", "function": {"name": name, "description": description}}
+
+
+@pytest.mark.parametrize("choice", [None, "none", "required"])
+def test_more_functions_than_openai_allows_are_refused_before_any_is_read(
+        choice: str | None) -> None:
+    """Counted first: the last tool, malformed, is never looked at; tool_choice "none" (the
+    template would not see them) is no way around it."""
+    tools = [function(f"fn_{index}") for index in range(MAX_TOOLS)] + [{"type": "bogus"}]
+    with pytest.raises(InvalidRequest, match=f"{MAX_TOOLS + 1} functions.*at most {MAX_TOOLS}"):
+        chat_generation(body(tools=tools, tool_choice=choice), 8192)
+    assert len(tool_choice(tools[:MAX_TOOLS], choice).tools) == MAX_TOOLS
+
+
+def test_tools_past_their_json_size_are_refused() -> None:
+    third = MAX_TOOLS_JSON_BYTES // 3
+    tools = [function(name, "d" * third) for name in ("a", "b", "c", "d")]
+    with pytest.raises(InvalidRequest, match=f"at most {MAX_TOOLS_JSON_BYTES:,}") as caught:
+        tool_choice(tools, "auto")
+    assert caught.value.field == "tools"
+    assert tool_choice(tools[:2], "auto").names == {"a", "b"}
+
+
+def test_a_function_declared_twice_is_named_wherever_it_is() -> None:
+    tools = [function(f"f{index}") for index in range(MAX_TOOLS - 1)] + [function("f7")]
+    with pytest.raises(InvalidRequest, match="'f7' twice"):
+        tool_choice(tools, None)
 
 
 def test_tool_choice_none_keeps_the_tools_from_the_template() -> None:

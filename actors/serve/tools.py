@@ -31,6 +31,12 @@ HERMES_CLOSE = "</tool_call>"
 DEFINITIONS = ("$defs", "definitions")
 # A function declared without parameters takes none.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+# The most functions one request may declare: OpenAI's limit, so a client written for OpenAI
+# never meets it.
+MAX_TOOLS = 128
+# The most JSON text the tools may take together. The template writes them into the prompt,
+# and an enforced call's grammar holds them all; large real tool sets take tens of KiB.
+MAX_TOOLS_JSON_BYTES = 512 << 10
 
 ChoiceMode = Literal["auto", "none", "required", "function"]
 
@@ -69,11 +75,13 @@ def tool_choice(tools: Any, choice: Any) -> ToolChoice | None:
         return None
     if not isinstance(tools, list):
         raise InvalidRequest("tools must be a list of function tools", field="tools")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"tools declares {len(tools):,} functions; this server takes at "
+                             f"most {MAX_TOOLS}, as OpenAI's API does", field="tools")
     checked = tuple(_checked_tool(index, tool) for index, tool in enumerate(tools))
+    _check_tools_size(checked)
     names = [tool["function"]["name"] for tool in checked]
-    duplicate = next((name for name in names if names.count(name) > 1), None)
-    if duplicate is not None:
-        raise InvalidRequest(f"tools declares the function {duplicate!r} twice", field="tools")
+    _check_unique(names)
     if choice is None or choice in ("auto", "none", "required"):
         return ToolChoice(tools=checked, mode=choice or "auto")
     name = _named_function(choice)
@@ -81,6 +89,21 @@ def tool_choice(tools: Any, choice: Any) -> ToolChoice | None:
         raise InvalidRequest(f"tool_choice names the function {name!r}, which tools does not "
                              f"declare (it declares {', '.join(names)})", field="tool_choice")
     return ToolChoice(tools=checked, mode="function", function=name)
+
+
+def _check_tools_size(tools: tuple[dict[str, Any], ...]) -> None:
+    size = len(msgspec.json.encode(tools))
+    if size > MAX_TOOLS_JSON_BYTES:
+        raise InvalidRequest(f"tools take {size:,} bytes of JSON; this server takes at most "
+                             f"{MAX_TOOLS_JSON_BYTES:,} for all functions together", field="tools")
+
+
+def _check_unique(names: list[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise InvalidRequest(f"tools declares the function {name!r} twice", field="tools")
+        seen.add(name)
 
 
 def _checked_tool(index: int, tool: Any) -> dict[str, Any]:
