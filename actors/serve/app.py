@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -58,6 +59,12 @@ RETRY_AFTER_S = 1
 # What a request whose client disconnected answers (nginx's 499; nobody reads it).
 CLIENT_LEFT = Response(status_code=499)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Bodies up to this size are read into a request on the event loop (well under a millisecond);
+# larger ones in a worker thread, as the engine tokenizes long prompts: reading a body
+# (decoding it, its messages, tools, schema texts, token ids) takes time linear in its size.
+CONVERT_ON_LOOP_BYTES = 64 << 10
+# Large bodies read at once: each builds Python objects several times its own size.
+CONVERSIONS_AT_ONCE = 4
 
 OpenEngine = Callable[[], AbstractAsyncContextManager["Engine"]]
 
@@ -229,6 +236,7 @@ class OpenAIServer:
         self.started = int(time.time())
         # How the chat template's model writes tool calls: read from its source on first use.
         self._tool_format: ToolCallFormat | None = None
+        self._conversions = anyio.CapacityLimiter(CONVERSIONS_AT_ONCE)
 
     async def health(self, request: Request) -> Response:
         if self.host.engine is None:
@@ -296,13 +304,23 @@ class OpenAIServer:
             return error_response(_as_asked(exc, generation))
         return CLIENT_LEFT if whole is None else json_response(whole)
 
+    async def converted(self, body: bytes, convert: Callable[[bytes], T]) -> T:
+        """`convert(body)`, on the event loop for a small body and in a worker thread past
+        CONVERT_ON_LOOP_BYTES, so that no body holds the loop while it is read."""
+        if len(body) <= CONVERT_ON_LOOP_BYTES:
+            return convert(body)
+        # Abandoned on cancel: the thread only computes, and ends on its own.
+        return await anyio.to_thread.run_sync(convert, body, limiter=self._conversions,
+                                              abandon_on_cancel=True)
+
     async def _generation(self, request: Request, chat: bool, engine: Engine) -> Generation:
-        body = await request.body()
         limit = self.options.max_tokens_limit
         if chat:
-            generation = chat_generation(body, engine.context_length, limit)
+            convert = partial(chat_generation, context_length=engine.context_length,
+                              max_tokens_limit=limit)
         else:
-            generation = completion_generation(body, limit)
+            convert = partial(completion_generation, max_tokens_limit=limit)
+        generation = await self.converted(await request.body(), convert)
         if generation.model != self.model_name:
             raise self._unknown_model(generation.model)
         if generation.tools is not None:
