@@ -19,7 +19,8 @@ import pytest
 from actors.cli import build_parser
 from actors.compute.backends import BACKENDS, nvidia_gpu_present
 from test_cli_chat import CHATML
-from test_cli_logs import CALL_TIMEOUT_S, run_q4k
+from actors.serve.guard import API_KEY_ENV
+from test_cli_logs import CALL_TIMEOUT_S, assert_one_line_error, run_q4k
 
 README = Path(__file__).parent.parent / "README.md"
 OPTION = re.compile(r"\[(-{1,2}[\w-]+)")
@@ -87,6 +88,29 @@ def test_version() -> None:
     result = run_q4k("--version")
     assert result.returncode == 0
     assert result.stdout == f"q4k {importlib.metadata.version('q4k-actors')}\n"
+
+
+@pytest.mark.parametrize("key", [" ", ""])
+def test_serve_refuses_an_api_key_environment_variable_set_empty(
+        tiny_model_paths: dict[str, Path], key: str) -> None:
+    """Set but empty is a mistake to say, never a server without a key."""
+    result = run_q4k("serve", "--model", str(tiny_model_paths["llama-q4k-tiny"]), "--port", "0",
+                     env={API_KEY_ENV: key})
+    assert_one_line_error(result, API_KEY_ENV, "empty")
+
+
+@pytest.mark.parametrize("name", ["models.lan:8000", "http://models.lan", "a b", "", "[::1]"])
+def test_serve_refuses_an_allowed_host_that_is_not_a_host_name(name: str) -> None:
+    result = run_q4k("serve", "--allowed-host", name)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--allowed-host: must be a host name" in result.stderr
+
+
+def test_serve_refuses_connection_limits_with_replicas(tiny_model_paths: dict[str, Path]) -> None:
+    pytest.importorskip("ray", reason="needs the `ray` extra")
+    result = run_q4k("serve", "--model", str(tiny_model_paths["llama-q4k-tiny"]),
+                     "--replicas", "2", "--port", "8000", "--header-timeout", "5")
+    assert_one_line_error(result, "--header-timeout", "Ray Serve's proxy")
 
 
 def test_serve_help_says_where_logs_go_by_default() -> None:

@@ -21,6 +21,7 @@ from actors.compute.contract import StepItem
 from actors.engine import Engine
 from actors.model.text.chat import ChatTemplate
 from actors.serve.app import ServerOptions, build_app
+from actors.serve.guard import RequestLimits
 from tests.test_engine_fake import CountingBackend, FakeTokenizer, open_fake
 
 pytestmark = pytest.mark.anyio
@@ -35,13 +36,14 @@ def anyio_backend() -> str:
 
 @asynccontextmanager
 async def serving(open_engine: Callable[[], AbstractAsyncContextManager[Engine]],
-                  options: ServerOptions = ServerOptions()) -> AsyncIterator[httpx.AsyncClient]:
+                  options: ServerOptions = ServerOptions(),
+                  limits: RequestLimits | None = None) -> AsyncIterator[httpx.AsyncClient]:
     """The app on a free loopback port, and a client for it."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
-    config = uvicorn.Config(build_app(open_engine, MODEL, options=options), log_config=None,
-                            lifespan="on")
+    config = uvicorn.Config(build_app(open_engine, MODEL, options=options, limits=limits),
+                            log_config=None, lifespan="on")
     server = uvicorn.Server(config)
     url = "http://127.0.0.1:%d" % listener.getsockname()[1]
     async with anyio.create_task_group() as tasks:

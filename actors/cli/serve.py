@@ -27,7 +27,18 @@ from actors.cli.common import (
 )
 from actors.errors import InvalidRequest, Q4KError
 from actors.logs import LEVELS, get_logger
-from actors.serve.guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, RequestLimits
+from actors.serve.guard import (
+    ANY_HOST,
+    API_KEY_ENV,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEAD_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    ConnectionLimits,
+    RequestLimits,
+    api_key_from_environment,
+    own_host_names,
+)
 
 if TYPE_CHECKING:
     import uvicorn
@@ -89,7 +100,32 @@ def _add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
                         f"408 (default {DEFAULT_BODY_TIMEOUT_S:g})")
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every path but /health and "
-                        "/metrics (401 otherwise), as llama-server and vLLM do")
+                        "/metrics (401 otherwise), as llama-server and vLLM do; without it, "
+                        f"the key {API_KEY_ENV} holds, if set (ps shows a command line to "
+                        "every user of the machine)")
+    parser.add_argument("--allowed-host", action="append", default=[], type=_allowed_host,
+                        metavar="NAME", help="a host name the server answers to besides IP "
+                        "addresses, localhost, this machine's name and --host (repeatable; "
+                        f".NAME for a domain and its subdomains, {ANY_HOST} for any): requests "
+                        "naming another in Host or Origin get 403, so that no web page can "
+                        "reach the server by DNS rebinding")
+    parser.add_argument("--header-timeout", type=_positive_seconds, default=None, metavar="S",
+                        help="close a connection that has not sent a request's whole head "
+                        "(request line and headers) S seconds after it opened or after its "
+                        f"first byte (408; default {DEFAULT_HEAD_TIMEOUT_S:g}); not with "
+                        "--replicas")
+    parser.add_argument("--max-connections", type=at_least(1), default=None, metavar="N",
+                        help="connections open at once; more are answered 503 and closed "
+                        f"(default {DEFAULT_MAX_CONNECTIONS}); not with --replicas")
+
+
+def _allowed_host(text: str) -> str:
+    name = text.strip().lower().rstrip(".")
+    if not name or any(char in name for char in ":/@[] \t"):
+        raise argparse.ArgumentTypeError(
+            f"must be a host name (NAME, .NAME for a domain and its subdomains, or {ANY_HOST}) "
+            f"without a port, got {text!r}")
+    return name
 
 
 def _positive_seconds(text: str) -> float:
@@ -105,8 +141,17 @@ def _positive_seconds(text: str) -> float:
 def _request_limits(args: argparse.Namespace) -> RequestLimits:
     if args.api_key is not None and not args.api_key.strip():
         raise InvalidRequest("--api-key is empty", field="api_key")
+    api_key = args.api_key if args.api_key is not None else api_key_from_environment()
     return RequestLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
-                         api_key=args.api_key)
+                         api_key=api_key,
+                         allowed_hosts=(*own_host_names(args.host), *args.allowed_host))
+
+
+def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    defaults = ConnectionLimits()
+    return ConnectionLimits(
+        head_timeout_s=args.header_timeout or defaults.head_timeout_s,
+        max_connections=args.max_connections or defaults.max_connections)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -114,6 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from actors.serve.app import ServerOptions, build_app
+        from actors.serve.connections import bounded_h11_protocol
     except ImportError as exc:
         raise InvalidRequest(
             f"the server needs the `serve` extra ({exc.name} is missing): "
@@ -137,6 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
                   args.served_model_name or model.stem,
                   on_failure=lambda exc: _stop(server, failures, exc), options=options,
                   limits=limits),
+        http=bounded_h11_protocol(_connection_limits(args)),
         log_config=None, access_log=False, lifespan="on",
     )
     server = uvicorn.Server(config)
@@ -175,6 +222,10 @@ def _serve_on_ray(args: argparse.Namespace, model: Path, options: ServerOptions,
     if not 0 < args.port <= 65535:
         raise InvalidRequest(f"--port must be in 1..65535 with --replicas (Ray Serve's proxy "
                              f"listens on a fixed port), got {args.port}", field="port")
+    if args.header_timeout is not None or args.max_connections is not None:
+        raise InvalidRequest("--header-timeout and --max-connections bound q4k serve's own HTTP "
+                             "server; with --replicas, Ray Serve's proxy holds the connections",
+                             field="replicas")
     settings = ReplicaSettings(
         model=str(model.resolve()), backend=args.backend,
         served_model_name=args.served_model_name or model.stem,

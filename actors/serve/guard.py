@@ -1,22 +1,35 @@
-"""What the server checks before a request reaches its endpoint: the API key, the body's
-content type, its size and how long it takes to arrive.
+"""What the server checks before a request reaches its endpoint: how many header fields it
+has, the host it names (`Host`, and `Origin` where a browser sent one), the API key, the
+body's content type, its size and how long it takes to arrive.
 
 `RequestGuard` is ASGI middleware (it needs no Starlette to import). It reads the whole body
 itself, bounded in size (the `Content-Length` before anything is read, the bytes counted as
-they come for chunked bodies) and in time, then hands the endpoint the buffered body. Every refusal is an OpenAI error
-object with its status (401, 408, 413, 415); a client that leaves while its body is arriving
-is dropped quietly (status 499 in the access log, no error line).
+they come for chunked bodies) and in time, then hands the endpoint the buffered body. Every
+refusal is an OpenAI error object with its status (401, 403, 408, 413, 415, 431); a client
+that leaves while its body is arriving is dropped quietly (status 499 in the access log, no
+error line).
+
+The host check stops DNS rebinding: a web page whose own name its DNS server re-points at
+this machine reaches the server as a same-origin page, but its requests still carry that
+name in `Host`. A server answers to IP addresses, to `localhost` (and its subdomains, which
+resolve to loopback only) and to the names it is given (`RequestLimits.allowed_hosts`).
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import os
+import re
+import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
 
+from actors.errors import InvalidRequest
 from actors.serve.replies import error_body
 
 if TYPE_CHECKING:  # the CLI reads this module's defaults without the `serve` extra installed
@@ -26,10 +39,32 @@ if TYPE_CHECKING:  # the CLI reads this module's defaults without the `serve` ex
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 # A client on a slow link sends a few MB in seconds.
 DEFAULT_BODY_TIMEOUT_S = 30.0
+# A request's head (request line and header fields) at most this large: Node.js's default,
+# and h11's; a client's head takes well under 1 KiB, a large bearer token a few KiB.
+DEFAULT_MAX_HEAD_BYTES = 16 << 10
+# Seconds a connection may take to send a request's whole head, from its opening (or from the
+# first byte after an answer: an idle keep-alive connection closes after uvicorn's 5 s).
+DEFAULT_HEAD_TIMEOUT_S = 10.0
+# Connections open at once: the engine's default admission (64 decoding + 256 queued), its
+# probes and clients' idle keep-alive connections fit well within it.
+DEFAULT_MAX_CONNECTIONS = 512
 # Paths that answer without the API key: load balancers and probes poll them.
 OPEN_PATHS = frozenset(("/health", "/metrics"))
 # What the request answers when its client left (nginx's 499; nobody reads it).
 CLIENT_LEFT_STATUS = 499
+# The most header fields one request may carry (Apache's and Tomcat's default); their size
+# together is bounded where the head is read (`ConnectionLimits.max_head_bytes`).
+MAX_HEADER_FIELDS = 100
+# Where the API key is read from when the command line gives none (`ps` shows a command line
+# to every user of the machine; an environment only to its owner).
+API_KEY_ENV = "Q4K_API_KEY"
+# Names every server answers to besides IP addresses: `localhost` and, by a leading dot, its
+# subdomains (RFC 6761: they resolve to loopback only).
+LOOPBACK_NAMES = (".localhost",)
+# An allowed host that turns the host check off.
+ANY_HOST = "*"
+# A Host header or an origin's host: a bracketed IPv6 address or a name, and an optional port.
+HOST_AND_PORT = re.compile(r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[^:\[\]/@\s]*))(?::[0-9]*)?")
 # A refused body is read to its end (up to this much, kept nowhere) before the refusal is
 # sent: a server that closes while the client still sends resets the connection, and the
 # client never sees the refusal.
@@ -38,11 +73,68 @@ DISCARD_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """The server's request checks (`q4k serve --max-body-bytes --body-timeout --api-key`)."""
+    """The server's request checks (`q4k serve --max-body-bytes --body-timeout --api-key
+    --allowed-host`). `allowed_hosts`: the names the server answers to besides IP addresses
+    and `localhost`: a name, `.name` for it and its subdomains, or `*` for any host."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What `q4k serve`'s HTTP server holds before a request reaches the app (`--header-timeout
+    --max-connections`): see `actors.serve.connections`."""
+
+    max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
+    head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+
+
+def api_key_from_environment(environment: Mapping[str, str] = os.environ) -> str | None:
+    """The API key Q4K_API_KEY holds, None where it is unset; one set but empty is refused,
+    never read as "no key"."""
+    key = environment.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise InvalidRequest(f"{API_KEY_ENV} is set but empty: unset it to serve without an API "
+                             "key, or set it to the key", field="api_key")
+    return key
+
+
+def own_host_names(bound_to: str) -> tuple[str, ...]:
+    """The names a server bound to `bound_to` answers to by default, besides IP addresses and
+    `localhost`: that address where it is a name, and this machine's name (a client on the
+    network may call the machine by it; a rebinding page comes with a name of its own)."""
+    names = [socket.gethostname()]
+    if not _is_ip_address(bound_to.strip("[]")):
+        names.append(bound_to)
+    return tuple(name.lower().rstrip(".") for name in names if name)
+
+
+def host_allowed(host: str, allowed_hosts: Sequence[str]) -> bool:
+    """Whether `host` (a Host header, or an origin's host and port) names this server: an IP
+    address, `localhost` or a subdomain of it, or one of `allowed_hosts`."""
+    found = HOST_AND_PORT.fullmatch(host.strip().lower())
+    if found is None:
+        return False
+    name = (found["v6"] or found["name"]).rstrip(".")
+    if not name:
+        return False
+    if _is_ip_address(name):
+        return True
+    patterns = [pattern.lower().rstrip(".") for pattern in (*LOOPBACK_NAMES, *allowed_hosts)]
+    return any(pattern == ANY_HOST or name == pattern.lstrip(".")
+               or (pattern.startswith(".") and name.endswith(pattern)) for pattern in patterns)
+
+
+def _is_ip_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 class _Refusal(Exception):
@@ -69,6 +161,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         try:
+            self._check_head(scope)
             self._check_key(scope)
             if scope["method"] not in ("POST", "PUT", "PATCH"):
                 await self.app(scope, receive, send)
@@ -86,6 +179,25 @@ class RequestGuard:
             await send({"type": "http.response.body", "body": b""})
             return
         await self.app(scope, _replaying(body, receive), send)
+
+    def _check_head(self, scope: Scope) -> None:
+        """The header fields' count, and the host the request (and its page) names."""
+        if len(scope["headers"]) > MAX_HEADER_FIELDS:
+            raise _Refusal(431, f"the request has {len(scope['headers']):,} header fields; this "
+                           f"server reads at most {MAX_HEADER_FIELDS}",
+                           "request_header_fields_too_large")
+        allowed = self.limits.allowed_hosts
+        host = _header(scope, b"host")
+        if host and not host_allowed(host, allowed):
+            raise _Refusal(403, f"this server does not answer to the host {host[:100]!r}: a web "
+                           "page that points its own name at this machine must not reach it "
+                           "(DNS rebinding); if this is the server's own name, start it with "
+                           "--allowed-host NAME", "host_not_allowed")
+        origin = _header(scope, b"origin")
+        _, separator, origin_host = origin.partition("://")
+        if origin and not (separator and host_allowed(origin_host, allowed)):
+            raise _Refusal(403, f"this server does not answer pages from {origin[:100]!r} "
+                           "(--allowed-host names the hosts it serves)", "origin_not_allowed")
 
     def _check_key(self, scope: Scope) -> None:
         key = self.limits.api_key
