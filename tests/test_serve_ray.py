@@ -20,10 +20,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import anyio
 import httpx
@@ -41,10 +42,16 @@ from actors.engine import Engine  # noqa: E402
 from actors.errors import ComputeError  # noqa: E402
 from actors.model.loaded import load_model  # noqa: E402
 from actors.params import SamplingParams  # noqa: E402
+from actors.errors import InvalidRequest  # noqa: E402
+from actors.serve.guard import API_KEY_ENV, RequestLimits  # noqa: E402
 from actors.serve.ray import (  # noqa: E402
     REPLICA_HEADER,
+    ROUTING_MESSAGES,
+    ROUTING_TEXT_CHARS,
     ForwardedRequest,
     PrefixAffinityRouter,
+    PromptKeys,
+    ReplicaSettings,
     check_engine,
 )
 
@@ -243,6 +250,90 @@ def test_the_router_sends_a_prefix_to_its_holder_until_the_holder_is_busy() -> N
     assert len(barely_shared) == 1 and len(barely_shared[0]) == 2
     assert pinned == [[replicas[1]]]
     assert len(busy) == 1 and len(busy[0]) == 2
+
+
+class Recorder:
+    """Stands in for a method and records what each call was given."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.method = method
+        self.calls: list[tuple[Any, ...]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(args)
+        return self.method(*args, **kwargs)
+
+
+@pytest.fixture
+def prompt_keys(tiny_model_paths: dict[str, Path],
+                monkeypatch: pytest.MonkeyPatch) -> tuple[PromptKeys, Recorder, Recorder]:
+    """The front's keys over the tiny model (context 2,048) and the template, and what its
+    tokenizer is asked to encode and its template to render."""
+    keys = PromptKeys(ReplicaSettings(model=str(tiny_model_paths[MODEL]),
+                                      chat_template=TEMPLATE.read_text()))
+    encode = Recorder(keys._tokenizer.encode)
+    render = Recorder(keys._template.render)
+    monkeypatch.setattr(keys._tokenizer, "encode", encode)
+    monkeypatch.setattr(keys._template, "render", render)
+    return keys, encode, render
+
+
+def _key(keys: PromptKeys, path: str, **fields: object) -> tuple[bytes, ...]:
+    return keys.of(path, msgspec.json.encode({"model": MODEL, **fields}))
+
+
+def test_the_front_keys_a_long_prompt_by_its_beginning_only(
+        prompt_keys: tuple[PromptKeys, Recorder, Recorder]) -> None:
+    keys, encode, _ = prompt_keys
+    story = "Once upon a time a fox met a crow. " * 900  # 31,500 characters, fits by its size
+    whole = _key(keys, "/v1/completions", prompt=story)
+    assert [len(text) for text, *_ in encode.calls] == [ROUTING_TEXT_CHARS]
+    # Another prompt with the same beginning gets the same key; a shorter one its first blocks.
+    assert _key(keys, "/v1/completions", prompt=story[:ROUTING_TEXT_CHARS + 7]) == whole
+    beginning = _key(keys, "/v1/completions", prompt=story[:4000])
+    assert len(beginning) > 10 and whole[:len(beginning) - 1] == beginning[:-1]
+
+
+def test_the_front_leaves_a_prompt_that_cannot_fit_unkeyed_and_untokenized(
+        prompt_keys: tuple[PromptKeys, Recorder, Recorder]) -> None:
+    """As the replica's door refuses them, from their size alone: 8 MB of text, a million ids,
+    more messages than the context has tokens."""
+    keys, encode, render = prompt_keys
+    assert _key(keys, "/v1/completions", prompt="x" * (8 << 20)) == ()
+    assert _key(keys, "/v1/completions", prompt=[7] * 1_000_000) == ()
+    assert _key(keys, "/v1/chat/completions", messages=QUESTION * 3000) == ()
+    assert encode.calls == [] and render.calls == []
+    assert len(_key(keys, "/v1/completions", prompt=list(range(3, 2003)))) == 1999 // 16
+
+
+def test_the_front_renders_a_chats_first_messages_and_text_only(
+        prompt_keys: tuple[PromptKeys, Recorder, Recorder]) -> None:
+    keys, _, render = prompt_keys
+    turns = [{"role": role, "content": f"Turn {index}"}
+             for index, role in zip(range(1500), ["user", "assistant"] * 750)]
+    many = _key(keys, "/v1/chat/completions", messages=turns)
+    long_one = [{"role": "system", "content": [{"type": "text", "text": "r" * (1 << 20)}]},
+                *QUESTION]
+    assert many and _key(keys, "/v1/chat/completions", messages=long_one)
+    (many_rendered, *_), (long_rendered, *_) = render.calls
+    assert len(many_rendered) == ROUTING_MESSAGES
+    assert [message["content"] for message in long_rendered] == ["r" * ROUTING_TEXT_CHARS]
+    # Chats that share their first messages share the key.
+    assert _key(keys, "/v1/chat/completions", messages=turns[:ROUTING_MESSAGES + 1]) == many
+
+
+def test_replicas_take_the_api_key_from_their_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = ReplicaSettings(model="m.gguf")
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert settings.request_limits().api_key is None
+    monkeypatch.setenv(API_KEY_ENV, "sk-node")
+    assert settings.request_limits().api_key == "sk-node"
+    given = ReplicaSettings(model="m.gguf", limits=RequestLimits(api_key="sk-given"))
+    assert given.request_limits().api_key == "sk-given"
+    monkeypatch.setenv(API_KEY_ENV, " ")
+    with pytest.raises(InvalidRequest, match=f"{API_KEY_ENV} is set but empty"):
+        settings.request_limits()
 
 
 def _complete(client: openai.OpenAI, prompt: str | list[int], **options: object):

@@ -156,7 +156,7 @@ def chat_generation(body: bytes, context_length: int,
     renamed = {"logprobs": "top_logprobs", "max_tokens": field or "max_tokens"}
     tools = tool_choice(request.tools, request.tool_choice)
     return _generation(request, max_tokens, field, logprobs,
-                       messages=_chat_messages(request.messages), renamed=renamed,
+                       messages=chat_messages(request.messages), renamed=renamed,
                        tools=tools if tools is not None and tools.mode != "none" else None,
                        chat_template_kwargs=check_template_kwargs(request.chat_template_kwargs))
 
@@ -320,7 +320,7 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """Messages as chat templates take them: role and text content, an assistant's tool calls
     (their arguments as objects, as templates write them back) and a tool result's call id."""
     return [_chat_message(index, message) for index, message in enumerate(messages)]

@@ -21,6 +21,7 @@ likely holds them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
@@ -46,7 +47,8 @@ from actors.model.text.chat import ChatTemplate, RenderLimits
 from actors.model.loaded import open_model
 from actors.params import SamplingParams
 from actors.serve.app import ServerOptions, build_app, cancel_on_disconnect
-from actors.serve.guard import RequestGuard, RequestLimits
+from actors.serve.guard import RequestGuard, RequestLimits, api_key_from_environment
+from actors.serve.protocol import chat_messages
 from actors.serve.replies import error_body, error_event
 
 if TYPE_CHECKING:
@@ -61,6 +63,14 @@ FRONT_MAX_ONGOING = 10_000
 # generated for it, so another replica may start it afresh).
 FORWARD_TRIES = 3
 GENERATION_PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
+# The most of a prompt the front reads to key a request (`PromptKeys`): its first characters
+# (about 4,000 tokens, 250 blocks: enough to tell the system prompts and turns requests share),
+# a chat's first messages, a token-id prompt's first ids.
+ROUTING_TEXT_CHARS = 16 << 10
+ROUTING_MESSAGES = 64
+ROUTING_TOKENS = 4096
+# Seconds the front's render of those first messages may take (the replica's takes up to 2).
+ROUTING_RENDER_S = 0.5
 
 
 class ReplicaSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +90,14 @@ class ReplicaSettings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).stem
+
+    def request_limits(self) -> RequestLimits:
+        """`limits`, with the API key Q4K_API_KEY holds in this process's environment where
+        they give none: on a cluster the nodes may hold the key, so that no config file (nor
+        the deployment's arguments) need to."""
+        if self.limits.api_key is not None:
+            return self.limits
+        return dataclasses.replace(self.limits, api_key=api_key_from_environment())
 
     def engine_options(self) -> dict[str, Any]:
         return {"backend": self.backend, "max_sequences": self.max_sequences,
@@ -122,7 +140,7 @@ class EngineReplica:
             chat_available=has_chat_template(Path(settings.model), settings.chat_template),
             max_tokens_limit=settings.max_tokens_limit)
         self._app = build_app(self._open_engine, settings.model_name, on_failure=self._failed,
-                              options=options, limits=settings.limits)
+                              options=options, limits=settings.request_limits())
         self._lifespan = LifespanOn(uvicorn.Config(self._app, lifespan="on", log_config=None))
         await self._lifespan.startup()
         await self._settled.wait()
@@ -197,11 +215,18 @@ async def check_engine(engine: Engine) -> None:
 
 class PromptKeys:
     """The prefix key of a generation request: chain hashes of the full blocks of its prompt's
-    token ids (the chat rendered with the replicas' template), as the prefix cache names them."""
+    token ids (the chat rendered with the replicas' template), as the prefix cache names them.
+
+    The work is bounded whatever the prompt: a prompt that cannot fit the context (by the
+    engine's own checks from its size: a text's bytes, a list's length) gets no key, and only
+    its first ROUTING_TEXT_CHARS characters (a chat's first ROUTING_MESSAGES messages,
+    rendered) or ROUTING_TOKENS ids are keyed. The replica reads the rest; requests that share
+    a prefix share its first blocks, which is what routing needs."""
 
     def __init__(self, settings: ReplicaSettings) -> None:
         opened = open_model(settings.model)
         self._tokenizer = opened.tokenizer
+        self._context_length = opened.spec.context_length
         has_template = settings.chat_template is not None or opened.chat_template is not None
         self._template = (ChatTemplate.from_model_metadata(opened.gguf, settings.chat_template)
                           if has_template else None)
@@ -220,22 +245,46 @@ class PromptKeys:
 
     def _prompt_ids(self, path: str, request: dict[str, Any]) -> list[int]:
         if path == "/v1/chat/completions":
-            messages = request.get("messages")
-            if self._template is None or not isinstance(messages, list):
-                return []
-            text = self._template.render(
-                messages, limits=RenderLimits(),
-                chat_template_kwargs=request.get("chat_template_kwargs"))
-            ids = self._tokenizer.encode(text, parse_special=True)
-            bos = self._tokenizer.bos_id
-            # As the engine does: a template that writes the BOS itself gets no second one.
-            return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
+            return self._chat_ids(request.get("messages"), request.get("chat_template_kwargs"))
         prompt = request.get("prompt")
         if isinstance(prompt, str):
-            return self._tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
-            return prompt
+            if self._tokenizer.min_tokens(prompt) >= self._context_length:
+                return []
+            return self._text_ids(prompt, parse_special=False)
+        if isinstance(prompt, list) and len(prompt) < self._context_length:
+            ids = prompt[:ROUTING_TOKENS]
+            return ids if all(type(token) is int for token in ids) else []
         return []
+
+    def _chat_ids(self, messages: Any, chat_template_kwargs: Any) -> list[int]:
+        if (self._template is None or not isinstance(messages, list)
+                or len(messages) >= self._context_length):
+            return []
+        leading = _leading(chat_messages(messages[:ROUTING_MESSAGES]))
+        text = self._template.render(leading, limits=RenderLimits(seconds=ROUTING_RENDER_S),
+                                     chat_template_kwargs=chat_template_kwargs)
+        ids = self._text_ids(text, parse_special=True)
+        bos = self._tokenizer.bos_id
+        # As the engine does: a template that writes the BOS itself gets no second one.
+        return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
+
+    def _text_ids(self, text: str, parse_special: bool) -> list[int]:
+        """The ids of `text`'s first ROUTING_TEXT_CHARS characters; where the text was cut, less
+        the last block's worth, which the cut may have tokenized otherwise."""
+        ids = self._tokenizer.encode(text[:ROUTING_TEXT_CHARS], parse_special=parse_special)
+        return ids[:-self._block_size] if len(text) > ROUTING_TEXT_CHARS else ids
+
+
+def _leading(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with their text cut where it passes ROUTING_TEXT_CHARS in all."""
+    left = ROUTING_TEXT_CHARS
+    kept = []
+    for message in messages:
+        kept.append({**message, "content": message["content"][:left]})
+        left -= len(kept[-1]["content"])
+        if left <= 0:
+            break
+    return kept
 
 
 class Forwarder:
@@ -332,7 +381,8 @@ class OpenAIFront:
     """The HTTP ingress: `Forwarder` behind `q4k serve`'s request checks (size, time, key)."""
 
     def __init__(self, replicas: DeploymentHandle, settings: ReplicaSettings) -> None:
-        self._app = RequestGuard(Forwarder(replicas, PromptKeys(settings)), settings.limits)
+        self._app = RequestGuard(Forwarder(replicas, PromptKeys(settings)),
+                                 settings.request_limits())
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app
