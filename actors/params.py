@@ -8,6 +8,7 @@ decoded JSON (`SamplingParams.from_dict(...)`), so no bad value ever reaches a r
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Callable, Mapping
 from numbers import Integral, Real
@@ -79,6 +80,12 @@ class StructuredOutput(
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
             msgspec.structs.force_setattr(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            msgspec.structs.force_setattr(self, name, _plain_text(f"structured.{name}",
+                                                                  getattr(self, name)))
+        if isinstance(self.choice, tuple):
+            msgspec.structs.force_setattr(self, "choice", tuple(
+                _plain_text("structured.choice", text) for text in self.choice))
         self.validate()
 
     @property
@@ -111,7 +118,10 @@ class StructuredOutput(
                                      f"{_shown(value)}", field=field)
             try:
                 size = len(msgspec.json.encode(value))
-            except (TypeError, ValueError, OverflowError) as error:
+            except RecursionError:  # nested past Python's own limit, or holding itself
+                raise InvalidRequest("json_schema is nested too deeply to encode (or contains "
+                                     "itself)", field=field) from None
+            except Exception as error:  # not JSON, or a dict subclass that raises
                 raise InvalidRequest(f"json_schema is not JSON: {error}", field=field) from None
             _check_size(field, size)
         elif kind in ("regex", "grammar"):
@@ -181,7 +191,20 @@ class SamplingParams(
             msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
         if isinstance(self.stop_token_ids, list):
             msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._make_values_plain()
         self.validate()
+
+    def _make_values_plain(self) -> None:
+        """Numbers and strings of other types (subclasses, numpy scalars) become the built-in
+        value they hold, so no conversion or comparison a type overrides runs after this."""
+        for name in _NUMBER_FIELDS:
+            msgspec.structs.force_setattr(self, name, _plain_number(name, getattr(self, name)))
+        if isinstance(self.stop, tuple):
+            msgspec.structs.force_setattr(self, "stop", tuple(
+                _plain_text("stop", text) for text in self.stop))
+        if isinstance(self.stop_token_ids, tuple):
+            msgspec.structs.force_setattr(self, "stop_token_ids", tuple(
+                _plain_number("stop_token_ids", token) for token in self.stop_token_ids))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
@@ -231,6 +254,43 @@ class SamplingParams(
                 f"structured must be a StructuredOutput, got {_shown(self.structured)}",
                 field="structured",
             )
+
+
+_NUMBER_FIELDS = (
+    "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+    "repetition_window", "presence_penalty", "frequency_penalty", "seed", "logprobs",
+)
+
+
+def _plain_number(field: str, value: Any) -> Any:
+    """`value` as a built-in int or float when it is a number of another type; anything else
+    as it is (the checks refuse it by type). A number that cannot be read raises
+    `InvalidRequest` naming `field`; one past float's range reads as infinity."""
+    try:
+        if type(value) in (int, float, bool) or not isinstance(value, Real):
+            return value
+        # The built-in types' own conversions, which a subclass's overrides cannot change.
+        if isinstance(value, int):
+            return int.__index__(value)
+        if isinstance(value, float):
+            return float.__float__(value)
+        if isinstance(value, Integral):
+            return operator.index(value)
+        return float(value)
+    except OverflowError:
+        return math.inf
+    except Exception as error:  # a hostile type: its conversion, or even isinstance, raised
+        raise InvalidRequest(f"{field} must be a number; a {type(value).__name__} could not be "
+                             f"read as one ({type(error).__name__})", field=field) from None
+
+
+def _plain_text(field: str, value: Any) -> Any:
+    """`value` as a built-in str when it is a str subclass; anything else as it is."""
+    try:
+        return str.__str__(value) if type(value) is not str and isinstance(value, str) else value
+    except Exception as error:
+        raise InvalidRequest(f"{field} must be text; a {type(value).__name__} could not be read "
+                             f"as text ({type(error).__name__})", field=field) from None
 
 
 def _shown(value: object) -> str:

@@ -4,6 +4,8 @@ the params are built in Python or converted from a dict."""
 from __future__ import annotations
 
 import math
+from fractions import Fraction
+from numbers import Real
 
 import msgspec
 import pytest
@@ -171,3 +173,72 @@ def test_replace_validates_again():
     with pytest.raises(InvalidRequest) as error:
         msgspec.structs.replace(SamplingParams(), top_p=2.0)
     assert error.value.field == "top_p"
+
+
+class _RaisingFloat(float):
+    """A float whose conversions and comparisons all raise."""
+
+    def _raise(self, *args: object) -> bool:
+        raise ArithmeticError("hostile float")
+
+    __float__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = __bool__ = _raise
+    __hash__ = float.__hash__
+
+
+class _RaisingInt(int):
+    """An int whose conversions and comparisons all raise."""
+
+    def _raise(self, *args: object) -> bool:
+        raise LookupError("hostile int")
+
+    __index__ = __int__ = __float__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = _raise
+    __ne__ = __bool__ = _raise
+    __hash__ = int.__hash__
+
+
+class _UnreadableNumber:
+    """Claims to be a number (registered as Real) but cannot be converted to one."""
+
+    def __float__(self) -> float:
+        raise OSError("no value")
+
+
+Real.register(_UnreadableNumber)
+
+
+class _RaisingText(str):
+    def __len__(self) -> int:
+        raise MemoryError("hostile str")
+
+    def __eq__(self, other: object) -> bool:
+        raise MemoryError("hostile str")
+
+    __hash__ = str.__hash__
+
+
+def test_number_subclasses_are_read_as_the_plain_numbers_they_hold():
+    params = SamplingParams(temperature=_RaisingFloat(0.25), top_p=_RaisingFloat(0.5),
+                            max_tokens=_RaisingInt(7), top_k=_RaisingInt(3), seed=_RaisingInt(11),
+                            logprobs=_RaisingInt(2), stop_token_ids=[_RaisingInt(4)],
+                            stop=[_RaisingText("END")])
+    assert (params.temperature, params.top_p, params.max_tokens, params.top_k) == (0.25, 0.5, 7, 3)
+    plain = (params.temperature, params.max_tokens, params.seed, params.logprobs,
+             *params.stop_token_ids, *params.stop)
+    assert [type(value) for value in plain] == [float, int, int, int, int, str]
+    params.validate(vocab_size=10)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", _RaisingFloat(-1.0)),  # refused by its value, read without its overrides
+    ("top_p", _RaisingFloat(math.nan)),
+    ("max_tokens", _RaisingInt(0)),
+    ("seed", _RaisingInt(-3)),
+    ("stop_token_ids", (_RaisingInt(-1),)),
+    ("min_p", _UnreadableNumber()),
+    ("top_k", _UnreadableNumber()),
+    ("temperature", Fraction(10**400)),
+])
+def test_a_number_that_lies_about_itself_is_a_request_error(field, value):
+    with pytest.raises(InvalidRequest) as error:
+        SamplingParams(**{field: value})
+    assert error.value.field == field
