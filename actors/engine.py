@@ -57,7 +57,7 @@ from actors.loader import Loaded, LoaderActor, LoadFailed, ModelLoaded, load_ggu
 from actors.logs import get_logger, logging_to
 from actors.messages import Advance, Chunk, CloseSequence, Completion, EngineStats, OpenSequence
 from actors.model.arch import MAX_CONTEXT
-from actors.model.loaded import Model
+from actors.model.loaded import Model, check_model_path
 from actors.model.text.chat import ChatTemplate, check_messages, check_template_kwargs
 from actors.params import SamplingParams
 from actors.sampling import (
@@ -534,15 +534,9 @@ async def collect(chunks: AsyncIterator[Chunk]) -> Completion:
 
 def _check_model_path(path: object) -> None:
     """A model source Engine.open can take: None, a str or os.PathLike path, a loaded Model."""
-    if path is None or isinstance(path, str | Model):
-        return
-    if isinstance(path, os.PathLike) and isinstance(os.fspath(path), str):
-        return
-    raise InvalidRequest(
-        f"path must be a model file path (str or os.PathLike of str), a loaded Model or None, "
-        f"not {type(path).__name__}",
-        field="path",
-    )
+    if not isinstance(path, Model):
+        check_model_path(path, accepted="a model file path (str or os.PathLike of str), a "
+                                         "loaded Model or None")
 
 
 def _check_count(name: str, value: int, minimum: int, maximum: int) -> None:

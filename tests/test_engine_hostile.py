@@ -4,6 +4,7 @@ while the engine deals with it (issue 13, defects 1, 4, 5 and 6)."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -227,3 +228,20 @@ async def test_a_cancelled_request_logs_its_time_to_first_token(tmp_path) -> Non
     log = parse_log([("engine", log_path.read_text().splitlines())])
     (row,) = request_rows(log)
     assert row.status == "cancelled" and row.ttft_ms is not None and row.ttft_ms > 0
+
+
+class _UnreadablePath(os.PathLike):
+    """An os.PathLike whose path cannot be read."""
+
+    def __fspath__(self) -> str:
+        raise OSError("no path")
+
+
+@pytest.mark.parametrize("path", [b"model.gguf", 3, ["model.gguf"], _UnreadablePath()],
+                         ids=["bytes", "int", "list", "raising-pathlike"])
+def test_load_model_refuses_a_path_of_another_type_by_name(path: object) -> None:
+    from actors import load_model
+
+    with pytest.raises(InvalidRequest, match="path must be a model file path") as error:
+        load_model(path)
+    assert error.value.field == "path"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
@@ -141,6 +142,21 @@ def load_float32(
     return Model(opened.gguf, opened.spec, weights, load_ms=load_ms)
 
 
+def check_model_path(
+    path: object, accepted: str = "a model file path (str or os.PathLike of str) or None"
+) -> None:
+    """`InvalidRequest` (field `path`) unless `path` is None, a str or an os.PathLike of str;
+    `accepted` says what the caller takes."""
+    if path is None or isinstance(path, str):
+        return
+    try:
+        if isinstance(path, os.PathLike) and isinstance(os.fspath(path), str):
+            return
+    except Exception:  # a PathLike whose __fspath__ raises is no path either
+        pass
+    raise InvalidRequest(f"path must be {accepted}, not {type(path).__name__}", field="path")
+
+
 def load_model(
     path: str | Path | None = None,
     *,
@@ -149,8 +165,10 @@ def load_model(
     """Open a GGUF file (None = the default gemma-3-270m) and dequantize its weights.
 
     `progress(done, total)` is called as layers load. Raises `ModelFormatError` for a broken
-    file and `UnsupportedModelError` for an architecture or tensor type we do not run.
+    file, `UnsupportedModelError` for an architecture or tensor type we do not run, and
+    `InvalidRequest` for a `path` of another type.
     """
+    check_model_path(path)
     opened = open_model(path)
     try:
         return load_float32(opened, progress)
