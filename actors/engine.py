@@ -55,12 +55,14 @@ from actors.engine_door import EngineDoor
 from actors.kv_manager import KVBlockManager
 from actors.loader import Loaded, LoaderActor, LoadFailed, ModelLoaded, load_gguf
 from actors.logs import get_logger, logging_to
-from actors.messages import Advance, Chunk, CloseSequence, Completion, EngineStats, OpenSequence
+from actors.messages import Chunk, Completion, EngineStats
 from actors.model.arch import MAX_CONTEXT
 from actors.model.loaded import Model, check_model_path
 from actors.model.text.chat import ChatTemplate, check_messages, check_template_kwargs
 from actors.params import SamplingParams
 from actors.sampling import (
+    AdvanceConstraint,
+    ConstraintWorkers,
     RowsWanted,
     SampleRows,
     SampleStep,
@@ -68,14 +70,15 @@ from actors.sampling import (
     SamplingFailed,
     StepSampled,
 )
-from actors.scheduler import Admission, Scheduler
-from actors.structured import GrammarCompiler
+from actors.scheduler import Admission, Inbound, Scheduler
+from actors.structured import CompileThreads, GrammarCompiler
 
 # A step running this long is failed, and a backend silent for twice as long is lost:
 # generous next to any real step (a 512-token CPU prefill of gemma-3 takes about a second).
 DEFAULT_STEP_TIMEOUT_S = 300.0
-# Messages a live session can have in the scheduler's inbox at once: open, advance, close.
-_INBOX_SLOTS_PER_REQUEST = 3
+# Messages a live request can have in the scheduler's inbox at once: its session's open,
+# advance and close, and its constraint worker's answer.
+_INBOX_SLOTS_PER_REQUEST = 4
 # Text prompts longer than this are tokenized in a worker thread (below it: ~5 ms of work).
 _TOKENIZE_INLINE_CHARS = 16_384
 # Token-id prompts and chat message lists longer than this are checked in a worker thread
@@ -114,6 +117,7 @@ class Engine(EngineDoor):
         self._inbox = scheduler_inbox
         self._admission = admission
         self._grammars = GrammarCompiler(tokenizer)
+        self._compiles = CompileThreads()
         self._closed = False
         self._log = get_logger("actors.engine")
 
@@ -263,8 +267,11 @@ class Engine(EngineDoor):
         _check_limits(max_sequences, max_queued, prefill_chunk, step_timeout_s)
         require_asyncio()
         limit = max_sequences + max_queued
-        inbox_receive: LoopReceiver[OpenSequence | Advance | CloseSequence]
+        inbox_receive: LoopReceiver[Inbound]
         inbox_send, inbox_receive = loop_channel(_INBOX_SLOTS_PER_REQUEST * limit)
+        # One job at most per live request: the constraint of its token just chosen.
+        constraint_send: ThreadSender[AdvanceConstraint]
+        constraint_send, constraint_receive = thread_channel(limit)
         build_send, build_receive = anyio.create_memory_object_stream[BuildBackend](1)
         loaded_send, loaded_receive = anyio.create_memory_object_stream[
             ModelLoaded | LoadFailed
@@ -279,7 +286,8 @@ class Engine(EngineDoor):
         choices_receive: LoopReceiver[StepSampled | RowsWanted | SamplingFailed]
         choices_send, choices_receive = loop_channel()
         # The scheduler's streams; closed here instead when it never starts.
-        scheduler_streams = (inbox_receive, compute_send, answer_receive, rows_send, choices_receive)
+        scheduler_streams = (inbox_receive, constraint_send, compute_send, answer_receive,
+                             rows_send, choices_receive)
         # Errors of the caller's block are re-raised after the task group, so callers see the
         # exception itself rather than an ExceptionGroup around it.
         failure: Exception | None = None
@@ -290,6 +298,7 @@ class Engine(EngineDoor):
                 ComputeActor(build_receive, compute_receive, answer_send, compute_hung).run
             )
             tasks.start_soon(SamplerActor(rows_receive, choices_send).run)
+            tasks.start_soon(ConstraintWorkers(constraint_receive, inbox_send).run)
             started = time.perf_counter()
             try:
                 model, info = await _started(loaded_receive, answer_receive)
@@ -310,6 +319,7 @@ class Engine(EngineDoor):
                     step_timeout_s=step_timeout_s,
                     compute_hung=compute_hung,
                     inbox=inbox_receive,
+                    constraint_inbox=constraint_send,
                     compute_inbox=compute_send,
                     compute_outbox=answer_receive,
                     sampler_inbox=rows_send,
@@ -348,10 +358,12 @@ class Engine(EngineDoor):
             raise failure
 
     def close(self) -> None:
-        """Stop taking requests; running ones end with EngineClosed. Idempotent. The actors
-        finish the step in flight and exit when the `open` block ends."""
+        """Stop taking requests; running ones end with EngineClosed, those compiling their
+        constraint too, at once. Idempotent. The actors finish the step in flight and exit
+        when the `open` block ends."""
         if not self._closed:
             self._closed = True
+            self._compiles.close()
             # The scheduler ends when its inbox does, then tells the compute actor to stop.
             self._inbox.close()
 

@@ -5,13 +5,14 @@ loop: a template to render, a long text to tokenize, a constraint to compile).
 
 `EngineDoor` is `Engine`'s base class: it reads what `Engine.__init__` sets (the tokenizer,
 the context length, the scheduler and its inbox, the admission counter, the chat template
-source, the grammar compiler, the log) and holds no state of its own.
+source, the grammar compiler and its compile threads, the log) and holds no state of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
+from functools import partial
 from typing import Any, NoReturn
 
 import anyio
@@ -29,7 +30,7 @@ from actors.model.text.chat import check_messages
 from actors.model.text.sandbox import RenderLimits
 from actors.params import SamplingParams, StructuredOutput
 from actors.session import Session, answer_budget, new_request_id
-from actors.structured import Constraint
+from actors.structured import COMPILE_SECONDS, Constraint
 
 # Seconds one chat template may render.
 CHAT_RENDER_SECONDS = 2.0
@@ -63,14 +64,22 @@ class EngineDoor:
             params.validate(self._tokenizer.vocab_size)
         except InvalidRequest as exc:
             self._reject(exc)
+        self._check_room(take=False)
+        return params
+
+    def _check_room(self, take: bool) -> None:
+        """EngineOverloaded (logged as the request's rejection) when the admission limits are
+        reached; `take`: else count the request from now (it leaves through its session)."""
         try:
-            self._admission.check()
+            if take:
+                self._admission.enter()
+            else:
+                self._admission.check()
         except EngineOverloaded as exc:
             self._log.warning(
                 "request_rejected", request_id=new_request_id(), reason="overloaded", error=str(exc)
             )
             raise
-        return params
 
     def _start_session(
         self,
@@ -78,6 +87,7 @@ class EngineDoor:
         params: SamplingParams,
         strict_max_tokens: bool,
         constraint: Constraint | None = None,
+        admitted: bool = False,
     ) -> AsyncIterator[Chunk]:
         if strict_max_tokens:
             self._check_max_tokens_fit(len(prompt_ids), params.max_tokens)
@@ -90,6 +100,7 @@ class EngineDoor:
             scheduler_inbox=self._inbox,
             admission=self._admission,
             constraint=constraint,
+            admitted=admitted,
         )
         return session.stream()
 
@@ -101,26 +112,38 @@ class EngineDoor:
     ) -> AsyncIterator[Chunk]:
         """A session whose prompt needs work off the event loop first (a template to render,
         a long text to tokenize, a constraint to compile): that work runs on the first
-        iteration."""
-        ids = self._checked_ids(await prompt_ids())
-        constraint = None
-        if params.structured is not None:
-            # Its forced start leaves room for the model's first token.
-            max_leading = answer_budget(params, self.context_length, len(ids)) - 1
-            constraint = await anyio.to_thread.run_sync(
-                self._compiled, params.structured, max_leading, abandon_on_cancel=True
-            )
-        self._check_open()
-        session = self._start_session(ids, params, strict_max_tokens, constraint)
+        iteration, with the request already counted against the admission limits."""
+        self._check_room(take=True)
+        try:
+            ids = self._checked_ids(await prompt_ids())
+            constraint = None
+            if params.structured is not None:
+                budget = answer_budget(params, self.context_length, len(ids))
+                constraint = await self._compiled(params.structured, budget)
+            self._check_open()
+            session = self._start_session(ids, params, strict_max_tokens, constraint,
+                                          admitted=True)
+        except BaseException:
+            self._admission.leave()
+            raise
+        # The session gives the slot back from here on.
         async with aclosing(session) as chunks:
             async for chunk in chunks:
                 yield chunk
 
-    def _compiled(self, structured: StructuredOutput, max_leading: int) -> Constraint:
-        """The request's constraint, ready (worker thread: compiling, and on the first
-        constrained request building the grammar tokenizer, take up to seconds)."""
+    async def _compiled(self, structured: StructuredOutput, budget: int) -> Constraint:
+        """The request's constraint, ready, compiled in a compile thread within
+        `COMPILE_SECONDS` (the first constrained request also builds llguidance's tokenizer
+        first: seconds for a large vocabulary, not counted against that bound)."""
+        if not self._grammars.ready:
+            await self._compiles.run(self._grammars.grammar_tokenizer)
         try:
-            return self._grammars.constraint(structured, max_leading)
+            return await self._compiles.run(partial(self._grammars.constraint, structured, budget),
+                                            timeout_s=COMPILE_SECONDS)
+        except TimeoutError:
+            self._reject(InvalidRequest(
+                f"{structured.kind} did not compile within {COMPILE_SECONDS:g} s: simplify it",
+                field=f"structured.{structured.kind}"))
         except InvalidRequest as exc:
             self._reject(exc)
 

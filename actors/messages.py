@@ -55,6 +55,13 @@ class SequenceFailed(msgspec.Struct, frozen=True, kw_only=True):
     error: str
 
 
+class ConstraintFailed(msgspec.Struct, frozen=True, kw_only=True):
+    """The sequence's structured-output constraint failed (it refused a token, or reached the
+    parser's limits): the session raises InvalidRequest naming its constraint."""
+
+    error: str
+
+
 # --- results for the caller -----------------------------------------------------------------
 
 

@@ -6,7 +6,9 @@ first, then prefill chunks under a token budget, each row with its sequence's pe
 The compute actor answers the step's token candidates, the sampler actor the tokens chosen
 from them (asking, through the scheduler, for the few whole rows the candidates cannot
 decide; a step of greedy rows only is chosen here, its candidates decide it at once). It
-then hands each sequence its token and briefly gathers the next advances, so N decoding
+then hands each sequence its token (a constrained sequence's once a constraint worker has fed
+it to the constraint: actors.sampling.constraints; the sequence sits out the steps until
+then, so its mask's cost is its own) and briefly gathers the next advances, so N decoding
 sequences ride in ~N-item steps instead of fragmenting into many small ones; a sequence
 whose caller is slow simply misses steps.
 
@@ -45,17 +47,21 @@ from actors.logs import enabled_for, get_logger
 from actors.messages import (
     Advance,
     CloseSequence,
+    ConstraintFailed,
     OpenSequence,
     SequenceFailed,
     TokenReady,
 )
 from actors.sampling import (
+    AdvanceConstraint,
+    ConstraintAdvanced,
     RowFailed,
     RowsWanted,
     SampleRows,
     SampleStep,
     SamplingFailed,
     StepSampled,
+    TokenChoice,
     sample,
 )
 
@@ -92,12 +98,18 @@ class Admission:
         self.live -= 1
 
 
+# What a sequence's session may be sent.
+Reply = TokenReady | SequenceFailed | ConstraintFailed
+# What the scheduler's inbox receives: the sessions' messages, and the constraint workers'.
+Inbound = OpenSequence | Advance | CloseSequence | ConstraintAdvanced
+
+
 @dataclass(eq=False)
 class _Sequence:
     seq_id: int
     request_id: str
     sampler: Any
-    reply: LoopSender[TokenReady | SequenceFailed]
+    reply: LoopSender[Reply]
     order: int
     tokens: list[int] = field(default_factory=list)
     kv: BlockTable = field(default_factory=BlockTable)
@@ -105,6 +117,9 @@ class _Sequence:
     cached_tokens: int = 0
     admitted: bool = False
     failures: int = 0
+    # A constrained sequence's chosen token, while a constraint worker feeds it to the
+    # constraint: its reply waits for that, and the sequence sits out the steps meanwhile.
+    held: TokenChoice | None = None
 
 
 class Scheduler:
@@ -119,7 +134,8 @@ class Scheduler:
         prefill_chunk: int,
         step_timeout_s: float,
         compute_hung: anyio.Event,
-        inbox: LoopReceiver[OpenSequence | Advance | CloseSequence],
+        inbox: LoopReceiver[Inbound],
+        constraint_inbox: ThreadSender[AdvanceConstraint],
         compute_inbox: ThreadSender[RunStep | FetchRows | Shutdown],
         compute_outbox: LoopReceiver[Any],
         sampler_inbox: ThreadSender[SampleStep | SampleRows],
@@ -132,6 +148,7 @@ class Scheduler:
         self._step_timeout_s = step_timeout_s
         self._compute_hung = compute_hung
         self._inbox = inbox
+        self._constraint_inbox = constraint_inbox
         self._compute_inbox = compute_inbox
         self._compute_outbox = compute_outbox
         self._sampler_inbox = sampler_inbox
@@ -163,7 +180,8 @@ class Scheduler:
     async def run(self) -> None:
         """The actor task: until the inbox closes or the compute or sampler actor goes away."""
         try:
-            with self._inbox, self._compute_outbox, self._sampler_inbox, self._sampler_outbox:
+            with (self._inbox, self._constraint_inbox, self._compute_outbox, self._sampler_inbox,
+                  self._sampler_outbox):
                 while True:
                     self._drain()
                     await self._gather_outstanding()
@@ -194,7 +212,10 @@ class Scheduler:
                 return
             self._handle(message)
 
-    def _handle(self, message: OpenSequence | Advance | CloseSequence) -> None:
+    def _handle(self, message: Inbound) -> None:
+        if isinstance(message, ConstraintAdvanced):
+            self._constraint_advanced(message)
+            return
         if isinstance(message, OpenSequence):
             self._orders += 1
             seq = _Sequence(
@@ -222,6 +243,19 @@ class Scheduler:
             self._waiting.remove(seq)
         self.kv.release(seq.kv)
         seq.reply.close()
+
+    def _constraint_advanced(self, message: ConstraintAdvanced) -> None:
+        """A constraint took its sequence's token: the held token goes out, with the tokens
+        the constraint forces after it, or the constraint's failure does."""
+        seq = self._sequences.get(message.seq_id)
+        if seq is None or seq.held is None:
+            return  # closed while its constraint advanced
+        choice, seq.held = seq.held, None
+        if message.error is not None:
+            self._reply(seq, ConstraintFailed(error=message.error))
+            return
+        self._outstanding.add(seq.seq_id)
+        self._reply(seq, _token_ready(seq, choice, message.forced, message.done))
 
     async def _gather_outstanding(self) -> None:
         """Let the sequences that just got a token ask for the next one before the step."""
@@ -451,18 +485,13 @@ class Scheduler:
                 continue
             seq.failures = 0
             seq.pending = False
+            if seq.sampler.constraint is not None:
+                seq.held = choice
+                self._constraint_inbox.send_nowait(
+                    AdvanceConstraint(seq_id=seq.seq_id, token=choice.token, sampler=seq.sampler))
+                continue
             self._outstanding.add(seq.seq_id)
-            self._reply(
-                seq,
-                TokenReady(
-                    token=choice.token,
-                    logprob=choice.logprob,
-                    top_logprobs=choice.top_logprobs,
-                    cached_tokens=seq.cached_tokens,
-                    forced=choice.forced,
-                    constraint_done=choice.done,
-                ),
-            )
+            self._reply(seq, _token_ready(seq, choice))
 
     def _lose_backend(self, error: str) -> None:
         """The backend can no longer run: fail every sequence, take no more steps."""
@@ -487,7 +516,7 @@ class Scheduler:
                 self._reply(seq, SequenceFailed(error=error))
 
     @staticmethod
-    def _reply(seq: _Sequence, message: TokenReady | SequenceFailed) -> None:
+    def _reply(seq: _Sequence, message: Reply) -> None:
         try:
             seq.reply.send_nowait(message)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -496,3 +525,15 @@ class Scheduler:
     @property
     def last_step_s(self) -> float:
         return self._last_step_s
+
+
+def _token_ready(seq: _Sequence, choice: TokenChoice, forced: tuple[int, ...] = (),
+                 constraint_done: bool = False) -> TokenReady:
+    return TokenReady(
+        token=choice.token,
+        logprob=choice.logprob,
+        top_logprobs=choice.top_logprobs,
+        cached_tokens=seq.cached_tokens,
+        forced=forced,
+        constraint_done=constraint_done,
+    )

@@ -19,12 +19,13 @@ import anyio
 import msgspec
 
 from actors.channels import LoopReceiver, LoopSender, loop_channel
-from actors.errors import ComputeError, EngineClosed, EngineOverloaded
+from actors.errors import ComputeError, EngineClosed, EngineOverloaded, InvalidRequest
 from actors.logs import get_logger
 from actors.messages import (
     Advance,
     Chunk,
     CloseSequence,
+    ConstraintFailed,
     OpenSequence,
     SequenceFailed,
     Timings,
@@ -100,6 +101,8 @@ class Answer:
         self._budget = budget
         # Out of budget: the caller's max_tokens, or else the context ran out.
         self._budget_reason = "length" if budget == params.max_tokens else "context"
+        # Whether a stop string ended the answer (cutting its text short).
+        self.stopped_by_text = False
 
     def is_stop_token(self, token: int) -> bool:
         """A token that ends the answer without being part of it."""
@@ -112,6 +115,7 @@ class Answer:
         self.token_ids.append(token)
         text, hit = self._stop_text.push(self._decoder.push(token))
         if hit:
+            self.stopped_by_text = True
             return text, "stop"
         if len(self.token_ids) >= self._budget:
             rest, hit = self._rest()
@@ -125,6 +129,7 @@ class Answer:
 
     def _rest(self) -> tuple[str, bool]:
         text, hit = self._stop_text.push(self._decoder.flush())
+        self.stopped_by_text |= hit
         return (text, True) if hit else (text + self._stop_text.flush(), False)
 
 
@@ -142,7 +147,10 @@ class Session:
         scheduler_inbox: LoopSender[OpenSequence | Advance | CloseSequence],
         admission: Admission,
         constraint: Constraint | None = None,
+        admitted: bool = False,
     ) -> None:
+        """`admitted`: the caller already took this request's admission slot (it had work to
+        do first, such as compiling `constraint`), and the session gives it back."""
         self.request_id = request_id
         self._constraint = constraint
         self._prompt_ids = tuple(prompt_ids)
@@ -151,14 +159,16 @@ class Session:
         self._tokenizer = tokenizer
         self._inbox = scheduler_inbox
         self._admission = admission
+        self._admitted = admitted
         self._log = get_logger("actors.session", request_id=request_id)
 
     async def stream(self) -> AsyncIterator[Chunk]:
-        try:
-            self._admission.enter()
-        except EngineOverloaded as exc:
-            self._log.warning("request_rejected", reason="overloaded", error=str(exc))
-            raise
+        if not self._admitted:
+            try:
+                self._admission.enter()
+            except EngineOverloaded as exc:
+                self._log.warning("request_rejected", reason="overloaded", error=str(exc))
+                raise
         # From here on the slot is taken: everything, even building the request's state, runs
         # inside the try whose finally gives it back (an error there once locked the engine).
         seq_id = next(_seq_ids)
@@ -169,7 +179,7 @@ class Session:
         ended = False
         try:
             # A light channel (one message at a time): it is waited on every token.
-            reply_receive: LoopReceiver[TokenReady | SequenceFailed]
+            reply_receive: LoopReceiver[TokenReady | SequenceFailed | ConstraintFailed]
             reply_send, reply_receive = loop_channel(1)
             sampler = SequenceSampling(self._params, self._prompt_ids, self._tokenizer.vocab_size,
                                        self._constraint)
@@ -204,8 +214,12 @@ class Session:
                             cached_tokens=cached_tokens,
                             ms=_ms(now - started),
                         )
-                    chunks, finish = _chunks(answer, message, leading)
+                    chunks, finish = _chunks(answer, message, leading, self._params.logprobs)
                     leading = ()
+                    if finish == "stop" and self._constraint_cut(answer, message):
+                        for chunk in chunks:
+                            yield chunk
+                        raise self._cut_error(answer)
                     for chunk in chunks[:-1]:
                         yield chunk
                     chunk = chunks[-1]
@@ -227,13 +241,27 @@ class Session:
                     return
         except Exception as exc:
             ended = True
-            known = isinstance(exc, ComputeError | EngineClosed)
+            known = isinstance(exc, ComputeError | EngineClosed | InvalidRequest)
             self._log.error("request_failed", error=str(exc) if known else repr(exc))
             raise
         finally:
             self._release(seq_id, opened)
             if not ended:
                 self._log_cancelled(started, first_token_at, answer)
+
+    def _constraint_cut(self, answer: Answer, message: TokenReady) -> bool:
+        """Whether a stop string or stop token ended a constrained answer short of its
+        constraint's end: its text then does not match the constraint."""
+        return self._constraint is not None and (
+            answer.stopped_by_text or not message.constraint_done)
+
+    def _cut_error(self, answer: Answer) -> InvalidRequest:
+        field = "stop" if answer.stopped_by_text else "stop_token_ids"
+        kind = self._params.structured.kind if self._params.structured is not None else "?"
+        return InvalidRequest(
+            f"{field} ended the answer before its structured output constraint "
+            f"({kind}) was complete, so the text does not match it; leave {field} out of "
+            f"constrained requests", field=field)
 
     def _release(self, seq_id: int, opened: bool) -> None:
         """Give the admission slot back: through the scheduler once it knows the sequence (it
@@ -278,33 +306,46 @@ class Session:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             raise EngineClosed("the engine closed while this request was running") from None
 
-    @staticmethod
-    async def _receive(reply: LoopReceiver[TokenReady | SequenceFailed]) -> TokenReady:
+    async def _receive(
+        self, reply: LoopReceiver[TokenReady | SequenceFailed | ConstraintFailed]
+    ) -> TokenReady:
         try:
             message = await reply.receive()
         except anyio.EndOfStream:
             raise EngineClosed("the engine closed while this request was running") from None
         if isinstance(message, SequenceFailed):
             raise ComputeError(f"a step failed twice for this request: {message.error}")
+        if isinstance(message, ConstraintFailed):
+            kind = self._params.structured.kind if self._params.structured is not None else "?"
+            raise InvalidRequest(message.error, field=f"structured.{kind}")
         return message
 
 
 def _chunks(
-    answer: Answer, message: TokenReady, leading: tuple[int, ...] = ()
+    answer: Answer, message: TokenReady, leading: tuple[int, ...] = (),
+    logprobs: int | None = None,
 ) -> tuple[list[Chunk], str | None]:
     """The chunks of a chosen token, of the tokens its constraint forced before it (`leading`,
-    at the start of the answer) and after it (no logprobs: the model did not choose them),
-    and the finish reason if the answer ends."""
+    at the start of the answer) and after it, and the finish reason if the answer ends.
+    `logprobs`: the request's; a forced token's logprob is 0.0, the only token its constraint
+    allowed (a chosen token's logprob, too, is over the tokens its constraint allowed)."""
     chunks: list[Chunk] = []
     for index, token in enumerate((*leading, message.token, *message.forced)):
         text, finish = answer.add(token)
         in_answer = not answer.is_stop_token(token)
-        scored = in_answer and index == len(leading)
+        if index == len(leading):  # the model's choice
+            logprob, top = message.logprob, message.top_logprobs
+        elif logprobs is None:
+            logprob, top = None, None
+        else:  # forced: the only token its constraint allowed
+            logprob, top = 0.0, ((token, 0.0),)[:logprobs]
+        if not in_answer:
+            logprob, top = None, None
         chunks.append(Chunk(
             text=text,
             token_id=token if in_answer else None,
-            logprob=message.logprob if scored else None,
-            top_logprobs=message.top_logprobs if scored else None,
+            logprob=logprob,
+            top_logprobs=top,
         ))
         if finish is not None:
             return chunks, finish

@@ -7,34 +7,87 @@ which tokens the grammar forces outright (a JSON key, a closing brace).
 
 - `GrammarCompiler` (one per engine) builds llguidance's tokenizer from the GGUF vocabulary
   itself, once, on the first constrained request (0.7 s for a 49k vocabulary, seconds for
-  262k), and compiles each request's constraint into a `Constraint`. Both block: call them in
-  a worker thread.
+  262k), and compiles each request's constraint into a `Constraint`. Both block: run them on
+  `CompileThreads`, which gives each compile a thread whose stack fits the deepest grammar the
+  bounds below admit, and at most `COMPILE_THREADS` at once.
 - A `Constraint` lives in its sequence's sampling state. Its `allowed` mask travels to the
   backend in `RowInputs`, which masks the row before penalties and candidates. Once the
-  step's token is chosen, `advance_constraints` (in the sampler's thread) feeds it to every
-  constrained row of the step, takes the tokens the grammar then forces (fast-forward) and
-  computes the next masks of the whole batch at once, in llguidance's own threads.
+  step's token is chosen, `Constraint.advance` (in a constraint worker's thread, off the
+  shared step: actors.sampling.constraints) feeds it to the matcher, takes the tokens the
+  grammar then forces (fast-forward) and computes the next mask.
+
+What a constraint may cost is bounded before and while it runs:
+
+- llguidance compiles by recursion, one level per nested schema object, `$ref` followed,
+  grammar rule or group: `_schema_depth` and `_grammar_depth` bound that from the source
+  alone (counts never below the real depth), `MAX_COMPILE_DEPTH` bounds those, and the
+  compile thread's stack fits the bound (measured: at most 5.7 KiB a level;
+  `_STACK_PER_LEVEL` is twice that).
+- `PARSER_LIMITS` bound the lexer's work and memory per mask (its fuel and states): a matcher
+  that reaches them is in an error state, which ends the request with `InvalidRequest`.
+- Forced text is taken a bounded piece at a time (`MAX_FORCED_BYTES` a step, never more
+  tokens than the answer has left), so a constraint that forces a megabyte never tokenizes it
+  on one call; the masks (and the forced-byte walk inside them) run without the GIL.
 """
 
 from __future__ import annotations
 
+import asyncio
+import re
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+import anyio
 import msgspec
 import numpy as np
 
-from actors.errors import InvalidRequest
+from actors.errors import EngineClosed, EngineOverloaded, InvalidRequest
 from actors.logs import get_logger
 from actors.model.candidates import mask_words
 from actors.model.text.vocab import ATTR_CONTROL, ATTR_USER_DEFINED
 from actors.params import StructuredOutput
 
+T = TypeVar("T")
+
 # llguidance marks a special token by a 0xff byte before its text, which no UTF-8 text holds:
 # a grammar's text can then never produce it by accident.
 _SPECIAL_MARK = b"\xff"
+
+# --- bounds ---------------------------------------------------------------------------------
+
+# Containers a JSON schema may nest (llguidance's JSON reader stops at 124 under its wrapper).
+MAX_SCHEMA_NESTING = 100
+# Levels of llguidance's compile recursion a constraint may need (as `compile_depth` counts
+# them): far above real schemas and grammars (a 1,000-property schema: about 1,000).
+MAX_COMPILE_DEPTH = 16_384
+# Stack per level, twice the most measured (5.7 KiB: a `$ref` chain whose targets each nest
+# 60 objects), plus room for the first mask and Python's own frames: 256 MiB of address space,
+# of which only what a compile touches is ever memory.
+_STACK_PER_LEVEL = 12 << 10
+COMPILE_STACK_BYTES = MAX_COMPILE_DEPTH * _STACK_PER_LEVEL + (64 << 20)
+# A GBNF grammar is converted to Lark by llguidance's Python converter, whose work grows with
+# rules x characters (6,000 rules of 118 KB took 21 s): this product bounds it to about 1 s.
+MAX_GBNF_WORK = 1 << 25
+# Compiles running at once (each holds a core), and how long a request waits for its own.
+COMPILE_THREADS = 2
+COMPILE_SECONDS = 20.0
+# llguidance's parser limits, below its defaults where those let one request take seconds of
+# CPU or hundreds of MB. Lexer fuel (about 4 a forced byte, ~120 bytes of memory each) bounds
+# the compile's lexer and the first mask (whose walk of the forced text its default, 1M, let
+# reach 250 KB: 1.2 s and 120 MB), then each later mask (the default 200k: 50 KB); a
+# constraint that forces more text at once than its fuel allows fails with InvalidRequest.
+# These still serve 1,000-property schemas and the wide Unicode regexes measured on gemma-3's
+# vocabulary. Lexer states cost 1-2 KB each (the default 250k: up to 500 MB a request).
+PARSER_LIMITS = {
+    "initial_lexer_fuel": 200_000,
+    "step_lexer_fuel": 50_000,
+    "max_lexer_states": 50_000,
+}
+# Forced text taken per step: a larger run is tokenized this much at a time.
+MAX_FORCED_BYTES = 4096
 
 
 class Advanced(msgspec.Struct, frozen=True):
@@ -47,62 +100,90 @@ class Advanced(msgspec.Struct, frozen=True):
 
 
 class Constraint:
-    """One sequence's llguidance matcher and the bitmask of the tokens allowed next."""
+    """One sequence's llguidance matcher, the bitmask of the tokens allowed next, and how many
+    tokens the answer has left (forced tokens past it would never be used)."""
 
-    def __init__(
-        self, matcher: Any, vocab_size: int, fast_forward: bool, max_leading: int
-    ) -> None:
+    def __init__(self, matcher: Any, grammar_tokenizer: Any, vocab_size: int,
+                 fast_forward: bool, budget: int) -> None:
         self._matcher = matcher
+        self._grammar_tokenizer = grammar_tokenizer
+        self._words = mask_words(vocab_size)
         self.fast_forward = fast_forward
-        self.allowed = np.zeros(mask_words(vocab_size), dtype=np.int32)
-        # The first mask is computed here, in the compiling thread: the step after the prompt
-        # needs it at once.
+        self._left = budget
+        self.allowed = np.zeros(self._words, dtype=np.int32)
+        self.done = False
         # What the grammar forces before any choice (a schema's `{"first_key": `) joins the
-        # prompt's prefill, up to `max_leading` tokens (room must stay in the context and the
-        # budget for the model's first token); the first mask comes after it.
-        self.leading: tuple[int, ...] = ()
-        if fast_forward:
-            self.leading = tuple(matcher.compute_ff_tokens()[: max(max_leading, 0)])
-            if self.leading and not matcher.consume_tokens(list(self.leading)):
-                raise InvalidRequest("the structured output constraint refused its own forced "
-                                     f"start: {_one_line(matcher.get_error())}",
-                                     field="structured")
-        matcher.unsafe_compute_mask_ptr(self.allowed.ctypes.data, self.allowed.nbytes)
-        self.done = matcher.is_stopped()
+        # prompt's prefill, leaving room for the model's first token; the first mask comes
+        # after it. Computed in the compiling thread: the step after the prompt needs both.
+        first = self._settle(spare=1)
+        if first.error is not None:
+            raise InvalidRequest(first.error, field="structured")
+        self.leading = first.forced
 
     def advance(self, token: int) -> Advanced:
-        """Consume the chosen `token` and, with fast-forward on, the tokens forced after it."""
+        """Consume the chosen `token`, then the tokens forced after it (fast-forward), and
+        compute the next mask. Blocks (the masks run without the GIL): a worker thread."""
+        if not self._matcher.consume_token(token):
+            return Advanced(error=self._failure(f"refused token {token}"))
+        self._left -= 1
+        return self._settle(spare=0)
+
+    def _settle(self, spare: int) -> Advanced:
+        """After the last consumed token: the forced tokens (consumed, at most the answer's
+        room less `spare`) and the next mask (a complete grammar's allows only the end)."""
         matcher = self._matcher
-        if not matcher.consume_token(token):
-            return Advanced(error=f"the structured output constraint refused token {token}: "
-                                  f"{_one_line(matcher.get_error())}")
-        forced: list[int] = []
-        if self.fast_forward and not matcher.is_stopped():
-            forced = matcher.compute_ff_tokens()
-            if forced and not matcher.consume_tokens(forced):
-                return Advanced(error=f"the structured output constraint refused its own "
-                                      f"forced tokens: {_one_line(matcher.get_error())}")
+        forced: tuple[int, ...] = ()
+        mask = None
+        if self.fast_forward and not matcher.is_stopped() and not matcher.is_error():
+            # The mask also walks the bytes the grammar forces (without the GIL), so taking
+            # them afterwards costs no more than their tokenization.
+            mask = self._mask()
+            forced = self._forced(self._left - spare)
+            if forced and not matcher.consume_tokens(list(forced)):
+                return Advanced(error=self._failure("refused its own forced tokens"))
+            self._left -= len(forced)
+        if forced or mask is None:
+            mask = self._mask()
+        if matcher.is_error():
+            return Advanced(error=self._failure("failed"))
+        # A fresh array each time: the step that used the old mask may still hold it.
+        self.allowed = mask
         self.done = matcher.is_stopped()
-        return Advanced(forced=tuple(forced), done=self.done)
+        return Advanced(forced=forced, done=self.done)
+
+    def _mask(self) -> np.ndarray:
+        mask = np.zeros(self._words, dtype=np.int32)
+        self._matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        return mask
+
+    def _forced(self, room: int) -> tuple[int, ...]:
+        """The forced tokens to take now: at most `room`, from at most `MAX_FORCED_BYTES` of
+        the forced text."""
+        if room <= 0:
+            return ()
+        forced_bytes = self._matcher.compute_ff_bytes()
+        if not forced_bytes:
+            return ()
+        if len(forced_bytes) <= MAX_FORCED_BYTES:
+            tokens = self._matcher.compute_ff_tokens()
+        else:
+            # The tokens of a prefix that later bytes cannot change; the rest is forced again.
+            tokens, _ = self._grammar_tokenizer.tokenize_partial(forced_bytes[:MAX_FORCED_BYTES])
+        return tuple(tokens[:room])
+
+    def _failure(self, what: str) -> str:
+        matcher = self._matcher
+        error = _one_line(matcher.get_error())
+        limits = matcher.stop_reason() in _LIMIT_REASONS or "too many" in error
+        hint = (" (it reached the engine's parser limits, actors.structured.PARSER_LIMITS: it "
+                "forces more text at once, or needs more lexer work, than they allow; simplify "
+                "it)" if limits else "")
+        return f"the structured output constraint {what}{hint}: {error}"
 
 
-def advance_constraints(
-    constraints: Sequence[Constraint], tokens: Sequence[int]
-) -> list[Advanced]:
-    """Advance each constraint by its row's chosen token, then compute the next masks of all
-    that go on in one parallel call (llguidance's threads, without the GIL)."""
-    advanced = [c.advance(t) for c, t in zip(constraints, tokens)]
-    going_on = [c for c, a in zip(constraints, advanced) if a.error is None and not a.done]
-    if going_on:
-        masks = np.zeros((len(going_on), going_on[0].allowed.size), dtype=np.int32)
-        _executor().unsafe_compute_mask_ptr(
-            [(c._matcher, row) for row, c in enumerate(going_on)],
-            masks.ctypes.data, masks.shape[1] * 4, masks.shape[0],
-        )
-        # A fresh array per step: the step that used the old masks may still hold them.
-        for row, constraint in enumerate(going_on):
-            constraint.allowed = masks[row]
-    return advanced
+# llguidance's stop reasons for a matcher that ran into its limits (running out of lexer
+# fuel is an internal error whose message says "too many expressions constructed").
+_LIMIT_REASONS = ("LexerTooComplex", "ParserTooComplex", "MaxTokensTotal", "MaxTokensParser")
 
 
 class GrammarCompiler:
@@ -113,22 +194,35 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._built: Any = None
 
-    def constraint(self, structured: StructuredOutput, max_leading: int) -> Constraint:
-        """A ready `Constraint` (first mask computed; at most `max_leading` forced tokens
-        before the model's first choice); `InvalidRequest` naming the field if the schema,
-        regex or grammar does not compile."""
+    @property
+    def ready(self) -> bool:
+        """Whether llguidance's tokenizer is built (until then a compile first builds it)."""
+        return self._built is not None
+
+    def constraint(self, structured: StructuredOutput, budget: int) -> Constraint:
+        """A ready `Constraint` for an answer of at most `budget` tokens (first mask computed,
+        the forced start taken); `InvalidRequest` naming the field if the schema, regex or
+        grammar is past the bounds or does not compile. Needs a `CompileThreads` thread."""
         import llguidance
 
         field = f"structured.{structured.kind}"
-        matcher = llguidance.LLMatcher(self.grammar_tokenizer(), _grammar_text(structured),
-                                       log_level=0)
+        if structured.kind == "json_schema":  # checked before llguidance reads it
+            _check_compile_depth(structured.kind, _schema_depth(structured.json_schema))
+        grammar = _grammar_text(structured)
+        if structured.kind == "grammar":  # a GBNF grammar is measured once converted
+            _check_compile_depth(structured.kind, _grammar_depth(grammar))
+        matcher = llguidance.LLMatcher(self.grammar_tokenizer(), grammar, log_level=0,
+                                       limits=llguidance.LLParserLimits(**PARSER_LIMITS))
         if matcher.is_error():
             raise InvalidRequest(
                 f"{structured.kind} does not compile: {_one_line(matcher.get_error())}",
                 field=field,
             )
-        return Constraint(matcher, self._tokenizer.vocab_size, structured.fast_forward,
-                          max_leading)
+        try:
+            return Constraint(matcher, self.grammar_tokenizer(), self._tokenizer.vocab_size,
+                              structured.fast_forward, budget)
+        except InvalidRequest as exc:
+            raise InvalidRequest(str(exc), field=field) from None
 
     def grammar_tokenizer(self) -> Any:
         """llguidance's tokenizer over this model's vocabulary, built on first use."""
@@ -143,10 +237,193 @@ class GrammarCompiler:
             return self._built
 
 
+# --- the compile recursion's depth ----------------------------------------------------------
+
+
+def _check_compile_depth(kind: str, depth: int) -> None:
+    """`InvalidRequest` when llguidance's compile recursion may go `depth` levels deep, past
+    what the compile thread's stack is sized for. (A regex, a list of choices or any JSON
+    object compiles flat: a regex's parser refuses groups nested past 250.)"""
+    if depth > MAX_COMPILE_DEPTH:
+        raise InvalidRequest(
+            f"{kind} may need {depth:,} levels of nesting to compile (nested objects, $ref "
+            f"chains, rules and groups); at most {MAX_COMPILE_DEPTH:,} are allowed",
+            field=f"structured.{kind}")
+
+
+def _schema_depth(schema: Any) -> int:
+    """An upper bound on a JSON schema's compile recursion, which goes through nested schema
+    objects and into each `$ref`'s target, compiling a target once: a path holds every object
+    at most once, plus once more per distinct reference (N + R), and it is at most R + 1
+    stretches of nesting no deeper than the document's ((R + 1) x D). `InvalidRequest` for a
+    schema nested past `MAX_SCHEMA_NESTING`. Linear in the schema."""
+    try:  # the schema as llguidance reads it: plain JSON values
+        schema = msgspec.json.decode(msgspec.json.encode(schema))
+    except RecursionError:
+        raise _nested_too_deep() from None
+    objects = 0
+    deepest_object = 0
+    refs: set[str] = set()
+    stack = [(schema, 1, 1)]
+    while stack:
+        value, depth, object_depth = stack.pop()
+        if depth > MAX_SCHEMA_NESTING:
+            raise _nested_too_deep()
+        if isinstance(value, dict):
+            objects += 1
+            deepest_object = max(deepest_object, object_depth)
+            ref = value.get("$ref")
+            if isinstance(ref, str):
+                refs.add(ref)
+            children = value.values()
+            object_depth += 1
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        stack.extend((child, depth + 1, object_depth) for child in children
+                     if isinstance(child, dict | list))
+    return min(objects + len(refs), (len(refs) + 1) * deepest_object)
+
+
+def _nested_too_deep() -> InvalidRequest:
+    return InvalidRequest(
+        f"json_schema nests more than {MAX_SCHEMA_NESTING} levels of objects and arrays",
+        field="structured.json_schema")
+
+
+def _grammar_depth(grammar: str) -> int:
+    """An upper bound on a Lark grammar's compile recursion, which recurses into each rule and terminal it references (each
+    compiled once: every definition has a colon) and through each group (`(`, `[`); a `%json`
+    schema inside adds its objects and references (at most two levels per `{`)."""
+    return (grammar.count(":") + grammar.count("(") + grammar.count("[")
+            + 2 * grammar.count("{") + 1)
+
+
+# --- compile threads ------------------------------------------------------------------------
+
+
+class CompileThreads:
+    """Runs compiles on the event loop's behalf, each in a new thread whose stack is
+    `COMPILE_STACK_BYTES`, at most `limit` at once; the others wait their turn in order.
+
+    A caller that stops waiting (cancelled, past its deadline, or `close()`d) leaves its
+    compile running alone: llguidance cannot be interrupted, so it is bounded by the parser
+    limits instead, and it holds its place in `limit` until it ends. A compile still waiting
+    for its turn never starts."""
+
+    def __init__(self, limit: int = COMPILE_THREADS) -> None:
+        self._limit = limit
+        self._running = 0
+        self._turns: deque[asyncio.Future[None]] = deque()
+        self._results: set[asyncio.Future[Any]] = set()
+        self._closed = False
+
+    async def run(self, work: Callable[[], T], timeout_s: float | None = None) -> T:
+        """`work()`'s result or exception; `TimeoutError` once `timeout_s` passed since it
+        started, `EngineClosed` once closed, `EngineOverloaded` if no thread can start."""
+        self._check_open()
+        await self._turn()
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[T] = loop.create_future()
+        try:
+            _start_deep_thread(lambda: self._work(work, result, loop), "q4k-compile")
+        except RuntimeError as exc:  # no thread can start: the machine is out of them
+            self._finished()
+            raise EngineOverloaded(f"no thread could start for a compile: {exc}") from None
+        self._results.add(result)
+        try:
+            with anyio.fail_after(timeout_s):
+                return await result
+        finally:
+            self._results.discard(result)
+
+    def close(self) -> None:
+        """Every caller waiting (for a turn or a result) raises EngineClosed now; running
+        compiles end on their own."""
+        self._closed = True
+        for future in (*self._turns, *self._results):
+            if not future.done():
+                future.set_exception(
+                    EngineClosed("the engine closed while this request's constraint compiled"))
+        self._turns.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed("this engine is closed; open a new one")
+
+    async def _turn(self) -> None:
+        if self._running < self._limit and not self._turns:
+            self._running += 1
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._turns.append(turn)
+        try:
+            await turn  # `_finished` counts the turn it gives as running
+        except BaseException:
+            if turn.done() and not turn.cancelled() and turn.exception() is None:
+                self._finished()  # given a turn, then cancelled: pass it on
+            elif turn in self._turns:
+                self._turns.remove(turn)
+            raise
+
+    def _work(self, work: Callable[[], T], result: asyncio.Future[T],
+              loop: asyncio.AbstractEventLoop) -> None:
+        """In the compile thread: run `work` and hand its outcome to the loop."""
+        try:
+            outcome: tuple[bool, Any] = (True, work())
+        except BaseException as exc:  # raised on the loop, for the caller
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(self._deliver, result, outcome)
+        except RuntimeError:
+            pass  # the event loop is gone: nobody waits for this compile
+
+    def _deliver(self, result: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
+        self._finished()
+        if result.done():  # its caller stopped waiting
+            return
+        ok, value = outcome
+        if ok:
+            result.set_result(value)
+        else:
+            result.set_exception(value)
+
+    def _finished(self) -> None:
+        """A running compile ended: give its turn to the next caller still waiting."""
+        while self._turns:
+            turn = self._turns.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._running -= 1
+
+
+_stack_size_lock = threading.Lock()
+
+
+def _start_deep_thread(target: Callable[[], None], name: str) -> None:
+    """Start a daemon thread with a `COMPILE_STACK_BYTES` stack (the size is process-wide
+    while a thread starts, so it is set and restored under a lock)."""
+    with _stack_size_lock:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            threading.Thread(target=target, name=name, daemon=True).start()
+        finally:
+            threading.stack_size(previous)
+
+
+# --- grammar text ---------------------------------------------------------------------------
+
 # JSON written as `json.dumps` writes it, `{"a": 1, "b": [2, 3]}`: models write it so, and
 # no whitespace elsewhere, or a model can fill its budget with blank lines between tokens. A
 # schema's own "x-guidance" options override these.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# What llguidance's converter takes for Lark rather than GBNF: a line that starts (after
+# blanks) with `%llguidance` or a `start` rule. Blanks exclude the newline, so each line
+# start is tried once (`^\s*` also matched newlines: quadratic on a text of blank lines).
+_LARK_SYNTAX = re.compile(r"(?m)^[^\S\n]*(?:%llguidance\b|start\s*:)")
 
 
 def _one_line(error: str) -> str:
@@ -171,10 +448,29 @@ def _grammar_text(structured: StructuredOutput) -> str:
             return llguidance.grammar_from("choice", list(structured.choice or ()))
         if kind == "regex":
             return llguidance.grammar_from("regex", structured.regex or "")
-        # Lark as it is; GBNF (llama.cpp's `::=` rules) is converted.
-        return llguidance.grammar_from("grammar", structured.grammar or "")
+        return llguidance.LLMatcher.grammar_from_lark(_lark(structured.grammar or ""))
     except ValueError as error:
         raise InvalidRequest(f"{kind} is not valid: {error}", field=f"structured.{kind}") from None
+
+
+def _lark(grammar: str) -> str:
+    """A grammar in Lark syntax: as it is, or converted from llama.cpp's GBNF (`::=` rules)
+    once its size is known to bound the conversion's work."""
+    if _LARK_SYNTAX.search(grammar):
+        return grammar
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    rules = grammar.count("::=")
+    if (rules + 1) * len(grammar) > MAX_GBNF_WORK:
+        raise InvalidRequest(
+            f"a GBNF grammar of {rules:,} rules in {len(grammar):,} characters is too large to "
+            f"convert (rules x characters must stay under {MAX_GBNF_WORK:,}); write it in "
+            "Lark syntax (a `start:` rule), which is compiled without conversion",
+            field="structured.grammar")
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as error:  # the converter raises plain exceptions, RecursionError too
+        raise ValueError(f"Failed to convert the grammar from GBNF to Lark: {error}") from None
 
 
 class _VocabularyView:
@@ -220,27 +516,15 @@ def _build_grammar_tokenizer(tokenizer: Any) -> Any:
     )
 
 
-_executor_lock = threading.Lock()
-_shared_executor: Any = None
-
-
-def _executor() -> Any:
-    """llguidance's thread pool for batched masks, one per process."""
-    global _shared_executor
-    with _executor_lock:
-        if _shared_executor is None:
-            import llguidance
-
-            _shared_executor = llguidance.LLExecutor()
-        return _shared_executor
-
-
 __all__ = [
+    "COMPILE_SECONDS",
     "JSON_LAYOUT",
+    "MAX_COMPILE_DEPTH",
+    "PARSER_LIMITS",
     "Advanced",
+    "CompileThreads",
     "Constraint",
     "GrammarCompiler",
     "StructuredOutput",
-    "advance_constraints",
     "mask_words",
 ]

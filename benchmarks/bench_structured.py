@@ -18,8 +18,9 @@ prefill through the prefix cache (checked: every request must report 0 cached to
 
 Then, one request at a time: decode steps per answer with and without fast-forward
 (`engine.stats().steps` deltas); the mask time per token (the `json_noff` answers of the largest
-N replayed through fresh constraints: `advance_constraints` per token, one row, and per step
-with all rows in lockstep as the sampler's thread runs it, plus the CPU backend's
+N replayed through fresh constraints: `Constraint.advance` per token, one row, and per step
+with all rows in lockstep on the constraint workers' threads as the engine runs them (off
+the shared step: each row's sequence waits only for its own), plus the CPU backend's
 `apply_token_masks` of that step); and the time to build llguidance's tokenizer for each model
 (gemma-3-270m, SmolLM2-135M, the tiny llama of the tests).
 
@@ -37,6 +38,7 @@ import importlib.metadata
 import json
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -48,7 +50,8 @@ from actors.compute.contract import RowInputs, apply_token_masks
 from actors.messages import Completion
 from actors.model.default_model import default_model_path
 from actors.model.loaded import open_model
-from actors.structured import GrammarCompiler, advance_constraints
+from actors.sampling.constraints import CONSTRAINT_THREADS
+from actors.structured import GrammarCompiler
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_LLAMA = ROOT / "tests" / "reference" / "models" / "llama-q4k-tiny.gguf"
@@ -168,39 +171,42 @@ async def steps_per_answer(engine: Engine, count: int, max_tokens: int) -> dict[
 
 def mask_times(compiler: GrammarCompiler, answers: Sequence[Completion],
                vocab_size: int) -> dict[str, Any]:
-    """Replay each answer's tokens through fresh constraints, timing `advance_constraints`:
-    per token for one row alone, and per step for all the rows together; with the rows
+    """Replay each answer's tokens through fresh constraints, timing `Constraint.advance`:
+    per token for one row alone, and per step for all the rows together (on
+    `CONSTRAINT_THREADS` threads, as the engine's constraint workers run them); with the rows
     together, also the backend's share: `apply_token_masks` on the step's logits (the CPU
     backend's masking of the rows, before penalties and candidates)."""
     structured = StructuredOutput(json_schema=SCHEMA, fast_forward=False)
+    budget = max(len(answer.token_ids) for answer in answers) + 1
     alone: list[float] = []
     for answer in answers:
-        constraint = compiler.constraint(structured, max_leading=0)
+        constraint = compiler.constraint(structured, budget)
         for token in answer.token_ids:
             started = time.perf_counter()
-            (advanced,) = advance_constraints([constraint], [token])
+            advanced = constraint.advance(token)
             alone.append(time.perf_counter() - started)
             if advanced.error is not None:
                 raise RuntimeError(advanced.error)
             if advanced.done:
                 break
-    rows = [(compiler.constraint(structured, max_leading=0), list(answer.token_ids))
+    rows = [(compiler.constraint(structured, budget), list(answer.token_ids))
             for answer in answers]
     together: list[float] = []
     masking: list[float] = []
     logits = np.random.default_rng(0).standard_normal((len(rows), vocab_size), np.float32)
-    for position in range(max(len(tokens) for _, tokens in rows)):
-        going = [(c, tokens[position]) for c, tokens in rows
-                 if position < len(tokens) and not c.done]
-        if not going:
-            break
-        started = time.perf_counter()
-        advance_constraints([c for c, _ in going], [t for _, t in going])
-        together.append(time.perf_counter() - started)
-        masked = [RowInputs(allowed=c.allowed) for c, _ in going if not c.done]
-        started = time.perf_counter()
-        apply_token_masks(logits[:len(masked)], masked)
-        masking.append(time.perf_counter() - started)
+    with ThreadPoolExecutor(CONSTRAINT_THREADS) as workers:
+        for position in range(max(len(tokens) for _, tokens in rows)):
+            going = [(c, tokens[position]) for c, tokens in rows
+                     if position < len(tokens) and not c.done]
+            if not going:
+                break
+            started = time.perf_counter()
+            list(workers.map(lambda row: row[0].advance(row[1]), going))
+            together.append(time.perf_counter() - started)
+            masked = [RowInputs(allowed=c.allowed) for c, _ in going if not c.done]
+            started = time.perf_counter()
+            apply_token_masks(logits[:len(masked)], masked)
+            masking.append(time.perf_counter() - started)
     alone_us, together_ms = np.array(alone) * 1e6, np.array(together) * 1e3
     masking_ms = np.array(masking) * 1e3
     return {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
 
@@ -17,10 +18,11 @@ import pytest
 from structured_schemas import SCHEMAS
 
 from actors import Engine, InvalidRequest, SamplingParams, StructuredOutput
+from actors.messages import Chunk
 from actors.model.candidates import RowInputs, apply_token_masks
 from actors.model.gguf.reader import open_gguf
 from actors.model.text.tokenizer import Tokenizer
-from actors.structured import GrammarCompiler, advance_constraints, mask_words
+from actors.structured import GrammarCompiler, mask_words
 
 PERSON = {
     "type": "object",
@@ -129,7 +131,7 @@ def test_a_constraint_walks_a_valid_answer_forcing_what_the_grammar_fixes(
     tiny_tokenizer: Tokenizer,
 ) -> None:
     compiler = GrammarCompiler(tiny_tokenizer)
-    constraint = compiler.constraint(StructuredOutput(json_schema=PERSON), max_leading=64)
+    constraint = compiler.constraint(StructuredOutput(json_schema=PERSON), budget=64)
     assert constraint.allowed.size == mask_words(tiny_tokenizer.vocab_size)
     answer = tiny_tokenizer.encode('{"name": "Ann", "age": 7, "city": "Oslo"}', add_bos=False)
     # The first key is forced before any choice (up to where a token could still merge with
@@ -142,7 +144,7 @@ def test_a_constraint_walks_a_valid_answer_forcing_what_the_grammar_fixes(
             assert expected_forced.pop(0) == token
             continue
         assert token in allowed_tokens(constraint.allowed, tiny_tokenizer.vocab_size)
-        (advanced,) = advance_constraints([constraint], [token])
+        advanced = constraint.advance(token)
         assert advanced.error is None
         expected_forced = list(advanced.forced)
         forced_total += len(advanced.forced)
@@ -152,11 +154,11 @@ def test_a_constraint_walks_a_valid_answer_forcing_what_the_grammar_fixes(
 
 def test_a_refused_token_is_an_error_of_that_constraint_only(tiny_tokenizer: Tokenizer) -> None:
     compiler = GrammarCompiler(tiny_tokenizer)
-    digits, word = (compiler.constraint(StructuredOutput(regex=r"[0-9]{3}"), max_leading=64),
-                    compiler.constraint(StructuredOutput(choice=["yes", "no"]), max_leading=64))
+    digits, word = (compiler.constraint(StructuredOutput(regex=r"[0-9]{3}"), budget=64),
+                    compiler.constraint(StructuredOutput(choice=["yes", "no"]), budget=64))
     letter = tiny_tokenizer.encode("x", add_bos=False)[-1]
     first_of_yes = tiny_tokenizer.encode("yes", add_bos=False)[0]
-    refused, accepted = advance_constraints([digits, word], [letter, first_of_yes])
+    refused, accepted = digits.advance(letter), word.advance(first_of_yes)
     assert refused.error is not None and "refused token" in refused.error
     assert "\n" not in refused.error
     assert accepted.error is None
@@ -175,14 +177,14 @@ def test_what_does_not_compile_is_an_invalid_request(
     tiny_tokenizer: Tokenizer, structured: StructuredOutput, field: str
 ) -> None:
     with pytest.raises(InvalidRequest) as caught:
-        GrammarCompiler(tiny_tokenizer).constraint(structured, max_leading=64)
+        GrammarCompiler(tiny_tokenizer).constraint(structured, budget=64)
     assert caught.value.field == field
     assert "\n" not in str(caught.value)
 
 
 def test_gbnf_is_converted(tiny_tokenizer: Tokenizer) -> None:
     constraint = GrammarCompiler(tiny_tokenizer).constraint(
-        StructuredOutput(grammar='root ::= "ab" [0-9]'), max_leading=64
+        StructuredOutput(grammar='root ::= "ab" [0-9]'), budget=64
     )
     assert tiny_tokenizer.decode(list(constraint.leading)) == "ab"  # forced at once
     first = allowed_tokens(constraint.allowed, tiny_tokenizer.vocab_size)
@@ -222,23 +224,54 @@ async def test_a_grammar_cut_by_max_tokens_ends_with_length(tiny_path: Path) -> 
 
 
 @pytest.mark.anyio
-async def test_streaming_stop_strings_and_logprobs_with_a_schema(tiny_path: Path) -> None:
+async def test_streaming_and_logprobs_with_a_schema(tiny_path: Path) -> None:
     async with Engine.open(tiny_path, backend="cpu") as engine:
         params = greedy(StructuredOutput(json_schema=PERSON), logprobs=2)
         whole = await engine.complete(schema_prompt(PERSON), params)
         jsonschema.validate(json.loads(whole.text), PERSON)
-        chunks = []
-        async with aclosing(engine.generate(schema_prompt(PERSON), params)) as stream:
-            async for chunk in stream:
-                chunks.append(chunk)
+        chunks = await drained(engine.generate(schema_prompt(PERSON), params))
         assert "".join(c.text for c in chunks) == whole.text
-        scored = [c for c in chunks if c.logprob is not None]
-        # The model chose some tokens (scored); the grammar forced the others (no logprob).
-        assert scored and len(scored) < len(whole.token_ids)
-        assert all(c.logprob <= 0 and len(c.top_logprobs) == 2 for c in scored)
-        stopped = await engine.complete(schema_prompt(PERSON), msgspec.structs.replace(
-            params, stop=('"age"',)))
-        assert stopped.finish_reason == "stop" and stopped.text == whole.text.split('"age"')[0]
+        tokens = [c for c in chunks if c.token_id is not None]
+        # The grammar forced some tokens: logprob 0, the only token it allowed; the model
+        # chose the others among what it allowed.
+        forced = [c for c in tokens if c.top_logprobs == ((c.token_id, 0.0),)]
+        chosen = [c for c in tokens if c not in forced]
+        assert forced and chosen and all(c.logprob == 0.0 for c in forced)
+        assert all(c.logprob <= 0 and len(c.top_logprobs) == 2 for c in chosen)
+
+
+@pytest.mark.anyio
+async def test_a_stop_string_that_cuts_a_constrained_answer_is_an_error(tiny_path: Path) -> None:
+    async with Engine.open(tiny_path, backend="cpu") as engine:
+        params = greedy(StructuredOutput(json_schema=PERSON))
+        whole = await engine.complete(schema_prompt(PERSON), params)
+        cut_params = msgspec.structs.replace(params, stop=('"age"',))
+        with pytest.raises(InvalidRequest, match="does not match") as cut:
+            await engine.complete(schema_prompt(PERSON), cut_params)
+        assert cut.value.field == "stop"
+        # A stream gets the text up to the stop string, then the error.
+        chunks: list = []
+        with pytest.raises(InvalidRequest):
+            async with aclosing(engine.generate(schema_prompt(PERSON), cut_params)) as stream:
+                async for chunk in stream:
+                    chunks.append(chunk)
+        assert "".join(c.text for c in chunks) == whole.text.split('"age"')[0]
+        assert all(c.finish_reason is None for c in chunks)
+        # A stop token the grammar allows inside the answer cuts it too.
+        digits = greedy(StructuredOutput(regex=r"[0-9]{6}"))
+        third = (await engine.complete("Age:", digits)).token_ids[2]
+        with pytest.raises(InvalidRequest) as by_token:
+            await engine.complete("Age:", msgspec.structs.replace(digits, stop_token_ids=(third,)))
+        assert by_token.value.field == "stop_token_ids"
+        # A stop string the complete answer never reaches changes nothing.
+        untouched = await engine.complete(schema_prompt(PERSON), msgspec.structs.replace(
+            params, stop=("NEVER",)))
+        assert untouched.text == whole.text and untouched.finish_reason == "stop"
+
+
+async def drained(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
+    async with aclosing(chunks) as stream:
+        return [chunk async for chunk in stream]
 
 
 @pytest.mark.anyio

@@ -11,7 +11,8 @@ Modules: `state` (one sequence's SamplingParams, Generator, token history and co
 row's TokenChoice or RowFailed), `from_candidates` (`start_choice`), `whole_row`
 (`finish_choice`: candidate tables from whole rows), `nucleus` (top-p nuclei too wide to
 sort), `batch` (the params as per-row arrays and CDF inversion, which the paths share),
-`pipeline` (`choose_tokens`) and `actor` (`SamplerActor` and its messages).
+`pipeline` (`choose_tokens`), `actor` (`SamplerActor` and its messages) and `constraints`
+(`ConstraintWorkers`: a constrained row's token fed to its constraint, off the shared step).
 
 One row goes through (the Hugging Face / vLLM order):
 
@@ -46,12 +47,20 @@ from actors.sampling.actor import (
     StepSampled,
     sample,
 )
+from actors.sampling.constraints import (
+    AdvanceConstraint,
+    ConstraintAdvanced,
+    ConstraintWorkers,
+)
 from actors.sampling.from_candidates import PendingChoice, start_choice
 from actors.sampling.pipeline import choose_tokens
 from actors.sampling.state import RowFailed, SequenceSampling, TokenChoice
 from actors.sampling.whole_row import finish_choice
 
 __all__ = [
+    "AdvanceConstraint",
+    "ConstraintAdvanced",
+    "ConstraintWorkers",
     "PendingChoice",
     "RowFailed",
     "RowsWanted",

@@ -3,7 +3,6 @@ the messages it exchanges with the scheduler."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -12,9 +11,8 @@ from actors.channels import LoopSender, ThreadReceiver
 from actors.compute.actor import run_in_own_thread
 from actors.compute.contract import Candidates
 from actors.sampling.from_candidates import PendingChoice, start_choice
-from actors.sampling.state import RowFailed, SequenceSampling, TokenChoice
+from actors.sampling.state import RowFailed, TokenChoice
 from actors.sampling.whole_row import finish_choice
-from actors.structured import advance_constraints
 
 
 class SampleStep(msgspec.Struct, frozen=True, kw_only=True):
@@ -97,30 +95,10 @@ def sample(message: SampleStep | SampleRows) -> StepSampled | RowsWanted | Sampl
             choices = list(pending.choices)
         else:
             choices = finish_choice(message.pending, message.logits, message.samplers)
-        _advance_constraints(message.samplers, choices)
         for sampler, choice in zip(message.samplers, choices):
             if isinstance(choice, TokenChoice):
-                for token in (choice.token, *choice.forced):
-                    sampler.record(token)
+                sampler.record(choice.token)
     except Exception as exc:
         return SamplingFailed(step_id=message.step_id, error=f"{type(exc).__name__}: {exc}")
     return StepSampled(step_id=message.step_id, choices=tuple(choices))
 
-
-def _advance_constraints(
-    samplers: Sequence[SequenceSampling], choices: list[TokenChoice | RowFailed]
-) -> None:
-    """Feed each constrained row's chosen token to its constraint, in place in `choices`:
-    the tokens it forces then, whether it is complete, or a failed row if it refused."""
-    rows = [row for row, (sampler, choice) in enumerate(zip(samplers, choices))
-            if sampler.constraint is not None and isinstance(choice, TokenChoice)]
-    if not rows:
-        return
-    advanced = advance_constraints(
-        [samplers[row].constraint for row in rows], [choices[row].token for row in rows]
-    )
-    for row, result in zip(rows, advanced):
-        choices[row] = (
-            RowFailed(error=result.error) if result.error is not None else
-            msgspec.structs.replace(choices[row], forced=result.forced, done=result.done)
-        )

@@ -28,15 +28,11 @@ UNFILTERED_MASS = 0.99
 
 
 class TokenChoice(msgspec.Struct, frozen=True):
-    """The token chosen for one row, and its logprobs when the request asked for them; for a
-    constrained row, the tokens its grammar forces after it (they join the sequence without
-    a decode step each) and whether the grammar is complete."""
+    """The token chosen for one row, and its logprobs when the request asked for them."""
 
     token: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
-    forced: tuple[int, ...] = ()
-    done: bool = False
 
 
 class RowFailed(msgspec.Struct, frozen=True):
@@ -93,10 +89,9 @@ class SequenceSampling:
 
     @property
     def decided_inline(self) -> bool:
-        """Its token is its row's first candidate and nothing is left to do after: a greedy
-        row without a constraint (a constraint's next mask is computed in the sampler's
-        thread, never on the event loop)."""
-        return self.greedy and self.constraint is None
+        """Its token is its row's first candidate: a greedy row (a constraint then takes the
+        token in a constraint worker's thread, never on the event loop)."""
+        return self.greedy
 
     def row_inputs(self) -> RowInputs:
         """What the backend needs for this sequence's next logits row: its allowed tokens
