@@ -174,15 +174,16 @@ class Constraint:
     def _failure(self, what: str) -> str:
         matcher = self._matcher
         error = _one_line(matcher.get_error())
-        limits = matcher.stop_reason() in _LIMIT_REASONS or "too many" in error
+        limits = matcher.stop_reason() in _LIMIT_REASONS or "too many" in error.lower()
         hint = (" (it reached the engine's parser limits, actors.structured.PARSER_LIMITS: it "
                 "forces more text at once, or needs more lexer work, than they allow; simplify "
                 "it)" if limits else "")
         return f"the structured output constraint {what}{hint}: {error}"
 
 
-# llguidance's stop reasons for a matcher that ran into its limits (running out of lexer
-# fuel is an internal error whose message says "too many expressions constructed").
+# llguidance's stop reasons for a matcher that ran into its limits (running out of lexer fuel
+# or Earley items is an error whose message says "too many expressions constructed", "too
+# many items").
 _LIMIT_REASONS = ("LexerTooComplex", "ParserTooComplex", "MaxTokensTotal", "MaxTokensParser")
 
 

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.fuzz import (  # noqa: E402
+    constraints,
     engine_options,
     gguf_counts,
     gguf_structure,
@@ -42,6 +43,7 @@ TARGETS = {
     "logs": logs.TARGET,
     "special-tokens": special_tokens.TARGET,
     "gguf-counts": gguf_counts.TARGET,
+    "constraints": constraints.TARGET,
 }
 
 
@@ -83,6 +85,9 @@ def main() -> int:
         inputs = sum(outcomes.values()) + len(escapes)
         found += len(escapes)
         kinds = ", ".join(f"{kind} {count:,}" for kind, count in outcomes.most_common())
+        if name == "constraints":  # its cases run on an engine's loop, which a ticker watches
+            kinds += (f"; worst loop stall {constraints.WORST_STALL['ms']} ms "
+                      f"({constraints.WORST_STALL['case']:.120})")
         if args.markdown:
             command = f"`python benchmarks/fuzz.py --target {name} --examples {args.examples}`"
             print(f"| fuzz: {target.name} | {command} | {inputs:,} inputs, "

@@ -1,11 +1,12 @@
 """The server's edge, in process over the fake engine (issue 34): a large body is read into a
-request in a worker thread while the loop answers others, a small one on the loop; requests
-naming a host the server does not answer to (DNS rebinding) or from a page of another origin
-are 403, and one with too many header fields is 431, each an OpenAI error object naming the
-problem."""
+request in a worker thread, with the garbage collector paused, while the loop answers others,
+a small one on the loop; requests naming a host the server does not answer to (DNS rebinding)
+or from a page of another origin are 403, and one with too many header fields is 431, each an
+OpenAI error object naming the problem."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 
@@ -76,6 +77,26 @@ async def test_a_large_body_is_read_in_a_worker_thread_while_the_loop_answers() 
     large_reader, small_reader = readers
     assert large_reader is not threading.main_thread()
     assert small_reader is threading.main_thread()
+
+
+async def test_a_large_body_is_read_with_the_collector_paused_until_it_is_read() -> None:
+    """Paused for a large body's reading only, whether it is served or refused."""
+    collecting: list[bool] = []
+
+    def recording(body: bytes, **options: object):
+        collecting.append(gc.isenabled())
+        return completion_generation(body, **options)
+
+    large = completion(user="u" * (2 * CONVERT_ON_LOOP_BYTES))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(app_module, "completion_generation", recording)
+        async with serving(lambda: open_fake(CountingBackend())) as client:
+            await until_ready(client)
+            served = await client.post("/v1/completions", json=large)
+            refused = await client.post("/v1/completions", json={**large, "max_tokens": -1})
+            small = await client.post("/v1/completions", json=completion())
+    assert [served.status_code, refused.status_code, small.status_code] == [200, 400, 200]
+    assert collecting == [False, False, True] and gc.isenabled()
 
 
 @pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "localhost.evil.example",

@@ -271,8 +271,8 @@ async def test_a_template_refusal_is_400_with_its_message() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ("greeting", "Expected `object | null`, got `str`"),
-    (["greeting", "Hello"], "Expected `object | null`, got `array`"),
+    ("greeting", "must be an object mapping names to JSON values, not str"),
+    (["greeting", "Hello"], "must be an object mapping names to JSON values, not list"),
     ({"messages": []}, "may not set 'messages'"),
     ({"add_generation_prompt": False}, "may not set 'add_generation_prompt'"),
     ({"greeting-text": "Hello"}, "the key 'greeting-text'"),

@@ -7,12 +7,18 @@ import json
 
 import pytest
 
-from actors.errors import InvalidRequest
+from actors.errors import ContextLengthExceeded, InvalidRequest
+from actors.model.text.chat import MAX_TEMPLATE_KWARGS_CHARS
+from actors.params import MAX_CONSTRAINT_CHARS
 from actors.serve.protocol import (
+    AS_SENT,
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_ARGUMENTS_JSON_BYTES,
+    MAX_TOOL_CHOICE_JSON_BYTES,
     chat_generation,
     completion_generation,
 )
+from actors.serve.tools import MAX_TOOLS_JSON_BYTES
 
 CONTEXT = 8192
 
@@ -37,7 +43,7 @@ def test_completion_defaults_and_fields() -> None:
 
 
 @pytest.mark.parametrize(("prompt", "expected"), [
-    ([1, 2, 3], [1, 2, 3]), (["one"], "one"), ([[4, 5]], [4, 5]),
+    ([1, 2, 3], [1, 2, 3]), (["one"], "one"), ([[4, 5]], [4, 5]), ([[["deep"]]], "deep"), ([], []),
 ])
 def test_prompts_of_one(prompt: object, expected: object) -> None:
     assert completion_generation(body(prompt=prompt)).prompt == expected
@@ -125,6 +131,9 @@ def test_chat_refusals_name_the_field(fields: dict[str, object], field: str) -> 
     ({"best_of": 3}, "best_of"),
     ({"prompt": [1, "two"]}, "prompt"),
     ({"prompt": [True]}, "prompt"),
+    ({"prompt": [[[[]]]] * 1000}, "prompt"),
+    ({"prompt": [[1], [2]]}, "prompt"),
+    ({"prompt": {"text": "hi"}}, "prompt"),
     ({"logprobs": 21}, "logprobs"),
     ({"max_tokens": "many"}, "max_tokens"),
 ])
@@ -150,3 +159,62 @@ def test_an_unknown_role_lists_every_role_the_server_takes() -> None:
     assert "'wizard'" in message
     for role in ("system", "user", "assistant", "tool", "developer"):
         assert role in message
+
+
+# --- what a body builds, bounded before it is built (issue 34) --------------------------------
+
+
+@pytest.mark.parametrize(("messages", "field"), [
+    # The first item is malformed: the length is checked before any item is read.
+    ([{"role": 5}] * CONTEXT, "messages"),
+    ([{"role": "user", "content": [{"type": "image_url"}] * CONTEXT}], "messages[0].content"),
+    ([{"role": "assistant", "tool_calls": [{"call": None}] * CONTEXT}], "messages[0].tool_calls"),
+])
+def test_a_chat_list_longer_than_the_context_is_refused_from_its_length(
+        messages: list[object], field: str) -> None:
+    with pytest.raises(ContextLengthExceeded) as caught:
+        chat_generation(body(messages=messages), CONTEXT)
+    assert caught.value.field == field
+    assert f"{CONTEXT:,} items" in str(caught.value) and f"{CONTEXT:,} tokens" in str(caught.value)
+    shorter = chat_generation(body(messages=[{"role": "user", "content": "hi"}] * (CONTEXT - 1)),
+                              CONTEXT)
+    assert len(shorter.messages) == CONTEXT - 1
+
+
+def padded(size: int) -> str:
+    return "x" * size
+
+
+@pytest.mark.parametrize(("fields", "field", "limit"), [
+    # Each holds something malformed that reading would report: the size is checked first.
+    ({"guided_json": "{" + padded(AS_SENT * MAX_CONSTRAINT_CHARS)}, "guided_json",
+     AS_SENT * MAX_CONSTRAINT_CHARS),
+    ({"response_format": {"type": "bogus", "pad": padded(AS_SENT * MAX_CONSTRAINT_CHARS)}},
+     "response_format", AS_SENT * MAX_CONSTRAINT_CHARS),
+    ({"chat_template_kwargs": {"not a name": padded(AS_SENT * MAX_TEMPLATE_KWARGS_CHARS)}},
+     "chat_template_kwargs", AS_SENT * MAX_TEMPLATE_KWARGS_CHARS),
+    ({"tool_choice": {"type": "bogus", "pad": padded(MAX_TOOL_CHOICE_JSON_BYTES)}},
+     "tool_choice", MAX_TOOL_CHOICE_JSON_BYTES),
+    ({"tools": [{"type": "bogus", "pad": padded(AS_SENT * MAX_TOOLS_JSON_BYTES)}]}, "tools",
+     AS_SENT * MAX_TOOLS_JSON_BYTES),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {
+        "name": "f", "arguments": "[" + padded(MAX_ARGUMENTS_JSON_BYTES)}}]}]},
+     "messages[0].tool_calls", MAX_ARGUMENTS_JSON_BYTES),
+])
+def test_a_field_past_its_size_is_refused_before_it_is_read(fields: dict[str, object],
+                                                            field: str, limit: int) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        chat_generation(body(**{"messages": [{"role": "user", "content": "hi"}], **fields}),
+                        CONTEXT)
+    assert caught.value.field == field
+    assert f"bytes of JSON; this server reads at most {limit:,}" in str(caught.value)
+
+
+def test_what_a_message_holds_beyond_its_fields_is_never_read() -> None:
+    unread = {"name": {"nested": [[[[]]]] * 10_000}, "audio": None, "refusal": [1, {"x": 2}]}
+    generation = chat_generation(body(messages=[
+        {"role": "user", "content": [{"type": "text", "text": "a", "cache": [[]] * 10}], **unread},
+        {"role": "tool", "content": "18 C", "tool_call_id": {"not": "a string"}},
+    ]), CONTEXT)
+    assert generation.messages == [{"role": "user", "content": "a"},
+                                   {"role": "tool", "content": "18 C"}]

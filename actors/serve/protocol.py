@@ -5,6 +5,13 @@ type names its field), then checked the way the OpenAI API checks them: one choi
 no features the engine lacks (`echo`, `suffix`, `logit_bias`...). Unknown fields are ignored,
 as OpenAI-compatible servers do, so newer clients keep working.
 
+What a body builds is bounded before it is built. Unknown fields are skipped unread; fields
+that may be large or nested (the prompt, the messages, the tools, schemas, template variables)
+stay undecoded (`msgspec.Raw`) until their length or size is checked, and are then read a
+piece at a time: a list longer than the context has tokens, or a schema past its size, is
+refused having built nothing (a few MB of nested JSON would otherwise build millions of Python
+objects, and the garbage collector's passes over them would hold every thread).
+
 A chat request may pass its template more variables in vLLM's `chat_template_kwargs` (e.g.
 `{"enable_thinking": false}` for Qwen3), as transformers' apply_chat_template takes them.
 
@@ -16,15 +23,26 @@ enforced tool call), and its errors name the field the client used.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
 
-from actors.errors import InvalidRequest
-from actors.model.text.chat import CHAT_ROLES, check_template_kwargs
-from actors.params import SamplingParams, StructuredOutput, field_of
-from actors.serve.tools import ToolCallFormat, ToolChoice, tool_choice
+from actors.errors import ContextLengthExceeded, InvalidRequest
+from actors.model.text.chat import (
+    CHAT_ROLES,
+    MAX_TEMPLATE_KWARGS_CHARS,
+    TEMPLATE_KWARGS_FIELD,
+    check_template_kwargs,
+)
+from actors.params import MAX_CONSTRAINT_CHARS, SamplingParams, StructuredOutput, field_of
+from actors.serve.tools import (
+    MAX_TOOLS_JSON_BYTES,
+    ToolCallFormat,
+    ToolChoice,
+    check_tool_count,
+    tool_choice,
+)
 
 # OpenAI's default for /v1/completions; chat answers run to the end of the context instead.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -41,6 +59,15 @@ ROLE_ALIASES = {"developer": "system"}
 # The roles a request may send, as its role error lists them.
 ROLES_TEXT = ", ".join([*CHAT_ROLES, *(f"{alias} (read as {role})"
                                        for alias, role in ROLE_ALIASES.items())])
+# The most JSON a field may take as sent before it is read: twice what its value may take
+# compact (a schema MAX_CONSTRAINT_CHARS, template variables MAX_TEMPLATE_KWARGS_CHARS, the
+# tools MAX_TOOLS_JSON_BYTES), for indentation and spaces.
+AS_SENT = 2
+# tool_choice names one function: {"type": "function", "function": {"name": <64 characters>}}.
+MAX_TOOL_CHOICE_JSON_BYTES = 1 << 10
+# A tool call's arguments, as JSON: a megabyte of JSON is some 300k tokens, more than the
+# contexts this engine runs hold.
+MAX_ARGUMENTS_JSON_BYTES = 1 << 20
 
 
 RequestT = TypeVar("RequestT", bound="_Request")
@@ -51,7 +78,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 
 class _Request(msgspec.Struct, kw_only=True):
-    """Fields both endpoints share (None = not given)."""
+    """Fields both endpoints share (None, or an empty Raw, = not given)."""
 
     model: str
     stream: bool | None = None
@@ -72,15 +99,15 @@ class _Request(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     # Structured output: OpenAI's field, and vLLM's.
-    response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
+    response_format: msgspec.Raw = msgspec.Raw()
+    guided_json: msgspec.Raw = msgspec.Raw()
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[Any]
+    prompt: msgspec.Raw
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -88,13 +115,38 @@ class CompletionRequest(_Request):
 
 
 class ChatRequest(_Request):
-    messages: list[Any]
+    messages: list[msgspec.Raw]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[msgspec.Raw] | None = None
+    tool_choice: msgspec.Raw = msgspec.Raw()
+    chat_template_kwargs: msgspec.Raw = msgspec.Raw()
+
+
+class _Message(msgspec.Struct, gc=False):
+    """A chat message as sent: what this server reads of it (the rest is skipped unread;
+    what may be large stays undecoded until its length is checked)."""
+
+    role: str | None = None
+    content: msgspec.Raw = msgspec.Raw()
+    tool_calls: msgspec.Raw = msgspec.Raw()
+    tool_call_id: msgspec.Raw = msgspec.Raw()
+
+
+class _TextPart(msgspec.Struct, gc=False):
+    type: str | None = None
+    text: str | None = None
+
+
+class _CalledFunction(msgspec.Struct, gc=False):
+    name: str
+    arguments: msgspec.Raw = msgspec.Raw()
+
+
+class _SentToolCall(msgspec.Struct, gc=False):
+    function: _CalledFunction
+    id: str | int | None = None
 
 
 class Generation(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,7 +189,7 @@ def completion_generation(body: bytes, max_tokens_limit: int | None = None) -> G
     max_tokens, field = _max_tokens({"max_tokens": request.max_tokens},
                                     COMPLETIONS_DEFAULT_MAX_TOKENS, max_tokens_limit)
     return _generation(request, max_tokens, field, request.logprobs,
-                       prompt=_one_prompt(request.prompt))
+                       prompt=one_prompt(request.prompt))
 
 
 def chat_generation(body: bytes, context_length: int,
@@ -154,11 +206,47 @@ def chat_generation(body: bytes, context_length: int,
                                     context_length, max_tokens_limit)
     # A bad value is named as the client spelled it.
     renamed = {"logprobs": "top_logprobs", "max_tokens": field or "max_tokens"}
-    tools = tool_choice(request.tools, request.tool_choice)
+    tools = _tool_choice(request)
     return _generation(request, max_tokens, field, logprobs,
-                       messages=chat_messages(request.messages), renamed=renamed,
+                       messages=chat_messages(request.messages, context_length), renamed=renamed,
                        tools=tools if tools is not None and tools.mode != "none" else None,
-                       chat_template_kwargs=check_template_kwargs(request.chat_template_kwargs))
+                       chat_template_kwargs=template_kwargs(request))
+
+
+def template_kwargs(request: ChatRequest) -> dict[str, Any]:
+    """The request's chat_template_kwargs, checked (empty where it has none)."""
+    return check_template_kwargs(_read_field(
+        request.chat_template_kwargs, TEMPLATE_KWARGS_FIELD,
+        AS_SENT * MAX_TEMPLATE_KWARGS_CHARS))
+
+
+def _tool_choice(request: ChatRequest) -> ToolChoice | None:
+    """The request's tools, counted and sized before any is read, and its tool_choice."""
+    choice = _read_field(request.tool_choice, "tool_choice", MAX_TOOL_CHOICE_JSON_BYTES)
+    if request.tools is None:
+        return tool_choice(None, choice)
+    check_tool_count(len(request.tools))
+    _check_json_size("tools", sum(map(len, request.tools)), AS_SENT * MAX_TOOLS_JSON_BYTES,
+                     field="tools")
+    return tool_choice([msgspec.json.decode(tool) for tool in request.tools], choice)
+
+
+def _read_field(raw: msgspec.Raw, field: str, max_bytes: int, kind: Any = Any) -> Any:
+    """A field left undecoded (None where it is absent), read as `kind` once its JSON is known
+    to take at most `max_bytes`: a larger one is refused having built nothing."""
+    if not raw:
+        return None
+    _check_json_size(field, len(raw), max_bytes, field=field)
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as error:
+        raise InvalidRequest(f"{field}: {error}", field=field) from None
+
+
+def _check_json_size(what: str, size: int, max_bytes: int, field: str) -> None:
+    if size > max_bytes:
+        raise InvalidRequest(f"{what}: {size:,} bytes of JSON; this server reads at most "
+                             f"{max_bytes:,}", field=field)
 
 
 def with_tool_grammar(generation: Generation, tool_format: ToolCallFormat) -> Generation:
@@ -242,7 +330,7 @@ def _structured(request: _Request) -> tuple[StructuredOutput | None, str | None]
     """The request's structured output and the field that asked for it; two fields asking at
     once are refused, naming the second."""
     asked = [(field, constraint) for field in STRUCTURED_FIELDS
-             if (constraint := _constraint(field, getattr(request, field))) is not None]
+             if (constraint := _constraint(field, _structured_value(request, field))) is not None]
     if not asked:
         return None, None
     if len(asked) > 1:
@@ -254,6 +342,17 @@ def _structured(request: _Request) -> tuple[StructuredOutput | None, str | None]
         return StructuredOutput(**constraint), field
     except InvalidRequest as error:
         raise InvalidRequest(f"{field}: {error}", field=field) from None
+
+
+def _structured_value(request: _Request, field: str) -> Any:
+    """A structured-output field's value; a schema is read once its size is checked."""
+    if field == "response_format":
+        return _read_field(request.response_format, field, AS_SENT * MAX_CONSTRAINT_CHARS,
+                           dict[str, Any] | None)
+    if field == "guided_json":
+        return _read_field(request.guided_json, field, AS_SENT * MAX_CONSTRAINT_CHARS,
+                           dict[str, Any] | str | None)
+    return getattr(request, field)
 
 
 def _constraint(field: str, value: Any) -> dict[str, Any] | None:
@@ -305,82 +404,134 @@ def _refuse_set(request: _Request, **unsupported: bool) -> None:
             raise InvalidRequest(f"{field} is not supported by this server", field=field)
 
 
-def _one_prompt(prompt: str | list[Any]) -> str | list[int]:
-    """A text or token-id prompt; a batch of one is unwrapped, larger batches are refused."""
-    if isinstance(prompt, str) or all(_is_token_id(token) for token in prompt):
-        return prompt
-    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return _one_prompt(prompt[0])
-    raise InvalidRequest(
-        "prompt must be a string or a list of token ids (one prompt per request)", field="prompt"
-    )
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
-    """Messages as chat templates take them: role and text content, an assistant's tool calls
-    (their arguments as objects, as templates write them back) and a tool result's call id."""
-    return [_chat_message(index, message) for index, message in enumerate(messages)]
-
-
-def _chat_message(index: int, message: Any) -> dict[str, Any]:
-    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-        raise InvalidRequest(
-            f"messages[{index}] must be an object with a string role", field="messages"
-        )
-    if message["role"] not in (*CHAT_ROLES, *ROLE_ALIASES):
-        raise InvalidRequest(
-            f"messages[{index}] has the role {message['role']!r}; the roles are {ROLES_TEXT}",
-            field="messages")
-    role = ROLE_ALIASES.get(message["role"], message["role"])
-    checked: dict[str, Any] = {"role": role,
-                               "content": _text_content(index, message.get("content"))}
-    if role == "assistant" and message.get("tool_calls"):
-        checked["tool_calls"] = _tool_calls(index, message["tool_calls"])
-    if role == "tool" and isinstance(message.get("tool_call_id"), str):
-        checked["tool_call_id"] = message["tool_call_id"]
-    return checked
-
-
-def _tool_calls(index: int, calls: Any) -> list[dict[str, Any]]:
-    """An assistant message's `tool_calls`, each function's arguments read from their JSON."""
-    field = f"messages[{index}].tool_calls"
-    if not isinstance(calls, list):
-        raise InvalidRequest(f"{field} must be a list of tool calls", field=field)
-    checked = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            raise InvalidRequest(f'{field}: each call must be {{"id": ..., "type": "function", '
-                                 '"function": {"name": ..., "arguments": "<JSON>"}}', field=field)
-        arguments = function.get("arguments", "{}")
+def one_prompt(raw: msgspec.Raw) -> str | list[int]:
+    """A completion's prompt: a text or token ids; a batch of one is unwrapped, larger batches
+    are refused. Each level is read as a text or ids first, else only as far as its length."""
+    while True:
         try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except (ValueError, RecursionError):
-            arguments = None
-        if not isinstance(arguments, dict):
-            raise InvalidRequest(f"{field}: the arguments of {function['name']!r} must be a JSON "
-                                 "object (as text)", field=field)
-        checked.append({"id": str(call.get("id", "")), "type": "function",
-                        "function": {"name": function["name"], "arguments": arguments}})
+            return msgspec.json.decode(raw, type=str | list[int])
+        except msgspec.ValidationError:
+            pass
+        try:
+            batch = msgspec.json.decode(raw, type=list[msgspec.Raw])
+        except msgspec.ValidationError:
+            batch = []
+        if len(batch) != 1:
+            raise InvalidRequest("prompt must be a string or a list of token ids (one prompt "
+                                 "per request)", field="prompt")
+        raw = batch[0]
+
+
+def chat_messages(messages: Sequence[msgspec.Raw], context_length: int) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: role and text content, an assistant's tool calls
+    (their arguments as objects, as templates write them back) and a tool result's call id.
+    A list in the chat (the messages, a message's text parts or tool calls) longer than the
+    context has tokens is refused from its length, unread: a message or a call writes at least
+    one token, and no chat has more text parts than that."""
+    _check_length(len(messages), "messages", context_length)
+    return [_chat_message(index, message, context_length)
+            for index, message in enumerate(messages)]
+
+
+def _check_length(count: int, field: str, context_length: int) -> None:
+    if count >= context_length:
+        raise ContextLengthExceeded(
+            f"{field} has {count:,} items; the context holds {context_length:,} tokens, and a "
+            "chat's lists may hold at most one item a token", field=field)
+
+
+def _chat_message(index: int, raw: msgspec.Raw, context_length: int) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    try:
+        message = msgspec.json.decode(raw, type=_Message)
+    except msgspec.ValidationError:
+        message = None
+    if message is None or message.role is None:
+        raise InvalidRequest(f"{where} must be an object with a string role", field="messages")
+    if message.role not in (*CHAT_ROLES, *ROLE_ALIASES):
+        raise InvalidRequest(
+            f"{where} has the role {message.role!r}; the roles are {ROLES_TEXT}",
+            field="messages")
+    role = ROLE_ALIASES.get(message.role, message.role)
+    checked: dict[str, Any] = {"role": role,
+                               "content": _text_content(where, message.content, context_length)}
+    calls = _tool_calls(where, message.tool_calls, context_length) if role == "assistant" else []
+    if calls:
+        checked["tool_calls"] = calls
+    call_id = _string_or_none(message.tool_call_id)
+    if role == "tool" and call_id is not None:
+        checked["tool_call_id"] = call_id
     return checked
 
 
-def _text_content(index: int, content: Any) -> str:
+def _string_or_none(raw: msgspec.Raw) -> str | None:
+    try:
+        return msgspec.json.decode(raw, type=str) if raw else None
+    except msgspec.ValidationError:
+        return None
+
+
+def _tool_calls(where: str, raw: msgspec.Raw, context_length: int) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, each function's arguments read from their JSON."""
+    field = f"{where}.tool_calls"
+    try:
+        calls = (msgspec.json.decode(raw, type=list[msgspec.Raw] | None) if raw else None) or []
+    except msgspec.ValidationError:
+        raise InvalidRequest(f"{field} must be a list of tool calls", field=field) from None
+    _check_length(len(calls), field, context_length)
+    return [_tool_call(field, call) for call in calls]
+
+
+def _tool_call(field: str, raw: msgspec.Raw) -> dict[str, Any]:
+    try:
+        call = msgspec.json.decode(raw, type=_SentToolCall)
+    except msgspec.ValidationError:
+        raise InvalidRequest(f'{field}: each call must be {{"id": ..., "type": "function", '
+                             '"function": {"name": ..., "arguments": "<JSON>"}}',
+                             field=field) from None
+    name = call.function.name
+    arguments = _arguments(f"{field}: the arguments of {name!r}", call.function.arguments, field)
+    return {"id": "" if call.id is None else str(call.id), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _arguments(what: str, raw: msgspec.Raw, field: str) -> dict[str, Any]:
+    """A call's arguments: a JSON object, or its JSON text (as OpenAI sends them)."""
+    if not raw:
+        return {}
+    _check_json_size(what, len(raw), MAX_ARGUMENTS_JSON_BYTES, field=field)
+    arguments = msgspec.json.decode(raw)
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except (ValueError, RecursionError):
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidRequest(f"{what} must be a JSON object (as text)", field=field)
+    return arguments
+
+
+def _text_content(where: str, raw: msgspec.Raw, context_length: int) -> str:
     """A message's text: a string, null, or a list of text parts (joined)."""
-    if content is None or isinstance(content, str):
+    field = f"{where}.content"
+    try:
+        content = msgspec.json.decode(raw, type=str | list[msgspec.Raw] | None) if raw else None
+    except msgspec.ValidationError:
+        raise _not_text(field) from None
+    if not isinstance(content, list):
         return content or ""
-    if isinstance(content, list) and all(
-        isinstance(part, Mapping) and part.get("type") == "text"
-        and isinstance(part.get("text"), str)
-        for part in content
-    ):
-        return "".join(part["text"] for part in content)
-    raise InvalidRequest(
-        f"messages[{index}].content must be a string or a list of text parts "
-        "(this server reads text only)",
-        field=f"messages[{index}].content",
-    )
+    _check_length(len(content), field, context_length)
+    texts = []
+    for part in content:
+        try:
+            text = msgspec.json.decode(part, type=_TextPart)
+        except msgspec.ValidationError:
+            raise _not_text(field) from None
+        if text.type != "text" or text.text is None:
+            raise _not_text(field)
+        texts.append(text.text)
+    return "".join(texts)
+
+
+def _not_text(field: str) -> InvalidRequest:
+    return InvalidRequest(f"{field} must be a string or a list of text parts (this server "
+                          "reads text only)", field=field)

@@ -48,7 +48,14 @@ from actors.model.loaded import open_model
 from actors.params import SamplingParams
 from actors.serve.app import ServerOptions, build_app, cancel_on_disconnect
 from actors.serve.guard import RequestGuard, RequestLimits, api_key_from_environment
-from actors.serve.protocol import chat_messages
+from actors.serve.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    chat_messages,
+    decode_body,
+    one_prompt,
+    template_kwargs,
+)
 from actors.serve.replies import error_body, error_event
 
 if TYPE_CHECKING:
@@ -236,33 +243,28 @@ class PromptKeys:
         """The key; empty for a request it cannot read (the replica will say what is wrong:
         a key only steers routing)."""
         try:
-            request = msgspec.json.decode(body)
-            ids = self._prompt_ids(path, request) if isinstance(request, dict) else []
+            ids = self._chat_ids(body) if path == "/v1/chat/completions" else self._ids(body)
         except Exception:  # whatever a hostile body makes the template or tokenizer raise
             return ()
         # The prefix cache keeps the last prompt token to compute, so never reuses its block.
         return tuple(chain_hashes(ids[:-1], self._block_size))
 
-    def _prompt_ids(self, path: str, request: dict[str, Any]) -> list[int]:
-        if path == "/v1/chat/completions":
-            return self._chat_ids(request.get("messages"), request.get("chat_template_kwargs"))
-        prompt = request.get("prompt")
-        if isinstance(prompt, str):
-            if self._tokenizer.min_tokens(prompt) >= self._context_length:
-                return []
-            return self._text_ids(prompt, parse_special=False)
-        if isinstance(prompt, list) and len(prompt) < self._context_length:
-            ids = prompt[:ROUTING_TOKENS]
-            return ids if all(type(token) is int for token in ids) else []
-        return []
-
-    def _chat_ids(self, messages: Any, chat_template_kwargs: Any) -> list[int]:
-        if (self._template is None or not isinstance(messages, list)
-                or len(messages) >= self._context_length):
+    def _ids(self, body: bytes) -> list[int]:
+        prompt = one_prompt(decode_body(body, CompletionRequest).prompt)
+        if isinstance(prompt, list):
+            return prompt[:ROUTING_TOKENS] if len(prompt) < self._context_length else []
+        if self._tokenizer.min_tokens(prompt) >= self._context_length:
             return []
-        leading = _leading(chat_messages(messages[:ROUTING_MESSAGES]))
+        return self._text_ids(prompt, parse_special=False)
+
+    def _chat_ids(self, body: bytes) -> list[int]:
+        request = decode_body(body, ChatRequest)
+        if self._template is None or len(request.messages) >= self._context_length:
+            return []
+        leading = _leading(chat_messages(request.messages[:ROUTING_MESSAGES],
+                                         self._context_length))
         text = self._template.render(leading, limits=RenderLimits(seconds=ROUTING_RENDER_S),
-                                     chat_template_kwargs=chat_template_kwargs)
+                                     chat_template_kwargs=template_kwargs(request))
         ids = self._text_ids(text, parse_special=True)
         bos = self._tokenizer.bos_id
         # As the engine does: a template that writes the BOS itself gets no second one.

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -525,8 +526,9 @@ class ResponsesEndpoint:
                     f"the model {server.model_name!r} has no chat template, so this server "
                     "cannot answer /v1/responses: restart `q4k serve` with --template FILE (a "
                     "Jinja chat template for this model), or send plain text to /v1/completions")
-            asked, generation = responses_generation(await request.body(), engine.context_length,
-                                                     server.options.max_tokens_limit)
+            asked, generation = await server.converted(await request.body(), partial(
+                responses_generation, context_length=engine.context_length,
+                max_tokens_limit=server.options.max_tokens_limit))
             if generation.model != server.model_name:
                 raise server._unknown_model(generation.model)
             calls = None

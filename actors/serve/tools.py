@@ -75,9 +75,7 @@ def tool_choice(tools: Any, choice: Any) -> ToolChoice | None:
         return None
     if not isinstance(tools, list):
         raise InvalidRequest("tools must be a list of function tools", field="tools")
-    if len(tools) > MAX_TOOLS:
-        raise InvalidRequest(f"tools declares {len(tools):,} functions; this server takes at "
-                             f"most {MAX_TOOLS}, as OpenAI's API does", field="tools")
+    check_tool_count(len(tools))
     checked = tuple(_checked_tool(index, tool) for index, tool in enumerate(tools))
     _check_tools_size(checked)
     names = [tool["function"]["name"] for tool in checked]
@@ -89,6 +87,13 @@ def tool_choice(tools: Any, choice: Any) -> ToolChoice | None:
         raise InvalidRequest(f"tool_choice names the function {name!r}, which tools does not "
                              f"declare (it declares {', '.join(names)})", field="tool_choice")
     return ToolChoice(tools=checked, mode="function", function=name)
+
+
+def check_tool_count(count: int) -> None:
+    """Refuse more functions than MAX_TOOLS (before any is read)."""
+    if count > MAX_TOOLS:
+        raise InvalidRequest(f"tools declares {count:,} functions; this server takes at most "
+                             f"{MAX_TOOLS}, as OpenAI's API does", field="tools")
 
 
 def _check_tools_size(tools: tuple[dict[str, Any], ...]) -> None:
