@@ -1,7 +1,12 @@
 """The connections `q4k serve` holds, bounded before any request reaches the app: a request's
 head (request line and header fields) at most `max_head_bytes`, arriving whole within
 `head_timeout_s` of the connection opening (or of its first byte after an answer), and at
-most `max_connections` connections open at once (`actors.serve.guard.ConnectionLimits`).
+most `max_connections` connections open at once (`actors.serve.guard.ConnectionLimits`). Past
+that, a new connection takes the place of the one idle longest (no request in progress: a
+keep-alive connection, or one whose head is still arriving), as nginx drains idle connections
+when it runs out; only when every connection has a request in progress is it refused. So
+connections held open by a client that sends nothing, or a head a byte at a time, cannot
+keep anyone else out.
 
 uvicorn (0.55) bounds none of these itself: its httptools parser keeps a head of any size, a
 connection that never completes its first request is held for ever (its keep-alive timeout
@@ -9,12 +14,13 @@ starts only after an answer), and `limit_concurrency` answers 503 only once a wh
 arrived. `bounded_h11_protocol(limits)` is uvicorn's h11 protocol with them added; h11 keeps at
 most `max_head_bytes` of an unfinished head. Refusals are OpenAI error objects, as the app's
 are, sent with `Connection: close`: 431 for a head too large, 408 for one too slow, 400 for
-one h11 cannot read, 503 past the connection limit.
+one h11 cannot read, 503 past the connection limit with every connection busy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from http import HTTPStatus
 from typing import Any, ClassVar
 
@@ -27,6 +33,7 @@ from actors.serve.replies import error_body
 
 # What a client refused for too many connections should wait before it retries.
 RETRY_AFTER_S = 1
+_IDLE_ORDER = itertools.count()
 
 
 class _Connection(h11.Connection):
@@ -55,14 +62,38 @@ class BoundedH11Protocol(H11Protocol):
         self.conn = _Connection(self.limits.max_head_bytes)
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_begun = False  # some of the next request's head has arrived
+        # When it last began to have no request in progress, as an order (the loop's clock
+        # may give connections accepted together the same time).
+        self._idle_since = next(_IDLE_ORDER)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
+        if len(self.connections) > self.limits.max_connections and not self._close_longest_idle():
             self._refuse(503, f"this server holds {self.limits.max_connections} connections at "
-                         "most and has that many open; retry shortly", "too_many_connections")
+                         "most, and every one has a request in progress; retry shortly",
+                         "too_many_connections")
             return
         self._start_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._idle_since = next(_IDLE_ORDER)
+
+    def _close_longest_idle(self) -> bool:
+        """Close the connection that has had no request in progress the longest, to make room;
+        False where every other connection has one."""
+        idle = [connection for connection in self.connections
+                if connection is not self and isinstance(connection, BoundedH11Protocol)
+                and connection.idle]
+        if not idle:
+            return False
+        min(idle, key=lambda connection: connection._idle_since).transport.close()
+        return True
+
+    @property
+    def idle(self) -> bool:
+        """No request in progress: no head has arrived whole since the last answer."""
+        return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
 
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE:  # the next request's head is arriving
