@@ -123,10 +123,11 @@ async def answer_with_tool(engine: Engine, template: str,
     enforced against the tool's parameters), the function runs, its result goes back, and
     the model answers. Returns the call, the function's result and the final answer."""
     tools = [WEATHER_TOOL]
-    call_format = ToolCallFormat.of_template(template)
+    call_format = ToolCallFormat.of_template(engine.chat_template(template))
     messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
+    one_call = call_format.grammar(tools, parallel=False)
     must_call = SamplingParams(temperature=0.0, max_tokens=96,
-                               structured=StructuredOutput(grammar=call_format.grammar(tools)))
+                               structured=StructuredOutput(grammar=one_call))
     text = await _chat_text(engine, messages, must_call, template, tools)
     _, calls = call_format.reader(frozenset({"get_weather"})).parse(text)
     (call,) = calls  # the grammar holds exactly one call

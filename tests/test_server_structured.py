@@ -227,19 +227,20 @@ def test_tool_choice_none_answers_in_text(server: Server, client: openai.OpenAI)
     assert choice.finish_reason in ("stop", "length") and choice.message.content
 
 
-def test_a_template_without_tools_is_400(tiny_model_paths: dict[str, Path],
-                                         tmp_path: Path) -> None:
+def test_a_template_without_tools_calls_through_the_generic_format(
+        tiny_model_paths: dict[str, Path], tmp_path: Path) -> None:
+    """Gemma 3's template renders no tools: they are described in a system message and the
+    call comes back in the generic format (tests/test_server_tool_formats.py has the rest)."""
     running = _start(tiny_model_paths["llama-q4k-tiny"], tmp_path / "serve.log",
                      "--template", str(TEMPLATES / "gemma3.jinja"))
     try:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+        (choice,) = _chat(client, running, tools=TOOLS, tool_choice="required",
+                          parallel_tool_calls=False).choices
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        _checked_call(call)
         with httpx.Client(base_url=running.url, timeout=CALL_TIMEOUT_S) as http:
-            for stream in (False, True):
-                response = http.post("/v1/chat/completions", json={
-                    "model": running.model, "messages": ASK, "tools": TOOLS, "stream": stream})
-                assert response.status_code == 400
-                error = response.json()["error"]
-                assert error["param"] == "tools"
-                assert "does not render tools" in error["message"]
             plain = http.post("/v1/chat/completions", json={
                 "model": running.model, "messages": ASK, "tools": TOOLS, "tool_choice": "none",
                 "max_tokens": 4})
@@ -250,14 +251,20 @@ def test_a_template_without_tools_is_400(tiny_model_paths: dict[str, Path],
 
 def test_smollm2_with_the_chatml_tools_template_calls_the_right_function(
         smollm2_model_path: Path, tmp_path: Path) -> None:
-    """A real model given the template: asked about the weather, it calls get_weather."""
+    """A real model given the template: asked about the weather, it calls get_weather (once
+    or more: parallel calls are OpenAI's default, and it repeats its call)."""
     running = _start(smollm2_model_path, tmp_path / "serve.log",
                      "--template", str(TEMPLATES / "chatml_tools.jinja"))
     try:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
         (choice,) = _chat(client, running, tools=TOOLS, tool_choice="required").choices
-        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert call.function.name == "get_weather"
+            _checked_call(call)
+        (once,) = _chat(client, running, tools=TOOLS, tool_choice="required",
+                        parallel_tool_calls=False).choices
+        (call,) = once.message.tool_calls
         assert call.function.name == "get_weather"
-        _checked_call(call)
     finally:
         _stop(running)

@@ -36,9 +36,15 @@ MOVE = {"type": "function", "function": {"name": "move", "parameters": {
     "type": "object", "properties": {"to": {"$ref": "#/$defs/Point"}}, "required": ["to"],
     "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}},
                         "required": ["x"]}}}}}
-HERMES = ToolCallFormat.of_template(CHATML_TOOLS)
-LLAMA31 = ToolCallFormat.of_template(
-    '{%- if tools %}...{{ \'{"name": "\' + tool_call.name + \'", "parameters": \' }}{% endif %}')
+
+
+def template(source: str) -> ChatTemplate:
+    return ChatTemplate(source, bos_token="", eos_token="")
+
+
+HERMES = ToolCallFormat.of_template(template(CHATML_TOOLS))
+LLAMA31 = ToolCallFormat.of_template(template(
+    '{%- if tools %}...{{ \'{"name": "\' + tool_call.name + \'", "parameters": \' }}{% endif %}'))
 NAMES = frozenset({"get_weather", "add"})
 
 
@@ -214,9 +220,10 @@ def test_a_template_without_tools_refuses_them() -> None:
 
 
 def test_the_format_comes_from_the_template() -> None:
-    assert (HERMES.open, HERMES.close, HERMES.arguments_key) == \
-        ("<tool_call>\n", "\n</tool_call>", "arguments")
-    assert (LLAMA31.open, LLAMA31.close, LLAMA31.arguments_key) == ("", "", "parameters")
+    assert (HERMES.name, HERMES.opener, HERMES.closer, HERMES.arguments_key) == \
+        ("hermes", "<tool_call>\n", "\n</tool_call>", "arguments")
+    assert (LLAMA31.name, LLAMA31.opener, LLAMA31.closer, LLAMA31.arguments_key) == \
+        ("llama3", "", "", "parameters")
 
 
 @pytest.mark.parametrize("tool_format", [HERMES, LLAMA31], ids=["hermes", "bare"])
@@ -236,7 +243,8 @@ def test_the_grammar_accepts_a_valid_call_only(tool_format: ToolCallFormat,
         ok = matcher.consume_tokens(tiny_tokenizer.encode(text, add_bos=False))
         return ok and matcher.is_accepting()
 
-    valid = f'{tool_format.open}{{"name": "add", "{key}": {{"a": 1, "b": 2}}}}{tool_format.close}'
+    valid = (f'{tool_format.opener}{{"name": "add", "{key}": {{"a": 1, "b": 2}}}}'
+             f'{tool_format.closer}')
     assert accepts(valid)
     assert accepts(valid.replace('"add"', '"move"').replace('"a": 1, "b": 2', '"to": {"x": 1}'))
     assert not accepts(valid.replace('"add"', '"move"').replace('"a": 1, "b": 2',
@@ -244,8 +252,8 @@ def test_the_grammar_accepts_a_valid_call_only(tool_format: ToolCallFormat,
     assert not accepts(valid.replace('"b": 2', '"b": "two"'))
     assert not accepts(valid.replace('"add"', '"mul"'))
     assert not accepts("Sure. " + valid)
-    if tool_format.tagged:
-        assert not accepts(valid.removesuffix(tool_format.close))
+    if tool_format.closer:
+        assert not accepts(valid.removesuffix(tool_format.closer))
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +276,12 @@ CALL_TEXT = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
     (HERMES, "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
     (HERMES, '<tool_call>{"name": "mul", "arguments": {}}</tool_call>',
      '<tool_call>{"name": "mul", "arguments": {}}</tool_call>', []),
-    (HERMES, f"<tool_call>\n{CALL_TEXT}", f"<tool_call>\n{CALL_TEXT}", []),
+    # A call ends where its JSON does: one cut before its closing tag is still a call.
+    (HERMES, f"<tool_call>\n{CALL_TEXT}", None, [("add", {"a": 1, "b": 2})]),
+    # Its arguments once begun are the call's, even if the call is cut before it closes...
+    (HERMES, f"<tool_call>\n{CALL_TEXT[:-1]}", None, [("add", {"a": 1, "b": 2})]),
+    # ...but a call cut before its name and arguments are read is text.
+    (HERMES, '<tool_call>\n{"name": "add", "argu', '<tool_call>\n{"name": "add", "argu', []),
     (HERMES, "a < b, and <tool_ is no tag", "a < b, and <tool_ is no tag", []),
     (LLAMA31, ' {"name": "add", "parameters": {"a": 1, "b": 2}}', None,
      [("add", {"a": 1, "b": 2})]),
@@ -313,7 +326,12 @@ def test_a_whole_reply_with_calls_finishes_with_tool_calls() -> None:
     assert call["id"].startswith("call_") and call["type"] == "function"
     assert call["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
     assert choice["message"]["content"] is None
-    cut = ChatShape(HERMES.reader(NAMES)).choice(f"<tool_call>\n{CALL_TEXT}", None, "length")
+    # A call cut short (its arguments streamed before the cut) is the call as far as it went.
+    cut = ChatShape(HERMES.reader(NAMES)).choice(f"<tool_call>\n{CALL_TEXT[:-4]}", None,
+                                                  "length")
+    assert cut["finish_reason"] == "length"
+    assert cut["message"]["tool_calls"][0]["function"]["arguments"] == '{"a": 1, "b":'
+    cut = ChatShape(HERMES.reader(NAMES)).choice('<tool_call>\n{"name": "ad', None, "length")
     assert cut["finish_reason"] == "length" and "tool_calls" not in cut["message"]
 
 
@@ -371,7 +389,7 @@ async def test_an_auto_answer_streams_as_the_client_accumulates_it(
     key = tool_format.arguments_key
     calls = [f'{{"name": "add", "{key}": {{"a": 1, "b": 2}}}}',
              f'{{"name": "get_weather", "{key}": {{"city": "Rome"}}}}']
-    if tool_format.tagged:
+    if not tool_format.leading:
         answer = "Let me check.\n" + "\n".join(f"<tool_call>\n{call}\n</tool_call>"
                                                for call in calls)
         expected_calls, expected_content = calls, "Let me check."

@@ -49,7 +49,7 @@ from actors.serve.replies import (
     error_body,
     error_event,
 )
-from actors.serve.tools import ToolCallFormat
+from actors.serve.tools import ToolCallFormat, ToolChoice, generic_chat
 
 if TYPE_CHECKING:
     from actors.engine import Engine
@@ -333,25 +333,41 @@ class OpenAIServer:
         if generation.tools is None:
             return ChatShape()
         tool_format = await self._tool_call_format(engine)
-        return ChatShape(tool_format.reader(generation.tools.names))
+        return ChatShape(tool_format.reader(generation.tools.names, generation.tools.parallel))
 
     async def _tool_call_format(self, engine: Engine) -> ToolCallFormat:
         if self._tool_format is None:
-            template = await anyio.to_thread.run_sync(engine.chat_template,
-                                                      self.options.chat_template)
-            self._tool_format = ToolCallFormat.of_template(template.source)
+            self._tool_format = await anyio.to_thread.run_sync(self._read_tool_format, engine)
         return self._tool_format
+
+    def _read_tool_format(self, engine: Engine) -> ToolCallFormat:
+        """The format the chat template writes calls in, for this model's tokenizer."""
+        template = engine.chat_template(self.options.chat_template)
+        return ToolCallFormat.of_template(template).with_vocabulary(
+            lambda text, special: engine.tokenize(text, add_bos=False, parse_special=special),
+            engine.detokenize)
 
     def _start(self, engine: Engine, generation: Generation) -> AsyncIterator[Chunk]:
         # A max_tokens the client gave must fit beside the prompt (OpenAI's rule); without one
         # the answer runs at most to the end of the context.
         must_fit = generation.max_tokens_field is not None
         if generation.messages is not None:
-            tools = list(generation.tools.tools) if generation.tools is not None else None
-            return engine.chat(generation.messages, generation.params, self.options.chat_template,
+            messages, tools = self._template_input(generation.messages, generation.tools)
+            return engine.chat(messages, generation.params, self.options.chat_template,
                                tools=tools, chat_template_kwargs=generation.chat_template_kwargs,
                                strict_max_tokens=must_fit)
         return engine.generate(generation.prompt, generation.params, strict_max_tokens=must_fit)
+
+    def _template_input(self, messages: list[dict[str, Any]], choice: ToolChoice | None,
+                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The chat and the tools its template gets: the tools as its `tools` variable, or
+        for a template that renders none (the generic format) described in the chat."""
+        if choice is None:
+            return messages, None
+        # A request with tools has read the format first, for its grammar and its reader.
+        if self._tool_format is None or self._tool_format.renders_tools:
+            return messages, list(choice.tools)
+        return generic_chat(messages, choice), None
 
     def _engine(self) -> Engine:
         engine = self.host.engine

@@ -121,6 +121,7 @@ class ChatRequest(_Request):
     top_logprobs: int | None = None
     tools: list[msgspec.Raw] | None = None
     tool_choice: msgspec.Raw = msgspec.Raw()
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: msgspec.Raw = msgspec.Raw()
 
 
@@ -224,11 +225,12 @@ def _tool_choice(request: ChatRequest) -> ToolChoice | None:
     """The request's tools, counted and sized before any is read, and its tool_choice."""
     choice = _read_field(request.tool_choice, "tool_choice", MAX_TOOL_CHOICE_JSON_BYTES)
     if request.tools is None:
-        return tool_choice(None, choice)
+        return tool_choice(None, choice, request.parallel_tool_calls)
     check_tool_count(len(request.tools))
     _check_json_size("tools", sum(map(len, request.tools)), AS_SENT * MAX_TOOLS_JSON_BYTES,
                      field="tools")
-    return tool_choice([msgspec.json.decode(tool) for tool in request.tools], choice)
+    return tool_choice([msgspec.json.decode(tool) for tool in request.tools], choice,
+                       request.parallel_tool_calls)
 
 
 def _read_field(raw: msgspec.Raw, field: str, max_bytes: int, kind: Any = Any) -> Any:
@@ -250,14 +252,16 @@ def _check_json_size(what: str, size: int, max_bytes: int, field: str) -> None:
 
 
 def with_tool_grammar(generation: Generation, tool_format: ToolCallFormat) -> Generation:
-    """`generation`, its answer held to one call of its tools (as `tool_format` writes calls)
-    when its tool_choice is "required" or names a function."""
+    """`generation`, its answer held to what its tools allow as `tool_format` writes calls
+    (`ToolCallFormat.constraint`: the calls, where tool_choice is "required" or names a
+    function), unless another field already constrains it."""
     tools = generation.tools
-    if tools is None or not tools.enforced:
+    if tools is None or generation.params.structured is not None:
         return generation
-    grammar = tool_format.grammar(tools.callable_tools())
-    params = msgspec.structs.replace(generation.params,
-                                     structured=StructuredOutput(grammar=grammar))
+    structured = tool_format.constraint(tools)
+    if structured is None:
+        return generation
+    params = msgspec.structs.replace(generation.params, structured=structured)
     return msgspec.structs.replace(generation, params=params, structured_field="tools")
 
 

@@ -18,7 +18,7 @@ import msgspec
 from actors.errors import EngineClosed, Q4KError
 from actors.messages import Chunk, Usage
 from actors.serve.metrics import outcome_of
-from actors.serve.tools import ToolCallReader
+from actors.serve.tools import CallArguments, CallStart, ToolCallReader
 
 # The engine's finish reasons as the OpenAI API names them: running out of context is `length`.
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}
@@ -54,6 +54,9 @@ class CompletionsShape:
     object = "text_completion"
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
+
+    def text(self, chunk: Chunk) -> str:
+        return chunk.text
 
     def choice(self, text: str, logprobs: dict[str, Any] | None,
                finish: str | None) -> dict[str, Any]:
@@ -92,7 +95,8 @@ class CompletionsShape:
 class ChatShape:
     """`/v1/chat/completions`: a `message` (whole) or `delta` (streamed); per-token logprobs.
     With `tool_calls` (a reader of the answer's calls), calls become `tool_calls`: whole, or
-    streamed as OpenAI's tool-call deltas (the call's id, type and name, then its arguments)."""
+    streamed as OpenAI's tool-call deltas (the call's id, type and name, then its arguments
+    in pieces as the model writes them)."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
@@ -101,6 +105,13 @@ class ChatShape:
     def __init__(self, tool_calls: ToolCallReader | None = None) -> None:
         self._tool_calls = tool_calls
         self._calls_streamed = 0
+
+    def text(self, chunk: Chunk) -> str:
+        """A chunk's text as the reader of calls takes it (with the call marker its token
+        stands for, where decoding leaves the marker out)."""
+        if self._tool_calls is None:
+            return chunk.text
+        return self._tool_calls.format.text_of(chunk.text, chunk.token_id)
 
     def choice(self, text: str, logprobs: dict[str, Any] | None,
                finish: str | None) -> dict[str, Any]:
@@ -118,19 +129,20 @@ class ChatShape:
         a call waits until it is decided."""
         if self._tool_calls is None:
             return [{"content": text}] if text else []
-        settled = self._tool_calls.feed(text) + (self._tool_calls.end() if final else [])
+        reader = self._tool_calls
+        settled = reader.feed_pieces(text) + (reader.end_pieces() if final else [])
         pieces: list[dict[str, Any]] = []
         for piece in settled:
             if isinstance(piece, str):
                 pieces.append({"content": piece})
-                continue
-            index = self._calls_streamed
-            self._calls_streamed += 1
-            head = {"index": index, "id": piece.id, "type": "function",
-                    "function": {"name": piece.name, "arguments": ""}}
-            pieces.append({"content": None, "tool_calls": [head]})
-            pieces.append({"tool_calls": [{"index": index,
-                                           "function": {"arguments": piece.arguments}}]})
+            elif isinstance(piece, CallStart):
+                head = {"index": self._calls_streamed, "id": piece.id, "type": "function",
+                        "function": {"name": piece.name, "arguments": ""}}
+                self._calls_streamed += 1
+                pieces.append({"content": None, "tool_calls": [head]})
+            elif isinstance(piece, CallArguments):
+                pieces.append({"tool_calls": [{"index": self._calls_streamed - 1,
+                                               "function": {"arguments": piece.text}}]})
         return pieces
 
     def empty_piece(self) -> dict[str, Any]:
@@ -197,7 +209,7 @@ class Reply:
         with counting_failures(self._count):
             async with aclosing(chunks):
                 async for last in chunks:
-                    texts.append(last.text)
+                    texts.append(self.shape.text(last))
                     scored += self._scored(last)
             if last is None or last.finish_reason is None:
                 raise EngineClosed("the answer ended without a finish reason")
@@ -223,7 +235,7 @@ class Reply:
                 while True:
                     finish = FINISH_REASONS.get(chunk.finish_reason or "")
                     scored = self._scored(chunk)
-                    pieces = self.shape.pieces(chunk.text, final=finish is not None)
+                    pieces = self.shape.pieces(self.shape.text(chunk), final=finish is not None)
                     if pieces or scored or finish or is_first:
                         pieces = pieces or [self.shape.empty_piece()]
                         logprobs = self._logprobs(scored, offset)
