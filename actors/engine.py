@@ -63,6 +63,7 @@ from actors.params import SamplingParams
 from actors.sampling import (
     AdvanceConstraint,
     ConstraintWorkers,
+    ReleaseConstraint,
     RowsWanted,
     SampleRows,
     SampleStep,
@@ -269,9 +270,9 @@ class Engine(EngineDoor):
         limit = max_sequences + max_queued
         inbox_receive: LoopReceiver[Inbound]
         inbox_send, inbox_receive = loop_channel(_INBOX_SLOTS_PER_REQUEST * limit)
-        # One job at most per live request: the constraint of its token just chosen.
-        constraint_send: ThreadSender[AdvanceConstraint]
-        constraint_send, constraint_receive = thread_channel(limit)
+        # Two jobs at most per live request: its token just chosen, and its release.
+        constraint_send: ThreadSender[AdvanceConstraint | ReleaseConstraint]
+        constraint_send, constraint_receive = thread_channel(2 * limit)
         build_send, build_receive = anyio.create_memory_object_stream[BuildBackend](1)
         loaded_send, loaded_receive = anyio.create_memory_object_stream[
             ModelLoaded | LoadFailed

@@ -55,6 +55,7 @@ from actors.messages import (
 from actors.sampling import (
     AdvanceConstraint,
     ConstraintAdvanced,
+    ReleaseConstraint,
     RowFailed,
     RowsWanted,
     SampleRows,
@@ -135,7 +136,7 @@ class Scheduler:
         step_timeout_s: float,
         compute_hung: anyio.Event,
         inbox: LoopReceiver[Inbound],
-        constraint_inbox: ThreadSender[AdvanceConstraint],
+        constraint_inbox: ThreadSender[AdvanceConstraint | ReleaseConstraint],
         compute_inbox: ThreadSender[RunStep | FetchRows | Shutdown],
         compute_outbox: LoopReceiver[Any],
         sampler_inbox: ThreadSender[SampleStep | SampleRows],
@@ -243,6 +244,9 @@ class Scheduler:
             self._waiting.remove(seq)
         self.kv.release(seq.kv)
         seq.reply.close()
+        if seq.sampler.constraint is not None:
+            self._constraint_inbox.send_nowait(
+                ReleaseConstraint(constraint=seq.sampler.constraint))
 
     def _constraint_advanced(self, message: ConstraintAdvanced) -> None:
         """A constraint took its sequence's token: the held token goes out, with the tokens

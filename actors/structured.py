@@ -14,7 +14,8 @@ which tokens the grammar forces outright (a JSON key, a closing brace).
   backend in `RowInputs`, which masks the row before penalties and candidates. Once the
   step's token is chosen, `Constraint.advance` (in a constraint worker's thread, off the
   shared step: actors.sampling.constraints) feeds it to the matcher, takes the tokens the
-  grammar then forces (fast-forward) and computes the next mask.
+  grammar then forces (fast-forward) and computes the next mask; when the request ends, a
+  worker also `release`s the matcher (freeing a large one takes tens of milliseconds).
 
 What a constraint may cost is bounded before and while it runs:
 
@@ -32,7 +33,9 @@ What a constraint may cost is bounded before and while it runs:
 
 from __future__ import annotations
 
+import _thread
 import asyncio
+import os
 import re
 import threading
 import time
@@ -69,10 +72,14 @@ MAX_COMPILE_DEPTH = 16_384
 _STACK_PER_LEVEL = 12 << 10
 COMPILE_STACK_BYTES = MAX_COMPILE_DEPTH * _STACK_PER_LEVEL + (64 << 20)
 # A GBNF grammar is converted to Lark by llguidance's Python converter, whose work grows with
-# rules x characters (6,000 rules of 118 KB took 21 s): this product bounds it to about 1 s.
-MAX_GBNF_WORK = 1 << 25
-# Compiles running at once (each holds a core), and how long a request waits for its own.
-COMPILE_THREADS = 2
+# rules x characters (6,000 rules of 118 KB took 21 s; it holds the GIL as Python does, which
+# the event loop then waits for): this product bounds it to about 0.1 s. (llama.cpp's JSON
+# grammar is 30 rules of 1.5 KB: 45k.)
+MAX_GBNF_WORK = 1 << 22
+# Compiles running at once: each holds a core, and parts of each hold the GIL (reading the
+# grammar: ~20 ms a 300 KB schema), so half the cores, leaving the rest to the steps and
+# the event loop. And how long a request waits for its own compile.
+COMPILE_THREADS = max(1, (os.cpu_count() or 2) // 2)
 COMPILE_SECONDS = 20.0
 # llguidance's parser limits, below its defaults where those let one request take seconds of
 # CPU or hundreds of MB. Lexer fuel (about 4 a forced byte, ~120 bytes of memory each) bounds
@@ -101,7 +108,8 @@ class Advanced(msgspec.Struct, frozen=True):
 
 class Constraint:
     """One sequence's llguidance matcher, the bitmask of the tokens allowed next, and how many
-    tokens the answer has left (forced tokens past it would never be used)."""
+    tokens the answer has left (forced tokens past it would never be used). `start()` it,
+    then `advance()` it token by token, then `release()` it, all off the event loop."""
 
     def __init__(self, matcher: Any, grammar_tokenizer: Any, vocab_size: int,
                  fast_forward: bool, budget: int) -> None:
@@ -112,73 +120,83 @@ class Constraint:
         self._left = budget
         self.allowed = np.zeros(self._words, dtype=np.int32)
         self.done = False
-        # What the grammar forces before any choice (a schema's `{"first_key": `) joins the
-        # prompt's prefill, leaving room for the model's first token; the first mask comes
-        # after it. Computed in the compiling thread: the step after the prompt needs both.
-        first = self._settle(spare=1)
-        if first.error is not None:
-            raise InvalidRequest(first.error, field="structured")
+        self.leading: tuple[int, ...] = ()
+
+    def start(self) -> Advanced:
+        """The first mask, after what the grammar forces before any choice (a schema's
+        `{"first_key": `): `leading`, which joins the prompt's prefill, leaving room for the
+        model's first token. In the compiling thread: the step after the prompt needs both."""
+        first = self._settle(self._matcher, spare=1)
         self.leading = first.forced
+        return first
 
     def advance(self, token: int) -> Advanced:
         """Consume the chosen `token`, then the tokens forced after it (fast-forward), and
         compute the next mask. Blocks (the masks run without the GIL): a worker thread."""
-        if not self._matcher.consume_token(token):
-            return Advanced(error=self._failure(f"refused token {token}"))
+        matcher = self._matcher
+        if matcher is None:
+            return Advanced(error="the structured output constraint was released")
+        if not matcher.consume_token(token):
+            return Advanced(error=_failure(matcher, f"refused token {token}"))
         self._left -= 1
-        return self._settle(spare=0)
+        return self._settle(matcher, spare=0)
 
-    def _settle(self, spare: int) -> Advanced:
+    def release(self) -> None:
+        """Let go of the matcher in this thread: freeing a large grammar's takes long enough
+        (tens of milliseconds, with the GIL) that it must not happen on the event loop."""
+        self._matcher = None
+
+    def _settle(self, matcher: Any, spare: int) -> Advanced:
         """After the last consumed token: the forced tokens (consumed, at most the answer's
         room less `spare`) and the next mask (a complete grammar's allows only the end)."""
-        matcher = self._matcher
         forced: tuple[int, ...] = ()
         mask = None
         if self.fast_forward and not matcher.is_stopped() and not matcher.is_error():
             # The mask also walks the bytes the grammar forces (without the GIL), so taking
             # them afterwards costs no more than their tokenization.
-            mask = self._mask()
-            forced = self._forced(self._left - spare)
+            mask = self._mask(matcher)
+            forced = self._forced(matcher, self._left - spare)
             if forced and not matcher.consume_tokens(list(forced)):
-                return Advanced(error=self._failure("refused its own forced tokens"))
+                return Advanced(error=_failure(matcher, "refused its own forced tokens"))
             self._left -= len(forced)
         if forced or mask is None:
-            mask = self._mask()
+            mask = self._mask(matcher)
         if matcher.is_error():
-            return Advanced(error=self._failure("failed"))
+            return Advanced(error=_failure(matcher, "failed"))
         # A fresh array each time: the step that used the old mask may still hold it.
         self.allowed = mask
         self.done = matcher.is_stopped()
         return Advanced(forced=forced, done=self.done)
 
-    def _mask(self) -> np.ndarray:
+    def _mask(self, matcher: Any) -> np.ndarray:
         mask = np.zeros(self._words, dtype=np.int32)
-        self._matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         return mask
 
-    def _forced(self, room: int) -> tuple[int, ...]:
+    def _forced(self, matcher: Any, room: int) -> tuple[int, ...]:
         """The forced tokens to take now: at most `room`, from at most `MAX_FORCED_BYTES` of
         the forced text."""
         if room <= 0:
             return ()
-        forced_bytes = self._matcher.compute_ff_bytes()
+        forced_bytes = matcher.compute_ff_bytes()
         if not forced_bytes:
             return ()
         if len(forced_bytes) <= MAX_FORCED_BYTES:
-            tokens = self._matcher.compute_ff_tokens()
+            tokens = matcher.compute_ff_tokens()
         else:
             # The tokens of a prefix that later bytes cannot change; the rest is forced again.
             tokens, _ = self._grammar_tokenizer.tokenize_partial(forced_bytes[:MAX_FORCED_BYTES])
         return tuple(tokens[:room])
 
-    def _failure(self, what: str) -> str:
-        matcher = self._matcher
-        error = _one_line(matcher.get_error())
-        limits = matcher.stop_reason() in _LIMIT_REASONS or "too many" in error.lower()
-        hint = (" (it reached the engine's parser limits, actors.structured.PARSER_LIMITS: it "
-                "forces more text at once, or needs more lexer work, than they allow; simplify "
-                "it)" if limits else "")
-        return f"the structured output constraint {what}{hint}: {error}"
+
+def _failure(matcher: Any, what: str) -> str:
+    """Why `matcher` (in its error state, or refusing `what`) failed, on one line."""
+    error = _one_line(matcher.get_error())
+    limits = matcher.stop_reason() in _LIMIT_REASONS or "too many" in error.lower()
+    hint = (" (it reached the engine's parser limits, actors.structured.PARSER_LIMITS: it "
+            "forces more text at once, or needs more lexer work, than they allow; simplify "
+            "it)" if limits else "")
+    return f"the structured output constraint {what}{hint}: {error}"
 
 
 # llguidance's stop reasons for a matcher that ran into its limits (running out of lexer fuel
@@ -214,16 +232,20 @@ class GrammarCompiler:
             _check_compile_depth(structured.kind, _grammar_depth(grammar))
         matcher = llguidance.LLMatcher(self.grammar_tokenizer(), grammar, log_level=0,
                                        limits=llguidance.LLParserLimits(**PARSER_LIMITS))
+        # No matcher may outlive a failure here: an exception's frames would keep it alive
+        # until the event loop frees the exception, and freeing a large one takes a while.
         if matcher.is_error():
-            raise InvalidRequest(
-                f"{structured.kind} does not compile: {_one_line(matcher.get_error())}",
-                field=field,
-            )
-        try:
-            return Constraint(matcher, self.grammar_tokenizer(), self._tokenizer.vocab_size,
-                              structured.fast_forward, budget)
-        except InvalidRequest as exc:
-            raise InvalidRequest(str(exc), field=field) from None
+            error = f"{structured.kind} does not compile: {_one_line(matcher.get_error())}"
+            del matcher
+            raise InvalidRequest(error, field=field)
+        constraint = Constraint(matcher, self.grammar_tokenizer(), self._tokenizer.vocab_size,
+                                structured.fast_forward, budget)
+        del matcher
+        first = constraint.start()
+        if first.error is not None:
+            constraint.release()
+            raise InvalidRequest(first.error, field=field)
+        return constraint
 
     def grammar_tokenizer(self) -> Any:
         """llguidance's tokenizer over this model's vocabulary, built on first use."""
@@ -257,11 +279,9 @@ def _schema_depth(schema: Any) -> int:
     objects and into each `$ref`'s target, compiling a target once: a path holds every object
     at most once, plus once more per distinct reference (N + R), and it is at most R + 1
     stretches of nesting no deeper than the document's ((R + 1) x D). `InvalidRequest` for a
-    schema nested past `MAX_SCHEMA_NESTING`. Linear in the schema."""
-    try:  # the schema as llguidance reads it: plain JSON values
-        schema = msgspec.json.decode(msgspec.json.encode(schema))
-    except RecursionError:
-        raise _nested_too_deep() from None
+    schema nested past `MAX_SCHEMA_NESTING`. Linear in the schema, and it keeps nothing of it
+    (a copy of a large schema would set off the garbage collector's full passes, which hold
+    the GIL); the built-in types' own methods read it, whatever a subclass overrides."""
     objects = 0
     deepest_object = 0
     refs: set[str] = set()
@@ -273,17 +293,18 @@ def _schema_depth(schema: Any) -> int:
         if isinstance(value, dict):
             objects += 1
             deepest_object = max(deepest_object, object_depth)
-            ref = value.get("$ref")
+            ref = dict.get(value, "$ref")
             if isinstance(ref, str):
                 refs.add(ref)
-            children = value.values()
+            children = dict.values(value)
             object_depth += 1
-        elif isinstance(value, list):
+        elif isinstance(value, list | tuple):
             children = value
         else:
             continue
-        stack.extend((child, depth + 1, object_depth) for child in children
-                     if isinstance(child, dict | list))
+        for child in children:
+            if isinstance(child, dict | list | tuple):
+                stack.append((child, depth + 1, object_depth))
     return min(objects + len(refs), (len(refs) + 1) * deepest_object)
 
 
@@ -328,7 +349,7 @@ class CompileThreads:
         loop = asyncio.get_running_loop()
         result: asyncio.Future[T] = loop.create_future()
         try:
-            _start_deep_thread(lambda: self._work(work, result, loop), "q4k-compile")
+            _start_deep_thread(self._work, work, result, loop)
         except RuntimeError as exc:  # no thread can start: the machine is out of them
             self._finished()
             raise EngineOverloaded(f"no thread could start for a compile: {exc}") from None
@@ -370,11 +391,14 @@ class CompileThreads:
 
     def _work(self, work: Callable[[], T], result: asyncio.Future[T],
               loop: asyncio.AbstractEventLoop) -> None:
-        """In the compile thread: run `work` and hand its outcome to the loop."""
+        """In the compile thread: run `work` and hand its outcome to the loop (or drop it
+        here if its caller stopped waiting: freeing a matcher is not the loop's work)."""
         try:
             outcome: tuple[bool, Any] = (True, work())
         except BaseException as exc:  # raised on the loop, for the caller
             outcome = (False, exc)
+        if result.done():
+            outcome = (False, None)
         try:
             loop.call_soon_threadsafe(self._deliver, result, outcome)
         except RuntimeError:
@@ -403,13 +427,15 @@ class CompileThreads:
 _stack_size_lock = threading.Lock()
 
 
-def _start_deep_thread(target: Callable[[], None], name: str) -> None:
-    """Start a daemon thread with a `COMPILE_STACK_BYTES` stack (the size is process-wide
-    while a thread starts, so it is set and restored under a lock)."""
+def _start_deep_thread(target: Callable[..., None], *args: Any) -> None:
+    """Run `target(*args)` in a new thread with a `COMPILE_STACK_BYTES` stack (the size is
+    process-wide while a thread starts, so it is set and restored under a lock). A bare
+    thread: `threading.Thread.start` would wait, on the event loop, until the new thread
+    gets the GIL, which busy threads can hold for a while."""
     with _stack_size_lock:
         previous = threading.stack_size(COMPILE_STACK_BYTES)
         try:
-            threading.Thread(target=target, name=name, daemon=True).start()
+            _thread.start_new_thread(target, args)
         finally:
             threading.stack_size(previous)
 
@@ -442,9 +468,7 @@ def _grammar_text(structured: StructuredOutput) -> str:
     try:
         if kind in ("json_schema", "json_object"):
             schema = structured.json_schema if kind == "json_schema" else {"type": "object"}
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                msgspec.json.encode(schema).decode(), defaults=JSON_LAYOUT
-            )
+            return _json_schema_grammar(schema)
         if kind == "choice":
             return llguidance.grammar_from("choice", list(structured.choice or ()))
         if kind == "regex":
@@ -452,6 +476,19 @@ def _grammar_text(structured: StructuredOutput) -> str:
         return llguidance.LLMatcher.grammar_from_lark(_lark(structured.grammar or ""))
     except ValueError as error:
         raise InvalidRequest(f"{kind} is not valid: {error}", field=f"structured.{kind}") from None
+
+
+def _json_schema_grammar(schema: dict[str, Any]) -> str:
+    """llguidance's grammar of a JSON schema, as `LLMatcher.grammar_from_json_schema` writes
+    it with `JSON_LAYOUT` as defaults under the schema's own "x-guidance" options, written
+    here in one pass (that function parses and writes the schema again holding the GIL: 30 ms
+    a megabyte the event loop waits through)."""
+    options = dict.get(schema, "x-guidance", {})
+    if not isinstance(options, dict):
+        raise ValueError("x-guidance must be an object of JSON compile options")
+    grammar = {"name": "json_schema", "json_schema": {**schema, "x-guidance": {
+        **JSON_LAYOUT, **options}}, "lark_grammar": None}
+    return msgspec.json.encode({"grammars": [grammar], "max_tokens": None}).decode()
 
 
 def _lark(grammar: str) -> str:

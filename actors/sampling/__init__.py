@@ -51,6 +51,7 @@ from actors.sampling.constraints import (
     AdvanceConstraint,
     ConstraintAdvanced,
     ConstraintWorkers,
+    ReleaseConstraint,
 )
 from actors.sampling.from_candidates import PendingChoice, start_choice
 from actors.sampling.pipeline import choose_tokens
@@ -62,6 +63,7 @@ __all__ = [
     "ConstraintAdvanced",
     "ConstraintWorkers",
     "PendingChoice",
+    "ReleaseConstraint",
     "RowFailed",
     "RowsWanted",
     "SampleRows",

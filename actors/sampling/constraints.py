@@ -33,6 +33,13 @@ class AdvanceConstraint(msgspec.Struct, frozen=True, kw_only=True):
     sampler: Any  # actors.sampling.SequenceSampling
 
 
+class ReleaseConstraint(msgspec.Struct, frozen=True, kw_only=True):
+    """A request ended: free its constraint's matcher here, not on the event loop (a large
+    grammar's takes tens of milliseconds, holding the GIL)."""
+
+    constraint: Any  # actors.structured.Constraint
+
+
 class ConstraintAdvanced(msgspec.Struct, frozen=True, kw_only=True):
     """A sequence's constraint took its token: the tokens it forces after it (consumed), and
     whether it is complete; or why it failed (the request then fails, naming its constraint)."""
@@ -44,12 +51,12 @@ class ConstraintAdvanced(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ConstraintWorkers:
-    """The actor: `CONSTRAINT_THREADS` threads sharing one inbox of `AdvanceConstraint`
-    jobs, each answering into `outbox` (the scheduler's inbox)."""
+    """The actor: `CONSTRAINT_THREADS` threads sharing one inbox of jobs, answering each
+    `AdvanceConstraint` into `outbox` (the scheduler's inbox)."""
 
     def __init__(
         self,
-        inbox: ThreadReceiver[AdvanceConstraint],
+        inbox: ThreadReceiver[AdvanceConstraint | ReleaseConstraint],
         outbox: LoopSender[Any],
         threads: int = CONSTRAINT_THREADS,
     ) -> None:
@@ -67,7 +74,9 @@ class ConstraintWorkers:
 
     def _serve(self) -> None:
         while (job := self._inbox.receive()) is not None:
-            if not self._outbox.send_from_thread(advance(job)):
+            if isinstance(job, ReleaseConstraint):
+                job.constraint.release()
+            elif not self._outbox.send_from_thread(advance(job)):
                 return
 
 
