@@ -5,8 +5,12 @@ chains, str.translate, tojson indent, str() of containers), prompts of megabytes
 token ids, two million chat messages, self-inconsistent model files opened by a second engine
 (special tokens of 1 MiB, of placeholder code points, hundreds of long ones; millions of
 metadata keys, tensors or nested arrays), model paths of the wrong type, a log stream that
-fails mid-run, and hostile HTTP requests to `q4k serve`'s app running on the same loop (deep
-JSON, bodies too large, slow or abandoned bodies, wrong content types, no API key). A ticker
+fails mid-run, hostile HTTP requests to `q4k serve`'s app running on the same loop (deep
+JSON, bodies too large, slow or abandoned bodies, wrong content types, no API key), and
+hostile structured-output constraints (deep $ref chains, long Lark and GBNF rule chains,
+megabyte regex literals alone and eight at once, constraints that force long text or cost
+milliseconds a mask beside the stream, a schema nested 1,000 deep, blank-line grammars, and
+storms of slow compiles against small admission limits, cancelled, or cut by close). A ticker
 task records the longest gap in the loop during each input (actors.loop_stall); the goal is
 under 100 ms. The same is measured with no hostile input first, as the baseline the engine's
 own work sets. The process's peak memory is printed after each input and last (the goal:
@@ -20,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import io
+import random
 import resource
 import socket
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
@@ -35,14 +41,14 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from actors import Engine, SamplingParams  # noqa: E402
+from actors import Engine, SamplingParams, StructuredOutput  # noqa: E402
 from actors.errors import Q4KError  # noqa: E402
 from actors.loop_stall import watch_loop  # noqa: E402
 from actors.messages import Chunk  # noqa: E402
 from actors.serve.app import build_app  # noqa: E402
 from actors.serve.guard import RequestLimits  # noqa: E402
 from tests.conftest import TINY_MODELS  # noqa: E402
-from tests.fuzz import gguf_counts, gguf_structure  # noqa: E402
+from tests.fuzz import constraints, gguf_counts, gguf_structure  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
 BIG = "{% set x = 'a' * 1000000 %}"
@@ -118,12 +124,13 @@ COUNT_FILES = {
 
 
 async def outcome_of(action: Callable[[], Awaitable[object]]) -> str:
-    """The project error's name, an HTTP status, or "ok"."""
+    """The project error's name, what the action says it came to (an HTTP status, a count
+    of outcomes), or "ok"."""
     try:
         result = await action()
     except Q4KError as exc:
         return type(exc).__name__
-    return f"HTTP {result}" if isinstance(result, str) else "ok"
+    return result if isinstance(result, str) else "ok"
 
 
 async def drain(chunks: AsyncIterator[Chunk]) -> None:
@@ -169,7 +176,103 @@ def hostile_inputs(engine: Engine, folder: Path) -> dict[str, Callable[[], Await
     for source in (b"model.gguf", 42, ["model.gguf"]):
         inputs[f"Engine.open({source!r})"] = lambda source=source: _open_and_use(source)
     inputs["log stream failing mid-run (disk full), 3 requests"] = _with_failing_log
+    return inputs | constraint_inputs(engine)
+
+
+def constraint_inputs(engine: Engine) -> dict[str, Callable[[], Awaitable[object]]]:
+    """Hostile structured-output constraints, each run on `engine` beside the stream; the
+    compile storms on a tiny engine with small admission limits (4 running + 4 queued)."""
+    literal = "".join(random.Random(0).choice("abcdefghij ") for _ in range((1 << 20) - 1))
+    single = {
+        "$ref chain 1,000 objects deep": {"json_schema": constraints.ref_chain(1_000, "items")},
+        "$ref chain 9,000 deep (past the bound)":
+            {"json_schema": constraints.ref_chain(9_000, "properties")},
+        "$ref chain 170, each 45 objects deep": {
+            "json_schema": constraints.ref_chain(170, "required-property", "$defs", 45)},
+        "Lark chain of 4,000 rules": {"grammar": constraints.lark_rule_chain(4_000)},
+        "GBNF chain of 3,000 rules (80 KB)": {"grammar": constraints.gbnf_rule_chain(3_000)},
+        "GBNF chain of 300 rules (near its work bound)":
+            {"grammar": constraints.gbnf_rule_chain(300)},
+        "1 MiB regex literal": {"regex": literal},
+        "x{100000}": {"regex": "x{100000}"},
+        "a 100 KB const after a free integer": {"json_schema": {
+            "type": "object", "required": ["n", "tail"],
+            "properties": {"n": {"type": "integer"}, "tail": {"const": "yz" * 50_000}}}},
+        "1 MiB of blank lines as a grammar": {"grammar": "\n" * (1 << 20) + "x"},
+    }
+    inputs: dict[str, Callable[[], Awaitable[object]]] = {
+        f"constraint: {name}": (lambda fields=fields: _constrained(engine, fields))
+        for name, fields in single.items()
+    }
+    inputs["constraint: 8 x 1 MiB regex literals at once"] = lambda: _outcomes(
+        [_constrained(engine, {"regex": literal}) for _ in range(8)])
+    inputs["constraint: 8 rows of x{40000} (a costly mask each step)"] = lambda: _outcomes(
+        [_constrained(engine, {"regex": "x{40000}", "fast_forward": False}, 24)
+         for _ in range(8)])
+    inputs["constraint: a schema nested 1,000 deep"] = lambda: _constrained(
+        engine, {"json_schema": constraints.nested_schema(1_000)})
+    inputs["constraint: 60 slow compiles, limits 4 + 4"] = _compile_storm
+    inputs["constraint: 40 slow compiles cancelled"] = _cancelled_compiles
+    inputs["constraint: close() with 8 compiles waiting"] = _closed_during_compiles
     return inputs
+
+
+async def _constrained(engine: Engine, fields: dict[str, object], max_tokens: int = 8) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0,
+                            structured=StructuredOutput(**fields))  # type: ignore[arg-type]
+    await engine.complete("Answer:", params)
+
+
+async def _outcomes(requests: list[Awaitable[object]]) -> str:
+    """Run `requests` at once: how many ended how."""
+    ended: Counter[str] = Counter()
+
+    async def one(request: Awaitable[object]) -> None:
+        ended[await outcome_of(lambda: request)] += 1
+
+    async with anyio.create_task_group() as tasks:
+        for request in requests:
+            tasks.start_soon(one, request)
+    return ", ".join(f"{count} {name}" for name, count in ended.most_common())
+
+
+# A compile of a second or more (llguidance's own work, mostly without the GIL), and small
+# limits.
+SLOW_GRAMMAR = {"json_schema": constraints.ref_chain(120, "required-property", "$defs", 45)}
+SMALL_LIMITS = {"max_sequences": 4, "max_queued": 4}
+
+
+async def _compile_storm() -> str:
+    async with Engine.open(TINY_MODELS["llama-q4k-tiny"], **SMALL_LIMITS) as small:
+        return await _outcomes([_constrained(small, SLOW_GRAMMAR) for _ in range(60)])
+
+
+async def _cancelled_compiles() -> str:
+    async with Engine.open(TINY_MODELS["llama-q4k-tiny"]) as small:
+        before = _threads()
+        with anyio.move_on_after(0.5):
+            await _outcomes([_constrained(small, SLOW_GRAMMAR) for _ in range(40)])
+        during = _threads()
+        await anyio.sleep(3.0)  # the compiles that had started end on their own
+        return f"threads {before} -> {during} when cancelled -> {_threads()} 3 s later"
+
+
+def _threads() -> int:
+    """The process's threads, as the kernel counts them (compile threads are bare ones)."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("Threads:")[1].split()[0])
+
+
+async def _closed_during_compiles() -> str:
+    async with Engine.open(TINY_MODELS["llama-q4k-tiny"]) as small:
+
+        async def close_soon() -> None:
+            await anyio.sleep(0.3)
+            small.close()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(close_soon)
+            return await _outcomes([_constrained(small, SLOW_GRAMMAR) for _ in range(8)])
 
 
 async def _open_and_use(path: object, text: str = "hello") -> None:
@@ -234,7 +337,7 @@ def http_inputs(url: str) -> dict[str, Callable[[], Awaitable[object]]]:
     def send(headers: dict[str, str], body: Callable[[], Iterator[bytes]]) -> str:
         with httpx.Client(base_url=url, timeout=60) as client:
             response = client.post("/v1/completions", headers=headers, content=body())
-            return str(response.status_code)
+            return f"HTTP {response.status_code}"
 
     def slow_body() -> str:  # a body that never finishes, then one abandoned mid-way
         host, port = url.removeprefix("http://").split(":")
@@ -245,7 +348,7 @@ def http_inputs(url: str) -> dict[str, Callable[[], Awaitable[object]]]:
             status = slow.recv(100).split(b" ")[1].decode()
         with socket.create_connection((host, int(port))) as leaving:
             leaving.sendall(head.encode())
-        return status
+        return f"HTTP {status}"
 
     inputs: dict[str, Callable[[], Awaitable[object]]] = {
         name: (lambda request=request: anyio.to_thread.run_sync(send, *request))

@@ -77,8 +77,8 @@ DEEP_CASES: dict[str, tuple[str, list[Any], str, str]] = {
     "Lark: 540 rules, each in 28 groups": ("lark_rule_chain", [540, 28], "grammar", "ok"),
     "Lark: 17,000 rules": ("lark_rule_chain", [17_000], "grammar", "InvalidRequest"),
     "Lark: %json of $ref x 1,500": ("ref_json_block", [1_500, "items"], "grammar", "ok"),
-    "GBNF: 1,200 rules": ("gbnf_rule_chain", [1_200], "grammar", "ok"),
-    "GBNF: 5,000 rules": ("gbnf_rule_chain", [5_000], "grammar", "InvalidRequest"),
+    "GBNF: 300 rules": ("gbnf_rule_chain", [300], "grammar", "ok"),
+    "GBNF: 3,000 rules": ("gbnf_rule_chain", [3_000], "grammar", "InvalidRequest"),
     # Not Lark: llguidance's own check of the syntax was quadratic in blank lines.
     "300,000 blank lines": ("blank_lines", [300_000], "grammar", "InvalidRequest"),
 }
@@ -186,7 +186,9 @@ async def test_requests_count_against_admission_while_they_compile(monkeypatch) 
         async with anyio.create_task_group() as requests:
             requests.start_soon(ask)
             requests.start_soon(ask)
-            await _waiting_for(lambda: held.started == 2)
+            # One compiles (held), the other waits for its turn if there is one thread: both
+            # count against the limits.
+            await _waiting_for(lambda: held.started >= 1 and engine._admission.live == 2)
             with pytest.raises(EngineOverloaded):
                 engine.generate("Well?", pick)
             held.release()
