@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import msgspec
 import openai
 import pytest
 
@@ -303,6 +304,34 @@ def test_the_generic_auto_grammar_takes_a_call_or_text(
     # Formats whose templates render tools leave "auto" free.
     assert HERMES.constraint(choice) is None
     assert HERMES.constraint(tool_choice(TOOLS, "required")) is not None
+
+
+def test_a_marker_that_is_a_special_token_is_enforced_as_that_token(
+        grammar_tokenizer: tuple[Any, Any]) -> None:
+    """Over the tiny llama's real vocabulary, a Hermes-like format whose markers are two of
+    its special tokens: llguidance never matches a special token to literal text, so only
+    the grammar of the format bound to the vocabulary takes the tokens the model would write."""
+    import llguidance
+
+    from actors.structured import _grammar_text
+
+    tokenizer, compiled = grammar_tokenizer
+    tagged = msgspec.structs.replace(HERMES, opener="<filename>\n", closer="\n<file_sep>",
+                                     markers=("<filename>", "<file_sep>"))
+    bound = tagged.with_vocabulary(
+        lambda text, special: tokenizer.encode(text, add_bos=False, parse_special=special),
+        tokenizer.decode)
+    (opener,) = tokenizer.encode("<filename>", add_bos=False, parse_special=True)
+    (closer,) = tokenizer.encode("<file_sep>", add_bos=False, parse_special=True)
+    assert bound.special_tokens == {"<filename>": opener, "<file_sep>": closer}
+    call = tokenizer.encode('\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n', add_bos=False)
+
+    def takes(tool_format: ToolCallFormat) -> bool:
+        grammar = _grammar_text(StructuredOutput(grammar=tool_format.grammar([ADD])))
+        matcher = llguidance.LLMatcher(compiled, grammar, log_level=0)
+        return matcher.consume_tokens([opener, *call, closer]) and matcher.is_accepting()
+
+    assert takes(bound) and not takes(tagged)
 
 
 def test_markers_that_are_special_tokens_are_written_and_read_as_those_tokens() -> None:

@@ -210,8 +210,8 @@ class ToolCallFormat(msgspec.Struct, frozen=True, kw_only=True):
     an answer that starts otherwise is text; `single`: at most one call an answer (the
     template writes one back); `lead_marker`: may come before leading calls and is no text.
     `markers` are the format's marker texts: `with_vocabulary` finds those that are one
-    special token of a model (the grammar then writes that token, and the reader gets its
-    text back where decoding leaves it out). `renders_tools` False is the generic format:
+    token of a model (the grammar then writes that token, and the reader gets its text back
+    where decoding leaves it out). `renders_tools` False is the generic format:
     the template knows no tools, so a system message describes them (`generic_chat`)."""
 
     name: str
@@ -249,14 +249,15 @@ class ToolCallFormat(msgspec.Struct, frozen=True, kw_only=True):
     def with_vocabulary(self, tokenize: Callable[[str, bool], list[int]],
                         detokenize: Callable[[list[int]], str]) -> ToolCallFormat:
         """This format for one model: `tokenize(text, parse_special)` and `detokenize(ids)`
-        are its tokenizer's. A marker that is one special token is written as that token by
-        the grammar (the model knows it so, not spelt out), and where its decoded text leaves
-        it out (a control token), the reader gets it back from the token's id."""
+        are its tokenizer's. A marker that is one token is written as that token by the
+        grammar (the model knows it so, not spelt out: llguidance never matches a special
+        token's text to a literal), and where its decoded text leaves it out (a control
+        token), the reader gets it back from the token's id."""
         special: dict[str, int] = {}
         hidden: dict[int, str] = {}
         for marker in self.markers:
             ids = tokenize(marker, True)
-            if len(ids) == 1 and ids != tokenize(marker, False):
+            if len(ids) == 1:
                 special[marker] = ids[0]
                 if detokenize(ids) != marker:
                     hidden[ids[0]] = marker
