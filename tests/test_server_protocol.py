@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from actors.errors import ContextLengthExceeded, InvalidRequest
@@ -13,10 +14,12 @@ from actors.params import MAX_CONSTRAINT_CHARS
 from actors.serve.protocol import (
     AS_SENT,
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    JSON_PIECE_BYTES,
     MAX_ARGUMENTS_JSON_BYTES,
     MAX_TOOL_CHOICE_JSON_BYTES,
     chat_generation,
     completion_generation,
+    read_json,
 )
 from actors.serve.tools import MAX_TOOLS_JSON_BYTES
 
@@ -218,3 +221,28 @@ def test_what_a_message_holds_beyond_its_fields_is_never_read() -> None:
     ]), CONTEXT)
     assert generation.messages == [{"role": "user", "content": "a"},
                                    {"role": "tool", "content": "18 C"}]
+
+
+def test_large_json_is_read_a_piece_at_a_time_into_the_same_value(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No call that builds objects reads more than JSON_PIECE_BYTES of arrays or objects (a
+    long string is one copy); the value is what one call would have read."""
+    value = {"type": "object", "rows": [[[index, {"k": None}]] for index in range(40_000)],
+             "text": "t" * (2 * JSON_PIECE_BYTES),
+             "map": {f"k{index}": [index, 1.5] for index in range(30_000)}}
+    data = json.dumps(value).encode()
+    built: list[int] = []  # the size of each read into Python objects, but a string's
+    decode = msgspec.json.decode
+
+    def recording(data: bytes | msgspec.Raw, **options: object) -> object:
+        if "type" not in options and not bytes(data).startswith(b'"'):
+            built.append(len(data))
+        return decode(data, **options)
+
+    monkeypatch.setattr(msgspec.json, "decode", recording)
+    assert read_json(data) == value
+    assert built and max(built) <= JSON_PIECE_BYTES < len(data)
+    monkeypatch.undo()
+    schema_text = json.dumps({"type": "object", "properties": value["map"]})
+    generation = completion_generation(body(prompt="hi", guided_json=schema_text))
+    assert generation.params.structured.json_schema == json.loads(schema_text)

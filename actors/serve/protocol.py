@@ -22,7 +22,6 @@ enforced tool call), and its errors name the field the client used.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -68,6 +67,11 @@ MAX_TOOL_CHOICE_JSON_BYTES = 1 << 10
 # A tool call's arguments, as JSON: a megabyte of JSON is some 300k tokens, more than the
 # contexts this engine runs hold.
 MAX_ARGUMENTS_JSON_BYTES = 1 << 20
+# JSON is read into Python objects at most this much in one call (one call holds every thread
+# while it builds; 256 KiB of nested arrays, some 10 ms); a larger array or object is read an
+# item at a time, down to this many levels.
+JSON_PIECE_BYTES = 256 << 10
+JSON_PIECE_LEVELS = 8
 
 
 RequestT = TypeVar("RequestT", bound="_Request")
@@ -229,20 +233,36 @@ def _tool_choice(request: ChatRequest) -> ToolChoice | None:
     check_tool_count(len(request.tools))
     _check_json_size("tools", sum(map(len, request.tools)), AS_SENT * MAX_TOOLS_JSON_BYTES,
                      field="tools")
-    return tool_choice([msgspec.json.decode(tool) for tool in request.tools], choice,
+    return tool_choice([read_json(tool) for tool in request.tools], choice,
                        request.parallel_tool_calls)
 
 
-def _read_field(raw: msgspec.Raw, field: str, max_bytes: int, kind: Any = Any) -> Any:
-    """A field left undecoded (None where it is absent), read as `kind` once its JSON is known
-    to take at most `max_bytes`: a larger one is refused having built nothing."""
+def _read_field(raw: msgspec.Raw, field: str, max_bytes: int) -> Any:
+    """A field left undecoded (None where it is absent), read once its JSON is known to take
+    at most `max_bytes`: a larger one is refused having built nothing."""
     if not raw:
         return None
     _check_json_size(field, len(raw), max_bytes, field=field)
+    return read_json(raw)
+
+
+def read_json(data: bytes | msgspec.Raw, levels: int = JSON_PIECE_LEVELS) -> Any:
+    """JSON `data` (valid) as Python objects, as msgspec.json.decode reads it, but an array or
+    object larger than JSON_PIECE_BYTES an item at a time, each item a call of its own: no
+    single call holds the GIL while it builds hundreds of thousands of objects."""
+    if len(data) <= JSON_PIECE_BYTES or not levels:
+        return msgspec.json.decode(data)
     try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError as error:
-        raise InvalidRequest(f"{field}: {error}", field=field) from None
+        items = msgspec.json.decode(data, type=list[msgspec.Raw])
+    except msgspec.ValidationError:
+        pass
+    else:
+        return [read_json(item, levels - 1) for item in items]
+    try:
+        members = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
+    except msgspec.ValidationError:
+        return msgspec.json.decode(data)  # a string or a number: one copy
+    return {key: read_json(value, levels - 1) for key, value in members.items()}
 
 
 def _check_json_size(what: str, size: int, max_bytes: int, field: str) -> None:
@@ -351,11 +371,9 @@ def _structured(request: _Request) -> tuple[StructuredOutput | None, str | None]
 def _structured_value(request: _Request, field: str) -> Any:
     """A structured-output field's value; a schema is read once its size is checked."""
     if field == "response_format":
-        return _read_field(request.response_format, field, AS_SENT * MAX_CONSTRAINT_CHARS,
-                           dict[str, Any] | None)
+        return _read_field(request.response_format, field, AS_SENT * MAX_CONSTRAINT_CHARS)
     if field == "guided_json":
-        return _read_field(request.guided_json, field, AS_SENT * MAX_CONSTRAINT_CHARS,
-                           dict[str, Any] | str | None)
+        return _read_field(request.guided_json, field, AS_SENT * MAX_CONSTRAINT_CHARS)
     return getattr(request, field)
 
 
@@ -372,7 +390,11 @@ def _constraint(field: str, value: Any) -> dict[str, Any] | None:
     return {{"guided_regex": "regex", "guided_grammar": "grammar"}[field]: value}
 
 
-def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
+def _response_format(value: Any) -> dict[str, Any] | None:
+    if not isinstance(value, Mapping):
+        raise InvalidRequest('response_format must be an object: {"type": "text"}, {"type": '
+                             '"json_object"} or {"type": "json_schema", ...}',
+                             field="response_format")
     kind = value.get("type")
     if kind == "text":
         return None
@@ -389,11 +411,11 @@ def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
                          f"{kind!r}"[:200], field="response_format")
 
 
-def _json_object(field: str, value: dict[str, Any] | str) -> dict[str, Any]:
+def _json_object(field: str, value: Any) -> dict[str, Any]:
     """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = _read_json_text(value)
         except (ValueError, RecursionError) as error:
             raise InvalidRequest(f"{field} is not JSON: {error}", field=field) from None
     if not isinstance(value, dict):
@@ -504,14 +526,22 @@ def _arguments(what: str, raw: msgspec.Raw, field: str) -> dict[str, Any]:
     if not raw:
         return {}
     _check_json_size(what, len(raw), MAX_ARGUMENTS_JSON_BYTES, field=field)
-    arguments = msgspec.json.decode(raw)
+    arguments = read_json(raw)
     try:
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        arguments = _read_json_text(arguments) if isinstance(arguments, str) else arguments
     except (ValueError, RecursionError):
         arguments = None
     if not isinstance(arguments, dict):
         raise InvalidRequest(f"{what} must be a JSON object (as text)", field=field)
     return arguments
+
+
+def _read_json_text(text: str) -> Any:
+    """The value JSON `text` holds, read as `read_json` reads it; ValueError (or, nested too
+    deep, RecursionError) where it is not JSON."""
+    data = text.encode("utf-8", errors="surrogatepass")
+    msgspec.json.decode(data, type=msgspec.Raw)  # checked whole before anything is built
+    return read_json(data)
 
 
 def _text_content(where: str, raw: msgspec.Raw, context_length: int) -> str:
