@@ -115,8 +115,10 @@ def _add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
                         f"first byte (408; default {DEFAULT_HEAD_TIMEOUT_S:g}); not with "
                         "--replicas")
     parser.add_argument("--max-connections", type=at_least(1), default=None, metavar="N",
-                        help="connections open at once; more are answered 503 and closed "
-                        f"(default {DEFAULT_MAX_CONNECTIONS}); not with --replicas")
+                        help="connections open at once (default "
+                        f"{DEFAULT_MAX_CONNECTIONS}); past it a new one takes the place of the "
+                        "one idle longest, and is answered 503 only when every one has a "
+                        "request in progress; not with --replicas")
 
 
 def _allowed_host(text: str) -> str:
