@@ -85,6 +85,14 @@ def test_a_head_past_the_limit_is_431(server: Server) -> None:
         body, "request_header_fields_too_large")
 
 
+def test_a_head_that_is_not_http_is_400_naming_the_problem(server: Server) -> None:
+    with connect(server) as connection:
+        connection.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nno colon here\r\n\r\n")
+        status, body = answer(connection)
+    assert status == 400
+    assert "not valid HTTP/1.1" in assert_error(body, "invalid_http_request")
+
+
 def test_a_flood_of_header_bytes_is_cut_off_long_before_it_ends(server: Server) -> None:
     """64 MiB of one header field, never finished: the server stops reading at the limit and
     closes, so the sender's writes fail (what the kernel's buffers took is all it got)."""
