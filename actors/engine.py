@@ -195,6 +195,10 @@ class Engine(EngineDoor):
                     prefill_chunk=prefill_chunk,
                     step_timeout_s=step_timeout_s,
                 ) as engine:
+                    # llguidance's tokenizer for structured output is built now, not on the
+                    # first constrained request: building it holds the GIL (1.3 s for
+                    # gemma-3's 262k vocabulary), which the event loop would wait through.
+                    await engine._compiles.run(engine._grammars.grammar_tokenizer)
                     started = True
                     yield engine
             except MemoryError as exc:
@@ -355,6 +359,10 @@ class Engine(EngineDoor):
                     failure = exc
                 finally:
                     engine.close()
+                    # A compile cannot be interrupted: it ends on its own (bounded by the
+                    # parser limits), and no thread of the engine's outlives it.
+                    with anyio.CancelScope(shield=True):
+                        await engine._compiles.wait_idle()
         if failure is not None:
             raise failure
 

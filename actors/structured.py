@@ -340,6 +340,7 @@ class CompileThreads:
         self._turns: deque[asyncio.Future[None]] = deque()
         self._results: set[asyncio.Future[Any]] = set()
         self._closed = False
+        self._idle: asyncio.Future[None] | None = None
 
     async def run(self, work: Callable[[], T], timeout_s: float | None = None) -> T:
         """`work()`'s result or exception; `TimeoutError` once `timeout_s` passed since it
@@ -369,6 +370,12 @@ class CompileThreads:
                 future.set_exception(
                     EngineClosed("the engine closed while this request's constraint compiled"))
         self._turns.clear()
+
+    async def wait_idle(self) -> None:
+        """Until no compile runs (after `close()`, none starts again)."""
+        while self._running:
+            self._idle = asyncio.get_running_loop().create_future()
+            await self._idle
 
     def _check_open(self) -> None:
         if self._closed:
@@ -422,6 +429,8 @@ class CompileThreads:
                 turn.set_result(None)
                 return
         self._running -= 1
+        if self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
 
 
 _stack_size_lock = threading.Lock()
