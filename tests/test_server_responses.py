@@ -13,6 +13,7 @@ streamed."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -27,10 +28,12 @@ import pytest
 from actors.engine import Engine
 from actors.model.text.chat import ChatTemplate
 from actors.serve.app import ServerOptions
+from actors.serve.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from test_server import Server, _start, _stop
 from test_server_structured import ASK, PARAMETERS, PERSON, TEMPLATES
 from tests.test_engine_fake import CountingBackend, FakeTokenizer, open_fake
 from tests.test_server_fake import MODEL, failing_after, metric, serving, until_ready
+from tests.test_server_tool_formats import ScriptedEngine, served, split_every
 
 # The events of one message answer, in OpenAI's order (the deltas collapsed to one).
 MESSAGE_EVENTS = [
@@ -289,6 +292,78 @@ async def test_without_a_template_responses_says_which_flag_to_pass() -> None:
     error = response.json()["error"]
     assert error["code"] == "template_error" and "/v1/responses" in error["message"]
     assert "--template FILE" in error["message"]
+
+
+class ControlTagEngine(ScriptedEngine):
+    """Answers with Hermes's tags as control tokens whose decoded text is empty (as a
+    tokenizer that leaves control tokens out of its text decodes Qwen's), the rest of the
+    answer three characters a token."""
+
+    TAGS = {TOOL_CALL_OPEN: 900, TOOL_CALL_CLOSE: 901}
+
+    def tokenize(self, text: str, add_bos: bool | None = None,
+                 parse_special: bool = False) -> list[int]:
+        if parse_special and text in self.TAGS:
+            return [self.TAGS[text]]
+        return self._engine.tokenize(text, add_bos=add_bos, parse_special=parse_special)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        if set(token_ids) <= set(self.TAGS.values()):
+            return ""
+        return self._engine.detokenize(token_ids)
+
+    def tokens(self) -> list[tuple[str, int]]:
+        tokens: list[tuple[str, int]] = []
+        for part in re.split(f"({TOOL_CALL_OPEN}|{TOOL_CALL_CLOSE})", self.answer):
+            if part in self.TAGS:
+                tokens.append(("", self.TAGS[part]))
+            else:
+                tokens += [(text, len(tokens)) for text in split_every(part, 3)]
+        return tokens
+
+
+WEATHER_ARGUMENTS = {"city": "Paris", "unit": "celsius"}
+SUM_ARGUMENTS = {"a": 12, "b": 30}
+TWO_CALLS = (
+    "Checking both.\n"
+    f"<tool_call>\n{json.dumps({'name': 'get_weather', 'arguments': WEATHER_ARGUMENTS})}\n"
+    f"</tool_call>\n<tool_call>\n{json.dumps({'name': 'add', 'arguments': SUM_ARGUMENTS})}\n"
+    "</tool_call>")
+
+
+@pytest.mark.anyio
+async def test_parallel_calls_stream_their_arguments_as_written() -> None:
+    """Two calls whose tags are control tokens: read as calls (the tags put back from their
+    token ids), each call's arguments streamed in several deltas, whole and streamed alike;
+    with parallel_tool_calls false, the first call only."""
+    async with served("hermes", TWO_CALLS, ControlTagEngine) as (client, _):
+        ask = {"model": MODEL, "input": "Weather in Paris, and 12 + 30?", "tools": TOOLS}
+        whole = await client.responses.create(**ask)
+        events = [event async for event in await client.responses.create(**ask, stream=True)]
+        async with client.responses.stream(**ask) as stream:
+            helped = await stream.get_final_response()
+        single = await client.responses.create(**ask, parallel_tool_calls=False)
+    assert [item.type for item in whole.output] == ["message", "function_call", "function_call"]
+    assert whole.output[0].content[0].text == "Checking both."
+    calls = [(item.name, json.loads(item.arguments)) for item in whole.output[1:]]
+    assert calls == [("get_weather", WEATHER_ARGUMENTS), ("add", SUM_ARGUMENTS)]
+    assert [data["sequence_number"] for data in (event.model_dump() for event in events)] == \
+        list(range(len(events)))
+    final = events[-1].response
+    assert final.status == "completed"
+    for item in final.output[1:]:
+        deltas = [event.delta for event in events
+                  if event.type == "response.function_call_arguments.delta"
+                  and event.item_id == item.id]
+        (done,) = [event for event in events
+                   if event.type == "response.function_call_arguments.done"
+                   and event.item_id == item.id]
+        assert len(deltas) > 1  # streamed as the model writes them, not in one piece
+        assert "".join(deltas) == done.arguments == item.arguments
+    assert [(item.name, json.loads(item.arguments)) for item in final.output[1:]] == calls
+    assert [(item.name, item.parsed_arguments) for item in helped.output[1:]] == calls
+    assert [item.type for item in single.output].count("function_call") == 1
+    assert single.output[1].name == "get_weather"
 
 
 # --- `q4k serve` on the tiny llama, with a template that renders tools ----------------------

@@ -422,12 +422,16 @@ class ScriptedEngine:
         self.params.append(params)
         return self._chunks()
 
+    def tokens(self) -> list[tuple[str, int]]:
+        """The answer as (decoded text, token id) pairs."""
+        return [(text, number) for number, text in enumerate(split_every(self.answer, 3))]
+
     async def _chunks(self) -> AsyncIterator[Chunk]:
-        texts = split_every(self.answer, 3)
-        for number, text in enumerate(texts):
-            last = number == len(texts) - 1
-            yield Chunk(text=text, token_id=number, finish_reason="stop" if last else None,
-                        usage=Usage(prompt_tokens=1, completion_tokens=len(texts),
+        tokens = self.tokens()
+        for number, (text, token_id) in enumerate(tokens):
+            last = number == len(tokens) - 1
+            yield Chunk(text=text, token_id=token_id, finish_reason="stop" if last else None,
+                        usage=Usage(prompt_tokens=1, completion_tokens=len(tokens),
                                     cached_tokens=0) if last else None)
 
 
@@ -441,8 +445,10 @@ def template_source(name: str) -> str:
 
 
 @asynccontextmanager
-async def served(name: str, answer: str) -> AsyncIterator[tuple[openai.AsyncOpenAI,
-                                                                ScriptedEngine]]:
+async def served(name: str, answer: str, scripted: type[ScriptedEngine] = ScriptedEngine,
+                 ) -> AsyncIterator[tuple[openai.AsyncOpenAI, ScriptedEngine]]:
+    """The app over a `scripted` engine answering `answer`, with the real template of the
+    format `name`, and an openai client for it."""
     backend = CountingBackend(context_length=8192, num_blocks=4096)
     engines: list[ScriptedEngine] = []
 
@@ -452,7 +458,7 @@ async def served(name: str, answer: str) -> AsyncIterator[tuple[openai.AsyncOpen
             return ChatTemplate(source or PLAIN_TEMPLATE, bos_token="<s>", eos_token="</s>")
 
         async with open_fake(backend, chat_template=chat_template) as engine:
-            engines.append(ScriptedEngine(engine, answer))
+            engines.append(scripted(engine, answer))
             yield engines[-1]
 
     options = ServerOptions(chat_template=template_source(name))

@@ -251,14 +251,14 @@ class OpenAIServer:
         """GET /v1/models/{id} (the openai client's `models.retrieve`)."""
         asked = request.path_params["model_id"]
         if asked != self.model_name:
-            return error_response(self._unknown_model(asked))
+            return error_response(self.unknown_model(asked))
         return json_response(self._model_card())
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.started,
                 "owned_by": "q4k-actors"}
 
-    def _unknown_model(self, asked: str) -> _UnknownModel:
+    def unknown_model(self, asked: str) -> _UnknownModel:
         return _UnknownModel(f"the model {asked!r} does not exist here; this server serves "
                              f"{self.model_name!r} (GET /v1/models)", field="model")
 
@@ -283,13 +283,13 @@ class OpenAIServer:
     async def _generate(self, request: Request, chat: bool) -> Response | EventStream:
         generation = None
         try:
-            engine = self._engine()
+            engine = self.ready_engine()
             generation = await self._generation(request, chat, engine)
             shape = await self._shape(generation, engine) if chat else CompletionsShape()
-            chunks = self._start(engine, generation)
+            chunks = self.start(engine, generation)
         except Q4KError as exc:
             self.metrics.count(outcome_of(exc))
-            return error_response(_as_asked(exc, generation))
+            return error_response(as_asked(exc, generation))
         reply = Reply(shape, model=self.model_name,
                       want_logprobs=generation.params.logprobs is not None,
                       include_usage=generation.include_usage,
@@ -302,7 +302,7 @@ class OpenAIServer:
             whole = await cancel_on_disconnect(request.receive, lambda: reply.whole(chunks))
         except Q4KError as exc:  # the reply counted it
             await chunks.aclose()
-            return error_response(_as_asked(exc, generation))
+            return error_response(as_asked(exc, generation))
         return CLIENT_LEFT if whole is None else json_response(whole)
 
     async def converted(self, body: bytes, convert: Callable[[bytes], T]) -> T:
@@ -323,19 +323,19 @@ class OpenAIServer:
             convert = partial(completion_generation, max_tokens_limit=limit)
         generation = await self.converted(await request.body(), convert)
         if generation.model != self.model_name:
-            raise self._unknown_model(generation.model)
+            raise self.unknown_model(generation.model)
         if generation.tools is not None:
-            generation = with_tool_grammar(generation, await self._tool_call_format(engine))
+            generation = with_tool_grammar(generation, await self.tool_call_format(engine))
         return generation
 
     async def _shape(self, generation: Generation, engine: Engine) -> ChatShape:
         """A chat reply; one that reads the answer's tool calls when the request has tools."""
         if generation.tools is None:
             return ChatShape()
-        tool_format = await self._tool_call_format(engine)
+        tool_format = await self.tool_call_format(engine)
         return ChatShape(tool_format.reader(generation.tools.names, generation.tools.parallel))
 
-    async def _tool_call_format(self, engine: Engine) -> ToolCallFormat:
+    async def tool_call_format(self, engine: Engine) -> ToolCallFormat:
         if self._tool_format is None:
             self._tool_format = await anyio.to_thread.run_sync(self._read_tool_format, engine)
         return self._tool_format
@@ -347,7 +347,7 @@ class OpenAIServer:
             lambda text, special: engine.tokenize(text, add_bos=False, parse_special=special),
             engine.detokenize)
 
-    def _start(self, engine: Engine, generation: Generation) -> AsyncIterator[Chunk]:
+    def start(self, engine: Engine, generation: Generation) -> AsyncIterator[Chunk]:
         # A max_tokens the client gave must fit beside the prompt (OpenAI's rule); without one
         # the answer runs at most to the end of the context.
         must_fit = generation.max_tokens_field is not None
@@ -369,7 +369,7 @@ class OpenAIServer:
             return messages, list(choice.tools)
         return generic_chat(messages, choice), None
 
-    def _engine(self) -> Engine:
+    def ready_engine(self) -> Engine:
         engine = self.host.engine
         if engine is None:
             raise _NotReady("the model is still loading; retry shortly (GET /health says when)")
@@ -391,7 +391,7 @@ def _without_collections(convert: Callable[[bytes], T], body: bytes) -> T:
             gc.enable()
 
 
-def _as_asked(exc: Q4KError, generation: Generation | None) -> Q4KError:
+def as_asked(exc: Q4KError, generation: Generation | None) -> Q4KError:
     """`exc` naming the request field the client used: its max_tokens field, or the field
     that asked for structured output (the engine names `structured.<kind>`)."""
     if generation is None or not isinstance(exc, InvalidRequest):

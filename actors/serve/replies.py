@@ -34,6 +34,12 @@ def error_body(message: str, kind: str, param: str | None = None,
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def answer_text(chunk: Chunk, calls: ToolCallReader | None) -> str:
+    """A chunk's text as `calls` (the reader of the answer's tool calls) takes it: with the
+    call marker its token stands for, where decoding leaves the marker out."""
+    return chunk.text if calls is None else calls.format.text_of(chunk.text, chunk.token_id)
+
+
 @contextmanager
 def counting_failures(count: CountOutcome) -> Iterator[None]:
     """Count a project error under its outcome, anything else (a cancelled task, a closed
@@ -107,11 +113,7 @@ class ChatShape:
         self._calls_streamed = 0
 
     def text(self, chunk: Chunk) -> str:
-        """A chunk's text as the reader of calls takes it (with the call marker its token
-        stands for, where decoding leaves the marker out)."""
-        if self._tool_calls is None:
-            return chunk.text
-        return self._tool_calls.format.text_of(chunk.text, chunk.token_id)
+        return answer_text(chunk, self._tool_calls)
 
     def choice(self, text: str, logprobs: dict[str, Any] | None,
                finish: str | None) -> dict[str, Any]:

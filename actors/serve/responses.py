@@ -35,7 +35,7 @@ from actors.serve.app import (
     CLIENT_LEFT,
     EventStream,
     OpenAIServer,
-    _as_asked,
+    as_asked,
     cancel_on_disconnect,
     error_response,
     error_status,
@@ -49,8 +49,8 @@ from actors.serve.protocol import (
     decode_body,
     with_tool_grammar,
 )
-from actors.serve.replies import FINISH_REASONS, CountOutcome, counting_failures
-from actors.serve.tools import ToolCall, ToolCallReader
+from actors.serve.replies import FINISH_REASONS, CountOutcome, answer_text, counting_failures
+from actors.serve.tools import CallArguments, CallStart, Piece, ToolCallReader
 
 STATELESS = ("this server keeps no responses or conversations (it is stateless: every "
              "response has store false)")
@@ -373,7 +373,8 @@ class ResponseWriter:
     """One response's output, built as the answer settles (text, function calls): the
     events OpenAI streams for it, numbered, and the Response object they end with
     (`response()`, also the whole reply). Text goes into an open `message` item, which a call
-    or the end closes; a call is a `function_call` item, its arguments in one delta."""
+    or the end closes; a call is a `function_call` item, its arguments streamed in pieces as
+    the model writes them."""
 
     def __init__(self, echo: dict[str, Any], calls: ToolCallReader | None) -> None:
         self.id = "resp_" + uuid.uuid4().hex
@@ -384,6 +385,8 @@ class ResponseWriter:
         self._output: list[dict[str, Any]] = []  # the items done
         self._message_id: str | None = None  # the open message's
         self._message_texts: list[str] = []
+        self._call: dict[str, Any] | None = None  # the open function_call item
+        self._call_arguments: list[str] = []
         self._usage: dict[str, Any] | None = None
         self._error: dict[str, Any] | None = None
         self._sequence = 0
@@ -406,17 +409,24 @@ class ResponseWriter:
         return [self._event("response.created", response=self.response()),
                 self._event("response.in_progress", response=self.response())]
 
-    def settle(self, text: str, final: bool) -> list[dict[str, Any]]:
-        """The events of the answer's next `text` (`final`: the answer ends with it): text
+    def settle(self, chunk: Chunk, final: bool) -> list[dict[str, Any]]:
+        """The events of the answer's next chunk (`final`: the answer ends with it): text
         that may still become a call waits until it is decided."""
+        text = answer_text(chunk, self._calls)
         if self._calls is None:
-            pieces: list[str | ToolCall] = [text] if text else []
+            pieces: list[Piece] = [text] if text else []
         else:
-            pieces = self._calls.feed(text) + (self._calls.end() if final else [])
+            pieces = self._calls.feed_pieces(text) + (self._calls.end_pieces() if final else [])
         events: list[dict[str, Any]] = []
         for piece in pieces:
-            events += (self._write_text(piece) if isinstance(piece, str)
-                       else self._write_call(piece))
+            if isinstance(piece, str):
+                events += self._write_text(piece)
+            elif isinstance(piece, CallStart):
+                events += self._open_call(piece)
+            elif isinstance(piece, CallArguments):
+                events += self._write_arguments(piece.text)
+            else:
+                events += self._close_call()
         return events
 
     def finished(self, finish: str, usage: Usage) -> list[dict[str, Any]]:
@@ -479,23 +489,36 @@ class ResponseWriter:
         return {"item_id": self._message_id, "output_index": len(self._output),
                 "content_index": 0}
 
-    def _write_call(self, call: ToolCall) -> list[dict[str, Any]]:
+    def _open_call(self, start: CallStart) -> list[dict[str, Any]]:
+        """A call begins (its id and function known): the message before it is closed."""
         events = self._close_message("completed") if self._message_id is not None else []
-        index = len(self._output)
-        item = {"id": "fc_" + uuid.uuid4().hex, "type": "function_call", "status": "completed",
-                "arguments": call.arguments, "call_id": call.id, "name": call.name}
-        where = {"item_id": item["id"], "output_index": index}
-        events += [
-            self._event("response.output_item.added", output_index=index,
-                        item={**item, "status": "in_progress", "arguments": ""}),
-            self._event("response.function_call_arguments.delta", **where,
-                        delta=call.arguments),
-            self._event("response.function_call_arguments.done", **where,
-                        arguments=call.arguments),
-            self._event("response.output_item.done", output_index=index, item=item),
+        self._call = {"id": "fc_" + uuid.uuid4().hex, "type": "function_call",
+                      "status": "in_progress", "arguments": "", "call_id": start.id,
+                      "name": start.name}
+        self._call_arguments = []
+        return events + [self._event("response.output_item.added",
+                                     output_index=len(self._output), item=dict(self._call))]
+
+    def _write_arguments(self, text: str) -> list[dict[str, Any]]:
+        self._call_arguments.append(text)
+        return [self._event("response.function_call_arguments.delta", **self._in_call(),
+                            delta=text)]
+
+    def _close_call(self) -> list[dict[str, Any]]:
+        arguments = "".join(self._call_arguments)
+        item = {**self._call, "status": "completed", "arguments": arguments}
+        events = [
+            self._event("response.function_call_arguments.done", **self._in_call(),
+                        arguments=arguments),
+            self._event("response.output_item.done", output_index=len(self._output), item=item),
         ]
         self._output.append(item)
+        self._call = None
         return events
+
+    def _in_call(self) -> dict[str, Any]:
+        """Where a call's events point: the open function_call item."""
+        return {"item_id": self._call["id"], "output_index": len(self._output)}
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -520,7 +543,7 @@ class ResponsesEndpoint:
         server = self._server
         generation = None
         try:
-            engine = server._engine()
+            engine = server.ready_engine()
             if not server.options.chat_available:
                 raise TemplateError(
                     f"the model {server.model_name!r} has no chat template, so this server "
@@ -530,13 +553,14 @@ class ResponsesEndpoint:
                 responses_generation, context_length=engine.context_length,
                 max_tokens_limit=server.options.max_tokens_limit))
             if generation.model != server.model_name:
-                raise server._unknown_model(generation.model)
+                raise server.unknown_model(generation.model)
             calls = None
             if generation.tools is not None:
-                tool_format = await server._tool_call_format(engine)
+                tool_format = await server.tool_call_format(engine)
                 generation = with_tool_grammar(generation, tool_format)
-                calls = tool_format.reader(generation.tools.names)
-            chunks = server._start(engine, generation)
+                calls = tool_format.reader(generation.tools.names,
+                                           generation.tools.parallel)
+            chunks = server.start(engine, generation)
         except Q4KError as exc:
             server.metrics.count(outcome_of(exc))
             # Before there is a generation, errors already name the fields sent here.
@@ -594,7 +618,7 @@ class _Answer:
                     yield event
                 while True:
                     finish = FINISH_REASONS.get(chunk.finish_reason or "")
-                    for event in writer.settle(chunk.text, final=finish is not None):
+                    for event in writer.settle(chunk, final=finish is not None):
                         yield event
                     if finish:
                         break
@@ -606,7 +630,7 @@ class _Answer:
 
 def _engine_error(exc: Q4KError, generation: Generation) -> Q4KError:
     """An error of the engine's, naming the fields sent here."""
-    return as_sent(_as_asked(exc, generation))
+    return as_sent(as_asked(exc, generation))
 
 
 def _refusal(exc: Q4KError) -> Response:
