@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import json
 import os
 import re
 import threading
@@ -274,12 +275,13 @@ def _check_compile_depth(kind: str, depth: int) -> None:
             field=f"structured.{kind}")
 
 
-def _schema_depth(schema: Any) -> int:
+def _schema_depth(schema: Any, kind: str = "json_schema") -> int:
     """An upper bound on a JSON schema's compile recursion, which goes through nested schema
     objects and into each `$ref`'s target, compiling a target once: a path holds every object
     at most once, plus once more per distinct reference (N + R), and it is at most R + 1
     stretches of nesting no deeper than the document's ((R + 1) x D). `InvalidRequest` for a
-    schema nested past `MAX_SCHEMA_NESTING`. Linear in the schema, and it keeps nothing of it
+    schema nested past `MAX_SCHEMA_NESTING` (naming `kind`, the field that holds it). Linear
+    in the schema, and it keeps nothing of it
     (a copy of a large schema would set off the garbage collector's full passes, which hold
     the GIL); the built-in types' own methods read it, whatever a subclass overrides."""
     objects = 0
@@ -289,7 +291,7 @@ def _schema_depth(schema: Any) -> int:
     while stack:
         value, depth, object_depth = stack.pop()
         if depth > MAX_SCHEMA_NESTING:
-            raise _nested_too_deep()
+            raise _nested_too_deep(kind)
         if isinstance(value, dict):
             objects += 1
             deepest_object = max(deepest_object, object_depth)
@@ -308,18 +310,40 @@ def _schema_depth(schema: Any) -> int:
     return min(objects + len(refs), (len(refs) + 1) * deepest_object)
 
 
-def _nested_too_deep() -> InvalidRequest:
+def _nested_too_deep(kind: str) -> InvalidRequest:
+    what = "json_schema" if kind == "json_schema" else f"a %json schema in the {kind}"
     return InvalidRequest(
-        f"json_schema nests more than {MAX_SCHEMA_NESTING} levels of objects and arrays",
-        field="structured.json_schema")
+        f"{what} nests more than {MAX_SCHEMA_NESTING} levels of objects and arrays",
+        field=f"structured.{kind}")
 
 
 def _grammar_depth(grammar: str) -> int:
-    """An upper bound on a Lark grammar's compile recursion, which recurses into each rule and terminal it references (each
-    compiled once: every definition has a colon) and through each group (`(`, `[`); a `%json`
-    schema inside adds its objects and references (at most two levels per `{`)."""
-    return (grammar.count(":") + grammar.count("(") + grammar.count("[")
-            + 2 * grammar.count("{") + 1)
+    """An upper bound on a Lark grammar's compile recursion, which recurses into each rule and
+    terminal it references (each compiled once: every definition has a colon) and through
+    each group (`(`, `[`; a `{` counts twice); each `%json` schema inside is measured as a
+    schema (`_schema_depth`), its own objects and references added."""
+    depth = 1
+    lark_end = 0
+    for block in _JSON_BLOCK.finditer(grammar):
+        if block.start() < lark_end:
+            continue  # inside the schema just measured
+        try:
+            schema, schema_end = _JSON.raw_decode(grammar, block.end())
+        except RecursionError:
+            raise _nested_too_deep("grammar") from None
+        except ValueError:
+            continue  # not JSON: counted as Lark text, which counts more
+        depth += _lark_depth(grammar[lark_end:block.start()]) + _schema_depth(schema, "grammar")
+        lark_end = schema_end
+    return depth + _lark_depth(grammar[lark_end:])
+
+
+def _lark_depth(text: str) -> int:
+    return text.count(":") + text.count("(") + text.count("[") + 2 * text.count("{")
+
+
+_JSON_BLOCK = re.compile(r"%json\s*")
+_JSON = json.JSONDecoder()
 
 
 # --- compile threads ------------------------------------------------------------------------

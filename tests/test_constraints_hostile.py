@@ -23,7 +23,7 @@ import actors.engine_door
 from actors import Engine, SamplingParams, StructuredOutput
 from actors.errors import EngineClosed, EngineOverloaded, InvalidRequest
 from actors.messages import Chunk
-from actors.structured import COMPILE_THREADS, Constraint, GrammarCompiler
+from actors.structured import COMPILE_THREADS, JSON_LAYOUT, Constraint, GrammarCompiler
 from tests.conftest import TINY_MODELS
 from tests.fuzz import FUZZ_EXAMPLES
 
@@ -348,3 +348,31 @@ async def test_plain_requests_beside_costly_constraints_get_their_solo_tokens() 
         assert len(outcomes) == 2 * len(COSTLY)
         await _waiting_for(lambda: engine._admission.live == 0)
 
+
+
+def _tool_grammar(tools: int, arguments: int) -> str:
+    """A call to one of `tools` functions of `arguments` string arguments, as the server's
+    tool-call grammars are written: a Lark rule of a `%json` schema each."""
+    def schema(index: int) -> dict[str, Any]:
+        return {"type": "object", "additionalProperties": False, "required": ["name"],
+                "x-guidance": JSON_LAYOUT,
+                "properties": {"name": {"const": f"tool_{index}"}, "arguments": {
+                    "type": "object", "properties": {f"argument_{a}": {"type": "string"}
+                                                     for a in range(arguments)}}}}
+
+    rules = [f"fn{index}: %json {json.dumps(schema(index))}" for index in range(tools)]
+    return "\n".join(["start: " + " | ".join(f"fn{index}" for index in range(tools)), *rules])
+
+
+async def test_a_grammar_of_many_json_schemas_is_measured_schema_by_schema() -> None:
+    # Its text holds ~20,000 colons and braces (JSON keys and objects): counted as Lark
+    # rules and groups they would pass the bound; as schemas, each is a few levels deep.
+    grammar = _tool_grammar(tools=128, arguments=30)
+    async with Engine.open(TINY, backend="cpu") as engine:
+        call = await engine.complete("Call:", greedy(StructuredOutput(grammar=grammar),
+                                                      max_tokens=64))
+        assert call.text.startswith('{"name": "tool_')
+        nested = 'start: %json ' + "[" * 150 + "]" * 150
+        with pytest.raises(InvalidRequest, match="nests more than") as error:
+            await engine.complete("Call:", greedy(StructuredOutput(grammar=nested)))
+        assert error.value.field == "structured.grammar"
