@@ -75,11 +75,12 @@ class CompletionsShape:
         return {"text": ""}
 
     def streamed_choice(self, piece: dict[str, Any], logprobs: dict[str, Any] | None,
-                        finish: str | None, first: bool) -> dict[str, Any]:
-        return {"index": 0, **piece, "logprobs": logprobs, "finish_reason": finish}
+                        first: bool) -> dict[str, Any]:
+        return {"index": 0, **piece, "logprobs": logprobs, "finish_reason": None}
 
-    def finish_reason(self, finish: str | None) -> str | None:
-        return finish
+    def final_choice(self, finish: str) -> dict[str, Any]:
+        """The stream's last choice: no text, the finish reason."""
+        return {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
 
     def logprobs(self, chunks: list[Chunk], token_text: TokenText, offset: int) -> dict[str, Any]:
         tokens = [token_text(chunk.token_id) for chunk in chunks]
@@ -152,13 +153,16 @@ class ChatShape:
         return {"content": "" if self._tool_calls is None else None}
 
     def streamed_choice(self, piece: dict[str, Any], logprobs: dict[str, Any] | None,
-                        finish: str | None, first: bool) -> dict[str, Any]:
+                        first: bool) -> dict[str, Any]:
         delta = {"role": "assistant", **piece} if first else piece
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
-    def finish_reason(self, finish: str | None) -> str | None:
-        """A streamed answer that made calls finishes with `tool_calls`."""
-        return "tool_calls" if finish == "stop" and self._calls_streamed else finish
+    def final_choice(self, finish: str) -> dict[str, Any]:
+        """The stream's last choice, as OpenAI sends it: an empty delta and the finish reason
+        (`tool_calls` for an answer that made calls)."""
+        if finish == "stop" and self._calls_streamed:
+            finish = "tool_calls"
+        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
 
     def logprobs(self, chunks: list[Chunk], token_text: TokenText, offset: int) -> dict[str, Any]:
         def entry(token: int, logprob: float) -> dict[str, Any]:
@@ -227,33 +231,29 @@ class Reply:
             return await anext(chunks)
 
     async def events(self, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
-        """Server-sent events: one per chunk that carries text or logprobs, the finish, the
-        usage when asked for, then `[DONE]`. `first` was already taken from `chunks`."""
+        """Server-sent events: one per chunk that carries text or logprobs, then one with no
+        text and the finish reason (as OpenAI ends a stream), the usage when asked for, then
+        `[DONE]`. `first` was already taken from `chunks`."""
         offset = 0
         chunk = first
         with counting_failures(self._count):
             async with aclosing(chunks):
                 is_first = True
                 while True:
-                    finish = FINISH_REASONS.get(chunk.finish_reason or "")
+                    final = chunk.finish_reason is not None
                     scored = self._scored(chunk)
-                    pieces = self.shape.pieces(self.shape.text(chunk), final=finish is not None)
-                    if pieces or scored or finish or is_first:
-                        pieces = pieces or [self.shape.empty_piece()]
+                    pieces = self.shape.pieces(self.shape.text(chunk), final=final)
+                    if pieces or scored or is_first:
                         logprobs = self._logprobs(scored, offset)
-                        for number, piece in enumerate(pieces):
-                            last = number == len(pieces) - 1
-                            choice = self.shape.streamed_choice(
-                                piece, logprobs if number == 0 else None,
-                                self.shape.finish_reason(finish) if last else None, is_first)
-                            yield sse_event({**self._head(self.shape.chunk_object),
-                                               "choices": [choice], **self._no_usage()})
+                        for number, piece in enumerate(pieces or [self.shape.empty_piece()]):
+                            yield self._chunk_event(self.shape.streamed_choice(
+                                piece, logprobs if number == 0 else None, is_first))
                             is_first = False
                     offset += len(chunk.text)
-                    if finish:
+                    if final:
                         break
                     chunk = await anext(chunks)
-        self._finished(chunk)
+        yield self._chunk_event(self.shape.final_choice(self._finished(chunk)))
         if self._include_usage:
             yield sse_event({**self._head(self.shape.chunk_object), "choices": [],
                                "usage": usage_object(chunk.usage)})
@@ -264,6 +264,10 @@ class Reply:
         finish = FINISH_REASONS[last.finish_reason]
         self._count(finish, last.usage)
         return finish
+
+    def _chunk_event(self, choice: dict[str, Any]) -> bytes:
+        return sse_event({**self._head(self.shape.chunk_object), "choices": [choice],
+                          **self._no_usage()})
 
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}

@@ -1,0 +1,104 @@
+"""The smaller points of the OpenAI protocol, with the official `openai` client and raw HTTP:
+how a stream ends (an empty delta carrying the finish reason, then the usage chunk).
+
+In-process over the counting fake backend, or over a fake engine that answers a set text
+through a real chat template (tests/test_server_tool_formats.py's `served`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.test_engine_fake import CountingBackend, open_fake
+from tests.test_server_fake import MODEL, serving, until_ready
+from tests.test_server_tool_formats import ADD, served
+
+pytestmark = pytest.mark.anyio
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def sse_chunks(response: httpx.Response) -> list[dict[str, Any]]:
+    """The JSON chunks of a stream, checked to end with `[DONE]`."""
+    data = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+    assert data[-1] == "[DONE]"
+    return [json.loads(item) for item in data[:-1]]
+
+
+def assert_ends_as_openai_does(chunks: list[dict[str, Any]], final_choice: dict[str, Any],
+                               usage: bool) -> None:
+    """Every chunk but the last one or two carries no finish reason; then one choice with
+    nothing but the finish reason; then, with include_usage, `choices: []` and the usage."""
+    if usage:
+        *chunks, last = chunks
+        assert last["choices"] == [] and last["usage"]["total_tokens"] > 0
+        assert all(chunk["usage"] is None for chunk in chunks)
+    *answer, final = chunks
+    assert answer and all(chunk["choices"][0]["finish_reason"] is None for chunk in answer)
+    assert final["choices"] == [final_choice]
+
+
+@pytest.mark.parametrize("usage", [False, True])
+async def test_a_chat_stream_ends_with_an_empty_delta_and_the_finish_reason(usage: bool) -> None:
+    async with served("generic", "Hello there, friend.") as (client, _):
+        async with httpx.AsyncClient(base_url=str(client.base_url)) as http:
+            response = await http.post("/chat/completions", json={
+                "model": MODEL, "messages": HI, "stream": True,
+                "stream_options": {"include_usage": usage}})
+        chunks = sse_chunks(response)
+        assert_ends_as_openai_does(chunks, {"index": 0, "delta": {}, "logprobs": None,
+                                            "finish_reason": "stop"}, usage)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        # The client's own stream helper rebuilds the whole answer from these chunks.
+        async with client.chat.completions.stream(model=MODEL, messages=HI) as stream:
+            final = await stream.get_final_completion()
+    assert final.choices[0].message.content == "Hello there, friend."
+    assert final.choices[0].finish_reason == "stop"
+
+
+async def test_a_stream_of_calls_ends_with_an_empty_delta_and_tool_calls() -> None:
+    call = json.dumps({"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]})
+    async with served("generic", call) as (client, _):
+        async with httpx.AsyncClient(base_url=str(client.base_url)) as http:
+            response = await http.post("/chat/completions", json={
+                "model": MODEL, "messages": HI, "tools": [ADD], "stream": True})
+        async with client.chat.completions.stream(model=MODEL, messages=HI,
+                                                  tools=[ADD]) as stream:
+            final = await stream.get_final_completion()
+    assert_ends_as_openai_does(sse_chunks(response), {
+        "index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}, False)
+    (choice,) = final.choices
+    assert choice.finish_reason == "tool_calls"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"a": 1, "b": 2}
+
+
+@pytest.mark.parametrize("usage", [False, True])
+async def test_a_completion_stream_ends_with_empty_text_and_the_finish_reason(
+        usage: bool) -> None:
+    async with serving(lambda: open_fake(CountingBackend())) as http:
+        await until_ready(http)
+        response = await http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 5, "logprobs": 2, "stream": True,
+            "stream_options": {"include_usage": usage}})
+        async with openai.AsyncOpenAI(base_url=f"{http.base_url}/v1", api_key="unused",
+                                      max_retries=0) as client:
+            streamed = [chunk async for chunk in await client.completions.create(
+                model=MODEL, prompt="Hi", max_tokens=5, stream=True, temperature=0)]
+            whole = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=5,
+                                                    temperature=0)
+    chunks = sse_chunks(response)
+    assert_ends_as_openai_does(chunks, {"index": 0, "text": "", "logprobs": None,
+                                        "finish_reason": "length"}, usage)
+    # Each token's logprobs come with its text, none with the finish.
+    scored = [chunk for chunk in chunks if chunk["choices"] and chunk["choices"][0]["logprobs"]]
+    assert sum(len(chunk["choices"][0]["logprobs"]["tokens"]) for chunk in scored) == 5
+    assert "".join(chunk.choices[0].text for chunk in streamed) == whole.choices[0].text
+    assert [chunk.choices[0].finish_reason for chunk in streamed][-2:] == [None, "length"]
