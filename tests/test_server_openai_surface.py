@@ -1,5 +1,6 @@
 """The smaller points of the OpenAI protocol, with the official `openai` client and raw HTTP:
-how a stream ends (an empty delta carrying the finish reason, then the usage chunk).
+how a stream ends (an empty delta carrying the finish reason, then the usage chunk),
+`system_fingerprint`.
 
 In-process over the counting fake backend, or over a fake engine that answers a set text
 through a real chat template (tests/test_server_tool_formats.py's `served`)."""
@@ -7,12 +8,15 @@ through a real chat template (tests/test_server_tool_formats.py's `served`)."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from actors.serve.app import ServerOptions
+from actors.serve.fingerprint import ENGINE_VERSION
 from tests.test_engine_fake import CountingBackend, open_fake
 from tests.test_server_fake import MODEL, serving, until_ready
 from tests.test_server_tool_formats import ADD, served
@@ -57,6 +61,7 @@ async def test_a_chat_stream_ends_with_an_empty_delta_and_the_finish_reason(usag
         assert_ends_as_openai_does(chunks, {"index": 0, "delta": {}, "logprobs": None,
                                             "finish_reason": "stop"}, usage)
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert len({chunk["system_fingerprint"] for chunk in chunks}) == 1
         # The client's own stream helper rebuilds the whole answer from these chunks.
         async with client.chat.completions.stream(model=MODEL, messages=HI) as stream:
             final = await stream.get_final_completion()
@@ -102,3 +107,27 @@ async def test_a_completion_stream_ends_with_empty_text_and_the_finish_reason(
     assert sum(len(chunk["choices"][0]["logprobs"]["tokens"]) for chunk in scored) == 5
     assert "".join(chunk.choices[0].text for chunk in streamed) == whole.choices[0].text
     assert [chunk.choices[0].finish_reason for chunk in streamed][-2:] == [None, "length"]
+
+
+FINGERPRINT = re.compile(rf"fp_q4k-{re.escape(ENGINE_VERSION)}-cpu-[0-9a-f]{{10}}")
+
+
+async def test_every_reply_and_chunk_carries_one_system_fingerprint() -> None:
+    fingerprints = []
+    for digest in ("ab" * 32, "ab" * 32, "cd" * 32):
+        async with serving(lambda: open_fake(CountingBackend()),
+                           ServerOptions(model_digest=digest)) as http:
+            await until_ready(http)
+            async with openai.AsyncOpenAI(base_url=f"{http.base_url}/v1", api_key="unused",
+                                          max_retries=0) as client:
+                whole = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+                chunks = [chunk async for chunk in await client.completions.create(
+                    model=MODEL, prompt="Hi", max_tokens=3, stream=True,
+                    stream_options={"include_usage": True})]
+        seen = {whole.system_fingerprint, *(chunk.system_fingerprint for chunk in chunks)}
+        (fingerprint,) = seen
+        assert FINGERPRINT.fullmatch(fingerprint)
+        fingerprints.append(fingerprint)
+    # The same engine, backend and model file: the same string; another file: another.
+    assert fingerprints[0] == fingerprints[1] != fingerprints[2]
+    assert fingerprints[0].endswith("-abababab" + "ab")

@@ -405,8 +405,9 @@ async def test_an_auto_answer_streams_as_the_client_accumulates_it(
                                     cached_tokens=0) if last else None)
 
     def reply() -> Reply:
-        return Reply(ChatShape(tool_format.reader(NAMES)), model="m", want_logprobs=False,
-                     include_usage=False, token_text=str, count=lambda *_: None)
+        return Reply(ChatShape(tool_format.reader(NAMES)), model="m", fingerprint="fp_test",
+                     want_logprobs=False, include_usage=False, token_text=str,
+                     count=lambda *_: None)
 
     whole = (await reply().whole(chunks()))["choices"][0]
     state = ChatCompletionStreamState()

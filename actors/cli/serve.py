@@ -162,6 +162,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         from actors.serve.app import ServerOptions, build_app
         from actors.serve.connections import bounded_h11_protocol
+        from actors.serve.fingerprint import model_digest
     except ImportError as exc:
         raise InvalidRequest(
             f"the server needs the `serve` extra ({exc.name} is missing): "
@@ -174,7 +175,8 @@ def _serve(args: argparse.Namespace) -> int:
     # Reads the model's header before anything starts: a bad file fails here.
     options = ServerOptions(chat_template=template,
                             chat_available=has_chat_template(model, template),
-                            max_tokens_limit=args.max_tokens_limit)
+                            max_tokens_limit=args.max_tokens_limit,
+                            model_digest=model_digest(model))
     if args.replicas is not None:
         return _serve_on_ray(args, model, options, limits)
     listener = _listen(args.host, args.port)

@@ -34,6 +34,7 @@ from actors.errors import (
 )
 from actors.logs import get_logger
 from actors.messages import Chunk
+from actors.serve.fingerprint import name_digest, system_fingerprint
 from actors.serve.guard import RequestGuard, RequestLimits
 from actors.serve.metrics import Metrics, outcome_of
 from actors.serve.protocol import (
@@ -219,11 +220,13 @@ class _NoChat(TemplateError):
 
 class ServerOptions(msgspec.Struct, frozen=True, kw_only=True):
     """How `q4k serve` was started: the chat template (None = the model's own), whether there
-    is one at all, and the most tokens one request may ask for (None = up to the context)."""
+    is one at all, the most tokens one request may ask for (None = up to the context), and
+    the model file's digest (`fingerprint.model_digest`; None: the served name's stands in)."""
 
     chat_template: str | None = None
     chat_available: bool = True
     max_tokens_limit: int | None = None
+    model_digest: str | None = None
 
 
 class OpenAIServer:
@@ -237,6 +240,7 @@ class OpenAIServer:
         self.started = int(time.time())
         # How the chat template's model writes tool calls: read from its source on first use.
         self._tool_format: ToolCallFormat | None = None
+        self._model_digest = options.model_digest or name_digest(model_name)
         self._conversions = anyio.CapacityLimiter(CONVERSIONS_AT_ONCE)
 
     async def health(self, request: Request) -> Response:
@@ -290,7 +294,7 @@ class OpenAIServer:
         except Q4KError as exc:
             self.metrics.count(outcome_of(exc))
             return error_response(as_asked(exc, generation))
-        reply = Reply(shape, model=self.model_name,
+        reply = Reply(shape, model=self.model_name, fingerprint=self.fingerprint(engine),
                       want_logprobs=generation.params.logprobs is not None,
                       include_usage=generation.include_usage,
                       token_text=lambda token: engine.detokenize([token]),
@@ -368,6 +372,10 @@ class OpenAIServer:
         if self._tool_format is None or self._tool_format.renders_tools:
             return messages, list(choice.tools)
         return generic_chat(messages, choice), None
+
+    def fingerprint(self, engine: Engine) -> str:
+        """The replies' `system_fingerprint`: this engine's version and backend, this model."""
+        return system_fingerprint(self._model_digest, engine.info.on_gpu)
 
     def ready_engine(self) -> Engine:
         engine = self.host.engine

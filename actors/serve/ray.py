@@ -47,6 +47,7 @@ from actors.model.text.chat import ChatTemplate, RenderLimits
 from actors.model.loaded import open_model
 from actors.params import SamplingParams
 from actors.serve.app import ServerOptions, build_app, cancel_on_disconnect
+from actors.serve.fingerprint import model_digest
 from actors.serve.guard import RequestGuard, RequestLimits, api_key_from_environment
 from actors.serve.protocol import (
     ChatRequest,
@@ -145,7 +146,8 @@ class EngineReplica:
         options = ServerOptions(
             chat_template=settings.chat_template,
             chat_available=has_chat_template(Path(settings.model), settings.chat_template),
-            max_tokens_limit=settings.max_tokens_limit)
+            max_tokens_limit=settings.max_tokens_limit,
+            model_digest=model_digest(Path(settings.model)))
         self._app = build_app(self._open_engine, settings.model_name, on_failure=self._failed,
                               options=options, limits=settings.request_limits())
         self._lifespan = LifespanOn(uvicorn.Config(self._app, lifespan="on", log_config=None))

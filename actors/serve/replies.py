@@ -196,12 +196,13 @@ class Reply:
     """One request's response: `whole(chunks)`, or `first(chunks)` then `events(...)`. Each
     request's outcome is counted once: its finish reason, the error it raised, or `cancelled`."""
 
-    def __init__(self, shape: Shape, *, model: str, want_logprobs: bool, include_usage: bool,
-                 token_text: TokenText, count: CountOutcome) -> None:
+    def __init__(self, shape: Shape, *, model: str, fingerprint: str, want_logprobs: bool,
+                 include_usage: bool, token_text: TokenText, count: CountOutcome) -> None:
         self.shape = shape
         self.id = shape.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
+        self.fingerprint = fingerprint
         self._want_logprobs = want_logprobs
         self._include_usage = include_usage
         self._token_text = token_text
@@ -270,7 +271,8 @@ class Reply:
                           **self._no_usage()})
 
     def _head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
 
     def _no_usage(self) -> dict[str, Any]:
         # With include_usage, OpenAI sends `usage: null` on every chunk but the last.
