@@ -1,6 +1,6 @@
 """The smaller points of the OpenAI protocol, with the official `openai` client and raw HTTP:
-how a stream ends (an empty delta carrying the finish reason, then the usage chunk),
-`system_fingerprint`.
+how a stream ends (an empty delta carrying the finish reason, then the usage chunk), fields
+outside the ranges OpenAI takes them in (400s naming the field), `system_fingerprint`.
 
 In-process over the counting fake backend, or over a fake engine that answers a set text
 through a real chat template (tests/test_server_tool_formats.py's `served`)."""
@@ -107,6 +107,78 @@ async def test_a_completion_stream_ends_with_empty_text_and_the_finish_reason(
     assert sum(len(chunk["choices"][0]["logprobs"]["tokens"]) for chunk in scored) == 5
     assert "".join(chunk.choices[0].text for chunk in streamed) == whole.choices[0].text
     assert [chunk.choices[0].finish_reason for chunk in streamed][-2:] == [None, "length"]
+
+
+# (the fields sent, the param the 400 names, words of its message)
+CHAT_OUT_OF_RANGE = [
+    ({"temperature": 2.5}, "temperature", "[0, 2]"),
+    ({"temperature": -0.5}, "temperature", "[0, 2]"),
+    ({"top_p": 1.5}, "top_p", "[0, 1]"),
+    ({"top_p": -0.1}, "top_p", "[0, 1]"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "[-2, 2]"),
+    ({"n": 0}, "n", "at least 1"),
+    ({"max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"max_completion_tokens": -3}, "max_completion_tokens", "at least 1"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "0..20"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "0..20"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"hello": 1}}, "logit_bias", "not a token id"),
+    ({"seed": 1.5}, "seed", "int"),
+]
+COMPLETION_OUT_OF_RANGE = [
+    ({"temperature": 3}, "temperature", "[0, 2]"),
+    ({"top_p": 2}, "top_p", "[0, 1]"),
+    ({"presence_penalty": -3}, "presence_penalty", "[-2, 2]"),
+    ({"frequency_penalty": 3}, "frequency_penalty", "[-2, 2]"),
+    ({"n": -1}, "n", "at least 1"),
+    ({"max_tokens": -1}, "max_tokens", "at least 1"),
+    ({"logprobs": 21}, "logprobs", "0..20"),
+    ({"logit_bias": {"5": -100.5}}, "logit_bias", "[-100, 100]"),
+    ({"seed": "seven"}, "seed", "int"),
+]
+RESPONSES_OUT_OF_RANGE = [
+    ({"temperature": 2.01}, "temperature", "[0, 2]"),
+    ({"top_p": 1.01}, "top_p", "[0, 1]"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),
+]
+
+
+async def test_fields_out_of_openais_ranges_are_400s_naming_them() -> None:
+    backend = CountingBackend()
+    async with served("generic", "Fine.") as (client, _):
+        for fields, param, words in CHAT_OUT_OF_RANGE:
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await client.chat.completions.create(model=MODEL, messages=HI,
+                                                         stream=stream, **fields)
+                assert_names(caught.value, param, words)
+        for fields, param, words in RESPONSES_OUT_OF_RANGE:
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.responses.create(model=MODEL, input="Hi", **fields)
+            assert_names(caught.value, param, words)
+        # The ends of each range are served.
+        edges = await client.chat.completions.create(
+            model=MODEL, messages=HI, temperature=2, top_p=1, presence_penalty=-2,
+            frequency_penalty=2, n=1, max_tokens=1, logprobs=True, top_logprobs=20)
+        assert edges.choices[0].finish_reason in ("stop", "length")
+    async with serving(lambda: open_fake(backend)) as http:
+        await until_ready(http)
+        async with openai.AsyncOpenAI(base_url=f"{http.base_url}/v1", api_key="unused",
+                                      max_retries=0) as completions_client:
+            for fields, param, words in COMPLETION_OUT_OF_RANGE:
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await completions_client.completions.create(model=MODEL, prompt="Hi",
+                                                                **fields)
+                assert_names(caught.value, param, words)
+    assert backend.steps == []  # refused before any work
+
+
+def assert_names(error: openai.BadRequestError, param: str, words: str) -> None:
+    body = error.response.json()["error"]
+    assert (body["param"], body["type"]) == (param, "invalid_request_error"), body
+    assert words in body["message"], body
+    assert "Traceback" not in error.response.text
 
 
 FINGERPRINT = re.compile(rf"fp_q4k-{re.escape(ENGINE_VERSION)}-cpu-[0-9a-f]{{10}}")

@@ -1,8 +1,9 @@
 """The OpenAI HTTP API's request bodies, read into what the engine takes.
 
 `/v1/completions` and `/v1/chat/completions` bodies are decoded into msgspec Structs (a wrong
-type names its field), then checked the way the OpenAI API checks them: one choice only (`n`),
-no features the engine lacks (`echo`, `suffix`, `logit_bias`...). Unknown fields are ignored,
+type names its field), then checked the way the OpenAI API checks them: each field within the
+range OpenAI takes it in (`temperature` in [0, 2]...), one choice only (`n`), no features the
+engine lacks (`echo`, `suffix`, `logit_bias`...). Unknown fields are ignored,
 as OpenAI-compatible servers do, so newer clients keep working.
 
 What a body builds is bounded before it is built. Unknown fields are skipped unread; fields
@@ -53,6 +54,12 @@ SAMPLING_FIELDS = (
 # The request fields that ask for structured output, in the order a conflict names them.
 STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar")
+# The ranges the OpenAI API takes its fields in: a value outside is a 400 naming the field here,
+# before the library's own checks (SamplingParams), which are wider where the engine can do more.
+OPENAI_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0),
+                 "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
+MAX_TOP_LOGPROBS = 20
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # OpenAI's newer clients send `developer` for what chat templates call `system`.
 ROLE_ALIASES = {"developer": "system"}
 # The roles a request may send, as its role error lists them.
@@ -203,6 +210,9 @@ def chat_generation(body: bytes, context_length: int,
     the context (`context_length`), as OpenAI's does. An enforced tool call's grammar is not
     in its params yet: it depends on the chat template (`with_tool_grammar`)."""
     request = decode_body(body, ChatRequest)
+    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got "
+                             f"{request.top_logprobs}", field="top_logprobs")
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true", field="top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -292,6 +302,8 @@ def _max_tokens(asked: dict[str, int | None], default: int,
     for field, value in asked.items():
         if value is None:
             continue
+        if value < 1:
+            raise InvalidRequest(f"{field} must be at least 1, got {value}", field=field)
         if limit is not None and value > limit:
             raise InvalidRequest(
                 f"{field} is {value}, more than this server allows one request ({limit}; "
@@ -312,6 +324,7 @@ def _generation(
     tools: ToolChoice | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Generation:
+    _check_ranges(request)
     if request.n not in (None, 1):
         raise InvalidRequest(f"n must be 1 (one choice per request), got {request.n}", field="n")
     if request.logit_bias:
@@ -348,6 +361,25 @@ def _generation(
         tools=tools,
         chat_template_kwargs=chat_template_kwargs,
     )
+
+
+def _check_ranges(request: _Request) -> None:
+    """InvalidRequest naming the first field outside the range the OpenAI API takes it in."""
+    for field, (low, high) in OPENAI_RANGES.items():
+        value = getattr(request, field)
+        if value is not None and not low <= value <= high:
+            raise InvalidRequest(f"{field} must be in [{low:g}, {high:g}], got {value:g}",
+                                 field=field)
+    if request.n is not None and request.n < 1:
+        raise InvalidRequest(f"n must be at least 1, got {request.n}", field="n")
+    low, high = LOGIT_BIAS_RANGE
+    for token, bias in (request.logit_bias or {}).items():
+        if not (token.isascii() and token.isdigit()):
+            raise InvalidRequest(f"logit_bias maps token ids to biases; {token[:40]!r} is not a "
+                                 "token id", field="logit_bias")
+        if not low <= bias <= high:
+            raise InvalidRequest(f"logit_bias of token {token} must be in [{low:g}, {high:g}], "
+                                 f"got {bias:g}", field="logit_bias")
 
 
 def _structured(request: _Request) -> tuple[StructuredOutput | None, str | None]:
