@@ -92,7 +92,7 @@ async def test_a_completion_stream_ends_with_empty_text_and_the_finish_reason(
         await until_ready(http)
         response = await http.post("/v1/completions", json={
             "model": MODEL, "prompt": "Hi", "max_tokens": 5, "logprobs": 2, "stream": True,
-            "stream_options": {"include_usage": usage}})
+            "stream_options": {"include_usage": usage}, "temperature": 0})
         async with openai.AsyncOpenAI(base_url=f"{http.base_url}/v1", api_key="unused",
                                       max_retries=0) as client:
             streamed = [chunk async for chunk in await client.completions.create(
