@@ -1,6 +1,7 @@
 """The smaller points of the OpenAI protocol, with the official `openai` client and raw HTTP:
 how a stream ends (an empty delta carrying the finish reason, then the usage chunk), fields
-outside the ranges OpenAI takes them in (400s naming the field), `system_fingerprint`.
+outside the ranges OpenAI takes them in (400s naming the field), `system_fingerprint`, CORS
+(`q4k serve --cors-origin`) beside the API key and the Host / Origin guard.
 
 In-process over the counting fake backend, or over a fake engine that answers a set text
 through a real chat template (tests/test_server_tool_formats.py's `served`)."""
@@ -15,8 +16,10 @@ import httpx
 import openai
 import pytest
 
+from actors.cli import build_parser
 from actors.serve.app import ServerOptions
 from actors.serve.fingerprint import ENGINE_VERSION
+from actors.serve.guard import RequestLimits
 from tests.test_engine_fake import CountingBackend, open_fake
 from tests.test_server_fake import MODEL, serving, until_ready
 from tests.test_server_tool_formats import ADD, served
@@ -203,3 +206,94 @@ async def test_every_reply_and_chunk_carries_one_system_fingerprint() -> None:
     # The same engine, backend and model file: the same string; another file: another.
     assert fingerprints[0] == fingerprints[1] != fingerprints[2]
     assert fingerprints[0].endswith("-abababab" + "ab")
+
+
+APP = "http://localhost:5173"  # a web app's dev server, calling the API from a browser
+KEY = "sk-test"
+PREFLIGHT = {"origin": APP, "access-control-request-method": "POST",
+             "access-control-request-headers": "authorization, content-type, x-stainless-os"}
+
+
+def cors_headers(response: httpx.Response) -> dict[str, str]:
+    return {name: value for name, value in response.headers.items()
+            if name.startswith("access-control-")}
+
+
+async def test_a_preflight_from_an_allowed_origin_is_answered_without_the_key() -> None:
+    limits = RequestLimits(api_key=KEY, cors_origins=(APP, "https://app.example.com"))
+    async with serving(lambda: open_fake(CountingBackend()), limits=limits) as http:
+        await until_ready(http)
+        preflight = await http.options("/v1/chat/completions", headers=PREFLIGHT)
+        async with openai.AsyncOpenAI(base_url=f"{http.base_url}/v1", api_key=KEY,
+                                      max_retries=0, default_headers={"Origin": APP}) as client:
+            answer = await client.completions.with_raw_response.create(
+                model=MODEL, prompt="Hi", max_tokens=2)
+        keyless = await http.post("/v1/completions", headers={"origin": APP},
+                                  json={"model": MODEL, "prompt": "Hi"})
+        # An allowed origin is served whatever its host (the Origin guard lets it through).
+        elsewhere = await http.get("/v1/models", headers={
+            "origin": "https://app.example.com", "authorization": f"Bearer {KEY}"})
+    assert preflight.status_code == 204 and preflight.content == b""
+    assert cors_headers(preflight) == {
+        "access-control-allow-origin": APP,
+        "access-control-allow-methods": "GET, POST, OPTIONS",
+        "access-control-allow-headers": PREFLIGHT["access-control-request-headers"],
+        "access-control-max-age": "600",
+        "access-control-expose-headers": "Retry-After",
+    }
+    assert answer.status_code == 200 and answer.parse().choices[0].text is not None
+    assert answer.headers["access-control-allow-origin"] == APP
+    assert answer.headers["vary"] == "Origin"
+    # A refusal carries the headers too, so that the page can read why.
+    assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "invalid_api_key"
+    assert keyless.headers["access-control-allow-origin"] == APP
+    assert elsewhere.status_code == 200
+    assert elsewhere.headers["access-control-allow-origin"] == "https://app.example.com"
+
+
+async def test_origins_not_allowed_get_no_cors_headers() -> None:
+    async with serving(lambda: open_fake(CountingBackend()),
+                       limits=RequestLimits(api_key=KEY)) as http:
+        await until_ready(http)
+        # Nothing is allowed by default, not even a page on this machine.
+        by_default = await http.options("/v1/chat/completions", headers=PREFLIGHT)
+        same_machine = await http.get("/v1/models", headers={
+            "origin": APP, "authorization": f"Bearer {KEY}"})
+    limits = RequestLimits(api_key=KEY, cors_origins=("https://app.example.com",))
+    async with serving(lambda: open_fake(CountingBackend()), limits=limits) as http:
+        await until_ready(http)
+        other_origin = await http.options("/v1/chat/completions", headers=PREFLIGHT)
+        foreign = await http.options("/v1/chat/completions", headers={
+            **PREFLIGHT, "origin": "https://evil.example"})
+    for refused in (by_default, other_origin):
+        assert refused.status_code == 403 and cors_headers(refused) == {}
+        assert refused.json()["error"]["code"] == "cors_origin_not_allowed"
+        assert "--cors-origin" in refused.json()["error"]["message"]
+    assert same_machine.status_code == 200 and cors_headers(same_machine) == {}
+    # A page of a host the server does not answer to is refused by the Origin guard.
+    assert foreign.status_code == 403 and cors_headers(foreign) == {}
+    assert foreign.json()["error"]["code"] == "origin_not_allowed"
+
+
+async def test_any_origin_with_a_star() -> None:
+    async with serving(lambda: open_fake(CountingBackend()),
+                       limits=RequestLimits(cors_origins=("*",))) as http:
+        await until_ready(http)
+        preflight = await http.options("/v1/models", headers={
+            "origin": "https://any.example", "access-control-request-method": "GET"})
+        answer = await http.get("/v1/models", headers={"origin": "https://any.example"})
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == "https://any.example"
+    assert "access-control-allow-headers" not in preflight.headers  # none were asked for
+    assert answer.status_code == 200
+    assert answer.headers["access-control-allow-origin"] == "https://any.example"
+
+
+def test_cors_origins_are_read_as_browsers_send_them(capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["serve", "--cors-origin", "HTTP://LocalHost:5173/",
+                                      "--cors-origin", "*"])
+    assert args.cors_origin == [APP, "*"]
+    for bad in ("localhost:5173", "http://localhost:5173/app", "http://"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--cors-origin", bad])
+        assert "--cors-origin: must be an origin" in capsys.readouterr().err

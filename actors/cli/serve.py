@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -50,6 +51,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 # The Ray Serve application `q4k serve --replicas` deploys.
 RAY_APP_NAME = "q4k"
+# An origin as a browser's Origin header names it: scheme://host[:port], no path.
+CORS_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#@\s]+")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -109,6 +112,12 @@ def _add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
                         f".NAME for a domain and its subdomains, {ANY_HOST} for any): requests "
                         "naming another in Host or Origin get 403, so that no web page can "
                         "reach the server by DNS rebinding")
+    parser.add_argument("--cors-origin", action="append", default=[], type=_cors_origin,
+                        metavar="ORIGIN", help="let web pages of ORIGIN (scheme://host[:port], "
+                        f"e.g. http://localhost:5173; {ANY_HOST} for any) call the server from a "
+                        "browser: their preflight requests are answered (before the API key is "
+                        "asked for) and the responses carry the Access-Control-Allow-* headers "
+                        "(repeatable; default: none)")
     parser.add_argument("--header-timeout", type=_positive_seconds, default=None, metavar="S",
                         help="close a connection that has not sent a request's whole head "
                         "(request line and headers) S seconds after it opened or after its "
@@ -130,6 +139,15 @@ def _allowed_host(text: str) -> str:
     return name
 
 
+def _cors_origin(text: str) -> str:
+    origin = text.strip().lower().rstrip("/")
+    if origin != ANY_HOST and not CORS_ORIGIN.fullmatch(origin):
+        raise argparse.ArgumentTypeError(
+            f"must be an origin as browsers send it, scheme://host[:port] without a path "
+            f"(e.g. http://localhost:5173), or {ANY_HOST} for any, got {text!r}")
+    return origin
+
+
 def _positive_seconds(text: str) -> float:
     try:
         seconds = float(text)
@@ -146,7 +164,8 @@ def _request_limits(args: argparse.Namespace) -> RequestLimits:
     api_key = args.api_key if args.api_key is not None else api_key_from_environment()
     return RequestLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
                          api_key=api_key,
-                         allowed_hosts=(*own_host_names(args.host), *args.allowed_host))
+                         allowed_hosts=(*own_host_names(args.host), *args.allowed_host),
+                         cors_origins=tuple(args.cors_origin))
 
 
 def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:

@@ -1,5 +1,5 @@
 """What the server checks before a request reaches its endpoint: how many header fields it
-has, the host it names (`Host`, and `Origin` where a browser sent one), the API key, the
+has, the host it names (`Host`, and `Origin` where a browser sent one), CORS, the API key, the
 body's content type, its size and how long it takes to arrive.
 
 `RequestGuard` is ASGI middleware (it needs no Starlette to import). It reads the whole body
@@ -13,6 +13,12 @@ The host check stops DNS rebinding: a web page whose own name its DNS server re-
 this machine reaches the server as a same-origin page, but its requests still carry that
 name in `Host`. A server answers to IP addresses, to `localhost` (and its subdomains, which
 resolve to loopback only) and to the names it is given (`RequestLimits.allowed_hosts`).
+
+CORS lets a web page of another origin call the server (`RequestLimits.cors_origins`, none by
+default): a browser's preflight (`OPTIONS` with `Access-Control-Request-Method`) is answered
+before the API key is asked for, since a browser never sends credentials with it, and every
+response to an allowed origin carries the `Access-Control-Allow-*` headers, refusals too, so
+that the page can read why. An allowed origin passes the Origin check; the Host check stays.
 """
 
 from __future__ import annotations
@@ -65,6 +71,11 @@ LOOPBACK_NAMES = (".localhost",)
 ANY_HOST = "*"
 # A Host header or an origin's host: a bracketed IPv6 address or a name, and an optional port.
 HOST_AND_PORT = re.compile(r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[^:\[\]/@\s]*))(?::[0-9]*)?")
+# What a preflight from an allowed origin is told: the methods the API takes, how long the
+# browser may keep the answer (seconds), and the headers a page may read (a 429's wait).
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_MAX_AGE_S = 600
+CORS_EXPOSED_HEADERS = "Retry-After"
 # A refused body is read to its end (up to this much, kept nowhere) before the refusal is
 # sent: a server that closes while the client still sends resets the connection, and the
 # client never sees the refusal.
@@ -74,13 +85,21 @@ DISCARD_BYTES = 1 << 30
 @dataclass(frozen=True)
 class RequestLimits:
     """The server's request checks (`q4k serve --max-body-bytes --body-timeout --api-key
-    --allowed-host`). `allowed_hosts`: the names the server answers to besides IP addresses
-    and `localhost`: a name, `.name` for it and its subdomains, or `*` for any host."""
+    --allowed-host --cors-origin`). `allowed_hosts`: the names the server answers to besides
+    IP addresses and `localhost`: a name, `.name` for it and its subdomains, or `*` for any
+    host. `cors_origins`: the origins (`scheme://host[:port]`, lower case) whose pages may
+    call the server, or `*` for any."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     api_key: str | None = None
     allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+
+    def cors_allows(self, origin: str) -> bool:
+        """Whether a page of `origin` (an Origin header) may call the server."""
+        origin = origin.strip().lower().rstrip("/")
+        return bool(origin) and any(allowed in (ANY_HOST, origin) for allowed in self.cors_origins)
 
 
 @dataclass(frozen=True)
@@ -160,8 +179,14 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        origin = _header(scope, b"origin")
+        if self.limits.cors_allows(origin):
+            send = _with_cors_headers(send, origin)
         try:
             self._check_head(scope)
+            if _is_preflight(scope):
+                await self._answer_preflight(scope, origin, send)
+                return
             self._check_key(scope)
             if scope["method"] not in ("POST", "PUT", "PATCH"):
                 await self.app(scope, receive, send)
@@ -195,9 +220,27 @@ class RequestGuard:
                            "--allowed-host NAME", "host_not_allowed")
         origin = _header(scope, b"origin")
         _, separator, origin_host = origin.partition("://")
-        if origin and not (separator and host_allowed(origin_host, allowed)):
+        if origin and not (self.limits.cors_allows(origin)
+                           or separator and host_allowed(origin_host, allowed)):
             raise _Refusal(403, f"this server does not answer pages from {origin[:100]!r} "
-                           "(--allowed-host names the hosts it serves)", "origin_not_allowed")
+                           "(--allowed-host names the hosts it serves, --cors-origin the origins "
+                           "whose pages may call it)", "origin_not_allowed")
+
+    async def _answer_preflight(self, scope: Scope, origin: str, send: Send) -> None:
+        """A browser asks whether a page of `origin` may send a request: 204 with what it may
+        send (its `send` adds the allowed origin), or 403 for an origin not allowed."""
+        if not self.limits.cors_allows(origin):
+            raise _Refusal(403, f"this server takes no cross-origin requests from "
+                           f"{origin[:100]!r} (q4k serve --cors-origin ORIGIN allows one)",
+                           "cors_origin_not_allowed")
+        headers = [(b"access-control-allow-methods", CORS_METHODS.encode()),
+                   (b"access-control-max-age", str(CORS_MAX_AGE_S).encode()),
+                   (b"content-length", b"0")]
+        asked_headers = _header(scope, b"access-control-request-headers")
+        if asked_headers:
+            headers.append((b"access-control-allow-headers", asked_headers.encode("latin-1")))
+        await send({"type": "http.response.start", "status": 204, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
 
     def _check_key(self, scope: Scope) -> None:
         key = self.limits.api_key
@@ -274,6 +317,29 @@ def _header(scope: Scope, name: bytes) -> str:
         if key.lower() == name:
             return value.decode("latin-1")
     return ""
+
+
+def _is_preflight(scope: Scope) -> bool:
+    return scope["method"] == "OPTIONS" and bool(_header(scope, b"origin")) and bool(
+        _header(scope, b"access-control-request-method"))
+
+
+def _with_cors_headers(send: Send, origin: str) -> Send:
+    """A `send` whose response tells the browser that the page of `origin` may read it
+    (unless the response says so already: on Ray Serve, the replica's guard has added them
+    to what the front's relays)."""
+    added = [(b"access-control-allow-origin", origin.encode("latin-1")),
+             (b"access-control-expose-headers", CORS_EXPOSED_HEADERS.encode()),
+             (b"vary", b"Origin")]
+
+    async def send_with_cors(message: Message) -> None:
+        headers = message.get("headers", [])
+        if message["type"] == "http.response.start" and all(
+                name.lower() != added[0][0] for name, _ in headers):
+            message = {**message, "headers": [*headers, *added]}
+        await send(message)
+
+    return send_with_cors
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:
