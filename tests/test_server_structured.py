@@ -1,6 +1,7 @@
 """Structured output and function tools through `q4k serve`, driven with the official `openai`
 client: `response_format` (json_schema, json_object), vLLM's `guided_*` fields, and `tools` with
-every `tool_choice`, whole and streamed (the stream accumulated by the client's own helper).
+every `tool_choice`, whole and streamed (the stream accumulated by the client's own helper);
+integers and numbers a schema leaves unbounded, bounded in length.
 
 The tiny llama's weights are random, so its free answers are nonsense; an enforced answer is
 still valid, which is what these tests check: every answer parses and validates against its
@@ -18,7 +19,10 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
+
+from actors.serve.schemas import LARGEST
 
 from test_cli_logs import CALL_TIMEOUT_S
 from test_server import Server, _start, _stop
@@ -268,3 +272,77 @@ def test_smollm2_with_the_chatml_tools_template_calls_the_right_function(
         assert call.function.name == "get_weather"
     finally:
         _stop(running)
+
+
+# --- numbers a schema leaves unbounded ------------------------------------------------------
+
+# A negative frequency penalty rewards each digit the answer repeats: pushed so, the tiny llama
+# writes digits for as long as the grammar lets it.
+DIGITS_PUSHED = {"temperature": 0, "max_tokens": 200, "frequency_penalty": -2}
+# (the integral part, the fraction) of each JSON number in a text.
+NUMBER = re.compile(r"-?([0-9]+)(?:\.([0-9]+))?")
+
+
+class Reading(pydantic.BaseModel):
+    """Unbounded: pydantic writes a bare {"type": "integer"} and {"type": "number"}."""
+
+    count: int
+    ratio: float
+
+
+# As the openai client's parse() sends it (strict: no other properties, whose names a pushed
+# model would write without end).
+READING = {**Reading.model_json_schema(), "additionalProperties": False}
+
+
+def assert_bounded_in_length(text: str) -> None:
+    numbers = NUMBER.findall(text)
+    assert numbers
+    for integral, fraction in numbers:
+        assert len(integral) <= 16 and len(fraction) <= 10, text
+
+
+def test_the_pushed_model_writes_every_digit_a_schema_allows(server: Server,
+                                                            client: openai.OpenAI) -> None:
+    """The push works, and a schema's own bounds are its own: with 21 digits allowed, the
+    answer takes more than the 16 allowed by default."""
+    wide = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                   "maximum": 10**20}},
+            "required": ["n"], "additionalProperties": False}
+    (choice,) = _chat(client, server, response_format={
+        "type": "json_schema", "json_schema": {"name": "wide", "schema": wide}},
+        **DIGITS_PUSHED).choices
+    assert 16 < len(str(json.loads(choice.message.content)["n"])) <= 21
+
+
+def test_unbounded_numbers_in_a_schema_stay_bounded_and_parse(server: Server,
+                                                              client: openai.OpenAI) -> None:
+    parsed = client.chat.completions.parse(model=server.model, messages=ASK,
+                                           response_format=Reading, **DIGITS_PUSHED)
+    (choice,) = parsed.choices
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Reading)
+    assert abs(choice.message.parsed.count) <= LARGEST
+    assert_bounded_in_length(choice.message.content)
+    streamed, finish = _streamed_text(client, server, response_format={
+        "type": "json_schema", "json_schema": {"name": "reading", "schema": READING}},
+        **DIGITS_PUSHED)
+    assert finish == "stop"
+    assert_bounded_in_length(streamed)
+    Reading.model_validate_json(streamed)
+    completion = client.completions.create(
+        model=server.model, prompt="A reading:",
+        extra_body={"guided_json": READING}, **DIGITS_PUSHED)
+    assert completion.choices[0].finish_reason == "stop"
+    Reading.model_validate_json(completion.choices[0].text)
+
+
+def test_an_enforced_call_with_an_unbounded_integer_stays_bounded(
+        server: Server, client: openai.OpenAI) -> None:
+    tools = [openai.pydantic_function_tool(Reading, name="record")]
+    (choice,) = _chat(client, server, tools=tools, tool_choice="required",
+                      **DIGITS_PUSHED).choices
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert_bounded_in_length(call.function.arguments)
+    Reading.model_validate_json(call.function.arguments)

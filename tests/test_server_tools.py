@@ -14,6 +14,7 @@ from actors.errors import InvalidRequest
 from actors.model.text.chat import ChatTemplate
 from actors.serve.protocol import chat_generation, completion_generation, with_tool_grammar
 from actors.serve.replies import ChatShape
+from actors.serve.schemas import LARGEST
 from actors.serve.tools import (
     MAX_TOOLS,
     MAX_TOOLS_JSON_BYTES,
@@ -140,7 +141,7 @@ def test_an_enforced_call_is_a_grammar_and_conflicts_with_another_constraint() -
     ({"response_format": {"type": "json_object"}}, "json_object", True),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "n", "schema": {"type": "integer"}, "strict": True}}}, "json_schema",
-     {"type": "integer"}),
+     {"type": "integer", "minimum": -LARGEST, "maximum": LARGEST}),  # bounded in length
     ({"guided_json": {"type": "string"}}, "json_schema", {"type": "string"}),
     ({"guided_json": '{"type": "string"}'}, "json_schema", {"type": "string"}),
     ({"guided_regex": "[0-9]+"}, "regex", "[0-9]+"),

@@ -18,7 +18,8 @@ A chat request may pass its template more variables in vLLM's `chat_template_kwa
 
 Structured output comes as OpenAI's `response_format` or vLLM's `guided_json`,
 `guided_regex`, `guided_choice` and `guided_grammar`; one request takes one of them (or an
-enforced tool call), and its errors name the field the client used.
+enforced tool call), and its errors name the field the client used. A JSON schema's numbers
+are bounded in length where it gives no bounds (`actors.serve.schemas`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from actors.model.text.chat import (
     check_template_kwargs,
 )
 from actors.params import MAX_CONSTRAINT_CHARS, SamplingParams, StructuredOutput, field_of
+from actors.serve.schemas import bounded_numbers
 from actors.serve.tools import (
     MAX_TOOLS_JSON_BYTES,
     ToolCallFormat,
@@ -416,7 +418,7 @@ def _constraint(field: str, value: Any) -> dict[str, Any] | None:
     if field == "response_format":
         return _response_format(value)
     if field == "guided_json":
-        return {"json_schema": _json_object(field, value)}
+        return {"json_schema": bounded_numbers(_json_object(field, value))}
     if field == "guided_choice":
         return {"choice": tuple(value)}
     return {{"guided_regex": "regex", "guided_grammar": "grammar"}[field]: value}
@@ -438,7 +440,7 @@ def _response_format(value: Any) -> dict[str, Any] | None:
         if not isinstance(schema, Mapping):
             raise InvalidRequest('response_format of type "json_schema" needs "json_schema": '
                                  '{"name": ..., "schema": {...}}', field="response_format")
-        return {"json_schema": dict(schema)}
+        return {"json_schema": bounded_numbers(dict(schema))}
     raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got "
                          f"{kind!r}"[:200], field="response_format")
 

@@ -24,6 +24,7 @@ import msgspec
 from actors.errors import InvalidRequest
 from actors.model.text.chat import ChatTemplate
 from actors.params import StructuredOutput
+from actors.serve.schemas import bounded_numbers
 from actors.structured import JSON_LAYOUT
 
 # OpenAI's rule for function names.
@@ -346,8 +347,9 @@ class ToolCallFormat(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _laid_out(schema: dict[str, Any]) -> dict[str, Any]:
-    # Laid out as every JSON constraint is (a grammar's `%json` has no defaults).
-    return {**schema, "x-guidance": JSON_LAYOUT}
+    # Laid out as every JSON constraint is (a grammar's `%json` has no defaults), its numbers
+    # bounded in length as a response_format schema's are.
+    return {**bounded_numbers(schema), "x-guidance": JSON_LAYOUT}
 
 
 TOOL_CALL_OPEN = "<tool_call>"
