@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,8 +19,9 @@ import pytest
 
 from actors.cli import build_parser
 from actors.serve.app import ServerOptions
-from actors.serve.fingerprint import ENGINE_VERSION
+from actors.serve.fingerprint import ENGINE_VERSION, model_digest, system_fingerprint
 from actors.serve.guard import RequestLimits
+from test_server import _start, _stop
 from tests.test_engine_fake import CountingBackend, open_fake
 from tests.test_server_fake import MODEL, serving, until_ready
 from tests.test_server_tool_formats import ADD, served
@@ -297,3 +299,32 @@ def test_cors_origins_are_read_as_browsers_send_them(capsys: pytest.CaptureFixtu
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--cors-origin", bad])
         assert "--cors-origin: must be an origin" in capsys.readouterr().err
+
+
+CHATML_TOOLS = Path(__file__).parent.parent / "examples" / "chat_templates" / "chatml_tools.jinja"
+
+
+def test_q4k_serve_takes_cors_origins_and_names_its_model_file(
+        tiny_model_paths: dict[str, Path], tmp_path: Path) -> None:
+    model = tiny_model_paths["llama-q4k-tiny"]
+    server = _start(model, tmp_path / "serve.log", "--template", str(CHATML_TOOLS),
+                    "--api-key", KEY, "--cors-origin", APP)
+    try:
+        with httpx.Client(base_url=server.url) as http:
+            preflight = http.options("/v1/chat/completions", headers=PREFLIGHT)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0,
+                               default_headers={"Origin": APP})
+        chat = client.chat.completions.with_raw_response.create(
+            model=server.model, messages=HI, max_tokens=2)
+        chunks = list(client.chat.completions.create(model=server.model, messages=HI,
+                                                     max_tokens=2, stream=True))
+        completion = client.completions.create(model=server.model, prompt="Hi", max_tokens=2)
+    finally:
+        _stop(server)
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == APP
+    assert chat.headers["access-control-allow-origin"] == APP
+    # The model file's digest, the CPU backend, this engine: one string for every reply.
+    expected = system_fingerprint(model_digest(model), on_gpu=False)
+    assert {chat.parse().system_fingerprint, completion.system_fingerprint,
+            *(chunk.system_fingerprint for chunk in chunks)} == {expected}
