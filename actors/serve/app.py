@@ -263,6 +263,7 @@ class OpenAIServer:
                 "owned_by": "q4k-actors"}
 
     def unknown_model(self, asked: str) -> _UnknownModel:
+        """The refusal of a request for a model this server does not serve (404)."""
         return _UnknownModel(f"the model {asked!r} does not exist here; this server serves "
                              f"{self.model_name!r} (GET /v1/models)", field="model")
 
@@ -340,6 +341,7 @@ class OpenAIServer:
         return ChatShape(tool_format.reader(generation.tools.names, generation.tools.parallel))
 
     async def tool_call_format(self, engine: Engine) -> ToolCallFormat:
+        """How the chat template's model writes tool calls (read once, off the loop)."""
         if self._tool_format is None:
             self._tool_format = await anyio.to_thread.run_sync(self._read_tool_format, engine)
         return self._tool_format
@@ -352,6 +354,8 @@ class OpenAIServer:
             engine.detokenize)
 
     def start(self, engine: Engine, generation: Generation) -> AsyncIterator[Chunk]:
+        """The engine's answer to `generation`: its chat (through the template, with the
+        tools as the template takes them) or its prompt."""
         # A max_tokens the client gave must fit beside the prompt (OpenAI's rule); without one
         # the answer runs at most to the end of the context.
         must_fit = generation.max_tokens_field is not None
@@ -378,6 +382,7 @@ class OpenAIServer:
         return system_fingerprint(self._model_digest, engine.info.on_gpu)
 
     def ready_engine(self) -> Engine:
+        """The open engine; `_NotReady` (503) while the model loads."""
         engine = self.host.engine
         if engine is None:
             raise _NotReady("the model is still loading; retry shortly (GET /health says when)")

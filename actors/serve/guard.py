@@ -327,7 +327,7 @@ def _is_preflight(scope: Scope) -> bool:
 def _with_cors_headers(send: Send, origin: str) -> Send:
     """A `send` whose response tells the browser that the page of `origin` may read it
     (unless the response says so already: on Ray Serve, the replica's guard has added them
-    to what the front's relays)."""
+    to what the front relays)."""
     added = [(b"access-control-allow-origin", origin.encode("latin-1")),
              (b"access-control-expose-headers", CORS_EXPOSED_HEADERS.encode()),
              (b"vary", b"Origin")]

@@ -440,7 +440,7 @@ def _response_format(value: Any) -> dict[str, Any] | None:
         if not isinstance(schema, Mapping):
             raise InvalidRequest('response_format of type "json_schema" needs "json_schema": '
                                  '{"name": ..., "schema": {...}}', field="response_format")
-        return {"json_schema": bounded_numbers(dict(schema))}
+        return {"json_schema": bounded_numbers(schema)}
     raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got "
                          f"{kind!r}"[:200], field="response_format")
 

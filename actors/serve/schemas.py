@@ -13,6 +13,7 @@ members) are not bounded.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from actors.structured import MAX_SCHEMA_NESTING
@@ -31,7 +32,7 @@ SCHEMAS = frozenset(("items", "additionalItems", "additionalProperties", "contai
                      "else", "anyOf", "oneOf", "allOf", "prefixItems"))
 
 
-def bounded_numbers(schema: dict[str, Any]) -> dict[str, Any]:
+def bounded_numbers(schema: Mapping[str, Any]) -> dict[str, Any]:
     """`schema` with each integer and number it declares bounded in length where it gives no
     bounds. Schema objects are copied on the way (the caller's are left as they were: a
     tool's parameters are also written into the prompt); values are shared. Past
