@@ -6,10 +6,11 @@ next, as a bitmask over the vocabulary (bit t % 32 of int32 word t // 32: token 
 which tokens the grammar forces outright (a JSON key, a closing brace).
 
 - `GrammarCompiler` (one per engine) builds llguidance's tokenizer from the GGUF vocabulary
-  itself, once, on the first constrained request (0.7 s for a 49k vocabulary, seconds for
-  262k), and compiles each request's constraint into a `Constraint`. Both block: run them on
-  `CompileThreads`, which gives each compile a thread whose stack fits the deepest grammar the
-  bounds below admit, and at most `COMPILE_THREADS` at once.
+  itself, once, on first use (`Engine.open` asks for it before serving: 0.7 s for a 49k
+  vocabulary, 1.3 s for 262k, holding the GIL), and compiles each request's constraint into
+  a `Constraint`. Both block: run them on `CompileThreads`, which gives each compile a thread
+  whose stack fits the deepest grammar the bounds below admit, and at most `COMPILE_THREADS`
+  at once.
 - A `Constraint` lives in its sequence's sampling state. Its `allowed` mask travels to the
   backend in `RowInputs`, which masks the row before penalties and candidates. Once the
   step's token is chosen, `Constraint.advance` (in a constraint worker's thread, off the
@@ -64,8 +65,9 @@ _SPECIAL_MARK = b"\xff"
 
 # Containers a JSON schema may nest (llguidance's JSON reader stops at 124 under its wrapper).
 MAX_SCHEMA_NESTING = 100
-# Levels of llguidance's compile recursion a constraint may need (as `compile_depth` counts
-# them): far above real schemas and grammars (a 1,000-property schema: about 1,000).
+# Levels of llguidance's compile recursion a constraint may need (as `_schema_depth` and
+# `_grammar_depth` count them): far above real schemas and grammars (a 1,000-property schema:
+# about 1,000; a tool-call grammar of 128 functions: under 1,000).
 MAX_COMPILE_DEPTH = 16_384
 # Stack per level, twice the most measured (5.7 KiB: a `$ref` chain whose targets each nest
 # 60 objects), plus room for the first mask and Python's own frames: 256 MiB of address space,
@@ -89,13 +91,17 @@ COMPILE_SECONDS = 20.0
 # constraint that forces more text at once than its fuel allows fails with InvalidRequest.
 # These still serve 1,000-property schemas and the wide Unicode regexes measured on gemma-3's
 # vocabulary. Lexer states cost 1-2 KB each (the default 250k: up to 500 MB a request).
+# Errors leave out the parser's state and the grammar (the request's error says what failed).
 PARSER_LIMITS = {
     "initial_lexer_fuel": 200_000,
     "step_lexer_fuel": 50_000,
     "max_lexer_states": 50_000,
+    "verbose_errors": False,
 }
 # Forced text taken per step: a larger run is tokenized this much at a time.
 MAX_FORCED_BYTES = 4096
+# Characters of llguidance's error kept in the request's error.
+MAX_ERROR_CHARS = 600
 
 
 class Advanced(msgspec.Struct, frozen=True):
@@ -486,11 +492,18 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 _LARK_SYNTAX = re.compile(r"(?m)^[^\S\n]*(?:%llguidance\b|start\s*:)")
 
 
+# Where llguidance's error gives way to its parser state (or says it leaves it out).
+_ERROR_TAIL = re.compile(r"<state>|<non-verbose/>")
+
+
 def _one_line(error: str) -> str:
     """llguidance's error on one line, without the parser state and grammar it appends and
-    the caret lines of its source excerpts."""
-    lines = (line.strip() for line in error.split("<state>", 1)[0].splitlines())
-    return " ".join(line for line in lines if line.strip("^ "))
+    the caret lines of its source excerpts, cut to `MAX_ERROR_CHARS` (it may quote a whole
+    regex or grammar: a megabyte to log and send back)."""
+    head = _ERROR_TAIL.split(error[: 4 * MAX_ERROR_CHARS], maxsplit=1)[0]
+    lines = (line.strip() for line in head.splitlines())
+    text = " ".join(line for line in lines if line.strip("^ "))
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
 def _grammar_text(structured: StructuredOutput) -> str:
