@@ -185,10 +185,10 @@ def constraint_inputs(engine: Engine) -> dict[str, Callable[[], Awaitable[object
     literal = "".join(random.Random(0).choice("abcdefghij ") for _ in range((1 << 20) - 1))
     single = {
         "$ref chain 1,000 objects deep": {"json_schema": constraints.ref_chain(1_000, "items")},
-        "$ref chain 9,000 deep (past the bound)":
-            {"json_schema": constraints.ref_chain(9_000, "properties")},
-        "$ref chain 170, each 45 objects deep": {
-            "json_schema": constraints.ref_chain(170, "required-property", "$defs", 45)},
+        "$ref chain 5,000 deep (past the bound)":
+            {"json_schema": constraints.ref_chain(5_000, "properties")},
+        "$ref chain 85, each 45 objects deep (near the bound)": {
+            "json_schema": constraints.ref_chain(85, "required-property", "$defs", 45)},
         "Lark chain of 4,000 rules": {"grammar": constraints.lark_rule_chain(4_000)},
         "GBNF chain of 3,000 rules (80 KB)": {"grammar": constraints.gbnf_rule_chain(3_000)},
         "GBNF chain of 300 rules (near its work bound)":
@@ -238,7 +238,7 @@ async def _outcomes(requests: list[Awaitable[object]]) -> str:
 
 # A compile of a second or more (llguidance's own work, mostly without the GIL), and small
 # limits.
-SLOW_GRAMMAR = {"json_schema": constraints.ref_chain(120, "required-property", "$defs", 45)}
+SLOW_GRAMMAR = {"json_schema": constraints.ref_chain(80, "required-property", "$defs", 45)}
 SMALL_LIMITS = {"max_sequences": 4, "max_queued": 4}
 
 
