@@ -1,9 +1,13 @@
-"""The CPU compute backend: the numpy forward over a float32 paged KV pool (the reference
-every other backend is tested against)."""
+"""The CPU compute backend: the numpy forward, its weight matrices kept as the file's
+quantized blocks (actors.model.quantized), over a float32 paged KV pool. The same forward over
+float32 weights (`load_float32`) is the reference every other backend is tested against."""
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -19,13 +23,20 @@ from actors.compute.contract import (
     top_candidates,
 )
 from actors.errors import InvalidRequest
-from actors.model.loaded import Model, OpenedModel, load_float32
+from actors.model.arch import ModelSpec
+from actors.model.loaded import Model, OpenedModel, load_quantized
 from actors.progress import progress_callback
 
-# KV cache budget when the caller does not size it in blocks.
-DEFAULT_KV_BYTES = 1 << 30
 # The K/V arrays are float32 on the host.
 KV_DTYPE = np.float32
+# Unless the caller sizes the pool in blocks, it holds the model's whole context once (the
+# longest request it takes) or this many positions per sequence the engine runs, whichever is
+# more; its pages are only resident once written.
+KV_POSITIONS_PER_SEQUENCE = 1024
+# ... but never more than this share of the memory the machine has available.
+KV_MEMORY_SHARE = 0.5
+MEMINFO = Path("/proc/meminfo")
+STATM = Path("/proc/self/statm")
 
 
 class CpuBackend:
@@ -76,15 +87,54 @@ class CpuBackend:
         self._last_rows = None
 
 
+def available_memory_bytes() -> int:
+    """Memory the machine can give without swapping: MemAvailable on Linux (the page cache
+    counts as available), else the physical memory."""
+    try:
+        with MEMINFO.open() as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # not Linux
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory: now on Linux, its peak elsewhere (macOS), None where
+    neither can be read."""
+    try:
+        return int(STATM.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux
+        pass
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def kv_budget_bytes(spec: ModelSpec, max_sequences: int, available_bytes: int) -> int:
+    """The default KV pool's bytes: the model's whole context once, or
+    KV_POSITIONS_PER_SEQUENCE for each of `max_sequences`, whichever is more, within
+    KV_MEMORY_SHARE of `available_bytes`."""
+    positions = max(spec.context_length, max_sequences * KV_POSITIONS_PER_SEQUENCE)
+    per_position = spec.kv_bytes_per_token(np.dtype(KV_DTYPE).itemsize)
+    return min(positions * per_position, int(KV_MEMORY_SHARE * available_bytes))
+
+
 def build_cpu_backend(model: OpenedModel, kv: KVRequest, notices: Sequence[str]) -> CpuBackend:
-    """The CPU backend for `model`: float32 weights dequantized from the file (or those of an
-    already loaded `Model`), a float32 KV pool within DEFAULT_KV_BYTES unless `kv` sizes it."""
+    """The CPU backend for `model`: its weights as the file's quantized blocks (or those of an
+    already loaded `Model`), a float32 KV pool sized by `kv_budget_bytes` unless `kv` sizes
+    it."""
     if isinstance(model, Model):  # already loaded (e.g. shared by `Engine.open(model)`)
         loaded = model
     else:
         with progress_callback("loading the model weights") as report:
-            loaded = load_float32(model, report)
+            loaded = load_quantized(model, report)
     spec = loaded.spec
     block_bytes = kv.block_size * spec.kv_bytes_per_token(np.dtype(KV_DTYPE).itemsize)
-    num_blocks = kv.blocks_within(DEFAULT_KV_BYTES, block_bytes, spec.context_length)
+    budget = kv_budget_bytes(spec, kv.max_sequences, available_memory_bytes())
+    num_blocks = kv.blocks_within(budget, block_bytes, spec.context_length)
     return CpuBackend(loaded, num_blocks, kv.block_size, notices)

@@ -18,7 +18,7 @@ from actors.model.gguf.inventory import type_mix
 from actors.model.gguf.reader import GGUFFile, open_gguf
 from actors.model.step import StepItem, StepPlan, plan_step
 from actors.model.tensors import ModelTensors
-from actors.model.weights import ModelWeights, load_weights
+from actors.model.weights import ModelWeights, load_quantized_weights, load_weights
 
 if TYPE_CHECKING:
     from actors.model.text.tokenizer import Tokenizer
@@ -32,7 +32,8 @@ LOGITS_BLOCK_SIZE = 16
 class OpenedModel:
     """A GGUF file opened and understood, weights not loaded: its `spec` (every architecture
     quirk included), tokenizer and chat template. Each backend loads the weights its own way
-    from `tensors` (the CPU as float32 arrays, a GPU as the file's quantized blocks)."""
+    from `tensors` (the CPU as the file's blocks read in place, or float32 for reference; a GPU
+    as the file's blocks in device memory)."""
 
     def __init__(self, gguf: GGUFFile, spec: ModelSpec, load_ms: float) -> None:
         self.gguf = gguf
@@ -130,16 +131,35 @@ def open_model(path: str | Path | None = None) -> OpenedModel:
         raise
 
 
+# How `load_model` may hold the weights: the file's blocks, or dequantized to float32.
+WEIGHT_KINDS = {"quantized": load_quantized_weights, "float32": load_weights}
+
+
+def _load(opened: OpenedModel, weights: str,
+          progress: Callable[[int, int], None] | None) -> Model:
+    started = time.perf_counter()
+    loaded = WEIGHT_KINDS[weights](opened.tensors, opened.spec, progress)
+    load_ms = opened.load_ms + (time.perf_counter() - started) * 1e3
+    return Model(opened.gguf, opened.spec, loaded, load_ms=load_ms)
+
+
+def load_quantized(
+    opened: OpenedModel, progress: Callable[[int, int], None] | None = None
+) -> Model:
+    """An opened model for the CPU path with its weight matrices as the file's quantized
+    blocks, read in place from the mapped file (resident memory about the file's size);
+    `progress(done, total)` is called as layers load. Raises `UnsupportedModelError` for a
+    tensor type we do not run and `ModelFormatError` for a missing or misshapen tensor."""
+    return _load(opened, "quantized", progress)
+
+
 def load_float32(
     opened: OpenedModel, progress: Callable[[int, int], None] | None = None
 ) -> Model:
-    """Dequantize an opened model's weights to float32 for the CPU path; `progress(done,
-    total)` is called as layers load. Raises `UnsupportedModelError` for a tensor type we do
-    not run and `ModelFormatError` for a missing or misshapen tensor."""
-    started = time.perf_counter()
-    weights = load_weights(opened.tensors, opened.spec, progress)
-    load_ms = opened.load_ms + (time.perf_counter() - started) * 1e3
-    return Model(opened.gguf, opened.spec, weights, load_ms=load_ms)
+    """An opened model for the CPU path with every weight dequantized to float32 (the
+    reference the quantized path is checked against; several times the file's memory).
+    `progress` and errors as `load_quantized`."""
+    return _load(opened, "float32", progress)
 
 
 def check_model_path(
@@ -161,17 +181,23 @@ def load_model(
     path: str | Path | None = None,
     *,
     progress: Callable[[int, int], None] | None = None,
+    weights: str = "quantized",
 ) -> Model:
-    """Open a GGUF file (None = the default gemma-3-270m) and dequantize its weights.
+    """Open a GGUF file (None = the default gemma-3-270m) and load its weights: as the file's
+    quantized blocks, or with `weights="float32"` dequantized (`load_quantized`,
+    `load_float32`).
 
     `progress(done, total)` is called as layers load. Raises `ModelFormatError` for a broken
     file, `UnsupportedModelError` for an architecture or tensor type we do not run, and
-    `InvalidRequest` for a `path` of another type.
+    `InvalidRequest` for a `path` of another type or an unknown `weights`.
     """
     check_model_path(path)
+    if weights not in WEIGHT_KINDS:
+        raise InvalidRequest(f"weights must be one of {', '.join(map(repr, WEIGHT_KINDS))}, "
+                             f"not {weights!r}", field="weights")
     opened = open_model(path)
     try:
-        return load_float32(opened, progress)
+        return _load(opened, weights, progress)
     except BaseException:
         opened.gguf.close()
         raise

@@ -1,0 +1,233 @@
+"""Weight matrices kept as the file's quantized blocks, multiplied by compiled kernels.
+
+A `QuantizedMatrix` is W (out_features, in_features) as one or more parts, each a run of
+output features stored as rows of GGUF blocks of one type (q | k | v and gate | up are fused
+this way, each part keeping its own type). Its rows are read straight from the mapped file: the
+weights take the file's bytes and no more. A part may name its rows in any order (`rows`): the
+q and k heads are read in RoPE pair order that way, so nothing is copied to permute them.
+
+`x @ W.T` takes one of two routes, by the number of rows of x:
+- a few rows (decoding): `run_rows(MATVEC)` multiplies the blocks directly, every weight byte
+  read once for all the rows, the matrix's rows split among the cores;
+- more (prefill chunks, wide batches): a slab of W's rows at a time is dequantized into a
+  reused float32 buffer (`run_rows(DEQUANTIZE)`) and multiplied by BLAS, which is faster per
+  product once the dequantizing is shared by enough rows. Where the routes cross was measured
+  per shape (`benchmarks/bench_forward.py --crossover`): `direct_rows_limit`.
+
+Both routes see exactly the levels `quants.dequantize` gives; only the order of the float32
+sums differs from a float32 matmul's.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from actors.errors import InvalidRequest, ModelFormatError
+from actors.model.gguf.quants import block_format, row_bytes
+from actors.model.quantized_kernels import (
+    DEQUANTIZE,
+    LANES,
+    MATVEC,
+    TYPE_CODES,
+    run_rows,
+    wait_for_chunks,
+)
+
+# Elements a row must be a whole number of, for the kernels (a unit of two vectors).
+ROW_UNIT = 2 * LANES
+# The float32 slab one dequantizing step fills: about L2-sized, so BLAS reads it from cache.
+SLAB_BYTES = 1 << 21
+# Chunks of rows per thread in a kernel call: small chunks let whoever is running take more.
+CHUNKS_PER_THREAD = 8
+# Below this many weights times rows of x a call runs in the calling thread alone: a helper
+# takes about 10 us to wake.
+PARALLEL_MIN_WORK = 1 << 19
+_slab_buffers = threading.local()
+
+
+def kernel_supports(type_name: str, row_length: int) -> bool:
+    """Whether the kernels can run a matrix of `type_name` with rows of `row_length`."""
+    return type_name in TYPE_CODES and row_length % ROW_UNIT == 0
+
+
+def direct_rows_limit(type_name: str, out_features: int, in_features: int) -> int:
+    """The most rows of x the direct product takes before the slab route is faster."""
+    # Measured (bench_forward.py --crossover) on the 2-core AVX-512 target.
+    return 8
+
+
+def _slab_buffer(n_floats: int) -> np.ndarray:
+    """This thread's reused float32 buffer, grown to at least `n_floats`."""
+    buffer = getattr(_slab_buffers, "buffer", None)
+    if buffer is None or buffer.size < n_floats:
+        buffer = np.empty(n_floats, dtype=np.float32)
+        _slab_buffers.buffer = buffer
+    return buffer[:n_floats]
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class _KernelThreads:
+    """The calling thread and helper threads sharing each kernel call's chunks.
+
+    The caller takes chunks at once; each helper, woken by a queue, takes what is left when it
+    gets a core. So a helper that the machine has given to another process holds nobody up
+    (as a fork-join team's barrier would, for a whole time slice), and one that wakes late
+    finds its call's counters used up and goes back to sleep. One call runs at a time. The
+    helpers serve the whole process, as BLAS threads do; they start with the first call big
+    enough to share.
+    """
+
+    def __init__(self, helpers: int) -> None:
+        self._helpers = helpers
+        self._lock = threading.Lock()
+        self._inboxes: list[queue.SimpleQueue[tuple[object, ...]]] = []
+
+    @staticmethod
+    def _help(inbox: queue.SimpleQueue[tuple[object, ...]]) -> None:
+        while True:
+            run_rows(*inbox.get())
+
+    def _start_helpers(self) -> None:
+        for index in range(self._helpers):
+            inbox: queue.SimpleQueue[tuple[object, ...]] = queue.SimpleQueue()
+            threading.Thread(target=self._help, args=(inbox,), daemon=True,
+                             name=f"kernel-helper-{index + 1}").start()
+            self._inboxes.append(inbox)
+
+    def run(self, code: int, job: int, blocks: np.ndarray, rows: np.ndarray, x: np.ndarray,
+            out: np.ndarray, column: int) -> None:
+        work = rows.size * (out.shape[1] if job == DEQUANTIZE else x.shape[0] * x.shape[1])
+        shared = work >= PARALLEL_MIN_WORK and self._helpers > 0
+        n_chunks = min(rows.size, (self._helpers + 1) * CHUNKS_PER_THREAD) if shared else 1
+        call = (code, job, blocks, rows, x, out, column, n_chunks, np.zeros(2, dtype=np.int64))
+        with self._lock:
+            if shared:
+                if not self._inboxes:
+                    self._start_helpers()
+                for inbox in self._inboxes:
+                    inbox.put(call)
+            run_rows(*call)
+            wait_for_chunks(call[-1], n_chunks)
+
+
+_threads = _KernelThreads(_cores() - 1)
+_run = _threads.run
+
+
+@dataclass(frozen=True)
+class QuantizedPart:
+    """Output features [first, first + rows.size) of a matrix: row `rows[j]` of `blocks`
+    (uint8, (n, row bytes), read-only) is output feature first + j."""
+
+    type_name: str
+    blocks: np.ndarray
+    rows: np.ndarray  # int64
+    first: int
+
+    @property
+    def code(self) -> int:
+        return TYPE_CODES[self.type_name]
+
+
+class QuantizedMatrix:
+    """W (out_features, in_features) as parts of GGUF blocks (module doc)."""
+
+    def __init__(self, parts: list[QuantizedPart], in_features: int) -> None:
+        for part in parts:  # the kernels index without bounds checks
+            if part.blocks.ndim != 2 or part.blocks.shape[1] != row_bytes(part.type_name,
+                                                                          in_features):
+                raise ModelFormatError(
+                    f"{part.type_name} blocks of shape {part.blocks.shape} are not rows of "
+                    f"{in_features} elements")
+            if part.rows.size and (part.rows.min() < 0 or part.rows.max() >= len(part.blocks)):
+                raise ModelFormatError(f"rows of a {part.type_name} part past its "
+                                       f"{len(part.blocks)} rows of blocks")
+        self.parts = tuple(parts)
+        self.in_features = in_features
+        self.out_features = sum(part.rows.size for part in parts)
+        self.direct_rows_limit = min(
+            direct_rows_limit(part.type_name, part.rows.size, in_features) for part in parts
+        )
+
+    @classmethod
+    def of_blocks(cls, type_name: str, blocks: np.ndarray, in_features: int,
+                  rows: np.ndarray | None = None) -> QuantizedMatrix:
+        """One part: `blocks` (n, row bytes) of `type_name`, its rows taken in `rows` order."""
+        return cls([part_of_blocks(type_name, blocks, 0, rows)], in_features)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of blocks held (each part's rows, counted once)."""
+        return sum(part.blocks.nbytes for part in self.parts)
+
+    def apply(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out = x @ W.T for x (n, in_features) float32, into out (n, out_features) float32 in
+        C order. The kernels index without bounds checks, so the shapes are checked here."""
+        x = _float32_rows(x, self.in_features, "x")
+        if out.dtype != np.float32 or not out.flags.c_contiguous or out.shape != (
+            x.shape[0], self.out_features
+        ):
+            raise InvalidRequest(
+                f"out must be C-order float32 of shape {(x.shape[0], self.out_features)}, got "
+                f"{out.dtype} {out.shape}", field="out")
+        if x.shape[0] <= self.direct_rows_limit:
+            for part in self.parts:
+                _run(part.code, MATVEC, part.blocks, part.rows, x, out, part.first)
+            return out
+        slab_rows = max(ROW_UNIT, SLAB_BYTES // (4 * self.in_features))
+        slab = _slab_buffer(slab_rows * self.in_features).reshape(slab_rows, self.in_features)
+        for part in self.parts:
+            for first in range(0, part.rows.size, slab_rows):
+                rows = part.rows[first : first + slab_rows]
+                levels = slab[: rows.size]
+                _run(part.code, DEQUANTIZE, part.blocks, rows, x[:0], levels, 0)
+                column = part.first + first
+                np.matmul(x, levels.T, out=out[:, column : column + rows.size])
+        return out
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """W[ids] as float32 (len(ids), in_features): the embedding's rows of tokens."""
+        if len(self.parts) != 1:
+            raise InvalidRequest("lookup reads rows of a single-part matrix", field="ids")
+        part = self.parts[0]
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= self.out_features)):
+            raise InvalidRequest(f"ids must be a list of rows below {self.out_features}",
+                                 field="ids")
+        rows = part.rows[ids]
+        out = np.empty((rows.size, self.in_features), dtype=np.float32)
+        _run(part.code, DEQUANTIZE, part.blocks, rows, out[:0], out, 0)
+        return out
+
+
+def _float32_rows(x: np.ndarray, width: int, field: str) -> np.ndarray:
+    """x as a writable C-order float32 (n, width) array (what the one compiled kernel takes),
+    copied only where it is not one already."""
+    if x.ndim != 2 or x.shape[1] != width:
+        raise InvalidRequest(f"{field} must have shape (n, {width}), got {x.shape}", field=field)
+    if x.dtype != np.float32 or not x.flags.c_contiguous or not x.flags.writeable:
+        return np.array(x, dtype=np.float32, order="C")
+    return x
+
+
+def part_of_blocks(type_name: str, blocks: np.ndarray, first: int,
+                   rows: np.ndarray | None = None) -> QuantizedPart:
+    """A part from a tensor's (n, row bytes) blocks, made read-only (one compiled kernel
+    serves every matrix: the kernel is compiled per array type, and mapped files are
+    read-only)."""
+    block_format(type_name)  # UnsupportedModelError for a type nobody decodes
+    view = blocks.view()
+    view.flags.writeable = False
+    order = np.arange(len(blocks), dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+    return QuantizedPart(type_name, view, np.ascontiguousarray(order), first)

@@ -1,0 +1,574 @@
+"""Compiled kernels over a GGUF matrix's own blocks (numba): `x @ W.T` for a few rows of x,
+and rows of W dequantized to float32.
+
+Each block type the project reads has one decoder, `_levels_<type>(row, g)`: the 16 float32
+values `quants.dequantize` gives elements 16g .. 16g + 15 of a row of blocks, computed with the
+same float32 operations in the same order (no fast-math: every multiply and add rounds as
+written), so both kernels see exactly the dequantized levels. Sixteen elements is the widest
+run every format stores under one scale at consecutive byte addresses (a Q4_0 block's halves
+are its low and its high nibbles; a Q6_K scale covers 16).
+
+The decoders work on explicit 16-lane vectors (`_F32X`, `_I32X`: LLVM vector values, one
+AVX-512 register, two AVX2 or four NEON ones), because LLVM's auto-vectorizer turns loops this
+short into scalar code. The kernels' accumulators are such vectors too, so they stay in
+registers.
+
+One kernel, `run_rows`, runs a job (MATVEC or DEQUANTIZE) over chunks of a matrix's rows;
+every thread that calls it with the same counters takes chunks from them until none are left
+(actors.model.quantized runs it in the calling thread and in helper threads that join when
+they are free: no thread waits for another to start, which a fork-join team must, and which on
+a busy machine costs a time slice a call). `_rows_job_of_type` is the small dispatcher that
+runs the job compiled for the block type. The kernel is compiled once for every type
+(cache=True keeps it on disk). Decoders are passed as values only into
+functions numba inlines: a function passed on through an ordinary call leaves a pointer in the
+compiled code, which the on-disk cache cannot hold.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, overload, register_model
+
+# GGUF type name -> the code the kernel dispatches on.
+TYPE_CODES = {name: code for code, name in enumerate(
+    ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+)}
+F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = TYPE_CODES.values()
+# Elements per vector and per decoded group: a row must hold whole groups.
+LANES = 16
+# Rows of x multiplied together against one weight row, whose groups are decoded once for them.
+TILE = 4
+# What `run_rows` does.
+MATVEC, DEQUANTIZE = 0, 1
+
+
+# --- 16-lane vectors -------------------------------------------------------------------------
+
+
+class _Vector(types.Type):
+    """An LLVM vector of LANES float32 ("f32") or int32 ("i32") values."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        super().__init__(name=f"{kind}x{LANES}")
+
+    @property
+    def lane(self) -> ir.Type:
+        return ir.FloatType() if self.kind == "f32" else ir.IntType(32)
+
+    @property
+    def ir_type(self) -> ir.VectorType:
+        return ir.VectorType(self.lane, LANES)
+
+
+_F32X = _Vector("f32")
+_I32X = _Vector("i32")
+
+
+@register_model(_Vector)
+class _VectorModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, fe_type.ir_type)
+
+
+def _loader(array_dtype: types.Type, element: ir.Type, result: _Vector, widen: str):
+    """An intrinsic (array, start) -> `result`: the LANES `element`s at `start` of a contiguous
+    1-d array of `array_dtype` (`start` counts the array's items: bytes for a byte array),
+    widened by the IRBuilder method `widen` ("" keeps them as they are)."""
+
+    @intrinsic
+    def load(typingctx, array, start):
+        if not (isinstance(array, types.Array) and array.dtype == array_dtype
+                and isinstance(start, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            index = context.cast(builder, args[1], signature.args[1], types.intp)
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            pointer = builder.bitcast(builder.gep(data, [index]),
+                                      ir.PointerType(ir.VectorType(element, LANES)))
+            value = builder.load(pointer, align=1)
+            return getattr(builder, widen)(value, result.ir_type) if widen else value
+
+        return result(array, start), codegen
+
+    return load
+
+
+# 16 float32 of a float32 array; from a byte array: 16 bytes zero- or sign-extended, 16 IEEE
+# halves (widened exactly), 16 little-endian uint16, 16 float32.
+_load_f32 = _loader(types.float32, ir.FloatType(), _F32X, "")
+_load_u8 = _loader(types.uint8, ir.IntType(8), _I32X, "zext")
+_load_i8 = _loader(types.uint8, ir.IntType(8), _I32X, "sext")
+_load_f16 = _loader(types.uint8, ir.HalfType(), _F32X, "fpext")
+_load_u16 = _loader(types.uint8, ir.IntType(16), _I32X, "zext")
+_load_f32_bytes = _loader(types.uint8, ir.FloatType(), _F32X, "")
+
+
+@intrinsic
+def _store_f32(typingctx, array, start, value):
+    """array[start : start + LANES] = value, for a contiguous 1-d float32 array."""
+    if not (isinstance(array, types.Array) and array.dtype == types.float32
+            and isinstance(start, types.Integer) and value == _F32X):
+        return None
+
+    def codegen(context, builder, signature, args):
+        index = context.cast(builder, args[1], signature.args[1], types.intp)
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        pointer = builder.bitcast(builder.gep(data, [index]), ir.PointerType(_F32X.ir_type))
+        builder.store(args[2], pointer, align=1)
+
+    return types.void(array, start, value), codegen
+
+
+def _splat(builder, value: ir.Value, vector: _Vector) -> ir.Value:
+    """`value` (already of the lane type) in every lane."""
+    single = builder.insert_element(ir.Constant(vector.ir_type, ir.Undefined), value,
+                                    ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(single, single,
+                                  ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+
+
+def _constant(vector: _Vector, lanes: list[float] | list[int]):
+    """An intrinsic () -> the constant vector of `lanes`."""
+
+    @intrinsic
+    def constant(typingctx):
+        def codegen(context, builder, signature, args):
+            return ir.Constant(vector.ir_type, lanes)
+
+        return vector(), codegen
+
+    return constant
+
+
+def _lanewise(source: _Vector, result: _Vector, build: Callable[..., ir.Value]):
+    """An intrinsic (`source` vector) -> `result` vector: build(builder, value)."""
+
+    @intrinsic
+    def convert(typingctx, value):
+        if value != source:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return build(builder, args[0])
+
+        return result(value), codegen
+
+    return convert
+
+
+_zeros = _constant(_F32X, [0.0] * LANES)
+_lane_index = _constant(_I32X, list(range(LANES)))  # 0, 1, ..., LANES - 1
+# Each int32 lane as the float32 of its value (exact below 2**24); its bits read as a float32.
+_to_float = _lanewise(_I32X, _F32X, lambda builder, value: builder.sitofp(value, _F32X.ir_type))
+_bits_as_float = _lanewise(_I32X, _F32X,
+                           lambda builder, value: builder.bitcast(value, _F32X.ir_type))
+
+
+@intrinsic
+def _fill_i32(typingctx, value):
+    """The low 32 bits of the integer `value` in every lane."""
+    if not isinstance(value, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _splat(builder, builder.trunc(args[0], ir.IntType(32)) if args[0].type.width > 32
+                      else builder.zext(args[0], ir.IntType(32)), _I32X)
+
+    return _I32X(value), codegen
+
+
+@intrinsic
+def _multiply_add(typingctx, a, b, c):
+    """a * b + c lane by lane, fused where the machine has FMA (accumulating a product: the
+    levels it multiplies are already rounded)."""
+    if not a == b == c == _F32X:
+        return None
+
+    def codegen(context, builder, signature, args):
+        vector = _F32X.ir_type
+        fmuladd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vector, [vector] * 3), f"llvm.fmuladd.v{LANES}f32")
+        return builder.call(fmuladd, args)
+
+    return _F32X(a, b, c), codegen
+
+
+@intrinsic
+def _lane_sum(typingctx, value):
+    """The float32 sum of the lanes, halves added pairwise (a fixed order)."""
+    if value != _F32X:
+        return None
+
+    def codegen(context, builder, signature, args):
+        vector, width = args[0], LANES
+        while width > 1:
+            width //= 2
+            mask = ir.VectorType(ir.IntType(32), width)
+            low = builder.shuffle_vector(vector, vector, ir.Constant(mask, list(range(width))))
+            high = builder.shuffle_vector(vector, vector,
+                                          ir.Constant(mask, list(range(width, 2 * width))))
+            vector = builder.fadd(low, high)
+        return builder.extract_element(vector, ir.Constant(ir.IntType(32), 0))
+
+    return types.float32(value), codegen
+
+
+def _binary(float_op: str | None, int_op: str | None):
+    """An intrinsic (vector, vector or scalar) -> vector applying IRBuilder's `float_op` to
+    float32 vectors or `int_op` to int32 vectors lane by lane, a scalar in every lane."""
+
+    @intrinsic
+    def apply(typingctx, a, b):
+        if not isinstance(a, _Vector) or (float_op if a.kind == "f32" else int_op) is None:
+            return None
+        if not (b == a or isinstance(b, (types.Integer, types.Float))):
+            return None
+
+        def codegen(context, builder, signature, args):
+            left, right = args
+            if not isinstance(signature.args[1], _Vector):
+                lane = types.float32 if a.kind == "f32" else types.int32
+                right = _splat(builder, context.cast(builder, right, signature.args[1], lane), a)
+            return getattr(builder, float_op if a.kind == "f32" else int_op)(left, right)
+
+        return a(a, b), codegen
+
+    return apply
+
+
+def _overload_operator(python_operator: Callable[..., object], apply: object) -> None:
+    def vector_operator(a, b):
+        if isinstance(a, _Vector):
+            return lambda a, b: apply(a, b)
+        return None
+
+    overload(python_operator)(vector_operator)
+
+
+# Lane-by-lane operators on vectors (a scalar right operand fills every lane). >> is logical:
+# the kernels only shift bytes and bit fields.
+_overload_operator(operator.add, _binary("fadd", "add"))
+_overload_operator(operator.sub, _binary("fsub", "sub"))
+_overload_operator(operator.mul, _binary("fmul", "mul"))
+_overload_operator(operator.and_, _binary(None, "and_"))
+_overload_operator(operator.or_, _binary(None, "or_"))
+_overload_operator(operator.rshift, _binary(None, "lshr"))
+_overload_operator(operator.lshift, _binary(None, "shl"))
+
+
+@intrinsic
+def _half_to_float(typingctx, bits):
+    """The float32 value of the IEEE half whose bits are `bits` (exact)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        half_bits = builder.trunc(args[0], ir.IntType(16)) if args[0].type.width > 16 else args[0]
+        return builder.fpext(builder.bitcast(half_bits, ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+# --- reading a row of blocks -----------------------------------------------------------------
+
+
+@njit(inline="always")
+def _f16(row, at):
+    """The float32 of the little-endian half at byte `at`."""
+    return _half_to_float(np.uint32(row[at]) | (np.uint32(row[at + 1]) << 8))
+
+
+@njit(inline="always")
+def _u32(row, at):
+    return (np.uint32(row[at]) | (np.uint32(row[at + 1]) << 8)
+            | (np.uint32(row[at + 2]) << 16) | (np.uint32(row[at + 3]) << 24))
+
+
+@njit(inline="always")
+def _nibble_pair(row, at):
+    """The low nibbles and the high nibbles of the 16 bytes at `at`."""
+    packed = _load_u8(row, at)
+    return packed & 15, packed >> 4
+
+
+# --- the levels of a unit (32 elements: 32u .. 32u + 31) of a row, one decoder per type -------
+# Each returns the unit's two halves, 16 levels each. A unit shares one block header in every
+# format (a Q4_0..Q8_0 block, a Q4_K/Q5_K sub-block, a Q6_K quarter of a half), read once.
+
+
+@njit(inline="always")
+def _levels_f32(row, u):
+    return _load_f32_bytes(row, 128 * u), _load_f32_bytes(row, 128 * u + 64)
+
+
+@njit(inline="always")
+def _levels_f16(row, u):
+    return _load_f16(row, 64 * u), _load_f16(row, 64 * u + 32)
+
+
+@njit(inline="always")
+def _levels_bf16(row, u):
+    return (_bits_as_float(_load_u16(row, 64 * u) << 16),
+            _bits_as_float(_load_u16(row, 64 * u + 32) << 16))
+
+
+@njit(inline="always")
+def _levels_q4_0(row, u):
+    at = 18 * u  # d, 16 bytes: element j < 16 is byte j's low nibble, else its high
+    d = _f16(row, at)
+    low, high = _nibble_pair(row, at + 2)
+    return _to_float(low - 8) * d, _to_float(high - 8) * d
+
+
+@njit(inline="always")
+def _levels_q4_1(row, u):
+    at = 20 * u  # d, m, 16 bytes of nibbles
+    d, m = _f16(row, at), _f16(row, at + 2)
+    low, high = _nibble_pair(row, at + 4)
+    return _to_float(low) * d + m, _to_float(high) * d + m
+
+
+@njit(inline="always")
+def _q5_values(row, qh_at, qs_at):
+    """Q5_0/Q5_1: the nibbles, with fifth bits from the 32-bit word at qh_at."""
+    fifths = _fill_i32(_u32(row, qh_at))
+    lanes = _lane_index()
+    low, high = _nibble_pair(row, qs_at)
+    return (low | (((fifths >> lanes) & 1) << 4),
+            high | (((fifths >> (lanes + LANES)) & 1) << 4))
+
+
+@njit(inline="always")
+def _levels_q5_0(row, u):
+    at = 22 * u  # d, qh, 16 bytes of nibbles
+    d = _f16(row, at)
+    low, high = _q5_values(row, at + 2, at + 6)
+    return _to_float(low - 16) * d, _to_float(high - 16) * d
+
+
+@njit(inline="always")
+def _levels_q5_1(row, u):
+    at = 24 * u  # d, m, qh, 16 bytes of nibbles
+    d, m = _f16(row, at), _f16(row, at + 2)
+    low, high = _q5_values(row, at + 4, at + 8)
+    return _to_float(low) * d + m, _to_float(high) * d + m
+
+
+@njit(inline="always")
+def _levels_q8_0(row, u):
+    at = 34 * u  # d, 32 signed bytes
+    d = _f16(row, at)
+    return _to_float(_load_i8(row, at + 2)) * d, _to_float(_load_i8(row, at + 18)) * d
+
+
+@njit(inline="always")
+def _k_step_offset(row, at, sub):
+    """Q4_K/Q5_K: d * scale and -(dmin * min) of 32-element sub-block `sub`, the 6-bit scales
+    and mins packed in the 12 bytes at at + 4: bytes 0-3 scales 0-3 (and the top bits of
+    scales 4-7), bytes 4-7 the same for mins, bytes 8-11 the low nibbles of both 4-7."""
+    packed = at + 4
+    if sub < 4:
+        scale, minimum = row[packed + sub] & 63, row[packed + 4 + sub] & 63
+    else:
+        low = row[packed + 4 + sub]
+        scale = (low & 15) | ((row[packed + sub - 4] >> 6) << 4)
+        minimum = (low >> 4) | ((row[packed + sub] >> 6) << 4)
+    return _f16(row, at) * np.float32(scale), -(_f16(row, at + 2) * np.float32(minimum))
+
+
+@njit(inline="always")
+def _levels_q4_k(row, u):
+    at = 144 * (u >> 3)  # d, dmin, 12 scale bytes, 4 x 32 bytes: sub-blocks 2c, 2c+1 in c
+    sub = u & 7
+    step, offset = _k_step_offset(row, at, sub)
+    packed = at + 16 + 32 * (sub >> 1)
+    shift = 4 * (sub & 1)
+    low, high = _load_u8(row, packed) >> shift, _load_u8(row, packed + LANES) >> shift
+    return _to_float(low & 15) * step + offset, _to_float(high & 15) * step + offset
+
+
+@njit(inline="always")
+def _levels_q5_k(row, u):
+    at = 176 * (u >> 3)  # d, dmin, 12 scale bytes, 32 bytes of fifth bits, 128 of nibbles
+    sub = u & 7
+    step, offset = _k_step_offset(row, at, sub)
+    packed = at + 48 + 32 * (sub >> 1)
+    shift = 4 * (sub & 1)
+    low = ((_load_u8(row, packed) >> shift) & 15) | (((_load_u8(row, at + 16) >> sub) & 1) << 4)
+    high = (((_load_u8(row, packed + LANES) >> shift) & 15)
+            | (((_load_u8(row, at + 16 + LANES) >> sub) & 1) << 4))
+    return _to_float(low) * step + offset, _to_float(high) * step + offset
+
+
+@njit(inline="always")
+def _levels_q6_k(row, u):
+    # 128 ql bytes, 64 qh bytes, 16 int8 scales (one per 16 elements), d. Each 128-element
+    # half has 64 ql and 32 qh bytes; its quarter q takes ql bytes from 32 (q & 1) on, their
+    # nibble q >> 1, and bits 2q, 2q + 1 of the qh bytes.
+    at = 210 * (u >> 3)
+    unit = u & 7
+    half, quarter = unit >> 2, unit & 3
+    ql = at + 64 * half + 32 * (quarter & 1)
+    qh = at + 128 + 32 * half
+    nibble_shift, high_shift = 4 * (quarter >> 1), 2 * quarter
+    d = _f16(row, at + 208)
+    scales = at + 192 + 2 * unit
+    low = ((_load_u8(row, ql) >> nibble_shift) & 15) | (((_load_u8(row, qh) >> high_shift) & 3) << 4)
+    high = (((_load_u8(row, ql + LANES) >> nibble_shift) & 15)
+            | (((_load_u8(row, qh + LANES) >> high_shift) & 3) << 4))
+    return (_to_float(low - 32) * (d * np.float32(np.int8(row[scales]))),
+            _to_float(high - 32) * (d * np.float32(np.int8(row[scales + 1]))))
+
+
+# --- the jobs, for one block type ------------------------------------------------------------
+
+
+@njit(inline="always")
+def _matvec_chunk(levels, blocks, rows, x, out, column, first, last):
+    """out[:, column + j] = x @ (levels of blocks[rows[j]]) for j in [first, last): TILE rows
+    of x at a time against each weight row, then the rest one by one."""
+    n_x = x.shape[0]
+    n_units = x.shape[1] // (2 * LANES)
+    for j in range(first, last):
+        row = blocks[rows[j]]
+        r = 0
+        while r + TILE <= n_x:
+            x0, x1, x2, x3 = x[r], x[r + 1], x[r + 2], x[r + 3]
+            acc0 = acc1 = acc2 = acc3 = _zeros()
+            for u in range(n_units):
+                low, high = levels(row, u)
+                at = 2 * LANES * u
+                acc0 = _multiply_add(_load_f32(x0, at), low, acc0)
+                acc1 = _multiply_add(_load_f32(x1, at), low, acc1)
+                acc2 = _multiply_add(_load_f32(x2, at), low, acc2)
+                acc3 = _multiply_add(_load_f32(x3, at), low, acc3)
+                acc0 = _multiply_add(_load_f32(x0, at + LANES), high, acc0)
+                acc1 = _multiply_add(_load_f32(x1, at + LANES), high, acc1)
+                acc2 = _multiply_add(_load_f32(x2, at + LANES), high, acc2)
+                acc3 = _multiply_add(_load_f32(x3, at + LANES), high, acc3)
+            out[r, column + j] = _lane_sum(acc0)
+            out[r + 1, column + j] = _lane_sum(acc1)
+            out[r + 2, column + j] = _lane_sum(acc2)
+            out[r + 3, column + j] = _lane_sum(acc3)
+            r += TILE
+        while r < n_x:
+            xr = x[r]
+            acc_low = acc_high = _zeros()  # two chains: each add waits on its own last
+            for u in range(n_units):
+                low, high = levels(row, u)
+                at = 2 * LANES * u
+                acc_low = _multiply_add(_load_f32(xr, at), low, acc_low)
+                acc_high = _multiply_add(_load_f32(xr, at + LANES), high, acc_high)
+            out[r, column + j] = _lane_sum(acc_low + acc_high)
+            r += 1
+
+
+@njit(inline="always")
+def _dequantize_chunk(levels, blocks, rows, out, first, last):
+    """out[j] = the levels of blocks[rows[j]] for j in [first, last)."""
+    n_units = out.shape[1] // (2 * LANES)
+    for j in range(first, last):
+        row, dest = blocks[rows[j]], out[j]
+        for u in range(n_units):
+            low, high = levels(row, u)
+            _store_f32(dest, 2 * LANES * u, low)
+            _store_f32(dest, 2 * LANES * u + LANES, high)
+
+
+@njit(inline="always")
+def _rows_job(levels, job, blocks, rows, x, out, column, first, last):
+    if job == MATVEC:
+        _matvec_chunk(levels, blocks, rows, x, out, column, first, last)
+    else:
+        _dequantize_chunk(levels, blocks, rows, out, first, last)
+
+
+@njit
+def _rows_job_of_type(code, job, blocks, rows, x, out, column, first, last):
+    """`_rows_job` with the decoder of block type `code`."""
+    if code == Q4_K:
+        _rows_job(_levels_q4_k, job, blocks, rows, x, out, column, first, last)
+    elif code == Q6_K:
+        _rows_job(_levels_q6_k, job, blocks, rows, x, out, column, first, last)
+    elif code == Q5_K:
+        _rows_job(_levels_q5_k, job, blocks, rows, x, out, column, first, last)
+    elif code == Q8_0:
+        _rows_job(_levels_q8_0, job, blocks, rows, x, out, column, first, last)
+    elif code == Q5_0:
+        _rows_job(_levels_q5_0, job, blocks, rows, x, out, column, first, last)
+    elif code == Q5_1:
+        _rows_job(_levels_q5_1, job, blocks, rows, x, out, column, first, last)
+    elif code == Q4_0:
+        _rows_job(_levels_q4_0, job, blocks, rows, x, out, column, first, last)
+    elif code == Q4_1:
+        _rows_job(_levels_q4_1, job, blocks, rows, x, out, column, first, last)
+    elif code == F16:
+        _rows_job(_levels_f16, job, blocks, rows, x, out, column, first, last)
+    elif code == BF16:
+        _rows_job(_levels_bf16, job, blocks, rows, x, out, column, first, last)
+    else:
+        _rows_job(_levels_f32, job, blocks, rows, x, out, column, first, last)
+
+
+def _on_counter(build: Callable[..., ir.Value]):
+    """An intrinsic (counters, index) -> int64: build(builder, pointer to counters[index]),
+    counters being a 1-d int64 array."""
+
+    @intrinsic
+    def operation(typingctx, counters, index):
+        if not (isinstance(counters, types.Array) and counters.dtype == types.int64
+                and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            array = context.make_array(signature.args[0])(context, builder, args[0])
+            return build(builder, cgutils.get_item_pointer(context, builder, signature.args[0],
+                                                           array, [args[1]]))
+
+        return types.int64(counters, index), codegen
+
+    return operation
+
+
+# Add 1 to a counter atomically, returning the value it had; read one atomically.
+_fetch_add = _on_counter(
+    lambda builder, pointer: builder.atomic_rmw("add", pointer, ir.Constant(ir.IntType(64), 1),
+                                                "seq_cst"))
+_atomic_read = _on_counter(lambda builder, pointer: builder.load_atomic(pointer, "seq_cst", 8))
+
+
+# counters[CLAIMED]: chunks handed out; counters[DONE]: chunks finished.
+CLAIMED, DONE = 0, 1
+
+
+@njit(nogil=True, cache=True)
+def run_rows(code, job, blocks, rows, x, out, column, n_chunks, counters):
+    """`job` over W[rows[j]] for every j, W the matrix whose rows of blocks of type `code` are
+    `blocks` (uint8, C order), in `n_chunks` chunks of rows: every thread that calls this with
+    the same `counters` (int64, zeros) takes chunks until none are left, so a thread that comes
+    late finds nothing to do and holds nobody up. MATVEC: out[:, column + j] = x @ W[rows[j]].
+    DEQUANTIZE: out[j] = W[rows[j]] as float32 (x is not read). x and out are C-order float32;
+    their rows hold whole units (2 LANES)."""
+    n = rows.size
+    chunk = _fetch_add(counters, CLAIMED)
+    while chunk < n_chunks:
+        _rows_job_of_type(code, job, blocks, rows, x, out, column, chunk * n // n_chunks,
+                          (chunk + 1) * n // n_chunks)
+        _fetch_add(counters, DONE)
+        chunk = _fetch_add(counters, CLAIMED)
+
+
+@njit(nogil=True, cache=True)
+def wait_for_chunks(counters, n_chunks):
+    """Return once `n_chunks` chunks of a `run_rows` call are finished (the others' chunks
+    take as long as one chunk at most: spinning is cheaper than sleeping)."""
+    while _atomic_read(counters, DONE) < n_chunks:
+        pass

@@ -1,0 +1,230 @@
+"""The CPU's quantized weights (actors.model.quantized): the kernels against the exact
+dequantizer, every block type, both routes of the product, the models they run, and the
+CPU backend's memory (its KV pool's default size).
+
+Blocks are random bytes (every bit pattern of the quantized fields) with finite half-precision
+scales, so each decoder meets negative int8 values, the top bits of the 6-bit K-quant scales
+and set fifth bits. Products are held to float32 rounding of the exact dequantized product:
+|error| <= K * 2^-24 * (|x| @ |W|.T) for rows of K elements, whatever the summation order; a
+product of one-hot rows must give the dequantized levels bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from actors.compute.contract import KVRequest
+from actors.compute.cpu import (
+    KV_MEMORY_SHARE,
+    KV_POSITIONS_PER_SEQUENCE,
+    available_memory_bytes,
+    build_cpu_backend,
+    kv_budget_bytes,
+    resident_bytes,
+)
+from actors.errors import InvalidRequest, ModelFormatError, UnsupportedModelError
+from actors.model.gguf.quants import block_format, dequantize, row_bytes
+from actors.model.loaded import load_model, open_model
+from actors.model.quantized import QuantizedMatrix, QuantizedPart, part_of_blocks
+from actors.model.quantized_kernels import TYPE_CODES, run_rows, wait_for_chunks
+from tests.conftest import TINY_MODELS, gemma3_path
+
+# Byte ranges of each block type's half-precision fields (d, and m / dmin where it has one).
+HALF_FIELDS = {
+    "Q4_0": [(0, 2)], "Q4_1": [(0, 4)], "Q5_0": [(0, 2)], "Q5_1": [(0, 4)], "Q8_0": [(0, 2)],
+    "Q4_K": [(0, 4)], "Q5_K": [(0, 4)], "Q6_K": [(208, 210)],
+}
+ALL_TYPES = tuple(TYPE_CODES)
+ROW_COUNTS = (1, 2, 3, 4, 5, 9, 17)
+WIDTH = 512
+N_ROWS = 40
+UNIT_ROUNDOFF = 2.0**-24
+
+
+def random_blocks(type_name: str, n_rows: int, width: int, seed: int = 0) -> np.ndarray:
+    """(n_rows, row bytes) of `type_name`: random bytes, finite half scales (floats: random
+    values of the type)."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((n_rows, width), dtype=np.float32)
+    if type_name == "F32":
+        return values.view(np.uint8).copy()
+    if type_name == "F16":
+        return values.astype(np.float16).view(np.uint8).copy()
+    if type_name == "BF16":
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).copy()
+    fmt = block_format(type_name)
+    raw = rng.integers(0, 256, (n_rows, row_bytes(type_name, width)), dtype=np.uint8)
+    blocks = raw.reshape(n_rows, -1, fmt.type_size)
+    for start, stop in HALF_FIELDS[type_name]:
+        halves = rng.uniform(-0.02, 0.02, blocks.shape[:2] + ((stop - start) // 2,))
+        blocks[:, :, start:stop] = halves.astype(np.float16).view(np.uint8)
+    return raw
+
+
+def error_bound(x: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """The float32 rounding bound of x @ levels.T computed in any order."""
+    return x.shape[1] * UNIT_ROUNDOFF * (np.abs(x) @ np.abs(levels.T)) * 1.01 + 1e-30
+
+
+def exact_product(x: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    return x.astype(np.float64) @ levels.T.astype(np.float64)
+
+
+@pytest.fixture(scope="module", params=ALL_TYPES)
+def matrix(request: pytest.FixtureRequest) -> tuple[str, QuantizedMatrix, np.ndarray]:
+    """(type, the matrix, its levels by quants.dequantize)."""
+    type_name = request.param
+    raw = random_blocks(type_name, N_ROWS, WIDTH, seed=TYPE_CODES[type_name])
+    return (type_name, QuantizedMatrix.of_blocks(type_name, raw, WIDTH),
+            dequantize(raw, type_name, (N_ROWS, WIDTH)))
+
+
+def test_rows_dequantize_exactly(matrix: tuple[str, QuantizedMatrix, np.ndarray]) -> None:
+    type_name, weights, levels = matrix
+    ids = np.array([3, 0, N_ROWS - 1, 3, 17])
+    assert np.array_equal(weights.lookup(ids), levels[ids]), type_name
+    assert np.array_equal(weights.lookup(np.arange(N_ROWS)), levels), type_name
+
+
+@pytest.mark.parametrize("n_x", ROW_COUNTS)
+def test_direct_product_is_the_dequantized_product(
+    matrix: tuple[str, QuantizedMatrix, np.ndarray], n_x: int
+) -> None:
+    type_name, weights, levels = matrix
+    x = np.random.default_rng(n_x).standard_normal((n_x, WIDTH), dtype=np.float32)
+    out = weights.apply(x, np.empty((n_x, N_ROWS), dtype=np.float32))
+    error = np.abs(out - exact_product(x, levels))
+    assert (error <= error_bound(x, levels)).all(), f"{type_name}: max error {error.max()}"
+
+
+@pytest.mark.parametrize("n_x", (1, 3, 4, 7))
+def test_one_hot_rows_give_the_levels_bit_for_bit(
+    matrix: tuple[str, QuantizedMatrix, np.ndarray], n_x: int
+) -> None:
+    type_name, weights, levels = matrix
+    for first in range(0, WIDTH, 97):
+        columns = np.arange(first, min(first + n_x, WIDTH))
+        x = np.zeros((columns.size, WIDTH), dtype=np.float32)
+        x[np.arange(columns.size), columns] = 1.0
+        if columns.size > weights.direct_rows_limit:
+            continue
+        out = weights.apply(x, np.empty((columns.size, N_ROWS), dtype=np.float32))
+        assert np.array_equal(out, levels[:, columns].T), f"{type_name} columns {columns}"
+
+
+def test_both_routes_run_and_agree(matrix: tuple[str, QuantizedMatrix, np.ndarray]) -> None:
+    type_name, weights, levels = matrix
+    limit = weights.direct_rows_limit
+    x = np.random.default_rng(5).standard_normal((limit + 24, WIDTH), dtype=np.float32)
+    wide = weights.apply(x, np.empty((len(x), N_ROWS), dtype=np.float32))
+    narrow = weights.apply(x[:limit], np.empty((limit, N_ROWS), dtype=np.float32))
+    for out, rows in ((wide, x), (narrow, x[:limit])):
+        error = np.abs(out - exact_product(rows, levels))
+        assert (error <= error_bound(rows, levels)).all(), f"{type_name}: max {error.max()}"
+
+
+def test_parts_and_row_orders_place_every_output_feature() -> None:
+    """A fused matrix of parts of different types, rows taken in a permuted order: output
+    feature first + j of a part is its blocks' row rows[j], on both routes."""
+    q4k = random_blocks("Q4_K", 24, 256, seed=1)
+    q8 = random_blocks("Q8_0", 8, 256, seed=2)
+    order = np.random.default_rng(3).permutation(24)
+    weights = QuantizedMatrix([part_of_blocks("Q4_K", q4k, 0, order),
+                               part_of_blocks("Q8_0", q8, 24)], 256)
+    levels = np.concatenate([dequantize(q4k, "Q4_K", (24, 256))[order],
+                             dequantize(q8, "Q8_0", (8, 256))])
+    assert weights.out_features == 32 and weights.nbytes == q4k.nbytes + q8.nbytes
+    for n_x in (1, 6, weights.direct_rows_limit + 30):
+        x = np.random.default_rng(n_x).standard_normal((n_x, 256), dtype=np.float32)
+        out = weights.apply(x, np.empty((n_x, 32), dtype=np.float32))
+        assert (np.abs(out - exact_product(x, levels)) <= error_bound(x, levels)).all()
+
+
+def test_bad_input_is_refused_by_name() -> None:
+    raw = random_blocks("Q8_0", 8, 64)
+    weights = QuantizedMatrix.of_blocks("Q8_0", raw, 64)
+    x = np.ones((2, 64), dtype=np.float32)
+    with pytest.raises(InvalidRequest) as wrong_width:
+        weights.apply(np.ones((2, 32), dtype=np.float32), np.empty((2, 8), dtype=np.float32))
+    assert wrong_width.value.field == "x"
+    with pytest.raises(InvalidRequest) as wrong_out:
+        weights.apply(x, np.empty((2, 9), dtype=np.float32))
+    assert wrong_out.value.field == "out"
+    with pytest.raises(InvalidRequest) as strided_out:
+        weights.apply(x, np.empty((2, 16), dtype=np.float32)[:, ::2])
+    assert strided_out.value.field == "out"
+    for ids in ([8], [-1], [[1]]):
+        with pytest.raises(InvalidRequest) as bad_ids:
+            weights.lookup(np.array(ids))
+        assert bad_ids.value.field == "ids"
+    fused = QuantizedMatrix([part_of_blocks("Q8_0", raw, 0), part_of_blocks("Q8_0", raw, 8)], 64)
+    with pytest.raises(InvalidRequest):
+        fused.lookup(np.array([0]))
+    with pytest.raises(UnsupportedModelError):
+        part_of_blocks("IQ2_XXS", raw, 0)
+    with pytest.raises(ModelFormatError, match="not rows of 96 elements"):
+        QuantizedMatrix.of_blocks("Q8_0", raw, 96)
+    with pytest.raises(ModelFormatError, match="past its 8 rows"):
+        QuantizedMatrix.of_blocks("Q8_0", raw, 64, np.array([0, 8]))
+
+
+def test_other_float_layouts_of_x_give_the_same_product() -> None:
+    raw = random_blocks("Q6_K", 8, 256)
+    weights = QuantizedMatrix.of_blocks("Q6_K", raw, 256)
+    x = np.random.default_rng(0).standard_normal((3, 512), dtype=np.float32)
+    reference = weights.apply(np.ascontiguousarray(x[:, ::2]), np.empty((3, 8), np.float32))
+    readonly = np.ascontiguousarray(x[:, ::2])
+    readonly.flags.writeable = False
+    for layout in (x[:, ::2], x[:, ::2].astype(np.float64), readonly):
+        assert np.array_equal(weights.apply(layout, np.empty((3, 8), np.float32)), reference)
+
+
+@pytest.mark.parametrize("name", list(TINY_MODELS))
+def test_quantized_model_matches_the_float32_model(name: str) -> None:
+    """Decode-sized steps take the direct route, long prompts the slab route: both within
+    float32 rounding of the float32 reference model's logits."""
+    quantized = load_model(TINY_MODELS[name])
+    reference = load_model(TINY_MODELS[name], weights="float32")
+    assert isinstance(quantized.weights.layers[0].qkv, QuantizedMatrix)
+    ids = [int(t) for t in np.random.default_rng(0).integers(1, 1000, 90)]
+    for tokens in (ids[:3], ids):
+        np.testing.assert_allclose(quantized.logits(tokens), reference.logits(tokens),
+                                   atol=1e-3, rtol=0)
+
+
+def test_weights_take_the_files_bytes_read_in_place() -> None:
+    """gemma-3-270m: every matrix is a view of the mapped file (nothing copied), and the
+    weights hold at most 1.15x the file's tensor bytes (the vectors as float32)."""
+    model = load_model(gemma3_path())
+    file_bytes = sum(info.n_bytes for info in model.gguf.tensors.values())
+    assert model.weights.n_bytes <= 1.15 * file_bytes
+    mapped = model.gguf.raw("token_embd.weight")
+    part: QuantizedPart = model.weights.token_embd.parts[0]
+    assert np.shares_memory(part.blocks, mapped) and model.weights.tied_output
+    assert not part.blocks.flags.writeable
+
+
+def test_one_compiled_kernel_serves_every_type_and_route() -> None:
+    """Every call above went through one specialization: no layout of x, out or the blocks
+    compiles the kernel again (tens of seconds each)."""
+    for type_name in ALL_TYPES:
+        weights = QuantizedMatrix.of_blocks(type_name, random_blocks(type_name, 4096, 256), 256)
+        for n_x in (1, weights.direct_rows_limit + 1):
+            weights.apply(np.ones((n_x, 256), np.float32), np.empty((n_x, 4096), np.float32))
+        weights.lookup(np.arange(4))
+    assert len(run_rows.signatures) == len(wait_for_chunks.signatures) == 1
+
+
+def test_default_kv_pool_is_sized_from_the_model_and_the_machine() -> None:
+    spec = open_model(gemma3_path()).spec
+    per_position = spec.kv_bytes_per_token()
+    plenty = 1 << 50
+    assert kv_budget_bytes(spec, 1, plenty) == spec.context_length * per_position
+    assert kv_budget_bytes(spec, 64, plenty) == 64 * KV_POSITIONS_PER_SEQUENCE * per_position
+    assert kv_budget_bytes(spec, 64, 1 << 30) == int(KV_MEMORY_SHARE * (1 << 30))
+    tiny = load_model(TINY_MODELS["llama-q4k-tiny"])
+    backend = build_cpu_backend(tiny, KVRequest(blocks=None, block_size=16, max_sequences=2), ())
+    positions = backend.info.num_blocks * 16
+    assert positions == max(tiny.spec.context_length, 2 * KV_POSITIONS_PER_SEQUENCE)
+    assert 0 < resident_bytes() < available_memory_bytes() + resident_bytes()
