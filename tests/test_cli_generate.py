@@ -55,6 +55,9 @@ def test_streamed_text_matches_the_completion(tiny_llama: str,
     assert result.returncode == 0, result.stderr
     assert result.stdout == completion["text"] + "\n"
     assert "[length · " in result.stderr and "12 generated" in result.stderr
+    # What the engine holds, said once at the start.
+    assert re.search(r"^q4k generate: memory: [\d,]+ MB resident after loading; KV pool of "
+                     r"[\d,]+ positions$", result.stderr, re.MULTILINE)
 
 
 def test_prompt_from_stdin(tiny_llama: str, greedy_json: tuple[dict, Path]) -> None:
@@ -190,7 +193,7 @@ def test_streamed_constrained_text_ends_with_stop(tiny_llama: str) -> None:
                      "--temperature", "0", "--choice", "red", "--choice", "green")
     assert result.returncode == 0, result.stderr
     assert result.stdout in ("red\n", "green\n")
-    assert result.stderr.startswith("[stop · ")
+    assert result.stderr.splitlines()[-1].startswith("[stop · ")
 
 
 def test_structured_flag_errors_are_one_line(tiny_llama: str, tmp_path: Path) -> None:

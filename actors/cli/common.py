@@ -227,10 +227,12 @@ def add_backend_flag(parser: argparse.ArgumentParser) -> None:
 
 
 @asynccontextmanager
-async def open_engine(args: argparse.Namespace, **options: Any) -> AsyncIterator[Engine]:
+async def open_engine(args: argparse.Namespace, *, report_memory: bool = False,
+                      **options: Any) -> AsyncIterator[Engine]:
     """`Engine.open` for the --model and --backend flags; `options` go to the engine. A backend
     that cannot run is told in the command line's words; once open, `backend_notice` says
-    (one line on stderr) when --backend auto passed over a GPU this machine has."""
+    (one line on stderr) when --backend auto passed over a GPU this machine has, and with
+    `report_memory` one line says what the engine holds (`memory_line`)."""
     from actors.engine import Engine
 
     try:
@@ -238,6 +240,8 @@ async def open_engine(args: argparse.Namespace, **options: Any) -> AsyncIterator
             notice = backend_notice(args.backend, engine)
             if notice is not None:
                 print(f"q4k {args.verb}: notice: {notice}", file=sys.stderr, flush=True)
+            if report_memory:
+                print(f"q4k {args.verb}: {memory_line(engine)}", file=sys.stderr, flush=True)
             yield engine
     except BackendUnavailable as exc:
         if exc.backend is None:
@@ -248,6 +252,17 @@ async def open_engine(args: argparse.Namespace, **options: Any) -> AsyncIterator
             backend=exc.backend,
             reason=exc.reason,
         ) from None
+
+
+def memory_line(engine: Engine) -> str:
+    """`memory: 287 MB resident after loading; KV pool of 65,536 positions` (the pool's pages
+    become resident as they fill)."""
+    from actors.compute.cpu import resident_bytes
+
+    resident = resident_bytes()
+    held = "resident memory unknown" if resident is None else f"{resident / 1e6:,.0f} MB resident"
+    positions = engine.info.num_blocks * engine.info.block_size
+    return f"memory: {held} after loading; KV pool of {positions:,} positions"
 
 
 def backend_notice(requested: str, engine: Engine) -> str | None:

@@ -15,6 +15,7 @@ from actors.cli.common import (
     add_model_flag,
     add_sampling_flags,
     configure_logging_from,
+    memory_line,
     naming_the_flag,
     open_engine,
     sampling_params_from,
@@ -31,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "generate",
         help="complete a prompt, streaming the text",
         description="Complete PROMPT (plain text, no chat template) and stream the text to "
-        "stdout; a line with the finish reason and speed goes to stderr.",
+        "stdout; a line with the engine's resident memory and, at the end, one with the "
+        "finish reason and speed go to stderr.",
     )
     parser.add_argument("prompt", metavar="PROMPT", help="the prompt, or '-' to read it from stdin")
     parser.add_argument("--json", action="store_true",
@@ -71,10 +73,13 @@ async def _run(args: argparse.Namespace, prompt: str, params: SamplingParams,
     async with open_engine(args) as engine:
         if args.json:
             completion = await engine.complete(prompt, params)
+            print(f"q4k generate: {memory_line(engine)}", file=sys.stderr)
             sys.stdout.write(msgspec.json.encode(completion).decode() + "\n")
             return 0
         last: Chunk | None = None
         async for chunk in engine.generate(prompt, params):
+            if last is None:  # the request started: said here, so a refused one has one line
+                print(f"q4k generate: {memory_line(engine)}", file=sys.stderr, flush=True)
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             if chunk.text:
