@@ -135,6 +135,7 @@ def test_parts_and_row_orders_place_every_output_feature() -> None:
     levels = np.concatenate([dequantize(q4k, "Q4_K", (24, 256))[order],
                              dequantize(q8, "Q8_0", (8, 256))])
     assert weights.out_features == 32 and weights.nbytes == q4k.nbytes + q8.nbytes
+    assert np.array_equal(weights.lookup(np.array([25, 2, 31])), levels[[25, 2, 31]])
     for n_x in (1, 6, weights.direct_rows_limit + 30):
         x = np.random.default_rng(n_x).standard_normal((n_x, 256), dtype=np.float32)
         out = weights.apply(x, np.empty((n_x, 32), dtype=np.float32))
@@ -158,15 +159,14 @@ def test_bad_input_is_refused_by_name() -> None:
         with pytest.raises(InvalidRequest) as bad_ids:
             weights.lookup(np.array(ids))
         assert bad_ids.value.field == "ids"
-    fused = QuantizedMatrix([part_of_blocks("Q8_0", raw, 0), part_of_blocks("Q8_0", raw, 8)], 64)
-    with pytest.raises(InvalidRequest):
-        fused.lookup(np.array([0]))
     with pytest.raises(UnsupportedModelError):
         part_of_blocks("IQ2_XXS", raw, 0)
     with pytest.raises(ModelFormatError, match="not rows of 96 elements"):
         QuantizedMatrix.of_blocks("Q8_0", raw, 96)
     with pytest.raises(ModelFormatError, match="past its 8 rows"):
         QuantizedMatrix.of_blocks("Q8_0", raw, 64, np.array([0, 8]))
+    with pytest.raises(ModelFormatError, match="starts at output feature 9"):
+        QuantizedMatrix([part_of_blocks("Q8_0", raw, 0), part_of_blocks("Q8_0", raw, 9)], 64)
 
 
 def test_other_float_layouts_of_x_give_the_same_product() -> None:
@@ -203,6 +203,10 @@ def test_weights_take_the_files_bytes_read_in_place() -> None:
     part: QuantizedPart = model.weights.token_embd.parts[0]
     assert np.shares_memory(part.blocks, mapped) and model.weights.tied_output
     assert not part.blocks.flags.writeable
+    # One buffer, the file's, serves every matrix: a fused matrix's parts are not copied.
+    qkv = model.weights.layers[0].qkv
+    assert all(np.shares_memory(p.blocks, model.gguf.raw(f"blk.0.attn_{name}.weight"))
+               for p, name in zip(qkv.parts, "qkv"))
 
 
 def test_one_compiled_kernel_serves_every_type_and_route() -> None:

@@ -2,9 +2,10 @@
 
 A `QuantizedMatrix` is W (out_features, in_features) as one or more parts, each a run of
 output features stored as rows of GGUF blocks of one type (q | k | v and gate | up are fused
-this way, each part keeping its own type). Its rows are read straight from the mapped file: the
-weights take the file's bytes and no more. A part may name its rows in any order (`rows`): the
-q and k heads are read in RoPE pair order that way, so nothing is copied to permute them.
+this way, each part keeping its own type); one kernel call covers every part. Its rows are
+read straight from the mapped file: the weights take the file's bytes and no more. A part may
+name its rows in any order (`rows`): the q and k heads are read in RoPE pair order that way,
+so nothing is copied to permute them.
 
 `x @ W.T` takes one of two routes, by the number of rows of x:
 - a few rows (decoding): `run_rows(MATVEC)` multiplies the blocks directly, every weight byte
@@ -23,6 +24,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +49,10 @@ CHUNKS_PER_THREAD = 8
 # Below this many weights times rows of x a call runs in the calling thread alone: a helper
 # takes about 10 us to wake.
 PARALLEL_MIN_WORK = 1 << 19
+# A call whose helpers kept its thread waiting for more than this share of the call (they had
+# lost their core to other work mid-chunk) makes the next SOLO_CALLS calls run alone.
+SLOW_HELPER_SHARE = 0.25
+SOLO_CALLS = 64
 _slab_buffers = threading.local()
 
 
@@ -83,15 +89,18 @@ class _KernelThreads:
     The caller takes chunks at once; each helper, woken by a queue, takes what is left when it
     gets a core. So a helper that the machine has given to another process holds nobody up
     (as a fork-join team's barrier would, for a whole time slice), and one that wakes late
-    finds its call's counters used up and goes back to sleep. One call runs at a time. The
-    helpers serve the whole process, as BLAS threads do; they start with the first call big
-    enough to share.
+    finds its call's counters used up and goes back to sleep. Only a helper that loses its
+    core in the middle of a chunk keeps the caller waiting; when that costs a call more than
+    SLOW_HELPER_SHARE of its time, the cores are busy elsewhere and the next SOLO_CALLS calls
+    run in the caller alone. One call runs at a time. The helpers serve the whole process, as
+    BLAS threads do; they start with the first call big enough to share.
     """
 
     def __init__(self, helpers: int) -> None:
         self._helpers = helpers
         self._lock = threading.Lock()
         self._inboxes: list[queue.SimpleQueue[tuple[object, ...]]] = []
+        self._solo_calls = 0
 
     @staticmethod
     def _help(inbox: queue.SimpleQueue[tuple[object, ...]]) -> None:
@@ -105,24 +114,34 @@ class _KernelThreads:
                              name=f"kernel-helper-{index + 1}").start()
             self._inboxes.append(inbox)
 
-    def run(self, code: int, job: int, blocks: np.ndarray, rows: np.ndarray, x: np.ndarray,
-            out: np.ndarray, column: int) -> None:
-        work = rows.size * (out.shape[1] if job == DEQUANTIZE else x.shape[0] * x.shape[1])
-        shared = work >= PARALLEL_MIN_WORK and self._helpers > 0
-        n_chunks = min(rows.size, (self._helpers + 1) * CHUNKS_PER_THREAD) if shared else 1
-        call = (code, job, blocks, rows, x, out, column, n_chunks, np.zeros(2, dtype=np.int64))
+    def run(self, job: int, data: np.ndarray, parts: np.ndarray, rows: np.ndarray,
+            features: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+        """`run_rows` (its arguments) shared with the helpers where the work is worth it."""
+        width = out.shape[1] if job == DEQUANTIZE else x.shape[0] * x.shape[1]
         with self._lock:
-            if shared:
-                if not self._inboxes:
-                    self._start_helpers()
-                for inbox in self._inboxes:
-                    inbox.put(call)
+            shared = (features.size * width >= PARALLEL_MIN_WORK and self._helpers > 0
+                      and self._solo_calls == 0)
+            self._solo_calls = max(0, self._solo_calls - 1)
+            n_chunks = min(features.size, (self._helpers + 1) * CHUNKS_PER_THREAD) if shared else 1
+            call = (job, data, parts, rows, features, x, out, n_chunks,
+                    np.zeros(2, dtype=np.int64))
+            if not shared:
+                run_rows(*call)
+                return
+            if not self._inboxes:
+                self._start_helpers()
+            started = time.perf_counter()
+            for inbox in self._inboxes:
+                inbox.put(call)
             run_rows(*call)
+            own_work_done = time.perf_counter()
             wait_for_chunks(call[-1], n_chunks)
+            waited = time.perf_counter() - own_work_done
+            if waited > SLOW_HELPER_SHARE * (own_work_done - started + waited):
+                self._solo_calls = SOLO_CALLS
 
 
 _threads = _KernelThreads(_cores() - 1)
-_run = _threads.run
 
 
 @dataclass(frozen=True)
@@ -135,16 +154,35 @@ class QuantizedPart:
     rows: np.ndarray  # int64
     first: int
 
-    @property
-    def code(self) -> int:
-        return TYPE_CODES[self.type_name]
+
+def _buffer_of(array: np.ndarray) -> object:
+    """The object whose memory `array` views (a mapped file, or the array owning it)."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array if array.base is None else array.base
+
+
+def _one_buffer(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """A read-only uint8 array holding every array's bytes, and each one's byte offset in it:
+    the buffer they all view (a model's mapped file) where they share one, else a copy of
+    them end to end."""
+    buffers = {id(_buffer_of(array)): _buffer_of(array) for array in arrays}
+    if len(buffers) == 1:
+        data = np.frombuffer(next(iter(buffers.values())), dtype=np.uint8)
+        offsets = [array.ctypes.data - data.ctypes.data for array in arrays]
+    else:
+        data = np.concatenate([array.reshape(-1) for array in arrays])
+        offsets = np.cumsum([0] + [array.nbytes for array in arrays[:-1]]).tolist()
+    data.flags.writeable = False
+    return data, offsets
 
 
 class QuantizedMatrix:
     """W (out_features, in_features) as parts of GGUF blocks (module doc)."""
 
     def __init__(self, parts: list[QuantizedPart], in_features: int) -> None:
-        for part in parts:  # the kernels index without bounds checks
+        end = 0
+        for part in parts:  # the kernel indexes without bounds checks
             if part.blocks.ndim != 2 or part.blocks.shape[1] != row_bytes(part.type_name,
                                                                           in_features):
                 raise ModelFormatError(
@@ -153,12 +191,24 @@ class QuantizedMatrix:
             if part.rows.size and (part.rows.min() < 0 or part.rows.max() >= len(part.blocks)):
                 raise ModelFormatError(f"rows of a {part.type_name} part past its "
                                        f"{len(part.blocks)} rows of blocks")
+            if part.first != end:
+                raise ModelFormatError(f"a part starts at output feature {part.first}, the "
+                                       f"parts before it end at {end}")
+            end += part.rows.size
         self.parts = tuple(parts)
         self.in_features = in_features
-        self.out_features = sum(part.rows.size for part in parts)
+        self.out_features = end
         self.direct_rows_limit = min(
             direct_rows_limit(part.type_name, part.rows.size, in_features) for part in parts
         )
+        # What the kernel reads: the bytes, a table of the parts, each feature's row.
+        self._data, offsets = _one_buffer([part.blocks for part in parts])
+        self._parts = np.array(
+            [[TYPE_CODES[part.type_name], offset, part.blocks.shape[1], part.first,
+              part.first + part.rows.size] for part, offset in zip(parts, offsets)],
+            dtype=np.int64)
+        self._rows = np.concatenate([part.rows for part in parts])
+        self._features = np.arange(end, dtype=np.int64)
 
     @classmethod
     def of_blocks(cls, type_name: str, blocks: np.ndarray, in_features: int,
@@ -171,9 +221,12 @@ class QuantizedMatrix:
         """Bytes of blocks held (each part's rows, counted once)."""
         return sum(part.blocks.nbytes for part in self.parts)
 
+    def _run(self, job: int, features: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+        _threads.run(job, self._data, self._parts, self._rows, features, x, out)
+
     def apply(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = x @ W.T for x (n, in_features) float32, into out (n, out_features) float32 in
-        C order. The kernels index without bounds checks, so the shapes are checked here."""
+        C order. The kernel indexes without bounds checks, so the shapes are checked here."""
         x = _float32_rows(x, self.in_features, "x")
         if out.dtype != np.float32 or not out.flags.c_contiguous or out.shape != (
             x.shape[0], self.out_features
@@ -182,32 +235,25 @@ class QuantizedMatrix:
                 f"out must be C-order float32 of shape {(x.shape[0], self.out_features)}, got "
                 f"{out.dtype} {out.shape}", field="out")
         if x.shape[0] <= self.direct_rows_limit:
-            for part in self.parts:
-                _run(part.code, MATVEC, part.blocks, part.rows, x, out, part.first)
+            self._run(MATVEC, self._features, x, out)
             return out
         slab_rows = max(ROW_UNIT, SLAB_BYTES // (4 * self.in_features))
         slab = _slab_buffer(slab_rows * self.in_features).reshape(slab_rows, self.in_features)
-        for part in self.parts:
-            for first in range(0, part.rows.size, slab_rows):
-                rows = part.rows[first : first + slab_rows]
-                levels = slab[: rows.size]
-                _run(part.code, DEQUANTIZE, part.blocks, rows, x[:0], levels, 0)
-                column = part.first + first
-                np.matmul(x, levels.T, out=out[:, column : column + rows.size])
+        for first in range(0, self.out_features, slab_rows):
+            features = self._features[first : first + slab_rows]
+            levels = slab[: features.size]
+            self._run(DEQUANTIZE, features, levels[:0], levels)
+            np.matmul(x, levels.T, out=out[:, first : first + features.size])
         return out
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """W[ids] as float32 (len(ids), in_features): the embedding's rows of tokens."""
-        if len(self.parts) != 1:
-            raise InvalidRequest("lookup reads rows of a single-part matrix", field="ids")
-        part = self.parts[0]
         ids = np.asarray(ids, dtype=np.int64)
         if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= self.out_features)):
             raise InvalidRequest(f"ids must be a list of rows below {self.out_features}",
                                  field="ids")
-        rows = part.rows[ids]
-        out = np.empty((rows.size, self.in_features), dtype=np.float32)
-        _run(part.code, DEQUANTIZE, part.blocks, rows, out[:0], out, 0)
+        out = np.empty((ids.size, self.in_features), dtype=np.float32)
+        self._run(DEQUANTIZE, ids, out[:0], out)
         return out
 
 
@@ -223,11 +269,8 @@ def _float32_rows(x: np.ndarray, width: int, field: str) -> np.ndarray:
 
 def part_of_blocks(type_name: str, blocks: np.ndarray, first: int,
                    rows: np.ndarray | None = None) -> QuantizedPart:
-    """A part from a tensor's (n, row bytes) blocks, made read-only (one compiled kernel
-    serves every matrix: the kernel is compiled per array type, and mapped files are
-    read-only)."""
+    """A part from a tensor's (n, row bytes) blocks, its rows taken in `rows` order (None: as
+    stored), starting at output feature `first`."""
     block_format(type_name)  # UnsupportedModelError for a type nobody decodes
-    view = blocks.view()
-    view.flags.writeable = False
     order = np.arange(len(blocks), dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
-    return QuantizedPart(type_name, view, np.ascontiguousarray(order), first)
+    return QuantizedPart(type_name, blocks, np.ascontiguousarray(order), first)

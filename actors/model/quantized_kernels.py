@@ -13,13 +13,13 @@ AVX-512 register, two AVX2 or four NEON ones), because LLVM's auto-vectorizer tu
 short into scalar code. The kernels' accumulators are such vectors too, so they stay in
 registers.
 
-One kernel, `run_rows`, runs a job (MATVEC or DEQUANTIZE) over chunks of a matrix's rows;
-every thread that calls it with the same counters takes chunks from them until none are left
-(actors.model.quantized runs it in the calling thread and in helper threads that join when
-they are free: no thread waits for another to start, which a fork-join team must, and which on
-a busy machine costs a time slice a call). `_rows_job_of_type` is the small dispatcher that
-runs the job compiled for the block type. The kernel is compiled once for every type
-(cache=True keeps it on disk). Decoders are passed as values only into
+One kernel, `run_rows`, runs a job (MATVEC or DEQUANTIZE) on chunks of a matrix's rows, the
+matrix's parts (q | k | v, each its own type) in one call; every thread that calls it with the
+same counters takes chunks from them until none are left (actors.model.quantized runs it in
+the calling thread and in helper threads that join when they are free: no thread waits for
+another to start, which a fork-join team must, and which on a busy machine costs a time slice
+a call). `_row_job_of_type` is the small dispatcher that runs the job compiled for a row's
+block type. The kernel is compiled once for every type (cache=True keeps it on disk). Decoders are passed as values only into
 functions numba inlines: a function passed on through an ordinary call leaves a pointer in the
 compiled code, which the on-disk cache cannot hold.
 """
@@ -428,94 +428,89 @@ def _levels_q6_k(row, u):
             _to_float(high - 32) * (d * np.float32(np.int8(row[scales + 1]))))
 
 
-# --- the jobs, for one block type ------------------------------------------------------------
+# --- the jobs on one row of W, for one block type --------------------------------------------
 
 
 @njit(inline="always")
-def _matvec_chunk(levels, blocks, rows, x, out, column, first, last):
-    """out[:, column + j] = x @ (levels of blocks[rows[j]]) for j in [first, last): TILE rows
-    of x at a time against each weight row, then the rest one by one."""
+def _matvec_row(levels, row, x, out, j):
+    """out[:, j] = x @ (levels of `row`): TILE rows of x at a time, then the rest one by one."""
     n_x = x.shape[0]
     n_units = x.shape[1] // (2 * LANES)
-    for j in range(first, last):
-        row = blocks[rows[j]]
-        r = 0
-        while r + TILE <= n_x:
-            x0, x1, x2, x3 = x[r], x[r + 1], x[r + 2], x[r + 3]
-            acc0 = acc1 = acc2 = acc3 = _zeros()
-            for u in range(n_units):
-                low, high = levels(row, u)
-                at = 2 * LANES * u
-                acc0 = _multiply_add(_load_f32(x0, at), low, acc0)
-                acc1 = _multiply_add(_load_f32(x1, at), low, acc1)
-                acc2 = _multiply_add(_load_f32(x2, at), low, acc2)
-                acc3 = _multiply_add(_load_f32(x3, at), low, acc3)
-                acc0 = _multiply_add(_load_f32(x0, at + LANES), high, acc0)
-                acc1 = _multiply_add(_load_f32(x1, at + LANES), high, acc1)
-                acc2 = _multiply_add(_load_f32(x2, at + LANES), high, acc2)
-                acc3 = _multiply_add(_load_f32(x3, at + LANES), high, acc3)
-            out[r, column + j] = _lane_sum(acc0)
-            out[r + 1, column + j] = _lane_sum(acc1)
-            out[r + 2, column + j] = _lane_sum(acc2)
-            out[r + 3, column + j] = _lane_sum(acc3)
-            r += TILE
-        while r < n_x:
-            xr = x[r]
-            acc_low = acc_high = _zeros()  # two chains: each add waits on its own last
-            for u in range(n_units):
-                low, high = levels(row, u)
-                at = 2 * LANES * u
-                acc_low = _multiply_add(_load_f32(xr, at), low, acc_low)
-                acc_high = _multiply_add(_load_f32(xr, at + LANES), high, acc_high)
-            out[r, column + j] = _lane_sum(acc_low + acc_high)
-            r += 1
-
-
-@njit(inline="always")
-def _dequantize_chunk(levels, blocks, rows, out, first, last):
-    """out[j] = the levels of blocks[rows[j]] for j in [first, last)."""
-    n_units = out.shape[1] // (2 * LANES)
-    for j in range(first, last):
-        row, dest = blocks[rows[j]], out[j]
+    r = 0
+    while r + TILE <= n_x:
+        x0, x1, x2, x3 = x[r], x[r + 1], x[r + 2], x[r + 3]
+        acc0 = acc1 = acc2 = acc3 = _zeros()
         for u in range(n_units):
             low, high = levels(row, u)
-            _store_f32(dest, 2 * LANES * u, low)
-            _store_f32(dest, 2 * LANES * u + LANES, high)
+            at = 2 * LANES * u
+            acc0 = _multiply_add(_load_f32(x0, at), low, acc0)
+            acc1 = _multiply_add(_load_f32(x1, at), low, acc1)
+            acc2 = _multiply_add(_load_f32(x2, at), low, acc2)
+            acc3 = _multiply_add(_load_f32(x3, at), low, acc3)
+            acc0 = _multiply_add(_load_f32(x0, at + LANES), high, acc0)
+            acc1 = _multiply_add(_load_f32(x1, at + LANES), high, acc1)
+            acc2 = _multiply_add(_load_f32(x2, at + LANES), high, acc2)
+            acc3 = _multiply_add(_load_f32(x3, at + LANES), high, acc3)
+        out[r, j] = _lane_sum(acc0)
+        out[r + 1, j] = _lane_sum(acc1)
+        out[r + 2, j] = _lane_sum(acc2)
+        out[r + 3, j] = _lane_sum(acc3)
+        r += TILE
+    while r < n_x:
+        xr = x[r]
+        acc_low = acc_high = _zeros()  # two chains: each add waits on its own last
+        for u in range(n_units):
+            low, high = levels(row, u)
+            at = 2 * LANES * u
+            acc_low = _multiply_add(_load_f32(xr, at), low, acc_low)
+            acc_high = _multiply_add(_load_f32(xr, at + LANES), high, acc_high)
+        out[r, j] = _lane_sum(acc_low + acc_high)
+        r += 1
 
 
 @njit(inline="always")
-def _rows_job(levels, job, blocks, rows, x, out, column, first, last):
+def _dequantize_row(levels, row, out, j):
+    """out[j] = the levels of `row`."""
+    dest = out[j]
+    for u in range(out.shape[1] // (2 * LANES)):
+        low, high = levels(row, u)
+        _store_f32(dest, 2 * LANES * u, low)
+        _store_f32(dest, 2 * LANES * u + LANES, high)
+
+
+@njit(inline="always")
+def _row_job(levels, job, row, x, out, j):
     if job == MATVEC:
-        _matvec_chunk(levels, blocks, rows, x, out, column, first, last)
+        _matvec_row(levels, row, x, out, j)
     else:
-        _dequantize_chunk(levels, blocks, rows, out, first, last)
+        _dequantize_row(levels, row, out, j)
 
 
 @njit
-def _rows_job_of_type(code, job, blocks, rows, x, out, column, first, last):
-    """`_rows_job` with the decoder of block type `code`."""
+def _row_job_of_type(code, job, row, x, out, j):
+    """`_row_job` with the decoder of block type `code`."""
     if code == Q4_K:
-        _rows_job(_levels_q4_k, job, blocks, rows, x, out, column, first, last)
+        _row_job(_levels_q4_k, job, row, x, out, j)
     elif code == Q6_K:
-        _rows_job(_levels_q6_k, job, blocks, rows, x, out, column, first, last)
+        _row_job(_levels_q6_k, job, row, x, out, j)
     elif code == Q5_K:
-        _rows_job(_levels_q5_k, job, blocks, rows, x, out, column, first, last)
+        _row_job(_levels_q5_k, job, row, x, out, j)
     elif code == Q8_0:
-        _rows_job(_levels_q8_0, job, blocks, rows, x, out, column, first, last)
+        _row_job(_levels_q8_0, job, row, x, out, j)
     elif code == Q5_0:
-        _rows_job(_levels_q5_0, job, blocks, rows, x, out, column, first, last)
+        _row_job(_levels_q5_0, job, row, x, out, j)
     elif code == Q5_1:
-        _rows_job(_levels_q5_1, job, blocks, rows, x, out, column, first, last)
+        _row_job(_levels_q5_1, job, row, x, out, j)
     elif code == Q4_0:
-        _rows_job(_levels_q4_0, job, blocks, rows, x, out, column, first, last)
+        _row_job(_levels_q4_0, job, row, x, out, j)
     elif code == Q4_1:
-        _rows_job(_levels_q4_1, job, blocks, rows, x, out, column, first, last)
+        _row_job(_levels_q4_1, job, row, x, out, j)
     elif code == F16:
-        _rows_job(_levels_f16, job, blocks, rows, x, out, column, first, last)
+        _row_job(_levels_f16, job, row, x, out, j)
     elif code == BF16:
-        _rows_job(_levels_bf16, job, blocks, rows, x, out, column, first, last)
+        _row_job(_levels_bf16, job, row, x, out, j)
     else:
-        _rows_job(_levels_f32, job, blocks, rows, x, out, column, first, last)
+        _row_job(_levels_f32, job, row, x, out, j)
 
 
 def _on_counter(build: Callable[..., ir.Value]):
@@ -547,21 +542,32 @@ _atomic_read = _on_counter(lambda builder, pointer: builder.load_atomic(pointer,
 
 # counters[CLAIMED]: chunks handed out; counters[DONE]: chunks finished.
 CLAIMED, DONE = 0, 1
+# The columns of a matrix's parts table: one row a part, output features [FIRST, END) of W
+# stored as rows of ROW_BYTES bytes of blocks of type CODE from byte OFFSET of the data.
+CODE, OFFSET, ROW_BYTES, FIRST, END = range(5)
 
 
 @njit(nogil=True, cache=True)
-def run_rows(code, job, blocks, rows, x, out, column, n_chunks, counters):
-    """`job` over W[rows[j]] for every j, W the matrix whose rows of blocks of type `code` are
-    `blocks` (uint8, C order), in `n_chunks` chunks of rows: every thread that calls this with
-    the same `counters` (int64, zeros) takes chunks until none are left, so a thread that comes
-    late finds nothing to do and holds nobody up. MATVEC: out[:, column + j] = x @ W[rows[j]].
-    DEQUANTIZE: out[j] = W[rows[j]] as float32 (x is not read). x and out are C-order float32;
-    their rows hold whole units (2 LANES)."""
-    n = rows.size
+def run_rows(job, data, parts, rows, features, x, out, n_chunks, counters):
+    """`job` on W[features[j]] for every j, in `n_chunks` chunks: every thread that calls this
+    with the same `counters` (int64, zeros) takes chunks until none are left, so a thread that
+    comes late finds nothing to do and holds nobody up.
+
+    W is the matrix whose output feature f is row rows[f] of its part's blocks in `data`
+    (uint8, read-only; `parts` an int64 table, columns above). MATVEC: out[:, j] =
+    x @ W[features[j]]. DEQUANTIZE: out[j] = W[features[j]] as float32 (x is not read). x and
+    out are C-order float32; W's rows hold whole units (2 LANES)."""
+    n = features.size
     chunk = _fetch_add(counters, CLAIMED)
     while chunk < n_chunks:
-        _rows_job_of_type(code, job, blocks, rows, x, out, column, chunk * n // n_chunks,
-                          (chunk + 1) * n // n_chunks)
+        for j in range(chunk * n // n_chunks, (chunk + 1) * n // n_chunks):
+            feature = features[j]
+            part = 0
+            while feature >= parts[part, END]:
+                part += 1
+            size = parts[part, ROW_BYTES]
+            start = parts[part, OFFSET] + rows[feature] * size
+            _row_job_of_type(parts[part, CODE], job, data[start : start + size], x, out, j)
         _fetch_add(counters, DONE)
         chunk = _fetch_add(counters, CLAIMED)
 
