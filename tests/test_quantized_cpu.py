@@ -135,6 +135,7 @@ def test_parts_and_row_orders_place_every_output_feature() -> None:
     levels = np.concatenate([dequantize(q4k, "Q4_K", (24, 256))[order],
                              dequantize(q8, "Q8_0", (8, 256))])
     assert weights.out_features == 32 and weights.nbytes == q4k.nbytes + q8.nbytes
+    assert weights.buffer.nbytes == q4k.nbytes + q8.nbytes  # two arrays: copied end to end
     assert np.array_equal(weights.lookup(np.array([25, 2, 31])), levels[[25, 2, 31]])
     for n_x in (1, 6, weights.direct_rows_limit + 30):
         x = np.random.default_rng(n_x).standard_normal((n_x, 256), dtype=np.float32)
@@ -203,10 +204,11 @@ def test_weights_take_the_files_bytes_read_in_place() -> None:
     part: QuantizedPart = model.weights.token_embd.parts[0]
     assert np.shares_memory(part.blocks, mapped) and model.weights.tied_output
     assert not part.blocks.flags.writeable
-    # One buffer, the file's, serves every matrix: a fused matrix's parts are not copied.
+    # The kernel reads the file's own bytes: a fused matrix's parts are not copied together.
     qkv = model.weights.layers[0].qkv
-    assert all(np.shares_memory(p.blocks, model.gguf.raw(f"blk.0.attn_{name}.weight"))
-               for p, name in zip(qkv.parts, "qkv"))
+    assert qkv.buffer.nbytes == model.gguf.file_size
+    assert all(np.shares_memory(qkv.buffer, model.gguf.raw(f"blk.0.attn_{name}.weight"))
+               for name in "qkv")
 
 
 def test_one_compiled_kernel_serves_every_type_and_route() -> None:

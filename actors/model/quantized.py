@@ -156,7 +156,8 @@ class QuantizedPart:
 
 
 def _buffer_of(array: np.ndarray) -> object:
-    """The object whose memory `array` views (a mapped file, or the array owning it)."""
+    """The object whose memory `array` views (a view of a whole mapped file, or the array
+    owning its memory)."""
     while isinstance(array.base, np.ndarray):
         array = array.base
     return array if array.base is None else array.base
@@ -164,13 +165,12 @@ def _buffer_of(array: np.ndarray) -> object:
 
 def _one_buffer(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
     """A read-only uint8 array holding every array's bytes, and each one's byte offset in it:
-    the buffer they all view (a model's mapped file) where they share one, else a copy of
+    the buffer they all view (a model's mapped file) where they lie in one, else a copy of
     them end to end."""
-    buffers = {id(_buffer_of(array)): _buffer_of(array) for array in arrays}
-    if len(buffers) == 1:
-        data = np.frombuffer(next(iter(buffers.values())), dtype=np.uint8)
-        offsets = [array.ctypes.data - data.ctypes.data for array in arrays]
-    else:
+    data = np.frombuffer(_buffer_of(arrays[0]), dtype=np.uint8)
+    offsets = [array.ctypes.data - data.ctypes.data for array in arrays]
+    if not all(0 <= offset and offset + array.nbytes <= data.nbytes
+               for offset, array in zip(offsets, arrays)):
         data = np.concatenate([array.reshape(-1) for array in arrays])
         offsets = np.cumsum([0] + [array.nbytes for array in arrays[:-1]]).tolist()
     data.flags.writeable = False
@@ -178,7 +178,8 @@ def _one_buffer(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
 
 
 class QuantizedMatrix:
-    """W (out_features, in_features) as parts of GGUF blocks (module doc)."""
+    """W (out_features, in_features) as parts of GGUF blocks (module doc); `buffer` holds the
+    bytes every part lies in (a model's whole mapped file)."""
 
     def __init__(self, parts: list[QuantizedPart], in_features: int) -> None:
         end = 0
@@ -202,7 +203,7 @@ class QuantizedMatrix:
             direct_rows_limit(part.type_name, part.rows.size, in_features) for part in parts
         )
         # What the kernel reads: the bytes, a table of the parts, each feature's row.
-        self._data, offsets = _one_buffer([part.blocks for part in parts])
+        self.buffer, offsets = _one_buffer([part.blocks for part in parts])
         self._parts = np.array(
             [[TYPE_CODES[part.type_name], offset, part.blocks.shape[1], part.first,
               part.first + part.rows.size] for part, offset in zip(parts, offsets)],
@@ -222,7 +223,7 @@ class QuantizedMatrix:
         return sum(part.blocks.nbytes for part in self.parts)
 
     def _run(self, job: int, features: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-        _threads.run(job, self._data, self._parts, self._rows, features, x, out)
+        _threads.run(job, self.buffer, self._parts, self._rows, features, x, out)
 
     def apply(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = x @ W.T for x (n, in_features) float32, into out (n, out_features) float32 in
