@@ -18,8 +18,14 @@ same machine class): 49 / 155 / 171 tok/s at 1 / 16 / 64 clients.
 row's greedy candidate at once), so the engine's figures are what its actors alone cost a step,
 with the model's own tokenizer decoding the tokens.
 
+`--weights float32` runs the CPU backend on float32 weights (the reference path) instead of the
+file's quantized blocks. `--memory` prints the resident memory of an engine opened on the
+model file with its default KV pool, after loading and after a request of --tokens tokens a
+concurrency (one process a model: run it apart from the speed figures).
+
     python benchmarks/bench_engine.py [--model PATH] [--concurrency 1 4 16 64] [--tokens 64]
-                                      [--backend-cost cpu|zero]
+                                      [--backend-cost cpu|zero] [--weights quantized|float32]
+                                      [--memory]
 """
 
 from __future__ import annotations
@@ -36,8 +42,8 @@ import numpy as np
 
 from actors import Engine, SamplingParams, load_model
 from actors.compute.contract import Candidates, ComputeBackend, ComputeInfo, RowInputs
-from actors.compute.cpu import CpuBackend
-from actors.model.loaded import OpenedModel, open_model
+from actors.compute.cpu import CpuBackend, resident_bytes
+from actors.model.loaded import WEIGHT_KINDS, OpenedModel, open_model
 from actors.model.step import StepItem
 from actors.sampling import SequenceSampling, start_choice
 
@@ -78,14 +84,14 @@ class ZeroCostBackend:
 
 
 def backend_maker(
-    cost: str, path: str | None
+    cost: str, path: str | None, weights: str
 ) -> tuple[OpenedModel, Callable[[int], ComputeBackend]]:
     """The model (weights loaded only for the CPU backend) and a factory of its backend with
     a given number of KV blocks."""
     if cost == "zero":
         opened = open_model(path)
         return opened, lambda blocks: ZeroCostBackend(opened, blocks, BLOCK_SIZE)
-    model = load_model(path)
+    model = load_model(path, weights=weights)
     return model, lambda blocks: CpuBackend(model, blocks, BLOCK_SIZE)
 
 
@@ -180,6 +186,27 @@ async def through_engine(
         )
 
 
+async def engine_memory(path: str | None, concurrency: list[int], tokens: int) -> None:
+    """Resident memory of an engine opened on the file with its default KV pool: after
+    loading, then after each concurrency's requests (the pool's pages count as they fill)."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    before = resident_bytes() or 0
+    async with Engine.open(path, backend="cpu", max_sequences=MAX_SEQUENCES) as engine:
+        pool = engine.info.num_blocks * engine.info.block_size
+        print(f"KV pool: {pool:,} positions; resident before the engine "
+              f"{before / 2**20:.0f} MiB", flush=True)
+        print(json.dumps({"after": "loading", "resident_mib": (resident_bytes() or 0) >> 20}),
+              flush=True)
+        for count in concurrency:
+            base = engine.tokenize("Write a short story about a robot who learns to paint")
+            async with anyio.create_task_group() as tasks:
+                for index in range(count):
+                    prompt = base + engine.tokenize(f" {index}.", add_bos=False)
+                    tasks.start_soon(engine.complete, prompt, params)
+            print(json.dumps({"after": f"{count} requests of {tokens} tokens",
+                              "resident_mib": (resident_bytes() or 0) >> 20}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF path (default: gemma-3-270m)")
@@ -188,8 +215,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="best of this many, interleaved")
     parser.add_argument("--backend-cost", choices=["cpu", "zero"], default="cpu",
                         help="zero: a backend that does no math, to time the actors alone")
+    parser.add_argument("--weights", choices=list(WEIGHT_KINDS), default="quantized")
+    parser.add_argument("--memory", action="store_true",
+                        help="the resident memory of an engine with its default pool, then stop")
     args = parser.parse_args()
-    model, make_backend = backend_maker(args.backend_cost, args.model)
+    if args.memory:
+        anyio.run(engine_memory, args.model, args.concurrency, args.tokens)
+        return
+    model, make_backend = backend_maker(args.backend_cost, args.model, args.weights)
     vocab = model.spec.vocab_size
     bare(make_backend, vocab, prompts_for(model, 1), 2)  # first-call costs (thread pools...)
     engine_backend = make_backend if args.backend_cost == "zero" else None

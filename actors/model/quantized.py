@@ -42,8 +42,9 @@ from actors.model.quantized_kernels import (
 
 # Elements a row must be a whole number of, for the kernels (a unit of two vectors).
 ROW_UNIT = 2 * LANES
-# The float32 slab one dequantizing step fills: about L2-sized, so BLAS reads it from cache.
-SLAB_BYTES = 1 << 21
+# The float32 slab one dequantizing step fills: big enough for BLAS to run at full speed on it
+# (skinny products are slow), small enough to stay in the last-level cache.
+SLAB_BYTES = 1 << 23
 # Chunks of rows per thread in a kernel call: small chunks let whoever is running take more.
 CHUNKS_PER_THREAD = 8
 # Below this many weights times rows of x a call runs in the calling thread alone: a helper
