@@ -394,8 +394,8 @@ class Scheduler:
                 message = SampleStep(step_id=step.step_id, candidates=result.candidates,
                                      samplers=samplers)
                 # Greedy rows are decided from their candidates in microseconds (never a
-                # whole row): sampled here, without the two thread hops to the sampler; not
-                # a constrained row, whose next mask is computed in the sampler's thread.
+                # whole row): sampled here, without the two thread hops to the sampler (a
+                # constrained row's constraint then takes its token in a constraint worker).
                 if all(sampler.decided_inline for sampler in samplers):
                     result = sample(message)
                 else:

@@ -257,11 +257,16 @@ class Session:
 
     def _cut_error(self, answer: Answer) -> InvalidRequest:
         field = "stop" if answer.stopped_by_text else "stop_token_ids"
-        kind = self._params.structured.kind if self._params.structured is not None else "?"
         return InvalidRequest(
             f"{field} ended the answer before its structured output constraint "
-            f"({kind}) was complete, so the text does not match it; leave {field} out of "
-            f"constrained requests", field=field)
+            f"({self._constraint_kind}) was complete, so the text does not match it; leave "
+            f"{field} out of constrained requests", field=field)
+
+    @property
+    def _constraint_kind(self) -> str:
+        """The kind of the request's structured output (`StructuredOutput.kind`)."""
+        structured = self._params.structured
+        return structured.kind if structured is not None else "none"
 
     def _release(self, seq_id: int, opened: bool) -> None:
         """Give the admission slot back: through the scheduler once it knows the sequence (it
@@ -316,8 +321,7 @@ class Session:
         if isinstance(message, SequenceFailed):
             raise ComputeError(f"a step failed twice for this request: {message.error}")
         if isinstance(message, ConstraintFailed):
-            kind = self._params.structured.kind if self._params.structured is not None else "?"
-            raise InvalidRequest(message.error, field=f"structured.{kind}")
+            raise InvalidRequest(message.error, field=f"structured.{self._constraint_kind}")
         return message
 
 
