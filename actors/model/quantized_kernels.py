@@ -18,7 +18,7 @@ matrix's parts (q | k | v, each its own type) in one call; every thread that cal
 same counters takes chunks from them until none are left (actors.model.quantized runs it in
 the calling thread and in helper threads that join when they are free: no thread waits for
 another to start, which a fork-join team must, and which on a busy machine costs a time slice
-a call). `_row_job_of_type` is the small dispatcher that runs the job compiled for a row's
+a call). `_rows_job_of_type` is the small dispatcher that runs the job compiled for a part's
 block type. The kernel is compiled once for every type (cache=True keeps it on disk). Decoders are passed as values only into
 functions numba inlines: a function passed on through an ordinary call leaves a pointer in the
 compiled code, which the on-disk cache cannot hold.
@@ -479,38 +479,43 @@ def _dequantize_row(levels, row, out, j):
 
 
 @njit(inline="always")
-def _row_job(levels, job, row, x, out, j):
-    if job == MATVEC:
-        _matvec_row(levels, row, x, out, j)
-    else:
-        _dequantize_row(levels, row, out, j)
+def _rows_job(levels, job, data, offset, size, rows, features, x, out, first, last):
+    """`job` on W[features[j]] for j in [first, last), each the row rows[features[j]] of
+    `size` bytes from byte `offset` of `data`."""
+    for j in range(first, last):
+        start = offset + rows[features[j]] * size
+        row = data[start : start + size]
+        if job == MATVEC:
+            _matvec_row(levels, row, x, out, j)
+        else:
+            _dequantize_row(levels, row, out, j)
 
 
 @njit
-def _row_job_of_type(code, job, row, x, out, j):
-    """`_row_job` with the decoder of block type `code`."""
+def _rows_job_of_type(code, job, data, offset, size, rows, features, x, out, first, last):
+    """`_rows_job` with the decoder of block type `code`."""
     if code == Q4_K:
-        _row_job(_levels_q4_k, job, row, x, out, j)
+        _rows_job(_levels_q4_k, job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q6_K:
-        _row_job(_levels_q6_k, job, row, x, out, j)
+        _rows_job(_levels_q6_k, job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q5_K:
-        _row_job(_levels_q5_k, job, row, x, out, j)
+        _rows_job(_levels_q5_k, job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q8_0:
-        _row_job(_levels_q8_0, job, row, x, out, j)
+        _rows_job(_levels_q8_0, job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q5_0:
-        _row_job(_levels_q5_0, job, row, x, out, j)
+        _rows_job(_levels_q5_0, job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q5_1:
-        _row_job(_levels_q5_1, job, row, x, out, j)
+        _rows_job(_levels_q5_1, job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q4_0:
-        _row_job(_levels_q4_0, job, row, x, out, j)
+        _rows_job(_levels_q4_0, job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q4_1:
-        _row_job(_levels_q4_1, job, row, x, out, j)
+        _rows_job(_levels_q4_1, job, data, offset, size, rows, features, x, out, first, last)
     elif code == F16:
-        _row_job(_levels_f16, job, row, x, out, j)
+        _rows_job(_levels_f16, job, data, offset, size, rows, features, x, out, first, last)
     elif code == BF16:
-        _row_job(_levels_bf16, job, row, x, out, j)
+        _rows_job(_levels_bf16, job, data, offset, size, rows, features, x, out, first, last)
     else:
-        _row_job(_levels_f32, job, row, x, out, j)
+        _rows_job(_levels_f32, job, data, offset, size, rows, features, x, out, first, last)
 
 
 def _on_counter(build: Callable[..., ir.Value]):
@@ -560,14 +565,17 @@ def run_rows(job, data, parts, rows, features, x, out, n_chunks, counters):
     n = features.size
     chunk = _fetch_add(counters, CLAIMED)
     while chunk < n_chunks:
-        for j in range(chunk * n // n_chunks, (chunk + 1) * n // n_chunks):
-            feature = features[j]
+        j, last = chunk * n // n_chunks, (chunk + 1) * n // n_chunks
+        while j < last:  # the chunk's runs of features in one part, each run in one call
             part = 0
-            while feature >= parts[part, END]:
+            while features[j] >= parts[part, END]:
                 part += 1
-            size = parts[part, ROW_BYTES]
-            start = parts[part, OFFSET] + rows[feature] * size
-            _row_job_of_type(parts[part, CODE], job, data[start : start + size], x, out, j)
+            end = j + 1
+            while end < last and parts[part, FIRST] <= features[end] < parts[part, END]:
+                end += 1
+            _rows_job_of_type(parts[part, CODE], job, data, parts[part, OFFSET],
+                              parts[part, ROW_BYTES], rows, features, x, out, j, end)
+            j = end
         _fetch_add(counters, DONE)
         chunk = _fetch_add(counters, CLAIMED)
 
