@@ -19,7 +19,7 @@ so they become resident as the steps read them).
 weights (float32 only): the bound no arrangement of the rest of the forward can pass here.
 `--crossover` times, for each shape of the model's quantized matrices, the direct product
 against dequantizing slabs for BLAS at 1 to 64 rows of x, and prints where the slab route
-starts to win (what `actors.model.quantized.direct_rows_limit` encodes).
+starts to win (what `actors.model.quantized.DIRECT_ROWS_LIMIT` encodes).
 `--bandwidth` compares the direct product's bytes/s (one row of x through every matrix of the
 model, as one decode step reads them) with the machine's copy bandwidth (numpy copying 1 GiB:
 bytes read plus bytes written, per second).

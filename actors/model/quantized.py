@@ -13,7 +13,7 @@ so nothing is copied to permute them.
 - more (prefill chunks, wide batches): a slab of W's rows at a time is dequantized into a
   reused float32 buffer (`run_rows(DEQUANTIZE)`) and multiplied by BLAS, which is faster per
   product once the dequantizing is shared by enough rows. Where the routes cross was measured
-  per shape (`benchmarks/bench_forward.py --crossover`): `direct_rows_limit`.
+  per shape (`benchmarks/bench_forward.py --crossover`): DIRECT_ROWS_LIMIT.
 
 Both routes see exactly the levels `quants.dequantize` gives; only the order of the float32
 sums differs from a float32 matmul's.
@@ -42,9 +42,16 @@ from actors.model.quantized_kernels import (
 
 # Elements a row must be a whole number of, for the kernels (a unit of two vectors).
 ROW_UNIT = 2 * LANES
+# The most rows of x the direct product takes: past it the slab route is faster. Measured per
+# shape of gemma-3-270m's matrices (`bench_forward.py --crossover`, Zen 4): the routes cross
+# between 12 and 16 rows for every one, from (256, 640) to the (262144, 640) embedding and
+# for every block type in it, so one limit serves.
+DIRECT_ROWS_LIMIT = 12
 # The float32 slab one dequantizing step fills: big enough for BLAS to run at full speed on it
-# (skinny products are slow), small enough to stay in the last-level cache.
+# (skinny products are slow: at least MIN_SLAB_ROWS of W), small enough for the last-level
+# cache.
 SLAB_BYTES = 1 << 23
+MIN_SLAB_ROWS = 256
 # Chunks of rows per thread in a kernel call: small chunks let whoever is running take more.
 CHUNKS_PER_THREAD = 8
 # Below this many weights times rows of x a call runs in the calling thread alone: a helper
@@ -60,12 +67,6 @@ _slab_buffers = threading.local()
 def kernel_supports(type_name: str, row_length: int) -> bool:
     """Whether the kernels can run a matrix of `type_name` with rows of `row_length`."""
     return type_name in TYPE_CODES and row_length % ROW_UNIT == 0
-
-
-def direct_rows_limit(type_name: str, out_features: int, in_features: int) -> int:
-    """The most rows of x the direct product takes before the slab route is faster."""
-    # Measured (bench_forward.py --crossover) on the 2-core AVX-512 target.
-    return 8
 
 
 def _slab_buffer(n_floats: int) -> np.ndarray:
@@ -200,9 +201,7 @@ class QuantizedMatrix:
         self.parts = tuple(parts)
         self.in_features = in_features
         self.out_features = end
-        self.direct_rows_limit = min(
-            direct_rows_limit(part.type_name, part.rows.size, in_features) for part in parts
-        )
+        self.direct_rows_limit = DIRECT_ROWS_LIMIT
         # What the kernel reads: the bytes, a table of the parts, each feature's row.
         self.buffer, offsets = _one_buffer([part.blocks for part in parts])
         self._parts = np.array(
@@ -239,7 +238,7 @@ class QuantizedMatrix:
         if x.shape[0] <= self.direct_rows_limit:
             self._run(MATVEC, self._features, x, out)
             return out
-        slab_rows = max(ROW_UNIT, SLAB_BYTES // (4 * self.in_features))
+        slab_rows = max(MIN_SLAB_ROWS, SLAB_BYTES // (4 * self.in_features))
         slab = _slab_buffer(slab_rows * self.in_features).reshape(slab_rows, self.in_features)
         for first in range(0, self.out_features, slab_rows):
             features = self._features[first : first + slab_rows]
