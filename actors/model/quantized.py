@@ -61,9 +61,10 @@ CHUNKS_PER_THREAD = 8
 # takes about 10 us to wake.
 PARALLEL_MIN_WORK = 1 << 19
 # A call whose helpers kept its thread waiting for more than this share of the call (they had
-# lost their core to other work mid-chunk) makes the next SOLO_CALLS calls run alone.
+# lost their core to other work mid-chunk) makes the next calls run alone: SOLO_CALLS[0] of
+# them, twice as many after each such call in a row, at most SOLO_CALLS[1].
 SLOW_HELPER_SHARE = 0.25
-SOLO_CALLS = 64
+SOLO_CALLS = (16, 1024)
 _scratch = threading.local()
 
 
@@ -98,16 +99,18 @@ class _KernelThreads:
     (as a fork-join team's barrier would, for a whole time slice), and one that wakes late
     finds its call's counters used up and goes back to sleep. Only a helper that loses its
     core in the middle of a chunk keeps the caller waiting; when that costs a call more than
-    SLOW_HELPER_SHARE of its time, the cores are busy elsewhere and the next SOLO_CALLS calls
-    run in the caller alone. One call runs at a time. The helpers serve the whole process, as
-    BLAS threads do; they start with the first call big enough to share.
+    SLOW_HELPER_SHARE of its time, the cores are busy elsewhere and the next calls run in the
+    caller alone, longer each time it happens again (SOLO_CALLS). One call runs at a time. The
+    helpers serve the whole process, as BLAS threads do; they start with the first call big
+    enough to share.
     """
 
     def __init__(self, helpers: int) -> None:
         self._helpers = helpers
         self._lock = threading.Lock()
         self._inboxes: list[queue.SimpleQueue[tuple[object, ...]]] = []
-        self._solo_calls = 0
+        self._solo_calls = 0  # calls left to run alone
+        self._solo_next = SOLO_CALLS[0]  # how many after the next slow shared call
 
     @staticmethod
     def _help(inbox: queue.SimpleQueue[tuple[object, ...]]) -> None:
@@ -146,7 +149,10 @@ class _KernelThreads:
             wait_for_chunks(call[-1], n_chunks)
             waited = time.perf_counter() - own_work_done
             if waited > SLOW_HELPER_SHARE * (own_work_done - started + waited):
-                self._solo_calls = SOLO_CALLS
+                self._solo_calls = self._solo_next
+                self._solo_next = min(2 * self._solo_next, SOLO_CALLS[1])
+            else:
+                self._solo_next = SOLO_CALLS[0]
 
 
 _threads = _KernelThreads(_cores() - 1)
