@@ -146,8 +146,8 @@ class Engine(EngineDoor):
         `backend`: "auto" (the best that runs here; passing over a GPU is a notice) or a name
         of `actors.compute.backends.BACKENDS` ("cpu", "cuda"), which raises
         `BackendUnavailable` where it cannot run. `kv_blocks`: KV pool size in blocks of
-        `block_size` positions (None: the backend sizes it from its memory, on the CPU a
-        1 GiB budget). `step_timeout_s`: a step still running after this long is failed
+        `block_size` positions (None: the backend sizes it from its memory; on the CPU the
+        model's context or 1024 positions a sequence, within half the available memory). `step_timeout_s`: a step still running after this long is failed
         (its sequences replay), and a backend silent for twice as long is lost.
         `log_level` / `log_file`: where the engine's JSON-line logs go (None: leave the
         logging configuration as it is)."""
@@ -207,7 +207,8 @@ class Engine(EngineDoor):
                 # Sizes under the sanity bounds can still exceed this machine.
                 raise InvalidRequest(
                     f"the model and its KV pool do not fit in memory ({exc}); lower kv_blocks "
-                    f"(now {kv_blocks}, None = a 1 GiB budget) or use a smaller model",
+                    f"(now {kv_blocks}, None = sized from the model and this machine's memory) or "
+                    f"use a smaller model",
                     field="kv_blocks" if kv_blocks is not None else "path",
                 ) from None
 

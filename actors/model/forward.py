@@ -53,8 +53,15 @@ class KVPool:
 
 
 def _zeroed_mapping(shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 array of `shape` in a fresh anonymous mapping (zeros, resident once written)."""
-    return np.frombuffer(mmap.mmap(-1, math.prod(shape) * 4), dtype=np.float32).reshape(shape)
+    """A float32 array of `shape` in a fresh anonymous mapping (zeros, resident once written).
+
+    A mapping the kernel refuses is a MemoryError, as numpy's own allocation would be."""
+    size = math.prod(shape) * 4
+    try:
+        mapping = mmap.mmap(-1, size)
+    except OSError as exc:
+        raise MemoryError(f"cannot map {size:,} bytes: {exc.strerror}") from None
+    return np.frombuffer(mapping, dtype=np.float32).reshape(shape)
 
 
 @dataclass(frozen=True)
