@@ -5,8 +5,10 @@ chains, str.translate, tojson indent, str() of containers), prompts of megabytes
 token ids, two million chat messages, self-inconsistent model files opened by a second engine
 (special tokens of 1 MiB, of placeholder code points, hundreds of long ones; millions of
 metadata keys, tensors or nested arrays), model paths of the wrong type, a log stream that
-fails mid-run, hostile HTTP requests to `q4k serve`'s app running on the same loop (deep
-JSON, bodies too large, slow or abandoned bodies, wrong content types, no API key), and
+fails mid-run, hostile HTTP requests to `q4k serve`'s app and connection limits running on
+the same loop (deep JSON, bodies too large, slow or abandoned bodies, wrong content types, no
+API key, a rebinding Host, a million-id prompt, 60,000 tools, 250,000 messages, 120,000 text
+parts, heads of 100 MB, 3,000 silent connections), and
 hostile structured-output constraints (deep $ref chains, long Lark and GBNF rule chains,
 megabyte regex literals alone and eight at once, constraints that force long text or cost
 milliseconds a mask beside the stream, a schema nested 1,000 deep, blank-line grammars, and
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import random
 import resource
 import socket
@@ -31,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
@@ -46,7 +50,8 @@ from actors.errors import Q4KError  # noqa: E402
 from actors.loop_stall import watch_loop  # noqa: E402
 from actors.messages import Chunk  # noqa: E402
 from actors.serve.app import build_app  # noqa: E402
-from actors.serve.guard import RequestLimits  # noqa: E402
+from actors.serve.connections import bounded_h11_protocol  # noqa: E402
+from actors.serve.guard import ConnectionLimits, RequestLimits  # noqa: E402
 from tests.conftest import TINY_MODELS  # noqa: E402
 from tests.fuzz import constraints, gguf_counts, gguf_structure  # noqa: E402
 
@@ -76,21 +81,55 @@ TEMPLATES = {
         + "{% set ns = namespace(l=[]) %}{% for i in range(100000) %}"
         "{% set ns.l = ns.l + [x ~ i] %}{% endfor %}",
 }  # fmt: skip
-# Hostile HTTP requests: (headers, body parts), each posted to /v1/completions; bodies are
+# Hostile HTTP requests: (path, headers, body parts), each posted to the server; bodies are
 # made in the sending thread, as they are sent (not held by this process).
 KEY = "bench-key"
 JSON = {"content-type": "application/json", "authorization": f"Bearer {KEY}"}
 SMALL = '{"model": "m", "prompt": "hi"}'
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def _chat_body(messages: str, extra: str = "") -> Callable[[], Iterator[bytes]]:
+    """A chat body of `messages` (JSON text), `max_tokens` 2."""
+    return lambda: iter([f'{{"model": "m", "max_tokens": 2{extra}, "messages": {messages}}}'
+                         .encode()])
+
+
+def _tools(count: int) -> str:
+    return json.dumps([{"type": "function", "function": {
+        "name": f"f{i}", "parameters": {"type": "object", "properties": {}}}}
+        for i in range(count)])
+
+
+USER = '{"role": "user", "content": "hi"}'
+TEXT_PART = '{"type": "text", "text": "hi"}'
 REQUESTS = {
     "http: JSON nested 1,000,000 deep (2 MB)":
-        (JSON, lambda: iter([b'{"x": ', b"[" * 10**6, b"]" * 10**6, b"}"])),
-    "http: a 100 MB body (Content-Length)": ({**JSON, "content-length": str(100 << 20)},
-                                             lambda: (b" " * (1 << 20) for _ in range(100))),
-    "http: a 100 MB body (chunked)": (JSON, lambda: (b" " * (1 << 20) for _ in range(100))),
+        (COMPLETIONS, JSON, lambda: iter([b'{"x": ', b"[" * 10**6, b"]" * 10**6, b"}"])),
+    "http: a 100 MB body (Content-Length)":
+        (COMPLETIONS, {**JSON, "content-length": str(100 << 20)},
+         lambda: (b" " * (1 << 20) for _ in range(100))),
+    "http: a 100 MB body (chunked)":
+        (COMPLETIONS, JSON, lambda: (b" " * (1 << 20) for _ in range(100))),
     "http: text/plain body":
-        ({**JSON, "content-type": "text/plain"}, lambda: iter([SMALL.encode()])),
-    "http: no API key": ({"content-type": "application/json", "content-length": str(len(SMALL))},
-                         lambda: iter([SMALL.encode()])),
+        (COMPLETIONS, {**JSON, "content-type": "text/plain"}, lambda: iter([SMALL.encode()])),
+    "http: no API key":
+        (COMPLETIONS, {"content-type": "application/json", "content-length": str(len(SMALL))},
+         lambda: iter([SMALL.encode()])),
+    "http: DNS rebinding (Host: attacker.example)":
+        (COMPLETIONS, {**JSON, "host": "attacker.example"}, lambda: iter([SMALL.encode()])),
+    "http: a prompt of 1 million token ids":
+        (COMPLETIONS, JSON, lambda: iter([b'{"model": "m", "max_tokens": 2, "prompt": [',
+                                          b"1," * (10**6 - 1), b"1]}"])),
+    "http: 60,000 tools, tool_choice none (5 MB)":
+        (CHAT, JSON, _chat_body(f"[{USER}]", f', "tool_choice": "none", "tools": {_tools(60_000)}')),
+    "http: 129 tools (past the bound)":
+        (CHAT, JSON, _chat_body(f"[{USER}]", f', "tools": {_tools(129)}')),
+    "http: 250,000 messages (8 MB)":
+        (CHAT, JSON, _chat_body("[" + ", ".join([USER] * 250_000) + "]")),
+    "http: 120,000 text parts in one message":
+        (CHAT, JSON, _chat_body('[{"role": "user", "content": ['
+                                + ", ".join([TEXT_PART] * 120_000) + "]}]")),
 }  # fmt: skip
 BAD_FILES = {
     "model file: 512 embedding rows, 1,024 tokens":
@@ -311,7 +350,8 @@ def _status_mib(field: str) -> float:
 
 @asynccontextmanager
 async def serving(engine: Engine) -> AsyncIterator[str]:
-    """`q4k serve`'s app over `engine`, on this event loop: its base URL."""
+    """`q4k serve`'s app and connection limits over `engine`, on this event loop (bodies and
+    heads time out after 1 s here): its base URL."""
 
     @asynccontextmanager
     async def the_engine() -> AsyncIterator[Engine]:
@@ -322,7 +362,9 @@ async def serving(engine: Engine) -> AsyncIterator[str]:
     listener.listen()
     limits = RequestLimits(body_timeout_s=1.0, api_key=KEY)
     app = build_app(the_engine, "m", limits=limits)
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))
+    connections = ConnectionLimits(head_timeout_s=1.0)
+    server = uvicorn.Server(uvicorn.Config(app, http=bounded_h11_protocol(connections),
+                                           log_config=None, access_log=False))
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(server.serve, [listener])
         while not server.started:
@@ -333,30 +375,60 @@ async def serving(engine: Engine) -> AsyncIterator[str]:
 
 def http_inputs(url: str) -> dict[str, Callable[[], Awaitable[object]]]:
     """Each request sent from a worker thread (the client's own work stays off the loop)."""
+    host, port = url.removeprefix("http://").split(":")
 
-    def send(headers: dict[str, str], body: Callable[[], Iterator[bytes]]) -> str:
+    def send(path: str, headers: dict[str, str], body: Callable[[], Iterator[bytes]]) -> str:
         with httpx.Client(base_url=url, timeout=60) as client:
-            response = client.post("/v1/completions", headers=headers, content=body())
+            response = client.post(path, headers=headers, content=body())
             return f"HTTP {response.status_code}"
 
+    def head(fields: dict[str, str]) -> bytes:  # a request line and header fields, unended
+        return "".join([f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\n",
+                        *(f"{name}: {value}\r\n" for name, value in fields.items())]).encode()
+
     def slow_body() -> str:  # a body that never finishes, then one abandoned mid-way
-        host, port = url.removeprefix("http://").split(":")
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        request = head({**JSON, "content-length": "1000"}) + b"\r\n{"
         with socket.create_connection((host, int(port))) as slow:
-            slow.sendall(head.encode())
+            slow.sendall(request)
             status = slow.recv(100).split(b" ")[1].decode()
         with socket.create_connection((host, int(port))) as leaving:
-            leaving.sendall(head.encode())
+            leaving.sendall(request)
         return f"HTTP {status}"
+
+    def header_flood() -> str:  # 8 connections each sending 100 MB of one unfinished head
+        def flood(_: int) -> str:
+            line = b"X-Pad: " + b"a" * (1 << 20) + b"\r\n"
+            with socket.create_connection((host, int(port))) as connection:
+                try:
+                    connection.sendall(head(JSON))
+                    for _ in range(100):
+                        connection.sendall(line)
+                except OSError:  # the server answered and closed: read its answer
+                    pass
+                return connection.recv(100).split(b" ")[1].decode() or "closed"
+
+        with ThreadPoolExecutor(8) as pool:
+            statuses = Counter(pool.map(flood, range(8)))
+        return ", ".join(f"{count} HTTP {status}" for status, count in statuses.items())
+
+    def half_open(count: int = 3_000) -> str:  # connections that send nothing, then a request
+        silent = [socket.create_connection((host, int(port))) for _ in range(count)]
+        try:
+            status = send(COMPLETIONS, JSON, lambda: iter([SMALL.encode()]))
+        finally:
+            for connection in silent:
+                connection.close()
+        return f"then {status}"
 
     inputs: dict[str, Callable[[], Awaitable[object]]] = {
         name: (lambda request=request: anyio.to_thread.run_sync(send, *request))
         for name, request in REQUESTS.items()
     }
     inputs["http: a slow body (1 s limit), then one abandoned"] = (
-        lambda: anyio.to_thread.run_sync(slow_body)
-    )
+        lambda: anyio.to_thread.run_sync(slow_body))
+    inputs["http: 8 heads of 100 MB, unfinished"] = lambda: anyio.to_thread.run_sync(header_flood)
+    inputs["http: 3,000 connections that send nothing"] = (
+        lambda: anyio.to_thread.run_sync(half_open))
     return inputs
 
 

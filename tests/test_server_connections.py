@@ -1,4 +1,4 @@
-"""What `q4k serve` holds before any request reaches its app (issue 34), on real sockets to a
+"""What `q4k serve` holds before any request reaches its app, on real sockets to a
 `q4k serve` subprocess over the tiny model: a request head past its size limit is 431 and the
 rest of it is never read, one that arrives too slowly (even a byte at a time) is 408, a
 connection that sends nothing is closed, past the connection limit a new connection takes an
@@ -145,6 +145,37 @@ def test_a_new_connection_takes_the_place_of_the_one_idle_longest(server: Server
     finally:
         for connection in idle + newer:
             connection.close()
+
+
+def test_a_connection_just_answered_is_the_newest_idle_one(server: Server) -> None:
+    """A keep-alive connection becomes idle again when its answer is sent, as the newest:
+    past the limit, the connections silent since before that answer give way first."""
+    kept = connect(server)
+    time.sleep(0.2)
+    idle = [connect(server) for _ in range(MAX_CONNECTIONS - 1)]
+    time.sleep(0.2)
+    try:
+        assert keep_alive_health(kept) == 200
+        with connect(server):
+            assert closed_within(idle[0], HEAD_TIMEOUT_S / 2)
+            assert keep_alive_health(kept) == 200
+    finally:
+        for connection in [kept, *idle]:
+            connection.close()
+
+
+def keep_alive_health(connection: socket.socket) -> int:
+    """GET /health on `connection`, kept open: the answer's status."""
+    connection.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    received = b""
+    while b"\r\n\r\n" not in received:
+        received += connection.recv(65536)
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        body += connection.recv(65536)
+    return int(head.split(b" ", 2)[1])
 
 
 def test_connections_past_the_limit_with_every_one_busy_are_503(server: Server) -> None:

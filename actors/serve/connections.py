@@ -20,7 +20,6 @@ one h11 cannot read, 503 past the connection limit with every connection busy.
 from __future__ import annotations
 
 import asyncio
-import itertools
 from http import HTTPStatus
 from typing import Any, ClassVar
 
@@ -33,7 +32,6 @@ from actors.serve.replies import error_body
 
 # What a client refused for too many connections should wait before it retries.
 RETRY_AFTER_S = 1
-_IDLE_ORDER = itertools.count()
 
 
 class _Connection(h11.Connection):
@@ -56,18 +54,20 @@ class BoundedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol within `limits` (a subclass sets them: `bounded_h11_protocol`)."""
 
     limits: ClassVar[ConnectionLimits] = ConnectionLimits()
+    # The server's connections with no request in progress, longest idle first (a dict keeps
+    # insertion order): finding the one to close is O(1), so a flood of connections costs
+    # the loop a constant amount each, not a scan of all the others.
+    idle_connections: ClassVar[dict[BoundedH11Protocol, None]] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.conn = _Connection(self.limits.max_head_bytes)
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_begun = False  # some of the next request's head has arrived
-        # When it last began to have no request in progress, as an order (the loop's clock
-        # may give connections accepted together the same time).
-        self._idle_since = next(_IDLE_ORDER)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._mark_idle()
         if len(self.connections) > self.limits.max_connections and not self._close_longest_idle():
             self._refuse(503, f"this server holds {self.limits.max_connections} connections at "
                          "most, and every one has a request in progress; retry shortly",
@@ -77,23 +77,27 @@ class BoundedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._idle_since = next(_IDLE_ORDER)
+        if self.conn.their_state is h11.IDLE:
+            self._mark_idle()
+
+    def _mark_idle(self) -> None:
+        """No request in progress from now (no head has arrived whole since the last answer):
+        the newest idle connection."""
+        self.idle_connections.pop(self, None)
+        self.idle_connections[self] = None
 
     def _close_longest_idle(self) -> bool:
         """Close the connection that has had no request in progress the longest, to make room;
         False where every other connection has one."""
-        idle = [connection for connection in self.connections
-                if connection is not self and isinstance(connection, BoundedH11Protocol)
-                and connection.idle]
-        if not idle:
-            return False
-        min(idle, key=lambda connection: connection._idle_since).transport.close()
-        return True
-
-    @property
-    def idle(self) -> bool:
-        """No request in progress: no head has arrived whole since the last answer."""
-        return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+        while self.idle_connections:
+            longest = next(iter(self.idle_connections))
+            if longest is self:  # the newest: no other connection is idle
+                return False
+            del self.idle_connections[longest]
+            if not longest.transport.is_closing():  # (one closing already frees no room)
+                longest.transport.close()
+                return True
+        return False
 
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE:  # the next request's head is arriving
@@ -102,10 +106,12 @@ class BoundedH11Protocol(H11Protocol):
                 self._start_head_timer()
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:
+            self.idle_connections.pop(self, None)
             self._stop_head_timer()
             self._head_begun = False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.idle_connections.pop(self, None)
         self._stop_head_timer()
         super().connection_lost(exc)
 
@@ -154,4 +160,5 @@ class BoundedH11Protocol(H11Protocol):
 
 def bounded_h11_protocol(limits: ConnectionLimits) -> type[BoundedH11Protocol]:
     """The HTTP protocol class for uvicorn (`uvicorn.Config(http=...)`) within `limits`."""
-    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"limits": limits})
+    return type("BoundedH11Protocol", (BoundedH11Protocol,),
+                {"limits": limits, "idle_connections": {}})
