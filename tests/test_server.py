@@ -270,6 +270,7 @@ def test_without_a_template_serve_says_chat_is_unavailable(
     tiny = _start(tiny_model_paths["llama-q4k-tiny"], tmp_path / "serve.log")
     try:
         notice = tiny.process.stderr.readline()
+        memory = tiny.process.stderr.readline()
         with httpx.Client(base_url=tiny.url, timeout=CALL_TIMEOUT_S) as http:
             refused = http.post("/v1/chat/completions",
                                 json={"model": tiny.model, "messages": QUESTION})
@@ -277,6 +278,8 @@ def test_without_a_template_serve_says_chat_is_unavailable(
         _stop(tiny)
     assert notice.startswith("q4k serve: notice: llama-q4k-tiny.gguf has no chat template")
     assert "--template FILE" in notice
+    assert re.fullmatch(r"q4k serve: memory: [\d,]+ MB resident after loading; KV pool of "
+                        r"[\d,]+ positions\n", memory), memory
     assert refused.status_code == 400
     assert "--template FILE" in refused.json()["error"]["message"]
 

@@ -1,5 +1,6 @@
 """`q4k serve`: the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics) over one engine, on uvicorn."""
+/health, /metrics) over one engine, on uvicorn. Once the engine is open, one line on stderr
+says what it holds: its resident memory after loading and the positions its KV pool has room for."""
 
 from __future__ import annotations
 
@@ -201,8 +202,8 @@ def _serve(args: argparse.Namespace) -> int:
     listener = _listen(args.host, args.port)
     failures: list[Q4KError] = []
     config = uvicorn.Config(
-        build_app(partial(open_engine, args, max_sequences=args.max_sequences,
-                          max_queued=args.max_queued),
+        build_app(partial(open_engine, args, report_memory=True,
+                          max_sequences=args.max_sequences, max_queued=args.max_queued),
                   args.served_model_name or model.stem,
                   on_failure=lambda exc: _stop(server, failures, exc), options=options,
                   limits=limits),
