@@ -147,8 +147,9 @@ class Engine(EngineDoor):
         of `actors.compute.backends.BACKENDS` ("cpu", "cuda"), which raises
         `BackendUnavailable` where it cannot run. `kv_blocks`: KV pool size in blocks of
         `block_size` positions (None: the backend sizes it from its memory; on the CPU the
-        model's context or 1024 positions a sequence, within half the available memory). `step_timeout_s`: a step still running after this long is failed
-        (its sequences replay), and a backend silent for twice as long is lost.
+        model's context or 1024 positions a sequence, within half the available memory).
+        `step_timeout_s`: a step still running after this long is failed (its sequences
+        replay), and a backend silent for twice as long is lost.
         `log_level` / `log_file`: where the engine's JSON-line logs go (None: leave the
         logging configuration as it is)."""
         _check_model_path(path)

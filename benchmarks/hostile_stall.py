@@ -122,7 +122,8 @@ REQUESTS = {
         (COMPLETIONS, JSON, lambda: iter([b'{"model": "m", "max_tokens": 2, "prompt": [',
                                           b"1," * (10**6 - 1), b"1]}"])),
     "http: 60,000 tools, tool_choice none (5 MB)":
-        (CHAT, JSON, _chat_body(f"[{USER}]", f', "tool_choice": "none", "tools": {_tools(60_000)}')),
+        (CHAT, JSON,
+         _chat_body(f"[{USER}]", f', "tool_choice": "none", "tools": {_tools(60_000)}')),
     "http: 129 tools (past the bound)":
         (CHAT, JSON, _chat_body(f"[{USER}]", f', "tools": {_tools(129)}')),
     "http: 250,000 messages (8 MB)":

@@ -1,6 +1,6 @@
 """`q4k serve`: the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
 /health, /metrics) over one engine, on uvicorn. Once the engine is open, one line on stderr
-says what it holds: its resident memory after loading and the positions its KV pool has room for."""
+says what it holds: its resident memory after loading and the positions its KV pool holds."""
 
 from __future__ import annotations
 
