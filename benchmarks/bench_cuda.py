@@ -19,8 +19,8 @@ difference per decode step is what the actors cost; the backend's busy share of 
     python benchmarks/bench_cuda.py [--json OUT.json] [--repeats N] [--model-8b PATH]
                                     [--gemma3 PATH]
 
-Needs pycuda and a CUDA device (imported when run, so `--help` works anywhere). Anchors from
-issue 12: Q4_K matvec on 4096 x 14336 >= 3.4 TB/s effective (copy: about 4.3 TB/s); 8B decode
+Needs pycuda and a CUDA device (imported when run, so `--help` works anywhere). Targets:
+Q4_K matvec on 4096 x 14336 >= 3.4 TB/s effective (copy: about 4.3 TB/s); 8B decode
 >= 450 tok/s one stream, >= 4,000 tok/s at 32 streams, prefill 512 >= 10,000 tok/s;
 gemma-3-270m >= 300 tok/s one stream.
 """

@@ -1,4 +1,4 @@
-"""Chat template operations that build their result inside one C call (issue 19, class 4):
+"""Chat template operations that build their result inside one C call:
 each is sized before it runs and refused past the limits, in milliseconds and without the
 memory it asked for; the same operations within bounds render as Python renders them; a
 hostile template embedded in a model file is refused the same way, with the loop live."""

@@ -139,7 +139,7 @@ def test_ctrl_c_puts_interrupted_on_its_own_line(tiny_llama: str) -> None:
     assert "[length" not in lines[-2]  # it stopped before the end
 
 
-# Structured output (issue 18): the flags shared with `q4k chat` (actors/cli/common.py).
+# Structured output: the flags shared with `q4k chat` (actors/cli/common.py).
 SMALL_SCHEMA = {
     "type": "object",
     "properties": {

@@ -1,5 +1,5 @@
-"""`q4k inspect` and `q4k logs` on data that is hostile to a terminal table (issue 19, classes
-5 and 7): rich markup in model names, paths and logged values is shown as it is; huge fields
+"""`q4k inspect` and `q4k logs` on data that is hostile to a terminal table:
+rich markup in model names, paths and logged values is shown as it is; huge fields
 are cut in tables; devices, FIFOs without writers and endless stdin are refused at once; the
 summary streams a log of any length in flat memory."""
 

@@ -1,4 +1,4 @@
-"""Hostile structured-output constraints against a real engine (the tiny llama), issue 34:
+"""Hostile structured-output constraints against a real engine (the tiny llama):
 none crashes the process (the deep ones run in a child process, so a crash fails the test
 rather than pytest), compiles count against admission, end on cancel, close and their
 deadline, a matcher's error state is an error the caller sees, and a costly constraint holds

@@ -1,4 +1,4 @@
-"""The engine's door, round 2 (issue 19, item 8): a model source of the wrong type is an
+"""The engine's door: a model source of the wrong type is an
 InvalidRequest naming `path`; a log stream that fails mid-run (a full disk) never fails a
 request, and is reported once; ten million token ids or two million chat messages are refused
 from their length, without holding the event loop."""

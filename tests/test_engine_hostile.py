@@ -1,6 +1,6 @@
 """Hostile requests against a real engine (the tiny llama model: fast to open and step): each
 is refused with the project's own error, nothing stays held, and the event loop keeps running
-while the engine deals with it (issue 13, defects 1, 4, 5 and 6)."""
+while the engine deals with it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Small files of millions of tiny entries (issue 19, item 3): metadata keys, one-element
+"""Small files of millions of tiny entries: metadata keys, one-element
 tensors, nested arrays, strings spread over many arrays. Each is refused with a
 ModelFormatError before its entries are read, in milliseconds, by the reader, `open_model`
 and `q4k inspect` alike; a file under the bounds still opens."""

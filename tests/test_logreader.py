@@ -228,7 +228,7 @@ def test_request_rows_one_per_request_with_the_last_outcome() -> None:
             assert row.status == "rejected" and row.error == o["error"]
         elif o["event"] == "request_cancelled":
             assert row.status == "cancelled" and row.completion_tokens == o["completion_tokens"]
-            assert row.ttft_ms == o["ttft_ms"]  # issue 14: it produced tokens, so it has one
+            assert row.ttft_ms == o["ttft_ms"]  # it produced tokens, so it has one
         elif o["event"] == "request_failed":
             assert row.status == "failed" and row.error == o["error"]
         elif o["event"] == "prefill_finished":

@@ -35,7 +35,7 @@ BAD_VALUES = [
     ("repetition_penalty", -1.0),
     ("repetition_penalty", math.inf),
     ("repetition_window", -1),
-    ("repetition_window", 2**63),  # passed once, then overflowed after admission (issue 13)
+    ("repetition_window", 2**63),  # passed once, then overflowed after admission
     ("repetition_penalty", 1e-40),  # its logits leave float32
     ("repetition_penalty", 1e6),
     ("temperature", 2**1100),  # an int past float's range

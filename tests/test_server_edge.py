@@ -1,4 +1,4 @@
-"""The server's edge, in process over the fake engine (issue 34): a large body is read into a
+"""The server's edge, in process over the fake engine: a large body is read into a
 request in a worker thread, with the garbage collector paused, while the loop answers others,
 a small one on the loop; requests naming a host the server does not answer to (DNS rebinding)
 or from a page of another origin are 403, and one with too many header fields is 431, each an

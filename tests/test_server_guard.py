@@ -1,4 +1,4 @@
-"""What `q4k serve` refuses before a request reaches its endpoint (issue 19, class 6): JSON
+"""What `q4k serve` refuses before a request reaches its endpoint: JSON
 nested too deep, bodies too large (by Content-Length or counted as they stream), too slow,
 of another content type, without the API key; and a client that leaves mid-body. Each is an
 OpenAI error object with its status, and neither the server's log nor its stderr holds a

@@ -164,7 +164,7 @@ def test_an_unknown_role_lists_every_role_the_server_takes() -> None:
         assert role in message
 
 
-# --- what a body builds, bounded before it is built (issue 34) --------------------------------
+# --- what a body builds, bounded before it is built ----------------------------------------
 
 
 @pytest.mark.parametrize(("messages", "field"), [

@@ -1,4 +1,4 @@
-"""Special-token texts of any code points and any length (issue 19, items 1 and 2): cut out
+"""Special-token texts of any code points and any length: cut out
 exactly as llama.cpp does, with no character reserved as a placeholder; the trie pattern built
 in linear time; tokens past the load bounds refused with ModelFormatError; the patterns built
 in the loading thread, not on the first encode."""

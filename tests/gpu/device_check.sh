@@ -18,7 +18,7 @@
 # Results under $OUT (a device run brings back at most 8 files): device_check.log (every part's
 # output, the tests' recorded figures at the end of each group), bench_cuda.json, ncu.txt and
 # device_check.json (exit codes and seconds of each part).
-# Time: the whole run ends within TOTAL_S (420 s: a session's 15 minutes of device time hold the
+# Time: the whole run ends within TOTAL_S (420 s: 15 minutes of device time hold the
 # machine's start, 1-2 minutes, this call and device_anchors.sh's 150 s). Each part has a
 # budget, cut to what is left: tests 200 s (TESTS_S; GROUP_MIN_S, 30, kept for each later
 # group; TEST_S, 90, a test; the model files are written meanwhile, within SYNTHETIC_S, 90),
