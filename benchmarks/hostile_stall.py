@@ -49,7 +49,7 @@ from actors import Engine, SamplingParams, StructuredOutput  # noqa: E402
 from actors.errors import Q4KError  # noqa: E402
 from actors.loop_stall import watch_loop  # noqa: E402
 from actors.messages import Chunk  # noqa: E402
-from actors.serve.app import build_app  # noqa: E402
+from actors.serve.app import build_app, freeze_long_lived_objects  # noqa: E402
 from actors.serve.connections import bounded_h11_protocol  # noqa: E402
 from actors.serve.guard import ConnectionLimits, RequestLimits  # noqa: E402
 from tests.conftest import TINY_MODELS  # noqa: E402
@@ -356,6 +356,7 @@ async def serving(engine: Engine) -> AsyncIterator[str]:
 
     @asynccontextmanager
     async def the_engine() -> AsyncIterator[Engine]:
+        freeze_long_lived_objects()  # as q4k serve does once its engine is open
         yield engine
 
     listener = socket.socket()

@@ -12,6 +12,8 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,6 +47,7 @@ from actors.serve.guard import (
 if TYPE_CHECKING:
     import uvicorn
 
+    from actors.engine import Engine
     from actors.serve.app import ServerOptions
 
 # Loopback by default: without --api-key the server has no authentication.
@@ -202,9 +205,7 @@ def _serve(args: argparse.Namespace) -> int:
     listener = _listen(args.host, args.port)
     failures: list[Q4KError] = []
     config = uvicorn.Config(
-        build_app(partial(open_engine, args, report_memory=True,
-                          max_sequences=args.max_sequences, max_queued=args.max_queued),
-                  args.served_model_name or model.stem,
+        build_app(partial(_open_for_serving, args), args.served_model_name or model.stem,
                   on_failure=lambda exc: _stop(server, failures, exc), options=options,
                   limits=limits),
         http=bounded_h11_protocol(_connection_limits(args)),
@@ -226,6 +227,18 @@ def _serve(args: argparse.Namespace) -> int:
         raise failures[0]
     print("q4k serve: stopped", file=sys.stderr)
     return 0
+
+
+@asynccontextmanager
+async def _open_for_serving(args: argparse.Namespace) -> AsyncIterator[Engine]:
+    """The engine `q4k serve` serves for the life of its process (see
+    `freeze_long_lived_objects`), its memory said on stderr."""
+    from actors.serve.app import freeze_long_lived_objects
+
+    async with open_engine(args, report_memory=True, max_sequences=args.max_sequences,
+                           max_queued=args.max_queued) as engine:
+        freeze_long_lived_objects()
+        yield engine
 
 
 def _serve_on_ray(args: argparse.Namespace, model: Path, options: ServerOptions,

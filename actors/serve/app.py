@@ -389,6 +389,16 @@ class OpenAIServer:
         return engine
 
 
+def freeze_long_lived_objects() -> None:
+    """Keep the objects alive now (a just-opened engine's: its vocabulary's tables, the
+    grammar tokenizer) out of every later garbage collection, for a process that serves one
+    engine for its life (`q4k serve`, a Ray replica). A full collection walks every tracked
+    object holding the GIL: with gemma-3-270m open, about 100 ms of event loop each time a
+    request's objects set one off; frozen, only the objects made since are walked."""
+    gc.collect()
+    gc.freeze()
+
+
 def _without_collections(convert: Callable[[bytes], T], body: bytes) -> T:
     """`convert(body)` with automatic garbage collection paused. A body builds up to some
     hundred thousand objects; each full collection their growth sets off walks every object of

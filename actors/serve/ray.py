@@ -46,7 +46,12 @@ from actors.kv_blocks import chain_hashes
 from actors.model.text.chat import ChatTemplate, RenderLimits
 from actors.model.loaded import open_model
 from actors.params import SamplingParams
-from actors.serve.app import ServerOptions, build_app, cancel_on_disconnect
+from actors.serve.app import (
+    ServerOptions,
+    build_app,
+    cancel_on_disconnect,
+    freeze_long_lived_objects,
+)
 from actors.serve.fingerprint import model_digest
 from actors.serve.guard import RequestGuard, RequestLimits, api_key_from_environment
 from actors.serve.protocol import (
@@ -159,6 +164,7 @@ class EngineReplica:
     @asynccontextmanager
     async def _open_engine(self) -> AsyncIterator[Engine]:
         async with Engine.open(self._settings.model, **self._settings.engine_options()) as engine:
+            freeze_long_lived_objects()
             self._engine = engine
             self._settled.set()
             try:
