@@ -391,16 +391,26 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
         for (int first = 0; first < n_blocks; first += TABLE_BLOCKS) {
             const int count = min(TABLE_BLOCKS, n_blocks - first);
             // The warp's K-blocks k, k + 8, ... of the piece alternate between two buffers,
-            // each loaded a block ahead (past the piece's last block a load repeats the last
-            // one, in L1: no address leaves the rows). The first load flies while the table
-            // fills.
+            // each loaded a block ahead. Past the piece's last block a load repeats the last
+            // one (in L1: no address leaves the rows) and its products are computed from it
+            // and the last block's table entries, then left out of acc, so a pass has no
+            // branch: a mid-pass exit let ptxas sink all of the second buffer's loads past the
+            // first block's MMAs (a DRAM latency a pass). benchmarks/cuda_budget.py reports
+            // where the loads stand among the MMAs in the SASS. The first load flies while the
+            // table fills.
+            auto last = [&](int k) { return min(k, count - 1); };
             auto load = [&](int k, typename Block::Lane& out) {
-                Block::load(rows, first + min(k, count - 1), out);
+                Block::load(rows, first + last(k), out);
             };
             auto multiply = [&](int k, const typename Block::Lane& block) {
-                Block::multiply(block, entries + k * entry_step,
-                                shared.factors + k * K_BLOCK_GROUPS, shared.sums[k * 4 + c], c,
-                                acc);
+                const int at = last(k);
+                float sums[2] = {acc[0], acc[1]};
+                Block::multiply(block, entries + at * entry_step,
+                                shared.factors + at * K_BLOCK_GROUPS, shared.sums[at * 4 + c], c,
+                                sums);
+                const bool counted = k < count;
+                acc[0] = counted ? sums[0] : acc[0];
+                acc[1] = counted ? sums[1] : acc[1];
             };
             typename Block::Lane even, odd;
             if (warp < count) load(warp, even);
@@ -411,7 +421,6 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
             for (int k = warp; k < count; k += 2 * MMA_MATVEC_WARPS) {
                 load(k + MMA_MATVEC_WARPS, odd);
                 multiply(k, even);
-                if (k + MMA_MATVEC_WARPS >= count) break;
                 load(k + 2 * MMA_MATVEC_WARPS, even);
                 multiply(k + MMA_MATVEC_WARPS, odd);
             }
