@@ -16,7 +16,10 @@
    and the chunk pass's per weight byte and activation row (a full chunk of 8). The same for
    the tensor-core matvec mul_mat_vec_mma_q4_K / _q6_K (route "matvec_mma"): its K-block loop
    (the innermost loop holding its 32 MMAs: two K-blocks a pass, a quarter of two rows' blocks
-   a lane: 144 weight bytes for Q4_K, 210 for Q6_K).
+   a lane: 144 weight bytes for Q4_K, 210 for Q6_K), and whether its prefetch holds in the
+   SASS: each K-block's global loads issued before the MMAs of the K-block before it (the
+   pass's second block's before its first MMA, the next pass's first block's before its
+   second block's first MMA), no branch among its MMAs.
 3. Kernels of one decode step (one stream), from actors.compute.cuda_launches.forward_calls +
    candidate_calls: the Llama-3-8B shape of benchmarks/synthetic_gguf.py (Q4_K_M types), also
    on the decode tiles route and the mma matvec route (mul_mat_vec_mma where it serves a
@@ -185,13 +188,37 @@ def innermost_loops(instructions: list[tuple[int, str, str]]) -> list[list[tuple
             if not any(start <= a and b < stop for a, b in backward if (a, b) != (start, stop))]
 
 
-def mma_matvec_loop(instructions: list[tuple[int, str, str]]) -> dict[str, int]:
-    """The tensor-core matvec's K-block loop: the innermost loop holding its MMAs."""
+def mma_matvec_loop(instructions: list[tuple[int, str, str]]) -> dict:
+    """The tensor-core matvec's K-block loop (the innermost loop holding its MMAs) and its
+    prefetch (mma_prefetch)."""
     loops = [body for body in innermost_loops(instructions)
              if sum(op.startswith("HMMA") for _, op, _ in body) == MMA_PER_PASS]
     if len(loops) != 1:
         raise RuntimeError(f"expected one loop of {MMA_PER_PASS} MMAs, found {len(loops)}")
-    return {"pass_instructions": len(loops[0]), "mma_per_pass": MMA_PER_PASS}
+    return {"pass_instructions": len(loops[0]), "mma_per_pass": MMA_PER_PASS,
+            **mma_prefetch(loops[0])}
+
+
+def mma_prefetch(body: list[tuple[int, str, str]]) -> dict:
+    """Where a pass's global loads (two K-blocks' worth) stand among its MMAs (two K-blocks'
+    16 each): `prefetch_ahead` when half of them come before its first MMA, all of them before
+    its second K-block's first, and no branch lies among its MMAs (a load after an MMA of
+    the K-block before its own waits out a DRAM latency)."""
+    mmas = [i for i, (_, opcode, _) in enumerate(body) if opcode.startswith("HMMA")]
+    loads = [i for i, (_, opcode, _) in enumerate(body) if opcode.startswith("LDG")]
+    first, second_block = mmas[0], mmas[MMA_PER_PASS // 2]
+    report = {
+        "loads_per_pass": len(loads),
+        "loads_before_first_mma": sum(i < first for i in loads),
+        "loads_before_second_block_mma": sum(i < second_block for i in loads),
+        "branches_among_mmas": sum(opcode == "BRA" for _, opcode, _ in body[first:mmas[-1]]),
+    }
+    report["prefetch_ahead"] = (
+        len(loads) > 0 and len(loads) % 2 == 0
+        and report["loads_before_first_mma"] >= len(loads) // 2
+        and report["loads_before_second_block_mma"] == len(loads)
+        and report["branches_among_mmas"] == 0)
+    return report
 
 
 def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
@@ -326,7 +353,10 @@ def main() -> None:
         print(f"{name}: {loop['sass_per_weight_byte_batch1']} SASS / weight byte at batch 1, "
               f"{loop['sass_per_weight_byte_and_row_chunk8']} per byte and row at 8")
     for name, loop in report["matvec_mma_loops"].items():
-        print(f"{name}: {loop['sass_per_weight_byte_batch1']} SASS / weight byte a token")
+        print(f"{name}: {loop['sass_per_weight_byte_batch1']} SASS / weight byte a token, "
+              f"prefetch ahead: {loop['prefetch_ahead']} ({loop['loads_before_first_mma']} / "
+              f"{loop['loads_before_second_block_mma']} of {loop['loads_per_pass']} loads before "
+              f"the first / second K-block's MMAs)")
     for model, step in report["decode_step"].items():
         print(f"{model}: {step}")
 

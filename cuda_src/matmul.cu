@@ -2,15 +2,19 @@
 // tokens t (mma.sync m16n8k16, float16 inputs, float32 accumulation; sm_80+).
 //
 // Numerics (entry points mul_mat_tiles_f16x2_<type>): each activation is split into float16
-// parts, x = hi + lo with hi = f16(x) and lo = f16(x - hi) (about 22 bits of x, within
-// float16's range: |x| < 65504), and both parts are multiplied by the weights' levels:
+// parts, x = (hi + lo) 2^e with hi = f16(x 2^-e) and lo = f16(x 2^-e - hi) (about 22 bits of
+// x), e a power-of-two exponent per token and stage (32 elements) that keeps the parts in
+// float16's range for any float and is 0 for the usual magnitudes (activation_split.cuh), and
+// both parts are multiplied by the weights' levels; each stage's float32 sums are multiplied
+// by 2^e (exact) before they join the token's sums:
 // - quantized types (tile_levels.cuh): the integer levels are exact in float16, so per scale
 //   group (32 elements, Q6_K 16) the tensor cores sum levels x (hi + lo) in float32, and the
-//   block's scale and offset are applied to the sums: y += scale * sum(level * x) + offset *
-//   sum(x). Two MMAs per product; sum(x) (the offset types', 32-element groups) is each
-//   token's float32 sum of the stage, taken once a block by the threads that split it.
-// - F16 weights: exact in float16, W x hi + W x lo.
-// - F32 / BF16 weights: split as the activations, W_hi x_hi + W_hi x_lo + W_lo x_hi.
+//   block's scale and offset are applied to the sums: y += scale * (2^e sum(level * x)) +
+//   offset * sum(x). Two MMAs per product; sum(x) (the offset types', 32-element groups) is
+//   each token's float32 sum of the stage, taken once a block by the threads that split it.
+// - F16 weights: exact in float16, W x hi + W x lo, summed a stage, then 2^e times that.
+// - F32 / BF16 weights: split as the activations (without a scale: |w| < 65,520),
+//   W_hi x_hi + W_hi x_lo + W_lo x_hi, summed a stage, then 2^e times that.
 // One float16 rounding of the activations moves logits past the 0.05 allowed (the emulated
 // tiny qwen2: 0.054 off the CPU; with the split 0.024).
 //
@@ -63,6 +67,7 @@
 #include <type_traits>
 
 #include "activation_ops.cuh"
+#include "activation_split.cuh"
 #include "device_common.cuh"
 #include "mma_ops.cuh"
 #include "qkv_finish_ops.cuh"
@@ -83,6 +88,7 @@
 constexpr int MMA_K = 16;
 constexpr int PIECE = 16;                  // bytes per cp.async
 constexpr int X_PIECES = GROUP * 4 / PIECE;  // 16-byte pieces of one token's stage
+static_assert(GROUP == SPLIT_GROUP, "a stage is one group of the activations' split");
 
 __host__ __device__ constexpr int round_up16(int n) { return (n + PIECE - 1) / PIECE * PIECE; }
 
@@ -262,17 +268,50 @@ __device__ __forceinline__ void split_weight_fragments(const uint8_t* block, int
     }
 }
 
+// The lane's two tokens (2c, 2c + 1) of each of the warp's token tiles in a table of one
+// float a token of the block's tile.
+template <int J>
+__device__ __forceinline__ void lane_token_pairs(const float* per_token, int warp_tokens,
+                                                 float (&out)[J][2]) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        const float2 pair = *reinterpret_cast<const float2*>(per_token + warp_tokens + 8 * j +
+                                                             2 * (threadIdx.x % 4));
+        out[j][0] = pair.x;
+        out[j][1] = pair.y;
+    }
+}
+
+// The warp's MMA tiles of a stage's sums times each token's 2^e (x_factors: one a token of
+// the block's tile), exactly.
+template <int I, int J>
+__device__ __forceinline__ void scale_by_token(float (&part)[I][J][4], const float* x_factors,
+                                               int warp_tokens) {
+    float factors[J][2];
+    lane_token_pairs<J>(x_factors, warp_tokens, factors);
+#pragma unroll
+    for (int i = 0; i < I; ++i) {
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) part[i][j][r] = __fmul_rn(part[i][j][r], factors[j][r % 2]);
+        }
+    }
+}
+
 // One 32-element stage of the warp's tile: acc[i][j] is row tile i, token tile j.
 // `block` is the stage's weight block in the warp's first row, `e` the stage's first element
 // within it, `scales` (SCALE_TABLE types) the warp's first row of the chunk's table and
-// `group` the stage's group in it (the swizzle repeats every 8 rows). The offset types need
+// `group` the stage's group in it (the swizzle repeats every 8 rows). `x_factors`: each
+// token's 2^e of the stage's split, one a token of the block's tile. The offset types need
 // each token's sum of the stage's x: `x_sums`, the block's, one a token of the tile (summed
 // once by the threads that split the stage; MMAs of ones x the activations in every warp
 // once cost a third of the prefill's MMAs and half of a decode warp's).
 template <class T, int I, int J>
 __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, const float2* scales,
                                                int group, const uint4* stage, int warp_tokens,
-                                               float (&acc)[I][J][4], const float* x_sums) {
+                                               float (&acc)[I][J][4], const float* x_factors,
+                                               const float* x_sums) {
     using L = tile_levels<T>;
     using C = tile_chunk<T>;
     using Load = typename std::conditional<C::WORD_ALIGNED, shared_word_aligned,
@@ -306,15 +345,8 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
                     for (int i = 0; i < I; ++i) mma(part[i][j], a[i], x_hi);
                 }
             }
-            if (L::HAS_MIN) {  // the lane's tokens 2c, 2c + 1 of each token tile
-#pragma unroll
-                for (int j = 0; j < J; ++j) {
-                    const float2 pair = *reinterpret_cast<const float2*>(
-                        x_sums + warp_tokens + 8 * j + 2 * (threadIdx.x % 4));
-                    sums[j][0] = pair.x;
-                    sums[j][1] = pair.y;
-                }
-            }
+            scale_by_token<I, J>(part, x_factors, warp_tokens);  // 2^e
+            if (L::HAS_MIN) lane_token_pairs<J>(x_sums, warp_tokens, sums);
 #pragma unroll
             for (int i = 0; i < I; ++i) {
 #pragma unroll
@@ -341,6 +373,7 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
             }
         }
     } else {
+        float part[I][J][4];  // the stage's sums, before 2^e
 #pragma unroll
         for (int k = 0; k < GROUP; k += MMA_K) {
             if constexpr (L::KIND == KIND_HALVES) {
@@ -352,8 +385,12 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
                     activation_fragment(stage, warp_tokens, j, k, x_hi, x_lo);
 #pragma unroll
                     for (int i = 0; i < I; ++i) {
-                        mma(acc[i][j], a[i], x_lo);
-                        mma(acc[i][j], a[i], x_hi);
+                        if (k == 0) {
+                            mma_first(part[i][j], a[i], x_lo);
+                        } else {
+                            mma(part[i][j], a[i], x_lo);
+                        }
+                        mma(part[i][j], a[i], x_hi);
                     }
                 }
             } else {
@@ -365,11 +402,24 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
                     activation_fragment(stage, warp_tokens, j, k, x_hi, x_lo);
 #pragma unroll
                     for (int i = 0; i < I; ++i) {  // the small products first
-                        mma(acc[i][j], w_lo[i], x_hi);
-                        mma(acc[i][j], w_hi[i], x_lo);
-                        mma(acc[i][j], w_hi[i], x_hi);
+                        if (k == 0) {
+                            mma_first(part[i][j], w_lo[i], x_hi);
+                        } else {
+                            mma(part[i][j], w_lo[i], x_hi);
+                        }
+                        mma(part[i][j], w_hi[i], x_lo);
+                        mma(part[i][j], w_hi[i], x_hi);
                     }
                 }
+            }
+        }
+        scale_by_token<I, J>(part, x_factors, warp_tokens);  // 2^e
+#pragma unroll
+        for (int i = 0; i < I; ++i) {
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) acc[i][j][r] += part[i][j][r];
             }
         }
     }
@@ -461,12 +511,28 @@ __device__ __forceinline__ void copy_activation_stage(uint4* dest, const float* 
     }
 }
 
-// A piece of 4 floats' bits (elements e .. e+3) split as the activation fragments read it.
-__device__ __forceinline__ uint4 split_piece(uint4 v) {
+// A piece of 4 floats' bits (elements e .. e+3), times `down` (2^-e), split as the
+// activation fragments read it.
+__device__ __forceinline__ uint4 split_piece(uint4 v, float down) {
+    auto scaled = [down](uint32_t bits) { return __fmul_rn(__uint_as_float(bits), down); };
     uint4 parts;
-    split_pair(__uint_as_float(v.x), __uint_as_float(v.z), &parts.x, &parts.z);
-    split_pair(__uint_as_float(v.y), __uint_as_float(v.w), &parts.y, &parts.w);
+    split_pair(scaled(v.x), scaled(v.z), &parts.x, &parts.z);
+    split_pair(scaled(v.y), scaled(v.w), &parts.y, &parts.w);
     return parts;
+}
+
+// A piece of a token's stage (v: 4 floats' bits) split with the token's exponent for the
+// stage (activation_split.cuh), found by the X_PIECES consecutive lanes that hold the token's
+// pieces together (one warp reduction); its first lane stores 2^e at `factor`.
+__device__ __forceinline__ uint4 split_token_piece(uint4 v, float* factor) {
+    auto magnitude = [](uint32_t bits) { return magnitude_bits(__uint_as_float(bits)); };
+    const uint32_t token_lanes = ((1u << X_PIECES) - 1)
+                                 << (threadIdx.x % WARP / X_PIECES * X_PIECES);
+    const uint32_t largest =
+        max(max(magnitude(v.x), magnitude(v.y)), max(magnitude(v.z), magnitude(v.w)));
+    const int e = split_exponent(__reduce_max_sync(token_lanes, largest));
+    if (threadIdx.x % X_PIECES == 0) *factor = power_of_two(e);
+    return split_piece(v, power_of_two(-e));
 }
 
 // A token's sum of a stage's 32 values, from the X_PIECES consecutive lanes that hold its
@@ -479,9 +545,10 @@ __device__ __forceinline__ float stage_token_sum(float x0, float x1, float x2, f
 }
 
 // Splits the pieces this thread copied into `stage` (see above), in place (zeros stay zeros),
-// and puts each token's sum of the stage in `sums` (the offset types' tables; nullptr: none).
+// puts each token's 2^e in `factors` and its sum of the stage in `sums` (the offset types'
+// tables; nullptr: none).
 template <class Shape>
-__device__ __forceinline__ void split_own_pieces(uint4* stage, float* sums) {
+__device__ __forceinline__ void split_own_pieces(uint4* stage, float* factors, float* sums) {
     using P = stage_passes<Shape>;
     uint4* own = stage + own_piece_index();
 #pragma unroll
@@ -495,7 +562,8 @@ __device__ __forceinline__ void split_own_pieces(uint4* stage, float* sums) {
                 sums[threadIdx.x / X_PIECES + pass * P::TOKENS_PER_PASS] = sum;
             }
         }
-        piece = split_piece(v);
+        piece = split_token_piece(
+            v, &factors[threadIdx.x / X_PIECES + pass * P::TOKENS_PER_PASS]);
     }
 }
 
@@ -535,6 +603,7 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
     __shared__ __align__(16) uint4 x_stages[2][Shape::TOKENS * X_PIECES];
     constexpr bool SUMS = has_offsets<tile_levels<T>>();  // a stage's x summed a token
     __shared__ __align__(8) float x_sums[2][SUMS ? Shape::TOKENS : 2];
+    __shared__ __align__(8) float x_factors[2][Shape::TOKENS];  // a stage's 2^e a token
     // Two chunks' scale tables (one unused entry for the types without).
     __shared__ float2 scale_tables[C::SCALE_TABLE ? 2 * Shape::ROWS * C::TABLE_GROUPS : 1];
     constexpr int CHUNK_BYTES = Shape::ROWS * C::ROW_STRIDE, TABLE_ENTRIES = Shape::ROWS *
@@ -565,7 +634,8 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
     }
     for (int s = 0; s < n_stages; ++s) {
         wait_copies<PENDING>();
-        split_own_pieces<Shape>(x_stages[s % 2], SUMS ? x_sums[s % 2] : nullptr);
+        split_own_pieces<Shape>(x_stages[s % 2], x_factors[s % 2],
+                                SUMS ? x_sums[s % 2] : nullptr);
         __syncthreads();  // stage s is in and split; every warp is done with stage s - 1
         if (s + 1 < n_stages) {
             copy_activation_stage<Shape>(x_stages[(s + 1) % 2], tile_x, x_stride, tile_tokens,
@@ -596,7 +666,7 @@ __device__ void mul_mat_tiles(const uint8_t* __restrict__ weights, int64_t row_p
                                                warp_rows * C::TABLE_GROUPS : 0);
         multiply_stage<T, Shape::I, Shape::J>(block, C::stage_element(chunk, element), scales,
                                               s % C::STAGES, x_stages[s % 2], warp_tokens, acc,
-                                              x_sums[s % 2]);
+                                              x_factors[s % 2], x_sums[s % 2]);
     }
     store_tile<Shape>(acc, y, y_stride, row0 + warp_rows, token0 + warp_tokens, rows, n_tokens);
 }
@@ -629,7 +699,8 @@ struct DecodeTileShared {
     __align__(16) uint8_t weight_chunks[DECODE_BUFFERS * CHUNK_BYTES + PIECE];
     __align__(16) uint4 x_stages[2][DecodeTile::TOKENS * X_PIECES];
     float2 scale_table[C::SCALE_TABLE ? DecodeTile::ROWS * C::TABLE_GROUPS : 1];
-    __align__(8) float x_sums[2][DecodeTile::TOKENS];  // a stage's x summed a token
+    __align__(8) float x_factors[2][DecodeTile::TOKENS];  // a stage's 2^e a token
+    __align__(8) float x_sums[2][DecodeTile::TOKENS];     // a stage's x summed a token
     float tile_sums[DecodeTile::TOKENS][DecodeTile::ROWS];
     bool last_split;
 };
@@ -738,6 +809,7 @@ __device__ bool mul_mat_decode_tiles(const Job& job, DecodeTileShared<T>& shared
     uint8_t* const weight_chunks = shared.weight_chunks;
     auto& x_stages = shared.x_stages;
     float2* const scale_table = shared.scale_table;
+    auto& x_factors = shared.x_factors;
     auto& x_sums = shared.x_sums;
     auto& tile_sums = shared.tile_sums;
     const DecodeSplits splits = job.splits(partials);
@@ -781,15 +853,18 @@ __device__ bool mul_mat_decode_tiles(const Job& job, DecodeTileShared<T>& shared
         }
         commit_copies();  // one group a chunk, empty past the last
         if constexpr (C::SCALE_TABLE) decode_scale_table<T, Shape>(scale_table, chunk_bytes);
-        // The chunk's stages unrolled: each stage's element, block and group are constants.
-#pragma unroll
+        // The chunk's stages four at a time: a K-quant's eight unrolled whole (each stage's
+        // element, block and group constants) spilled Q6_K's registers once each stage's
+        // split found its token's exponent.
+#pragma unroll 4
         for (int in_chunk = 0; in_chunk < C::STAGES; ++in_chunk) {
             const int s = chunk * C::STAGES + in_chunk;
             if (s >= end_stage) break;  // a row's last chunk of 32-element blocks may be short
             const int buffer = s % 2;
-            own_piece[buffer * Shape::TOKENS * X_PIECES] = split_piece(make_uint4(
-                __float_as_uint(next.x), __float_as_uint(next.y), __float_as_uint(next.z),
-                __float_as_uint(next.w)));
+            own_piece[buffer * Shape::TOKENS * X_PIECES] = split_token_piece(
+                make_uint4(__float_as_uint(next.x), __float_as_uint(next.y),
+                           __float_as_uint(next.z), __float_as_uint(next.w)),
+                &x_factors[buffer][own_token]);
             if constexpr (has_offsets<tile_levels<T>>()) {
                 const float sum = stage_token_sum(next.x, next.y, next.z, next.w);
                 if (threadIdx.x % X_PIECES == 0) x_sums[buffer][own_token] = sum;
@@ -803,7 +878,7 @@ __device__ bool mul_mat_decode_tiles(const Job& job, DecodeTileShared<T>& shared
             multiply_stage<T, Shape::I, Shape::J>(
                 block, C::stage_element(chunk, element),
                 scale_table + (C::SCALE_TABLE ? warp_rows * C::TABLE_GROUPS : 0), in_chunk,
-                x_stages[buffer], warp_tokens, acc, x_sums[buffer]);
+                x_stages[buffer], warp_tokens, acc, x_factors[buffer], x_sums[buffer]);
         }
     }
     if (split_count == 1) {

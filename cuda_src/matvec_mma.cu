@@ -37,14 +37,18 @@
 //
 // The activations are split into float16 hi + lo once per block and token, into a shared
 // table laid out as the B fragments are read (one 16-byte load per lane gives the fragments of
-// two MMAs: a word's two nibble halves), with Q4_K's sub-block float32 sums of x for the mins; n_in
-// past TABLE_BLOCKS K-blocks goes in pieces, the warps' partial sums carried across.
+// two MMAs: a word's two nibble halves), with each 32-element group's 2^e of the split
+// (activation_split.cuh) and Q4_K's sub-block float32 sums of x for the mins; n_in past
+// TABLE_BLOCKS K-blocks goes in pieces, the warps' partial sums carried across.
 //
-// Numerics: products of exact levels with the float16 parts of x (about 22 bits of x), summed
-// in float32 by the tensor cores per sub-block, then d * (scale * sum) - dmin * (min * sum(x))
-// per sub-block in float32 (Q6_K: d * the sum over sub-blocks of scale * sum): within the float32 summation bound of the exact product of the
-// decoded weights, as the tiles are. Different summation from mul_mat_vec_<type>'s: a different
-// route (cuda_plan.DECODE_ROUTES), never mixed with it within a matrix.
+// Numerics: products of exact levels with the float16 parts of x 2^-e (about 22 bits of x, e a
+// power-of-two exponent per 32 elements that keeps them in float16's range for any float and
+// is 0 for the usual magnitudes), summed in float32 by the tensor cores per sub-block, times
+// 2^e (exact), then d * (scale * sum) - dmin * (min * sum(x)) per sub-block in float32 (Q6_K:
+// d * the sum over sub-blocks of scale * sum): within the float32 summation bound of the
+// exact product of the decoded weights, as the tiles are. Different summation from
+// mul_mat_vec_<type>'s: a different route (cuda_plan.DECODE_ROUTES), never mixed with it
+// within a matrix.
 // Batch invariance: tokens go one at a time, each through the same operations in the same
 // order (the table, the warps' K-blocks, the lanes' and warps' sums in fixed order): a row's
 // result for a token never depends on the batch. Each token pays the whole pass (its weights
@@ -53,6 +57,7 @@
 #include <type_traits>
 
 #include "activation_ops.cuh"
+#include "activation_split.cuh"
 #include "device_common.cuh"
 #include "matvec_mma_blocks.cuh"
 #include "mma_ops.cuh"
@@ -65,9 +70,11 @@ constexpr int TABLE_BLOCKS = 32;     // K-blocks of activations a table holds: 8
 // 16-byte entries a K-block: 4 chunks x 8 words x 2 parts (hi, lo).
 constexpr int ENTRIES_PER_BLOCK = 64;
 constexpr int ZERO_ENTRIES = 16;     // what the non-owner lanes read for a K-block's 8 words
+constexpr int K_BLOCK_GROUPS = K_BLOCK / SPLIT_GROUP;
 
 struct MmaMatvecShared {
     uint4 table[TABLE_BLOCKS * ENTRIES_PER_BLOCK + ZERO_ENTRIES];
+    float factors[TABLE_BLOCKS * K_BLOCK_GROUPS];  // per K-block, its groups' 2^e
     float2 sums[TABLE_BLOCKS * 4];  // Q4_K: per K-block, its sub-blocks' sums of x, pairs (2c, 2c+1)
     float partial[MMA_MATVEC_WARPS][MMA_MATVEC_ROWS];
 };
@@ -90,16 +97,20 @@ __device__ __forceinline__ void entry_mmas(bool start, const uint4& b, const uin
 // The block types' lanes (quarter c of a K-block of rows g and g + 8). Each gives:
 //   Lane: the lane's bytes of a K-block; Rows: the lane's addresses in K-block 0 of its rows,
 //   rows_of(row_g, row_g8, n_blocks, c); load(rows, k, out): K-block k into a Lane;
-//   multiply(lane, entries, sums, c, acc): the K-block's products added to acc[row];
+//   multiply(lane, entries, factors, sums, c, acc): the K-block's products (its groups' sums
+//   times their `factors`, 2^e) added to acc[row];
 //   first_element(c, i), SECOND_OFFSET: the elements of table entry i of chunk c (elements
 //   first .. first + 3 for the entry's first MMA, SECOND_OFFSET on for its second);
+//   GROUP_LANE_BITS: the lane bits (of lane 8c + i, fill_table's item) that vary among the
+//   items whose elements share a 32-element group;
 //   NEEDS_SUMS: whether multiply reads the sub-blocks' sums of x.
 
 // Q4_K: chunk c of the quants (sub-blocks 2c, 2c + 1) and the header, file layout.
 struct MmaQ4K {
     static constexpr int SECOND_OFFSET = 32;
+    static constexpr int GROUP_LANE_BITS = 0b00111;  // a chunk's 8 items
     static constexpr bool NEEDS_SUMS = true;
-    static __device__ __forceinline__ int first_element(int c, int i) { return 64 * c + 4 * i; }
+    static constexpr __host__ __device__ int first_element(int c, int i) { return 64 * c + 4 * i; }
 
     struct Lane {
         uint4 head[2], quants[2][2];
@@ -129,7 +140,8 @@ struct MmaQ4K {
     // 16 MMAs (a word's low nibbles, then its high ones, per word), then each row's two
     // sub-blocks' scales and mins.
     static __device__ __forceinline__ void multiply(const Lane& block, const uint4* entries,
-                                                    float2 sums, int c, float (&acc)[2]) {
+                                                    const float* factors, float2 sums, int c,
+                                                    float (&acc)[2]) {
         float low[4], high[4];  // (row g: hi, lo part; row g + 8: hi, lo) of sub-blocks 2c, 2c+1
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -142,6 +154,7 @@ struct MmaQ4K {
                                         level(g8.high13)};
             entry_mmas(i == 0, entries[2 * i], a_low, a_high, low, high);
         }
+        const float2 factor = *reinterpret_cast<const float2*>(factors + 2 * c);  // 2c, 2c+1
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const uint4 head = block.head[r];
@@ -149,9 +162,10 @@ struct MmaQ4K {
             const float2 d = unpack_halves(head.x);  // d, dmin
             // Rounded as written (no contraction left to the compiler), so rows g and g + 8
             // round alike: the fused gate+up entry puts a row where the plain one may not.
+            const float sum_low = __fmul_rn(__fadd_rn(low[2 * r], low[2 * r + 1]), factor.x);
+            const float sum_high = __fmul_rn(__fadd_rn(high[2 * r], high[2 * r + 1]), factor.y);
             const float scaled =
-                __fmaf_rn(s.scale_high, __fadd_rn(high[2 * r], high[2 * r + 1]),
-                          __fmul_rn(s.scale_low, __fadd_rn(low[2 * r], low[2 * r + 1])));
+                __fmaf_rn(s.scale_high, sum_high, __fmul_rn(s.scale_low, sum_low));
             const float mins = __fmaf_rn(s.min_high, sums.y, __fmul_rn(s.min_low, sums.x));
             acc[r] = __fmaf_rn(-d.y, mins, __fmaf_rn(d.x, scaled, acc[r]));
         }
@@ -166,9 +180,11 @@ struct MmaQ4K {
 // three 16-byte runs, 8 scale bytes and d a row.
 struct MmaQ6K {
     static constexpr int SECOND_OFFSET = 64;  // quarter u + 2 beside quarter u
+    // The 4 items of a quarter's words in both lanes of a half: c % 2 and i % 4 vary.
+    static constexpr int GROUP_LANE_BITS = 0b01011;
     static constexpr bool NEEDS_SUMS = false;
     // Entry i of chunk c: quarter i / 4's word i % 4 (then quarter i / 4 + 2's).
-    static __device__ __forceinline__ int first_element(int c, int i) {
+    static constexpr __host__ __device__ int first_element(int c, int i) {
         return 128 * (c / 2) + 16 * (c % 2) + 32 * (i / 4) + 4 * (i % 4);
     }
 
@@ -225,10 +241,12 @@ struct MmaQ6K {
         a[3] = sub_halves(level_pair(levels[1], true), HALF_1056_PAIR);
     }
 
-    // Quarters u and u + 2 (4 MMAs each), their sums scaled into the block's sum per row.
+    // Quarters u and u + 2 (4 MMAs each), their sums scaled into the block's sum per row
+    // (`factors`: the 2^e of half h's groups, quarter by quarter).
     template <int U>
     static __device__ __forceinline__ void multiply_quarters(const Lane& block,
-                                                             const uint4* entries, int v,
+                                                             const uint4* entries,
+                                                             const float* factors, int v,
                                                              float (&block_sum)[2]) {
         float first[4], second[4];
 #pragma unroll
@@ -243,18 +261,23 @@ struct MmaQ6K {
             const uint2 sc = block.scales[r];
             const float scale_first = q6_K_lane_scale(sc.x, sc.y, U, v);
             const float scale_second = q6_K_lane_scale(sc.x, sc.y, U + 2, v);
+            const float sum_first = __fmul_rn(__fadd_rn(first[2 * r], first[2 * r + 1]),
+                                              factors[U]);
+            const float sum_second = __fmul_rn(__fadd_rn(second[2 * r], second[2 * r + 1]),
+                                               factors[U + 2]);
             const float scaled =
-                __fmaf_rn(scale_second, __fadd_rn(second[2 * r], second[2 * r + 1]),
-                          __fmul_rn(scale_first, __fadd_rn(first[2 * r], first[2 * r + 1])));
+                __fmaf_rn(scale_second, sum_second, __fmul_rn(scale_first, sum_first));
             block_sum[r] = U == 0 ? scaled : __fadd_rn(block_sum[r], scaled);
         }
     }
 
     static __device__ __forceinline__ void multiply(const Lane& block, const uint4* entries,
-                                                    float2, int c, float (&acc)[2]) {
+                                                    const float* factors, float2, int c,
+                                                    float (&acc)[2]) {
         float block_sum[2];
-        multiply_quarters<0>(block, entries, c % 2, block_sum);
-        multiply_quarters<1>(block, entries, c % 2, block_sum);
+        const float* half_factors = factors + 4 * (c / 2);
+        multiply_quarters<0>(block, entries, half_factors, c % 2, block_sum);
+        multiply_quarters<1>(block, entries, half_factors, c % 2, block_sum);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             acc[r] = __fmaf_rn(half_to_float(block.d[r]), block_sum[r], acc[r]);
@@ -262,23 +285,70 @@ struct MmaQ6K {
     }
 };
 
+// Whether the items on the lanes that differ from lane 8c + i in Block::GROUP_LANE_BITS alone
+// are exactly those whose elements share the 32-element groups of item (c, i)'s.
+template <class Block>
+__host__ __device__ constexpr bool group_lanes_hold_whole_groups() {
+    for (int lane = 0; lane < WARP; ++lane) {
+        for (int other = 0; other < WARP; ++other) {
+            const bool same_lanes = (lane & ~Block::GROUP_LANE_BITS) ==
+                                    (other & ~Block::GROUP_LANE_BITS);
+            const bool same_group = Block::first_element(lane / 8, lane % 8) / SPLIT_GROUP ==
+                                    Block::first_element(other / 8, other % 8) / SPLIT_GROUP;
+            if (same_lanes != same_group) return false;
+        }
+    }
+    return Block::SECOND_OFFSET % SPLIT_GROUP == 0;  // the second run's group: as the first's
+}
+
+// The lanes of lane 0's group (bit l: lane l), as group_lanes_hold_whole_groups reads them.
+template <class Block>
+__host__ __device__ constexpr uint32_t lane_zero_group() {
+    uint32_t lanes = 0;
+    for (int lane = 0; lane < WARP; ++lane) {
+        if ((lane & ~Block::GROUP_LANE_BITS) == 0) lanes |= 1u << lane;
+    }
+    return lanes;
+}
+
+// Largest magnitude of 4 floats.
+__device__ __forceinline__ uint32_t largest_magnitude(const float4& v) {
+    return max(max(magnitude_bits(v.x), magnitude_bits(v.y)),
+               max(magnitude_bits(v.z), magnitude_bits(v.w)));
+}
+
 // K-blocks [first, first + count) of one activation row into the table: an item per (block,
 // chunk c, entry i) splits elements e .. e + 3 (e = first_element(c, i)) and e + SECOND_OFFSET
-// .. + 3 into the hi entry and the lo entry (each: the first MMA's two B registers, then the
-// second's); for Q4_K the eight items of a chunk sum its sub-blocks in one fixed shuffle tree.
+// .. + 3, each run scaled by 2^-e of its group (the items of a group find its exponent in one
+// warp reduction over their lanes; the group's first item stores 2^e), into the hi entry and
+// the lo entry (each: the first MMA's two B registers, then the second's); for Q4_K the eight
+// items of a chunk sum its sub-blocks in one fixed shuffle tree.
 template <class Block>
 __device__ void fill_table(const float* __restrict__ x, int first, int count,
                            MmaMatvecShared& shared) {
+    static_assert(group_lanes_hold_whole_groups<Block>(), "a group's exponent from its lanes");
+    constexpr uint32_t GROUP_LANES = lane_zero_group<Block>();
     for (int item = threadIdx.x; item < count * 32; item += blockDim.x) {  // whole warps
         const int block = item / 32, c = item / 8 % 4, i = item % 8;
-        const float* elements = x + int64_t(first + block) * K_BLOCK + Block::first_element(c, i);
+        const int element = Block::first_element(c, i);
+        const float* elements = x + int64_t(first + block) * K_BLOCK + element;
         const float4 low = *reinterpret_cast<const float4*>(elements);
         const float4 high = *reinterpret_cast<const float4*>(elements + Block::SECOND_OFFSET);
+        const uint32_t group_lanes = GROUP_LANES << (item % WARP & ~Block::GROUP_LANE_BITS);
+        const int e_low = split_exponent(__reduce_max_sync(group_lanes, largest_magnitude(low)));
+        const int e_high =
+            split_exponent(__reduce_max_sync(group_lanes, largest_magnitude(high)));
+        const float down_low = power_of_two(-e_low), down_high = power_of_two(-e_high);
         uint4 hi, lo;
-        split_pair(low.x, low.z, &hi.x, &lo.x);
-        split_pair(low.y, low.w, &hi.y, &lo.y);
-        split_pair(high.x, high.z, &hi.z, &lo.z);
-        split_pair(high.y, high.w, &hi.w, &lo.w);
+        split_pair(__fmul_rn(low.x, down_low), __fmul_rn(low.z, down_low), &hi.x, &lo.x);
+        split_pair(__fmul_rn(low.y, down_low), __fmul_rn(low.w, down_low), &hi.y, &lo.y);
+        split_pair(__fmul_rn(high.x, down_high), __fmul_rn(high.z, down_high), &hi.z, &lo.z);
+        split_pair(__fmul_rn(high.y, down_high), __fmul_rn(high.w, down_high), &hi.w, &lo.w);
+        if (element % SPLIT_GROUP == 0) {
+            float* factors = shared.factors + block * K_BLOCK_GROUPS + element / SPLIT_GROUP;
+            factors[0] = power_of_two(e_low);
+            factors[Block::SECOND_OFFSET / SPLIT_GROUP] = power_of_two(e_high);
+        }
         uint4* entry = shared.table + block * ENTRIES_PER_BLOCK + (8 * c + i) * 2;
         entry[0] = hi;
         entry[1] = lo;
@@ -321,14 +391,26 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
         for (int first = 0; first < n_blocks; first += TABLE_BLOCKS) {
             const int count = min(TABLE_BLOCKS, n_blocks - first);
             // The warp's K-blocks k, k + 8, ... of the piece alternate between two buffers,
-            // each loaded a block ahead (past the piece's last block a load repeats the last
-            // one, in L1: no address leaves the rows). The first load flies while the table
-            // fills.
+            // each loaded a block ahead. Past the piece's last block a load repeats the last
+            // one (in L1: no address leaves the rows) and its products are computed from it
+            // and the last block's table entries, then left out of acc, so a pass has no
+            // branch: a mid-pass exit let ptxas sink all of the second buffer's loads past the
+            // first block's MMAs (a DRAM latency a pass). benchmarks/cuda_budget.py reports
+            // where the loads stand among the MMAs in the SASS. The first load flies while the
+            // table fills.
+            auto last = [&](int k) { return min(k, count - 1); };
             auto load = [&](int k, typename Block::Lane& out) {
-                Block::load(rows, first + min(k, count - 1), out);
+                Block::load(rows, first + last(k), out);
             };
             auto multiply = [&](int k, const typename Block::Lane& block) {
-                Block::multiply(block, entries + k * entry_step, shared.sums[k * 4 + c], c, acc);
+                const int at = last(k);
+                float sums[2] = {acc[0], acc[1]};
+                Block::multiply(block, entries + at * entry_step,
+                                shared.factors + at * K_BLOCK_GROUPS, shared.sums[at * 4 + c], c,
+                                sums);
+                const bool counted = k < count;
+                acc[0] = counted ? sums[0] : acc[0];
+                acc[1] = counted ? sums[1] : acc[1];
             };
             typename Block::Lane even, odd;
             if (warp < count) load(warp, even);
@@ -339,7 +421,6 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
             for (int k = warp; k < count; k += 2 * MMA_MATVEC_WARPS) {
                 load(k + MMA_MATVEC_WARPS, odd);
                 multiply(k, even);
-                if (k + MMA_MATVEC_WARPS >= count) break;
                 load(k + 2 * MMA_MATVEC_WARPS, even);
                 multiply(k + MMA_MATVEC_WARPS, odd);
             }

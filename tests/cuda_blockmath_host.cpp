@@ -11,12 +11,15 @@
 // tensor-core matvec takes (cuda_src/matvec_mma_blocks.cuh): its words' float16 pairs and its
 // scales. The Q6_K lane reads its block's bytes at the same offsets in the row-planar layout
 // (ql, qh; scales; d), so file blocks serve here.
+// split_scales gives each 32-element group's 2^-e and 2^e of the activations' float16 split
+// (cuda_src/activation_split.cuh), as the tensor-core kernels find them.
 // dequantize_planar_q6_K decodes row-planar Q6_K rows as get_rows_q6_K_planar does;
 // tile_values_q6_K_planar stages each of their blocks as the prefill tiles do
 // (type_q6_K_planar's pieces) and rebuilds every element from the staged bytes.
 #include <cstring>
 #include <vector>
 
+#include "activation_split.cuh"
 #include "matvec_mma_blocks.cuh"
 #include "matvec_slices.cuh"
 #include "tile_levels.cuh"
@@ -72,6 +75,19 @@ void tile_values_rows(const uint8_t* src, int64_t rows, int64_t groups_per_row, 
         for (int e = 0; e < T::BLOCK_ELEMENTS; e += 4) {
             tile_values<T>(src + b * T::BLOCK_BYTES, e, out + b * T::BLOCK_ELEMENTS + e);
         }
+    }
+}
+
+extern "C" void split_scales(const float* x, int64_t groups, float* down, float* up) {
+    for (int64_t g = 0; g < groups; ++g) {
+        uint32_t largest = 0;
+        for (int j = 0; j < SPLIT_GROUP; ++j) {
+            const uint32_t magnitude = magnitude_bits(x[g * SPLIT_GROUP + j]);
+            largest = magnitude > largest ? magnitude : largest;
+        }
+        const int e = split_exponent(largest);
+        down[g] = power_of_two(-e);
+        up[g] = power_of_two(e);
     }
 }
 

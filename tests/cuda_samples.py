@@ -24,6 +24,7 @@ from actors.model.gguf.quantizers import QUANTIZERS, quantize
 from actors.model.gguf.quants import FORMATS, row_bytes
 from actors.model.step import StepItem
 
+SPLIT_GROUP = 32  # cuda_src/activation_split.cuh: the elements that share a split's exponent
 # Byte offsets of each quantized type's float16 scale fields (d, and m / dmin where it has one).
 HALF_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
@@ -148,6 +149,27 @@ def float16_parts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return hi.astype(np.float64), lo.astype(np.float64)
 
 
+def split_exponents(values: np.ndarray) -> np.ndarray:
+    """cuda_src/activation_split.cuh's exponent e of each SPLIT_GROUP-element group along the
+    last axis (its length a multiple of SPLIT_GROUP): 0 where the group's largest magnitude M
+    lies in [2^-2, 2^15), else the e that brings M into [2^14, 2^15), within [-126, 113]."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    magnitudes = values.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    largest = magnitudes.reshape(*values.shape[:-1], -1, SPLIT_GROUP).max(axis=-1)
+    exponent = (largest >> 23).astype(np.int64) - 127
+    return np.where((exponent >= -2) & (exponent <= 14), 0, np.clip(exponent - 14, -126, 113))
+
+
+def activation_parts(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 activation rows split as the tensor-core kernels split them: each group's
+    x 2^-e (split_exponents; exact in float32) into float16 hi + lo, both times 2^e (float64,
+    exact)."""
+    x = np.asarray(x, dtype=np.float32)
+    e = np.repeat(split_exponents(x), SPLIT_GROUP, axis=-1)
+    hi, lo = float16_parts(x * np.exp2(-e).astype(np.float32))
+    return hi * np.exp2(e), lo * np.exp2(e)
+
+
 def planar_names(layouts: dict[str, Any]) -> frozenset[str]:
     """The tensors of `layouts` (cuda_launches.MatrixLayout) held in the row-planar layout."""
     return frozenset(name for name, layout in layouts.items() if layout.planar)
@@ -155,13 +177,14 @@ def planar_names(layouts: dict[str, Any]) -> frozenset[str]:
 
 def tile_product(w: np.ndarray, x: np.ndarray, type_name: str) -> np.ndarray:
     """x @ w.T as mul_mat_tiles_f16x2_<type> multiplies, summed exactly (float64): the
-    activations split into float16 hi + lo, times the weights exactly (a quantized type's
+    activations split into float16 hi + lo (activation_parts: scaled by a power of two per 32
+    elements), times the weights exactly (a quantized type's
     integer levels and F16's halves are exact in float16; level * scale + offset is w before
     quants.py's float32 rounding, within a float32 unit of w), or for F32 / BF16 weights also
     split, with the lo x lo product left out. The kernel's float32 accumulation is the
     caller's bound; so is its offset term, which multiplies the float32 sum of x itself, not
     of hi + lo (at most ~2^-22 |x| apart an element)."""
-    x_hi, x_lo = float16_parts(x)
+    x_hi, x_lo = activation_parts(x)
     if type_name not in ("F32", "BF16"):
         return (x_hi + x_lo) @ np.asarray(w, dtype=np.float64).T
     w_hi, w_lo = float16_parts(w)

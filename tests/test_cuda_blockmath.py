@@ -19,7 +19,15 @@ import pytest
 from actors.compute.cuda_plan import kernel_source_dir, planar_q6_K_rows, row_pitch
 from actors.model.gguf.quantizers import QUANTIZERS, quantize
 from actors.model.gguf.quants import FORMATS, dequantize
-from tests.cuda_samples import HALF_FIELDS, assert_same_floats, finite_blocks, random_blocks
+from tests.cuda_samples import (
+    HALF_FIELDS,
+    activation_parts,
+    assert_same_floats,
+    finite_blocks,
+    float16_parts,
+    random_blocks,
+    split_exponents,
+)
 
 GROUP = 32
 ALL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32", "F16", "BF16")
@@ -271,3 +279,90 @@ def test_matvec_slice_dot_products_within_float32_bound(blockmath: ctypes.CDLL,
         bound = nu / (1 - nu) * (np.abs(weights) @ np.abs(x.astype(np.float64)))
         error = np.abs(host_slices(blockmath, raw, type_name, x).astype(np.float64) - exact)
         assert (error <= bound).all(), f"worst error / bound {(error / bound).max():.3g}"
+
+
+# --------------------------------------------------------------------------------------------
+# The activations' float16 hi + lo split (cuda_src/activation_split.cuh)
+
+# Group magnitudes M the split must hold: past float16's range (7e4, 1e5: float16 inf), far
+# past it (1e30, float32's largest), the edges of the band split unscaled ([2^-2, 2^15)) and of
+# float16's (65504, 65520), float16's subnormals (1e-5) and float32's (1e-40, 1e-45).
+EXTREME_MAGNITUDES = (7e4, 1e5, 1e30, 3.4e38, 65504.0, 65520.0, 32768.0, 32767.0, 0.25,
+                      0.2499, 1e-5, 1e-30, 1e-40, 1e-45)
+
+
+def host_split_scales(lib: ctypes.CDLL, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """split_scales: each 32-element group's 2^-e and 2^e, as the kernels find them."""
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    down, up = (np.empty(x.size // GROUP, dtype=np.float32) for _ in range(2))
+    lib.split_scales(_pointer(x), ctypes.c_int64(x.size // GROUP), _pointer(down), _pointer(up))
+    return down, up
+
+
+def extreme_groups(rng: np.random.Generator) -> np.ndarray:
+    """(groups, 32) float32: per magnitude M of EXTREME_MAGNITUDES, a group of values up to M
+    (one of them -M) and a group of standard normal values with one M among them."""
+    groups = []
+    for magnitude in EXTREME_MAGNITUDES:
+        spread = np.float32(magnitude) * rng.uniform(-1.0, 1.0, GROUP).astype(np.float32)
+        spread[rng.integers(GROUP)] = -np.float32(magnitude)
+        mixed = rng.standard_normal(GROUP).astype(np.float32)
+        mixed[rng.integers(GROUP)] = np.float32(magnitude)
+        groups += [spread, mixed]
+    return np.stack(groups)
+
+
+def test_split_scales_equal_the_twin(blockmath: ctypes.CDLL) -> None:
+    """2^-e and 2^e of every group (random bits of every finite float, zeros, the extreme
+    groups) are the twin's exponents (tests/cuda_samples.split_exponents), exactly."""
+    rng = np.random.default_rng(61)
+    bits = rng.integers(0, 0x7F800000, (4096, GROUP), dtype=np.uint32)
+    bits |= rng.integers(0, 2, bits.shape, dtype=np.uint32) << 31
+    x = np.concatenate([bits.view(np.float32), np.zeros((1, GROUP), dtype=np.float32),
+                        extreme_groups(rng)])
+    down, up = host_split_scales(blockmath, x)
+    e = split_exponents(x)[:, 0]
+    assert set(np.unique(e)) > {-126, 0, 113}  # both ends and the unscaled band
+    np.testing.assert_array_equal(up, np.exp2(e).astype(np.float32))
+    np.testing.assert_array_equal(down, np.exp2(-e).astype(np.float32))
+
+
+def test_split_holds_every_finite_activation() -> None:
+    """Against float64: each group's hi + lo (times 2^e) is finite and within 2^-22 M of each
+    x (float32 subnormals exactly), so a product with levels (integers, as the kernels'
+    weights) is within 2^-22 M sum |level| of the exact one, where the plain split's parts are
+    inf or NaN for every group of M >= 65520."""
+    rng = np.random.default_rng(67)
+    x = extreme_groups(rng)
+    hi, lo = activation_parts(x)
+    x64 = x.astype(np.float64)
+    largest = np.abs(x64).max(axis=1, keepdims=True)
+    assert np.isfinite(hi).all() and np.isfinite(lo).all()
+    assert (np.abs(hi + lo - x64) <= 2.0**-22 * largest).all()
+    subnormal = largest[:, 0] < 2.0**-126
+    assert subnormal.any()
+    np.testing.assert_array_equal((hi + lo)[subnormal], x64[subnormal])
+    levels = rng.integers(-32, 32, (GROUP, 8)).astype(np.float64)
+    error = np.abs((hi + lo) @ levels - x64 @ levels)
+    assert (error <= 2.0**-22 * largest * (np.abs(levels).sum(axis=0))).all()
+    with np.errstate(over="ignore", invalid="ignore"):  # float16's inf, inf - inf
+        plain_hi, plain_lo = float16_parts(x)
+        plain_finite = np.isfinite(plain_hi + plain_lo).all(axis=1)
+    past_float16 = largest[:, 0] >= 65520.0
+    assert past_float16.sum() >= 8
+    assert not plain_finite[past_float16].any()
+
+
+def test_split_is_the_plain_one_below_float16s_limit() -> None:
+    """Groups whose largest magnitude lies in [2^-2, 2^15) are split unscaled (e = 0), and
+    those in [2^15, 65520) scaled by 2^-1: both give the plain split's parts bit for bit."""
+    rng = np.random.default_rng(71)
+    largest = np.exp2(rng.uniform(-2.0, 16.0, 2048)).astype(np.float32)
+    largest = np.minimum(largest, np.float32(65519.0))
+    x = rng.uniform(-1.0, 1.0, (largest.size, GROUP)).astype(np.float32) * largest[:, None]
+    x[:, 0] = largest
+    e = split_exponents(x)[:, 0]
+    assert set(np.unique(e)) == {0, 1}
+    np.testing.assert_array_equal(e == 0, largest < 2.0**15)
+    for got, plain in zip(activation_parts(x), float16_parts(x)):
+        np.testing.assert_array_equal(got, plain)

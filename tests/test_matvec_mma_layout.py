@@ -1,7 +1,9 @@
 """The tensor-core matvec's data layout (cuda_src/matvec_mma.cu), Q4_K and Q6_K (row-planar),
 played on numpy without a device: every lane's A fragments from its own weight bytes, its B fragments from the shared
-activation table as fill_table lays it out and the owner / zero rule reads it, the MMAs by the
-PTX m16n8k16 fragment layout, each lane's scales on its own accumulator columns. The result
+activation table as fill_table lays it out (each 32-element group's power-of-two scale found
+over the lanes GROUP_LANE_BITS names) and the owner / zero rule reads it, the MMAs by the
+PTX m16n8k16 fragment layout, each lane's scales and its groups' 2^e on its own accumulator
+columns. The result
 must be the product of the decoded weights: a wrong word, pair, entry, column or scale
 in the layout moves it far off. (What only a device shows, the tensor cores' own float32
 sums, is the device tests' part: tests/gpu/test_kernels.py.)"""
@@ -13,11 +15,13 @@ import pytest
 
 from actors.compute.cuda_plan import planar_q6_K_rows
 from actors.model.gguf.quants import _k_scales_mins, dequantize
-from tests.cuda_samples import finite_blocks
+from tests.cuda_samples import SPLIT_GROUP, finite_blocks, split_exponents
 
 ROWS, LANES = 16, 32
 TABLE_BLOCKS, ENTRIES_PER_BLOCK = 32, 64  # matvec_mma.cu's constants
 LOW_NIBBLE_PAIR, HIGH_NIBBLE_PAIR = 0x000F000F, 0x00F000F0
+K_BLOCK_GROUPS = 256 // SPLIT_GROUP
+Q4_K_GROUP_LANE_BITS, Q6_K_GROUP_LANE_BITS = 0b00111, 0b01011  # MmaQ4K's, MmaQ6K's
 
 
 def halves(pairs: np.ndarray) -> np.ndarray:
@@ -67,19 +71,40 @@ def q6_K_first_element(c: int, i: int) -> int:
     return 128 * (c // 2) + 16 * (c % 2) + 32 * (i // 4) + 4 * (i % 4)
 
 
+def item_runs(x: np.ndarray, block: int, item: int, first_element,
+              second_offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two 4-element runs of x fill_table's item (lane) `item` splits in K-block `block`."""
+    base = block * 256 + first_element(item // 8 % 4, item % 8)
+    return x[base:base + 4], x[base + second_offset:base + second_offset + 4]
+
+
 def fill_table(x: np.ndarray, first: int, count: int, first_element=q4_K_first_element,
-               second_offset: int = 32) -> tuple[np.ndarray, np.ndarray]:
-    """fill_table's entries (uint32, 4 a 16-byte entry; 16 zero entries at the end) and sums
-    (per K-block and chunk c: the entries' first and second elements) of K-blocks [first,
-    first + count); entry i of chunk c splits elements first_element(c, i) .. + 3 and
-    second_offset on."""
+               second_offset: int = 32, group_lane_bits: int = Q4_K_GROUP_LANE_BITS
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """fill_table's entries (uint32, 4 a 16-byte entry; 16 zero entries at the end), sums
+    (per K-block and chunk c: the entries' first and second elements) and factors (per
+    K-block, its 32-element groups' 2^e) of K-blocks [first, first + count); entry i of chunk
+    c splits elements first_element(c, i) .. + 3 and second_offset on, each run scaled by
+    2^-e of the exponent found over the runs of the lanes that differ from its own in
+    group_lane_bits alone."""
     table = np.zeros((TABLE_BLOCKS * ENTRIES_PER_BLOCK + 16, 4), dtype=np.uint32)
     sums = np.zeros((TABLE_BLOCKS * 4, 2))
+    factors = np.zeros(TABLE_BLOCKS * K_BLOCK_GROUPS)
     for item in range(count * 32):
         block, c, i = item // 32, item // 8 % 4, item % 8
-        base = (first + block) * 256 + first_element(c, i)
-        low, high = x[base:base + 4], x[base + second_offset:base + second_offset + 4]
-        parts = [split(low), split(high)]
+        low, high = item_runs(x, first + block, item, first_element, second_offset)
+        lanes = [other for other in range(32)
+                 if other & ~group_lane_bits == item % 32 & ~group_lane_bits]
+        group_runs = [item_runs(x, first + block, lane, first_element, second_offset)
+                      for lane in lanes]
+        e_low, e_high = (int(split_exponents(np.concatenate([runs[r] for runs in group_runs]))[0])
+                         for r in range(2))
+        parts = [split(low * np.float32(2.0**-e_low)), split(high * np.float32(2.0**-e_high))]
+        element = first_element(c, i)
+        if element % SPLIT_GROUP == 0:
+            factors[block * K_BLOCK_GROUPS + element // SPLIT_GROUP] = 2.0**e_low
+            factors[block * K_BLOCK_GROUPS + (element + second_offset) // SPLIT_GROUP] = \
+                2.0**e_high
         for part in range(2):  # hi entry, then lo entry
             (low_part, high_part) = (parts[0][part], parts[1][part])
             table[block * ENTRIES_PER_BLOCK + (8 * c + i) * 2 + part] = [
@@ -87,7 +112,7 @@ def fill_table(x: np.ndarray, first: int, count: int, first_element=q4_K_first_e
                 pairs_of(high_part[0:1], high_part[2:3])[0],
                 pairs_of(high_part[1:2], high_part[3:4])[0]]
         sums[block * 4 + c] += [low.astype(np.float64).sum(), high.astype(np.float64).sum()]
-    return table, sums
+    return table, sums, factors
 
 
 def levels(words: np.ndarray, mask: int) -> np.ndarray:
@@ -97,9 +122,9 @@ def levels(words: np.ndarray, mask: int) -> np.ndarray:
     return pairs_of(biased[..., 0], biased[..., 1])
 
 
-def lane_block_sums(raw_tile: np.ndarray, table: np.ndarray, sums: np.ndarray, block: int,
-                    k: int) -> np.ndarray:
-    """multiply_lane_block for every lane of K-block `block` (table index k): (32, 2) sums of
+def lane_block_sums(raw_tile: np.ndarray, table: np.ndarray, sums: np.ndarray,
+                    factors: np.ndarray, block: int, k: int) -> np.ndarray:
+    """MmaQ4K::multiply for every lane of K-block `block` (table index k): (32, 2) sums of
     rows g and g + 8 over the lane's two sub-blocks."""
     lane = np.arange(LANES)
     g, c = lane // 4, lane % 4
@@ -130,8 +155,10 @@ def lane_block_sums(raw_tile: np.ndarray, table: np.ndarray, sums: np.ndarray, b
         dmin = head[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float64)
         scales, mins = _k_scales_mins(head[:, 4:16])  # (32 lanes, 8 sub-blocks)
         sub_block = 2 * c
-        scaled = (scales[lane, sub_block] * (low[:, 2 * r] + low[:, 2 * r + 1]) +
-                  scales[lane, sub_block + 1] / 16 * (high[:, 2 * r] + high[:, 2 * r + 1]))
+        factor_low, factor_high = (factors[k * K_BLOCK_GROUPS + sub_block + s] for s in (0, 1))
+        scaled = (scales[lane, sub_block] * (low[:, 2 * r] + low[:, 2 * r + 1]) * factor_low +
+                  scales[lane, sub_block + 1] / 16 * (high[:, 2 * r] + high[:, 2 * r + 1]) *
+                  factor_high)
         lane_sums = sums[k * 4 + c]
         min_terms = (mins[lane, sub_block] * lane_sums[:, 0] +
                      mins[lane, sub_block + 1] * lane_sums[:, 1])
@@ -152,7 +179,7 @@ def six_bit_pairs(first_run: np.ndarray, second_run: np.ndarray, top: np.ndarray
 
 
 def q6_K_lane_block_sums(planar_tile: np.ndarray, n_blocks: int, table: np.ndarray,
-                         block: int, k: int) -> np.ndarray:
+                         factors: np.ndarray, block: int, k: int) -> np.ndarray:
     """MmaQ6K::multiply for every lane of K-block `block` (table index k), reading the
     row-planar rows: (32, 2) sums of rows g and g + 8 over the lane's four sub-blocks."""
     lane = np.arange(LANES)
@@ -184,8 +211,9 @@ def q6_K_lane_block_sums(planar_tile: np.ndarray, n_blocks: int, table: np.ndarr
                 sums[half] = mma(a, b[:, 2 * half:2 * half + 2], sums[half])
         for r in range(2):
             for half, quarter in enumerate((u, u + 2)):
-                out[:, r] += d[r] * scales[r][:, quarter] * (sums[half][:, 2 * r] +
-                                                             sums[half][:, 2 * r + 1])
+                factor = factors[k * K_BLOCK_GROUPS + 4 * h + quarter]
+                out[:, r] += d[r] * scales[r][:, quarter] * factor * (sums[half][:, 2 * r] +
+                                                                      sums[half][:, 2 * r + 1])
     return out
 
 
@@ -199,13 +227,14 @@ def mma_matvec_row_tile(raw_tile: np.ndarray, x: np.ndarray, type_name: str) -> 
     for first in range(0, n_blocks, TABLE_BLOCKS):
         count = min(TABLE_BLOCKS, n_blocks - first)
         if planar is None:
-            table, sums = fill_table(x, first, count)
+            table, sums, factors = fill_table(x, first, count)
             for k in range(count):
-                acc += lane_block_sums(raw_tile, table, sums, first + k, k)
+                acc += lane_block_sums(raw_tile, table, sums, factors, first + k, k)
         else:
-            table, _ = fill_table(x, first, count, q6_K_first_element, 64)
+            table, _, factors = fill_table(x, first, count, q6_K_first_element, 64,
+                                           Q6_K_GROUP_LANE_BITS)
             for k in range(count):
-                acc += q6_K_lane_block_sums(planar, n_blocks, table, first + k, k)
+                acc += q6_K_lane_block_sums(planar, n_blocks, table, factors, first + k, k)
     per_row = acc.reshape(8, 4, 2).sum(axis=1)  # lanes 4g..4g+3
     return np.concatenate([per_row[:, 0], per_row[:, 1]])
 
@@ -224,3 +253,24 @@ def test_lane_fragments_and_table_give_the_product(n_in: int, type_name: str) ->
     expected = w @ x.astype(np.float64)
     scale = np.abs(w) @ np.abs(x.astype(np.float64))
     assert (np.abs(got - expected) <= 1e-6 * scale).all()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_extreme_activations_give_the_product(type_name: str) -> None:
+    """Groups of 32 elements at 7e4, 1e5 and 1e30 (past float16's range), 1e-5, 1e-30 and
+    1e-40 (below its resolution) and plain ones, 1024 inputs: within float32 of the decoded
+    weights' product plus what the split may cost (2^-22 of a group's largest magnitude an
+    element), where the plain split gave NaN."""
+    rng = np.random.default_rng(53)
+    n_in = 1024
+    raw = finite_blocks(type_name, ROWS, n_in, rng)
+    magnitudes = np.array([7e4, 1e5, 1e30, 1.0, 1e-5, 1e-30, 1e-40, 1.0])
+    groups = rng.standard_normal((n_in // SPLIT_GROUP, SPLIT_GROUP))
+    groups *= magnitudes[np.arange(len(groups)) % magnitudes.size, None]
+    x = groups.reshape(-1).astype(np.float32)
+    w = dequantize(raw, type_name, (ROWS, n_in)).astype(np.float64)
+    got = mma_matvec_row_tile(raw, x, type_name)
+    x64 = x.astype(np.float64)
+    largest = np.repeat(np.abs(x64).reshape(-1, SPLIT_GROUP).max(axis=1), SPLIT_GROUP)
+    bound = 1e-6 * (np.abs(w) @ np.abs(x64)) + 2.0**-22 * (np.abs(w) @ largest)
+    assert (np.abs(got - w @ x64) <= bound).all()

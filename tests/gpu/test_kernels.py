@@ -393,6 +393,47 @@ def test_matvec_mma_matches_its_twin(kernel: Kernel, n_in: int, batch: int,
     assert error.mean() < 0.05 * one_rounding.mean()
 
 
+def extreme_activations(rng: np.random.Generator, batch: int, n_in: int) -> np.ndarray:
+    """activations() whose 32-element groups take turns at magnitudes float16 cannot hold
+    (7e4, 1e5, 1e30) or resolve (1e-5, 1e-30, float32 subnormals at 1e-40) beside plain ones,
+    and every 8th group ones with a 1e5 among them."""
+    x = activations(rng, batch, n_in)
+    magnitudes = np.array([1.0, 7e4, 1e5, 1e30, 1e-5, 1e-30, 1e-40, 1.0], dtype=np.float32)
+    groups = x[:, :n_in].reshape(batch, -1, 32)
+    turn = (np.arange(groups.shape[1]) + np.arange(batch)[:, None]) % magnitudes.size
+    groups *= magnitudes[turn][..., None]
+    groups[:, 7::8] = 1.0
+    groups[:, 7::8, 5] = 1e5
+    return x
+
+
+@pytest.mark.parametrize(("shape", "type_name"),
+                         [(shape, type_name) for shape in ("tiles", "decode_tiles")
+                          for type_name in ALL_TYPES]
+                         + [("matvec_mma", type_name) for type_name in plan.MATVEC_MMA_TYPES])
+def test_tensor_core_products_hold_any_finite_activation(kernel: Kernel, shape: str,
+                                                         type_name: str) -> None:
+    """Activations past float16's range and below its resolution (extreme_activations): each
+    tensor-core product within 4x the classic bound of the float64 product plus what the
+    float16 split may cost (2^-22 of each 32-element group's largest magnitude an element),
+    finite where the plain split turned every row holding 65,520 or more into NaN."""
+    rows, tokens, n_in = 70, 9, 2048
+    rng = np.random.default_rng(47)
+    raw = finite_blocks(type_name, rows, n_in, rng)
+    x = extreme_activations(rng, tokens, n_in)
+    if shape == "matvec_mma":
+        got = matvec_mma(kernel, raw, type_name, x, tokens)
+    else:
+        got = tiles(kernel, shape, raw, type_name, x, tokens)
+    w = dequantize(raw, type_name, (rows, n_in)).astype(np.float64)
+    x64 = x[:, :n_in].astype(np.float64)
+    largest = np.abs(x64).reshape(tokens, -1, 32).max(axis=2, keepdims=True)
+    split_bound = 2.0**-22 * (np.broadcast_to(largest, (tokens, n_in // 32, 32))
+                              .reshape(tokens, n_in) @ np.abs(w).T)
+    assert np.isfinite(got).all()
+    assert (np.abs(got - x64 @ w.T) <= summation_bound(w, x64, factor=4.0) + split_bound).all()
+
+
 @pytest.mark.parametrize("type_name", plan.MATVEC_MMA_TYPES)
 def test_matvec_mma_rows_do_not_depend_on_the_batch(kernel: Kernel, type_name: str) -> None:
     """The matvec_mma route's promise: row b of y is bit for bit the same alone or among 9,
