@@ -33,6 +33,16 @@ STRUCTURED_FLAGS = {
 }
 
 
+class ExamplesHelpFormatter(argparse.HelpFormatter):
+    """argparse's help, wrapped to the terminal as usual, except that lines of the description
+    or epilog indented by two spaces (example command lines) stay whole, to copy and run."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(indent + line if line.startswith("  ")
+                         else super(ExamplesHelpFormatter, self)._fill_text(line, width, indent)
+                         for line in text.splitlines())
+
+
 def at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: a whole number >= `minimum`."""
 
