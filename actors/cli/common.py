@@ -38,8 +38,8 @@ class ExamplesHelpFormatter(argparse.HelpFormatter):
     or epilog indented by two spaces (example command lines) stay whole, to copy and run."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return "\n".join(indent + line if line.startswith("  ")
-                         else super(ExamplesHelpFormatter, self)._fill_text(line, width, indent)
+        fill = super()._fill_text
+        return "\n".join(indent + line if line.startswith("  ") else fill(line, width, indent)
                          for line in text.splitlines())
 
 
