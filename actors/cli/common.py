@@ -15,6 +15,7 @@ from rich.console import Console
 from actors.compute.backends import BACKEND_NAMES, nvidia_gpu_present
 from actors.errors import BackendUnavailable, InvalidRequest
 from actors.logs import LEVELS, configure_logging
+from actors.model.packaged import DEFAULT_MODEL, resolve_model
 
 if TYPE_CHECKING:
     from actors.engine import Engine
@@ -32,6 +33,16 @@ STRUCTURED_FLAGS = {
 }
 
 
+class ExamplesHelpFormatter(argparse.HelpFormatter):
+    """argparse's help, wrapped to the terminal as usual, except that lines of the description
+    or epilog indented by two spaces (example command lines) stay whole, to copy and run."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        fill = super()._fill_text
+        return "\n".join(indent + line if line.startswith("  ") else fill(line, width, indent)
+                         for line in text.splitlines())
+
+
 def at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: a whole number >= `minimum`."""
 
@@ -47,12 +58,15 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return whole_number
 
 
-def add_model_flag(
-    parser: argparse.ArgumentParser, default_help: str = "the gemma3-270m default model"
-) -> None:
+def add_model_flag(parser: argparse.ArgumentParser, default: str = DEFAULT_MODEL,
+                   default_help: str | None = None) -> None:
+    """--model: a GGUF file's path or a packaged model's name; without it, the packaged model
+    `default` (`model_source`). `default_help` says so where the verb picks it otherwise."""
     parser.add_argument(
-        "--model", metavar="PATH", default=None, help=f"GGUF model file (default: {default_help})"
-    )
+        "--model", metavar="MODEL", default=None,
+        help="a GGUF model file, or a packaged model's name (`q4k models` lists them; default: "
+        f"{default_help or default})")
+    parser.set_defaults(default_model=default)
 
 
 def add_logging_flags(
@@ -200,13 +214,16 @@ def _json_schema_file(path: str) -> Any:
                              field="structured.json_schema") from None
 
 
-def model_path_from(args: argparse.Namespace) -> Path:
-    """The --model path, or the default model (assembled on first use)."""
-    if args.model is not None:
-        return Path(args.model)
-    from actors.model.default_model import default_model_path
+def model_source(args: argparse.Namespace) -> str:
+    """What --model names (a path or a packaged model's name), else the verb's default model."""
+    return args.model if args.model is not None else args.default_model
 
-    return default_model_path()
+
+def model_path_from(args: argparse.Namespace) -> Path:
+    """The file of the model `model_source` names (the packaged default assembled on first
+    use); `ModelFormatError` when it names no file and no packaged model, or one not
+    installed."""
+    return resolve_model(model_source(args))
 
 
 def error_line(verb: str, message: str) -> int:
@@ -229,14 +246,15 @@ def add_backend_flag(parser: argparse.ArgumentParser) -> None:
 @asynccontextmanager
 async def open_engine(args: argparse.Namespace, *, report_memory: bool = False,
                       **options: Any) -> AsyncIterator[Engine]:
-    """`Engine.open` for the --model and --backend flags; `options` go to the engine. A backend
+    """`Engine.open` for the --model (`model_source`) and --backend flags; `options` go to the
+    engine. A backend
     that cannot run is told in the command line's words; once open, `backend_notice` says
     (one line on stderr) when --backend auto passed over a GPU this machine has, and with
     `report_memory` one line says what the engine holds (`memory_line`)."""
     from actors.engine import Engine
 
     try:
-        async with Engine.open(args.model, backend=args.backend, **options) as engine:
+        async with Engine.open(model_source(args), backend=args.backend, **options) as engine:
             notice = backend_notice(args.backend, engine)
             if notice is not None:
                 print(f"q4k {args.verb}: notice: {notice}", file=sys.stderr, flush=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from rich.table import Table
 from rich.text import Text
@@ -14,6 +13,7 @@ from actors.cli.common import console
 from actors.model.arch import architecture_features
 from actors.model.gguf.inventory import Inventory, inventory
 from actors.model.gguf.reader import open_gguf
+from actors.model.packaged import DEFAULT_MODEL, resolve_model
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -27,20 +27,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "memory and KV cache bytes per token.",
     )
     parser.add_argument("model", nargs="?", metavar="MODEL",
-                        help="GGUF model file (default: the gemma3-270m default model)")
+                        help="a GGUF model file, or a packaged model's name (`q4k models` lists "
+                        f"them; default: {DEFAULT_MODEL})")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with stable snake_case keys")
     parser.set_defaults(handler=_inspect)
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    if args.model is None:
-        from actors.model.default_model import default_model_path
-
-        path = default_model_path()
-    else:
-        path = Path(args.model)
-    with open_gguf(path) as model:
+    with open_gguf(resolve_model(args.model)) as model:
         report = inventory(model)
     if args.json:
         sys.stdout.write(json.dumps(report.to_dict(), indent=2) + "\n")

@@ -288,8 +288,13 @@ def _render_summary(s: LogSummary, out: Console) -> None:
         out.print(problems)
         for bad in s.malformed_examples:
             out.print(Text(f"  {_where(bad)}: {bad.reason}: {bad.excerpt}", style="dim"))
-    for notice in s.notices:
-        out.print(Text(f"notice: {notice}", style="yellow"))
+    if s.notices:
+        # A notice speaks of the machine that ran the engine (no GPU there...), which need not
+        # be this one: it is shown as what the log says.
+        out.print("notices the log holds (from the run that wrote it, about the machine it ran "
+                  "on):")
+        for notice in s.notices:
+            out.print(Text(f"  {_cell(notice)}", style="yellow"))
 
 
 def _data(text: str) -> Text:

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from actors.cli.common import add_logging_flags, configure_logging_from
+from actors.cli.common import ExamplesHelpFormatter, add_logging_flags, configure_logging_from
 from actors.model.gguf.quantize_file import FILE_TYPES, quantize_file
 
 
@@ -18,6 +18,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "by llama.cpp's per-tensor recipe for --type (norms and other 1-D tensors stay "
         "float). Metadata is kept; general.file_type is updated. A progress bar shows on a "
         "terminal.",
+        epilog="examples (INPUT as llama.cpp's convert_hf_to_gguf.py writes it, say):\n"
+        "  q4k quantize model-f16.gguf model-q4_k_m.gguf\n"
+        "  q4k quantize model-f16.gguf model-q8_0.gguf --type Q8_0\n"
+        "then `q4k inspect model-q4_k_m.gguf` shows its tensor types, and "
+        "`q4k generate PROMPT --model model-q4_k_m.gguf` runs it.",
+        formatter_class=ExamplesHelpFormatter,
     )
     parser.add_argument("input", metavar="INPUT", help="source GGUF file")
     parser.add_argument("output", metavar="OUTPUT", help="GGUF file to write")

@@ -1,6 +1,7 @@
 """`q4k serve`: the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
 /health, /metrics) over one engine, on uvicorn. Once the engine is open, one line on stderr
-says what it holds: its resident memory after loading and the positions its KV pool holds."""
+says what it holds (its resident memory after loading and the positions its KV pool holds) and
+the next that the server is ready, with its URL."""
 
 from __future__ import annotations
 
@@ -26,11 +27,13 @@ from actors.cli.common import (
     configure_logging_from,
     has_chat_template,
     model_path_from,
+    model_source,
     open_engine,
     read_template,
 )
 from actors.errors import InvalidRequest, Q4KError
 from actors.logs import LEVELS, get_logger
+from actors.model.packaged import CHAT_MODEL, DEFAULT_MODEL, PACKAGED_MODELS, packaged_model
 from actors.serve.guard import (
     ANY_HOST,
     API_KEY_ENV,
@@ -70,14 +73,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "per request plus the engine's events, on stderr or --log-file. Needs "
         "pip install 'q4k-actors[serve]'.",
     )
-    add_model_flag(parser)
+    add_model_flag(parser, default_help=f"{CHAT_MODEL} when installed, so that both endpoints "
+                   f"answer, else {DEFAULT_MODEL}")
     add_backend_flag(parser)
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help=f"address to listen on (default {DEFAULT_HOST}: this machine only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help=f"port to listen on (default {DEFAULT_PORT}; 0 = any free port)")
     parser.add_argument("--served-model-name", metavar="NAME", default=None,
-                        help="the model id clients send (default: the model file's name)")
+                        help="the model id clients send (default: the packaged model's name "
+                        "--model gave, else the model file's name without .gguf)")
     parser.add_argument("--max-sequences", type=at_least(1), default=64, metavar="N",
                         help="requests decoding at once (default 64)")
     parser.add_argument("--max-queued", type=at_least(0), default=256, metavar="N",
@@ -194,6 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
     limits = _request_limits(args)
     _configure_server_logging(args)
     template = read_template(args.template)
+    args.default_model = _default_model()
     model = model_path_from(args)
     # Reads the model's header before anything starts: a bad file fails here.
     options = ServerOptions(chat_template=template,
@@ -205,20 +211,20 @@ def _serve(args: argparse.Namespace) -> int:
     listener = _listen(args.host, args.port)
     failures: list[Q4KError] = []
     config = uvicorn.Config(
-        build_app(partial(_open_for_serving, args), args.served_model_name or model.stem,
+        build_app(partial(_open_for_serving, args, _url(*listener.getsockname()[:2])),
+                  _served_model_name(args, model),
                   on_failure=lambda exc: _stop(server, failures, exc), options=options,
                   limits=limits),
         http=bounded_h11_protocol(_connection_limits(args)),
         log_config=None, access_log=False, lifespan="on",
     )
     server = uvicorn.Server(config)
-    host, port = listener.getsockname()[:2]
-    print(f"q4k serve: {model.name} on http://{host}:{port}/v1 (loading; GET /health says when "
-          "it is ready)", file=sys.stderr, flush=True)
+    print(f"q4k serve: {model.name} on {_url(*listener.getsockname()[:2])} (loading; a line "
+          "and GET /health say when it is ready)", file=sys.stderr, flush=True)
     if not options.chat_available:
         print(f"q4k serve: notice: {model.name} has no chat template, so "
-              "/v1/chat/completions is unavailable (restart with --template FILE to chat; "
-              "/v1/completions works)", file=sys.stderr, flush=True)
+              f"/v1/chat/completions is unavailable (restart with --template FILE{_chat_hint()}"
+              " to chat; /v1/completions works)", file=sys.stderr, flush=True)
     try:
         server.run(sockets=[listener])
     except KeyboardInterrupt:
@@ -229,15 +235,46 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_model() -> str:
+    """The model served without --model: the packaged instruction-tuned one when installed, as
+    most clients of an OpenAI server chat and it answers /v1/completions too; else the default
+    model, a base model that answers /v1/completions only (a notice says so)."""
+    return CHAT_MODEL if PACKAGED_MODELS[CHAT_MODEL].locate() is not None else DEFAULT_MODEL
+
+
+def _chat_hint() -> str:
+    """How to chat when the model served has no chat template: a template, or the packaged
+    chat model when it is not installed yet."""
+    chat_model = PACKAGED_MODELS[CHAT_MODEL]
+    if chat_model.locate() is not None:
+        return f", or --model {CHAT_MODEL}"
+    return f", or `{chat_model.install}` and --model {CHAT_MODEL}"
+
+
+def _served_model_name(args: argparse.Namespace, model: Path) -> str:
+    """The model id clients send: --served-model-name, else the packaged model's name the
+    model was given by, else the file's name without .gguf."""
+    if args.served_model_name:
+        return args.served_model_name
+    known = packaged_model(model_source(args))
+    return known.name if known is not None else model.stem
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://{host}:{port}/v1"
+
+
 @asynccontextmanager
-async def _open_for_serving(args: argparse.Namespace) -> AsyncIterator[Engine]:
+async def _open_for_serving(args: argparse.Namespace, url: str) -> AsyncIterator[Engine]:
     """The engine `q4k serve` serves for the life of its process (see
-    `freeze_long_lived_objects`), its memory said on stderr."""
+    `freeze_long_lived_objects`), its memory said on stderr, then that the server is ready."""
     from actors.serve.app import freeze_long_lived_objects
 
     async with open_engine(args, report_memory=True, max_sequences=args.max_sequences,
                            max_queued=args.max_queued) as engine:
         freeze_long_lived_objects()
+        # No await until the app holds the engine: a client acting on this line is answered.
+        print(f"q4k serve: ready on {url}", file=sys.stderr, flush=True)
         yield engine
 
 
@@ -265,7 +302,7 @@ def _serve_on_ray(args: argparse.Namespace, model: Path, options: ServerOptions,
                              field="replicas")
     settings = ReplicaSettings(
         model=str(model.resolve()), backend=args.backend,
-        served_model_name=args.served_model_name or model.stem,
+        served_model_name=_served_model_name(args, model),
         chat_template=options.chat_template, max_tokens_limit=args.max_tokens_limit,
         max_sequences=args.max_sequences, max_queued=args.max_queued, limits=limits)
     joined = os.environ.get("RAY_ADDRESS")
@@ -279,9 +316,9 @@ def _serve_on_ray(args: argparse.Namespace, model: Path, options: ServerOptions,
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(serve_application(settings, num_replicas=args.replicas), name=RAY_APP_NAME,
                   route_prefix="/")
-        print(f"q4k serve: {model.name} on http://{args.host}:{args.port}/v1 ({args.replicas} "
-              f"replicas on Ray Serve, Ray at {context.address_info['gcs_address']}; Ctrl-C "
-              "stops)", file=sys.stderr, flush=True)
+        print(f"q4k serve: ready on {_url(args.host, args.port)} ({model.name}, "
+              f"{args.replicas} replicas on Ray Serve, Ray at "
+              f"{context.address_info['gcs_address']}; Ctrl-C stops)", file=sys.stderr, flush=True)
         threading.Event().wait()
     except KeyboardInterrupt:
         pass

@@ -16,6 +16,7 @@ from actors.model.arch import ModelSpec, spec_from_gguf
 from actors.model.forward import KVPool, Transformer
 from actors.model.gguf.inventory import type_mix
 from actors.model.gguf.reader import GGUFFile, open_gguf
+from actors.model.packaged import resolve_model
 from actors.model.step import StepItem, StepPlan, plan_step
 from actors.model.tensors import ModelTensors
 from actors.model.weights import ModelWeights, load_quantized_weights, load_weights
@@ -115,15 +116,12 @@ class Model(OpenedModel):
 
 
 def open_model(path: str | Path | None = None) -> OpenedModel:
-    """Open a GGUF file (None = the default gemma-3-270m) and read its spec, without loading
-    any weights. Raises `ModelFormatError` for a broken file and `UnsupportedModelError` for an
-    architecture we do not run."""
-    if path is None:
-        from actors.model.default_model import default_model_path
-
-        path = default_model_path()
+    """Open a GGUF file (a path, a packaged model's name such as "smollm2-135m-instruct", or
+    None = the default gemma-3-270m) and read its spec, without loading any weights. Raises
+    `ModelFormatError` for a broken file or a packaged model not installed, and
+    `UnsupportedModelError` for an architecture we do not run."""
     started = time.perf_counter()
-    gguf = open_gguf(path)
+    gguf = open_gguf(resolve_model(path))
     try:
         return OpenedModel(gguf, spec_from_gguf(gguf), load_ms=(time.perf_counter() - started) * 1e3)
     except BaseException:
@@ -183,7 +181,8 @@ def load_model(
     progress: Callable[[int, int], None] | None = None,
     weights: str = "quantized",
 ) -> Model:
-    """Open a GGUF file (None = the default gemma-3-270m) and load its weights: as the file's
+    """Open a GGUF file (a path, a packaged model's name, or None = the default gemma-3-270m;
+    see `open_model`) and load its weights: as the file's
     quantized blocks, or with `weights="float32"` dequantized (`load_quantized`,
     `load_float32`).
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from actors.errors import InvalidRequest, ModelFormatError, UnsupportedModelError
 from actors.model.gguf.reader import GGUFFile, open_gguf
+from actors.model.packaged import resolve_model
 from actors.model.text.bpe import (
     BYTE_LEVEL_CHARS,
     ByteLevelBpeEncoder,
@@ -206,10 +207,11 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """The tokenizer of the GGUF file at `path`: a whole model, or a vocabulary-only file
-    (no tensors). ModelFormatError for a file that is no valid GGUF or holds a broken
-    vocabulary, UnsupportedModelError for a tokenizer this engine lacks; both name the file."""
-    with open_gguf(path) as gguf_file:
+    """The tokenizer of the GGUF file at `path` (or of the packaged model it names, such as
+    "gemma-3-270m"): a whole model, or a vocabulary-only file (no tensors). ModelFormatError
+    for a file that is no valid GGUF or holds a broken vocabulary (or a packaged model not
+    installed), UnsupportedModelError for a tokenizer this engine lacks; both name the file."""
+    with open_gguf(resolve_model(path)) as gguf_file:
         return tokenizer_of_file(gguf_file)
 
 
