@@ -1,5 +1,5 @@
 """Reasoning kept apart (actors.reasoning): a thinking model's reasoning comes as the chunks'
-`reasoning`, never in the text; its markers in neither.
+`reasoning` and the server's `reasoning_content`, never in the text; its markers in neither.
 
 The model is scripted: the fake backend over the tiny Qwen3's vocabulary with two of its
 tokens made `<think>` and `</think>` (user-defined tokens, as in Qwen3's files), answering
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import jsonschema
 import numpy as np
+import openai
 import pytest
 
 from actors import InvalidRequest
@@ -38,8 +40,10 @@ from actors.reasoning import (
     opening_phase,
     reasoning_markers,
 )
+from actors.serve.app import ServerOptions
 from tests.conftest import TINY_MODELS
 from tests.test_engine_fake import CountingBackend
+from tests.test_server_fake import MODEL, serving, until_ready
 
 pytestmark = pytest.mark.anyio
 
@@ -280,3 +284,114 @@ async def test_a_schema_holds_from_the_end_marker_on(template: str | None) -> No
     jsonschema.validate(json.loads(whole.text), DIGIT)
     assert budgeted.reasoning == text_of(reasoning_written(template)[:3]).strip()
     jsonschema.validate(json.loads(budgeted.text), DIGIT)
+
+
+# --- the server: message.reasoning_content and delta.reasoning_content -------------------------
+
+
+@asynccontextmanager
+async def thinking_server(template: str | None = None) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with serving(open_thinker, ServerOptions(chat_template=template)) as http:
+        await until_ready(http)
+        async with openai.AsyncOpenAI(base_url=f"{http.base_url}/v1", api_key="unused",
+                                      max_retries=0) as client:
+            yield client
+
+
+async def chat(client: openai.AsyncOpenAI, **request: Any) -> Any:
+    return await client.chat.completions.create(
+        model=MODEL, messages=ASK, **{"temperature": 0, "max_tokens": 64, **request})
+
+
+async def streamed_deltas(client: openai.AsyncOpenAI, **request: Any) -> list[tuple[str, str]]:
+    """The stream's deltas as (field, text): reasoning_content or content."""
+    deltas = []
+    async for chunk in await chat(client, stream=True, **request):
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump()
+            deltas += [(field, delta[field]) for field in ("reasoning_content", "content")
+                       if delta.get(field)]
+    return deltas
+
+
+@pytest.mark.parametrize("template", [None, OPEN_TEMPLATE], ids=["optional", "opened"])
+async def test_the_server_splits_reasoning_whole_and_streamed(template: str | None) -> None:
+    async with thinking_server(template) as client:
+        whole = await chat(client)
+        deltas = await streamed_deltas(client)
+    message = whole.choices[0].message
+    assert message.reasoning_content == REASONING_TEXT
+    assert message.content == ANSWER_TEXT
+    assert whole.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens(template)
+    fields = [field for field, _ in deltas]
+    assert fields == sorted(fields, reverse=True)  # all reasoning_content, then content
+    assert "".join(text for field, text in deltas if field == "reasoning_content") == \
+        REASONING_TEXT
+    assert "".join(text for field, text in deltas if field == "content") == ANSWER_TEXT
+
+
+async def test_the_server_answers_a_schema_after_free_reasoning() -> None:
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": "digit", "schema": DIGIT, "strict": True}}
+    async with thinking_server() as client:
+        whole = await chat(client, response_format=response_format)
+        deltas = await streamed_deltas(client, response_format=response_format)
+    message = whole.choices[0].message
+    assert message.reasoning_content == REASONING_TEXT
+    jsonschema.validate(json.loads(message.content), DIGIT)
+    assert "".join(text for field, text in deltas if field == "content") == message.content
+
+
+async def test_the_server_forces_the_end_at_the_reasoning_budget() -> None:
+    async with thinking_server() as client:
+        whole = await chat(client, extra_body={"reasoning_budget": 3})
+        with pytest.raises(openai.BadRequestError) as refused:
+            await chat(client, extra_body={"reasoning_budget": -2})
+    message = whole.choices[0].message
+    assert message.reasoning_content == text_of(Thinker().reasoning[:3]).strip()
+    assert message.reasoning_content != REASONING_TEXT
+    assert message.content == ANSWER_TEXT
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 3 + 2
+    assert refused.value.response.json()["error"]["param"] == "reasoning_budget"
+
+
+async def test_the_server_with_thinking_disabled_answers_all_content() -> None:
+    async with thinking_server() as client:
+        whole = await chat(client, extra_body={"chat_template_kwargs":
+                                               {"enable_thinking": False}})
+        deltas = await streamed_deltas(client, extra_body={"chat_template_kwargs":
+                                                           {"enable_thinking": False}})
+    message = whole.choices[0].message
+    assert message.content == ANSWER_TEXT
+    assert getattr(message, "reasoning_content", None) is None
+    assert {field for field, _ in deltas} == {"content"}
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+UNIT = {"type": "function", "function": {
+    "name": "unit", "description": "Pick a unit",
+    "parameters": {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}},
+                   "required": ["unit"], "additionalProperties": False}}}
+# Reasoning that holds what would read as a call in the answer.
+CALL_IN_REASONING = ('Maybe <tool_call>\n{"name": "unit", "arguments": {"unit": "C"}}\n'
+                     '</tool_call> would do.')
+
+
+async def test_tool_calls_are_read_and_enforced_after_the_reasoning() -> None:
+    async with serving(lambda: open_thinker(Thinker(reasoning=CALL_IN_REASONING))) as http:
+        await until_ready(http)
+        async with openai.AsyncOpenAI(base_url=f"{http.base_url}/v1", api_key="unused",
+                                      max_retries=0) as client:
+            auto = await chat(client, tools=[UNIT], max_tokens=200)
+            required = await chat(client, tools=[UNIT], tool_choice="required", max_tokens=200)
+    # "auto": the call in the reasoning is reasoning, the prose answer is content.
+    message = auto.choices[0].message
+    assert message.reasoning_content == CALL_IN_REASONING
+    assert message.content == ANSWER_TEXT and message.tool_calls is None
+    # "required": the reasoning is free, the answer after it is the call.
+    message = required.choices[0].message
+    assert message.reasoning_content == CALL_IN_REASONING
+    (call,) = message.tool_calls
+    assert call.function.name == "unit"
+    assert json.loads(call.function.arguments)["unit"] in ("C", "F")
+    assert required.choices[0].finish_reason == "tool_calls"
