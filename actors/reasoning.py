@@ -134,8 +134,7 @@ class ReasoningText:
         self._blanks = ""  # whitespace held back: it may end the reasoning
         # The tokens of the reasoning, its markers included.
         self.tokens = 0
-        # The content right after the reasoning, whose leading whitespace is dropped.
-        self.content_follows = False
+        self._content_follows = False  # the reasoning just ended: the content's blanks go
 
     def take(self, token: int) -> str | None:
         kind = self._phase.take(token)
@@ -145,9 +144,16 @@ class ReasoningText:
         if kind == REASONING:
             return self._trimmed(self._decoder.push(token))
         if self._phase.phase == ANSWER:  # the end marker
-            self.content_follows = True
+            self._content_follows = True
             return self.flush()
         return ""
+
+    def content(self, text: str) -> str:
+        """Content text as it follows the reasoning: without the blanks right after it."""
+        if self._content_follows:
+            text = text.lstrip()
+            self._content_follows = not text
+        return text
 
     def flush(self) -> str:
         """The reasoning text still held, once it ends (its trailing whitespace dropped)."""

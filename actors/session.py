@@ -33,7 +33,7 @@ from actors.messages import (
     Usage,
 )
 from actors.params import SamplingParams
-from actors.reasoning import ChatReasoning, ReasoningGate
+from actors.reasoning import ChatReasoning, ReasoningGate, ReasoningText
 from actors.sampling import SequenceSampling
 from actors.scheduler import Admission
 from actors.structured import Constraint
@@ -143,11 +143,7 @@ class Answer:
 
     def _content(self, token: int) -> str:
         text = self._decoder.push(token)
-        reasoning = self.reasoning
-        if reasoning is not None and reasoning.content_follows:  # its leading blanks go
-            text = text.lstrip()
-            reasoning.content_follows = not text
-        return text
+        return text if self.reasoning is None else self.reasoning.content(text)
 
     def _rest(self) -> tuple[str, str]:
         thought = "" if self.reasoning is None else self.reasoning.flush()
