@@ -425,6 +425,7 @@ class Engine(EngineDoor):
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         strict_max_tokens: bool = False,
+        reasoning_budget: int | None = None,
     ) -> AsyncIterator[Chunk]:
         """Stream the assistant's answer to `messages`, rendered with the model's chat template
         (or `template`, a Jinja source run in a sandbox). Roles:
@@ -441,7 +442,13 @@ class Engine(EngineDoor):
         refused at once); the template renders in a worker thread within a time and size
         bound, so its errors (TemplateError, ContextLengthExceeded; a template's own refusal,
         its `raise_exception`, is a TemplateError with its message) come from the first
-        iteration. `strict_max_tokens`: as for `generate`."""
+        iteration. `strict_max_tokens`: as for `generate`.
+
+        A thinking model's reasoning (between the template's reasoning markers, e.g.
+        `<think>`...`</think>`; how they are found: `actors.reasoning`) comes in the chunks'
+        `reasoning`, never in their `text`; `params.structured` holds from the reasoning's
+        end on. `reasoning_budget`: at most this many reasoning tokens, then the end marker
+        is forced (a template without markers refuses it, from the first iteration)."""
         self._check_open()
         if template is not None and not isinstance(template, str):
             self._reject(
@@ -462,11 +469,15 @@ class Engine(EngineDoor):
             self._reject(InvalidRequest("tools must be a list of dicts (function tools)",
                                         field="tools"))
         self._check_chat(check_template_kwargs, chat_template_kwargs)
+        if reasoning_budget is not None:
+            self._check_chat(partial(_check_count, "reasoning_budget", minimum=0,
+                                     maximum=MAX_CONTEXT), reasoning_budget)
         params = self._checked_params(params)
         return self._stream_when_ready(
             partial(self._chat_prompt_ids, messages, template, tools, chat_template_kwargs,
                     check=long_chat),
             params, strict_max_tokens,
+            partial(self._chat_reasoning, template, reasoning_budget),
         )
 
     async def complete(
@@ -539,10 +550,12 @@ async def _started(
 async def collect(chunks: AsyncIterator[Chunk]) -> Completion:
     """Gather a stream of chunks into one Completion."""
     text: list[str] = []
+    reasoning: list[str] = []
     token_ids: list[int] = []
     async with aclosing(chunks):
         async for chunk in chunks:
             text.append(chunk.text)
+            reasoning.append(chunk.reasoning)
             if chunk.token_id is not None:
                 token_ids.append(chunk.token_id)
             if chunk.finish_reason is not None:
@@ -552,6 +565,7 @@ async def collect(chunks: AsyncIterator[Chunk]) -> Completion:
                     finish_reason=chunk.finish_reason,
                     usage=chunk.usage,
                     timings=chunk.timings,
+                    reasoning="".join(reasoning),
                 )
     raise EngineClosed("the stream ended without a finish reason")
 

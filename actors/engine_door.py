@@ -29,6 +29,14 @@ from actors.messages import Chunk
 from actors.model.text.chat import check_messages
 from actors.model.text.sandbox import RenderLimits
 from actors.params import SamplingParams, StructuredOutput
+from actors.reasoning import (
+    ANSWER,
+    KNOWN_MARKERS,
+    ChatReasoning,
+    ReasoningGate,
+    opening_phase,
+    reasoning_markers,
+)
 from actors.session import Session, answer_budget, new_request_id
 from actors.structured import COMPILE_SECONDS, Constraint
 
@@ -86,8 +94,9 @@ class EngineDoor:
         prompt_ids: list[int],
         params: SamplingParams,
         strict_max_tokens: bool,
-        constraint: Constraint | None = None,
+        constraint: Constraint | ReasoningGate | None = None,
         admitted: bool = False,
+        reasoning: ChatReasoning | None = None,
     ) -> AsyncIterator[Chunk]:
         if strict_max_tokens:
             self._check_max_tokens_fit(len(prompt_ids), params.max_tokens)
@@ -101,6 +110,7 @@ class EngineDoor:
             admission=self._admission,
             constraint=constraint,
             admitted=admitted,
+            reasoning=reasoning,
         )
         return session.stream()
 
@@ -109,20 +119,28 @@ class EngineDoor:
         prompt_ids: Callable[[], Awaitable[list[int]]],
         params: SamplingParams,
         strict_max_tokens: bool,
+        chat_reasoning: Callable[[list[int]], Awaitable[ChatReasoning | None]] | None = None,
     ) -> AsyncIterator[Chunk]:
         """A session whose prompt needs work off the event loop first (a template to render,
         a long text to tokenize, a constraint to compile): that work runs on the first
-        iteration, with the request already counted against the admission limits."""
+        iteration, with the request already counted against the admission limits.
+        `chat_reasoning`: a chat's reasoning, decided from its prompt's ids."""
         self._check_room(take=True)
         try:
             ids = self._checked_ids(await prompt_ids())
-            constraint = None
+            reasoning = None if chat_reasoning is None else await chat_reasoning(ids)
+            constraint: Constraint | ReasoningGate | None = None
             if params.structured is not None:
                 budget = answer_budget(params, self.context_length, len(ids))
                 constraint = await self._compiled(params.structured, budget)
+            if reasoning is not None and (constraint is not None or reasoning.budget is not None):
+                # The constraint holds from the reasoning's end; the budget forces that end.
+                constraint = reasoning.gate(constraint, self._tokenizer.stop_ids
+                                            | set(params.stop_token_ids),
+                                            self._tokenizer.vocab_size)
             self._check_open()
             session = self._start_session(ids, params, strict_max_tokens, constraint,
-                                          admitted=True)
+                                          admitted=True, reasoning=reasoning)
         except BaseException:
             self._admission.leave()
             raise
@@ -130,6 +148,24 @@ class EngineDoor:
         async with aclosing(session) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+    async def _chat_reasoning(self, template: str | None, budget: int | None,
+                              prompt_ids: list[int]) -> ChatReasoning | None:
+        """A chat's reasoning (actors.reasoning): its template's markers, where its answer
+        begins; None where it has none to keep apart. A `budget` needs markers."""
+        source = template if template is not None else self.chat_template().source
+        markers = reasoning_markers(source, partial(self._tokenizer.encode, add_bos=False,
+                                                    parse_special=True))
+        if markers is None:
+            if budget is not None:
+                self._reject(InvalidRequest(
+                    "reasoning_budget needs a chat template with reasoning markers (one of "
+                    f"{', '.join('/'.join(pair) for pair in KNOWN_MARKERS)}, each one token of "
+                    "the vocabulary); this one has none", field="reasoning_budget"))
+            return None
+        phase = await anyio.to_thread.run_sync(opening_phase, markers, prompt_ids,
+                                               self._tokenizer.decode, abandon_on_cancel=True)
+        return None if phase == ANSWER else ChatReasoning(markers, phase, budget)
 
     async def _compiled(self, structured: StructuredOutput, budget: int) -> Constraint:
         """The request's constraint, ready, compiled in a compile thread within

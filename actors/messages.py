@@ -66,9 +66,13 @@ class ConstraintFailed(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """`reasoning_tokens`: of the completion's tokens, those of its reasoning (markers
+    included)."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    reasoning_tokens: int = 0
 
 
 class Timings(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,10 +84,13 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
 class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     """One generated token and the text it completes (may be empty while text is held back,
     e.g. half a UTF-8 character or the start of a possible stop string). The last chunk has
-    `finish_reason`, `usage` and `timings` set; its `token_id` is None when it only flushes."""
+    `finish_reason`, `usage` and `timings` set; its `token_id` is None when it only flushes.
+    A chat answer's reasoning (actors.reasoning) comes as `reasoning`, never in `text`; its
+    markers in neither."""
 
     text: str
     token_id: int | None
+    reasoning: str = ""
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
     finish_reason: str | None = None
@@ -92,13 +99,15 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
-    """A whole generation: what `Engine.complete` returns."""
+    """A whole generation: what `Engine.complete` returns; `reasoning`, a chat answer's
+    reasoning (kept out of `text`)."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
     usage: Usage
     timings: Timings
+    reasoning: str = ""
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -33,6 +33,7 @@ from actors.messages import (
     Usage,
 )
 from actors.params import SamplingParams
+from actors.reasoning import ChatReasoning, ReasoningGate, ReasoningText
 from actors.sampling import SequenceSampling
 from actors.scheduler import Admission
 from actors.structured import Constraint
@@ -88,9 +89,12 @@ class StopText:
 
 class Answer:
     """The tokens a request generated and the text they release: UTF-8-safe (the tokenizer's
-    incremental decoder), stop strings held back, and the reason it ends."""
+    incremental decoder), stop strings held back, and the reason it ends. With `reasoning`,
+    the tokens of the reasoning release reasoning text instead (stop strings look at the
+    content alone)."""
 
-    def __init__(self, tokenizer: Any, params: SamplingParams, budget: int) -> None:
+    def __init__(self, tokenizer: Any, params: SamplingParams, budget: int,
+                 reasoning: ReasoningText | None = None) -> None:
         self.token_ids: list[int] = []
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -99,6 +103,7 @@ class Answer:
         self._decoder = tokenizer.incremental_decoder()
         self._stop_text = StopText(params.stop)
         self._budget = budget
+        self.reasoning = reasoning
         # Out of budget: the caller's max_tokens, or else the context ran out.
         self._budget_reason = "length" if budget == params.max_tokens else "context"
         # Whether a stop string ended the answer (cutting its text short).
@@ -108,29 +113,43 @@ class Answer:
         """A token that ends the answer without being part of it."""
         return token in self._stop_ids
 
-    def add(self, token: int) -> tuple[str, str | None]:
-        """Text `token` releases, and the finish reason if the answer ends with it."""
+    def add(self, token: int) -> tuple[str, str, str | None]:
+        """Text and reasoning text `token` releases, and the finish reason if the answer ends
+        with it."""
         if self.is_stop_token(token):
-            return self._rest()[0], "stop"
+            return (*self._rest(), "stop")
         self.token_ids.append(token)
-        text, hit = self._stop_text.push(self._decoder.push(token))
-        if hit:
-            self.stopped_by_text = True
-            return text, "stop"
+        thought = None if self.reasoning is None else self.reasoning.take(token)
+        text = ""
+        if thought is None:
+            text, hit = self._stop_text.push(self._content(token))
+            if hit:
+                self.stopped_by_text = True
+                return text, "", "stop"
         if len(self.token_ids) >= self._budget:
-            rest, hit = self._rest()
-            return text + rest, "stop" if hit else self._budget_reason
-        return text, None
+            rest, rest_thought = self._rest()
+            return (text + rest, (thought or "") + rest_thought,
+                    "stop" if self.stopped_by_text else self._budget_reason)
+        return text, thought or "", None
 
-    def close(self) -> str:
-        """The text still held back, when the answer ends before its budget (a complete
-        structured-output constraint)."""
-        return self._rest()[0]
+    @property
+    def reasoning_tokens(self) -> int:
+        return 0 if self.reasoning is None else self.reasoning.tokens
 
-    def _rest(self) -> tuple[str, bool]:
+    def close(self) -> tuple[str, str]:
+        """The text and reasoning text still held back, when the answer ends before its budget
+        (a complete structured-output constraint)."""
+        return self._rest()
+
+    def _content(self, token: int) -> str:
+        text = self._decoder.push(token)
+        return text if self.reasoning is None else self.reasoning.content(text)
+
+    def _rest(self) -> tuple[str, str]:
+        thought = "" if self.reasoning is None else self.reasoning.flush()
         text, hit = self._stop_text.push(self._decoder.flush())
         self.stopped_by_text |= hit
-        return (text, True) if hit else (text + self._stop_text.flush(), False)
+        return (text, thought) if hit else (text + self._stop_text.flush(), thought)
 
 
 class Session:
@@ -146,13 +165,17 @@ class Session:
         tokenizer: Any,
         scheduler_inbox: LoopSender[OpenSequence | Advance | CloseSequence],
         admission: Admission,
-        constraint: Constraint | None = None,
+        constraint: Constraint | ReasoningGate | None = None,
         admitted: bool = False,
+        reasoning: ChatReasoning | None = None,
     ) -> None:
         """`admitted`: the caller already took this request's admission slot (it had work to
-        do first, such as compiling `constraint`), and the session gives it back."""
+        do first, such as compiling `constraint`), and the session gives it back.
+        `constraint`: a `Constraint`, or a `ReasoningGate` around one; `reasoning`: where the
+        answer's reasoning is (None: it has none)."""
         self.request_id = request_id
         self._constraint = constraint
+        self._reasoning = reasoning
         self._prompt_ids = tuple(prompt_ids)
         self._params = params
         self._budget = answer_budget(params, context_length, len(prompt_ids))
@@ -183,7 +206,9 @@ class Session:
             reply_send, reply_receive = loop_channel(1)
             sampler = SequenceSampling(self._params, self._prompt_ids, self._tokenizer.vocab_size,
                                        self._constraint)
-            answer = Answer(self._tokenizer, self._params, self._budget)
+            answer = Answer(self._tokenizer, self._params, self._budget,
+                            None if self._reasoning is None else
+                            self._reasoning.text(self._tokenizer))
             with reply_receive:
                 self._send(
                     OpenSequence(
@@ -232,6 +257,7 @@ class Session:
                         prompt_tokens=len(self._prompt_ids),
                         completion_tokens=len(answer.token_ids),
                         cached_tokens=cached_tokens,
+                        reasoning_tokens=answer.reasoning_tokens,
                     )
                     timings = _timings(started, first_token_at, now, len(answer.token_ids))
                     self._log_finished(finish, usage, timings)
@@ -252,7 +278,7 @@ class Session:
     def _constraint_cut(self, answer: Answer, message: TokenReady) -> bool:
         """Whether a stop string or stop token ended a constrained answer short of its
         constraint's end: its text then does not match the constraint."""
-        return self._constraint is not None and (
+        return self._params.structured is not None and (
             answer.stopped_by_text or not message.constraint_done)
 
     def _cut_error(self, answer: Answer) -> InvalidRequest:
@@ -335,7 +361,7 @@ def _chunks(
     allowed (a chosen token's logprob, too, is over the tokens its constraint allowed)."""
     chunks: list[Chunk] = []
     for index, token in enumerate((*leading, message.token, *message.forced)):
-        text, finish = answer.add(token)
+        text, reasoning, finish = answer.add(token)
         in_answer = not answer.is_stop_token(token)
         if index == len(leading):  # the model's choice
             logprob, top = message.logprob, message.top_logprobs
@@ -347,6 +373,7 @@ def _chunks(
             logprob, top = None, None
         chunks.append(Chunk(
             text=text,
+            reasoning=reasoning,
             token_id=token if in_answer else None,
             logprob=logprob,
             top_logprobs=top,
@@ -355,7 +382,9 @@ def _chunks(
             return chunks, finish
     if message.constraint_done:  # nothing may follow: it ends here, without another step
         last = chunks[-1]
-        chunks[-1] = msgspec.structs.replace(last, text=last.text + answer.close())
+        text, reasoning = answer.close()
+        chunks[-1] = msgspec.structs.replace(last, text=last.text + text,
+                                             reasoning=last.reasoning + reasoning)
         return chunks, "stop"
     return chunks, None
 

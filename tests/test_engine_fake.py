@@ -29,6 +29,7 @@ from actors.compute.contract import (
     RowInputs,
     StepItem,
     apply_penalties,
+    apply_token_masks,
     top_candidates,
 )
 from actors.compute.faults import Fault, FaultyBackend
@@ -45,7 +46,8 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 class CountingBackend:
     """Counts forward passes and records what every step carried. A step `fail_when` picks
     fails: `failure="raise"` raises from the forward, `"nan"` answers NaN logits (the KV is
-    written; the sampler cannot choose), `"lost"` raises BackendLostError."""
+    written; the sampler cannot choose), `"lost"` raises BackendLostError. `model` picks the
+    token after a sequence (its logit 1, the others' 0) over `vocab_size` tokens."""
 
     def __init__(
         self,
@@ -56,12 +58,14 @@ class CountingBackend:
         step_seconds: float = 0.0,
         fail_when: Callable[[Sequence[StepItem]], bool] | None = None,
         failure: str = "raise",
+        vocab_size: int = VOCAB,
+        model: Callable[[np.ndarray], int] | None = None,
     ) -> None:
         self.info = ComputeInfo(
             arch="fake",
             on_gpu=False,
             context_length=context_length,
-            vocab_size=VOCAB,
+            vocab_size=vocab_size,
             num_blocks=num_blocks,
             block_size=block_size,
         )
@@ -69,13 +73,15 @@ class CountingBackend:
         self.steps: list[tuple[StepItem, ...]] = []
         self.failed_steps: list[tuple[StepItem, ...]] = []
         self.closed = False
-        self.last_rows = np.zeros((0, VOCAB), dtype=np.float32)
+        self.last_rows = np.zeros((0, vocab_size), dtype=np.float32)
+        self._model = next_token if model is None else model
         self._step_seconds = step_seconds
         self._fail_when = fail_when
         self._failure = failure
 
     def run(self, items: Sequence[StepItem], rows: Sequence[RowInputs]) -> Candidates:
         logits = self._logits(items)
+        apply_token_masks(logits, rows)
         apply_penalties(logits, rows)
         self.last_rows = logits
         return top_candidates(logits, rows)
@@ -106,9 +112,9 @@ class CountingBackend:
             if item.want_logits:
                 end = item.start + len(item.tokens)
                 rows.append(self.kv[table].reshape(-1)[:end])
-        logits = np.zeros((len(rows), VOCAB), dtype=np.float32)
+        logits = np.zeros((len(rows), self.info.vocab_size), dtype=np.float32)
         for row, seen in zip(logits, rows):
-            row[next_token(seen)] = 1.0
+            row[self._model(seen)] = 1.0
         if failing:
             logits[:] = np.nan
         return logits

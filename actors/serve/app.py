@@ -363,7 +363,8 @@ class OpenAIServer:
             messages, tools = self._template_input(generation.messages, generation.tools)
             return engine.chat(messages, generation.params, self.options.chat_template,
                                tools=tools, chat_template_kwargs=generation.chat_template_kwargs,
-                               strict_max_tokens=must_fit)
+                               strict_max_tokens=must_fit,
+                               reasoning_budget=generation.reasoning_budget)
         return engine.generate(generation.prompt, generation.params, strict_max_tokens=must_fit)
 
     def _template_input(self, messages: list[dict[str, Any]], choice: ToolChoice | None,

@@ -14,7 +14,9 @@ refused having built nothing (a few MB of nested JSON would otherwise build mill
 objects, and the garbage collector's passes over them would hold every thread).
 
 A chat request may pass its template more variables in vLLM's `chat_template_kwargs` (e.g.
-`{"enable_thinking": false}` for Qwen3), as transformers' apply_chat_template takes them.
+`{"enable_thinking": false}` for Qwen3), as transformers' apply_chat_template takes them, and
+cap a thinking model's reasoning with `reasoning_budget` (tokens; then the reasoning's end
+marker is forced: actors.reasoning).
 
 Structured output comes as OpenAI's `response_format` or vLLM's `guided_json`,
 `guided_regex`, `guided_choice` and `guided_grammar`; one request takes one of them (or an
@@ -136,6 +138,8 @@ class ChatRequest(_Request):
     tool_choice: msgspec.Raw = msgspec.Raw()
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: msgspec.Raw = msgspec.Raw()
+    # At most this many reasoning tokens, then the reasoning's end marker is forced.
+    reasoning_budget: int | None = None
 
 
 class _Message(msgspec.Struct, gc=False):
@@ -181,6 +185,8 @@ class Generation(msgspec.Struct, frozen=True, kw_only=True):
     tools: ToolChoice | None = None
     # A chat's more variables for its template (checked: names, JSON values).
     chat_template_kwargs: dict[str, Any] | None = None
+    # A chat's budget of reasoning tokens (None: none).
+    reasoning_budget: int | None = None
 
 
 def decode_body(body: bytes, kind: type[RequestT]) -> RequestT:
@@ -224,10 +230,12 @@ def chat_generation(body: bytes, context_length: int,
     # A bad value is named as the client spelled it.
     renamed = {"logprobs": "top_logprobs", "max_tokens": field or "max_tokens"}
     tools = _tool_choice(request)
-    return _generation(request, max_tokens, field, logprobs,
-                       messages=chat_messages(request.messages, context_length), renamed=renamed,
-                       tools=tools if tools is not None and tools.mode != "none" else None,
-                       chat_template_kwargs=template_kwargs(request))
+    generation = _generation(request, max_tokens, field, logprobs,
+                             messages=chat_messages(request.messages, context_length),
+                             renamed=renamed,
+                             tools=tools if tools is not None and tools.mode != "none" else None,
+                             chat_template_kwargs=template_kwargs(request))
+    return msgspec.structs.replace(generation, reasoning_budget=request.reasoning_budget)
 
 
 def template_kwargs(request: ChatRequest) -> dict[str, Any]:

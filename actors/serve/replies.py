@@ -65,8 +65,11 @@ class CompletionsShape:
         return chunk.text
 
     def choice(self, text: str, logprobs: dict[str, Any] | None,
-               finish: str | None) -> dict[str, Any]:
+               finish: str | None, reasoning: str = "") -> dict[str, Any]:
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def reasoning_pieces(self, reasoning: str) -> list[dict[str, Any]]:
+        return []  # a completion keeps no reasoning apart
 
     def pieces(self, text: str, final: bool) -> list[dict[str, Any]]:
         return [{"text": text}] if text else []
@@ -103,7 +106,8 @@ class ChatShape:
     """`/v1/chat/completions`: a `message` (whole) or `delta` (streamed); per-token logprobs.
     With `tool_calls` (a reader of the answer's calls), calls become `tool_calls`: whole, or
     streamed as OpenAI's tool-call deltas (the call's id, type and name, then its arguments
-    in pieces as the model writes them)."""
+    in pieces as the model writes them). A thinking model's reasoning is `reasoning_content`
+    (the field vLLM and llama.cpp write), beside the content."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
@@ -117,7 +121,7 @@ class ChatShape:
         return answer_text(chunk, self._tool_calls)
 
     def choice(self, text: str, logprobs: dict[str, Any] | None,
-               finish: str | None) -> dict[str, Any]:
+               finish: str | None, reasoning: str = "") -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self._tool_calls is not None:
             content, calls = self._tool_calls.parse(text)
@@ -125,7 +129,12 @@ class ChatShape:
                 message = {"role": "assistant", "content": content,
                            "tool_calls": [call.as_openai() for call in calls]}
                 finish = "tool_calls" if finish == "stop" else finish
+        if reasoning:
+            message["reasoning_content"] = reasoning
         return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+    def reasoning_pieces(self, reasoning: str) -> list[dict[str, Any]]:
+        return [{"reasoning_content": reasoning}] if reasoning else []
 
     def pieces(self, text: str, final: bool) -> list[dict[str, Any]]:
         """The deltas `text` (following what came before) settles: text that may still become
@@ -189,6 +198,7 @@ def usage_object(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 
 
@@ -211,17 +221,20 @@ class Reply:
     async def whole(self, chunks: AsyncIterator[Chunk]) -> dict[str, Any]:
         """The whole response object, once the answer is complete."""
         texts: list[str] = []
+        thoughts: list[str] = []
         scored: list[Chunk] = []
         last: Chunk | None = None
         with counting_failures(self._count):
             async with aclosing(chunks):
                 async for last in chunks:
                     texts.append(self.shape.text(last))
+                    thoughts.append(last.reasoning)
                     scored += self._scored(last)
             if last is None or last.finish_reason is None:
                 raise EngineClosed("the answer ended without a finish reason")
         finish = self._finished(last)
-        choice = self.shape.choice("".join(texts), self._logprobs(scored, 0), finish)
+        choice = self.shape.choice("".join(texts), self._logprobs(scored, 0), finish,
+                                   "".join(thoughts))
         return {**self._head(self.shape.object), "choices": [choice],
                 "usage": usage_object(last.usage)}
 
@@ -243,7 +256,8 @@ class Reply:
                 while True:
                     final = chunk.finish_reason is not None
                     scored = self._scored(chunk)
-                    pieces = self.shape.pieces(self.shape.text(chunk), final=final)
+                    pieces = [*self.shape.reasoning_pieces(chunk.reasoning),
+                              *self.shape.pieces(self.shape.text(chunk), final=final)]
                     if pieces or scored or is_first:
                         logprobs = self._logprobs(scored, offset)
                         for number, piece in enumerate(pieces or [self.shape.empty_piece()]):
