@@ -74,10 +74,14 @@ def assert_same_floats(actual: np.ndarray, expected: np.ndarray) -> None:
 
 
 def random_row_inputs(rng: np.random.Generator, n: int, vocab: int) -> list[RowInputs]:
-    """Rows mixing every kind of candidate and penalty input."""
+    """Rows mixing every kind of candidate, penalty and logit bias input (the biased tokens
+    may be penalized too)."""
     rows = []
     for _ in range(n):
         generated = rng.choice(vocab, size=int(rng.integers(0, 12)), replace=False)
+        biased = np.unique(np.concatenate([
+            generated[: int(rng.integers(0, 3))],
+            rng.choice(vocab, size=int(rng.integers(0, 6)), replace=False)]))
         rows.append(RowInputs(
             candidates=int(rng.integers(1, 20)), max_candidates=int(rng.integers(1, 300)),
             mass=float(rng.choice([0.0, 0.5, 0.9, 0.999])), inv_temp=float(rng.uniform(0.3, 3)),
@@ -89,6 +93,8 @@ def random_row_inputs(rng: np.random.Generator, n: int, vocab: int) -> list[RowI
             frequency_penalty=float(rng.choice([0.0, 0.25])),
             generated=tuple(int(i) for i in generated),
             generated_counts=tuple(int(c) for c in rng.integers(1, 5, size=generated.size)),
+            bias_tokens=tuple(int(i) for i in biased),
+            bias_values=tuple(float(v) for v in rng.uniform(-100, 100, biased.size)),
         ))
     return rows
 
@@ -118,7 +124,8 @@ def top_candidates_twin(logits: np.ndarray, arrays: dict[str, np.ndarray],
 
 
 def penalties_twin(logits: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
-    """apply_penalties as candidates.cu computes it from the packed CSR lists."""
+    """apply_penalties as candidates.cu computes it from the packed CSR lists, the logit
+    biases last."""
     repetition, presence, frequency = (arrays[name].view(np.float64)
                                        for name in ("repetition", "presence", "frequency"))
     for row in range(logits.shape[0]):
@@ -137,6 +144,11 @@ def penalties_twin(logits: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
             logits[row, token] = value - (presence[row] * (count > 0) + frequency[row] * count)
         for token in set(reps.tolist()) - set(counted.tolist()):
             logits[row, token] = repeated(float(logits[row, token]))
+        # The biases, once the penalties are written (the kernel syncs its threads between).
+        first, last = arrays["bias_offsets"][row], arrays["bias_offsets"][row + 1]
+        biases = arrays["bias_values"].view(np.float64)[first:last]
+        for token, bias in zip(arrays["bias_ids"][first:last], biases):
+            logits[row, token] = float(logits[row, token]) + bias
 
 
 def float16_parts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
