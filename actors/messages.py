@@ -80,7 +80,9 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
 class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     """One generated token and the text it completes (may be empty while text is held back,
     e.g. half a UTF-8 character or the start of a possible stop string). The last chunk has
-    `finish_reason`, `usage` and `timings` set; its `token_id` is None when it only flushes."""
+    `finish_reason`, `usage` and `timings` set; its `token_id` is None when it only flushes.
+    `index`: which answer it belongs to, where a request asks for several (`n`); each answer
+    ends with its own last chunk, its usage that answer's."""
 
     text: str
     token_id: int | None
@@ -89,6 +91,7 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    index: int = 0
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):

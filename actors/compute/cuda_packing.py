@@ -200,9 +200,10 @@ def token_masks(rows: Sequence[RowInputs], vocab: int) -> dict[str, np.ndarray]:
 
 def row_arrays(rows: Sequence[RowInputs], vocab: int) -> RowArrays:
     """Pack RowInputs for apply_token_mask (`token_masks`), apply_penalties (CSR lists, ids
-    ascending, float64 parameters, and the logit biases' CSR list with float64 values) and top_candidates (least / most candidates, mass,
-    inv_temp). InvalidRequest for a mask of the wrong size, a penalty or bias id outside the
-    vocabulary or a row asking for more candidates than the kernel selects."""
+    ascending, float64 parameters; the logit biases' CSR list, float64 values) and
+    top_candidates (least / most candidates, mass, inv_temp). InvalidRequest for a mask of
+    the wrong size, a penalty or bias id outside the vocabulary or a row asking for more
+    candidates than the kernel selects."""
     masks = token_masks(rows, vocab)
     repeated, counted, counts = [], [], []
     for row in rows:
