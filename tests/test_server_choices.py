@@ -3,14 +3,24 @@ tests/test_server.py starts it) on SmolLM2-135M-Instruct with the official `open
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from actors.model.loaded import open_model
-from test_server import QUESTION, Server, client, server  # noqa: F401 (the fixtures)
+from test_cli_logs import CALL_TIMEOUT_S
+from test_server import (  # noqa: F401 (client, server: the fixtures)
+    LONG_ANSWER,
+    QUESTION,
+    Server,
+    _until_idle,
+    client,
+    server,
+)
 
 pytestmark = pytest.mark.slow
 SAMPLED = {"temperature": 1.0, "seed": 5, "max_tokens": 12}
@@ -142,3 +152,27 @@ def test_n_and_logit_bias_out_of_bounds_are_400s_naming_them(
                                            **fields)
         assert caught.value.body["param"] == param
         assert param in caught.value.body["message"]
+
+
+def test_a_client_that_leaves_cancels_every_answer(server: Server) -> None:
+    def cancelled() -> int:
+        return sum(json.loads(line)["event"] == "request_cancelled"
+                   for line in server.log.read_text().splitlines())
+
+    with httpx.Client(base_url=server.url, timeout=CALL_TIMEOUT_S) as http:
+        request = http.build_request("POST", "/v1/completions", json={
+            "model": server.model, "prompt": "Tell me a story.", "stream": True, "n": 3,
+            **LONG_ANSWER})
+        response = http.send(request, stream=True)
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        running: set[int] = set()
+        while len(running) < 3:  # every answer has streamed a chunk
+            line = next(lines)
+            if line.startswith("data: {"):
+                running.add(json.loads(line.removeprefix("data: "))["choices"][0]["index"])
+        before = cancelled()
+        response.close()
+        metrics = _until_idle(http)
+    assert metrics['q4k_kv_blocks{state="used"}'] == 0
+    assert cancelled() - before == 3
