@@ -393,9 +393,9 @@ def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
 def _plain_logit_bias(bias: Mapping[Any, Any]) -> Any:
     """A copy of `bias` with built-in numbers (see `_plain_number`), or `bias` as it is where
     it holds too many tokens to read (the check refuses it)."""
-    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
-        return bias
     try:
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            return bias
         items = list(bias.items())
     except Exception as error:  # a hostile Mapping
         raise InvalidRequest(f"logit_bias could not be read ({type(error).__name__})",

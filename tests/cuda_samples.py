@@ -224,24 +224,36 @@ def mask_of(allowed: np.ndarray, vocab: int) -> np.ndarray:
 
 def constrained_rows(raw: np.ndarray, rng: np.random.Generator) -> list[RowInputs]:
     """Rows for three logits rows `raw` as they come unmasked: row 0 allows one middling
-    token alone; row 1 has no mask but a repetition penalty on its top three; row 2 allows
-    about half the vocabulary but not its argmax, with presence and frequency penalties on
-    its top five (the argmax and other forbidden tokens among them) at a temperature."""
+    token alone; row 1 has no mask but a repetition penalty on its top three, and logit
+    biases banning its top token and lifting its tenth; row 2 allows about half the
+    vocabulary but not its argmax, with presence and frequency penalties on its top five (the
+    argmax and other forbidden tokens among them) at a temperature, and a +100 bias on its
+    forbidden argmax (which stays forbidden)."""
     vocab = raw.shape[1]
     single = np.argsort(raw[0])[vocab // 2]
     half = rng.random(vocab) < 0.5
     half[raw[2].argmax()] = False
+    top_1 = np.argsort(-raw[1])
     return [
         RowInputs(candidates=4, max_candidates=4, want_log_z=True,
                   allowed=mask_of(np.array([single]), vocab)),
         RowInputs(candidates=8, max_candidates=8, repetition_penalty=1.3,
-                  repeated=tuple(int(t) for t in np.argsort(-raw[1])[:3])),
+                  repeated=tuple(int(t) for t in top_1[:3]),
+                  **biases({int(top_1[0]): -100.0, int(top_1[9]): 3.5})),
         RowInputs(candidates=16, max_candidates=16, want_log_z=True, inv_temp=1.5,
                   allowed=mask_of(np.flatnonzero(half), vocab), presence_penalty=0.5,
                   frequency_penalty=0.25,
                   generated=tuple(int(t) for t in np.argsort(-raw[2])[:5]),
-                  generated_counts=(1, 2, 3, 1, 1)),
+                  generated_counts=(1, 2, 3, 1, 1),
+                  **biases({int(raw[2].argmax()): 100.0})),
     ]
+
+
+def biases(bias: dict[int, float]) -> dict[str, tuple]:
+    """RowInputs' bias fields for a logit_bias map, ids ascending."""
+    ordered = sorted(bias.items())
+    return {"bias_tokens": tuple(t for t, _ in ordered),
+            "bias_values": tuple(v for _, v in ordered)}
 
 
 def masked_step(backend: Any, items: Sequence[StepItem], rng: np.random.Generator
@@ -273,7 +285,8 @@ def constrained_steps(backend: Any) -> None:
     """`masked_step` on a prefill step of three prompts (blocks 0 to 2, launch by launch) and
     on their decode step (a graph of 4 rows, one padding): besides the reference's
     candidates, the single allowed token is row 0's only finite candidate, row 2's best is
-    an allowed token other than its argmax, and row 1 (no mask) keeps finite candidates."""
+    an allowed token other than its argmax (its +100 bias left it forbidden), and row 1 (no
+    mask) keeps finite candidates, its banned top token not first among them."""
     rng = np.random.default_rng(29)
     prompts = [(5, 17, 300, 42, 9), (8, 6, 4, 2, 1, 11, 12, 13, 14), (30, 31, 32)]
     prefill = [StepItem(prompt, 0, (i,)) for i, prompt in enumerate(prompts)]
@@ -285,3 +298,4 @@ def constrained_steps(backend: Any) -> None:
         allowed = np.unpackbits(rows[2].allowed.view(np.uint8), bitorder="little")
         assert got.ids[2, 0] != raw[2].argmax() and allowed[got.ids[2, 0]]
         assert np.isfinite(got.logits[1, : got.count[1]]).all()
+        assert got.ids[1, 0] != raw[1].argmax()
