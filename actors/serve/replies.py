@@ -270,7 +270,7 @@ class Reply:
                     offsets[index] += len(chunk.text)
                     if final:
                         lasts[index] = chunk
-                        if all(lasts):
+                        if all(done is not None for done in lasts):
                             break
                         yield self._final_event(chunk)
                     chunk = await anext(chunks)
@@ -291,7 +291,8 @@ class Reply:
     def _final_event(self, last: Chunk) -> bytes:
         """An answer's last event: its finish reason as OpenAI names it."""
         shape = self.shapes[last.index]
-        return self._chunk_event(last.index, shape.final_choice(FINISH_REASONS[last.finish_reason]))
+        finish = FINISH_REASONS[last.finish_reason]
+        return self._chunk_event(last.index, shape.final_choice(finish))
 
     def _chunk_event(self, index: int, choice: dict[str, Any]) -> bytes:
         return sse_event({**self._head(self.shapes[0].chunk_object),
