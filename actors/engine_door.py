@@ -36,7 +36,7 @@ from actors.structured import COMPILE_SECONDS, Constraint
 
 # Seconds one chat template may render.
 CHAT_RENDER_SECONDS = 2.0
-# The most answers one request may ask for (`n`; OpenAI's own bound), within max_sequences.
+# The most answers one request may ask for (`n`), within max_sequences: each is a sequence.
 MAX_ANSWERS = 128
 
 
