@@ -387,6 +387,7 @@ class Engine(EngineDoor):
         params: SamplingParams | None = None,
         *,
         strict_max_tokens: bool = False,
+        n: int = 1,
     ) -> AsyncIterator[Chunk]:
         """Stream the completion of `prompt` (text, or token ids) chunk by chunk.
 
@@ -400,20 +401,30 @@ class Engine(EngineDoor):
         pass the context raise ContextLengthExceeded (OpenAI's rule) instead of the answer
         ending at the context (finish reason "context"). `params.structured` compiles in a
         worker thread on the first iteration, before any step: a schema, regex or grammar
-        that does not compile raises InvalidRequest (field `structured.<kind>`) from there."""
+        that does not compile raises InvalidRequest (field `structured.<kind>`) from there.
+
+        `n`: that many answers to the prompt (1..min(128, max_sequences), else InvalidRequest
+        naming `n`), their chunks interleaved as they come, each with its `index` and each
+        answer ending with its own last chunk (finish reason, usage). The prompt is prefilled
+        once: the other answers start once answer 0's first token came, reusing its blocks
+        from the prefix cache. Answer i samples with its own seed stream
+        (`SamplingParams.for_answer`), each constrained by its own matcher; closing the
+        iterator cancels them all."""
         self._check_open()
-        params = self._checked_params(params)
+        params = self._checked_params(params, n)
         if isinstance(prompt, str) and len(prompt) > _TOKENIZE_INLINE_CHARS:
             return self._stream_when_ready(partial(self._encode_in_worker, prompt), params,
-                                           strict_max_tokens)
+                                           strict_max_tokens, n)
         if isinstance(prompt, (list, tuple)) and len(prompt) > _CHECK_INLINE_ITEMS:
             # The length alone refuses a prompt past the context; the ids' check is linear.
             self._checked_ids_fit(len(prompt))
             return self._stream_when_ready(partial(self._ids_in_worker, prompt), params,
-                                           strict_max_tokens)
+                                           strict_max_tokens, n)
         ids = self._prompt_ids(prompt)
-        if params.structured is not None:  # its constraint compiles in a worker thread first
-            return self._stream_when_ready(partial(_as_awaitable, ids), params, strict_max_tokens)
+        # A constraint compiles in a worker thread first; several answers start one by one.
+        if params.structured is not None or n > 1:
+            return self._stream_when_ready(partial(_as_awaitable, ids), params, strict_max_tokens,
+                                           n)
         return self._start_session(ids, params, strict_max_tokens)
 
     def chat(
@@ -426,6 +437,7 @@ class Engine(EngineDoor):
         chat_template_kwargs: Mapping[str, Any] | None = None,
         strict_max_tokens: bool = False,
         reasoning_budget: int | None = None,
+        n: int = 1,
     ) -> AsyncIterator[Chunk]:
         """Stream the assistant's answer to `messages`, rendered with the model's chat template
         (or `template`, a Jinja source run in a sandbox). Roles:
@@ -442,7 +454,7 @@ class Engine(EngineDoor):
         refused at once); the template renders in a worker thread within a time and size
         bound, so its errors (TemplateError, ContextLengthExceeded; a template's own refusal,
         its `raise_exception`, is a TemplateError with its message) come from the first
-        iteration. `strict_max_tokens`: as for `generate`.
+        iteration. `strict_max_tokens` and `n`: as for `generate`.
 
         A thinking model's reasoning (between the template's reasoning markers, e.g.
         `<think>`...`</think>`; how they are found: `actors.reasoning`) comes in the chunks'
@@ -472,11 +484,11 @@ class Engine(EngineDoor):
         if reasoning_budget is not None:
             self._check_chat(partial(_check_count, "reasoning_budget", minimum=0,
                                      maximum=MAX_CONTEXT), reasoning_budget)
-        params = self._checked_params(params)
+        params = self._checked_params(params, n)
         return self._stream_when_ready(
             partial(self._chat_prompt_ids, messages, template, tools, chat_template_kwargs,
                     check=long_chat),
-            params, strict_max_tokens,
+            params, strict_max_tokens, n,
             partial(self._chat_reasoning, template, reasoning_budget),
         )
 

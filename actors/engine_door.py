@@ -10,12 +10,14 @@ source, the grammar compiler and its compile threads, the log) and holds no stat
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from functools import partial
 from typing import Any, NoReturn
 
 import anyio
+import msgspec
 import numpy as np
 
 from actors.errors import (
@@ -42,6 +44,8 @@ from actors.structured import COMPILE_SECONDS, Constraint
 
 # Seconds one chat template may render.
 CHAT_RENDER_SECONDS = 2.0
+# The most answers one request may ask for (`n`), within max_sequences: each is a sequence.
+MAX_ANSWERS = 128
 
 
 class EngineDoor:
@@ -51,8 +55,9 @@ class EngineDoor:
         if self._closed:
             raise EngineClosed("this engine is closed; open a new one")
 
-    def _checked_params(self, params: SamplingParams | None) -> SamplingParams:
-        """The request's params, valid, with room for it: else the error, at once."""
+    def _checked_params(self, params: SamplingParams | None, n: int = 1) -> SamplingParams:
+        """The request's params, valid, and its `n` answers' count, with room for them: else
+        the error, at once."""
         if self._scheduler.lost is not None:
             error = ComputeError(
                 f"the compute backend was lost ({self._scheduler.lost}); this engine cannot "
@@ -72,17 +77,29 @@ class EngineDoor:
             params.validate(self._tokenizer.vocab_size)
         except InvalidRequest as exc:
             self._reject(exc)
-        self._check_room(take=False)
+        self._check_answers(n)
+        self._check_room(take=False, count=n)
         return params
 
-    def _check_room(self, take: bool) -> None:
-        """EngineOverloaded (logged as the request's rejection) when the admission limits are
-        reached; `take`: else count the request from now (it leaves through its session)."""
+    def _check_answers(self, n: int) -> None:
+        """InvalidRequest naming `n` unless it is 1..MAX_ANSWERS and no more answers than the
+        engine runs sequences at once (more could not share the prompt's prefill)."""
+        most = min(MAX_ANSWERS, self._scheduler.max_sequences)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
+            self._reject(InvalidRequest(
+                f"n must be an int in 1..{most} (at most {MAX_ANSWERS} answers a request, and "
+                f"no more than this engine runs at once, max_sequences), got {n!r:.40}",
+                field="n"))
+
+    def _check_room(self, take: bool, count: int = 1) -> None:
+        """EngineOverloaded (logged as the request's rejection) when the admission limits
+        cannot take `count` more sequences; `take`: else count them from now (each leaves
+        through its session)."""
         try:
             if take:
-                self._admission.enter()
+                self._admission.enter(count)
             else:
-                self._admission.check()
+                self._admission.check(count)
         except EngineOverloaded as exc:
             self._log.warning(
                 "request_rejected", request_id=new_request_id(), reason="overloaded", error=str(exc)
@@ -119,33 +136,40 @@ class EngineDoor:
         prompt_ids: Callable[[], Awaitable[list[int]]],
         params: SamplingParams,
         strict_max_tokens: bool,
+        n: int = 1,
         chat_reasoning: Callable[[list[int]], Awaitable[ChatReasoning | None]] | None = None,
     ) -> AsyncIterator[Chunk]:
         """A session whose prompt needs work off the event loop first (a template to render,
-        a long text to tokenize, a constraint to compile): that work runs on the first
-        iteration, with the request already counted against the admission limits.
-        `chat_reasoning`: a chat's reasoning, decided from its prompt's ids."""
-        self._check_room(take=True)
+        a long text to tokenize, a constraint to compile), or the `n` sessions of a request
+        for several answers: that work runs on the first iteration, with the request's
+        sequences already counted against the admission limits. `chat_reasoning`: a chat's
+        reasoning, decided from its prompt's ids."""
+        self._check_room(take=True, count=n)
         try:
             ids = self._checked_ids(await prompt_ids())
+            if strict_max_tokens:
+                self._check_max_tokens_fit(len(ids), params.max_tokens)
             reasoning = None if chat_reasoning is None else await chat_reasoning(ids)
-            constraint: Constraint | ReasoningGate | None = None
-            if params.structured is not None:
+            constraints: list[Constraint | ReasoningGate | None] = [None] * n
+            if params.structured is not None:  # each answer is held to its own matcher
                 budget = answer_budget(params, self.context_length, len(ids))
-                constraint = await self._compiled(params.structured, budget)
-            if reasoning is not None and (constraint is not None or reasoning.budget is not None):
-                # The constraint holds from the reasoning's end; the budget forces that end.
-                constraint = reasoning.gate(constraint, self._tokenizer.stop_ids
-                                            | set(params.stop_token_ids),
-                                            self._tokenizer.vocab_size)
+                constraints = [await self._compiled(params.structured, budget)
+                               for _ in range(n)]
+            if reasoning is not None and (params.structured is not None
+                                          or reasoning.budget is not None):
+                # Each answer's constraint holds from its reasoning's end; the budget forces
+                # that end.
+                stops = self._tokenizer.stop_ids | set(params.stop_token_ids)
+                constraints = [reasoning.gate(constraint, stops, self._tokenizer.vocab_size)
+                               for constraint in constraints]
             self._check_open()
-            session = self._start_session(ids, params, strict_max_tokens, constraint,
-                                          admitted=True, reasoning=reasoning)
         except BaseException:
-            self._admission.leave()
+            for _ in range(n):
+                self._admission.leave()
             raise
-        # The session gives the slot back from here on.
-        async with aclosing(session) as chunks:
+        # The sessions give the slots back from here on.
+        start = partial(self._answer_session, ids, params, constraints, reasoning)
+        async with aclosing(start(0) if n == 1 else self._answers(start, n)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -166,6 +190,58 @@ class EngineDoor:
         phase = await anyio.to_thread.run_sync(opening_phase, markers, prompt_ids,
                                                self._tokenizer.decode, abandon_on_cancel=True)
         return None if phase == ANSWER else ChatReasoning(markers, phase, budget)
+
+    def _answer_session(self, prompt_ids: list[int], params: SamplingParams,
+                        constraints: list[Constraint | ReasoningGate | None],
+                        reasoning: ChatReasoning | None, index: int) -> AsyncIterator[Chunk]:
+        """Answer `index`'s session, its admission slot already taken, its own seed stream."""
+        return self._start_session(prompt_ids, params.for_answer(index), False,
+                                   constraints[index], admitted=True, reasoning=reasoning)
+
+    async def _answers(self, start: Callable[[int], AsyncIterator[Chunk]],
+                       n: int) -> AsyncIterator[Chunk]:
+        """The chunks of `n` answers to one prompt as they come, each with its `index`; each
+        answer's slot is taken, and one never started gives it back here.
+
+        Answer 0 runs alone until its first token: its prompt is computed by then and the
+        prompt's full blocks are in the prefix cache, where the others' admission finds them,
+        so the prompt is prefilled once (each other answer computes only what its last,
+        partial block holds). Every answer asks for its next token once its chunk was taken;
+        the first error, or closing this stream, ends them all."""
+        # An answer's session starts with its first `next_chunk` (a task cancelled before
+        # it runs starts none): started, it gives its slot back itself.
+        streams: dict[int, AsyncIterator[Chunk]] = {}
+
+        async def next_chunk(index: int) -> Chunk:
+            if index not in streams:
+                streams[index] = start(index)
+            return await anext(streams[index])
+
+        waiting: dict[asyncio.Task[Chunk], int] = {}
+        try:
+            first = await next_chunk(0)
+            waiting.update({asyncio.create_task(next_chunk(index)): index
+                            for index in range(1, n)})
+            yield first
+            if first.finish_reason is None:
+                waiting[asyncio.create_task(next_chunk(0))] = 0
+            while waiting:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=waiting.__getitem__):
+                    index = waiting.pop(task)
+                    chunk = task.result()
+                    yield msgspec.structs.replace(chunk, index=index)
+                    if chunk.finish_reason is None:
+                        waiting[asyncio.create_task(next_chunk(index))] = index
+        finally:
+            for task in waiting:
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*waiting, return_exceptions=True)
+                for stream in streams.values():
+                    await stream.aclose()
+            for _ in range(n - len(streams)):
+                self._admission.leave()
 
     async def _compiled(self, structured: StructuredOutput, budget: int) -> Constraint:
         """The request's constraint, ready, compiled in a compile thread within

@@ -86,7 +86,8 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     e.g. half a UTF-8 character or the start of a possible stop string). The last chunk has
     `finish_reason`, `usage` and `timings` set; its `token_id` is None when it only flushes.
     A chat answer's reasoning (actors.reasoning) comes as `reasoning`, never in `text`; its
-    markers in neither."""
+    markers in neither. `index`: which answer it belongs to, where a request asks for several
+    (`n`); each answer ends with its own last chunk, its usage that answer's."""
 
     text: str
     token_id: int | None
@@ -96,6 +97,7 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    index: int = 0
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):

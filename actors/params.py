@@ -15,6 +15,7 @@ from numbers import Integral, Real
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from actors.errors import InvalidRequest
 
@@ -31,6 +32,9 @@ MAX_COUNT = (1 << 31) - 1
 MAX_SEED = (1 << 64) - 1  # numpy's generators take any int; a u64 is what APIs pass around
 # A penalty divides or multiplies logits; outside this range the logits leave float32.
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+# OpenAI's range for a logit bias: -100 bans a token, +100 makes it the only choice.
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 class _CheckedCall(type(msgspec.Struct)):  # type: ignore[misc]
@@ -164,7 +168,9 @@ class SamplingParams(
 
     temperature 0 (or below 1e-5) means greedy; top_k 0, top_p 1 and min_p 0 switch those
     filters off; repetition_penalty 1 and presence/frequency 0 switch the penalties off.
-    `stop` also accepts a list or a single string (normalized to a tuple).
+    `stop` also accepts a list or a single string (normalized to a tuple). `logit_bias` maps
+    token ids to what is added to their logits after the penalties, in [-100, 100] as OpenAI
+    takes it (-100 bans a token, +100 forces it); a params holding one is not hashable.
     """
 
     max_tokens: int = 256
@@ -182,6 +188,7 @@ class SamplingParams(
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: StructuredOutput | None = None
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         # Lists are the natural spelling in Python; keep the frozen struct hashable.
@@ -205,6 +212,17 @@ class SamplingParams(
         if isinstance(self.stop_token_ids, tuple):
             msgspec.structs.force_setattr(self, "stop_token_ids", tuple(
                 _plain_number("stop_token_ids", token) for token in self.stop_token_ids))
+        if isinstance(self.logit_bias, Mapping):
+            msgspec.structs.force_setattr(self, "logit_bias", _plain_logit_bias(self.logit_bias))
+
+    def for_answer(self, index: int) -> SamplingParams:
+        """The params of answer `index` of a request for several: answer 0 keeps `seed`, each
+        other gets a seed of its own derived from it (reproducible, distinct streams); without
+        a seed every answer draws fresh entropy."""
+        if index == 0 or self.seed is None:
+            return self
+        seed = int(np.random.SeedSequence([self.seed, index]).generate_state(1, np.uint64)[0])
+        return msgspec.structs.replace(self, seed=seed)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
@@ -241,6 +259,8 @@ class SamplingParams(
             _check_int("seed", self.seed, lambda v: 0 <= v <= MAX_SEED, f"in 0..{MAX_SEED}")
         _check_stop_strings(self.stop)
         _check_stop_token_ids(self.stop_token_ids, vocab_size)
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias, vocab_size)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest(
                 f"ignore_eos must be true or false, got {self.ignore_eos!r}", field="ignore_eos"
@@ -370,7 +390,37 @@ def _check_stop_token_ids(ids: object, vocab_size: int | None) -> None:
             )
 
 
-_PATH_FIELD = re.compile(r"at `\$\.(\w+)")
+def _plain_logit_bias(bias: Mapping[Any, Any]) -> Any:
+    """A copy of `bias` with built-in numbers (see `_plain_number`), or `bias` as it is where
+    it holds too many tokens to read (the check refuses it)."""
+    try:
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            return bias
+        items = list(bias.items())
+    except Exception as error:  # a hostile Mapping
+        raise InvalidRequest(f"logit_bias could not be read ({type(error).__name__})",
+                             field="logit_bias") from None
+    return {_plain_number("logit_bias", token): _plain_number("logit_bias", value)
+            for token, value in items}
+
+
+def _check_logit_bias(bias: object, vocab_size: int | None) -> None:
+    if not isinstance(bias, Mapping):
+        raise InvalidRequest(f"logit_bias must map token ids to biases, got {_shown(bias)}",
+                             field="logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequest(f"logit_bias has {len(bias)} tokens; at most "
+                             f"{MAX_LOGIT_BIAS_TOKENS} are allowed", field="logit_bias")
+    limit = MAX_COUNT + 1 if vocab_size is None else vocab_size
+    upper = f"< {limit}" if vocab_size is None else f"< the vocabulary size {limit}"
+    low, high = LOGIT_BIAS_RANGE
+    for token, value in bias.items():
+        _check_int("logit_bias", token, lambda v: 0 <= v < limit, f">= 0 and {upper} (a token id)")
+        _check_real("logit_bias", value, lambda v: low <= v <= high,
+                    f"in [{low:g}, {high:g}] (token {token})")
+
+
+_PATH_FIELD = re.compile(r"(?:at|in) `\$\.(\w+)")  # a dict key: "at `key` in `$.x`"
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
 _MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
 

@@ -83,17 +83,20 @@ class Admission:
         self.limit = limit
         self.live = 0
 
-    def check(self) -> None:
-        """Raise EngineOverloaded if no other request can be taken now."""
-        if self.live >= self.limit:
+    def check(self, count: int = 1) -> None:
+        """Raise EngineOverloaded if `count` more sequences (a request's answers) cannot be
+        taken now."""
+        if self.live + count > self.limit:
+            asked = f"; this request asks for {count}" if count > 1 else ""
             raise EngineOverloaded(
                 f"{self.live} requests are already running or queued (the limit is "
-                f"max_sequences + max_queued = {self.limit}); retry later or raise the limits"
+                f"max_sequences + max_queued = {self.limit}{asked}); retry later or raise the "
+                "limits"
             )
 
-    def enter(self) -> None:
-        self.check()
-        self.live += 1
+    def enter(self, count: int = 1) -> None:
+        self.check(count)
+        self.live += count
 
     def leave(self) -> None:
         self.live -= 1
@@ -169,6 +172,10 @@ class Scheduler:
         # Why the backend can no longer run (BackendLost), once it cannot.
         self.lost: str | None = None
         self._log = get_logger(_LOGGER)
+
+    @property
+    def max_sequences(self) -> int:
+        return self._max_sequences
 
     @property
     def running(self) -> int:

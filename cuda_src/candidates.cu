@@ -18,6 +18,9 @@
 //   ascending within a row (np.unique order): repetition ids rep_ids[rep_offsets[r] ..
 //   rep_offsets[r + 1]); counted ids count_ids[...] with counts[...] at count_offsets[r] ...
 //   Parameters are float64 per row (repetition 1 and presence = frequency = 0 are no-ops).
+//   - then the logit biases (OpenAI's logit_bias), once every penalty is written: for every
+//     id in bias_ids[bias_offsets[r] .. bias_offsets[r + 1]) (distinct within a row),
+//     l = float(double(l) + bias_values[...]), a second float64 step rounded to float32.
 //
 // top_candidates(logits, ...), grid (slices, rows) of CANDIDATE_THREADS, every row's
 //   parameters from device arrays (so a captured graph or any step can reuse the launch):
@@ -101,7 +104,8 @@ extern "C" __global__ void apply_penalties(
     const int* __restrict__ rep_ids, const double* __restrict__ repetition,
     const int* __restrict__ count_offsets, const int* __restrict__ count_ids,
     const int* __restrict__ counts, const double* __restrict__ presence,
-    const double* __restrict__ frequency) {
+    const double* __restrict__ frequency, const int* __restrict__ bias_offsets,
+    const int* __restrict__ bias_ids, const double* __restrict__ bias_values) {
     const int row = blockIdx.x;
     float* l = logits + int64_t(row) * vocab;
     const int* reps = rep_ids + rep_offsets[row];
@@ -123,6 +127,11 @@ extern "C" __global__ void apply_penalties(
         if (!sorted_contains(counted, n_counted, id)) {
             l[id] = float(repeated(l[id], repetition[row]));
         }
+    }
+    __syncthreads();  // a biased token may be one another thread just penalized
+    for (int k = bias_offsets[row] + threadIdx.x; k < bias_offsets[row + 1]; k += blockDim.x) {
+        const int id = bias_ids[k];
+        l[id] = float(__dadd_rn(double(l[id]), bias_values[k]));
     }
 }
 

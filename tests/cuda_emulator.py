@@ -505,14 +505,18 @@ class KernelTwins:
 
     def apply_penalties(self, grid: tuple[int, ...], logits: Any, vocab: int,
                         rep_offsets: Any, rep_ids: Any, repetition: Any, count_offsets: Any,
-                        count_ids: Any, counts: Any, presence: Any, frequency: Any) -> None:
+                        count_ids: Any, counts: Any, presence: Any, frequency: Any,
+                        bias_offsets: Any, bias_ids: Any, bias_values: Any) -> None:
         n, vocab = grid[0], int(vocab)
         rep_end = int(self.i32(rep_offsets, n + 1)[n])
         count_end = int(self.i32(count_offsets, n + 1)[n])
+        bias_end = int(self.i32(bias_offsets, n + 1)[n])
         arrays = {
             "rep_offsets": self.i32(rep_offsets, n + 1), "rep_ids": self.i32(rep_ids, rep_end),
             "count_offsets": self.i32(count_offsets, n + 1),
             "count_ids": self.i32(count_ids, count_end), "counts": self.i32(counts, count_end),
+            "bias_offsets": self.i32(bias_offsets, n + 1), "bias_ids": self.i32(bias_ids, bias_end),
+            "bias_values": self.m.view(bias_values, np.int32, 2 * bias_end),
             **{name: self.m.view(address, np.int32, 2 * n) for name, address in
                (("repetition", repetition), ("presence", presence), ("frequency", frequency))},
         }

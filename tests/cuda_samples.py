@@ -75,10 +75,14 @@ def assert_same_floats(actual: np.ndarray, expected: np.ndarray) -> None:
 
 
 def random_row_inputs(rng: np.random.Generator, n: int, vocab: int) -> list[RowInputs]:
-    """Rows mixing every kind of candidate and penalty input."""
+    """Rows mixing every kind of candidate, penalty and logit bias input (the biased tokens
+    may be penalized too)."""
     rows = []
     for _ in range(n):
         generated = rng.choice(vocab, size=int(rng.integers(0, 12)), replace=False)
+        biased = np.unique(np.concatenate([
+            generated[: int(rng.integers(0, 3))],
+            rng.choice(vocab, size=int(rng.integers(0, 6)), replace=False)]))
         rows.append(RowInputs(
             candidates=int(rng.integers(1, 20)), max_candidates=int(rng.integers(1, 300)),
             mass=float(rng.choice([0.0, 0.5, 0.9, 0.999])), inv_temp=float(rng.uniform(0.3, 3)),
@@ -90,6 +94,8 @@ def random_row_inputs(rng: np.random.Generator, n: int, vocab: int) -> list[RowI
             frequency_penalty=float(rng.choice([0.0, 0.25])),
             generated=tuple(int(i) for i in generated),
             generated_counts=tuple(int(c) for c in rng.integers(1, 5, size=generated.size)),
+            bias_tokens=tuple(int(i) for i in biased),
+            bias_values=tuple(float(v) for v in rng.uniform(-100, 100, biased.size)),
         ))
     return rows
 
@@ -119,7 +125,8 @@ def top_candidates_twin(logits: np.ndarray, arrays: dict[str, np.ndarray],
 
 
 def penalties_twin(logits: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
-    """apply_penalties as candidates.cu computes it from the packed CSR lists."""
+    """apply_penalties as candidates.cu computes it from the packed CSR lists, the logit
+    biases last."""
     repetition, presence, frequency = (arrays[name].view(np.float64)
                                        for name in ("repetition", "presence", "frequency"))
     for row in range(logits.shape[0]):
@@ -138,6 +145,11 @@ def penalties_twin(logits: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
             logits[row, token] = value - (presence[row] * (count > 0) + frequency[row] * count)
         for token in set(reps.tolist()) - set(counted.tolist()):
             logits[row, token] = repeated(float(logits[row, token]))
+        # The biases, once the penalties are written (the kernel syncs its threads between).
+        first, last = arrays["bias_offsets"][row], arrays["bias_offsets"][row + 1]
+        biases = arrays["bias_values"].view(np.float64)[first:last]
+        for token, bias in zip(arrays["bias_ids"][first:last], biases):
+            logits[row, token] = float(logits[row, token]) + bias
 
 
 def float16_parts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -235,24 +247,36 @@ def mask_of(allowed: np.ndarray, vocab: int) -> np.ndarray:
 
 def constrained_rows(raw: np.ndarray, rng: np.random.Generator) -> list[RowInputs]:
     """Rows for three logits rows `raw` as they come unmasked: row 0 allows one middling
-    token alone; row 1 has no mask but a repetition penalty on its top three; row 2 allows
-    about half the vocabulary but not its argmax, with presence and frequency penalties on
-    its top five (the argmax and other forbidden tokens among them) at a temperature."""
+    token alone; row 1 has no mask but a repetition penalty on its top three, and logit
+    biases banning its top token and lifting its tenth; row 2 allows about half the
+    vocabulary but not its argmax, with presence and frequency penalties on its top five (the
+    argmax and other forbidden tokens among them) at a temperature, and a +100 bias on its
+    forbidden argmax (which stays forbidden)."""
     vocab = raw.shape[1]
     single = np.argsort(raw[0])[vocab // 2]
     half = rng.random(vocab) < 0.5
     half[raw[2].argmax()] = False
+    top_1 = np.argsort(-raw[1])
     return [
         RowInputs(candidates=4, max_candidates=4, want_log_z=True,
                   allowed=mask_of(np.array([single]), vocab)),
         RowInputs(candidates=8, max_candidates=8, repetition_penalty=1.3,
-                  repeated=tuple(int(t) for t in np.argsort(-raw[1])[:3])),
+                  repeated=tuple(int(t) for t in top_1[:3]),
+                  **biases({int(top_1[0]): -100.0, int(top_1[9]): 3.5})),
         RowInputs(candidates=16, max_candidates=16, want_log_z=True, inv_temp=1.5,
                   allowed=mask_of(np.flatnonzero(half), vocab), presence_penalty=0.5,
                   frequency_penalty=0.25,
                   generated=tuple(int(t) for t in np.argsort(-raw[2])[:5]),
-                  generated_counts=(1, 2, 3, 1, 1)),
+                  generated_counts=(1, 2, 3, 1, 1),
+                  **biases({int(raw[2].argmax()): 100.0})),
     ]
+
+
+def biases(bias: dict[int, float]) -> dict[str, tuple]:
+    """RowInputs' bias fields for a logit_bias map, ids ascending."""
+    ordered = sorted(bias.items())
+    return {"bias_tokens": tuple(t for t, _ in ordered),
+            "bias_values": tuple(v for _, v in ordered)}
 
 
 def masked_step(backend: Any, items: Sequence[StepItem], rng: np.random.Generator
@@ -284,7 +308,8 @@ def constrained_steps(backend: Any) -> None:
     """`masked_step` on a prefill step of three prompts (blocks 0 to 2, launch by launch) and
     on their decode step (a graph of 4 rows, one padding): besides the reference's
     candidates, the single allowed token is row 0's only finite candidate, row 2's best is
-    an allowed token other than its argmax, and row 1 (no mask) keeps finite candidates."""
+    an allowed token other than its argmax (its +100 bias left it forbidden), and row 1 (no
+    mask) keeps finite candidates, its banned top token not first among them."""
     rng = np.random.default_rng(29)
     prompts = [(5, 17, 300, 42, 9), (8, 6, 4, 2, 1, 11, 12, 13, 14), (30, 31, 32)]
     prefill = [StepItem(prompt, 0, (i,)) for i, prompt in enumerate(prompts)]
@@ -296,3 +321,4 @@ def constrained_steps(backend: Any) -> None:
         allowed = np.unpackbits(rows[2].allowed.view(np.uint8), bitorder="little")
         assert got.ids[2, 0] != raw[2].argmax() and allowed[got.ids[2, 0]]
         assert np.isfinite(got.logits[1, : got.count[1]]).all()
+        assert got.ids[1, 0] != raw[1].argmax()

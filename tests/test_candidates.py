@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 
+from actors.errors import InvalidRequest
 from actors.model.candidates import RowInputs, apply_penalties, top_candidates
 from actors.params import SamplingParams
 from actors.sampling import state as sampling_state
@@ -49,6 +51,42 @@ def test_candidates_are_the_top_tokens_with_their_log_partition(vocab: int) -> N
             assert got.log_z[i] == pytest.approx(np.log(np.exp(scaled).sum()), abs=1e-5)
         else:
             assert np.isnan(got.log_z[i])
+
+
+def test_logit_biases_shift_exactly_their_tokens_after_the_penalties() -> None:
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((3, 200)) * 4).astype(np.float32)
+    logits[2, 50] = -np.inf  # masked: a bias cannot bring it back
+    rows = [
+        RowInputs(bias_tokens=(3, 17, 199), bias_values=(-100.0, 2.5, 100.0)),
+        RowInputs(),
+        RowInputs(repetition_penalty=1.5, repeated=(17, 50), presence_penalty=0.5,
+                  generated=(17,), generated_counts=(2,), bias_tokens=(17, 50),
+                  bias_values=(-0.75, 100.0)),
+    ]
+    penalized = logits.copy()
+    apply_penalties(penalized, [RowInputs(), RowInputs(), msgspec.structs.replace(
+        rows[2], bias_tokens=(), bias_values=())])
+    got = logits.copy()
+    apply_penalties(got, rows)
+    expected = penalized.copy()
+    for row, inputs in enumerate(rows):
+        for token, bias in zip(inputs.bias_tokens, inputs.bias_values):
+            expected[row, token] = np.float32(np.float64(penalized[row, token]) + bias)
+    np.testing.assert_array_equal(got, expected)
+    assert got[2, 50] == -np.inf
+    changed = np.argwhere(got != penalized)
+    assert changed.tolist() == [[0, 3], [0, 17], [0, 199], [2, 17]]
+    # +100 makes a token the only candidate a row has; -100 leaves it last.
+    assert top_candidates(got, [RowInputs()] * 3).ids[0, 0] == 199
+    assert ranked(got[0])[-1] == 3
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused() -> None:
+    with pytest.raises(InvalidRequest) as error:
+        apply_penalties(np.zeros((1, 10), np.float32),
+                        [RowInputs(bias_tokens=(10,), bias_values=(1.0,))])
+    assert error.value.field == "bias_tokens"
 
 
 def test_a_row_that_is_not_finite_holds_only_its_argmax() -> None:

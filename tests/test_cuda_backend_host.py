@@ -624,7 +624,29 @@ def test_packed_penalties_apply_as_the_reference_does() -> None:
     np.testing.assert_array_equal(logits, expected)
     assert packed.any_penalty == any(r.repetition_penalty != 1 and r.repeated or
                                      (r.presence_penalty or r.frequency_penalty) and r.generated
-                                     for r in rows)
+                                     or r.bias_tokens for r in rows)
+    assert any(r.bias_tokens for r in rows)
+
+
+def test_a_logit_bias_alone_launches_the_penalties_and_holds_its_row_back() -> None:
+    """A row with a bias and nothing else packs its bias list (float64 values) and launches
+    apply_penalties; it never runs ahead, a plain greedy row does."""
+    from actors.compute.cuda_ahead import takes_its_candidate
+
+    rows = [RowInputs(greedy=True), RowInputs(greedy=True, bias_tokens=(4, 9),
+                                              bias_values=(100.0, -100.0))]
+    packed = packing.row_arrays(rows, 50)
+    assert packed.any_penalty
+    assert packed.arrays["bias_offsets"].tolist() == [0, 0, 2]
+    assert packed.arrays["bias_ids"].tolist() == [4, 9]
+    assert packed.arrays["bias_values"].view(np.float64).tolist() == [100.0, -100.0]
+    assert [takes_its_candidate(row) for row in rows] == [True, False]
+    logits = np.zeros((2, 50), np.float32)
+    penalties_twin(logits, packed.arrays)
+    assert np.argwhere(logits).tolist() == [[1, 4], [1, 9]]
+    with pytest.raises(InvalidRequest) as caught:
+        packing.row_arrays([RowInputs(bias_tokens=(50,), bias_values=(1.0,))], 50)
+    assert caught.value.field == "bias_tokens"
 
 
 def random_masks(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:

@@ -63,6 +63,16 @@ BAD_VALUES = [
     ("logprobs", -1),
     ("logprobs", 21),
     ("logprobs", 2.0),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {5: 100.5}),
+    ("logit_bias", {5: -101}),
+    ("logit_bias", {5: math.nan}),
+    ("logit_bias", {5: True}),
+    ("logit_bias", {5: "1"}),
+    ("logit_bias", {"5": 1.0}),
+    ("logit_bias", {2**70: 1.0}),
+    ("logit_bias", {token: 1.0 for token in range(1025)}),
+    ("logit_bias", [5, 1.0]),
 ]
 
 
@@ -126,6 +136,25 @@ def test_stop_token_ids_are_checked_against_the_vocabulary_when_known():
         params.validate(vocab_size=10)
     assert error.value.field == "stop_token_ids"
     assert "10" in str(error.value)
+
+
+def test_logit_bias_is_checked_against_the_vocabulary_when_known():
+    params = SamplingParams(logit_bias={3: -100, 9: 100.0})
+    params.validate(vocab_size=10)
+    assert params.logit_bias == {3: -100, 9: 100.0}
+    with pytest.raises(InvalidRequest) as error:
+        SamplingParams(logit_bias={10: 1.0}).validate(vocab_size=10)
+    assert error.value.field == "logit_bias"
+    assert "vocabulary size 10" in str(error.value)
+
+
+def test_each_answer_has_its_own_reproducible_seed():
+    params = SamplingParams(seed=7, temperature=0.8)
+    seeds = [params.for_answer(index).seed for index in range(4)]
+    assert seeds[0] == 7 and len(set(seeds)) == 4
+    assert seeds == [params.for_answer(index).seed for index in range(4)]
+    assert all(0 <= seed < 2**64 for seed in seeds)
+    assert SamplingParams().for_answer(3).seed is None
 
 
 def test_lists_and_a_single_stop_string_become_tuples():

@@ -96,6 +96,14 @@ def test_chat_template_kwargs_are_vllms_field() -> None:
     assert chat_generation(chat(chat_template_kwargs=None), CONTEXT).chat_template_kwargs == {}
 
 
+def test_n_and_logit_bias_reach_the_engines_request() -> None:
+    generation = chat_generation(chat(n=3, logit_bias={"5": 100, "0012": -100.0}), CONTEXT)
+    assert generation.n == 3
+    assert generation.params.logit_bias == {5: 100.0, 12: -100.0}
+    plain = completion_generation(body(prompt="hi"))
+    assert (plain.n, plain.params.logit_bias) == (1, None)
+
+
 def test_chat_logprobs() -> None:
     assert chat_generation(chat(logprobs=True), CONTEXT).params.logprobs == 0
     assert chat_generation(chat(logprobs=True, top_logprobs=4), CONTEXT).params.logprobs == 4
@@ -109,8 +117,8 @@ def test_chat_logprobs() -> None:
     ({"max_tokens": 0}, "max_tokens"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"n": 2}, "n"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"n": 0}, "n"),
+    ({"logit_bias": {"12345678901": -100}}, "logit_bias"),
     ({"temperature": -1}, "temperature"),
     ({"frequency_penalty": 3}, "frequency_penalty"),
     ({"stop": ["x"] * 17}, "stop"),

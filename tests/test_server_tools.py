@@ -406,7 +406,7 @@ async def test_an_auto_answer_streams_as_the_client_accumulates_it(
                                     cached_tokens=0) if last else None)
 
     def reply() -> Reply:
-        return Reply(ChatShape(tool_format.reader(NAMES)), model="m", fingerprint="fp_test",
+        return Reply([ChatShape(tool_format.reader(NAMES))], model="m", fingerprint="fp_test",
                      want_logprobs=False, include_usage=False, token_text=str,
                      count=lambda *_: None)
 

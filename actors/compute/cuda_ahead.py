@@ -3,7 +3,8 @@
 Between two decode steps the host hands each sequence its token, the sequence asks for the
 next, the scheduler builds the step and the backend packs it; the GPU waits all that time.
 After a decode step whose every row takes its first candidate (`takes_its_candidate`: a
-greedy row, logprobs or not, or one asking for a single candidate; no penalty or mask) and whose every item's next
+greedy row, logprobs or not, or one asking for a single candidate; no penalty, mask or logit
+bias) and whose every item's next
 position lies in a block its own table holds and no other item of the step uses
 (`next_items`), the backend queues the step that follows if every sequence goes on with that
 token: the same items one position on, the tokens fed on the device from the step's candidate
@@ -42,10 +43,11 @@ class AheadStep:
 def takes_its_candidate(row: RowInputs) -> bool:
     """Whether the sampler must choose the row's first candidate (a greedy row, whatever it
     asks for logprobs, or one asking for one candidate and no mass) and nothing changes its
-    logits from step to step (no penalty, no mask)."""
+    logits from step to step (no penalty, no mask, no logit bias)."""
     first = row.greedy or (row.candidates <= 1 and row.max_candidates <= 1 and row.mass == 0)
     return (first and row.allowed is None and row.repetition_penalty == 1.0
-            and row.presence_penalty == 0 and row.frequency_penalty == 0)
+            and row.presence_penalty == 0 and row.frequency_penalty == 0
+            and not row.bias_tokens)
 
 
 def next_items(items: Sequence[StepItem], rows: Sequence[RowInputs], block_size: int,

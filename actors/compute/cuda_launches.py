@@ -577,9 +577,9 @@ def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: S
 
 def candidate_calls(spec: ModelSpec, n_rows: int, width: int, any_penalty: bool,
                     n_masked: int) -> list[KernelCall]:
-    """The token masks (when `n_masked` rows have one), the penalties (when a row has any),
-    then the candidates of the logits rows (several blocks per row where rows ask for few;
-    their counters are zero between launches), all in place on `logits`."""
+    """The token masks (when `n_masked` rows have one), the penalties and logit biases (when a
+    row has any), then the candidates of the logits rows (several blocks per row where rows
+    ask for few; their counters are zero between launches), all in place on `logits`."""
     vocab = _i32(spec.vocab_size)
     calls = []
     if n_masked:
@@ -591,7 +591,8 @@ def candidate_calls(spec: ModelSpec, n_rows: int, width: int, any_penalty: bool,
             "apply_penalties", plan.penalties_launch(n_rows),
             (Ref("logits"), vocab, Ref("rows.rep_offsets"), Ref("rows.rep_ids"),
              Ref("rows.repetition"), Ref("rows.count_offsets"), Ref("rows.count_ids"),
-             Ref("rows.counts"), Ref("rows.presence"), Ref("rows.frequency"))))
+             Ref("rows.counts"), Ref("rows.presence"), Ref("rows.frequency"),
+             Ref("rows.bias_offsets"), Ref("rows.bias_ids"), Ref("rows.bias_values"))))
     calls.append(KernelCall(
         "top_candidates", plan.candidates_launch(n_rows, width, spec.vocab_size),
         (Ref("logits"), vocab, Ref("rows.least"), Ref("rows.most"), Ref("rows.mass"),

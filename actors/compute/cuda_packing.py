@@ -139,6 +139,17 @@ def _csr(lists: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return offsets, _concatenated_int32(lists)
 
 
+def _bias_lists(rows: Sequence[RowInputs],
+                vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows' logit biases as CSR: (offsets int32, ids int32, values float64)."""
+    ids = [_checked_ids(row.bias_tokens, vocab, "bias_tokens") for row in rows]
+    values = [np.asarray(row.bias_values, dtype=np.float64).reshape(-1) for row in rows]
+    if any(len(i) != len(v) for i, v in zip(ids, values)):
+        raise InvalidRequest("bias_tokens and bias_values differ in length", field="bias_values")
+    offsets, flat_ids = _csr(ids)
+    return offsets, flat_ids, np.concatenate([np.zeros(0), *values])
+
+
 def _concatenated_int32(lists: Sequence[np.ndarray]) -> np.ndarray:
     """The lists one after the other as int32 (the empty ones cost nothing)."""
     return np.concatenate([np.zeros(0, np.int64), *(ids for ids in lists if len(ids))]
@@ -189,9 +200,10 @@ def token_masks(rows: Sequence[RowInputs], vocab: int) -> dict[str, np.ndarray]:
 
 def row_arrays(rows: Sequence[RowInputs], vocab: int) -> RowArrays:
     """Pack RowInputs for apply_token_mask (`token_masks`), apply_penalties (CSR lists, ids
-    ascending, float64 parameters) and top_candidates (least / most candidates, mass,
-    inv_temp). InvalidRequest for a mask of the wrong size, a penalty id outside the
-    vocabulary or a row asking for more candidates than the kernel selects."""
+    ascending, float64 parameters; the logit biases' CSR list, float64 values) and
+    top_candidates (least / most candidates, mass, inv_temp). InvalidRequest for a mask of
+    the wrong size, a penalty or bias id outside the vocabulary or a row asking for more
+    candidates than the kernel selects."""
     masks = token_masks(rows, vocab)
     repeated, counted, counts = [], [], []
     for row in rows:
@@ -221,6 +233,7 @@ def row_arrays(rows: Sequence[RowInputs], vocab: int) -> RowArrays:
                     dtype=np.int64)
     rep_offsets, rep_ids = _csr(repeated)
     count_offsets, count_ids = _csr(counted)
+    bias_offsets, bias_ids, bias_values = _bias_lists(rows, vocab)
     float64_of = {name: np.array([getattr(row, name) for row in rows], dtype=np.float64)
                   for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")}
     arrays = {
@@ -228,6 +241,7 @@ def row_arrays(rows: Sequence[RowInputs], vocab: int) -> RowArrays:
         "repetition": _words(float64_of["repetition_penalty"]),
         "presence": _words(float64_of["presence_penalty"]),
         "frequency": _words(float64_of["frequency_penalty"]),
+        "bias_values": _words(bias_values),
         "least": least.astype(np.int32),
         "most": most.astype(np.int32),
         "mass": _words(np.array([row.mass for row in rows], dtype=np.float32)),
@@ -237,10 +251,12 @@ def row_arrays(rows: Sequence[RowInputs], vocab: int) -> RowArrays:
         "count_offsets": count_offsets,
         "count_ids": count_ids,
         "counts": _concatenated_int32(counts),
+        "bias_offsets": bias_offsets,
+        "bias_ids": bias_ids,
         **masks,
     }
     return RowArrays(arrays, int(most.max()) if len(rows) else 1,
-                     bool(rep_ids.size or count_ids.size),
+                     bool(rep_ids.size or count_ids.size or bias_ids.size),
                      len(masks["mask_rows"]) if masks else 0)
 
 

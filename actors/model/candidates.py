@@ -10,7 +10,8 @@ so the sampler's logprobs and top-p mass stay exact without the row. Greedy rows
 their argmax (one candidate). The penalties (llama.cpp's repetition penalty over the distinct
 tokens of a window: a positive logit divided by it, a negative one multiplied; then OpenAI's
 presence and frequency: `l -= presence * (count > 0) + frequency * count`) are applied to the
-row in place, in float64 and rounded to float32, before anything else reads it.
+row in place, in float64 and rounded to float32, before anything else reads it; then each
+token's `logit_bias` is added, in float64 and rounded to float32 again.
 
 This module is the numpy reference (the CPU backend runs it, a GPU backend's kernels are
 tested against it), and it also holds the row scans the sampler's full-row path shares:
@@ -63,6 +64,9 @@ class RowInputs(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
     generated: tuple[int, ...] = ()  # distinct generated token ids
     generated_counts: tuple[int, ...] = ()  # how often each was generated
+    # OpenAI's logit_bias: distinct token ids, ascending, and what is added to their logits.
+    bias_tokens: tuple[int, ...] = ()
+    bias_values: tuple[float, ...] = ()
     # Structured output: int32 words, bit t % 32 of word t // 32 set where token t may come
     # next (llguidance's layout); None: every token may.
     allowed: Any = None  # np.ndarray | None
@@ -115,8 +119,13 @@ def apply_token_masks(logits: np.ndarray, rows: Sequence[RowInputs]) -> None:
 
 
 def apply_penalties(logits: np.ndarray, rows: Sequence[RowInputs]) -> None:
-    """Penalize `logits` (n, vocab) float32 in place, row i by `rows[i]`; touches only the
-    few (row, token) pairs of the rows' histories."""
+    """Penalize `logits` (n, vocab) float32 in place, row i by `rows[i]`, then add its logit
+    biases; touches only the few (row, token) pairs of the rows' histories and biases."""
+    _penalize(logits, rows)
+    _add_biases(logits, rows)
+
+
+def _penalize(logits: np.ndarray, rows: Sequence[RowInputs]) -> None:
     vocab = logits.shape[1]
     repeated = [
         i * vocab + np.asarray(r.repeated, dtype=np.int64)
@@ -150,6 +159,23 @@ def apply_penalties(logits: np.ndarray, rows: Sequence[RowInputs]) -> None:
     # A value past float32 becomes inf: its row is then not finite and fails alone.
     with np.errstate(over="ignore"):
         logits[row, ids] = values.astype(np.float32)
+
+
+def _add_biases(logits: np.ndarray, rows: Sequence[RowInputs]) -> None:
+    """Add each row's `bias_values` to its `bias_tokens`' logits (after the penalties: a
+    masked token stays at -inf whatever its bias)."""
+    biased = [(i, r) for i, r in enumerate(rows) if r.bias_tokens]
+    if not biased:
+        return
+    row = np.concatenate([np.full(len(r.bias_tokens), i, dtype=np.int64) for i, r in biased])
+    ids = np.concatenate([np.asarray(r.bias_tokens, dtype=np.int64) for _, r in biased])
+    values = np.concatenate([np.asarray(r.bias_values, dtype=np.float64) for _, r in biased])
+    mismatched = any(len(r.bias_tokens) != len(r.bias_values) for _, r in biased)
+    if mismatched or ids.min() < 0 or ids.max() >= logits.shape[1]:
+        raise InvalidRequest(f"bias_tokens must be as many token ids in [0, {logits.shape[1]}) "
+                             "as bias_values", field="bias_tokens")
+    with np.errstate(over="ignore"):
+        logits[row, ids] = (logits[row, ids].astype(np.float64) + values).astype(np.float32)
 
 
 def top_candidates(logits: np.ndarray, rows: Sequence[RowInputs]) -> Candidates:

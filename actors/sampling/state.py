@@ -124,6 +124,7 @@ class SequenceSampling:
                 # A top-p row asks for its nucleus; a min-p row for most of its mass, which
                 # its floor usually cuts.
                 mass = UNFILTERED_MASS if params.top_p >= 1 else params.top_p
+        bias = sorted((params.logit_bias or {}).items())
         return RowInputs(
             candidates=candidates,
             mass=mass,
@@ -134,6 +135,8 @@ class SequenceSampling:
             repetition_penalty=params.repetition_penalty,
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
+            bias_tokens=tuple(token for token, _ in bias),
+            bias_values=tuple(float(value) for _, value in bias),
         )
 
     def _checked(self, token_id: int) -> int:

@@ -290,12 +290,14 @@ class OpenAIServer:
         try:
             engine = self.ready_engine()
             generation = await self._generation(request, chat, engine)
-            shape = await self._shape(generation, engine) if chat else CompletionsShape()
-            chunks = self.start(engine, generation)
+            chunks = self.start(engine, generation)  # refuses an n past the engine's bound
+            # Each answer reads its own text (its own tool calls).
+            shapes = [await self._shape(generation, engine) if chat else CompletionsShape()
+                      for _ in range(generation.n)]
         except Q4KError as exc:
             self.metrics.count(outcome_of(exc))
             return error_response(as_asked(exc, generation))
-        reply = Reply(shape, model=self.model_name, fingerprint=self.fingerprint(engine),
+        reply = Reply(shapes, model=self.model_name, fingerprint=self.fingerprint(engine),
                       want_logprobs=generation.params.logprobs is not None,
                       include_usage=generation.include_usage,
                       token_text=lambda token: engine.detokenize([token]),
@@ -363,9 +365,10 @@ class OpenAIServer:
             messages, tools = self._template_input(generation.messages, generation.tools)
             return engine.chat(messages, generation.params, self.options.chat_template,
                                tools=tools, chat_template_kwargs=generation.chat_template_kwargs,
-                               strict_max_tokens=must_fit,
+                               strict_max_tokens=must_fit, n=generation.n,
                                reasoning_budget=generation.reasoning_budget)
-        return engine.generate(generation.prompt, generation.params, strict_max_tokens=must_fit)
+        return engine.generate(generation.prompt, generation.params, strict_max_tokens=must_fit,
+                               n=generation.n)
 
     def _template_input(self, messages: list[dict[str, Any]], choice: ToolChoice | None,
                         ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:

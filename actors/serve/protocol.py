@@ -2,8 +2,9 @@
 
 `/v1/completions` and `/v1/chat/completions` bodies are decoded into msgspec Structs (a wrong
 type names its field), then checked the way the OpenAI API checks them: each field within the
-range OpenAI takes it in (`temperature` in [0, 2]...), one choice only (`n`), no features the
-engine lacks (`echo`, `suffix`, `logit_bias`...). Unknown fields are ignored,
+range OpenAI takes it in (`temperature` in [0, 2]...), no features the engine lacks (`echo`,
+`suffix`...). `n` answers share the prompt (the engine bounds it); `logit_bias` maps token
+ids, as strings, to biases in [-100, 100]. Unknown fields are ignored,
 as OpenAI-compatible servers do, so newer clients keep working.
 
 What a body builds is bounded before it is built. Unknown fields are skipped unread; fields
@@ -38,7 +39,13 @@ from actors.model.text.chat import (
     TEMPLATE_KWARGS_FIELD,
     check_template_kwargs,
 )
-from actors.params import MAX_CONSTRAINT_CHARS, SamplingParams, StructuredOutput, field_of
+from actors.params import (
+    LOGIT_BIAS_RANGE,
+    MAX_CONSTRAINT_CHARS,
+    SamplingParams,
+    StructuredOutput,
+    field_of,
+)
 from actors.serve.schemas import bounded_numbers
 from actors.serve.tools import (
     MAX_TOOLS_JSON_BYTES,
@@ -63,7 +70,8 @@ STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_c
 OPENAI_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0),
                  "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
 MAX_TOP_LOGPROBS = 20
-LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# A token id as logit_bias spells it: more digits than any vocabulary's ids is no token.
+MAX_TOKEN_ID_DIGITS = 10
 # OpenAI's newer clients send `developer` for what chat templates call `system`.
 ROLE_ALIASES = {"developer": "system"}
 # The roles a request may send, as its role error lists them.
@@ -187,6 +195,8 @@ class Generation(msgspec.Struct, frozen=True, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     # A chat's budget of reasoning tokens (None: none).
     reasoning_budget: int | None = None
+    # How many answers to the prompt (the engine bounds it).
+    n: int = 1
 
 
 def decode_body(body: bytes, kind: type[RequestT]) -> RequestT:
@@ -335,10 +345,6 @@ def _generation(
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Generation:
     _check_ranges(request)
-    if request.n not in (None, 1):
-        raise InvalidRequest(f"n must be 1 (one choice per request), got {request.n}", field="n")
-    if request.logit_bias:
-        raise InvalidRequest("logit_bias is not supported", field="logit_bias")
     structured, structured_field = _structured(request)
     if structured is not None and tools is not None and tools.enforced:
         raise InvalidRequest(f"tool_choice {tools.mode!r} and {structured_field} both constrain "
@@ -352,6 +358,8 @@ def _generation(
             stop=tuple(stop),
             logprobs=logprobs,
             structured=structured,
+            logit_bias={int(token): bias for token, bias in request.logit_bias.items()}
+            if request.logit_bias else None,
         )
     except InvalidRequest as error:
         field = (renamed or {}).get(error.field, error.field)
@@ -370,6 +378,7 @@ def _generation(
         structured_field=structured_field,
         tools=tools,
         chat_template_kwargs=chat_template_kwargs,
+        n=request.n or 1,
     )
 
 
@@ -384,7 +393,7 @@ def _check_ranges(request: _Request) -> None:
         raise InvalidRequest(f"n must be at least 1, got {request.n}", field="n")
     low, high = LOGIT_BIAS_RANGE
     for token, bias in (request.logit_bias or {}).items():
-        if not (token.isascii() and token.isdigit()):
+        if not (token.isascii() and token.isdigit() and len(token) <= MAX_TOKEN_ID_DIGITS):
             raise InvalidRequest(f"logit_bias maps token ids to biases; {token[:40]!r} is not a "
                                  "token id", field="logit_bias")
         if not low <= bias <= high:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from typing import Any
 
@@ -202,14 +202,25 @@ def usage_object(usage: Usage) -> dict[str, Any]:
     }
 
 
-class Reply:
-    """One request's response: `whole(chunks)`, or `first(chunks)` then `events(...)`. Each
-    request's outcome is counted once: its finish reason, the error it raised, or `cancelled`."""
+def request_usage(usages: Sequence[Usage]) -> Usage:
+    """A request's usage from its answers' (one each): the prompt counted once, as answer 0
+    found it in the cache, and every answer's completion tokens."""
+    return Usage(prompt_tokens=usages[0].prompt_tokens,
+                 completion_tokens=sum(usage.completion_tokens for usage in usages),
+                 cached_tokens=usages[0].cached_tokens,
+                 reasoning_tokens=sum(usage.reasoning_tokens for usage in usages))
 
-    def __init__(self, shape: Shape, *, model: str, fingerprint: str, want_logprobs: bool,
-                 include_usage: bool, token_text: TokenText, count: CountOutcome) -> None:
-        self.shape = shape
-        self.id = shape.id_prefix + uuid.uuid4().hex
+
+class Reply:
+    """One request's response, its `choices` one per answer (`shapes`: each answer's, by
+    index): `whole(chunks)`, or `first(chunks)` then `events(...)`. Each request's outcome is
+    counted once: answer 0's finish reason, the error it raised, or `cancelled`."""
+
+    def __init__(self, shapes: Sequence[Shape], *, model: str, fingerprint: str,
+                 want_logprobs: bool, include_usage: bool, token_text: TokenText,
+                 count: CountOutcome) -> None:
+        self.shapes = shapes
+        self.id = shapes[0].id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
         self.fingerprint = fingerprint
@@ -219,24 +230,28 @@ class Reply:
         self._count = count
 
     async def whole(self, chunks: AsyncIterator[Chunk]) -> dict[str, Any]:
-        """The whole response object, once the answer is complete."""
-        texts: list[str] = []
-        thoughts: list[str] = []
-        scored: list[Chunk] = []
-        last: Chunk | None = None
+        """The whole response object, once every answer is complete."""
+        texts: list[list[str]] = [[] for _ in self.shapes]
+        thoughts: list[list[str]] = [[] for _ in self.shapes]
+        scored: list[list[Chunk]] = [[] for _ in self.shapes]
+        lasts: list[Chunk | None] = [None for _ in self.shapes]
         with counting_failures(self._count):
             async with aclosing(chunks):
-                async for last in chunks:
-                    texts.append(self.shape.text(last))
-                    thoughts.append(last.reasoning)
-                    scored += self._scored(last)
-            if last is None or last.finish_reason is None:
+                async for chunk in chunks:
+                    texts[chunk.index].append(self.shapes[chunk.index].text(chunk))
+                    thoughts[chunk.index].append(chunk.reasoning)
+                    scored[chunk.index] += self._scored(chunk)
+                    lasts[chunk.index] = chunk
+            if any(last is None or last.finish_reason is None for last in lasts):
                 raise EngineClosed("the answer ended without a finish reason")
-        finish = self._finished(last)
-        choice = self.shape.choice("".join(texts), self._logprobs(scored, 0), finish,
-                                   "".join(thoughts))
-        return {**self._head(self.shape.object), "choices": [choice],
-                "usage": usage_object(last.usage)}
+        usage = self._finished(lasts)
+        choices = [{**shape.choice("".join(text), self._logprobs(answer_scored, 0),
+                                   FINISH_REASONS[last.finish_reason], "".join(thought)),
+                    "index": index}
+                   for index, (shape, text, thought, answer_scored, last)
+                   in enumerate(zip(self.shapes, texts, thoughts, scored, lasts))]
+        return {**self._head(self.shapes[0].object), "choices": choices,
+                "usage": usage_object(usage)}
 
     async def first(self, chunks: AsyncIterator[Chunk]) -> Chunk:
         """The first chunk, taken before a stream answers 200 (so that admission and compute
@@ -245,44 +260,58 @@ class Reply:
             return await anext(chunks)
 
     async def events(self, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
-        """Server-sent events: one per chunk that carries text or logprobs, then one with no
-        text and the finish reason (as OpenAI ends a stream), the usage when asked for, then
-        `[DONE]`. `first` was already taken from `chunks`."""
-        offset = 0
+        """Server-sent events: one per chunk that carries text or logprobs, then for each
+        answer one with no text and its finish reason (as OpenAI ends a choice), each event's
+        choice carrying its answer's index; then the usage when asked for, then `[DONE]`.
+        `first` was already taken from `chunks`."""
+        offsets = [0 for _ in self.shapes]
+        started = [False for _ in self.shapes]
+        lasts: list[Chunk | None] = [None for _ in self.shapes]
         chunk = first
         with counting_failures(self._count):
             async with aclosing(chunks):
-                is_first = True
                 while True:
+                    index, shape = chunk.index, self.shapes[chunk.index]
                     final = chunk.finish_reason is not None
                     scored = self._scored(chunk)
-                    pieces = [*self.shape.reasoning_pieces(chunk.reasoning),
-                              *self.shape.pieces(self.shape.text(chunk), final=final)]
-                    if pieces or scored or is_first:
-                        logprobs = self._logprobs(scored, offset)
-                        for number, piece in enumerate(pieces or [self.shape.empty_piece()]):
-                            yield self._chunk_event(self.shape.streamed_choice(
-                                piece, logprobs if number == 0 else None, is_first))
-                            is_first = False
-                    offset += len(chunk.text)
+                    pieces = [*shape.reasoning_pieces(chunk.reasoning),
+                              *shape.pieces(shape.text(chunk), final=final)]
+                    if pieces or scored or not started[index]:
+                        logprobs = self._logprobs(scored, offsets[index])
+                        for number, piece in enumerate(pieces or [shape.empty_piece()]):
+                            yield self._chunk_event(index, shape.streamed_choice(
+                                piece, logprobs if number == 0 else None, not started[index]))
+                            started[index] = True
+                    offsets[index] += len(chunk.text)
                     if final:
-                        break
+                        lasts[index] = chunk
+                        if all(done is not None for done in lasts):
+                            break
+                        yield self._final_event(chunk)
                     chunk = await anext(chunks)
-        yield self._chunk_event(self.shape.final_choice(self._finished(chunk)))
+        usage = self._finished(lasts)
+        yield self._final_event(chunk)
         if self._include_usage:
-            yield sse_event({**self._head(self.shape.chunk_object), "choices": [],
-                               "usage": usage_object(chunk.usage)})
+            yield sse_event({**self._head(self.shapes[0].chunk_object), "choices": [],
+                               "usage": usage_object(usage)})
         yield DONE_EVENT
 
-    def _finished(self, last: Chunk) -> str:
-        """Count a finished answer; its finish reason as OpenAI names it."""
-        finish = FINISH_REASONS[last.finish_reason]
-        self._count(finish, last.usage)
-        return finish
+    def _finished(self, lasts: Sequence[Chunk]) -> Usage:
+        """Count the finished request (answer 0's finish reason as OpenAI names it); its
+        usage."""
+        usage = request_usage([last.usage for last in lasts])
+        self._count(FINISH_REASONS[lasts[0].finish_reason], usage)
+        return usage
 
-    def _chunk_event(self, choice: dict[str, Any]) -> bytes:
-        return sse_event({**self._head(self.shape.chunk_object), "choices": [choice],
-                          **self._no_usage()})
+    def _final_event(self, last: Chunk) -> bytes:
+        """An answer's last event: its finish reason as OpenAI names it."""
+        shape = self.shapes[last.index]
+        finish = FINISH_REASONS[last.finish_reason]
+        return self._chunk_event(last.index, shape.final_choice(finish))
+
+    def _chunk_event(self, index: int, choice: dict[str, Any]) -> bytes:
+        return sse_event({**self._head(self.shapes[0].chunk_object),
+                          "choices": [{**choice, "index": index}], **self._no_usage()})
 
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -299,7 +328,7 @@ class Reply:
     def _logprobs(self, scored: list[Chunk], offset: int) -> dict[str, Any] | None:
         if not self._want_logprobs:
             return None
-        return self.shape.logprobs(scored, self._token_text, offset)
+        return self.shapes[0].logprobs(scored, self._token_text, offset)
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:

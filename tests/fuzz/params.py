@@ -50,6 +50,9 @@ FIELD_VALUES: dict[str, st.SearchStrategy] = {
         "grammar": st.text(max_size=10),
         "fast_forward": st.booleans(),
     })),
+    # Ids about the vocabulary's end and below 0, biases about the range's edges.
+    "logit_bias": st.one_of(st.none(), st.dictionaries(
+        st.integers(-1, VOCAB), st.one_of(st.floats(-101, 101), st.floats()), max_size=5)),
 }
 assert set(FIELD_VALUES) == set(SamplingParams.__struct_fields__), "a field is not fuzzed"
 

@@ -970,7 +970,7 @@ def csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return offsets, flat if flat.size else np.zeros(1, dtype=np.int32)
 
 
-def test_penalties_equal_the_samplers_float64_math(kernel: Kernel) -> None:
+def test_penalties_and_biases_equal_the_samplers_float64_math(kernel: Kernel) -> None:
     vocab = 5000
     rng = np.random.default_rng(8)
     logits = (rng.standard_normal((3, vocab)) * 5).astype(np.float32)
@@ -981,14 +981,20 @@ def test_penalties_equal_the_samplers_float64_math(kernel: Kernel) -> None:
     repetition = np.array([1.3, 1.0, 0.8])
     presence = np.array([0.5, 0.2, 0.0])
     frequency = np.array([0.1, 0.3, 0.0])
+    # Logit biases on a penalized token (17), a plain one, and none on row 1.
+    biased = [[3, 17], [], [4999]]
+    biases = [[-100.0, 7.25], [], [100.0]]
     rep_offsets, rep_ids = csr(repeated)
     count_offsets, count_ids = csr(counted)
     _, count_values = csr(counts)
+    bias_offsets, bias_ids = csr(biased)
+    bias_values = np.array([b for row in biases for b in row], dtype=np.float64)
     logits_dev = to_device(logits)
     run(kernel("candidates.cu", "apply_penalties"), plan.penalties_launch(3), ptr(logits_dev),
         np.int32(vocab), ptr(to_device(rep_offsets)), ptr(to_device(rep_ids)),
         ptr(to_device(repetition)), ptr(to_device(count_offsets)), ptr(to_device(count_ids)),
-        ptr(to_device(count_values)), ptr(to_device(presence)), ptr(to_device(frequency)))
+        ptr(to_device(count_values)), ptr(to_device(presence)), ptr(to_device(frequency)),
+        ptr(to_device(bias_offsets)), ptr(to_device(bias_ids)), ptr(to_device(bias_values)))
     expected = logits.copy()
     for row in range(3):
         ids = sorted(set(repeated[row]) | set(counted[row]))
@@ -1000,6 +1006,8 @@ def test_penalties_equal_the_samplers_float64_math(kernel: Kernel) -> None:
         c[np.searchsorted(ids, counted[row])] = counts[row]
         values -= presence[row] * (c > 0) + frequency[row] * c
         expected[row, ids] = values.astype(np.float32)
+        expected[row, biased[row]] = (expected[row, biased[row]].astype(np.float64)
+                                      + biases[row]).astype(np.float32)
     np.testing.assert_array_equal(logits_dev.get().view(np.uint32), expected.view(np.uint32))
 
 
