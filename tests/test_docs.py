@@ -167,6 +167,26 @@ def test_python_block_runs(block: Block, request: pytest.FixtureRequest,
     exec(compile(source, block.name, "exec"), {"__name__": "__main__"})
 
 
+YAML_BLOCKS = [block for block in ALL_BLOCKS if block.language == "yaml"]
+
+
+@pytest.mark.parametrize("block", YAML_BLOCKS, ids=[block.name for block in YAML_BLOCKS])
+def test_serve_config_block_names_replica_settings(block: Block) -> None:
+    """A `serve run` config shown parses, and what it passes to `actors.serve.ray:application`
+    converts to `ReplicaSettings`, each key one of its fields."""
+    import msgspec
+    import yaml
+
+    from actors.serve.ray import ReplicaSettings
+
+    config = yaml.safe_load(block.text)
+    for app in config["applications"]:
+        assert app["import_path"] == "actors.serve.ray:application"
+        fields = {field.name for field in msgspec.structs.fields(ReplicaSettings)}
+        assert set(app["args"]) <= fields
+        msgspec.convert(app["args"], ReplicaSettings, strict=False)
+
+
 def test_readme_links_reach_files() -> None:
     """The README's relative links name files of the repository (MkDocs checks the site's)."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
