@@ -56,7 +56,7 @@ ANCHORS = {"matvec_q4_K_effective_TBps": 3.4, "copy_TBps_seen_on_h200": 4.3,
 DECODE_PROMPT = 32  # tokens each stream holds before its timed decode steps
 DECODE_STEPS = 64
 DECODE_STREAMS = (1, 32, 64)
-MMA_DECODE_STREAMS = (1, 32)  # the 8B on the matvec_mma route (device time is short)
+MMA_DECODE_STREAMS = (1, 32)  # the 8B on the matvec_mma route (within the run's time budget)
 MODEL_BLOCK = 16
 ENGINE_TOKENS = 64  # generated per stream through the Engine
 

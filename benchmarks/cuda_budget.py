@@ -1,4 +1,4 @@
-"""Static budgets of the CUDA kernels, measured without a device (issue 17, item 8).
+"""Static budgets of the CUDA kernels, measured without a device.
 
     python benchmarks/cuda_budget.py [--json] [--gemma PATH]
 
@@ -24,7 +24,7 @@
    candidate_calls: the Llama-3-8B shape of benchmarks/synthetic_gguf.py (Q4_K_M types), also
    on the decode tiles route and the mma matvec route (mul_mat_vec_mma where it serves a
    matrix), and gemma-3 (the default model's file).
-Targets (issue 17): Q4_K inner loop <= 4 SASS instructions per weight byte; no hot kernel
+Targets: Q4_K inner loop <= 4 SASS instructions per weight byte; no hot kernel
 below 16 resident warps per SM; <= 7 kernels per layer.
 """
 

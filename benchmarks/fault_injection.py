@@ -1,5 +1,5 @@
 """Faults injected into a real model's steps, and what every request got: the figures of the
-README's reliability table.
+reliability table (docs/reliability.md).
 
 Each round runs --requests greedy requests at once on SmolLM2-135M (the test model) through a
 `FaultyBackend`, with one fault on one request: a step that raises, NaN logits for its row, or

@@ -3,7 +3,7 @@ runs, counting inputs, outcomes and escapes (anything but the project's own erro
 
     python benchmarks/fuzz.py                      # 2,000 inputs per target
     python benchmarks/fuzz.py --examples 20000 --target templates
-    python benchmarks/fuzz.py --markdown           # the README's table rows
+    python benchmarks/fuzz.py --markdown           # docs/reliability.md's table rows
 
 Run from the repository root (the targets live in the test tree). An escape is printed with
 the input hypothesis shrank it to, and the exit status is 1.
@@ -76,7 +76,7 @@ def main() -> int:
     parser.add_argument("--examples", type=int, default=2000, help="inputs per target")
     parser.add_argument("--target", choices=sorted(TARGETS), action="append",
                         help="run only these (repeatable; default all)")
-    parser.add_argument("--markdown", action="store_true", help="print README table rows")
+    parser.add_argument("--markdown", action="store_true", help="print docs/reliability.md table rows")
     args = parser.parse_args()
     found = 0
     for name in args.target or list(TARGETS):

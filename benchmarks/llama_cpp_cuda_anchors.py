@@ -126,7 +126,7 @@ def our_figures(report: dict[str, Any]) -> dict[str, dict[str, tuple[float, str]
 
 def comparison(llama_cpp: dict[str, dict[str, float]],
                ours: dict[str, dict[str, tuple[float, str]]]) -> dict[str, dict[str, Any]]:
-    """Each of our figures beside llama.cpp's and the issue's absolute anchor. A decode figure
+    """Each of our figures beside llama.cpp's and the absolute anchor. A decode figure
     compares with llama-batched-bench's where there is one (the same prompt and step counts as
     ours), else with llama-bench's."""
     rows: dict[str, dict[str, Any]] = {}

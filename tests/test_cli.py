@@ -1,4 +1,4 @@
-"""The `q4k` command as a whole: --version, the README's command lines agree with the
+"""The `q4k` command as a whole: --version, the synopsis in docs/cli.md agrees with the
 parser (every flag and argument it shows exists, and every one the parser takes is shown), and
 what every verb that opens an engine shares: the backend notice."""
 
@@ -22,15 +22,15 @@ from test_cli_chat import CHATML
 from actors.serve.guard import API_KEY_ENV
 from test_cli_logs import CALL_TIMEOUT_S, assert_one_line_error, run_q4k
 
-README = Path(__file__).parent.parent / "README.md"
+CLI_PAGE = Path(__file__).parent.parent / "docs" / "cli.md"
 OPTION = re.compile(r"\[(-{1,2}[\w-]+)")
 OPTION_GROUP = re.compile(r"\[-[^\]]*\]")
 
 
-def readme_command_lines() -> dict[str, str]:
-    """The README's `q4k ...` lines (after "## The command line"), keyed by their verb (and view,
+def synopsis_command_lines() -> dict[str, str]:
+    """The synopsis' `q4k ...` lines (docs/cli.md, "## Synopsis"), keyed by their verb (and view,
     for `logs`), with `[SAMPLING]` expanded."""
-    section = README.read_text().split("## The command line", 1)[1]
+    section = CLI_PAGE.read_text().split("## Synopsis", 1)[1]
     block = section.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
     sampling = next(line for line in block if line.startswith("SAMPLING = ")).split(" = ", 1)[1]
     lines = {}
@@ -69,9 +69,9 @@ def parser_positionals(parser: argparse.ArgumentParser) -> list[str]:
 
 
 @pytest.mark.parametrize("key", sorted(parsers_by_key()))
-def test_the_readme_shows_each_command_as_it_parses(key: str) -> None:
+def test_the_synopsis_shows_each_command_as_it_parses(key: str) -> None:
     parser = parsers_by_key()[key]
-    line = readme_command_lines()[key]
+    line = synopsis_command_lines()[key]
     shown = set(OPTION.findall(line))
     taken = [a.option_strings for a in parser._actions
              if a.option_strings and "--help" not in a.option_strings]
@@ -80,8 +80,8 @@ def test_the_readme_shows_each_command_as_it_parses(key: str) -> None:
     assert shown_positionals(line, key) == parser_positionals(parser)
 
 
-def test_the_readme_lists_every_command() -> None:
-    assert set(readme_command_lines()) == set(parsers_by_key())
+def test_the_synopsis_lists_every_command() -> None:
+    assert set(synopsis_command_lines()) == set(parsers_by_key())
 
 
 def test_version() -> None:

@@ -23,7 +23,7 @@ from tests.cuda_samples import (
     short_prompt_alone_and_shared,
 )
 
-TOLERANCE = 0.05  # the top-16 bound for a GPU against the CPU
+TOLERANCE = 0.05  # the top-16 bound for a GPU against the CPU
 TOP1_AGREEMENT = 0.99
 BLOCK = 16
 

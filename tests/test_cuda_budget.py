@@ -54,7 +54,7 @@ def test_budget_report(report: dict) -> None:
     for name, loop in report["matvec_loops"].items():
         assert loop["chunk_row_regions"] == 8, name  # one region per activation row
         assert 0 < loop["batch1_pass_instructions"] < loop["chunk_pass_instructions"]
-    # the static budget issue 17 holds the Q4_K decode product to (the matvec_mma route's),
+    # the static budget the Q4_K decode product is held to (the matvec_mma route's),
     # held by its Q6_K twin too (the 8B Q4_K_M's v, down and output)
     assert set(report["matvec_mma_loops"]) == {"mul_mat_vec_mma_q4_K", "mul_mat_vec_mma_q6_K"}
     for name, mma_loop in report["matvec_mma_loops"].items():

@@ -27,7 +27,7 @@ TINY = TINY_MODELS["llama-q4k-tiny"]
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
 # Within every size limit, but 10^9 loop turns: only the time bound stops it.
 SLOW_TEMPLATE = "{% for i in range(30000) %}{% for j in range(30000) %}{% endfor %}{% endfor %}"
-# Refused by the size bounds as they start (the examples, with its 10^5 ranges).
+# Refused by the size bounds as they start (with 10^5 ranges).
 HUGE_TEMPLATES = [
     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "{% macro f(n) %}{{ f(n + 1) }}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",

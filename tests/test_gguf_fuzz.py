@@ -263,7 +263,7 @@ def _mutated(*changes: gguf_structure.Mutation) -> str:
     return gguf_structure.check(("llama-q4k-tiny", list(changes)))
 
 
-# The examples of self-inconsistent files, each refused with a ModelFormatError.
+# Examples of self-inconsistent files, each refused with a ModelFormatError.
 SELF_INCONSISTENT = {
     "embedding rows below the vocabulary": [
         gguf_structure.Mutation("tensor_rows", "token_embd.weight", size=512)

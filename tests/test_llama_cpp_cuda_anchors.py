@@ -125,7 +125,7 @@ def test_ours_beside_theirs_takes_each_figures_fastest_route(anchors: ModuleType
                                    "llama3_8b_decode_32_streams_tok_s": 2500.0}}
     rows = anchors.comparison(llama_cpp, anchors.our_figures(bench_cuda_report()))
     one = rows["llama3_8b_decode_1_stream_tok_s"]
-    # batched-bench's figure has bench_cuda's shapes; the anchor is the absolute target
+    # batched-bench's figure has bench_cuda's shapes; the anchor is the absolute target
     assert (one["llama_cpp"], one["anchor"]) == (140.0, 450)
     assert one["bare"] == {"tok_s": 300.0, "section": "llama3_8b", "ratio": 300.0 / 140.0}
     assert one["engine"] == {"tok_s": 280.0, "section": "llama3_8b_engine", "ratio": 2.0}

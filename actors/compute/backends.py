@@ -37,7 +37,8 @@ class CpuFactory:
         return build_cpu_backend(model, kv, self._notices)
 
 
-# What installing the CUDA extra takes: it builds PyCUDA from source (README, "Backends").
+# What installing the CUDA extra takes: it builds PyCUDA from source (docs/gpu.md, "Installing
+# the CUDA extra").
 CUDA_EXTRA_NEEDS = (
     "pip install 'q4k-actors[cuda]' builds it from source and needs the CUDA toolkit (nvcc and "
     "cuda.h) and an NVIDIA driver: check first with `nvcc --version` and `nvidia-smi`"

@@ -25,7 +25,7 @@ if os.environ.get("GPU_TESTS_EMULATED") == "1":
 
 
 def cuda_unavailable_reason() -> str | None:
-    """None where a CUDA device can be used, else why not (the check the README gives)."""
+    """None where a CUDA device can be used, else why not (the check docs/gpu.md gives)."""
     try:
         import pycuda.driver as cuda
     except ImportError as exc:

@@ -14,15 +14,15 @@
 #      file is here, gemma-3-270m; launches per decode step);
 #   5. Nsight Compute (ncu) on the benchmark's matrix kernels, where ncu is there.
 # The model files and bench_cuda.json stay in /tmp for tests/gpu/device_anchors.sh: llama.cpp's
-# CUDA figures on the same files and GPU, the next call on the same machine.
-# Results under $OUT (a device run brings back at most 8 files): device_check.log (every part's
-# output, the tests' recorded figures at the end of each group), bench_cuda.json, ncu.txt and
-# device_check.json (exit codes and seconds of each part).
-# Time: the whole run ends within TOTAL_S (420 s: 15 minutes of device time hold the
-# machine's start, 1-2 minutes, this call and device_anchors.sh's 150 s). Each part has a
-# budget, cut to what is left: tests 200 s (TESTS_S; GROUP_MIN_S, 30, kept for each later
-# group; TEST_S, 90, a test; the model files are written meanwhile, within SYNTHETIC_S, 90),
-# bench 180 s (BENCH_S), ncu 40 s (NCU_S; 0 = none).
+# CUDA figures on the same files and GPU, run next on the same machine.
+# Results under $OUT (four files): device_check.log (every part's output, the tests' recorded
+# figures at the end of each group), bench_cuda.json, ncu.txt and device_check.json (exit
+# codes and seconds of each part).
+# Time: the whole run ends within TOTAL_S (420 s, so that it and device_anchors.sh's 150 s
+# fit a 15-minute hold of the machine, its start included). Each part has a budget, cut to
+# what is left: tests 200 s (TESTS_S; GROUP_MIN_S, 30, kept for each later group; TEST_S,
+# 90, a test; the model files are written meanwhile, within SYNTHETIC_S, 90), bench 180 s
+# (BENCH_S), ncu 40 s (NCU_S; 0 = none).
 # Rehearsal without a GPU: PYCUDA_CHECK=import with LD_LIBRARY_PATH at a libcuda stub
 # (.cudacarry/make_libcuda_stub.sh): PyCUDA installs and imports, tests/gpu skips, no bench.
 set -uo pipefail
@@ -153,7 +153,7 @@ if [ -n "$ncu" ] && [ "${PYCUDA_CHECK:-}" != import ] && [ "${NCU_S:-40}" != 0 ]
     ncu_rc=$?
 fi
 total_s=$(( $(date +%s) - started ))
-# Which card gave the figures (the issue's absolute anchors are an H200's; an H100 may be lent).
+# Which card gave the figures (the absolute anchors are an H200's; an H100 serves as well).
 gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
 printf '{"gpu": "%s", "setup_s": %s, "tests_rc": %s, "test_groups_rc": {%s}, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "ncu_rc": %s, "total_s": %s}\n' \
     "${gpu:-none}" "$setup_s" "$tests_rc" "${groups_rc%, }" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$ncu_rc" "$total_s" \
