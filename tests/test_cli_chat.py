@@ -159,3 +159,32 @@ def test_end_of_input_leaves_cleanly(tiny_llama: str, tmp_path: Path) -> None:
     result = run_q4k("chat", "--model", tiny_llama, "--backend", "cpu", "--template",
                      str(template), stdin="")
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_thinking_models_reasoning_is_shown_but_kept_out_of_the_conversation(
+        anyio_backend: str) -> None:
+    import io
+
+    from rich.console import Console
+
+    from actors.cli.chat import _Answer
+    from actors.messages import Chunk, Timings, Usage
+
+    class ThinkingEngine:
+        def chat(self, *args: object, **kwargs: object):
+            async def chunks():
+                yield Chunk(text="", token_id=1, reasoning="Two and two")
+                yield Chunk(text="", token_id=2, reasoning=" make four.")
+                yield Chunk(text="Four.", token_id=3, finish_reason="stop",
+                            usage=Usage(prompt_tokens=3, completion_tokens=3, cached_tokens=0),
+                            timings=Timings(ttft_ms=1.0, total_ms=2.0, decode_tokens_per_s=1.0))
+            return chunks()
+
+    shown = io.StringIO()
+    answer = _Answer()
+    await answer.stream(ThinkingEngine(), [], None, None, {},  # type: ignore[arg-type]
+                        Console(file=shown, width=80))
+    assert shown.getvalue().startswith("Two and two make four.\nFour.\n")
+    assert answer.parts == ["", "", "Four."]

@@ -213,7 +213,9 @@ def _read_line() -> str:
 
 
 class _Answer:
-    """One streamed answer: its text so far, and an event set once its task has ended."""
+    """One streamed answer: its text so far (a thinking model's reasoning is shown, dim, but
+    kept out of it and so out of the conversation), and an event set once its task has
+    ended."""
 
     def __init__(self) -> None:
         self.parts: list[str] = []
@@ -229,7 +231,14 @@ class _Answer:
             last: Chunk | None = None
             async with aclosing(engine.chat(messages, params, template,
                                             chat_template_kwargs=chat_template_kwargs)) as chunks:
+                thinking = False
                 async for chunk in chunks:
+                    if chunk.reasoning:  # a thinking model's reasoning: shown dim, not kept
+                        out.print(Text(chunk.reasoning, style="dim"), end="")
+                        thinking = True
+                    if chunk.text and thinking:
+                        out.print()
+                        thinking = False
                     out.file.write(chunk.text)
                     out.file.flush()
                     self.parts.append(chunk.text)
