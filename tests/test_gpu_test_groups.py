@@ -72,17 +72,21 @@ def test_the_figures_tests_record_end_the_log() -> None:
 
 
 @pytest.mark.slow
-def test_the_device_tests_pass_over_the_emulated_device() -> None:
+@pytest.mark.parametrize("group", GPU_TEST_GROUPS)
+def test_the_device_tests_pass_over_the_emulated_device(group: str) -> None:
     """tests/gpu over the emulated device (GPU_TESTS_EMULATED=1: each kernel its numpy twin,
-    each launch checked against the compiled kernel's parameters): the device tests' own code
-    (arguments, shapes, fixtures) is right before a device's few minutes are spent on it. The
-    full-size SmolLM2 and gemma-3 are left out here (the tiny models take the same code), and
-    so are the tiny models that test_cuda_backend_emulated.py already runs on every route."""
+    each launch checked against the compiled kernel's parameters), a group a test as
+    device_check.sh runs them (so a busy machine's time limit is one group's, not all of
+    them): the device tests' own code (arguments, shapes, fixtures) is right before a device's
+    few minutes are spent on it. The full-size SmolLM2 and gemma-3 are left out here (the tiny
+    models take the same code), and so are the tiny models that test_cuda_backend_emulated.py
+    already runs on every route."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "-k", "not smollm2 and not gemma3 and not qwen3 and not llama3 and not phi3",
          "tests/gpu"],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "GPU_TESTS_EMULATED": "1"})
+        cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "GPU_TESTS_EMULATED": "1", "GPU_TEST_GROUP": group})
     assert done.returncode == 0, done.stdout[-4000:]
     summary = done.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
