@@ -218,7 +218,7 @@ async def _drain(chunks: AsyncIterator[Any]) -> list[Any]:
 
 
 async def test_a_cancelled_request_logs_its_time_to_first_token(tmp_path) -> None:
-    """Issue 14: `q4k logs requests` showed no TTFT for cancelled requests with tokens."""
+    """`q4k logs requests` shows the TTFT of a cancelled request that produced tokens."""
     log_path = tmp_path / "engine.log"
     async with tiny_engine(log_file=log_path) as engine:
         params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
