@@ -40,7 +40,9 @@ from actors import load_model
 from bench_engine import through_engine
 
 PROMPT = "Write a short story about a robot who learns to paint, number {index}."
-BANNER = re.compile(r"q4k serve: (\S+)\.gguf on (http://127\.0\.0\.1:\d+)/v1 ")
+# The line q4k serve prints as it starts listening (--replicas: once every replica is ready).
+BANNER = re.compile(r"q4k serve: .* on (http://127\.0\.0\.1:\d+)/v1 ")
+DEFAULT_MODEL = "gemma-3-270m"
 
 
 def free_port() -> int:
@@ -58,7 +60,7 @@ def started_server(model: str | None, max_sequences: int,
                "--max-sequences", str(max_sequences), "--log-level", "warning"]
     command += (["--port", "0"] if replicas is None
                 else ["--port", str(free_port()), "--replicas", str(replicas)])
-    process = subprocess.Popen(command + (["--model", model] if model else []),
+    process = subprocess.Popen(command + ["--model", model or DEFAULT_MODEL],
                                stderr=subprocess.PIPE, text=True)
     try:
         printed = []  # Ray's own start-up lines come before the banner
@@ -70,11 +72,12 @@ def started_server(model: str | None, max_sequences: int,
             raise SystemExit(f"q4k serve did not start: {''.join(printed)}")
         # Whatever it prints from now on is read, so it never blocks on a full pipe.
         threading.Thread(target=process.stderr.read, daemon=True).start()
-        name, url = found.groups()
+        url = found.group(1)
         with httpx.Client(base_url=url) as client:
             while client.get("/health").status_code != 200:
                 time.sleep(0.1)
-        yield url, name
+            served = client.get("/v1/models").json()["data"][0]["id"]  # a name, or a file's stem
+        yield url, served
     finally:
         process.send_signal(signal.SIGINT)
         process.wait()
