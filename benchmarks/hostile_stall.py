@@ -50,7 +50,7 @@ from actors.errors import Q4KError  # noqa: E402
 from actors.loop_stall import watch_loop  # noqa: E402
 from actors.messages import Chunk  # noqa: E402
 from actors.serve.app import build_app, freeze_long_lived_objects  # noqa: E402
-from actors.serve.connections import bounded_h11_protocol  # noqa: E402
+from actors.serve.connections import ACCEPT_BACKLOG, bounded_h11_protocol  # noqa: E402
 from actors.serve.guard import ConnectionLimits, RequestLimits  # noqa: E402
 from tests.conftest import TINY_MODELS  # noqa: E402
 from tests.fuzz import constraints, gguf_counts, gguf_structure  # noqa: E402
@@ -366,7 +366,8 @@ async def serving(engine: Engine) -> AsyncIterator[str]:
     app = build_app(the_engine, "m", limits=limits)
     connections = ConnectionLimits(head_timeout_s=1.0)
     server = uvicorn.Server(uvicorn.Config(app, http=bounded_h11_protocol(connections),
-                                           log_config=None, access_log=False))
+                                           backlog=ACCEPT_BACKLOG, log_config=None,
+                                           access_log=False))
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(server.serve, [listener])
         while not server.started:

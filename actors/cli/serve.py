@@ -189,7 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from actors.serve.app import ServerOptions, build_app
-        from actors.serve.connections import bounded_h11_protocol
+        from actors.serve.connections import ACCEPT_BACKLOG, bounded_h11_protocol
         from actors.serve.fingerprint import model_digest
     except ImportError as exc:
         raise InvalidRequest(
@@ -215,7 +215,7 @@ def _serve(args: argparse.Namespace) -> int:
                   _served_model_name(args, model),
                   on_failure=lambda exc: _stop(server, failures, exc), options=options,
                   limits=limits),
-        http=bounded_h11_protocol(_connection_limits(args)),
+        http=bounded_h11_protocol(_connection_limits(args)), backlog=ACCEPT_BACKLOG,
         log_config=None, access_log=False, lifespan="on",
     )
     server = uvicorn.Server(config)

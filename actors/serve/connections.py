@@ -30,6 +30,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from actors.serve.guard import ConnectionLimits
 from actors.serve.replies import error_body
 
+# Connections the kernel queues for accepting, and so the most the event loop accepts in one
+# turn (asyncio accepts up to the backlog at once, each with its protocol made in that turn):
+# uvicorn's 2048 let a burst of connections hold the loop for hundreds of milliseconds.
+ACCEPT_BACKLOG = 128
 # What a client refused for too many connections should wait before it retries.
 RETRY_AFTER_S = 1
 
