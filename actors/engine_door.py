@@ -151,10 +151,11 @@ class EngineDoor:
                 self._check_max_tokens_fit(len(ids), params.max_tokens)
             reasoning = None if chat_reasoning is None else await chat_reasoning(ids)
             constraints: list[Constraint | ReasoningGate | None] = [None] * n
-            if params.structured is not None:  # each answer is held to its own matcher
+            if params.structured is not None:  # compiled once; each answer its own matcher
                 budget = answer_budget(params, self.context_length, len(ids))
-                constraints = [await self._compiled(params.structured, budget)
-                               for _ in range(n)]
+                first = await self._compiled(params.structured, budget)
+                constraints = [first, *[await self._compiles.run(first.copy)
+                                        for _ in range(n - 1)]]
             if reasoning is not None and (params.structured is not None
                                           or reasoning.budget is not None):
                 # Each answer's constraint holds from its reasoning's end; the budget forces

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import copy
 import json
 import os
 import re
@@ -149,6 +150,15 @@ class Constraint:
             return Advanced(error=_failure(matcher, f"refused token {token}"))
         self._left -= 1
         return self._settle(matcher, spare=0)
+
+    def copy(self) -> Constraint:
+        """A second constraint in this one's state, for another answer to the same prompt:
+        its matcher copied (llguidance's `deep_copy`), not compiled again. Off the event loop,
+        as a compile."""
+        twin = copy.copy(self)
+        twin._matcher = self._matcher.deep_copy()
+        twin.allowed = self.allowed.copy()
+        return twin
 
     def release(self) -> None:
         """Let go of the matcher in this thread: freeing a large grammar's takes long enough
