@@ -36,7 +36,7 @@ HALF_FIELDS = {
     "Q4_K": [(0, 4)], "Q5_K": [(0, 4)], "Q6_K": [(208, 210)],
 }
 ALL_TYPES = tuple(TYPE_CODES)
-ROW_COUNTS = (1, 2, 3, 4, 5, 9, 17)
+ROW_COUNTS = (1, 2, 3, 4, 5, 8, 9, 13, 17)
 WIDTH = 512
 N_ROWS = 40
 UNIT_ROUNDOFF = 2.0**-24
@@ -98,7 +98,7 @@ def test_direct_product_is_the_dequantized_product(
     assert (error <= error_bound(x, levels)).all(), f"{type_name}: max error {error.max()}"
 
 
-@pytest.mark.parametrize("n_x", (1, 3, 4, 7))
+@pytest.mark.parametrize("n_x", (1, 3, 4, 7, 8, 12))
 def test_one_hot_rows_give_the_levels_bit_for_bit(
     matrix: tuple[str, QuantizedMatrix, np.ndarray], n_x: int
 ) -> None:

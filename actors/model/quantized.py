@@ -21,11 +21,15 @@ sums differs from a float32 matmul's.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +40,8 @@ from actors.model.quantized_kernels import (
     LANES,
     MATVEC,
     TYPE_CODES,
+    claim_chunk,
+    finish_chunk,
     run_rows,
     wait_for_chunks,
 )
@@ -66,6 +72,9 @@ PARALLEL_MIN_WORK = 1 << 19
 SLOW_HELPER_SHARE = 0.25
 SOLO_CALLS = (16, 1024)
 _scratch = threading.local()
+# A piece of work split in chunks: task(n_chunks, counters) takes chunks from `counters` until
+# none are left (quantized_kernels' CLAIMED / DONE protocol), in every thread that calls it.
+ChunkedTask = Callable[[int, np.ndarray], None]
 
 
 def kernel_supports(type_name: str, row_length: int) -> bool:
@@ -91,6 +100,42 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+class _BlasThreads:
+    """OpenBLAS's thread count for the calling thread alone (`openblas_set_num_threads_local`)
+    in the library numpy calls, where numpy uses one that has it.
+
+    The slab route runs each slab's BLAS product single-threaded in whichever kernel thread
+    took the slab: both cores work on slabs the whole call, instead of one thread dequantizing
+    while BLAS's threads wait, then BLAS's own team taking the cores (two teams of threads
+    handing the same cores back and forth, each waiting on the other's stragglers).
+    """
+
+    def __init__(self) -> None:
+        self._set: Callable[[int], int] | None = None
+        package = Path(np.__file__).parent
+        for library in sorted([*package.parent.glob("numpy.libs/*openblas*"),
+                               *package.glob(".dylibs/*openblas*")]):
+            try:
+                setter = ctypes.CDLL(str(library)).openblas_set_num_threads_local
+            except (OSError, AttributeError):
+                continue
+            setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+            self._set = setter
+            break
+
+    @property
+    def available(self) -> bool:
+        return self._set is not None
+
+    def set_local(self, threads: int) -> int:
+        """Make this thread's BLAS calls use `threads` threads; return the count it had (0
+        where the library cannot say it per thread: then nothing changes)."""
+        return self._set(threads) if self._set is not None else 0
+
+
+_blas_threads = _BlasThreads()
+
+
 class _KernelThreads:
     """The calling thread and helper threads sharing each kernel call's chunks.
 
@@ -108,45 +153,45 @@ class _KernelThreads:
     def __init__(self, helpers: int) -> None:
         self._helpers = helpers
         self._lock = threading.Lock()
-        self._inboxes: list[queue.SimpleQueue[tuple[object, ...]]] = []
+        self._inboxes: list[queue.SimpleQueue[tuple[ChunkedTask, int, np.ndarray]]] = []
         self._solo_calls = 0  # calls left to run alone
         self._solo_next = SOLO_CALLS[0]  # how many after the next slow shared call
 
     @staticmethod
-    def _help(inbox: queue.SimpleQueue[tuple[object, ...]]) -> None:
+    def _help(inbox: queue.SimpleQueue[tuple[ChunkedTask, int, np.ndarray]]) -> None:
+        _blas_threads.set_local(1)  # a helper's BLAS calls are its share of a slab product
         while True:
-            run_rows(*inbox.get())
+            task, n_chunks, counters = inbox.get()
+            task(n_chunks, counters)
 
     def _start_helpers(self) -> None:
         for index in range(self._helpers):
-            inbox: queue.SimpleQueue[tuple[object, ...]] = queue.SimpleQueue()
+            inbox: queue.SimpleQueue[tuple[ChunkedTask, int, np.ndarray]] = queue.SimpleQueue()
             threading.Thread(target=self._help, args=(inbox,), daemon=True,
                              name=f"kernel-helper-{index + 1}").start()
             self._inboxes.append(inbox)
 
-    def run(self, job: int, data: np.ndarray, parts: np.ndarray, rows: np.ndarray,
-            features: np.ndarray, x: np.ndarray, out: np.ndarray, share: bool = True) -> None:
-        """`run_rows` (its arguments) shared with the helpers where the work is worth it and
-        `share` allows."""
-        width = out.shape[1] if job == DEQUANTIZE else x.shape[0] * x.shape[1]
+    def run(self, task: ChunkedTask, n_items: int, work: int, share: bool = True) -> None:
+        """`task(n_chunks, counters)` over `n_items` items worth `work` (weights times rows):
+        every thread that calls it with the same counters takes chunks of the items until none
+        are left. Shared with the helpers where the work is worth it and `share` allows."""
         with self._lock:
-            shared = (share and features.size * width >= PARALLEL_MIN_WORK and self._helpers > 0
+            shared = (share and work >= PARALLEL_MIN_WORK and self._helpers > 0
                       and self._solo_calls == 0)
             self._solo_calls = max(0, self._solo_calls - 1)
-            n_chunks = min(features.size, (self._helpers + 1) * CHUNKS_PER_THREAD) if shared else 1
-            call = (job, data, parts, rows, features, x, out, n_chunks,
-                    np.zeros(2, dtype=np.int64))
+            n_chunks = min(n_items, (self._helpers + 1) * CHUNKS_PER_THREAD) if shared else 1
+            counters = np.zeros(2, dtype=np.int64)
             if not shared:
-                run_rows(*call)
+                task(n_chunks, counters)
                 return
             if not self._inboxes:
                 self._start_helpers()
             started = time.perf_counter()
             for inbox in self._inboxes:
-                inbox.put(call)
-            run_rows(*call)
+                inbox.put((task, n_chunks, counters))
+            task(n_chunks, counters)
             own_work_done = time.perf_counter()
-            wait_for_chunks(call[-1], n_chunks)
+            wait_for_chunks(counters, n_chunks)
             waited = time.perf_counter() - own_work_done
             if waited > SLOW_HELPER_SHARE * (own_work_done - started + waited):
                 self._solo_calls = self._solo_next
@@ -234,9 +279,48 @@ class QuantizedMatrix:
         """Bytes of blocks held (each part's rows, counted once)."""
         return sum(part.blocks.nbytes for part in self.parts)
 
-    def _run(self, job: int, features: np.ndarray, x: np.ndarray, out: np.ndarray,
-             share: bool = True) -> None:
-        _threads.run(job, self.buffer, self._parts, self._rows, features, x, out, share)
+    def _run(self, job: int, features: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+        """`run_rows(job)` on W[features], shared among the kernel threads."""
+        width = out.shape[1] if job == DEQUANTIZE else x.shape[0] * x.shape[1]
+        task = functools.partial(run_rows, job, self.buffer, self._parts, self._rows, features,
+                                 x, out)
+        _threads.run(task, features.size, features.size * width)
+
+    def _slab_products(self, x: np.ndarray, out: np.ndarray) -> None:
+        """out = x @ W.T a slab of W's rows at a time: each kernel thread takes slabs,
+        dequantizes each into its own buffer and multiplies it by single-threaded BLAS (where
+        BLAS cannot be made single-threaded per thread, the caller does every slab and BLAS
+        uses its own threads)."""
+        slab_rows = max(MIN_SLAB_ROWS, SLAB_BYTES // (4 * self.in_features))
+        n_slabs = -(-self.out_features // slab_rows)
+        transposed = len(x) <= TRANSPOSED_PRODUCT_ROWS
+
+        def task(n_chunks: int, counters: np.ndarray) -> None:
+            slab = _scratch_buffer("slab", (slab_rows, self.in_features))
+            product = _scratch_buffer("product", (slab_rows, len(x))) if transposed else None
+            chunk = claim_chunk(counters)
+            while chunk < n_chunks:
+                for index in range(chunk * n_slabs // n_chunks,
+                                   (chunk + 1) * n_slabs // n_chunks):
+                    features = self._features[index * slab_rows : (index + 1) * slab_rows]
+                    levels = slab[: features.size]
+                    run_rows(DEQUANTIZE, self.buffer, self._parts, self._rows, features,
+                             levels[:0], levels, 1, np.zeros(2, dtype=np.int64))
+                    columns = out[:, features[0] : features[-1] + 1]
+                    if product is None:
+                        np.matmul(x, levels.T, out=columns)
+                    else:
+                        np.matmul(levels, x.T, out=product[: features.size])
+                        columns[...] = product[: features.size].T
+                finish_chunk(counters)
+                chunk = claim_chunk(counters)
+
+        previous = _blas_threads.set_local(1)
+        try:
+            _threads.run(task, n_slabs, len(x) * self.in_features * self.out_features,
+                         share=_blas_threads.available)
+        finally:
+            _blas_threads.set_local(previous)
 
     def apply(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = x @ W.T for x (n, in_features) float32, into out (n, out_features) float32 in
@@ -250,23 +334,8 @@ class QuantizedMatrix:
                 f"{out.dtype} {out.shape}", field="out")
         if x.shape[0] <= self.direct_rows_limit:
             self._run(MATVEC, self._features, x, out)
-            return out
-        slab_rows = max(MIN_SLAB_ROWS, SLAB_BYTES // (4 * self.in_features))
-        slab = _scratch_buffer("slab", (slab_rows, self.in_features))
-        transposed = len(x) <= TRANSPOSED_PRODUCT_ROWS
-        product = _scratch_buffer("product", (slab_rows, len(x))) if transposed else None
-        for first in range(0, self.out_features, slab_rows):
-            features = self._features[first : first + slab_rows]
-            levels = slab[: features.size]
-            columns = out[:, first : first + features.size]
-            # In this thread alone: BLAS's threads, just done with the last slab, still hold
-            # the other cores, and handing them to helpers and back costs more than it gains.
-            self._run(DEQUANTIZE, features, levels[:0], levels, share=False)
-            if product is None:
-                np.matmul(x, levels.T, out=columns)
-            else:
-                np.matmul(levels, x.T, out=product[: features.size])
-                columns[...] = product[: features.size].T
+        else:
+            self._slab_products(x, out)
         return out
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:

@@ -42,8 +42,15 @@ TYPE_CODES = {name: code for code, name in enumerate(
 F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = TYPE_CODES.values()
 # Elements per vector and per decoded group: a row must hold whole groups.
 LANES = 16
-# Rows of x multiplied together against one weight row, whose groups are decoded once for them.
+# Rows of x multiplied together against one weight row, whose units are decoded once for them:
+# WIDE_TILE with half-vector accumulators (eight fit in AVX2's registers beside a unit's
+# levels), then TILE with whole ones.
+WIDE_TILE = 8
 TILE = 4
+HALF = LANES // 2
+# The bytes of W's rows that the rows of x pass through together (each pass decodes them
+# again): well inside a core's L2 cache.
+BLOCK_BYTES = 1 << 16
 # What `run_rows` does.
 MATVEC, DEQUANTIZE = 0, 1
 
@@ -52,11 +59,12 @@ MATVEC, DEQUANTIZE = 0, 1
 
 
 class _Vector(types.Type):
-    """An LLVM vector of LANES float32 ("f32") or int32 ("i32") values."""
+    """An LLVM vector of `lanes` float32 ("f32") or int32 ("i32") values."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, lanes: int = LANES) -> None:
         self.kind = kind
-        super().__init__(name=f"{kind}x{LANES}")
+        self.lanes = lanes
+        super().__init__(name=f"{kind}x{lanes}")
 
     @property
     def lane(self) -> ir.Type:
@@ -64,11 +72,14 @@ class _Vector(types.Type):
 
     @property
     def ir_type(self) -> ir.VectorType:
-        return ir.VectorType(self.lane, LANES)
+        return ir.VectorType(self.lane, self.lanes)
 
 
 _F32X = _Vector("f32")
 _I32X = _Vector("i32")
+# Half a vector: one AVX2 register. The wide tile's accumulators are these, so that eight rows
+# of x fit in the registers beside a unit's levels.
+_F32H = _Vector("f32", LANES // 2)
 
 
 @register_model(_Vector)
@@ -78,7 +89,7 @@ class _VectorModel(models.PrimitiveModel):
 
 
 def _loader(array_dtype: types.Type, element: ir.Type, result: _Vector, widen: str):
-    """An intrinsic (array, start) -> `result`: the LANES `element`s at `start` of a contiguous
+    """An intrinsic (array, start) -> `result`: `result.lanes` `element`s at `start` of a contiguous
     1-d array of `array_dtype` (`start` counts the array's items: bytes for a byte array),
     widened by the IRBuilder method `widen` ("" keeps them as they are)."""
 
@@ -92,7 +103,7 @@ def _loader(array_dtype: types.Type, element: ir.Type, result: _Vector, widen: s
             index = context.cast(builder, args[1], signature.args[1], types.intp)
             data = context.make_array(signature.args[0])(context, builder, args[0]).data
             pointer = builder.bitcast(builder.gep(data, [index]),
-                                      ir.PointerType(ir.VectorType(element, LANES)))
+                                      ir.PointerType(ir.VectorType(element, result.lanes)))
             value = builder.load(pointer, align=1)
             return getattr(builder, widen)(value, result.ir_type) if widen else value
 
@@ -109,6 +120,7 @@ _load_i8 = _loader(types.uint8, ir.IntType(8), _I32X, "sext")
 _load_f16 = _loader(types.uint8, ir.HalfType(), _F32X, "fpext")
 _load_u16 = _loader(types.uint8, ir.IntType(16), _I32X, "zext")
 _load_f32_bytes = _loader(types.uint8, ir.FloatType(), _F32X, "")
+_load_f32_half = _loader(types.float32, ir.FloatType(), _F32H, "")
 
 
 @intrinsic
@@ -165,6 +177,7 @@ def _lanewise(source: _Vector, result: _Vector, build: Callable[..., ir.Value]):
 
 
 _zeros = _constant(_F32X, [0.0] * LANES)
+_zeros_half = _constant(_F32H, [0.0] * _F32H.lanes)
 _lane_index = _constant(_I32X, list(range(LANES)))  # 0, 1, ..., LANES - 1
 # Each int32 lane as the float32 of its value (exact below 2**24); its bits read as a float32.
 _to_float = _lanewise(_I32X, _F32X, lambda builder, value: builder.sitofp(value, _F32X.ir_type))
@@ -189,26 +202,26 @@ def _fill_i32(typingctx, value):
 def _multiply_add(typingctx, a, b, c):
     """a * b + c lane by lane, fused where the machine has FMA (accumulating a product: the
     levels it multiplies are already rounded)."""
-    if not a == b == c == _F32X:
+    if not (isinstance(a, _Vector) and a.kind == "f32" and a == b == c):
         return None
 
     def codegen(context, builder, signature, args):
-        vector = _F32X.ir_type
+        vector = a.ir_type
         fmuladd = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vector, [vector] * 3), f"llvm.fmuladd.v{LANES}f32")
+            builder.module, ir.FunctionType(vector, [vector] * 3), f"llvm.fmuladd.v{a.lanes}f32")
         return builder.call(fmuladd, args)
 
-    return _F32X(a, b, c), codegen
+    return a(a, b, c), codegen
 
 
 @intrinsic
 def _lane_sum(typingctx, value):
     """The float32 sum of the lanes, halves added pairwise (a fixed order)."""
-    if value != _F32X:
+    if not (isinstance(value, _Vector) and value.kind == "f32"):
         return None
 
     def codegen(context, builder, signature, args):
-        vector, width = args[0], LANES
+        vector, width = args[0], value.lanes
         while width > 1:
             width //= 2
             mask = ir.VectorType(ir.IntType(32), width)
@@ -219,6 +232,24 @@ def _lane_sum(typingctx, value):
         return builder.extract_element(vector, ir.Constant(ir.IntType(32), 0))
 
     return types.float32(value), codegen
+
+
+@intrinsic
+def _halves(typingctx, value):
+    """A float32 vector's low and high halves (for AVX2: its two registers, so free)."""
+    if value != _F32X:
+        return None
+    half = types.UniTuple(_F32H, 2)
+
+    def codegen(context, builder, signature, args):
+        mask = ir.VectorType(ir.IntType(32), _F32H.lanes)
+        low, high = (builder.shuffle_vector(args[0], args[0],
+                                            ir.Constant(mask, list(range(start,
+                                                                         start + _F32H.lanes))))
+                     for start in (0, _F32H.lanes))
+        return context.make_tuple(builder, half, [low, high])
+
+    return half(value), codegen
 
 
 def _binary(float_op: str | None, int_op: str | None):
@@ -432,40 +463,108 @@ def _levels_q6_k(row, u):
 
 
 @njit(inline="always")
-def _matvec_row(levels, row, x, out, j):
-    """out[:, j] = x @ (levels of `row`): TILE rows of x at a time, then the rest one by one."""
+def _unit_product(xr, at, low, high, acc):
+    """acc (a half vector) + a unit's levels (`low`, `high`) times x row `xr` from `at`."""
+    low0, low1 = _halves(low)
+    high0, high1 = _halves(high)
+    acc = _multiply_add(_load_f32_half(xr, at), low0, acc)
+    acc = _multiply_add(_load_f32_half(xr, at + HALF), low1, acc)
+    acc = _multiply_add(_load_f32_half(xr, at + LANES), high0, acc)
+    return _multiply_add(_load_f32_half(xr, at + LANES + HALF), high1, acc)
+
+
+@njit(inline="always")
+def _wide_tile(levels, row, x, out, r, j):
+    """out[r : r + WIDE_TILE, j] = x[r : r + WIDE_TILE] @ (levels of `row`): each unit decoded
+    once for the eight rows, one half-vector accumulator a row."""
+    x0, x1, x2, x3 = x[r], x[r + 1], x[r + 2], x[r + 3]
+    x4, x5, x6, x7 = x[r + 4], x[r + 5], x[r + 6], x[r + 7]
+    acc0 = acc1 = acc2 = acc3 = acc4 = acc5 = acc6 = acc7 = _zeros_half()
+    for u in range(x.shape[1] // (2 * LANES)):
+        low, high = levels(row, u)
+        at = 2 * LANES * u
+        acc0 = _unit_product(x0, at, low, high, acc0)
+        acc1 = _unit_product(x1, at, low, high, acc1)
+        acc2 = _unit_product(x2, at, low, high, acc2)
+        acc3 = _unit_product(x3, at, low, high, acc3)
+        acc4 = _unit_product(x4, at, low, high, acc4)
+        acc5 = _unit_product(x5, at, low, high, acc5)
+        acc6 = _unit_product(x6, at, low, high, acc6)
+        acc7 = _unit_product(x7, at, low, high, acc7)
+    out[r, j] = _lane_sum(acc0)
+    out[r + 1, j] = _lane_sum(acc1)
+    out[r + 2, j] = _lane_sum(acc2)
+    out[r + 3, j] = _lane_sum(acc3)
+    out[r + 4, j] = _lane_sum(acc4)
+    out[r + 5, j] = _lane_sum(acc5)
+    out[r + 6, j] = _lane_sum(acc6)
+    out[r + 7, j] = _lane_sum(acc7)
+
+
+@njit(inline="always")
+def _tile(levels, row, x, out, r, j):
+    """out[r : r + TILE, j] = x[r : r + TILE] @ (levels of `row`)."""
+    x0, x1, x2, x3 = x[r], x[r + 1], x[r + 2], x[r + 3]
+    acc0 = acc1 = acc2 = acc3 = _zeros()
+    for u in range(x.shape[1] // (2 * LANES)):
+        low, high = levels(row, u)
+        at = 2 * LANES * u
+        acc0 = _multiply_add(_load_f32(x0, at), low, acc0)
+        acc1 = _multiply_add(_load_f32(x1, at), low, acc1)
+        acc2 = _multiply_add(_load_f32(x2, at), low, acc2)
+        acc3 = _multiply_add(_load_f32(x3, at), low, acc3)
+        acc0 = _multiply_add(_load_f32(x0, at + LANES), high, acc0)
+        acc1 = _multiply_add(_load_f32(x1, at + LANES), high, acc1)
+        acc2 = _multiply_add(_load_f32(x2, at + LANES), high, acc2)
+        acc3 = _multiply_add(_load_f32(x3, at + LANES), high, acc3)
+    out[r, j] = _lane_sum(acc0)
+    out[r + 1, j] = _lane_sum(acc1)
+    out[r + 2, j] = _lane_sum(acc2)
+    out[r + 3, j] = _lane_sum(acc3)
+
+
+@njit(inline="always")
+def _single(levels, row, x, out, r, j):
+    """out[r, j] = x[r] @ (levels of `row`)."""
+    xr = x[r]
+    acc_low = acc_high = _zeros()  # two chains: each add waits on its own last
+    for u in range(x.shape[1] // (2 * LANES)):
+        low, high = levels(row, u)
+        at = 2 * LANES * u
+        acc_low = _multiply_add(_load_f32(xr, at), low, acc_low)
+        acc_high = _multiply_add(_load_f32(xr, at + LANES), high, acc_high)
+    out[r, j] = _lane_sum(acc_low + acc_high)
+
+
+@njit(inline="always")
+def _row_of(data, offset, size, rows, features, j):
+    """The blocks of W[features[j]]: row rows[features[j]] of `size` bytes from `offset`."""
+    start = offset + rows[features[j]] * size
+    return data[start : start + size]
+
+
+@njit(inline="always")
+def _matvec_rows(levels, data, offset, size, rows, features, x, out, first, last):
+    """out[:, j] = x @ W[features[j]] for j in [first, last): a block of W's rows (small
+    enough to stay in the core's cache) at a time, through which the rows of x pass
+    WIDE_TILE at a time, then TILE, then one by one (each pass decodes the block again)."""
     n_x = x.shape[0]
-    n_units = x.shape[1] // (2 * LANES)
-    r = 0
-    while r + TILE <= n_x:
-        x0, x1, x2, x3 = x[r], x[r + 1], x[r + 2], x[r + 3]
-        acc0 = acc1 = acc2 = acc3 = _zeros()
-        for u in range(n_units):
-            low, high = levels(row, u)
-            at = 2 * LANES * u
-            acc0 = _multiply_add(_load_f32(x0, at), low, acc0)
-            acc1 = _multiply_add(_load_f32(x1, at), low, acc1)
-            acc2 = _multiply_add(_load_f32(x2, at), low, acc2)
-            acc3 = _multiply_add(_load_f32(x3, at), low, acc3)
-            acc0 = _multiply_add(_load_f32(x0, at + LANES), high, acc0)
-            acc1 = _multiply_add(_load_f32(x1, at + LANES), high, acc1)
-            acc2 = _multiply_add(_load_f32(x2, at + LANES), high, acc2)
-            acc3 = _multiply_add(_load_f32(x3, at + LANES), high, acc3)
-        out[r, j] = _lane_sum(acc0)
-        out[r + 1, j] = _lane_sum(acc1)
-        out[r + 2, j] = _lane_sum(acc2)
-        out[r + 3, j] = _lane_sum(acc3)
-        r += TILE
-    while r < n_x:
-        xr = x[r]
-        acc_low = acc_high = _zeros()  # two chains: each add waits on its own last
-        for u in range(n_units):
-            low, high = levels(row, u)
-            at = 2 * LANES * u
-            acc_low = _multiply_add(_load_f32(xr, at), low, acc_low)
-            acc_high = _multiply_add(_load_f32(xr, at + LANES), high, acc_high)
-        out[r, j] = _lane_sum(acc_low + acc_high)
-        r += 1
+    block = max(1, BLOCK_BYTES // size)
+    for start in range(first, last, block):
+        end = min(start + block, last)
+        r = 0
+        while r + WIDE_TILE <= n_x:
+            for j in range(start, end):
+                _wide_tile(levels, _row_of(data, offset, size, rows, features, j), x, out, r, j)
+            r += WIDE_TILE
+        if r + TILE <= n_x:
+            for j in range(start, end):
+                _tile(levels, _row_of(data, offset, size, rows, features, j), x, out, r, j)
+            r += TILE
+        while r < n_x:
+            for j in range(start, end):
+                _single(levels, _row_of(data, offset, size, rows, features, j), x, out, r, j)
+            r += 1
 
 
 @njit(inline="always")
@@ -482,13 +581,11 @@ def _dequantize_row(levels, row, out, j):
 def _rows_job(levels, job, data, offset, size, rows, features, x, out, first, last):
     """`job` on W[features[j]] for j in [first, last), each the row rows[features[j]] of
     `size` bytes from byte `offset` of `data`."""
-    for j in range(first, last):
-        start = offset + rows[features[j]] * size
-        row = data[start : start + size]
-        if job == MATVEC:
-            _matvec_row(levels, row, x, out, j)
-        else:
-            _dequantize_row(levels, row, out, j)
+    if job == MATVEC:
+        _matvec_rows(levels, data, offset, size, rows, features, x, out, first, last)
+    else:
+        for j in range(first, last):
+            _dequantize_row(levels, _row_of(data, offset, size, rows, features, j), out, j)
 
 
 @njit
@@ -578,6 +675,18 @@ def run_rows(job, data, parts, rows, features, x, out, n_chunks, counters):
             j = end
         _fetch_add(counters, DONE)
         chunk = _fetch_add(counters, CLAIMED)
+
+
+@njit(nogil=True, cache=True)
+def claim_chunk(counters):
+    """The next chunk of a shared call for this thread (none is left from n_chunks on)."""
+    return _fetch_add(counters, CLAIMED)
+
+
+@njit(nogil=True, cache=True)
+def finish_chunk(counters):
+    """Count a chunk this thread claimed as finished."""
+    _fetch_add(counters, DONE)
 
 
 @njit(nogil=True, cache=True)
