@@ -49,15 +49,18 @@ from actors.model.quantized_kernels import (
 # Elements a row must be a whole number of, for the kernels (a unit of two vectors).
 ROW_UNIT = 2 * LANES
 # The most rows of x the direct product takes: past it the slab route is faster. Measured per
-# shape of gemma-3-270m's matrices (`bench_forward.py --crossover`, Zen 4): the routes cross
-# between 12 and 16 rows for every one, from (256, 640) to the (262144, 640) embedding and
-# for every block type in it, so one limit serves.
-DIRECT_ROWS_LIMIT = 12
-# The float32 slab one dequantizing step fills: big enough for BLAS to run at full speed on it
-# (skinny products are slow: at least MIN_SLAB_ROWS of W), small enough for the last-level
-# cache.
-SLAB_BYTES = 1 << 23
-MIN_SLAB_ROWS = 256
+# shape of gemma-3-270m's matrices and of random ones of every block type (`bench_forward.py
+# --crossover`; on a 2-core Zen 3 also per core, by thread CPU time): the routes cross between
+# 16 and 24 rows for the layers' matrices, 32 to 48 for the (262144, 640) output, so one limit
+# serves.
+DIRECT_ROWS_LIMIT = 16
+# The float32 slab a thread dequantizes and multiplies at a time: big enough for BLAS to run at
+# full speed on it (skinny products are slow: at least MIN_SLAB_ROWS of W), small enough to
+# stay near the core between the two. Measured on gemma-3-270m's matrices, one thread
+# (/proc thread CPU time): 1-2 MB slabs take the (64, 640) x (640, 262144) output product in
+# 317-325 ms, 8 MB slabs in 451 ms; 512 KB ones lose at 16 rows.
+SLAB_BYTES = 1 << 20
+MIN_SLAB_ROWS = 64
 # Up to this many rows of x, BLAS runs slab @ x.T (then copied transposed into out) faster than
 # x @ slab.T: 1.7x at 16 rows, 1.3x at 32, even at 64-128 (measured, a (3276, 640) slab).
 TRANSPOSED_PRODUCT_ROWS = 64
