@@ -528,12 +528,30 @@ def _single(levels, row, x, out, r, j):
     """out[r, j] = x[r] @ (levels of `row`)."""
     xr = x[r]
     acc_low = acc_high = _zeros()  # two chains: each add waits on its own last
-    for u in range(x.shape[1] // (2 * LANES)):
-        low, high = levels(row, u)
-        at = 2 * LANES * u
-        acc_low = _multiply_add(_load_f32(xr, at), low, acc_low)
-        acc_high = _multiply_add(_load_f32(xr, at + LANES), high, acc_high)
+    n_units = x.shape[1] // (2 * LANES)
+    u = 0
+    while u + 8 <= n_units:  # a K-block's units together: u is a multiple of 8
+        acc_low, acc_high = _single_unit(levels, row, xr, u, acc_low, acc_high)
+        acc_low, acc_high = _single_unit(levels, row, xr, u + 1, acc_low, acc_high)
+        acc_low, acc_high = _single_unit(levels, row, xr, u + 2, acc_low, acc_high)
+        acc_low, acc_high = _single_unit(levels, row, xr, u + 3, acc_low, acc_high)
+        acc_low, acc_high = _single_unit(levels, row, xr, u + 4, acc_low, acc_high)
+        acc_low, acc_high = _single_unit(levels, row, xr, u + 5, acc_low, acc_high)
+        acc_low, acc_high = _single_unit(levels, row, xr, u + 6, acc_low, acc_high)
+        acc_low, acc_high = _single_unit(levels, row, xr, u + 7, acc_low, acc_high)
+        u += 8
+    while u < n_units:
+        acc_low, acc_high = _single_unit(levels, row, xr, u, acc_low, acc_high)
+        u += 1
     out[r, j] = _lane_sum(acc_low + acc_high)
+
+
+@njit(inline="always")
+def _single_unit(levels, row, xr, u, acc_low, acc_high):
+    low, high = levels(row, u)
+    at = 2 * LANES * u
+    return (_multiply_add(_load_f32(xr, at), low, acc_low),
+            _multiply_add(_load_f32(xr, at + LANES), high, acc_high))
 
 
 @njit(inline="always")
