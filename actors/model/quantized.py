@@ -61,6 +61,7 @@ DIRECT_ROWS_LIMIT = 16
 # 317-325 ms, 8 MB slabs in 451 ms; 512 KB ones lose at 16 rows.
 SLAB_BYTES = 1 << 20
 MIN_SLAB_ROWS = 64
+SLABS_PER_THREAD = 4
 # Up to this many rows of x, BLAS runs slab @ x.T (then copied transposed into out) faster than
 # x @ slab.T: 1.7x at 16 rows, 1.3x at 32, even at 64-128 (measured, a (3276, 640) slab).
 TRANSPOSED_PRODUCT_ROWS = 64
@@ -174,6 +175,11 @@ class _KernelThreads:
                              name=f"kernel-helper-{index + 1}").start()
             self._inboxes.append(inbox)
 
+    @property
+    def size(self) -> int:
+        """The threads that share a call: the caller and the helpers."""
+        return self._helpers + 1
+
     def run(self, task: ChunkedTask, n_items: int, work: int, share: bool = True) -> None:
         """`task(n_chunks, counters)` over `n_items` items worth `work` (weights times rows):
         every thread that calls it with the same counters takes chunks of the items until none
@@ -182,7 +188,7 @@ class _KernelThreads:
             shared = (share and work >= PARALLEL_MIN_WORK and self._helpers > 0
                       and self._solo_calls == 0)
             self._solo_calls = max(0, self._solo_calls - 1)
-            n_chunks = min(n_items, (self._helpers + 1) * CHUNKS_PER_THREAD) if shared else 1
+            n_chunks = min(n_items, self.size * CHUNKS_PER_THREAD) if shared else 1
             counters = np.zeros(2, dtype=np.int64)
             if not shared:
                 task(n_chunks, counters)
@@ -294,7 +300,11 @@ class QuantizedMatrix:
         dequantizes each into its own buffer and multiplies it by single-threaded BLAS (where
         BLAS cannot be made single-threaded per thread, the caller does every slab and BLAS
         uses its own threads)."""
-        slab_rows = max(MIN_SLAB_ROWS, SLAB_BYTES // (4 * self.in_features))
+        # Slabs enough for every thread to take several (an uneven last share leaves a core
+        # idle), each at most SLAB_BYTES.
+        slab_rows = max(min(SLAB_BYTES // (4 * self.in_features),
+                            -(-self.out_features // (SLABS_PER_THREAD * _threads.size))),
+                        MIN_SLAB_ROWS)
         n_slabs = -(-self.out_features // slab_rows)
         transposed = len(x) <= TRANSPOSED_PRODUCT_ROWS
 
