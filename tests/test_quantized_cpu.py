@@ -26,6 +26,7 @@ from actors.compute.cpu import (
 from actors.errors import InvalidRequest, ModelFormatError, UnsupportedModelError
 from actors.model.gguf.quants import block_format, dequantize, row_bytes
 from actors.model.loaded import load_model, open_model
+from actors.model import quantized
 from actors.model.quantized import QuantizedMatrix, QuantizedPart, part_of_blocks
 from actors.model.quantized_kernels import TYPE_CODES, run_rows, wait_for_chunks
 from tests.conftest import TINY_MODELS, gemma3_path
@@ -122,6 +123,25 @@ def test_both_routes_run_and_agree(matrix: tuple[str, QuantizedMatrix, np.ndarra
     for out, rows in ((wide, x), (narrow, x[:limit])):
         error = np.abs(out - exact_product(rows, levels))
         assert (error <= error_bound(rows, levels)).all(), f"{type_name}: max {error.max()}"
+
+
+@pytest.mark.parametrize("shared_slab_bytes", (1 << 23, 4 * WIDTH * 8))
+@pytest.mark.parametrize("n_x", (20, 70))
+def test_every_slab_route_gives_the_product(
+    matrix: tuple[str, QuantizedMatrix, np.ndarray], n_x: int, shared_slab_bytes: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Slabs shared by the kernel threads (a matrix larger than a shared slab, a few dozen
+    rows of x), or one slab at a time for BLAS's threads, several slabs or one: the same
+    product."""
+    type_name, weights, levels = matrix
+    monkeypatch.setattr(quantized, "SHARED_SLAB_BYTES", shared_slab_bytes)
+    monkeypatch.setattr(quantized, "MIN_SLAB_ROWS", 8)
+    monkeypatch.setattr(quantized, "PARALLEL_MIN_WORK", 0)
+    x = np.random.default_rng(n_x).standard_normal((n_x, WIDTH), dtype=np.float32)
+    out = weights.apply(x, np.full((n_x, N_ROWS), np.nan, dtype=np.float32))
+    error = np.abs(out - exact_product(x, levels))
+    assert (error <= error_bound(x, levels)).all(), f"{type_name}: max error {error.max()}"
 
 
 def test_parts_and_row_orders_place_every_output_feature() -> None:

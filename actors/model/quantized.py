@@ -21,13 +21,14 @@ sums differs from a float32 matmul's.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,14 +55,17 @@ ROW_UNIT = 2 * LANES
 # 16 and 24 rows for the layers' matrices, 32 to 48 for the (262144, 640) output, so one limit
 # serves.
 DIRECT_ROWS_LIMIT = 16
-# The float32 slab a thread dequantizes and multiplies at a time: big enough for BLAS to run at
-# full speed on it (skinny products are slow: at least MIN_SLAB_ROWS of W), small enough to
-# stay near the core between the two. Measured on gemma-3-270m's matrices, one thread
-# (/proc thread CPU time): 1-2 MB slabs take the (64, 640) x (640, 262144) output product in
-# 317-325 ms, 8 MB slabs in 451 ms; 512 KB ones lose at 16 rows.
+# The float32 slab a kernel thread dequantizes and multiplies at a time: big enough for BLAS
+# to run at full speed on it (skinny products are slow: at least MIN_SLAB_ROWS of W), small
+# enough to stay near the core between the two. Measured on gemma-3-270m's matrices, one
+# thread (/proc thread CPU time): 1-2 MB slabs take the (64, 640) x (640, 262144) output
+# product in 317-325 ms, 8 MB slabs in 451 ms; 512 KB ones lose at 16 rows.
 SLAB_BYTES = 1 << 20
 MIN_SLAB_ROWS = 64
 SLABS_PER_THREAD = 4
+# The slab of a product BLAS's threads share (more rows of x than TRANSPOSED_PRODUCT_ROWS):
+# large, for few calls (the last-level cache holds it).
+SHARED_SLAB_BYTES = 1 << 23
 # Up to this many rows of x, BLAS runs slab @ x.T (then copied transposed into out) faster than
 # x @ slab.T: 1.7x at 16 rows, 1.3x at 32, even at 64-128 (measured, a (3276, 640) slab).
 TRANSPOSED_PRODUCT_ROWS = 64
@@ -105,36 +109,52 @@ def _cores() -> int:
 
 
 class _BlasThreads:
-    """OpenBLAS's thread count for the calling thread alone (`openblas_set_num_threads_local`)
-    in the library numpy calls, where numpy uses one that has it.
+    """The thread count of the OpenBLAS numpy calls, where numpy uses OpenBLAS.
 
-    The slab route runs each slab's BLAS product single-threaded in whichever kernel thread
-    took the slab: both cores work on slabs the whole call, instead of one thread dequantizing
-    while BLAS's threads wait, then BLAS's own team taking the cores (two teams of threads
-    handing the same cores back and forth, each waiting on the other's stragglers).
+    Products of a few dozen rows of x run best as several single-threaded BLAS calls at once,
+    one in each kernel thread on its own slabs (both cores dequantize and multiply the whole
+    call), rather than one thread dequantizing while BLAS's own threads wait and then take the
+    cores; OpenBLAS counts its threads for the whole process, so the count is set to one for
+    such a product and set back after it.
     """
 
+    # The library's setter and getter: scipy-openblas's names (numpy's wheels), then plain ones.
+    NAMES = (("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"),
+             ("openblas_set_num_threads", "openblas_get_num_threads"))
+
     def __init__(self) -> None:
-        self._set: Callable[[int], int] | None = None
+        self._set: Callable[[int], None] | None = None
+        self._get: Callable[[], int] | None = None
         package = Path(np.__file__).parent
-        for library in sorted([*package.parent.glob("numpy.libs/*openblas*"),
-                               *package.glob(".dylibs/*openblas*")]):
+        for path in sorted([*package.parent.glob("numpy.libs/*openblas*"),
+                            *package.glob(".dylibs/*openblas*")]):
             try:
-                setter = ctypes.CDLL(str(library)).openblas_set_num_threads_local
-            except (OSError, AttributeError):
+                library = ctypes.CDLL(str(path))
+            except OSError:
                 continue
-            setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
-            self._set = setter
-            break
+            for set_name, get_name in self.NAMES:
+                if hasattr(library, set_name) and hasattr(library, get_name):
+                    self._set, self._get = getattr(library, set_name), getattr(library, get_name)
+                    self._set.argtypes, self._set.restype = [ctypes.c_int], None
+                    self._get.argtypes, self._get.restype = [], ctypes.c_int
+                    return
 
     @property
     def available(self) -> bool:
         return self._set is not None
 
-    def set_local(self, threads: int) -> int:
-        """Make this thread's BLAS calls use `threads` threads; return the count it had (0
-        where the library cannot say it per thread: then nothing changes)."""
-        return self._set(threads) if self._set is not None else 0
+    @contextlib.contextmanager
+    def single(self) -> Iterator[None]:
+        """BLAS calls single-threaded, in whichever thread makes them, until the block ends."""
+        if self._set is None or self._get is None:
+            yield
+            return
+        threads = self._get()
+        self._set(1)
+        try:
+            yield
+        finally:
+            self._set(threads)
 
 
 _blas_threads = _BlasThreads()
@@ -163,7 +183,6 @@ class _KernelThreads:
 
     @staticmethod
     def _help(inbox: queue.SimpleQueue[tuple[ChunkedTask, int, np.ndarray]]) -> None:
-        _blas_threads.set_local(1)  # a helper's BLAS calls are its share of a slab product
         while True:
             task, n_chunks, counters = inbox.get()
             task(n_chunks, counters)
@@ -296,21 +315,32 @@ class QuantizedMatrix:
         _threads.run(task, features.size, features.size * width)
 
     def _slab_products(self, x: np.ndarray, out: np.ndarray) -> None:
-        """out = x @ W.T a slab of W's rows at a time: each kernel thread takes slabs,
-        dequantizes each into its own buffer and multiplies it by single-threaded BLAS (where
-        BLAS cannot be made single-threaded per thread, the caller does every slab and BLAS
-        uses its own threads)."""
-        # Slabs enough for every thread to take several (an uneven last share leaves a core
-        # idle), each at most SLAB_BYTES.
-        slab_rows = max(min(SLAB_BYTES // (4 * self.in_features),
-                            -(-self.out_features // (SLABS_PER_THREAD * _threads.size))),
-                        MIN_SLAB_ROWS)
+        """out = x @ W.T a slab of W's rows at a time, dequantized into a reused buffer and
+        multiplied by BLAS. Where W as float32 is larger than a SHARED_SLAB_BYTES slab and x
+        has at most TRANSPOSED_PRODUCT_ROWS rows (the logits of a batch of decoding
+        sequences), dequantizing is much of the work: each kernel thread takes slabs and
+        multiplies them by BLAS single-threaded. Otherwise (prefill chunks, smaller matrices)
+        the caller dequantizes and BLAS's own threads share each product, which they run at a
+        higher rate than two single-threaded calls. Measured (gemma-3-270m, 2-core Zen 3):
+        the (64, 640) x (640, 262144) logits take 184-200 ms each thread on its own slabs
+        against 280-350 ms with BLAS's threads; the layers' matrices run 5-20% faster, and
+        prefill's 512 rows up to 1.5x, with BLAS's threads."""
+        narrow = len(x) <= TRANSPOSED_PRODUCT_ROWS
+        per_thread = (narrow and _blas_threads.available
+                      and 4 * self.in_features * self.out_features > SHARED_SLAB_BYTES)
+        if per_thread:
+            # Slabs enough for every thread to take several (an uneven last share leaves a
+            # core idle), each at most SLAB_BYTES.
+            slab_rows = min(SLAB_BYTES // (4 * self.in_features),
+                            -(-self.out_features // (SLABS_PER_THREAD * _threads.size)))
+        else:
+            slab_rows = SHARED_SLAB_BYTES // (4 * self.in_features)
+        slab_rows = max(slab_rows, MIN_SLAB_ROWS)
         n_slabs = -(-self.out_features // slab_rows)
-        transposed = len(x) <= TRANSPOSED_PRODUCT_ROWS
 
         def task(n_chunks: int, counters: np.ndarray) -> None:
             slab = _scratch_buffer("slab", (slab_rows, self.in_features))
-            product = _scratch_buffer("product", (slab_rows, len(x))) if transposed else None
+            product = _scratch_buffer("product", (slab_rows, len(x))) if narrow else None
             chunk = claim_chunk(counters)
             while chunk < n_chunks:
                 for index in range(chunk * n_slabs // n_chunks,
@@ -328,12 +358,11 @@ class QuantizedMatrix:
                 finish_chunk(counters)
                 chunk = claim_chunk(counters)
 
-        previous = _blas_threads.set_local(1)
-        try:
-            _threads.run(task, n_slabs, len(x) * self.in_features * self.out_features,
-                         share=_blas_threads.available)
-        finally:
-            _blas_threads.set_local(previous)
+        if not per_thread:
+            _threads.run(task, n_slabs, 0, share=False)
+            return
+        with _blas_threads.single():
+            _threads.run(task, n_slabs, len(x) * self.in_features * self.out_features)
 
     def apply(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = x @ W.T for x (n, in_features) float32, into out (n, out_features) float32 in
