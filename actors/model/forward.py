@@ -266,11 +266,13 @@ class Transformer:
                         groups, kv, buffers)
         return x
 
-    def logits(self, hidden: np.ndarray) -> np.ndarray:
-        """Output norm and projection of hidden rows (n, d_model) -> (n, vocab) float32."""
+    def logits(self, hidden: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Output norm and projection of hidden rows (n, d_model) -> (n, vocab) float32, into
+        `out` where given (C order, that shape)."""
         normed = rms_norm(hidden, self.weights.output_norm, self.spec.rms_eps)
-        logits = np.empty((len(hidden), self.spec.vocab_size), dtype=np.float32)
-        return self.weights.output.apply(normed, logits)
+        if out is None:
+            out = np.empty((len(hidden), self.spec.vocab_size), dtype=np.float32)
+        return self.weights.output.apply(normed, out)
 
     def _layer(
         self,

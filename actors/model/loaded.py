@@ -87,10 +87,11 @@ class Model(OpenedModel):
             raise InvalidRequest("the KV pool was made for a different model", field="kv")
         return self.run_plan(plan_step(items, self.spec, kv.num_blocks, kv.block_size), kv)
 
-    def run_plan(self, plan: StepPlan, kv: KVPool) -> np.ndarray:
-        """`step` for a plan already validated against this model and `kv`."""
+    def run_plan(self, plan: StepPlan, kv: KVPool, out: np.ndarray | None = None) -> np.ndarray:
+        """`step` for a plan already validated against this model and `kv`; the logits go
+        into `out` where given ((len(plan.logit_rows), vocab) float32, C order)."""
         hidden = self._transformer.hidden_states(plan, kv)
-        return self._transformer.logits(hidden[plan.logit_rows])
+        return self._transformer.logits(hidden[plan.logit_rows], out)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits (n, vocab) float32: row i predicts the token after
