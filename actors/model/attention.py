@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -28,3 +29,55 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray) -> np.
     out = np.matmul(scores.reshape(batch, kv_heads, group * n, -1), v.transpose(0, 2, 1, 3))
     out = out.reshape(batch, kv_heads, group, n, head_dim).transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, n, heads * head_dim)
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def attend_decode(q, keys, values, table, bias, rows, out):  # pragma: no cover - compiled
+    """Attention of B sequences' single queries, read straight from the KV pool's blocks.
+
+    q: (T, heads, head_dim) the step's queries, already scaled; row rows[b] is sequence b's.
+    keys, values: (num_blocks, block_size, kv_heads, head_dim) one layer's pool; key j of
+    sequence b is at block table[b, j // block_size], offset j % block_size; bias (B, keys)
+    is 0 where the query may attend to key j and -inf elsewhere. Writes the (heads *
+    head_dim) outputs to out[rows[b]]. Each key is read once for its KV head's group of query
+    heads; the sums may be reordered (vectorized), as BLAS reorders them."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    block_size, kv_heads = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    n_keys = bias.shape[1]
+    scores = np.empty((group, n_keys), dtype=np.float32)
+    acc = np.empty((group, head_dim), dtype=np.float32)
+    for b in range(rows.size):
+        query = q[rows[b]]
+        for g in range(kv_heads):
+            first = g * group
+            for j in range(n_keys):
+                if bias[b, j] < 0:
+                    scores[:, j] = -np.inf
+                    continue
+                key = keys[table[b, j // block_size], j % block_size, g]
+                for i in range(group):
+                    total = np.float32(0.0)
+                    for t in range(head_dim):
+                        total += query[first + i, t] * key[t]
+                    scores[i, j] = total
+            for i in range(group):
+                top = scores[i].max()
+                total = np.float32(0.0)
+                for j in range(n_keys):
+                    weight = np.exp(scores[i, j] - top)
+                    scores[i, j] = weight
+                    total += weight
+                for j in range(n_keys):
+                    scores[i, j] /= total
+            acc[:] = 0.0
+            for j in range(n_keys):
+                if bias[b, j] < 0:
+                    continue
+                value = values[table[b, j // block_size], j % block_size, g]
+                for i in range(group):
+                    weight = scores[i, j]
+                    for t in range(head_dim):
+                        acc[i, t] += weight * value[t]
+            for i in range(group):
+                out[rows[b], (first + i) * head_dim : (first + i + 1) * head_dim] = acc[i]

@@ -19,7 +19,7 @@ import numpy as np
 
 from actors.errors import InvalidRequest
 from actors.model.arch import ModelSpec
-from actors.model.attention import attend
+from actors.model.attention import attend, attend_decode
 from actors.model.rope import apply_rope, inverse_frequencies, rotation
 from actors.model.step import StepPlan
 from actors.model.weights import ModelWeights
@@ -81,6 +81,12 @@ class AttentionGroup:
     rows: np.ndarray
     keys: KeySpan
     local_keys: KeySpan
+
+    @property
+    def single_queries(self) -> bool:
+        """Whether each sequence has one query here (the decoding sequences' group): these
+        are attended straight from the pool's blocks (`attend_decode`), not gathered."""
+        return self.rows.shape[1] == 1
 
 
 def _key_span(
@@ -212,7 +218,8 @@ class StepBuffers:
             projected=empty(n, spec.d_model),
             gate_up=empty(n, 2 * spec.ffn_dim),
             gated=empty(n, spec.ffn_dim),
-            gathered=tuple(empty(2 * group.keys.table.size * block_elements)
+            gathered=tuple(empty(0 if group.single_queries
+                                 else 2 * group.keys.table.size * block_elements)
                            for group in groups),
         )
 
@@ -309,6 +316,10 @@ class Transformer:
         attn = buffers.attn
         for group, buffer in zip(groups, buffers.gathered):
             span = group.local_keys if sliding else group.keys
+            if group.single_queries:
+                attend_decode(q, keys, values, span.table, span.bias[:, 0], group.rows[:, 0],
+                              attn)
+                continue
             gathered = buffer[: 2 * span.table.size * kv.block_size * kv_dim].reshape(
                 2, *span.table.shape, kv.block_size, spec.n_kv_heads, spec.head_dim
             )
