@@ -317,8 +317,9 @@ class Transformer:
         for group, buffer in zip(groups, buffers.gathered):
             span = group.local_keys if sliding else group.keys
             if group.single_queries:
-                attend_decode(q, keys, values, span.table, span.bias[:, 0], group.rows[:, 0],
-                              attn)
+                # q's rows as one C-order block: the kernel's loops over head_dim vectorize.
+                attend_decode(np.ascontiguousarray(q), keys, values, span.table,
+                              span.bias[:, 0], group.rows[:, 0], attn)
                 continue
             gathered = buffer[: 2 * span.table.size * kv.block_size * kv_dim].reshape(
                 2, *span.table.shape, kv.block_size, spec.n_kv_heads, spec.head_dim
