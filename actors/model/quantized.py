@@ -12,8 +12,10 @@ so nothing is copied to permute them.
   read once for all the rows, the matrix's rows split among the cores;
 - more (prefill chunks, wide batches): a slab of W's rows at a time is dequantized into a
   reused float32 buffer (`run_rows(DEQUANTIZE)`) and multiplied by BLAS, which is faster per
-  product once the dequantizing is shared by enough rows. Where the routes cross was measured
-  per shape (`benchmarks/bench_forward.py --crossover`): DIRECT_ROWS_LIMIT.
+  product once the dequantizing is shared by enough rows (the logits of a decoding batch: each
+  kernel thread on slabs of its own; otherwise BLAS's threads on one slab at a time). Where the
+  routes cross was measured per shape (`benchmarks/bench_forward.py --crossover`):
+  DIRECT_ROWS_LIMIT.
 
 Both routes see exactly the levels `quants.dequantize` gives; only the order of the float32
 sums differs from a float32 matmul's.
