@@ -657,6 +657,9 @@ def _on_counter(build: Callable[..., ir.Value]):
 _fetch_add = _on_counter(
     lambda builder, pointer: builder.atomic_rmw("add", pointer, ir.Constant(ir.IntType(64), 1),
                                                 "seq_cst"))
+_fetch_sub = _on_counter(
+    lambda builder, pointer: builder.atomic_rmw("sub", pointer, ir.Constant(ir.IntType(64), 1),
+                                                "seq_cst"))
 _atomic_read = _on_counter(lambda builder, pointer: builder.load_atomic(pointer, "seq_cst", 8))
 
 
@@ -705,6 +708,26 @@ def claim_chunk(counters):
 def finish_chunk(counters):
     """Count a chunk this thread claimed as finished."""
     _fetch_add(counters, DONE)
+
+
+# signal[CALLS]: the calls handed to the helper threads so far; signal[SPINNING]: helpers
+# watching it (`wait_for_call`).
+CALLS, SPINNING = 0, 1
+
+
+@njit(nogil=True, cache=True)
+def wait_for_call(signal, seen, reads):
+    """Watch signal[CALLS] for a call after call `seen`, at most `reads` times; return the
+    newest call's number (`seen`: none came). A helper thread waits so between the calls of a
+    step, which come faster than a sleeping thread wakes."""
+    _fetch_add(signal, SPINNING)
+    newest = seen
+    for _ in range(reads):
+        newest = _atomic_read(signal, CALLS)
+        if newest != seen:
+            break
+    _fetch_sub(signal, SPINNING)
+    return newest
 
 
 @njit(nogil=True, cache=True)
