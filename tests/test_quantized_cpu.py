@@ -136,6 +136,7 @@ def test_every_slab_route_gives_the_product(
     product."""
     type_name, weights, levels = matrix
     monkeypatch.setattr(quantized, "SHARED_SLAB_BYTES", shared_slab_bytes)
+    monkeypatch.setattr(quantized, "PER_THREAD_MIN_BYTES", shared_slab_bytes)
     monkeypatch.setattr(quantized, "MIN_SLAB_ROWS", 8)
     monkeypatch.setattr(quantized, "PARALLEL_MIN_WORK", 0)
     x = np.random.default_rng(n_x).standard_normal((n_x, WIDTH), dtype=np.float32)

@@ -71,6 +71,10 @@ SLABS_PER_THREAD = 4
 # The slab of a product BLAS's threads share (more rows of x than TRANSPOSED_PRODUCT_ROWS):
 # large, for few calls (the last-level cache holds it).
 SHARED_SLAB_BYTES = 1 << 23
+# A matrix whose float32 form passes this is dequantized by every kernel thread in parallel
+# for a few dozen rows of x (each on its own slabs): gemma-3's 671 MB logits matrix, not its
+# 10 MB gate | up one, which runs as fast on BLAS's threads.
+PER_THREAD_MIN_BYTES = SLABS_PER_THREAD * SHARED_SLAB_BYTES
 # Up to this many rows of x, BLAS runs slab @ x.T (then copied transposed into out) faster than
 # x @ slab.T: 1.7x at 16 rows, 1.3x at 32, even at 64-128 (measured, a (3276, 640) slab).
 TRANSPOSED_PRODUCT_ROWS = 64
@@ -347,7 +351,7 @@ class QuantizedMatrix:
 
     def _slab_products(self, x: np.ndarray, out: np.ndarray) -> None:
         """out = x @ W.T a slab of W's rows at a time, dequantized into a reused buffer and
-        multiplied by BLAS. Where W as float32 is larger than a SHARED_SLAB_BYTES slab and x
+        multiplied by BLAS. Where W as float32 is larger than PER_THREAD_MIN_BYTES and x
         has at most TRANSPOSED_PRODUCT_ROWS rows (the logits of a batch of decoding
         sequences), dequantizing is much of the work: each kernel thread takes slabs and
         multiplies them by BLAS single-threaded. Otherwise (prefill chunks, smaller matrices)
@@ -358,7 +362,7 @@ class QuantizedMatrix:
         prefill's 512 rows up to 1.5x, with BLAS's threads."""
         narrow = len(x) <= TRANSPOSED_PRODUCT_ROWS
         per_thread = (narrow and _blas_threads.available
-                      and 4 * self.in_features * self.out_features > SHARED_SLAB_BYTES)
+                      and 4 * self.in_features * self.out_features > PER_THREAD_MIN_BYTES)
         if per_thread:
             # Slabs enough for every thread to take several (an uneven last share leaves a
             # core idle), each at most SLAB_BYTES.
