@@ -11,6 +11,8 @@ product of one-hot rows must give the dequantized levels bit for bit.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -28,7 +30,13 @@ from actors.model.gguf.quants import block_format, dequantize, row_bytes
 from actors.model.loaded import load_model, open_model
 from actors.model import quantized
 from actors.model.quantized import QuantizedMatrix, QuantizedPart, part_of_blocks
-from actors.model.quantized_kernels import TYPE_CODES, run_rows, wait_for_chunks
+from actors.model.quantized_kernels import (
+    TYPE_CODES,
+    claim_chunk,
+    finish_chunk,
+    run_rows,
+    wait_for_chunks,
+)
 from tests.conftest import TINY_MODELS, gemma3_path
 
 # Byte ranges of each block type's half-precision fields (d, and m / dmin where it has one).
@@ -241,6 +249,37 @@ def test_one_compiled_kernel_serves_every_type_and_route() -> None:
             weights.apply(np.ones((n_x, 256), np.float32), np.empty((n_x, 4096), np.float32))
         weights.lookup(np.arange(4))
     assert len(run_rows.signatures) == len(wait_for_chunks.signatures) == 1
+
+
+def test_each_chunk_of_each_shared_call_runs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Helpers take a call from their inbox or by watching for the next one, and may find a
+    call both ways: still each chunk of each call runs exactly once, all of them before the
+    call returns, and none again later."""
+    monkeypatch.setattr(quantized, "PARALLEL_MIN_WORK", 0)
+    threads = quantized._threads
+    calls = []
+    for number in range(300):
+        ran = np.zeros(threads.size * quantized.CHUNKS_PER_THREAD, dtype=np.int64)
+        seen_chunks = []
+
+        def task(n_chunks: int, counters: np.ndarray, ran: np.ndarray = ran,
+                 seen_chunks: list[int] = seen_chunks, slow: bool = number % 3 == 0) -> None:
+            seen_chunks.append(n_chunks)
+            chunk = claim_chunk(counters)
+            while chunk < n_chunks:
+                ran[chunk] += 1
+                if slow:
+                    time.sleep(1e-4)
+                finish_chunk(counters)
+                chunk = claim_chunk(counters)
+
+        threads.run(task, 64, 1)
+        n_chunks = seen_chunks[0]
+        assert set(seen_chunks) == {n_chunks}
+        assert (ran[:n_chunks] == 1).all() and not ran[n_chunks:].any(), (number, ran)
+        calls.append((ran, ran.copy()))
+    time.sleep(0.05)
+    assert all(np.array_equal(ran, finished) for ran, finished in calls)
 
 
 def test_default_kv_pool_is_sized_from_the_model_and_the_machine() -> None:
