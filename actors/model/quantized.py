@@ -57,8 +57,8 @@ ROW_UNIT = 2 * LANES
 # The most rows of x the direct product takes: past it the slab route is faster. Measured per
 # shape of gemma-3-270m's matrices and of random ones of every block type (`bench_forward.py
 # --crossover`; on a 2-core Zen 3 also per core, by thread CPU time): the routes cross between
-# 16 and 24 rows for the layers' matrices, 32 to 48 for the (262144, 640) output, so one limit
-# serves.
+# 16 and 24 rows for every one, the (262144, 640) output included (61.5 / 65.7 ms at 16 rows,
+# 97.4 / 77.5 at 24), so one limit serves.
 DIRECT_ROWS_LIMIT = 16
 # The float32 slab a kernel thread dequantizes and multiplies at a time: big enough for BLAS
 # to run at full speed on it (skinny products are slow: at least MIN_SLAB_ROWS of W), small
