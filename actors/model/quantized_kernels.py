@@ -79,7 +79,7 @@ _F32X = _Vector("f32")
 _I32X = _Vector("i32")
 # Half a vector: one AVX2 register. The wide tile's accumulators are these, so that eight rows
 # of x fit in the registers beside a unit's levels.
-_F32H = _Vector("f32", LANES // 2)
+_F32H = _Vector("f32", HALF)
 
 
 @register_model(_Vector)
