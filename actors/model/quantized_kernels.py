@@ -19,9 +19,9 @@ same counters takes chunks from them until none are left (actors.model.quantized
 the calling thread and in helper threads that join when they are free: no thread waits for
 another to start, which a fork-join team must, and which on a busy machine costs a time slice
 a call). `_rows_job_of_type` is the small dispatcher that runs the job compiled for a part's
-block type. The kernel is compiled once for every type (cache=True keeps it on disk). Decoders are passed as values only into
-functions numba inlines: a function passed on through an ordinary call leaves a pointer in the
-compiled code, which the on-disk cache cannot hold.
+block type. The kernel is compiled once for every type (cache=True keeps it on disk).
+Decoders are passed as values only into functions numba inlines: a function passed on through
+an ordinary call leaves a pointer in the compiled code, which the on-disk cache cannot hold.
 """
 
 from __future__ import annotations
