@@ -203,6 +203,8 @@ class KernelTwins:
             tile_input, suffix = rest.split("_", 1)
             self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix],
                          *self.split_counters_zero(grid, args), tile_input=tile_input)
+        elif name.startswith("mul_mat_batch"):
+            self.batch(name, grid, args, planar)
         elif name.startswith(("mul_mat_tiles_", "mul_mat_decode_tiles_")):
             # Both tile shapes multiply alike: float16 hi + lo activations, exact levels (the
             # decode tiles' K-split adds its splits' sums: within the float32 bound too).
@@ -213,6 +215,33 @@ class KernelTwins:
             self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args, planar=planar)
         else:
             getattr(self, name)(grid, *args)
+
+    def batch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...],
+              planar: bool) -> None:
+        """mul_mat_batch<N>_<input>_<suffix>, its gate_up_<act> and qkv entries: the prefill
+        tiles' numbers (the same sums, bit for bit, whatever N), on a grid of N-token tiles."""
+        match = re.fullmatch(r"mul_mat_batch(\d+)_(gate_up_|qkv_)?(.*)", name)
+        assert match is not None, name
+        tokens, fused, rest = int(match.group(1)), match.group(2), match.group(3)
+        qkv = fused == "qkv_"
+        n = int(args[17] if qkv else args[-1])  # the rows
+        most = plan.BATCH_QKV_TOKENS if qkv else plan.BATCH_TOKENS[-1]
+        assert tokens == plan.batch_tokens(n, most), (name, n)
+        assert grid[0] * tokens >= n > (grid[0] - 1) * tokens, (name, grid)
+        if qkv:
+            assert rest in plan.TILE_INPUTS, name
+            self.mul_mat_vec_qkv(*args, tile_input=rest, batch_tokens=tokens)
+            return
+        activation = None
+        if fused:
+            activation, rest = activation_and_rest("", rest)
+        tile_input, suffix = rest.split("_", 1)
+        assert tile_input in plan.TILE_INPUTS, name
+        if activation is not None:
+            self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args,
+                         tile_input=tile_input, planar=planar)
+        else:
+            self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args, planar=planar)
 
     def split_counters_zero(self, grid: tuple[int, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
         """A decode tiles launch's arguments without its K-split workspace, whose counters
@@ -264,11 +293,12 @@ class KernelTwins:
         self.rows(y, int(n), int(y_stride), int(rows))[:] = self.product(
             type_name, tile_input, weights, pitch, x, x_stride, rows, n_in, n, planar)
 
-    def mul_mat_vec_qkv(self, *args: Any, mma: bool = False,
-                        tile_input: str | None = None) -> None:
+    def mul_mat_vec_qkv(self, *args: Any, mma: bool = False, tile_input: str | None = None,
+                        batch_tokens: int = 0) -> None:
         """Three matvecs (q, k, v segments, a block type each; with `mma` those of
         mul_mat_vec_mma_qkv, whose Q6_K segments are held row-planar; with a tile input
-        mul_mat_decode_tiles_qkv's decode tiles, its last arguments each matrix's K-splits)
+        mul_mat_decode_tiles_qkv's decode tiles, its last arguments each matrix's K-splits,
+        or with `batch_tokens` too mul_mat_batch<batch_tokens>_qkv's tiles, Q6_K row-planar)
         into one row of y, then qkv_finish's twin on those rows (positions and slots per
         activation row). The head counters must be zero (the backend zero-fills them; every
         launch leaves them so)."""
@@ -278,7 +308,10 @@ class KernelTwins:
         rows = [int(r) for r in segments[3::4]]
         per_block = plan.matvec_rows_per_block(int(n_in))
         counter_tiles = 1
-        if tile_input is not None:
+        if batch_tokens:
+            assert len(args) == 34 and tile_input is not None
+            per_block, counter_tiles = plan.BATCH_ROWS, -(-int(n) // batch_tokens)
+        elif tile_input is not None:
             # Each matrix K-split as its own decode tiles launch: the same sums, bit for bit.
             assert tuple(int(s) for s in args[34:]) == plan.decode_tiles_qkv_splits(
                 types, rows, int(n_in))
@@ -291,7 +324,7 @@ class KernelTwins:
                                                            rows):
             self.matmul(type_name, tile_input, weights, pitch, x, x_stride,
                         int(y) + 4 * column, y_stride, count, n_in, n,
-                        planar=mma and type_name in plan.PLANAR_TYPES)
+                        planar=(mma or batch_tokens > 0) and type_name in plan.PLANAR_TYPES)
             column += count
         heads, kv_heads = rows[0] // head_dim, rows[1] // head_dim
         assert not self.i32(counters, (heads + 2 * kv_heads) * counter_tiles).any(), \
