@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from actors.compute.contract import KVRequest, RowInputs, StepItem
-from actors.compute.cuda_plan import DECODE_ROUTES
+from actors.compute.cuda_plan import DECODE_ROUTES, MATVEC_MMA_MAX_ROWS
 from actors.model.loaded import Model, load_model
 from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
 from tests.cuda_emulator import EmulatedDevice
@@ -150,8 +150,10 @@ INVARIANCE_STREAMS = (1, 8, 9, 32, 64)
 def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(
         emulated: tuple[Any, EmulatedDevice], route: str) -> None:
     """Sequence 0 decoded beside 0, 7, 8, 31 and 63 others (past 8 decode rows the step once
-    switched to the tiles), on each decode route: its tokens, and its logits rows bit for
-    bit, are the same."""
+    switched to the tiles), on each decode route: its tokens are the same, and so are its
+    logits rows bit for bit among the step sizes on the same kernels: every size on the
+    matvec and the decode tiles; on the mma route 1 and 8 rows (the mma matvec) and 9, 32 and
+    64 (the batched product, whose sums are another summation of the same products)."""
     module, device = emulated
     model = load_model(TINY_MODELS["qwen2-q4k-tiny"])
     steps, most = 4, max(INVARIANCE_STREAMS)
@@ -168,10 +170,18 @@ def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(
     on_route = {"tiles": "mul_mat_decode_tiles", "matvec_mma": "mul_mat_vec_mma_"}
     for other, prefix in on_route.items():
         assert any(name.startswith(prefix) for name in device.launches) == (route == other)
-    alone_tokens, alone_rows = runs[1]
+    assert any(name.startswith("mul_mat_batch") for name in device.launches) == (
+        route == "matvec_mma")
+
+    def kernels(n: int) -> bool:
+        return route == "matvec_mma" and n > MATVEC_MMA_MAX_ROWS
+
+    alone_tokens = runs[1][0]
+    first_rows = {kernels(n): rows for n, (_, rows) in reversed(runs.items())}
     for n, (tokens, rows) in runs.items():
         assert tokens[0] == alone_tokens[0], n
-        np.testing.assert_array_equal(rows.view(np.uint32), alone_rows.view(np.uint32))
+        np.testing.assert_array_equal(rows.view(np.uint32),
+                                      first_rows[kernels(n)].view(np.uint32))
 
 
 def test_a_prompts_logits_do_not_depend_on_the_prompts_sharing_its_step(
