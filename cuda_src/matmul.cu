@@ -138,20 +138,8 @@ struct DecodeMatrix {
 // Gate and up with the activation: tile rows 0..15 are gate rows f0.., rows 16..31 the same
 // up rows (warp 0 and warp 1), y[t][f] = act(gate . x) * (up . x) as activation.cu's gated_<act>.
 template <class Op>
-struct DecodeGateUp {
-    const uint8_t* gate;
-    const uint8_t* up;
-    int64_t row_pitch;
-    int ffn_rows;
-    float* y;
-    int y_stride;
-
+struct DecodeGateUp : GateUpRows<DecodeTile::ROWS / 2> {
     static constexpr int HALF = DecodeTile::ROWS / 2;
-    __device__ int first_row() const { return blockIdx.y * HALF; }
-    __device__ WeightRow row(int r) const {
-        const int f = first_row() + r % HALF;
-        return WeightRow{(r < HALF ? gate : up) + f * row_pitch, f < ffn_rows};
-    }
     __device__ DecodeSplits splits(float* partials) const { return grid_splits(partials); }
     __device__ void store(const float (&sums)[DecodeTile::TOKENS][DecodeTile::ROWS], int token0,
                           int n_tokens) const {
@@ -414,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(DecodeTile::THREADS, DECODE_TILE_BL
             int x_stride, float* y, int y_stride, int ffn_rows, int n_in, int n_tokens,          \
             float* partials, int* counters) {                                                    \
         __shared__ DecodeTileShared<type> shared;                                                \
-        mul_mat_decode_tiles<type>(DecodeGateUp<op>{gate, up, row_pitch, ffn_rows, y, y_stride}, \
+        mul_mat_decode_tiles<type>(DecodeGateUp<op>{{gate, up, row_pitch, ffn_rows, y, y_stride}},\
                                    shared, x, x_stride, n_in, n_tokens, partials, counters);     \
     }
 

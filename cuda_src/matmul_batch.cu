@@ -34,22 +34,16 @@
 // 32..63 the same up rows (warps 2 and 3); y[t][f] = act(gate . x) * (up . x) as
 // activation.cu's gated_<act>, from the block's sums gathered in the scratch.
 template <class Shape, class Op>
-struct TileGateUp {
-    const uint8_t* gate;
-    const uint8_t* up;
-    int64_t row_pitch;
-    int ffn_rows;
-    float* y;
-    int y_stride;
-
+struct TileGateUp : GateUpRows<Shape::ROWS / 2> {
+    // The stages' loops unrolled, the two matrices' rows spilled registers at 8 column tiles.
+    static constexpr bool ROLLED = Shape::J > 4;
     static constexpr int HALF = Shape::ROWS / 2;
     static_assert(Shape::ROWS * sizeof(float) <= 2 * X_PIECES * sizeof(uint4),
                   "the activation stages hold the block's sums");
-    __device__ int first_row() const { return blockIdx.y * HALF; }
-    __device__ WeightRow row(int r) const {
-        const int f = first_row() + r % HALF;
-        return WeightRow{(r < HALF ? gate : up) + f * row_pitch, f < ffn_rows};
-    }
+    using GateUpRows<HALF>::first_row;
+    using GateUpRows<HALF>::ffn_rows;
+    using GateUpRows<HALF>::y;
+    using GateUpRows<HALF>::y_stride;
     __device__ void store(const float (&acc)[Shape::I][Shape::J][4], float* scratch,
                           int warp_rows, int token0, int warp_tokens, int n_tokens) const {
         __syncthreads();  // every warp is done with the activation stages
@@ -83,6 +77,7 @@ struct batch_layout<type_q6_K> {
 // product's activations with it (the out-of-line product takes it all from shared memory).
 template <class Shape>
 struct TileQkvSegment {
+    static constexpr bool ROLLED = false;
     QkvSegment seg;
     float* y;
     int y_stride;
@@ -171,7 +166,7 @@ QK_BATCH_QKV_ENTRY(32)
             int x_stride, float* y, int y_stride, int ffn_rows, int n_in, int n_tokens) {       \
         __shared__ TileShared<type, BatchTile<n>> shared;                                       \
         mul_mat_tiles<type>(                                                                    \
-            TileGateUp<BatchTile<n>, op>{gate, up, row_pitch, ffn_rows, y, y_stride}, shared,  \
+            TileGateUp<BatchTile<n>, op>{{gate, up, row_pitch, ffn_rows, y, y_stride}}, shared, \
             x, x_stride, n_in, n_tokens);                                                       \
     }
 

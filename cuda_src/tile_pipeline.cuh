@@ -222,18 +222,11 @@ __device__ __forceinline__ void split_weight_fragments(const uint8_t* block, int
     }
 }
 
-// The lane's two tokens (2c, 2c + 1) of each of the warp's token tiles in a table of one
-// float a token of the block's tile.
-template <int J>
-__device__ __forceinline__ void lane_token_pairs(const float* per_token, int warp_tokens,
-                                                 float (&out)[J][2]) {
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-        const float2 pair = *reinterpret_cast<const float2*>(per_token + warp_tokens + 8 * j +
-                                                             2 * (threadIdx.x % 4));
-        out[j][0] = pair.x;
-        out[j][1] = pair.y;
-    }
+// The lane's two tokens (2c, 2c + 1) of the warp's token tile j in a table of one float a
+// token of the block's tile.
+__device__ __forceinline__ float2 lane_token_pair(const float* per_token, int warp_tokens, int j) {
+    return *reinterpret_cast<const float2*>(per_token + warp_tokens + 8 * j +
+                                            2 * (threadIdx.x % 4));
 }
 
 // The warp's MMA tiles of a stage's sums times each token's 2^e (x_factors: one a token of
@@ -241,14 +234,15 @@ __device__ __forceinline__ void lane_token_pairs(const float* per_token, int war
 template <int I, int J>
 __device__ __forceinline__ void scale_by_token(float (&part)[I][J][4], const float* x_factors,
                                                int warp_tokens) {
-    float factors[J][2];
-    lane_token_pairs<J>(x_factors, warp_tokens, factors);
 #pragma unroll
-    for (int i = 0; i < I; ++i) {
+    for (int j = 0; j < J; ++j) {
+        const float2 factor = lane_token_pair(x_factors, warp_tokens, j);
 #pragma unroll
-        for (int j = 0; j < J; ++j) {
+        for (int i = 0; i < I; ++i) {
 #pragma unroll
-            for (int r = 0; r < 4; ++r) part[i][j][r] = __fmul_rn(part[i][j][r], factors[j][r % 2]);
+            for (int r = 0; r < 4; ++r) {
+                part[i][j][r] = __fmul_rn(part[i][j][r], r % 2 ? factor.y : factor.x);
+            }
         }
     }
 }
@@ -261,7 +255,7 @@ __device__ __forceinline__ void scale_by_token(float (&part)[I][J][4], const flo
 // each token's sum of the stage's x: `x_sums`, the block's, one a token of the tile (summed
 // once by the threads that split the stage; MMAs of ones x the activations in every warp
 // once cost a third of the prefill's MMAs and half of a decode warp's).
-template <class T, int I, int J>
+template <class T, int I, int J, bool ROLLED = (I > 1)>
 __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, const float2* scales,
                                                int group, const uint4* stage, int warp_tokens,
                                                float (&acc)[I][J][4], const float* x_factors,
@@ -272,14 +266,15 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
                                            shared_word_any>::type;
     constexpr int stride = C::ROW_STRIDE;
     // The prefill's 2 x 4 MMA tiles a warp keep the loops rolled (registers, code size); a
-    // decode warp's single tile unrolls them, its addresses and first-MMA choice folded.
-    constexpr int UNROLL = I * J > 1 ? 1 : GROUP / MMA_K;
+    // warp of one row tile (the decode tiles', the batched product's) unrolls them, its
+    // addresses and first-MMA choice folded, unless its job says ROLLED (registers).
+    constexpr int UNROLL = ROLLED ? 1 : GROUP / MMA_K;
     if constexpr (L::KIND == KIND_LEVELS) {
         const int g = threadIdx.x % WARP / 4;
         static_assert(!L::HAS_MIN || L::SCALE_ELEMENTS == GROUP, "one x sum a stage");
 #pragma unroll(UNROLL)
         for (int first = 0; first < GROUP; first += L::SCALE_ELEMENTS) {
-            float part[I][J][4], sums[J][2];
+            float part[I][J][4];
 #pragma unroll(UNROLL)
             for (int k = first; k < first + L::SCALE_ELEMENTS; k += MMA_K) {
                 uint32_t a[I][4];
@@ -299,29 +294,39 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
                     for (int i = 0; i < I; ++i) mma(part[i][j], a[i], x_hi);
                 }
             }
-            scale_by_token<I, J>(part, x_factors, warp_tokens);  // 2^e
-            if (L::HAS_MIN) lane_token_pairs<J>(x_sums, warp_tokens, sums);
+            // Each row's scale and offset, then token tile by token tile: the sums times
+            // each token's 2^e, times the scale, plus the offset times the token's sum of x
+            // (a tile's factors and sums loaded where they are used: a batched warp's eight
+            // tiles' at once spilled registers).
+            float scale[I][2], offset[I][2];
 #pragma unroll
             for (int i = 0; i < I; ++i) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    float scale, offset;
                     if constexpr (C::SCALE_TABLE) {
                         const float2 entry = scales[scale_table_index(16 * i + 8 * h + g, group)];
-                        scale = entry.x;
-                        offset = entry.y;
+                        scale[i][h] = entry.x;
+                        offset[i][h] = entry.y;
                     } else {
                         L::scale_offset(block + (16 * i + 8 * h + g) * stride, e + first,
-                                        &scale, &offset);
+                                        &scale[i][h], &offset[i][h]);
                     }
+                }
+            }
 #pragma unroll
-                    for (int j = 0; j < J; ++j) {
+            for (int j = 0; j < J; ++j) {
+                const float2 factor = lane_token_pair(x_factors, warp_tokens, j);  // 2^e
+                const float2 sum = L::HAS_MIN ? lane_token_pair(x_sums, warp_tokens, j)
+                                              : make_float2(0.0f, 0.0f);
 #pragma unroll
-                        for (int q = 0; q < 2; ++q) {
-                            float& out = acc[i][j][2 * h + q];
-                            out = fmaf(scale, part[i][j][2 * h + q], out);
-                            if (L::HAS_MIN) out = fmaf(offset, sums[j][q], out);
-                        }
+                for (int i = 0; i < I; ++i) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int h = r / 2, q = r % 2;
+                        float& out = acc[i][j][r];
+                        out = fmaf(scale[i][h], __fmul_rn(part[i][j][r], q ? factor.y : factor.x),
+                                   out);
+                        if (L::HAS_MIN) out = fmaf(offset[i][h], q ? sum.y : sum.x, out);
                     }
                 }
             }
@@ -556,10 +561,12 @@ struct TileShared {
 // What a tiles launch computes (a job): which weight row is the block's tile row r
 // (`row(r)`), and what becomes of each warp's sums (`store(acc, scratch, warp_rows, token0,
 // warp_tokens, n_tokens)`, every thread of the block taking part; `scratch`: the block's
-// activation stages, free once the products are done, Shape::TOKENS x 64 floats).
+// activation stages, free once the products are done, Shape::TOKENS x 64 floats); ROLLED:
+// whether a stage's loops stay rolled (multiply_stage).
 // One matrix: the tile rows are the matrix's rows from blockIdx.y * ROWS, y[t][row] their sums.
 template <class Shape>
 struct TileMatrix {
+    static constexpr bool ROLLED = Shape::I > 1;
     const uint8_t* weights;
     int64_t row_pitch;
     int rows;
@@ -574,6 +581,24 @@ struct TileMatrix {
                           int token0, int warp_tokens, int n_tokens) const {
         store_tile<Shape>(acc, y, y_stride, first_row() + warp_rows, token0 + warp_tokens, rows,
                           n_tokens);
+    }
+};
+
+// Gate and up in one tile: tile rows 0..HALF-1 are gate rows f0.. (f0 = blockIdx.y * HALF),
+// rows HALF.. the same up rows; y[t][f] = act(gate . x) * (up . x) is the jobs' to store.
+template <int HALF>
+struct GateUpRows {
+    const uint8_t* gate;
+    const uint8_t* up;
+    int64_t row_pitch;
+    int ffn_rows;
+    float* y;
+    int y_stride;
+
+    __device__ int first_row() const { return blockIdx.y * HALF; }
+    __device__ WeightRow row(int r) const {
+        const int f = first_row() + r % HALF;
+        return WeightRow{(r < HALF ? gate : up) + f * row_pitch, f < ffn_rows};
     }
 };
 
@@ -647,9 +672,9 @@ __device__ void mul_mat_tiles(const Job& job, TileShared<T, Shape>& shared,
                                element / T::BLOCK_ELEMENTS * T::BLOCK_BYTES;
         const float2* scales = scale_tables + (C::SCALE_TABLE ? chunk % 2 * TABLE_ENTRIES +
                                                warp_rows * C::TABLE_GROUPS : 0);
-        multiply_stage<T, Shape::I, Shape::J>(block, C::stage_element(chunk, element), scales,
-                                              s % C::STAGES, x_stages[s % 2], warp_tokens, acc,
-                                              x_factors[s % 2], x_sums[s % 2]);
+        multiply_stage<T, Shape::I, Shape::J, Job::ROLLED>(
+            block, C::stage_element(chunk, element), scales, s % C::STAGES, x_stages[s % 2],
+            warp_tokens, acc, x_factors[s % 2], x_sums[s % 2]);
     }
     job.store(acc, reinterpret_cast<float*>(&x_stages[0][0]), warp_rows, token0, warp_tokens,
               n_tokens);

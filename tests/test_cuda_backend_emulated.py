@@ -35,15 +35,16 @@ def reference_tokens(name: str, length: int) -> list[int]:
     return longest[:length].tolist()
 
 
-def compare(model: Model, backend: Any, tokens: list[int], split: int) -> float:
-    """Prefill tokens[:split] in two chunks, decode the rest as two sequences sharing each
-    step (the second a copy of the first in other blocks); the worst |delta| of the backend's
-    rows at the CPU rows' top 16. The rows' argmax agrees with the CPU's at TOP1_AGREEMENT of
-    the positions or more."""
+def compare(model: Model, backend: Any, tokens: list[int], split: int,
+            sequences: int = 2) -> float:
+    """Prefill tokens[:split] in two chunks, decode the rest as `sequences` sequences sharing
+    each step (the others copies of the first in other blocks); the worst |delta| of the
+    backend's rows at the CPU rows' top 16. The rows' argmax agrees with the CPU's at
+    TOP1_AGREEMENT of the positions or more."""
     expected = model.logits(tokens)
     agreeing = checked = 0
     per_sequence = -(-len(tokens) // BLOCK)
-    tables = [tuple(range(per_sequence)), tuple(range(per_sequence, 2 * per_sequence))]
+    tables = [tuple(range(i * per_sequence, (i + 1) * per_sequence)) for i in range(sequences)]
     worst = 0.0
 
     def check(items: list[StepItem], positions: list[int]) -> None:
@@ -61,12 +62,13 @@ def compare(model: Model, backend: Any, tokens: list[int], split: int) -> float:
             assert ids[0] == row.argmax()
 
     half = split // 2
-    check([StepItem(tuple(tokens[:half]), 0, table) for table in tables], [half - 1] * 2)
+    check([StepItem(tuple(tokens[:half]), 0, table) for table in tables], [half - 1] * sequences)
     check([StepItem(tuple(tokens[half:split]), half, tables[0]),
-           StepItem(tuple(tokens[half:split]), half, tables[1], want_logits=False)], [split - 1])
+           *(StepItem(tuple(tokens[half:split]), half, table, want_logits=False)
+             for table in tables[1:])], [split - 1])
     for position in range(split, len(tokens)):
         check([StepItem((tokens[position],), position, table) for table in tables],
-              [position] * 2)
+              [position] * sequences)
     assert agreeing >= TOP1_AGREEMENT * checked, f"top-1 agrees at {agreeing} of {checked}"
     return worst
 
@@ -96,6 +98,27 @@ def test_tiny_models_match_the_cpu(emulated: tuple[Any, EmulatedDevice], name: s
     assert device.live == set()
 
 
+@pytest.mark.parametrize("name", list(TINY_MODELS))
+def test_tiny_models_match_the_cpu_on_the_batched_product(emulated: tuple[Any, EmulatedDevice],
+                                                          name: str) -> None:
+    """The mma route's other regime: 9 sequences share each decode step, so every product of
+    the step (q, k and v with their finish, o, gate + up with the activation, down, the
+    logits) is the batched product's, its 16-column tiles."""
+    module, device = emulated
+    model = load_model(TINY_MODELS[name])
+    backend = module.build_cuda_backend(model, KVRequest(blocks=36, block_size=BLOCK,
+                                                         max_sequences=9), 0.9,
+                                        decode_route="matvec_mma")
+    tokens = reference_tokens(name, 40)
+    assert compare(model, backend, tokens, 30, sequences=9) <= TOLERANCE
+    assert device.captures == 1 and device.replays == len(tokens) - 30  # bucket 16
+    assert {"mul_mat_batch16_qkv_f16x2", "mul_mat_batch16_f16x2_q4_K"} <= set(device.launches)
+    assert any(kernel.startswith("mul_mat_batch16_gate_up_") for kernel in device.launches)
+    assert not any(kernel.startswith("mul_mat_vec_mma_") for kernel in device.launches)
+    backend.close()
+    assert device.live == set()
+
+
 @pytest.mark.parametrize("route", DECODE_ROUTES)
 def test_scaled_gemma3_matches_the_cpu_past_its_window(emulated: tuple[Any, EmulatedDevice],
                                                        route: str) -> None:
@@ -113,33 +136,39 @@ def test_scaled_gemma3_matches_the_cpu_past_its_window(emulated: tuple[Any, Emul
     backend.close()
 
 
+# Each route with two sequences a step, and the mma route with nine (its batched product).
+ROUTES_AND_SEQUENCES = [*((route, 2) for route in DECODE_ROUTES), ("matvec_mma", 9)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("route", DECODE_ROUTES)
-def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str) -> None:
+@pytest.mark.parametrize(("route", "sequences"), ROUTES_AND_SEQUENCES)
+def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str,
+                                sequences: int) -> None:
     """Sliding-window layers past the window are not reached in 40 tokens; the window is
     shrunk to 8 so that they are, on both sides."""
     module, _ = emulated
     model = load_model(gemma3_path())
     model.spec = model._transformer.spec = dataclasses.replace(model.spec, sliding_window=8)
-    backend = module.build_cuda_backend(model, KVRequest(blocks=16, block_size=BLOCK,
-                                                         max_sequences=2), 0.9,
+    backend = module.build_cuda_backend(model, KVRequest(blocks=4 * sequences, block_size=BLOCK,
+                                                         max_sequences=sequences), 0.9,
                                         decode_route=route)
     tokens = reference_tokens("gemma3-270m", 40)
-    assert compare(model, backend, tokens, 30) <= TOLERANCE
+    assert compare(model, backend, tokens, 30, sequences) <= TOLERANCE
     backend.close()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("route", DECODE_ROUTES)
-def test_smollm2_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str) -> None:
+@pytest.mark.parametrize(("route", "sequences"), ROUTES_AND_SEQUENCES)
+def test_smollm2_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str,
+                                 sequences: int) -> None:
     """The fourth model: llama's layout with Q4_1 and Q8_0 blocks and a tied output."""
     module, _ = emulated
     model = load_model(smollm2_path())
-    backend = module.build_cuda_backend(model, KVRequest(blocks=16, block_size=BLOCK,
-                                                         max_sequences=2), 0.9,
+    backend = module.build_cuda_backend(model, KVRequest(blocks=4 * sequences, block_size=BLOCK,
+                                                         max_sequences=sequences), 0.9,
                                         decode_route=route)
     tokens = reference_tokens("smollm2-135m", 40)
-    assert compare(model, backend, tokens, 30) <= TOLERANCE
+    assert compare(model, backend, tokens, 30, sequences) <= TOLERANCE
     backend.close()
 
 
