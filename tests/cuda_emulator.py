@@ -260,10 +260,12 @@ class KernelTwins:
                               planar)[0]
             self.f32(int(out) + 4 * i * d, d)[:] = row * scale
 
-    def products(self, type_name: str, weights: Any, pitch: int, x: Any, x_stride: int,
-                 rows: int, n_in: int, n: int, planar: bool = False) -> np.ndarray:
-        """The matvec's (n, rows) products, one activation row at a time: a row's result is
-        the same whatever else shares the launch, as the kernel promises. The weights are
+    def product(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
+                x_stride: int, rows: int, n_in: int, n: int,
+                planar: bool = False) -> np.ndarray:
+        """(n, rows) float32: the matvec's products, one activation row at a time (a row's
+        result is the same whatever else shares the launch, as the kernel promises), or with a
+        tile input the tiles' (`planar`: of a Q6_K matrix held row-planar). The weights are
         decoded PRODUCT_ROWS rows at a time: a vocabulary's logits matrix decoded whole
         (gemma-3's: 671 MB of float32) cost seconds a step in fresh pages alone."""
         rows, n_in, pitch = int(rows), int(n_in), int(pitch)
@@ -272,20 +274,12 @@ class KernelTwins:
         for first in range(0, rows, PRODUCT_ROWS):
             count = min(PRODUCT_ROWS, rows - first)
             w = self.matrix(int(weights) + first * pitch, pitch, type_name, count, n_in, planar)
+            if tile_input is not None:
+                out[:, first : first + count] = tile_product(w, xs, type_name)
+                continue
             for i, row in enumerate(xs):
                 out[i, first : first + count] = w @ row
         return out
-
-    def product(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
-                x_stride: int, rows: int, n_in: int, n: int,
-                planar: bool = False) -> np.ndarray:
-        """(n, rows) float32: the matvec's products, or with a tile input the tiles' (`planar`:
-        of a Q6_K matrix held row-planar)."""
-        if tile_input is None:
-            return self.products(type_name, weights, pitch, x, x_stride, rows, n_in, n, planar)
-        w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in), planar)
-        xs = self.rows(x, int(n), int(x_stride), int(n_in))
-        return tile_product(w, xs, type_name).astype(np.float32)
 
     def matmul(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
                x_stride: int, y: Any, y_stride: int, rows: int, n_in: int, n: int,

@@ -278,7 +278,8 @@ def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
         # attention_decode: one counter per (sequence, block row of heads) <= n_heads.
         "attention_counters": rows * spec.n_heads * 4,
         # The fused QKV kernels: one counter per head of the qkv row (its blocks that have
-        # stored), per token tile of mul_mat_decode_tiles_qkv.
+        # stored), per token tile of mul_mat_decode_tiles_qkv (8 rows; the batched QKV's
+        # tiles hold more).
         "qkv_counters": (spec.n_heads + 2 * spec.n_kv_heads) * token_tiles * 4,
         # mul_mat_decode_tiles with a K-split: each split's sums, and a counter per tile of the
         # grid (a split matrix has fewer than DECODE_TILE_MIN_BLOCKS row tiles, the fused

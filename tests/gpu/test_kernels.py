@@ -330,6 +330,20 @@ def test_planar_q6_K_tiles_equal_the_file_layouts_bit_for_bit(kernel: Kernel,
         tiles(kernel, "tiles", raw, "Q6_K", x, tokens).view(np.uint32))
 
 
+def product_rows(function: Any, launch: plan.Launch, weights: np.ndarray, type_name: str,
+                 x: np.ndarray, tokens: int, rows: int) -> np.ndarray:
+    """A product entry's y (tokens x rows) for `weights` (rows at the device pitch) and the
+    first `tokens` rows of x (its stride: its width); y's 3 spare columns must stay NaN."""
+    n_in = x.shape[1] - 4
+    y = nan_filled(tokens, rows + 3)
+    run(function, launch, ptr(to_device(weights)), np.int64(plan.row_pitch(type_name, n_in)),
+        ptr(to_device(x[:tokens])), np.int32(x.shape[1]), ptr(y), np.int32(rows + 3),
+        np.int32(rows), np.int32(n_in), np.int32(tokens))
+    got = y.get()
+    assert np.isnan(got[:, rows:]).all()
+    return got[:, :rows]
+
+
 def gated(kernel: Kernel, act: str, gates: np.ndarray, ups: np.ndarray) -> Any:
     """gated_<act> on the device of gate and up products (tokens x ffn each) laid out in one
     gate|up buffer."""
@@ -352,15 +366,9 @@ def batched(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
     y's 3 spare columns must stay NaN."""
     rows, n_in = raw.shape[0], x.shape[1] - 4
     weights, planar = batch_weights(raw, type_name, n_in)
-    y = nan_filled(tokens, rows + 3)
-    run(kernel("matmul_batch.cu", plan.batch_kernel(type_name, tokens, planar=planar)),
-        plan.batch_launch(rows, tokens), ptr(to_device(weights)),
-        np.int64(plan.row_pitch(type_name, n_in)), ptr(to_device(x[:tokens])),
-        np.int32(x.shape[1]), ptr(y), np.int32(rows + 3), np.int32(rows), np.int32(n_in),
-        np.int32(tokens))
-    got = y.get()
-    assert np.isnan(got[:, rows:]).all()
-    return got[:, :rows]
+    return product_rows(kernel("matmul_batch.cu", plan.batch_kernel(type_name, tokens,
+                                                                    planar=planar)),
+                        plan.batch_launch(rows, tokens), weights, type_name, x, tokens, rows)
 
 
 @pytest.mark.parametrize("type_name", ALL_TYPES)
@@ -437,15 +445,9 @@ def matvec_mma(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
     """mul_mat_vec_mma_<type> of raw blocks with the first `batch` rows of x (x's stride: its
     width); y's 3 spare columns must stay NaN."""
     rows, n_in = raw.shape[0], x.shape[1] - 4
-    y = nan_filled(batch, rows + 3)
-    run(kernel("matvec_mma.cu", plan.matvec_mma_kernel(type_name)),
-        plan.matvec_mma_launch(rows, n_in), ptr(to_device(mma_rows(raw, type_name, n_in))),
-        np.int64(plan.row_pitch(type_name, n_in)), ptr(to_device(x[:batch])),
-        np.int32(x.shape[1]), ptr(y), np.int32(rows + 3), np.int32(rows), np.int32(n_in),
-        np.int32(batch))
-    got = y.get()
-    assert np.isnan(got[:, rows:]).all()
-    return got[:, :rows]
+    return product_rows(kernel("matvec_mma.cu", plan.matvec_mma_kernel(type_name)),
+                        plan.matvec_mma_launch(rows, n_in), mma_rows(raw, type_name, n_in),
+                        type_name, x, batch, rows)
 
 
 @pytest.mark.parametrize("type_name", plan.MATVEC_MMA_TYPES)
@@ -779,7 +781,7 @@ QKV_SHAPES = {
     },
     # 64-row blocks: heads of 128 span blocks, blocks hold eight heads of 8, heads of 48
     # straddle block edges.
-    "batch": {
+    "batched": {
         "heads_span_blocks": (3, 1, 128, 512, ("Q4_K", "Q4_K", "Q6_K")),
         "blocks_hold_heads": (16, 8, 8, 544, ("Q8_0", "F16", "Q5_0")),
         "heads_straddle_blocks": (6, 2, 48, 512, ("Q5_K", "Q4_1", "BF16")),
@@ -793,7 +795,7 @@ def product_launch(kernel: Kernel, route: str, type_name: str, matrix: Any, rows
     """One matrix's product on the route's kernel (mul_mat_vec, mul_mat_decode_tiles with its
     K-split, mul_mat_vec_mma or the batched product)."""
     workspace: tuple[np.uintp, ...] = ()
-    if route == "batch":
+    if route == "batched":
         function, launch = (kernel("matmul_batch.cu", plan.batch_kernel(
             type_name, batch, planar=type_name in plan.PLANAR_TYPES)),
             plan.batch_launch(rows, batch))
@@ -820,7 +822,7 @@ def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks:
                                                          batch: int) -> None:
     """mul_mat_vec_qkv (route matvec), mul_mat_decode_tiles_qkv (route tiles: each matrix
     K-split as its own launch, heads counted per token tile), mul_mat_vec_mma_qkv (route
-    matvec_mma) and mul_mat_batch<N>_qkv (route batch: Q6_K row-planar, heads counted per
+    matvec_mma) and mul_mat_batch<N>_qkv (route batched: Q6_K row-planar, heads counted per
     token tile of at most 32 rows): products, then each head finished by the block that stores its last rows,
     against the route's product of each matrix into its columns then qkv_finish: the same
     bits in every y row, its padding left NaN, and both caches; the head counters (and the
@@ -832,7 +834,7 @@ def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks:
     rng = np.random.default_rng(batch)
     raws = [finite_blocks(t, n, n_in, rng) for t, n in zip(types, counts)]
     weights = [to_device(mma_rows(raw, t, n_in) if route == "matvec_mma"
-                         else batch_weights(raw, t, n_in)[0] if route == "batch"
+                         else batch_weights(raw, t, n_in)[0] if route == "batched"
                          else pitched(raw, t, n_in)) for raw, t in zip(raws, types)]
     x = to_device(activations(rng, batch, n_in))
     positions = to_device(rng.integers(0, 8192, batch).astype(np.int32))
@@ -850,7 +852,7 @@ def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks:
         *finish_args(model, positions, slots, k_sep, v_sep))
 
     token_tiles = (-(-batch // plan.DECODE_TILE_TOKENS) if route == "tiles"
-                   else -(-batch // plan.BATCH_QKV_TOKENS) if route == "batch" else 1)
+                   else -(-batch // plan.BATCH_QKV_TOKENS) if route == "batched" else 1)
     counters = to_device(np.zeros((heads + 2 * kv_heads) * token_tiles, dtype=np.int32))
     segments = []
     for matrix, type_name, rows in zip(weights, types, counts):
@@ -865,7 +867,7 @@ def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks:
         fused_launch = plan.decode_tiles_qkv_launch(types, counts, n_in, batch)
         splits = (*map(np.int32, plan.decode_tiles_qkv_splits(types, counts, n_in)),
                   *split_workspace(fused_launch, batch))
-    elif route == "batch":
+    elif route == "batched":
         fused_kernel, fused_launch = (kernel("matmul_batch.cu", plan.batch_qkv_kernel(batch)),
                                       plan.batch_qkv_launch(counts, batch))
     else:
