@@ -249,10 +249,10 @@ class RowRun:
 def row_runs(shape: StepShape, decode_route: str = "matvec") -> list[RowRun]:
     """The step's rows in launches: the decode rows on `decode_route` (plan.DECODE_ROUTES: the
     matvec, the decode tiles or the mma matvec; on the mma route the batched product where
-    they are more than plan.MATVEC_MMA_MAX_ROWS, a graph bucket's bound), any number of them; each prefill item on the
-    matvec when it is short (plan.uses_matvec of its own length; on the mma route, whose Q6_K
-    matrices the matvec cannot read, on the decode rows' products), else on the tiles;
-    neighbours on the same kernels share a launch. A row's route depends on its own item
+    they are more than plan.MATVEC_MMA_MAX_ROWS, a graph bucket's bound), any number of them;
+    each prefill item on the matvec when it is short (plan.uses_matvec of its own length; on
+    the mma route, whose Q6_K matrices the matvec cannot read, on the mma matvec), else on the
+    tiles; neighbours on the same kernels share a launch. A row's route depends on its own item
     alone and every kernel's rows are independent of each other, so a sequence's tokens do
     not depend on what shares its step (a decode row never shares a prefill tile)."""
     runs: list[RowRun] = []
@@ -408,9 +408,10 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
     """q, k and v side by side in each `qkv` row, finished (biases, head norms, RoPE, the K/V
     write) for attention: a matvec run in one launch (mul_mat_vec_qkv, a block type per
     segment, the finish in its epilogue), as are a decode tiles run (mul_mat_decode_tiles_qkv),
-    a batched product run (mul_mat_batch<N>_qkv) and an mma run (mul_mat_vec_mma_qkv where mul_mat_vec_mma serves all three matrices,
-    mul_mat_vec_qkv where it serves none); any other run in one launch per matrix then
-    qkv_finish over its rows. Each row is finished once, by its own run's launches."""
+    a batched product run (mul_mat_batch<N>_qkv) and an mma run (mul_mat_vec_mma_qkv where
+    mul_mat_vec_mma serves all three matrices, mul_mat_vec_qkv where it serves none); any
+    other run in one launch per matrix then qkv_finish over its rows. Each row is finished
+    once, by its own run's launches."""
     d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
     names = [f"blk.{layer}.attn_{part}.weight" for part in "qkv"]
     served = [plan.uses_matvec_mma(weights[name].type_name, d) for name in names]
@@ -419,7 +420,8 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
     for run in runs:
         if run.matvec or (run.kernels == DECODE_MMA and not any(served)):
             calls.append(_fused_qkv_call(spec, weights, names, run, layer, MATVEC, tile_input))
-        elif run.kernels in (DECODE_TILES, BATCH) or (run.kernels == DECODE_MMA and all(served)):
+        elif (run.kernels in (DECODE_TILES, BATCH)
+              or (run.kernels == DECODE_MMA and all(served))):
             calls.append(_fused_qkv_call(spec, weights, names, run, layer, run.kernels,
                                          tile_input))
         else:

@@ -823,9 +823,9 @@ def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks:
     """mul_mat_vec_qkv (route matvec), mul_mat_decode_tiles_qkv (route tiles: each matrix
     K-split as its own launch, heads counted per token tile), mul_mat_vec_mma_qkv (route
     matvec_mma) and mul_mat_batch<N>_qkv (route batched: Q6_K row-planar, heads counted per
-    token tile of at most 32 rows): products, then each head finished by the block that stores its last rows,
-    against the route's product of each matrix into its columns then qkv_finish: the same
-    bits in every y row, its padding left NaN, and both caches; the head counters (and the
+    token tile of at most 32 rows): products, then each head finished by the block that stores
+    its last rows, against the route's product of each matrix into its columns then
+    qkv_finish: the same bits in every y row, its padding left NaN, and both caches; the head counters (and the
     split counters) are zero again after the launch, and a second launch gives the same
     bits."""
     heads, kv_heads, head_dim, n_in, types = QKV_SHAPES[route][shape]
