@@ -1,12 +1,14 @@
 """GPU benchmark. Kernels: the Q4_K decode products' effective bandwidth (weight bytes read /
 time) on Llama-3-8B's FFN shapes on each decode route (the matvec, the decode tiles and the
 mma matvec, there the Q6_K product too, row-planar as that route holds it) at 1 to 64 rows,
-beside the device's own copy bandwidth, and the tensor-core tiles at prefill size (Q4_K;
+beside the device's own copy bandwidth, the batched product (mul_mat_batch<N>: Q4_K, Q6_K
+row-planar) at 16, 32 and 64 rows, and the tensor-core tiles at prefill size (Q4_K;
 Q6_K as the file holds it and row-planar), timed with CUDA events over many launches (the weights cycle through enough
 copies that every launch reads them from HBM, not from L2). Whole models through the CUDA
 backend (wall clock per step, each step ending in its one synchronization): decode tok/s at
 1, 32 and 64 streams on the matvec and the decode tiles routes (`*_decode_tiles`), at 1 and
-32 on the mma matvec route (`llama3_8b_matvec_mma`), and prefill-512 tok/s on a
+32 on the mma matvec route (`llama3_8b_matvec_mma`; 32 streams there take the batched
+product), and prefill-512 tok/s on a
 Llama-3-8B-shaped file (benchmarks/synthetic_gguf.py), one-stream decode on gemma-3-270m, and
 the stream operations and kernels of a decode step (the bare backend runs one step at a time:
 its random tokens would drop every step run ahead). Whole models through the Engine (greedy,
@@ -164,6 +166,44 @@ def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: i
                                 "weight_bytes": weight_bytes,
                                 "effective_TBps": weight_bytes / seconds / 1e12})
         for copy in (copy for copies in images.values() for copy in copies):
+            copy.free()
+    return results
+
+
+# The batched product timed: Q4_K, and Q6_K row-planar (the matvec_mma route's layout, the one
+# it reads), at each of its token tiles.
+BATCH_FILE = "matmul_batch.cu"
+BATCH_MATRICES = (("Q4_K", False), ("Q6_K", True))
+
+
+def bench_batch(module: Any, rng: np.random.Generator, l2_bytes: int,
+                repeats: int) -> list[dict[str, Any]]:
+    """mul_mat_batch<N> of each of BATCH_MATRICES at each shape and N rows (16, 32, 64: a
+    whole token tile, the weights from HBM): the weights' bytes a second and the tensor cores'
+    useful TFLOPs."""
+    import pycuda.driver as cuda
+
+    results = []
+    for (type_name, planar), (rows, n_in) in itertools.product(BATCH_MATRICES, MATVEC_SHAPES):
+        matrix = random_blocks(rng, type_name, rows * n_in // 256).reshape(rows, -1)
+        copies = weight_copies(device_rows(matrix, type_name, n_in, planar), l2_bytes)
+        pitch = np.int64(plan.row_pitch(type_name, n_in))
+        for tokens in plan.BATCH_TOKENS:
+            x = cuda.to_device(rng.standard_normal((tokens, n_in)).astype(np.float32))
+            y = cuda.mem_alloc(tokens * rows * 4)
+            name = plan.batch_kernel(type_name, tokens, planar=planar)
+            function, launch = module.get_function(name), plan.batch_launch(rows, tokens)
+            seconds = time_launches(
+                lambda i: function(copies[i % len(copies)], pitch, x, np.int32(n_in), y,
+                                   np.int32(rows), np.int32(rows), np.int32(n_in),
+                                   np.int32(tokens), grid=launch.grid, block=launch.block),
+                repeats)
+            weight_bytes = rows * row_bytes(type_name, n_in)
+            results.append({"kernel": name, "type": type_name, "rows": rows, "n_in": n_in,
+                            "tokens": tokens, "copies": len(copies), "us": seconds * 1e6,
+                            "effective_TBps": weight_bytes / seconds / 1e12,
+                            "TFLOPs": 2 * rows * n_in * tokens / seconds / 1e12})
+        for copy in copies:
             copy.free()
     return results
 
@@ -438,6 +478,7 @@ def main() -> None:
                 lambda: bench_model(path, DECODE_STREAMS, None, rng, "tiles"))
     section("matvec_mma", lambda: bench_matvec(compiled, rng, l2_bytes, args.repeats,
                                                ("matvec_mma",), plan.MATVEC_MMA_TYPES))
+    section("batch", lambda: bench_batch(compiled[BATCH_FILE], rng, l2_bytes, args.repeats))
     if args.model_8b:
         section("llama3_8b_matvec_mma",
                 lambda: bench_model(args.model_8b, MMA_DECODE_STREAMS, None, rng, "matvec_mma"))
@@ -466,7 +507,7 @@ def compile_all(compiled: dict[str, Any]) -> float:
     """Compiles the benchmarked files into `compiled`, one at a time (a file that fails
     leaves those before it); the seconds it took."""
     started = time.perf_counter()
-    for name in ROUTE_FILES.values():
+    for name in (*ROUTE_FILES.values(), BATCH_FILE):
         compiled[name] = compile_module(name)
     return time.perf_counter() - started
 

@@ -20,12 +20,23 @@
    SASS: each K-block's global loads issued before the MMAs of the K-block before it (the
    pass's second block's before its first MMA, the next pass's first block's before its
    second block's first MMA), no branch among its MMAs.
-3. Kernels of one decode step (one stream), from actors.compute.cuda_launches.forward_calls +
+3. The batched product mul_mat_batch<N>_f16x2_q4_K / _q6_K_planar at N = 16, 32, 64 token
+   columns (route "matvec_mma" past 8 decode rows, and its logits): its stage loop (the
+   smallest loop holding a barrier and the stage's MMAs, 4 N / 8 of them a warp), counted
+   statically (each branch's code once), the once-a-chunk loops inside it (the weight copies
+   and the scale table) apart. A warp's stage takes 16 rows x 32 elements of weights (Q4_K
+   288 bytes, Q6_K 420), so per weight byte of the step: the stage's warp instructions and
+   HMMAs. Fitted to a + b x (N / 8): `a` (the weights' fetch and unpack, the pipeline) must
+   not grow with N, and `b` is what each 8-column MMA tile costs beside its 4 HMMAs (its
+   activation fragments, its epilogue, its share of the activations' copy and split).
+4. Kernels of one decode step (one stream), from actors.compute.cuda_launches.forward_calls +
    candidate_calls: the Llama-3-8B shape of benchmarks/synthetic_gguf.py (Q4_K_M types), also
    on the decode tiles route and the mma matvec route (mul_mat_vec_mma where it serves a
-   matrix), and gemma-3 (the default model's file).
-Targets: Q4_K inner loop <= 4 SASS instructions per weight byte; no hot kernel
-below 16 resident warps per SM; <= 7 kernels per layer.
+   matrix; at 32 and 64 streams the batched product), and gemma-3 (the default model's file).
+Targets: Q4_K inner loop <= 4 SASS instructions per weight byte (the batched product: per
+weight byte of a whole step, at any N), its weights' part not growing with N and at most
+TARGET_BATCH_COLUMN_TILE instructions a column tile; no hot kernel below 16 resident warps per
+SM; <= 7 kernels per layer.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -50,6 +62,9 @@ REGISTERS_PER_SM, REGISTER_UNIT = 65536, 256  # registers are allocated per warp
 SHARED_PER_SM, SHARED_RESERVED_PER_BLOCK = 228 * 1024, 1024
 WARPS_PER_SM, BLOCKS_PER_SM = 64, 32
 TARGET_SASS_PER_BYTE, TARGET_WARPS, TARGET_KERNELS_PER_LAYER = 4.0, 16, 7
+# The batched product's warp instructions a stage per 8-column MMA tile (its 4 HMMAs, its
+# activation fragments and epilogue, its share of the activations' copy and split).
+TARGET_BATCH_COLUMN_TILE = 64
 
 # Hot entry points and their threads per block (from the launch plan's geometry).
 _MATVEC_THREADS = math.prod(plan.matvec_launch(4096, 4096).block)
@@ -65,6 +80,13 @@ HOT_ENTRIES = {
                   "mul_mat_decode_tiles_f16x2_q6_K": plan.DECODE_TILE_THREADS,
                   "mul_mat_decode_tiles_gate_up_silu_f16x2_q4_K": plan.DECODE_TILE_THREADS,
                   "mul_mat_decode_tiles_qkv_f16x2": plan.DECODE_TILE_THREADS},
+    "matmul_batch.cu": {
+        **{plan.batch_kernel(t, n, planar=t == "Q6_K"): plan.BATCH_THREADS
+           for t in ("Q4_K", "Q6_K") for n in plan.BATCH_TOKENS},
+        **{plan.batch_gate_up_kernel("silu", "Q4_K", n): plan.BATCH_THREADS
+           for n in plan.BATCH_TOKENS},
+        **{plan.batch_qkv_kernel(n): plan.BATCH_THREADS
+           for n in plan.BATCH_TOKENS if n <= plan.BATCH_QKV_TOKENS}},
     "matvec_mma.cu": {"mul_mat_vec_mma_q4_K": plan.MATVEC_MMA_THREADS,
                       "mul_mat_vec_mma_gate_up_silu_q4_K": plan.MATVEC_MMA_THREADS,
                       "mul_mat_vec_mma_q6_K": plan.MATVEC_MMA_THREADS,
@@ -84,6 +106,8 @@ LOOP_BYTES = {"mul_mat_vec_q4_K": 144 / 8, "mul_mat_vec_q6_K": 210 / 8}
 # (matvec_mma.cu: lane c takes its quarter of rows g and g + 8), 16 MMAs a K-block.
 MMA_LOOP_BYTES = {"mul_mat_vec_mma_q4_K": 2 * 2 * 144 / 4, "mul_mat_vec_mma_q6_K": 2 * 2 * 210 / 4}
 MMA_PER_PASS = 32
+# The batched product's stage: a warp's 16 rows x 32 elements of weights, in bytes.
+BATCH_STAGE_BYTES = {"Q4_K": 16 * 32 * 144 / 256, "Q6_K": 16 * 32 * 210 / 256}
 
 
 def find_tool(name: str) -> str | None:
@@ -221,11 +245,69 @@ def mma_prefetch(body: list[tuple[int, str, str]]) -> dict:
     return report
 
 
+def batch_stage(instructions: list[tuple[int, str, str]], tokens: int) -> dict:
+    """The batched product's stage loop: the smallest loop holding a barrier and all of a
+    warp's 4 tokens / 8 MMAs of a stage; its static instructions with the loops inside it
+    (once a chunk: no MMA) apart."""
+    mmas = 4 * tokens // 8
+    by_address = {address: i for i, (address, _, _) in enumerate(instructions)}
+    loops = [(by_address[t], i) for i, (address, opcode, operands) in enumerate(instructions)
+             if opcode == "BRA" and (t := branch_target(operands)) is not None
+             and t < address and t in by_address]
+
+    def count(body: list[tuple[int, str, str]], prefix: str) -> int:
+        return sum(opcode.startswith(prefix) for _, opcode, _ in body)
+
+    stages = [(start, stop) for start, stop in loops
+              if count(instructions[start : stop + 1], "BAR") >= 1
+              and count(instructions[start : stop + 1], "HMMA") == mmas]
+    if not stages:
+        raise RuntimeError(f"no stage loop of {mmas} MMAs")
+    start, stop = min(stages, key=lambda loop: loop[1] - loop[0])
+    inner = [(a, b) for a, b in loops if start < a and b < stop
+             and not any(start < c <= a and b <= d < stop and (c, d) != (a, b)
+                         for c, d in loops)]
+    chunk_loops = sum(b - a + 1 for a, b in inner)
+    return {"stage_instructions": stop - start + 1 - chunk_loops,
+            "chunk_loop_instructions": chunk_loops, "hmma_per_stage": mmas}
+
+
+def batch_figures(stages: dict[int, dict], weight_bytes: float) -> dict:
+    """Per weight byte of the step at each N, and the fit a + b (N / 8) of the stage's
+    instructions over the pairs of consecutive N (`a` from each pair: equal where the weights'
+    part does not grow with N)."""
+    figures: dict = {}
+    for tokens, stage in stages.items():
+        figures[f"n{tokens}"] = {
+            **stage,
+            "warp_instructions_per_weight_byte": round(stage["stage_instructions"] /
+                                                       weight_bytes, 3),
+            "hmma_per_weight_byte": round(stage["hmma_per_stage"] / weight_bytes, 4)}
+    ns = sorted(stages)
+    fits = []
+    for low, high in zip(ns, ns[1:]):
+        tiles = (high - low) // 8
+        b = (stages[high]["stage_instructions"] - stages[low]["stage_instructions"]) / tiles
+        a = stages[low]["stage_instructions"] - b * low // 8
+        fits.append({"tokens": [low, high], "weights_part": round(a, 1),
+                     "weights_part_per_weight_byte": round(a / weight_bytes, 3),
+                     "per_column_tile": round(b, 1),
+                     "per_column_tile_beside_its_hmma": round(b - 4, 1)})
+    figures["fits"] = fits
+    return figures
+
+
 def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
-    report: dict = {"entries": {}, "matvec_loops": {}, "matvec_mma_loops": {}}
+    report: dict = {"entries": {}, "matvec_loops": {}, "matvec_mma_loops": {},
+                    "batch_stages": {}}
+    cubins = {source: work / f"{Path(source).stem}.cubin" for source in HOT_ENTRIES}
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:  # a minute or more a file
+        reports = dict(zip(cubins, pool.map(
+            lambda source: compile_cubin(plan.kernel_source_dir() / source, cubins[source],
+                                         nvcc), cubins)))
     for source, entries in HOT_ENTRIES.items():
-        cubin = work / f"{Path(source).stem}.cubin"
-        resources = ptxas_resources(compile_cubin(plan.kernel_source_dir() / source, cubin, nvcc))
+        cubin = cubins[source]
+        resources = ptxas_resources(reports[source])
         for name, threads in entries.items():
             r = resources[name]
             report["entries"][name] = {
@@ -244,6 +326,12 @@ def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
                     "sass_per_weight_byte_and_row_chunk8": round(
                         loop["chunk_pass_instructions"] / (lane_bytes * chunk), 2),
                 }
+        if source == "matmul_batch.cu" and cuobjdump:
+            for type_name, weight_bytes in BATCH_STAGE_BYTES.items():
+                stages = {n: batch_stage(sass_instructions(
+                    cubin, plan.batch_kernel(type_name, n, planar=type_name == "Q6_K"),
+                    cuobjdump), n) for n in plan.BATCH_TOKENS}
+                report["batch_stages"][type_name] = batch_figures(stages, weight_bytes)
         if source == "matvec_mma.cu" and cuobjdump:
             for name, lane_bytes in MMA_LOOP_BYTES.items():
                 loop = mma_matvec_loop(sass_instructions(cubin, name, cuobjdump))
@@ -254,19 +342,21 @@ def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
     return report
 
 
-def decode_kernels(spec, layouts, decode_route: str = "matvec") -> dict[str, int]:
-    """Kernels of one single-stream decode step (forward + candidates) and of its largest
-    layer (the step adds the embedding, the final norm, the output product and candidates),
-    the decode rows' products on `decode_route`."""
+def decode_kernels(spec, layouts, decode_route: str = "matvec",
+                   streams: int = 1) -> dict[str, int]:
+    """Kernels of one decode step of `streams` sequences (forward + candidates) and of its
+    largest layer (the step adds the embedding, the final norm, the output product and
+    candidates), the decode rows' products on `decode_route`."""
     from actors.compute import cuda_launches as launches
     from actors.model.step import StepItem, plan_step
 
     block_size = 16
-    step = plan_step([StepItem((1,), 40, (0, 1, 2))], spec, 8, block_size)
+    step = plan_step([StepItem((1,), 40, (3 * i, 3 * i + 1, 3 * i + 2))
+                      for i in range(streams)], spec, 3 * streams, block_size)
     shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
                                 spec.context_length)
     forward = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT, decode_route)
-    tail = launches.candidate_calls(spec, 1, 1, any_penalty=False, n_masked=0)
+    tail = launches.candidate_calls(spec, streams, 1, any_penalty=False, n_masked=0)
     per_layer = max(len(launches.layer_calls(spec, layouts, shape, layer, launches.TILE_INPUT,
                                              decode_route))
                     for layer in range(spec.n_layers))
@@ -324,7 +414,9 @@ def budgets(gemma_path: Path | None = None) -> dict:
         "llama3_8b_q4_k_m": decode_kernels(*llama_8b_layouts()),
         "llama3_8b_q4_k_m_decode_tiles": decode_kernels(*llama_8b_layouts("tiles"), "tiles"),
         "llama3_8b_q4_k_m_matvec_mma": decode_kernels(*llama_8b_layouts("matvec_mma"),
-                                                      "matvec_mma")}
+                                                      "matvec_mma"),
+        **{f"llama3_8b_q4_k_m_matvec_mma_{n}_streams": decode_kernels(
+            *llama_8b_layouts("matvec_mma"), "matvec_mma", n) for n in (32, 64)}}
     try:
         report["decode_step"]["gemma3"] = decode_kernels(*gemma_layouts(gemma_path))
     except (FileNotFoundError, OSError) as error:
@@ -357,6 +449,15 @@ def main() -> None:
               f"prefetch ahead: {loop['prefetch_ahead']} ({loop['loads_before_first_mma']} / "
               f"{loop['loads_before_second_block_mma']} of {loop['loads_per_pass']} loads before "
               f"the first / second K-block's MMAs)")
+    for type_name, figures in report["batch_stages"].items():
+        for n in plan.BATCH_TOKENS:
+            stage = figures[f"n{n}"]
+            print(f"mul_mat_batch{n} {type_name}: {stage['warp_instructions_per_weight_byte']} "
+                  f"warp instructions / weight byte a step, {stage['hmma_per_weight_byte']} "
+                  f"HMMA / weight byte ({stage['stage_instructions']} a stage)")
+        for fit in figures["fits"]:
+            print(f"  N {fit['tokens']}: weights' part {fit['weights_part_per_weight_byte']} / "
+                  f"weight byte, {fit['per_column_tile']} a column tile (4 of them HMMA)")
     for model, step in report["decode_step"].items():
         print(f"{model}: {step}")
 

@@ -203,6 +203,8 @@ class KernelTwins:
             tile_input, suffix = rest.split("_", 1)
             self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix],
                          *self.split_counters_zero(grid, args), tile_input=tile_input)
+        elif name.startswith("mul_mat_batch"):
+            self.batch(name, grid, args, planar)
         elif name.startswith(("mul_mat_tiles_", "mul_mat_decode_tiles_")):
             # Both tile shapes multiply alike: float16 hi + lo activations, exact levels (the
             # decode tiles' K-split adds its splits' sums: within the float32 bound too).
@@ -213,6 +215,33 @@ class KernelTwins:
             self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args, planar=planar)
         else:
             getattr(self, name)(grid, *args)
+
+    def batch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...],
+              planar: bool) -> None:
+        """mul_mat_batch<N>_<input>_<suffix>, its gate_up_<act> and qkv entries: the prefill
+        tiles' numbers (the same sums, bit for bit, whatever N), on a grid of N-token tiles."""
+        match = re.fullmatch(r"mul_mat_batch(\d+)_(gate_up_|qkv_)?(.*)", name)
+        assert match is not None, name
+        tokens, fused, rest = int(match.group(1)), match.group(2), match.group(3)
+        qkv = fused == "qkv_"
+        n = int(args[17] if qkv else args[-1])  # the rows
+        most = plan.BATCH_QKV_TOKENS if qkv else plan.BATCH_TOKENS[-1]
+        assert tokens == plan.batch_tokens(n, most), (name, n)
+        assert grid[0] * tokens >= n > (grid[0] - 1) * tokens, (name, grid)
+        if qkv:
+            assert rest in plan.TILE_INPUTS, name
+            self.mul_mat_vec_qkv(*args, tile_input=rest, batch_tokens=tokens)
+            return
+        activation = None
+        if fused:
+            activation, rest = activation_and_rest("", rest)
+        tile_input, suffix = rest.split("_", 1)
+        assert tile_input in plan.TILE_INPUTS, name
+        if activation is not None:
+            self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args,
+                         tile_input=tile_input, planar=planar)
+        else:
+            self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args, planar=planar)
 
     def split_counters_zero(self, grid: tuple[int, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
         """A decode tiles launch's arguments without its K-split workspace, whose counters
@@ -231,10 +260,12 @@ class KernelTwins:
                               planar)[0]
             self.f32(int(out) + 4 * i * d, d)[:] = row * scale
 
-    def products(self, type_name: str, weights: Any, pitch: int, x: Any, x_stride: int,
-                 rows: int, n_in: int, n: int, planar: bool = False) -> np.ndarray:
-        """The matvec's (n, rows) products, one activation row at a time: a row's result is
-        the same whatever else shares the launch, as the kernel promises. The weights are
+    def product(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
+                x_stride: int, rows: int, n_in: int, n: int,
+                planar: bool = False) -> np.ndarray:
+        """(n, rows) float32: the matvec's products, one activation row at a time (a row's
+        result is the same whatever else shares the launch, as the kernel promises), or with a
+        tile input the tiles' (`planar`: of a Q6_K matrix held row-planar). The weights are
         decoded PRODUCT_ROWS rows at a time: a vocabulary's logits matrix decoded whole
         (gemma-3's: 671 MB of float32) cost seconds a step in fresh pages alone."""
         rows, n_in, pitch = int(rows), int(n_in), int(pitch)
@@ -243,20 +274,12 @@ class KernelTwins:
         for first in range(0, rows, PRODUCT_ROWS):
             count = min(PRODUCT_ROWS, rows - first)
             w = self.matrix(int(weights) + first * pitch, pitch, type_name, count, n_in, planar)
+            if tile_input is not None:
+                out[:, first : first + count] = tile_product(w, xs, type_name)
+                continue
             for i, row in enumerate(xs):
                 out[i, first : first + count] = w @ row
         return out
-
-    def product(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
-                x_stride: int, rows: int, n_in: int, n: int,
-                planar: bool = False) -> np.ndarray:
-        """(n, rows) float32: the matvec's products, or with a tile input the tiles' (`planar`:
-        of a Q6_K matrix held row-planar)."""
-        if tile_input is None:
-            return self.products(type_name, weights, pitch, x, x_stride, rows, n_in, n, planar)
-        w = self.matrix(weights, int(pitch), type_name, int(rows), int(n_in), planar)
-        xs = self.rows(x, int(n), int(x_stride), int(n_in))
-        return tile_product(w, xs, type_name).astype(np.float32)
 
     def matmul(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
                x_stride: int, y: Any, y_stride: int, rows: int, n_in: int, n: int,
@@ -264,11 +287,12 @@ class KernelTwins:
         self.rows(y, int(n), int(y_stride), int(rows))[:] = self.product(
             type_name, tile_input, weights, pitch, x, x_stride, rows, n_in, n, planar)
 
-    def mul_mat_vec_qkv(self, *args: Any, mma: bool = False,
-                        tile_input: str | None = None) -> None:
+    def mul_mat_vec_qkv(self, *args: Any, mma: bool = False, tile_input: str | None = None,
+                        batch_tokens: int = 0) -> None:
         """Three matvecs (q, k, v segments, a block type each; with `mma` those of
         mul_mat_vec_mma_qkv, whose Q6_K segments are held row-planar; with a tile input
-        mul_mat_decode_tiles_qkv's decode tiles, its last arguments each matrix's K-splits)
+        mul_mat_decode_tiles_qkv's decode tiles, its last arguments each matrix's K-splits,
+        or with `batch_tokens` too mul_mat_batch<batch_tokens>_qkv's tiles, Q6_K row-planar)
         into one row of y, then qkv_finish's twin on those rows (positions and slots per
         activation row). The head counters must be zero (the backend zero-fills them; every
         launch leaves them so)."""
@@ -278,7 +302,10 @@ class KernelTwins:
         rows = [int(r) for r in segments[3::4]]
         per_block = plan.matvec_rows_per_block(int(n_in))
         counter_tiles = 1
-        if tile_input is not None:
+        if batch_tokens:
+            assert len(args) == 34 and tile_input is not None
+            per_block, counter_tiles = plan.BATCH_ROWS, -(-int(n) // batch_tokens)
+        elif tile_input is not None:
             # Each matrix K-split as its own decode tiles launch: the same sums, bit for bit.
             assert tuple(int(s) for s in args[34:]) == plan.decode_tiles_qkv_splits(
                 types, rows, int(n_in))
@@ -291,7 +318,7 @@ class KernelTwins:
                                                            rows):
             self.matmul(type_name, tile_input, weights, pitch, x, x_stride,
                         int(y) + 4 * column, y_stride, count, n_in, n,
-                        planar=mma and type_name in plan.PLANAR_TYPES)
+                        planar=(mma or batch_tokens > 0) and type_name in plan.PLANAR_TYPES)
             column += count
         heads, kv_heads = rows[0] // head_dim, rows[1] // head_dim
         assert not self.i32(counters, (heads + 2 * kv_heads) * counter_tiles).any(), \

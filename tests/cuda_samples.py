@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.compute.cuda_plan import candidate_record_words
+from actors.compute.cuda_plan import MATVEC_MMA_MAX_ROWS, candidate_record_words
 from actors.model.candidates import mask_words
 from actors.model.candidates import (
     Candidates,
@@ -225,6 +225,24 @@ def greedy_sharing_steps(backend: Any, prompts: Sequence[Sequence[int]], steps: 
             held.append(int(token))
         rows.append(backend.fetch_rows([0])[0])
     return tokens, np.stack(rows)
+
+
+def assert_streams_do_not_change_sequence_0(
+        runs: dict[int, tuple[list[list[int]], np.ndarray]], route: str) -> None:
+    """greedy_sharing_steps' results at several stream counts on decode route `route`:
+    sequence 0's tokens the same at every count, and its logits rows the same bits among the
+    counts whose decode rows take the same kernels: every count on the matvec and the decode
+    tiles; on the mma route the counts up to MATVEC_MMA_MAX_ROWS (the mma matvec) and those
+    past it (the batched product), each apart (two summations of the same products)."""
+    def kernels(streams: int) -> bool:
+        return route == "matvec_mma" and streams > MATVEC_MMA_MAX_ROWS
+
+    alone_tokens = runs[min(runs)][0]
+    first_rows = {kernels(n): rows for n, (_, rows) in sorted(runs.items(), reverse=True)}
+    for n, (tokens, rows) in runs.items():
+        assert tokens[0] == alone_tokens[0], n
+        np.testing.assert_array_equal(rows.view(np.uint32), first_rows[kernels(n)].view(np.uint32),
+                                      err_msg=f"{n} streams")
 
 
 def short_prompt_alone_and_shared(backend: Any) -> tuple[np.ndarray, np.ndarray]:

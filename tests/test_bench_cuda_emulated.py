@@ -49,6 +49,10 @@ def test_every_section_runs_and_reports(emulated: tuple[Any, Any], tmp_path: Pat
     assert [row["kernel"] for row in report["tiles"]] == [
         "mul_mat_tiles_f16x2_q4_K", "mul_mat_tiles_f16x2_q6_K", "mul_mat_tiles_f16x2_q6_K_planar"]
     assert all(row["tokens"] == bench_cuda.PREFILL_TOKENS for row in report["tiles"])
+    assert [(row["type"], row["tokens"]) for row in report["batch"]] == [
+        (t, n) for t in ("Q4_K", "Q6_K") for _ in bench_cuda.MATVEC_SHAPES for n in (16, 32, 64)]
+    assert all(row["kernel"].endswith("_planar") == (row["type"] == "Q6_K")
+               for row in report["batch"])
     for section, streams in [("llama3_8b", bench_cuda.DECODE_STREAMS),
                              ("llama3_8b_decode_tiles", bench_cuda.DECODE_STREAMS),
                              ("llama3_8b_matvec_mma", bench_cuda.MMA_DECODE_STREAMS),

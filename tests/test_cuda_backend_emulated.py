@@ -18,6 +18,7 @@ from actors.model.loaded import Model, load_model
 from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
 from tests.cuda_emulator import EmulatedDevice
 from tests.cuda_samples import (
+    assert_streams_do_not_change_sequence_0,
     constrained_steps,
     greedy_sharing_steps,
     short_prompt_alone_and_shared,
@@ -35,15 +36,16 @@ def reference_tokens(name: str, length: int) -> list[int]:
     return longest[:length].tolist()
 
 
-def compare(model: Model, backend: Any, tokens: list[int], split: int) -> float:
-    """Prefill tokens[:split] in two chunks, decode the rest as two sequences sharing each
-    step (the second a copy of the first in other blocks); the worst |delta| of the backend's
-    rows at the CPU rows' top 16. The rows' argmax agrees with the CPU's at TOP1_AGREEMENT of
-    the positions or more."""
+def compare(model: Model, backend: Any, tokens: list[int], split: int,
+            sequences: int = 2) -> float:
+    """Prefill tokens[:split] in two chunks, decode the rest as `sequences` sequences sharing
+    each step (the others copies of the first in other blocks); the worst |delta| of the
+    backend's rows at the CPU rows' top 16. The rows' argmax agrees with the CPU's at
+    TOP1_AGREEMENT of the positions or more."""
     expected = model.logits(tokens)
     agreeing = checked = 0
     per_sequence = -(-len(tokens) // BLOCK)
-    tables = [tuple(range(per_sequence)), tuple(range(per_sequence, 2 * per_sequence))]
+    tables = [tuple(range(i * per_sequence, (i + 1) * per_sequence)) for i in range(sequences)]
     worst = 0.0
 
     def check(items: list[StepItem], positions: list[int]) -> None:
@@ -61,12 +63,13 @@ def compare(model: Model, backend: Any, tokens: list[int], split: int) -> float:
             assert ids[0] == row.argmax()
 
     half = split // 2
-    check([StepItem(tuple(tokens[:half]), 0, table) for table in tables], [half - 1] * 2)
+    check([StepItem(tuple(tokens[:half]), 0, table) for table in tables], [half - 1] * sequences)
     check([StepItem(tuple(tokens[half:split]), half, tables[0]),
-           StepItem(tuple(tokens[half:split]), half, tables[1], want_logits=False)], [split - 1])
+           *(StepItem(tuple(tokens[half:split]), half, table, want_logits=False)
+             for table in tables[1:])], [split - 1])
     for position in range(split, len(tokens)):
         check([StepItem((tokens[position],), position, table) for table in tables],
-              [position] * 2)
+              [position] * sequences)
     assert agreeing >= TOP1_AGREEMENT * checked, f"top-1 agrees at {agreeing} of {checked}"
     return worst
 
@@ -96,6 +99,27 @@ def test_tiny_models_match_the_cpu(emulated: tuple[Any, EmulatedDevice], name: s
     assert device.live == set()
 
 
+@pytest.mark.parametrize("name", list(TINY_MODELS))
+def test_tiny_models_match_the_cpu_on_the_batched_product(emulated: tuple[Any, EmulatedDevice],
+                                                          name: str) -> None:
+    """The mma route's other regime: 9 sequences share each decode step, so every product of
+    the step (q, k and v with their finish, o, gate + up with the activation, down, the
+    logits) is the batched product's, its 16-column tiles."""
+    module, device = emulated
+    model = load_model(TINY_MODELS[name])
+    backend = module.build_cuda_backend(model, KVRequest(blocks=36, block_size=BLOCK,
+                                                         max_sequences=9), 0.9,
+                                        decode_route="matvec_mma")
+    tokens = reference_tokens(name, 40)
+    assert compare(model, backend, tokens, 30, sequences=9) <= TOLERANCE
+    assert device.captures == 1 and device.replays == len(tokens) - 30  # bucket 16
+    assert {"mul_mat_batch16_qkv_f16x2", "mul_mat_batch16_f16x2_q4_K"} <= set(device.launches)
+    assert any(kernel.startswith("mul_mat_batch16_gate_up_") for kernel in device.launches)
+    assert not any(kernel.startswith("mul_mat_vec_mma_") for kernel in device.launches)
+    backend.close()
+    assert device.live == set()
+
+
 @pytest.mark.parametrize("route", DECODE_ROUTES)
 def test_scaled_gemma3_matches_the_cpu_past_its_window(emulated: tuple[Any, EmulatedDevice],
                                                        route: str) -> None:
@@ -113,33 +137,43 @@ def test_scaled_gemma3_matches_the_cpu_past_its_window(emulated: tuple[Any, Emul
     backend.close()
 
 
+# Each route with two sequences a step, and the mma route with nine (its batched product).
+ROUTES_AND_SEQUENCES = [*((route, 2) for route in DECODE_ROUTES), ("matvec_mma", 9)]
+# A real model's steps through the twins, its logits over a vocabulary each step: minutes.
+SLOW_MODEL_TIMEOUT_S = 1200
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("route", DECODE_ROUTES)
-def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str) -> None:
+@pytest.mark.timeout(SLOW_MODEL_TIMEOUT_S)
+@pytest.mark.parametrize(("route", "sequences"), ROUTES_AND_SEQUENCES)
+def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str,
+                                sequences: int) -> None:
     """Sliding-window layers past the window are not reached in 40 tokens; the window is
     shrunk to 8 so that they are, on both sides."""
     module, _ = emulated
     model = load_model(gemma3_path())
     model.spec = model._transformer.spec = dataclasses.replace(model.spec, sliding_window=8)
-    backend = module.build_cuda_backend(model, KVRequest(blocks=16, block_size=BLOCK,
-                                                         max_sequences=2), 0.9,
+    backend = module.build_cuda_backend(model, KVRequest(blocks=4 * sequences, block_size=BLOCK,
+                                                         max_sequences=sequences), 0.9,
                                         decode_route=route)
     tokens = reference_tokens("gemma3-270m", 40)
-    assert compare(model, backend, tokens, 30) <= TOLERANCE
+    assert compare(model, backend, tokens, 30, sequences) <= TOLERANCE
     backend.close()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("route", DECODE_ROUTES)
-def test_smollm2_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str) -> None:
+@pytest.mark.timeout(SLOW_MODEL_TIMEOUT_S)
+@pytest.mark.parametrize(("route", "sequences"), ROUTES_AND_SEQUENCES)
+def test_smollm2_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str,
+                                 sequences: int) -> None:
     """The fourth model: llama's layout with Q4_1 and Q8_0 blocks and a tied output."""
     module, _ = emulated
     model = load_model(smollm2_path())
-    backend = module.build_cuda_backend(model, KVRequest(blocks=16, block_size=BLOCK,
-                                                         max_sequences=2), 0.9,
+    backend = module.build_cuda_backend(model, KVRequest(blocks=4 * sequences, block_size=BLOCK,
+                                                         max_sequences=sequences), 0.9,
                                         decode_route=route)
     tokens = reference_tokens("smollm2-135m", 40)
-    assert compare(model, backend, tokens, 30) <= TOLERANCE
+    assert compare(model, backend, tokens, 30, sequences) <= TOLERANCE
     backend.close()
 
 
@@ -150,8 +184,10 @@ INVARIANCE_STREAMS = (1, 8, 9, 32, 64)
 def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(
         emulated: tuple[Any, EmulatedDevice], route: str) -> None:
     """Sequence 0 decoded beside 0, 7, 8, 31 and 63 others (past 8 decode rows the step once
-    switched to the tiles), on each decode route: its tokens, and its logits rows bit for
-    bit, are the same."""
+    switched to the tiles), on each decode route: its tokens are the same, and so are its
+    logits rows bit for bit among the step sizes on the same kernels: every size on the
+    matvec and the decode tiles; on the mma route 1 and 8 rows (the mma matvec) and 9, 32 and
+    64 (the batched product, whose sums are another summation of the same products)."""
     module, device = emulated
     model = load_model(TINY_MODELS["qwen2-q4k-tiny"])
     steps, most = 4, max(INVARIANCE_STREAMS)
@@ -168,10 +204,9 @@ def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(
     on_route = {"tiles": "mul_mat_decode_tiles", "matvec_mma": "mul_mat_vec_mma_"}
     for other, prefix in on_route.items():
         assert any(name.startswith(prefix) for name in device.launches) == (route == other)
-    alone_tokens, alone_rows = runs[1]
-    for n, (tokens, rows) in runs.items():
-        assert tokens[0] == alone_tokens[0], n
-        np.testing.assert_array_equal(rows.view(np.uint32), alone_rows.view(np.uint32))
+    assert any(name.startswith("mul_mat_batch") for name in device.launches) == (
+        route == "matvec_mma")
+    assert_streams_do_not_change_sequence_0(runs, route)
 
 
 def test_a_prompts_logits_do_not_depend_on_the_prompts_sharing_its_step(

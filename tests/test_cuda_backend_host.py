@@ -214,13 +214,14 @@ def test_logit_rows_are_gathered_only_when_they_are_not_the_first_rows(
     assert not any(launches.Ref("logits") in call.args for call in none)
 
 
-def _decode_step(gguf: GGUFFile, streams: int) -> list[launches.KernelCall]:
+def _decode_step(gguf: GGUFFile, streams: int,
+                 decode_route: str = "matvec") -> list[launches.KernelCall]:
     spec = spec_from_gguf(gguf)
     shape = launches.graph_shape(launches.bucket_for(streams, launches.graph_buckets(64)), 8,
                                  launches.split_keys_for(spec.context_length),
                                  spec.context_length, BLOCK)
-    return launches.forward_calls(spec, launches.tensor_layouts(gguf), shape,
-                                  launches.TILE_INPUT)
+    return launches.forward_calls(spec, launches.tensor_layouts(gguf, decode_route), shape,
+                                  launches.TILE_INPUT, decode_route)
 
 
 @pytest.mark.parametrize("streams", [1, 8, 9, 32, 64])
@@ -396,8 +397,10 @@ def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves(
     assert served == {("Q4_K", "mul_mat_vec_mma_q4_K", False),
                       ("Q6_K", "mul_mat_vec_mma_q6_K", True)}
     assert {len(layer) for layer in layers[:-1]} == {7}
-    # The logits rows (this spec's output is the Q4_K embedding, tied) take it too.
-    assert calls[-1].kernel == plan.matvec_mma_kernel("Q4_K")
+    # The logits rows (this spec's output is the Q4_K embedding, tied) take the batched
+    # product, whatever their number.
+    assert calls[-1].kernel == plan.batch_kernel("Q4_K", 4) == "mul_mat_batch16_f16x2_q4_K"
+    assert calls[-1].launch == plan.batch_launch(spec.vocab_size, 4)
     assert calls[-1].args[0] == launches.Ref("token_embd.weight")
     assert calls[-1].args[4] == launches.Ref("logits")
     # (Its Q6_K output.weight is no product: the spec ties the output to the embedding.)
@@ -410,9 +413,15 @@ def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves(
 
 def test_the_matvec_mma_route_keeps_the_matvec_where_it_serves_nothing(
         models: dict[str, GGUFFile]) -> None:
-    """SmolLM2 (Q4_1 and Q8_0 blocks) decodes exactly as on the matvec route."""
+    """SmolLM2 (Q4_1 and Q8_0 blocks) decodes exactly as on the matvec route, but for its
+    logits rows: the batched product's, on every step of that route."""
     decode = [StepItem((5,), 3, (0,)), StepItem((6,), 4, (1,))]
-    assert _calls(models["llama"], decode, "matvec_mma") == _calls(models["llama"], decode)
+    (spec, mma), (_, matvec) = (_calls(models["llama"], decode, route)
+                                for route in ("matvec_mma", "matvec"))
+    assert mma[:-1] == matvec[:-1]
+    assert (mma[-1].kernel, mma[-1].launch) == (plan.batch_kernel("Q8_0", 2),
+                                                plan.batch_launch(spec.vocab_size, 2))
+    assert mma[-1].args == matvec[-1].args
 
 
 @pytest.mark.parametrize(("route", "ffn"), [
@@ -441,11 +450,52 @@ def test_a_decode_layer_is_a_handful_of_kernels(models: dict[str, GGUFFile]) -> 
     """Per decode layer: norm, qkv (finished in its epilogue: biases, head norms, RoPE, the
     K/V write), attention (split and combine), o, norm, gate+up, down; per step: the
     embedding, the final norm and the output product. The same count at any batch."""
-    for name in ("llama", "qwen2", "gemma3"):
+    for name, route in itertools.product(("llama", "qwen2", "gemma3"), plan.DECODE_ROUTES):
         spec = spec_from_gguf(models[name])
-        for streams in (1, 9, 32):
-            calls = _decode_step(models[name], streams)
-            assert len(calls) == 7 * spec.n_layers + 3, (name, streams)
+        for streams in (1, 9, 32, 64):
+            calls = _decode_step(models[name], streams, route)
+            assert len(calls) == 7 * spec.n_layers + 3, (name, streams, route)
+
+
+@pytest.mark.parametrize("streams", [9, 16, 32, 64, 65])
+def test_decode_steps_past_8_rows_on_the_mma_route_take_the_batched_product(
+        streams: int) -> None:
+    """On the matvec_mma route a decode step of more than 8 rows multiplies every matrix on
+    the batched product, all its rows a launch (N = 16, 32 or 64 token columns a block, the
+    QKV at most 32): q, k and v with their finish in one launch, gate + up with the
+    activation in one, Q6_K matrices read row-planar; seven launches a layer."""
+    from benchmarks.cuda_budget import llama_8b_layouts
+
+    spec, layouts = llama_8b_layouts("matvec_mma")
+    shape = launches.graph_shape(streams, 8, launches.split_keys_for(spec.context_length),
+                                 spec.context_length, BLOCK)
+    assert launches.row_runs(shape, "matvec_mma") == [launches.RowRun(0, streams,
+                                                                      launches.BATCH)]
+    calls = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT, "matvec_mma")
+    tokens = plan.batch_tokens(streams)
+    assert tokens == min(n for n in (16, 32, 64, 128) if n >= min(streams, 64))
+    for layer in _layer_slices(calls)[:-1]:
+        assert len(layer) == 7
+        qkv, gate_up, down = (layer[i] for i in (1, 5, 6))
+        assert qkv.kernel == f"mul_mat_batch{min(tokens, 32)}_qkv_f16x2"
+        assert qkv.launch.grid == (-(-streams // min(tokens, 32)),
+                                   (spec.q_dim + 2 * spec.kv_dim) // 64, 1)
+        assert qkv.args[-1] == launches.Ref("qkv_counters")
+        assert gate_up.kernel == f"mul_mat_batch{tokens}_gate_up_silu_f16x2_q4_K"
+        assert gate_up.launch.grid == (-(-streams // tokens), spec.ffn_dim // 32, 1)
+        for call in (layer[3], down):
+            matrix = layouts[call.args[0].name]
+            assert call.kernel == plan.batch_kernel(matrix.type_name, streams,
+                                                    planar=matrix.planar)
+            assert call.kernel.endswith("_planar") == (matrix.type_name == "Q6_K")
+            assert call.launch == plan.batch_launch(matrix.rows, streams)
+            assert int(call.args[8]) == streams
+    assert calls[-1].kernel.startswith(f"mul_mat_batch{tokens}_f16x2_")
+    # 8 rows (a graph bucket) stay on the mma matvec
+    eight = launches.graph_shape(8, 8, launches.split_keys_for(spec.context_length),
+                                 spec.context_length, BLOCK)
+    assert launches.row_runs(eight, "matvec_mma") == [launches.RowRun(0, 8,
+                                                                      launches.DECODE_MMA)]
 
 
 @pytest.fixture(scope="module")
@@ -458,6 +508,9 @@ def planned_calls(models: dict[str, GGUFFile]) -> dict[str, launches.KernelCall]
         spec, forward = _calls(models[arch], long_prefill, route)
         tail = launches.candidate_calls(spec, 2, 16, any_penalty=True, n_masked=1)
         calls.update((call.kernel, call) for call in [*forward, *tail])
+        for streams in (9, 40):  # the batched product's steps on the mma route
+            calls.update((call.kernel, call) for call in _decode_step(models[arch], streams,
+                                                                       route))
     return calls
 
 

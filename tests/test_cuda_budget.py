@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from actors.compute import cuda_plan as plan
 from benchmarks import cuda_budget
 
-pytestmark = pytest.mark.skipif(cuda_budget.find_tool("nvcc") is None,
-                                reason="nvcc is not installed on this machine")
+pytestmark = [pytest.mark.skipif(cuda_budget.find_tool("nvcc") is None,
+                                 reason="nvcc is not installed on this machine"),
+              # the report compiles every hot file: minutes on a loaded two-core machine
+              pytest.mark.timeout(1200)]
 
 
 def test_occupancy_arithmetic_of_sm_90() -> None:
@@ -39,6 +42,24 @@ def test_mma_prefetch_needs_each_k_block_loaded_before_the_mmas_of_the_one_befor
         "prefetch_ahead"]
 
 
+def test_batch_stage_counts_its_loop_without_the_once_a_chunk_loops_inside() -> None:
+    """batch_stage on a listing written out: a stage loop (a barrier, the 8 MMAs of N = 16)
+    holding a copy loop; the fit of three stage sizes growing by 20 a column tile."""
+    opcodes = ["IADD3", "BAR.SYNC", "LDS", "IADD3", "BRA 2", *["HMMA.16816.F32"] * 8,
+               "FFMA", "BRA 1", "EXIT"]  # BRA i: back to instruction i
+    listing = [(16 * i, "BRA", f"0x{16 * int(op[4:]):x}") if op.startswith("BRA ")
+               else (16 * i, op, "") for i, op in enumerate(opcodes)]
+    stage = cuda_budget.batch_stage(listing, 16)
+    assert stage == {"stage_instructions": 14 - 3, "chunk_loop_instructions": 3,
+                     "hmma_per_stage": 8}
+    figures = cuda_budget.batch_figures(
+        {n: {"stage_instructions": 60 + 20 * n // 8, "hmma_per_stage": n // 2}
+         for n in (16, 32, 64)}, 100.0)
+    assert [fit["weights_part"] for fit in figures["fits"]] == [60.0, 60.0]
+    assert [fit["per_column_tile"] for fit in figures["fits"]] == [20.0, 20.0]
+    assert figures["n64"]["warp_instructions_per_weight_byte"] == 2.2
+
+
 @pytest.fixture(scope="module")
 def report() -> dict:
     return cuda_budget.budgets()
@@ -61,6 +82,23 @@ def test_budget_report(report: dict) -> None:
         assert mma_loop["sass_per_weight_byte_batch1"] <= cuda_budget.TARGET_SASS_PER_BYTE, name
         # no branch among a pass's MMAs (the mid-pass exit let ptxas sink the loads past them)
         assert mma_loop["branches_among_mmas"] == 0, (name, mma_loop)
+    # the batched product (the mma route past 8 rows, and its logits): each weight byte
+    # fetched and unpacked once a step, whatever the rows
+    assert set(report["batch_stages"]) == {"Q4_K", "Q6_K"}
+    for name, figures in report["batch_stages"].items():
+        for n in plan.BATCH_TOKENS:
+            stage = figures[f"n{n}"]
+            assert stage["hmma_per_stage"] == n // 2, (name, n)  # 2 k-steps x hi, lo x N / 8
+            # a whole step of 64 rows costs less than the mma matvec's budget for one row
+            assert stage["warp_instructions_per_weight_byte"] <= cuda_budget.TARGET_SASS_PER_BYTE
+        # the weights' part does not grow with the rows: from 32 to 64 columns each added
+        # 8-column tile costs its MMAs and a bounded per-token share, nothing per weight byte
+        fewer, more = figures["fits"]
+        assert more["weights_part_per_weight_byte"] <= 1.1 * fewer["weights_part_per_weight_byte"]
+        assert more["per_column_tile"] <= cuda_budget.TARGET_BATCH_COLUMN_TILE, (name, more)
+    for streams in (32, 64):
+        batched = report["decode_step"][f"llama3_8b_q4_k_m_matvec_mma_{streams}_streams"]
+        assert batched["kernels_per_layer"] <= cuda_budget.TARGET_KERNELS_PER_LAYER
     llama = report["decode_step"]["llama3_8b_q4_k_m"]
     assert llama["layers"] == 32
     assert llama["kernels_per_layer"] <= cuda_budget.TARGET_KERNELS_PER_LAYER

@@ -29,7 +29,7 @@ def test_every_device_test_has_a_group_and_every_group_tests() -> None:
     assert set(groups.values()) == set(GPU_TEST_GROUPS)
     # Each decode route's own kernels and end-to-end checks go with it
     for node_id, group in groups.items():
-        if "matvec_mma" in node_id:
+        if "matvec_mma" in node_id or "batched" in node_id:  # the mma route's batched product
             assert group == "mma_route", node_id
         elif "tiles" in node_id:
             assert group == "tiles_route", node_id

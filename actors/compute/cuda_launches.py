@@ -221,8 +221,10 @@ def _i32(value: int) -> np.int32:
 
 
 # A RowRun's kernels: the matvec, the prefill tiles, and the decode rows' other routes (the
-# decode tiles; the tensor cores' matvec, mul_mat_vec_mma, where it serves a matrix).
-MATVEC, TILES, DECODE_TILES, DECODE_MMA = "matvec", "tiles", "decode_tiles", "decode_mma"
+# decode tiles; the tensor cores' matvec, mul_mat_vec_mma, where it serves a matrix; the
+# batched product, mul_mat_batch, for the mma route's steps of more rows).
+MATVEC, TILES, DECODE_TILES, DECODE_MMA, BATCH = (
+    "matvec", "tiles", "decode_tiles", "decode_mma", "batch")
 # The kernels of the decode rows on each of plan.DECODE_ROUTES.
 DECODE_KERNELS = {"matvec": MATVEC, "tiles": DECODE_TILES, "matvec_mma": DECODE_MMA}
 # The decode tiles' K-split workspace, the last arguments of each of their launches.
@@ -237,7 +239,7 @@ class RowRun:
 
     first: int
     rows: int
-    kernels: str  # MATVEC, TILES, DECODE_TILES or DECODE_MMA
+    kernels: str  # MATVEC, TILES, DECODE_TILES, DECODE_MMA or BATCH
 
     @property
     def matvec(self) -> bool:
@@ -246,16 +248,19 @@ class RowRun:
 
 def row_runs(shape: StepShape, decode_route: str = "matvec") -> list[RowRun]:
     """The step's rows in launches: the decode rows on `decode_route` (plan.DECODE_ROUTES: the
-    matvec, the decode tiles or the mma matvec), any number of them; each prefill item on the
-    matvec when it is short (plan.uses_matvec of its own length; on the mma route, whose Q6_K
-    matrices the matvec cannot read, on the decode rows' products), else on the tiles;
-    neighbours on the same kernels share a launch. A row's route depends on its own item
+    matvec, the decode tiles or the mma matvec; on the mma route the batched product where
+    they are more than plan.MATVEC_MMA_MAX_ROWS, a graph bucket's bound), any number of them;
+    each prefill item on the matvec when it is short (plan.uses_matvec of its own length; on
+    the mma route, whose Q6_K matrices the matvec cannot read, on the mma matvec), else on the
+    tiles; neighbours on the same kernels share a launch. A row's route depends on its own item
     alone and every kernel's rows are independent of each other, so a sequence's tokens do
     not depend on what shares its step (a decode row never shares a prefill tile)."""
     runs: list[RowRun] = []
     decode_kernels = DECODE_KERNELS[plan.check_decode_route(decode_route)]
-    routes = [(shape.n_decode, decode_kernels)] if shape.n_decode else []
     short = DECODE_MMA if decode_kernels == DECODE_MMA else MATVEC
+    if decode_kernels == DECODE_MMA and shape.n_decode > plan.MATVEC_MMA_MAX_ROWS:
+        decode_kernels = BATCH
+    routes = [(shape.n_decode, decode_kernels)] if shape.n_decode else []
     routes += [(n, short if plan.uses_matvec(n) else TILES) for n in shape.prefill_lengths]
     first = 0
     for rows, kernels in routes:
@@ -296,10 +301,15 @@ def tiles_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride:
                y_stride: int, n_tokens: int, tile_input: str,
                kernels: str = TILES) -> KernelCall:
     """y[t][r] = W[r] . x[t] for the matrix `name` on the tensor-core tiles: TILES for a run
-    of prefill items each too long for the matvec, DECODE_TILES for decode rows."""
+    of prefill items each too long for the matvec, DECODE_TILES for decode rows, BATCH for
+    the batched product (any rows: the prefill tiles' sums)."""
     matrix = weights[name]
     args = (Ref(name), np.int64(matrix.pitch), x, _i32(x_stride), y, _i32(y_stride),
             _i32(matrix.rows), _i32(matrix.row_length), _i32(n_tokens))
+    if kernels == BATCH:
+        return KernelCall(
+            plan.batch_kernel(matrix.type_name, n_tokens, tile_input, matrix.planar),
+            plan.batch_launch(matrix.rows, n_tokens), args)
     if kernels == DECODE_TILES:
         assert not matrix.planar, f"{name}: the decode tiles read no row-planar matrix"
         return KernelCall(
@@ -397,10 +407,11 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
               layer: int, tile_input: str) -> list[KernelCall]:
     """q, k and v side by side in each `qkv` row, finished (biases, head norms, RoPE, the K/V
     write) for attention: a matvec run in one launch (mul_mat_vec_qkv, a block type per
-    segment, the finish in its epilogue), as are a decode tiles run (mul_mat_decode_tiles_qkv)
-    and an mma run (mul_mat_vec_mma_qkv where mul_mat_vec_mma serves all three matrices,
-    mul_mat_vec_qkv where it serves none); any other run in one launch per matrix then
-    qkv_finish over its rows. Each row is finished once, by its own run's launches."""
+    segment, the finish in its epilogue), as are a decode tiles run (mul_mat_decode_tiles_qkv),
+    a batched product run (mul_mat_batch<N>_qkv) and an mma run (mul_mat_vec_mma_qkv where
+    mul_mat_vec_mma serves all three matrices, mul_mat_vec_qkv where it serves none); any
+    other run in one launch per matrix then qkv_finish over its rows. Each row is finished
+    once, by its own run's launches."""
     d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
     names = [f"blk.{layer}.attn_{part}.weight" for part in "qkv"]
     served = [plan.uses_matvec_mma(weights[name].type_name, d) for name in names]
@@ -409,7 +420,8 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
     for run in runs:
         if run.matvec or (run.kernels == DECODE_MMA and not any(served)):
             calls.append(_fused_qkv_call(spec, weights, names, run, layer, MATVEC, tile_input))
-        elif run.kernels == DECODE_TILES or (run.kernels == DECODE_MMA and all(served)):
+        elif (run.kernels in (DECODE_TILES, BATCH)
+              or (run.kernels == DECODE_MMA and all(served))):
             calls.append(_fused_qkv_call(spec, weights, names, run, layer, run.kernels,
                                          tile_input))
         else:
@@ -424,7 +436,8 @@ def _fused_qkv_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], names:
                     run: RowRun, layer: int, kernels: str, tile_input: str) -> KernelCall:
     """Three products and the finish over the run's rows in one launch, on `kernels`:
     mul_mat_vec_qkv (MATVEC), mul_mat_vec_mma_qkv (DECODE_MMA: its arguments, a Q6_K segment
-    row-planar) or mul_mat_decode_tiles_qkv (DECODE_TILES: those
+    row-planar), mul_mat_batch<N>_qkv (BATCH: the same) or mul_mat_decode_tiles_qkv
+    (DECODE_TILES: those
     arguments, then each matrix's K-splits and the split workspace)."""
     d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
     layouts = [weights[name] for name in names]
@@ -440,6 +453,11 @@ def _fused_qkv_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], names:
                       *DECODE_SPLIT_WORKSPACE)
     elif kernels == DECODE_MMA:
         kernel, launch = "mul_mat_vec_mma_qkv", plan.matvec_mma_qkv_launch(*rows)
+    elif kernels == BATCH:
+        assert all(layout.planar == (layout.type_name in plan.PLANAR_TYPES)
+                   for layout in layouts), "the batched QKV reads Q6_K row-planar, only Q6_K"
+        kernel = plan.batch_qkv_kernel(run.rows, tile_input)
+        launch = plan.batch_qkv_launch(rows, run.rows)
     else:
         kernel, launch = "mul_mat_vec_qkv", plan.qkv_launch(*rows, d)
     return KernelCall(kernel, launch, (
@@ -466,8 +484,8 @@ def fused_gate_up_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run
                        layer: int, tile_input: str) -> KernelCall | None:
     """`gated` = act(gate x) * (up x) over the run's rows in one launch, where gate and up
     share a block type and the run's kernels have a fused entry (all but the prefill tiles):
-    the decode tiles', mul_mat_vec_mma's on an mma run where it serves the matrices, else the
-    matvec's. None where nothing fuses."""
+    the decode tiles', the batched product's, mul_mat_vec_mma's on an mma run where it serves
+    the matrices, else the matvec's. None where nothing fuses."""
     d, ffn = spec.d_model, spec.ffn_dim
     gate, up = f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"
     type_name = weights[gate].type_name
@@ -482,6 +500,11 @@ def fused_gate_up_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run
             plan.decode_tiles_gate_up_kernel(spec.activation, type_name, tile_input),
             plan.decode_tiles_gate_up_launch(type_name, ffn, d, run.rows),
             (*args, *DECODE_SPLIT_WORKSPACE))
+    if run.kernels == BATCH:
+        return KernelCall(
+            plan.batch_gate_up_kernel(spec.activation, type_name, run.rows, tile_input,
+                                      weights[gate].planar),
+            plan.batch_launch(ffn, run.rows, plan.BATCH_ROWS // 2), args)
     if run.kernels == DECODE_MMA and plan.uses_matvec_mma(type_name, d):
         return KernelCall(plan.matvec_mma_gate_up_kernel(spec.activation, type_name),
                           plan.matvec_mma_launch(2 * ffn, d), args)
@@ -566,12 +589,16 @@ def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: S
             (Ref("normed"), np.int64(plan.row_pitch("F32", spec.d_model)),
              Ref("step.logit_rows"), final, _i32(spec.d_model), np.float32(1.0))))
     if shape.n_logit_rows:
-        # Every logits row on the matvec (on the matvec_mma route its tensor-core twin, where
-        # that serves the matrix): one row per item, each independent of the others.
+        # Every logits row on the matvec, one row per item, each independent of the others;
+        # on the matvec_mma route on the batched product, whatever the number of rows (the
+        # output matrix read and unpacked once a step).
         output = "token_embd.weight" if spec.tied_output else "output.weight"
-        calls.append(matvec_call(weights, output, final, spec.d_model, Ref("logits"),
-                                 spec.vocab_size, shape.n_logit_rows,
-                                 mma=decode_route == "matvec_mma"))
+        if decode_route == "matvec_mma":
+            calls.append(tiles_call(weights, output, final, spec.d_model, Ref("logits"),
+                                    spec.vocab_size, shape.n_logit_rows, tile_input, BATCH))
+        else:
+            calls.append(matvec_call(weights, output, final, spec.d_model, Ref("logits"),
+                                     spec.vocab_size, shape.n_logit_rows))
     return calls
 
 

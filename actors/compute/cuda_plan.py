@@ -68,6 +68,15 @@ MATVEC_MMA_TYPES = ("Q4_K", "Q6_K")
 PLANAR_TYPES = ("Q6_K",)
 PLANAR_KERNEL = "_planar"  # the suffix of those entries, after the block type's
 MATVEC_MMA_ROWS, MATVEC_MMA_THREADS = 16, 256
+# The batched product (matmul_batch.cu): 64 weight rows x N token columns a block, N the
+# fewest of BATCH_TOKENS holding the step's rows (64 columns a token tile past them).
+BATCH_TOKENS = (16, 32, 64)
+BATCH_QKV_TOKENS = 32  # the batched QKV's most token columns a block (matmul_batch.cu)
+BATCH_ROWS, BATCH_THREADS = 64, 128
+# On the matvec_mma route, decode steps of more rows than this take the batched product (each
+# weight byte unpacked once a step); the mma matvec, paying a pass a row, takes the others.
+# To be set by measurement.
+MATVEC_MMA_MAX_ROWS = 8
 # Where decode rows' products run (cuda_launches.row_runs), whatever their number: the
 # CUDA-core matvec, the tensor cores' decode tiles, or the tensor cores' matvec.
 DECODE_ROUTES = ("matvec", "tiles", "matvec_mma")
@@ -144,6 +153,13 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
                       *(decode_tiles_gate_up_kernel(a, t, i) for a in ACTIVATIONS
                         for t in KERNEL_TYPE_SUFFIX for i in TILE_INPUTS),
                       *(decode_tiles_qkv_kernel(i) for i in TILE_INPUTS)),
+        "matmul_batch.cu": (*(batch_kernel(t, n, i, planar) for n in BATCH_TOKENS
+                              for t, planar in _batch_layouts() for i in TILE_INPUTS),
+                            *(batch_gate_up_kernel(a, t, n, i, planar) for a in ACTIVATIONS
+                              for n in BATCH_TOKENS for t, planar in _batch_layouts()
+                              for i in TILE_INPUTS),
+                            *(batch_qkv_kernel(n, i) for n in BATCH_TOKENS
+                              if n <= BATCH_QKV_TOKENS for i in TILE_INPUTS)),
         "matvec_mma.cu": (*(matvec_mma_kernel(t) for t in MATVEC_MMA_TYPES),
                           *(matvec_mma_gate_up_kernel(a, t) for a in ACTIVATIONS
                             for t in MATVEC_MMA_TYPES), "mul_mat_vec_mma_qkv"),
@@ -262,7 +278,8 @@ def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
         # attention_decode: one counter per (sequence, block row of heads) <= n_heads.
         "attention_counters": rows * spec.n_heads * 4,
         # The fused QKV kernels: one counter per head of the qkv row (its blocks that have
-        # stored), per token tile of mul_mat_decode_tiles_qkv.
+        # stored), per token tile of mul_mat_decode_tiles_qkv (8 rows; the batched QKV's
+        # tiles hold more).
         "qkv_counters": (spec.n_heads + 2 * spec.n_kv_heads) * token_tiles * 4,
         # mul_mat_decode_tiles with a K-split: each split's sums, and a counter per tile of the
         # grid (a split matrix has fewer than DECODE_TILE_MIN_BLOCKS row tiles, the fused
@@ -528,6 +545,55 @@ def matvec_mma_qkv_launch(rows_q: int, rows_k: int, rows_v: int) -> Launch:
     """mul_mat_vec_mma_qkv: the 16-row blocks of the three matrices one after the other."""
     blocks = sum(_blocks(rows, MATVEC_MMA_ROWS) for rows in (rows_q, rows_k, rows_v))
     return _check_grid(Launch((blocks, 1, 1), (MATVEC_MMA_THREADS, 1, 1)))
+
+
+def _batch_layouts() -> list[tuple[str, bool]]:
+    """The layouts the batched product reads: every block type as in the file, and the
+    row-planar ones."""
+    return [*((t, False) for t in KERNEL_TYPE_SUFFIX), *((t, True) for t in PLANAR_TYPES)]
+
+
+def batch_tokens(n_tokens: int, most: int = BATCH_TOKENS[-1]) -> int:
+    """The batched product's token columns a block for n_tokens rows: the fewest of
+    BATCH_TOKENS holding them, else `most` (several token tiles)."""
+    return next((n for n in BATCH_TOKENS if n >= min(n_tokens, most)), most)
+
+
+def batch_kernel(type_name: str, n_tokens: int, tile_input: str = TILE_INPUTS[0],
+                 planar: bool = False) -> str:
+    """The batched product's entry point of a `type_name` matrix (`planar`: held row-planar)
+    for n_tokens rows: bit for bit the prefill tiles' sums, whatever n_tokens."""
+    return (f"mul_mat_batch{batch_tokens(n_tokens)}_{_tile_input(tile_input)}_"
+            f"{_layout_suffix(type_name, planar)}")
+
+
+def batch_gate_up_kernel(activation: str, type_name: str, n_tokens: int,
+                         tile_input: str = TILE_INPUTS[0], planar: bool = False) -> str:
+    """The batched product's y = act(gate . x) * (up . x) entry for a block type."""
+    return (f"mul_mat_batch{batch_tokens(n_tokens)}_gate_up_{activation}_"
+            f"{_tile_input(tile_input)}_{_layout_suffix(type_name, planar)}")
+
+
+def batch_launch(rows: int, n_tokens: int, rows_per_block: int = BATCH_ROWS,
+                 most: int = BATCH_TOKENS[-1]) -> Launch:
+    """mul_mat_batch<N>: token tiles of N (batch_tokens, at most `most`) fastest, BATCH_ROWS
+    rows a block; the gate+up entry passes 32 ffn rows a block (32 gate and the same 32 up
+    rows), the QKV entry the rows of its three matrices one after the other."""
+    return _check_grid(Launch((_blocks(n_tokens, batch_tokens(n_tokens, most)),
+                               _blocks(rows, rows_per_block), 1), (BATCH_THREADS, 1, 1)))
+
+
+def batch_qkv_kernel(n_tokens: int, tile_input: str = TILE_INPUTS[0]) -> str:
+    """The batched product's fused QKV entry (q, k and v, a block type each, and the finish)
+    for n_tokens rows."""
+    return f"mul_mat_batch{batch_tokens(n_tokens, BATCH_QKV_TOKENS)}_qkv_{_tile_input(tile_input)}"
+
+
+def batch_qkv_launch(rows: Sequence[int], n_tokens: int) -> Launch:
+    """mul_mat_batch<N>_qkv: the 64-row blocks of q, then k, then v (grid y), token tiles of
+    at most BATCH_QKV_TOKENS fastest."""
+    return batch_launch(sum(_blocks(n, BATCH_ROWS) for n in rows) * BATCH_ROWS, n_tokens,
+                        most=BATCH_QKV_TOKENS)
 
 
 def check_decode_route(route: str) -> str:

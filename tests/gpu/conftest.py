@@ -42,13 +42,14 @@ def cuda_unavailable_reason() -> str | None:
 # environment's GPU_TEST_GROUP names one): a kernel's fault that leaves the CUDA context
 # unusable then costs only its own group. In that order: the kernels one by one (most of them
 # measured on a device before), the default matvec route (its fused QKV, the backend end to
-# end, the engine), then the two other decode routes' kernels and ends to end.
+# end, the engine), then the two other decode routes' kernels and ends to end (the mma
+# route's with its batched product's).
 GPU_TEST_GROUPS = ("kernels", "matvec_route", "tiles_route", "mma_route")
 
 
 def device_group(item: pytest.Item) -> str:
     """The group of a tests/gpu test (GPU_TEST_GROUPS), from its id."""
-    if "matvec_mma" in item.nodeid:  # not "mma": gemma3 holds it
+    if "matvec_mma" in item.nodeid or "batched" in item.nodeid:  # not "mma": gemma3 holds it
         return "mma_route"
     if "tiles" in item.nodeid:
         return "tiles_route"

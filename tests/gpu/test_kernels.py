@@ -330,6 +330,92 @@ def test_planar_q6_K_tiles_equal_the_file_layouts_bit_for_bit(kernel: Kernel,
         tiles(kernel, "tiles", raw, "Q6_K", x, tokens).view(np.uint32))
 
 
+def product_rows(function: Any, launch: plan.Launch, weights: np.ndarray, type_name: str,
+                 x: np.ndarray, tokens: int, rows: int) -> np.ndarray:
+    """A product entry's y (tokens x rows) for `weights` (rows at the device pitch) and the
+    first `tokens` rows of x (its stride: its width); y's 3 spare columns must stay NaN."""
+    n_in = x.shape[1] - 4
+    y = nan_filled(tokens, rows + 3)
+    run(function, launch, ptr(to_device(weights)), np.int64(plan.row_pitch(type_name, n_in)),
+        ptr(to_device(x[:tokens])), np.int32(x.shape[1]), ptr(y), np.int32(rows + 3),
+        np.int32(rows), np.int32(n_in), np.int32(tokens))
+    got = y.get()
+    assert np.isnan(got[:, rows:]).all()
+    return got[:, :rows]
+
+
+def gated(kernel: Kernel, act: str, gates: np.ndarray, ups: np.ndarray) -> Any:
+    """gated_<act> on the device of gate and up products (tokens x ffn each) laid out in one
+    gate|up buffer."""
+    tokens, ffn = gates.shape
+    gate_up = to_device(np.concatenate([gates, ups], axis=1))
+    out = nan_filled(tokens, ffn)
+    run(kernel("activation.cu", f"gated_{act}"), plan.elementwise_launch(tokens * ffn),
+        ptr(gate_up), ptr(out), np.int32(tokens), np.int32(ffn))
+    return out
+
+
+def batch_weights(raw: np.ndarray, type_name: str, n_in: int) -> tuple[np.ndarray, bool]:
+    """A matrix as the batched product reads it (the mma route's layouts: Q6_K row-planar)."""
+    return mma_rows(raw, type_name, n_in), type_name in plan.PLANAR_TYPES
+
+
+def batched(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
+            tokens: int) -> np.ndarray:
+    """mul_mat_batch<N> of raw blocks with the first `tokens` rows of x (stride: its width);
+    y's 3 spare columns must stay NaN."""
+    rows, n_in = raw.shape[0], x.shape[1] - 4
+    weights, planar = batch_weights(raw, type_name, n_in)
+    return product_rows(kernel("matmul_batch.cu", plan.batch_kernel(type_name, tokens,
+                                                                    planar=planar)),
+                        plan.batch_launch(rows, tokens), weights, type_name, x, tokens, rows)
+
+
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_batched_product_is_the_prefill_tiles_bit_for_bit_at_any_rows(kernel: Kernel,
+                                                                       type_name: str) -> None:
+    """mul_mat_batch<N> at 1 to 70 rows (N = 16, 32, 64; partial token tiles, two tiles of 64
+    past 64 rows), 100 weight rows (a partial row block), a row of 17 groups for the
+    32-element types: each row's y bit for bit the prefill tiles' with 70 rows (a Q6_K matrix
+    held row-planar, as on the mma route): the same sums whatever the rows beside it."""
+    rows, tokens = 100, 70
+    k_quant = type_name in ("Q4_K", "Q5_K", "Q6_K")
+    n_in = 512 if k_quant else 544
+    rng = np.random.default_rng(31)
+    raw = finite_blocks(type_name, rows, n_in, rng)
+    x = activations(rng, tokens, n_in)
+    expected = tiles(kernel, "tiles", raw, type_name, x, tokens)
+    for n in (1, 8, 9, 16, 17, 32, 33, 64, 70):
+        np.testing.assert_array_equal(batched(kernel, raw, type_name, x, n).view(np.uint32),
+                                      expected[:n].view(np.uint32), err_msg=str(n))
+
+
+@pytest.mark.parametrize("act", plan.ACTIVATIONS)
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "BF16"])
+@pytest.mark.parametrize("tokens", [9, 33, 64])
+def test_batched_gate_up_equals_the_batched_products_then_gated(kernel: Kernel, type_name: str,
+                                                                act: str, tokens: int) -> None:
+    """mul_mat_batch<N>_gate_up_<act> == mul_mat_batch<N> of gate and of up into one gate|up
+    buffer, then gated_<act>, bit for bit (70 ffn rows: a partial block of 32)."""
+    ffn, n_in = 70, 1024
+    rng = np.random.default_rng(23)
+    gate, up = (finite_blocks(type_name, ffn, n_in, rng) for _ in range(2))
+    x = activations(rng, tokens, n_in)
+    expected = gated(kernel, act, *(batched(kernel, raw, type_name, x, tokens)
+                                    for raw in (gate, up)))
+    (gate_w, planar), (up_w, _) = (batch_weights(raw, type_name, n_in) for raw in (gate, up))
+    fused = nan_filled(tokens, ffn + 5)
+    run(kernel("matmul_batch.cu", plan.batch_gate_up_kernel(act, type_name, tokens,
+                                                            planar=planar)),
+        plan.batch_launch(ffn, tokens, plan.BATCH_ROWS // 2), ptr(to_device(gate_w)),
+        ptr(to_device(up_w)), np.int64(plan.row_pitch(type_name, n_in)), ptr(to_device(x)),
+        np.int32(x.shape[1]), ptr(fused), np.int32(ffn + 5), np.int32(ffn), np.int32(n_in),
+        np.int32(tokens))
+    got = fused.get()
+    assert np.isnan(got[:, ffn:]).all()
+    np.testing.assert_array_equal(got[:, :ffn].view(np.uint32), expected.get().view(np.uint32))
+
+
 @pytest.mark.parametrize("type_name", ALL_TYPES)
 def test_decode_tiles_rows_do_not_depend_on_the_batch(kernel: Kernel, type_name: str) -> None:
     """The decode tiles route's promise, as the matvec's: row b of y is bit for bit the same
@@ -359,15 +445,9 @@ def matvec_mma(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
     """mul_mat_vec_mma_<type> of raw blocks with the first `batch` rows of x (x's stride: its
     width); y's 3 spare columns must stay NaN."""
     rows, n_in = raw.shape[0], x.shape[1] - 4
-    y = nan_filled(batch, rows + 3)
-    run(kernel("matvec_mma.cu", plan.matvec_mma_kernel(type_name)),
-        plan.matvec_mma_launch(rows, n_in), ptr(to_device(mma_rows(raw, type_name, n_in))),
-        np.int64(plan.row_pitch(type_name, n_in)), ptr(to_device(x[:batch])),
-        np.int32(x.shape[1]), ptr(y), np.int32(rows + 3), np.int32(rows), np.int32(n_in),
-        np.int32(batch))
-    got = y.get()
-    assert np.isnan(got[:, rows:]).all()
-    return got[:, :rows]
+    return product_rows(kernel("matvec_mma.cu", plan.matvec_mma_kernel(type_name)),
+                        plan.matvec_mma_launch(rows, n_in), mma_rows(raw, type_name, n_in),
+                        type_name, x, batch, rows)
 
 
 @pytest.mark.parametrize("type_name", plan.MATVEC_MMA_TYPES)
@@ -464,11 +544,8 @@ def test_fused_matvec_mma_gate_up_equals_matvec_mma_then_gated(kernel: Kernel, a
     rng = np.random.default_rng(47)
     gate, up = (finite_blocks(type_name, ffn, n_in, rng) for _ in range(2))
     x = activations(rng, batch, n_in)
-    gate_up = to_device(np.concatenate([matvec_mma(kernel, gate, type_name, x, batch),
-                                        matvec_mma(kernel, up, type_name, x, batch)], axis=1))
-    expected = nan_filled(batch, ffn)
-    run(kernel("activation.cu", f"gated_{act}"), plan.elementwise_launch(batch * ffn),
-        ptr(gate_up), ptr(expected), np.int32(batch), np.int32(ffn))
+    expected = gated(kernel, act, *(matvec_mma(kernel, raw, type_name, x, batch)
+                                    for raw in (gate, up)))
     fused = nan_filled(batch, ffn + 5)
     run(kernel("matvec_mma.cu", plan.matvec_mma_gate_up_kernel(act, type_name)),
         plan.matvec_mma_launch(2 * ffn, n_in),
@@ -702,6 +779,13 @@ QKV_SHAPES = {
         "blocks_hold_heads": (12, 4, 8, 512, ("Q6_K", "Q4_K", "Q4_K")),
         "heads_straddle_blocks": (6, 2, 24, 512, ("Q6_K", "Q6_K", "Q4_K")),
     },
+    # 64-row blocks: heads of 128 span blocks, blocks hold eight heads of 8, heads of 48
+    # straddle block edges.
+    "batched": {
+        "heads_span_blocks": (3, 1, 128, 512, ("Q4_K", "Q4_K", "Q6_K")),
+        "blocks_hold_heads": (16, 8, 8, 544, ("Q8_0", "F16", "Q5_0")),
+        "heads_straddle_blocks": (6, 2, 48, 512, ("Q5_K", "Q4_1", "BF16")),
+    },
 }
 QKV_CASES = [(route, shape) for route, shapes in QKV_SHAPES.items() for shape in shapes]
 
@@ -709,9 +793,13 @@ QKV_CASES = [(route, shape) for route, shapes in QKV_SHAPES.items() for shape in
 def product_launch(kernel: Kernel, route: str, type_name: str, matrix: Any, rows: int,
                    n_in: int, x: Any, y: Any, y_stride: int, batch: int) -> None:
     """One matrix's product on the route's kernel (mul_mat_vec, mul_mat_decode_tiles with its
-    K-split, or mul_mat_vec_mma)."""
+    K-split, mul_mat_vec_mma or the batched product)."""
     workspace: tuple[np.uintp, ...] = ()
-    if route == "matvec":
+    if route == "batched":
+        function, launch = (kernel("matmul_batch.cu", plan.batch_kernel(
+            type_name, batch, planar=type_name in plan.PLANAR_TYPES)),
+            plan.batch_launch(rows, batch))
+    elif route == "matvec":
         function, launch = (kernel("matvec.cu", plan.matvec_kernel(type_name)),
                             plan.matvec_launch(rows, n_in))
     elif route == "tiles":
@@ -733,10 +821,11 @@ def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks:
                                                          route: str, shape: str,
                                                          batch: int) -> None:
     """mul_mat_vec_qkv (route matvec), mul_mat_decode_tiles_qkv (route tiles: each matrix
-    K-split as its own launch, heads counted per token tile) and mul_mat_vec_mma_qkv (route
-    matvec_mma): products, then each head finished by the block that stores its last rows,
-    against the route's product of each matrix into its columns then qkv_finish: the same
-    bits in every y row, its padding left NaN, and both caches; the head counters (and the
+    K-split as its own launch, heads counted per token tile), mul_mat_vec_mma_qkv (route
+    matvec_mma) and mul_mat_batch<N>_qkv (route batched: Q6_K row-planar, heads counted per
+    token tile of at most 32 rows): products, then each head finished by the block that stores
+    its last rows, against the route's product of each matrix into its columns then
+    qkv_finish: the same bits in every y row, its padding left NaN, and both caches; the head counters (and the
     split counters) are zero again after the launch, and a second launch gives the same
     bits."""
     heads, kv_heads, head_dim, n_in, types = QKV_SHAPES[route][shape]
@@ -745,6 +834,7 @@ def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks:
     rng = np.random.default_rng(batch)
     raws = [finite_blocks(t, n, n_in, rng) for t, n in zip(types, counts)]
     weights = [to_device(mma_rows(raw, t, n_in) if route == "matvec_mma"
+                         else batch_weights(raw, t, n_in)[0] if route == "batched"
                          else pitched(raw, t, n_in)) for raw, t in zip(raws, types)]
     x = to_device(activations(rng, batch, n_in))
     positions = to_device(rng.integers(0, 8192, batch).astype(np.int32))
@@ -761,7 +851,8 @@ def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks:
         ptr(separate), np.int32(stride), np.int32(heads), np.int32(kv_heads), np.int32(head_dim),
         *finish_args(model, positions, slots, k_sep, v_sep))
 
-    token_tiles = -(-batch // plan.DECODE_TILE_TOKENS) if route == "tiles" else 1
+    token_tiles = (-(-batch // plan.DECODE_TILE_TOKENS) if route == "tiles"
+                   else -(-batch // plan.BATCH_QKV_TOKENS) if route == "batched" else 1)
     counters = to_device(np.zeros((heads + 2 * kv_heads) * token_tiles, dtype=np.int32))
     segments = []
     for matrix, type_name, rows in zip(weights, types, counts):
@@ -776,6 +867,9 @@ def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks:
         fused_launch = plan.decode_tiles_qkv_launch(types, counts, n_in, batch)
         splits = (*map(np.int32, plan.decode_tiles_qkv_splits(types, counts, n_in)),
                   *split_workspace(fused_launch, batch))
+    elif route == "batched":
+        fused_kernel, fused_launch = (kernel("matmul_batch.cu", plan.batch_qkv_kernel(batch)),
+                                      plan.batch_qkv_launch(counts, batch))
     else:
         fused_kernel, fused_launch = (kernel("matvec_mma.cu", "mul_mat_vec_mma_qkv"),
                                       plan.matvec_mma_qkv_launch(*counts))

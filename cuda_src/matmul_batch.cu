@@ -1,0 +1,191 @@
+// The batched product: a matrix times all of a step's rows on the tensor cores, the rows in
+// the MMA's token dimension, so each weight byte is fetched and unpacked once per step
+// whatever the number of rows (up to N a launch's token tile; more rows take more token tiles).
+//
+// Entry points, per block type (<type> as in matvec.cu, and q6_K_planar: a Q6_K matrix held
+// row-planar, cuda_plan.planar_q6_K_rows), N in 16, 32, 64 (the step's bucket: the fewest
+// columns holding its rows), <act> in silu, gelu_tanh:
+//   mul_mat_batch<N>_f16x2_<type>(weights, int64 row_pitch, x, int x_stride, y, int y_stride,
+//                                 int rows, int n_in, int n_tokens)
+//       y[t][r] = W[r] . x[t]: blocks of 64 rows x N tokens (BatchTile<N>), 4 warps of 16 rows
+//       x N tokens. Grid (ceil(n_tokens / N), ceil(rows / 64)).
+//   mul_mat_batch<N>_gate_up_<act>_f16x2_<type>(gate, up, int64 row_pitch, x, x_stride, y,
+//                                               y_stride, int ffn_rows, n_in, n_tokens)
+//       y[t][f] = act(gate[f] . x[t]) * (up[f] . x[t]): 32 gate and the same 32 up rows a
+//       block (grid y: ceil(ffn_rows / 32)), bit for bit mul_mat_batch<N>_f16x2_<type> of
+//       gate and of up then activation.cu's gated_<act>.
+//   mul_mat_batch<N>_qkv_f16x2(matvec.cu's mul_mat_vec_qkv arguments)
+//       q, k and v (a block type each; a Q6_K one row-planar, as mul_mat_vec_mma_qkv reads
+//       it) into one qkv row and their heads finished (qkv_finish_ops.cuh's epilogue,
+//       head_counters a token tile: n_heads + 2 n_kv_heads of them), bit for bit
+//       mul_mat_batch<N>_f16x2_<type> of each matrix then qkv_finish. Grid y: the 64-row
+//       blocks of q, then k, then v. N in 16, 32 only (more rows take more token tiles): at 64
+//       the out-of-line Q6_K product spilled registers.
+// Layouts and numerics: matmul.cu's tiles (its opening comment), through the same pipeline
+// (tile_pipeline.cuh) on another tile shape: each warp unpacks its 16 rows' weight fragments
+// once a stage (32 elements) and multiplies them with the N / 8 MMA column tiles of the
+// block's tokens. A token's sums are taken in the same order as the prefill tiles' (stage by
+// stage, MMA by MMA, the same split of x): whatever N, the number of rows or the other rows,
+// a token's result is bit for bit mul_mat_tiles_f16x2_<type>'s (the K order depends on the
+// matrix alone, and MMA columns are independent).
+#include "tile_pipeline.cuh"
+
+// Gate and up with the activation: tile rows 0..31 are gate rows f0.. (warps 0 and 1), rows
+// 32..63 the same up rows (warps 2 and 3); y[t][f] = act(gate . x) * (up . x) as
+// activation.cu's gated_<act>, from the block's sums gathered in the scratch.
+template <class Shape, class Op>
+struct TileGateUp : GateUpRows<Shape::ROWS / 2> {
+    // The stages' loops unrolled, the two matrices' rows spilled registers at 8 column tiles.
+    static constexpr bool ROLLED = Shape::J > 4;
+    static constexpr int HALF = Shape::ROWS / 2;
+    static_assert(Shape::ROWS * sizeof(float) <= 2 * X_PIECES * sizeof(uint4),
+                  "the activation stages hold the block's sums");
+    using GateUpRows<HALF>::first_row;
+    using GateUpRows<HALF>::ffn_rows;
+    using GateUpRows<HALF>::y;
+    using GateUpRows<HALF>::y_stride;
+    __device__ void store(const float (&acc)[Shape::I][Shape::J][4], float* scratch,
+                          int warp_rows, int token0, int warp_tokens, int n_tokens) const {
+        __syncthreads();  // every warp is done with the activation stages
+        store_tile<Shape>(acc, scratch, Shape::ROWS, warp_rows, warp_tokens, Shape::ROWS,
+                          Shape::TOKENS);
+        __syncthreads();
+        for (int e = threadIdx.x; e < HALF * Shape::TOKENS; e += blockDim.x) {
+            const int r = e % HALF, t = e / HALF;
+            if (first_row() + r < ffn_rows && token0 + t < n_tokens) {
+                const float* sums = scratch + t * Shape::ROWS;
+                y[int64_t(token0 + t) * y_stride + first_row() + r] =
+                    Op::apply(sums[r]) * sums[HALF + r];
+            }
+        }
+    }
+};
+
+// What the batched QKV multiplies a segment of a block type as: a Q6_K matrix row-planar (the
+// mma route's layout, the only one the batched product serves), the others as in the file.
+template <class T>
+struct batch_layout {
+    using type = T;
+};
+template <>
+struct batch_layout<type_q6_K> {
+    using type = type_q6_K_planar;
+};
+
+// One segment (q, k or v) of the batched QKV: the block's tile rows are the segment's rows
+// from (blockIdx.y - block_first) * ROWS, their sums at the segment's column of y; the
+// product's activations with it (the out-of-line product takes it all from shared memory).
+template <class Shape>
+struct TileQkvSegment {
+    static constexpr bool ROLLED = false;
+    QkvSegment seg;
+    float* y;
+    int y_stride;
+    const float* x;
+    int x_stride, n_in, n_tokens;
+
+    __device__ int first_row() const { return (blockIdx.y - seg.block_first) * Shape::ROWS; }
+    __device__ WeightRow row(int r) const {
+        return WeightRow{seg.weights + (first_row() + r) * seg.pitch, first_row() + r < seg.rows};
+    }
+    __device__ void store(const float (&acc)[Shape::I][Shape::J][4], float*, int warp_rows,
+                          int token0, int warp_tokens, int n_tokens) const {
+        store_tile<Shape>(acc, y + seg.column, y_stride, first_row() + warp_rows,
+                          token0 + warp_tokens, seg.rows, n_tokens);
+    }
+};
+
+// The largest head the batched QKV finishes (attention.cu's MAX_HEAD_DIM).
+constexpr int BATCH_QKV_MAX_HEAD_DIM = 256;
+
+// Every block type's shared memory in one place (a block multiplies one segment, of one
+// type), and the finish's head copies (a head_dim copy a warp, used once the products are
+// done).
+#define QK_BATCH_SHARED_MEMBER(suffix, block_type) \
+    TileShared<typename batch_layout<block_type>::type, BatchTile<N>> suffix;
+template <int N>
+union BatchQkvShared {
+    QK_FOR_EACH_TYPE(QK_BATCH_SHARED_MEMBER)
+    float head_copies[BatchTile<N>::THREADS / WARP * BATCH_QKV_MAX_HEAD_DIM];
+};
+
+// The block's tile of its segment, out of line: the eleven products inlined in one kernel
+// spilled registers in the decode tiles' QKV (no one of them alone did).
+template <class T, int N>
+__device__ __noinline__ void batch_qkv_tile(const TileQkvSegment<BatchTile<N>>& job,
+                                            TileShared<T, BatchTile<N>>& shared) {
+    mul_mat_tiles<T>(job, shared, job.x, job.x_stride, job.n_in, job.n_tokens);
+}
+
+#define QK_BATCH_QKV_CASE(suffix, block_type)                                                 \
+    if (job.seg.type_code == code++) {                                                        \
+        batch_qkv_tile<typename batch_layout<block_type>::type, N>(job, shared.suffix);       \
+        return;                                                                               \
+    }
+
+// Type codes as mul_mat_vec_qkv's; the segment's type is block-uniform.
+template <int N>
+__device__ void batch_qkv_segment_of_its_type(const TileQkvSegment<BatchTile<N>>& job,
+                                              BatchQkvShared<N>& shared) {
+    int code = 0;
+    QK_FOR_EACH_TYPE(QK_BATCH_QKV_CASE)
+    __trap();  // a type code cuda_plan.kernel_type_code never gives
+}
+
+template <int N>
+__device__ void batch_qkv(QK_QKV_PARAMETERS) {
+    using Shape = BatchTile<N>;
+    __shared__ BatchQkvShared<N> shared;
+    // The job in shared memory: the out-of-line products take it by reference.
+    __shared__ TileQkvSegment<Shape> job;
+    const QkvSegment seg = qkv_segment_of_block(blockIdx.y, Shape::ROWS, QK_QKV_ARGUMENTS);
+    if (threadIdx.x == 0) job = {seg, y, y_stride, x, x_stride, n_in, batch};
+    __syncthreads();
+    batch_qkv_segment_of_its_type<N>(job, shared);
+    const int token0 = blockIdx.x * Shape::TOKENS;
+    const int heads = (rows_q + rows_k + rows_v) / head_dim;
+    finish_qkv_block<Shape::ROWS>(
+        QkvBlock{int(blockIdx.y), Shape::ROWS, token0, min(token0 + Shape::TOKENS, batch),
+                 head_counters + blockIdx.x * heads},
+        seg, shared.head_copies, QK_QKV_ARGUMENTS);
+}
+
+#define QK_BATCH_QKV_ENTRY(n)                                                               \
+    extern "C" __global__ void __launch_bounds__(BatchTile<n>::THREADS, TILE_BLOCKS_PER_SM) \
+        mul_mat_batch##n##_qkv_f16x2(QK_QKV_PARAMETERS) {                                   \
+        batch_qkv<n>(QK_QKV_ARGUMENTS);                                                     \
+    }
+
+QK_BATCH_QKV_ENTRY(16)
+QK_BATCH_QKV_ENTRY(32)
+
+#define QK_BATCH_GATE_UP_ENTRY(n, act, op, suffix, type)                                        \
+    extern "C" __global__ void __launch_bounds__(BatchTile<n>::THREADS, TILE_BLOCKS_PER_SM)     \
+        mul_mat_batch##n##_gate_up_##act##_f16x2_##suffix(                                      \
+            const uint8_t* gate, const uint8_t* up, int64_t row_pitch, const float* x,          \
+            int x_stride, float* y, int y_stride, int ffn_rows, int n_in, int n_tokens) {       \
+        __shared__ TileShared<type, BatchTile<n>> shared;                                       \
+        mul_mat_tiles<type>(                                                                    \
+            TileGateUp<BatchTile<n>, op>{{gate, up, row_pitch, ffn_rows, y, y_stride}}, shared, \
+            x, x_stride, n_in, n_tokens);                                                       \
+    }
+
+#define QK_BATCH_ENTRIES_N(n, suffix, type)                                                     \
+    extern "C" __global__ void __launch_bounds__(BatchTile<n>::THREADS, TILE_BLOCKS_PER_SM)     \
+        mul_mat_batch##n##_f16x2_##suffix(const uint8_t* weights, int64_t row_pitch,            \
+                                          const float* x, int x_stride, float* y,              \
+                                          int y_stride, int rows, int n_in, int n_tokens) {     \
+        __shared__ TileShared<type, BatchTile<n>> shared;                                       \
+        mul_mat_tiles<type>(TileMatrix<BatchTile<n>>{weights, row_pitch, rows, y, y_stride},   \
+                            shared, x, x_stride, n_in, n_tokens);                               \
+    }                                                                                           \
+    QK_BATCH_GATE_UP_ENTRY(n, silu, silu_op, suffix, type)                                      \
+    QK_BATCH_GATE_UP_ENTRY(n, gelu_tanh, gelu_tanh_op, suffix, type)
+
+#define QK_BATCH_ENTRIES(suffix, type)  \
+    QK_BATCH_ENTRIES_N(16, suffix, type) \
+    QK_BATCH_ENTRIES_N(32, suffix, type) \
+    QK_BATCH_ENTRIES_N(64, suffix, type)
+
+QK_FOR_EACH_TYPE(QK_BATCH_ENTRIES)
+QK_BATCH_ENTRIES(q6_K_planar, type_q6_K_planar)
