@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import os
+from array import array
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import Any
@@ -51,14 +52,12 @@ class Tokenizer:
         self.vocab = vocab
         self._splitter = SpecialTokenSplitter(vocab)
         # Every token's piece (special tokens rendered) end to end, token t at
-        # [_piece_starts[t], _piece_starts[t + 1]): 4 MB for a 262k-token vocabulary, where
-        # a bytes object each took 15 MB. `_hidden` (one byte a token): rendered as nothing
-        # unless special tokens are asked for.
+        # [_piece_starts[t], _piece_starts[t + 1]) (an int64 array.array: one Python int at a
+        # time quickly): 4 MB for a 262k-token vocabulary, where a bytes object each took
+        # 15 MB. `_hidden`, a byte a token: 1 where the piece renders as nothing unless
+        # special tokens are asked for.
         self._piece_bytes, self._piece_starts = _token_pieces(vocab)
-        self._piece_array = np.frombuffer(self._piece_bytes, dtype=np.uint8)
-        self._piece_offsets = memoryview(self._piece_starts)  # Python ints, fast one at a time
-        self._hidden = (vocab.attrs & (ATTR_CONTROL | ATTR_UNKNOWN) != 0).astype(np.uint8)
-        self._hidden_flags = self._hidden.tobytes()
+        self._hidden = (vocab.attrs & (ATTR_CONTROL | ATTR_UNKNOWN) != 0).astype(np.uint8).tobytes()
 
     @classmethod
     def from_gguf(cls, gguf_file: Any) -> Tokenizer:
@@ -94,7 +93,7 @@ class Tokenizer:
     @cached_property
     def max_token_bytes(self) -> int:
         """The most bytes of text one token can stand for (special-token texts included)."""
-        return max(1, int(np.diff(self._piece_starts).max(initial=1)))
+        return max(1, int(np.diff(np.frombuffer(self._piece_starts, np.int64)).max(initial=1)))
 
     @cached_property
     def _bytes_that_count(self) -> np.ndarray:
@@ -124,7 +123,8 @@ class Tokenizer:
         instead of on the first encode, which may run on the event loop; then give the
         build's freed temporaries back to the system (about 95 MB for gemma-3's vocabulary,
         which the C heap would otherwise keep resident)."""
-        self._encoder  # noqa: B018 - the cached property builds and keeps it
+        self._encoder  # noqa: B018 - the cached properties build and keep them
+        self._bytes_that_count  # noqa: B018 - 256 token lookups, not on a request's loop
         self._splitter.prepare()
         release_free_memory()
 
@@ -183,15 +183,17 @@ class Tokenizer:
         Bytes that are not valid UTF-8 (a sequence cut inside a character) become U+FFFD.
         """
         ids = self._checked_ids(ids)
-        starts = self._piece_starts[ids]
-        ends = self._piece_starts[ids + 1]
+        piece_starts = np.frombuffer(self._piece_starts, dtype=np.int64)
+        starts = piece_starts[ids]
+        ends = piece_starts[ids + 1]
         if not special:
-            ends = np.where(self._hidden[ids], starts, ends)
+            ends = np.where(np.frombuffer(self._hidden, dtype=np.uint8)[ids], starts, ends)
         lengths = ends - starts
         # The byte positions of every piece, end to end.
         positions = np.arange(int(lengths.sum())) + np.repeat(
             starts - (np.cumsum(lengths) - lengths), lengths)
-        return self._piece_array[positions].tobytes().decode("utf-8", errors="replace")
+        data = np.frombuffer(self._piece_bytes, dtype=np.uint8)[positions].tobytes()
+        return data.decode("utf-8", errors="replace")
 
     def incremental_decoder(self, *, special: bool = False) -> IncrementalDecoder:
         """A streaming decoder whose pushes + flush concatenate to `decode(ids, special=...)`."""
@@ -202,10 +204,10 @@ class Tokenizer:
         # A plain int in range skips the array check: streaming calls this once a token.
         if type(token_id) is not int or not 0 <= token_id < self.vocab.size:
             token_id = int(self._checked_ids((token_id,))[0])
-        if not special and self._hidden_flags[token_id]:
+        if not special and self._hidden[token_id]:
             return b""
-        offsets = self._piece_offsets
-        return self._piece_bytes[offsets[token_id] : offsets[token_id + 1]]
+        starts = self._piece_starts
+        return self._piece_bytes[starts[token_id] : starts[token_id + 1]]
 
     def _checked_ids(self, ids: Iterable[int]) -> np.ndarray:
         """`ids` as an int64 array, each checked to be a token of the vocabulary."""
@@ -272,7 +274,7 @@ class IncrementalDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def _token_pieces(vocab: Vocab) -> tuple[bytes, np.ndarray]:
+def _token_pieces(vocab: Vocab) -> tuple[bytes, array]:
     """What each token renders as when special tokens are shown (llama.cpp's piece cache):
     the pieces end to end, and where each starts (int64, one more for the end of the last)."""
     attrs = vocab.attrs.tolist()
@@ -291,7 +293,7 @@ def _token_pieces(vocab: Vocab) -> tuple[bytes, np.ndarray]:
             pieces.append(b"")
     starts = np.zeros(len(pieces) + 1, dtype=np.int64)
     np.cumsum(np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces)), out=starts[1:])
-    return b"".join(pieces), starts
+    return b"".join(pieces), array("q", starts.tobytes())
 
 
 def _spm_texts(fragments: list[Fragment], add_space_prefix: bool) -> list[str]:
