@@ -145,8 +145,8 @@ _SPECIAL_ID_KEYS = (
 class TokenIds(Mapping[str, int]):
     """Token text -> id over the vocabulary's texts: the ids ordered by a CRC-32 of their
     text, found by bisection and checked against the text (2 MB for a 262k-token vocabulary,
-    where a dict took 15 MB; a lookup about 1 us). `as_dict()` for code that builds from
-    every token."""
+    where a dict took 15 MB; a lookup takes a few microseconds). `as_dict()` for code that
+    builds from every token."""
 
     def __init__(self, texts: StringArray) -> None:
         self._texts = texts
