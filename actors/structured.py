@@ -51,6 +51,7 @@ import msgspec
 import numpy as np
 
 from actors.errors import EngineClosed, EngineOverloaded, InvalidRequest
+from actors.heap import release_free_memory
 from actors.logs import get_logger
 from actors.model.candidates import mask_words
 from actors.model.text.vocab import ATTR_CONTROL, ATTR_USER_DEFINED
@@ -101,6 +102,14 @@ PARSER_LIMITS = {
     "max_lexer_states": 50_000,
     "verbose_errors": False,
 }
+# llguidance's token "slices": for each, the vocabulary's tokens that match the regex, as a
+# trie of their own, so a mask whose lexer allows that whole regex takes the slice at once
+# instead of walking every token. Each costs about 17 MB for a 262k-token vocabulary. Kept:
+# the text of a JSON string of any length, what a schema's "string" property lets a model
+# write (a mask inside one: 0.02 ms instead of 3 ms on gemma-3). Left out of llguidance's
+# defaults: whitespace runs (JSON here is written without free whitespace) and strings of at
+# most 10 or 30 characters (a `maxLength` string's masks walk the vocabulary: 3 ms).
+GRAMMAR_SLICES = (r'[^"\\\x00-\x1F\x7F]+',)
 # Forced text taken per step: a larger run is tokenized this much at a time.
 MAX_FORCED_BYTES = 4096
 # Characters of llguidance's error kept in the request's error.
@@ -604,12 +613,20 @@ def _build_grammar_tokenizer(tokenizer: Any) -> Any:
     import llguidance
 
     view = _VocabularyView(tokenizer)
-    return llguidance.LLTokenizer(
-        llguidance.TokenizerWrapper(view),
+    wrapper = llguidance.TokenizerWrapper(view)
+    built = llguidance.LLTokenizer(
+        wrapper,
         n_vocab=tokenizer.vocab_size,
         # Every end-of-generation token ends a grammar that is complete.
         eos_token=sorted(tokenizer.stop_ids) or [view.eos_token_id],
+        slices=list(GRAMMAR_SLICES),
     )
+    # llguidance copied the token list; the wrapper it keeps (to call the encoder) need not
+    # hold it too.
+    view.tokens = wrapper.tokens = []
+    del view, wrapper
+    release_free_memory()
+    return built
 
 
 __all__ = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -122,6 +123,32 @@ def test_emoji_split_over_byte_tokens_waits_for_its_last_byte(gemma3: Tokenizer)
     assert gemma3.decode(byte_ids[:2]) == "\ufffd"
     decoder = gemma3.incremental_decoder()
     assert "".join(decoder.push(token) for token in byte_ids[:2]) + decoder.flush() == "\ufffd"
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_decode_joins_the_pieces_of_its_tokens(
+    tokenizers: dict[str, Tokenizer], special: bool
+) -> None:
+    for tokenizer in tokenizers.values():
+        ids = np.random.default_rng(7).integers(0, tokenizer.vocab_size, 5000).tolist()
+        ids += sorted(tokenizer.vocab.special.values()) + [0, tokenizer.vocab_size - 1]
+        pieces = b"".join(tokenizer.piece(token, special=special) for token in ids)
+        assert tokenizer.decode(ids, special=special) == pieces.decode("utf-8", "replace")
+        assert tokenizer.decode(np.array(ids, dtype=np.uint32), special=special) == (
+            tokenizer.decode(ids, special=special))
+        assert tokenizer.decode([], special=special) == ""
+        longest = max(len(tokenizer.piece(token, special=True)) for token in range(
+            tokenizer.vocab_size))
+        assert tokenizer.max_token_bytes == longest
+
+
+def test_a_tokenizer_pickles_and_encodes_the_same(tokenizers: dict[str, Tokenizer]) -> None:
+    text = "Hello <start_of_turn> <|im_end|> wörld 😀 x 12345"
+    for tokenizer in tokenizers.values():
+        again = pickle.loads(pickle.dumps(tokenizer))
+        ids = tokenizer.encode(text, parse_special=True)
+        assert again.encode(text, parse_special=True) == ids
+        assert again.decode(ids, special=True) == tokenizer.decode(ids, special=True)
 
 
 def test_bad_input_gives_clear_errors(gemma3: Tokenizer) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from actors.errors import ModelFormatError, UnsupportedModelError
 from actors.model.gguf.reader import GGUFFile
+from actors.model.gguf.string_array import StringArray
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 
@@ -129,7 +130,7 @@ def _check_tokenizer_size(meta: dict[str, Any], path: object, vocab_size: int) -
     """The tokenizer and the embedding must agree on the vocabulary: a token without an
     embedding row would fail inside a step (llama.cpp refuses such files too)."""
     tokens = meta.get("tokenizer.ggml.tokens")
-    if isinstance(tokens, list) and len(tokens) != vocab_size:
+    if isinstance(tokens, StringArray | list) and len(tokens) != vocab_size:
         raise ModelFormatError(
             f"{path}: the tokenizer has {len(tokens)} tokens (tokenizer.ggml.tokens) but "
             f"token_embd.weight has {vocab_size} rows; they must be equal"

@@ -10,6 +10,7 @@ from typing import Any
 from actors.errors import ModelFormatError
 from actors.model.arch import ModelSpec, architecture_features, spec_from_gguf
 from actors.model.gguf.reader import GGUFFile
+from actors.model.gguf.string_array import StringArray
 
 FLOAT32_BYTES = 4
 
@@ -115,7 +116,7 @@ def _vocab_size(gguf: GGUFFile) -> int | None:
     tokens = gguf.metadata.get("tokenizer.ggml.tokens")
     if tokens is None:
         return None
-    if not isinstance(tokens, list):
+    if not isinstance(tokens, StringArray | list):
         raise ModelFormatError(
             f"{gguf.path}: metadata 'tokenizer.ggml.tokens' should be an array of strings"
         )

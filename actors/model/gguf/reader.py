@@ -27,6 +27,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from actors.errors import ModelFormatError, UnsupportedModelError
+from actors.model.gguf.string_array import StringArray
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -123,11 +124,11 @@ class _Cursor:
         return int(self.scalar(GGUFValueType.UINT64, what))
 
     def string(self, what: str) -> str:
-        return self.strings(1, what, indexed=False)[0]
+        return self.utf8_strings(1, what, indexed=False)[0].decode("utf-8")
 
-    def strings(self, count: int, what: str, *, indexed: bool = True) -> list[str]:
-        """`count` length-prefixed UTF-8 strings; errors name `what[index]` (`what` if not
-        `indexed`).
+    def utf8_strings(self, count: int, what: str, *, indexed: bool = True) -> list[bytes]:
+        """`count` length-prefixed strings, each checked to be UTF-8, as their bytes; errors
+        name `what[index]` (`what` if not `indexed`).
 
         Each string's position depends on the previous length, so this loop is inherent; it
         keeps to local names and slicing (3x faster than a cursor call per item on a
@@ -138,7 +139,7 @@ class _Cursor:
             return f"{what}[{index}]" if indexed else what
 
         buffer, size, pos = self.buffer, self.size, self.pos
-        items: list[str] = [""] * count
+        items: list[bytes] = [b""] * count
         for index in range(count):
             if pos + 8 > size:
                 self.pos = pos
@@ -151,7 +152,7 @@ class _Cursor:
             raw = buffer[pos : pos + length]
             pos += length
             try:
-                items[index] = raw.decode("utf-8")
+                raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 # The GGUF spec makes every string UTF-8. llama.cpp passes raw bytes through,
                 # but the tokenizers we run (SPM, GPT-2 byte-level BPE) only store UTF-8 texts,
@@ -161,6 +162,7 @@ class _Cursor:
                     f"{exc.start} of {length} is 0x{raw[exc.start]:02x}); GGUF strings must "
                     "be UTF-8"
                 ) from None
+            items[index] = raw
         self.pos = pos
         return items
 
@@ -197,7 +199,7 @@ class _Cursor:
             self.strings_left = self._spend(
                 self.strings_left, count, MAX_ARRAY_STRINGS, "strings in arrays", what
             )
-            return self.strings(count, what)
+            return StringArray.of_utf8(self.utf8_strings(count, what))
         if item_kind == GGUFValueType.ARRAY:  # each item spends one array as it is read
             self._spend(self.arrays_left, count, MAX_ARRAYS, "arrays", what)
         return [self.value(item_kind, f"{what}[{i}]", depth + 1) for i in range(count)]

@@ -41,7 +41,7 @@ class ByteLevelBpeEncoder:
         self._unknown = vocab.size  # the id of a character missing from the vocabulary
         model = _bpe_model(
             vocab,
-            {**vocab.token_to_id, _UNKNOWN_CHAR: self._unknown},
+            {**vocab.token_to_id.as_dict(), _UNKNOWN_CHAR: self._unknown},
             unk_token=_UNKNOWN_CHAR,
             ignore_merges=vocab.ignore_merges,
         )
@@ -67,9 +67,10 @@ class Utf8BpeEncoder:
     vocabulary (Gemma 4)."""
 
     def __init__(self, vocab: Vocab) -> None:
-        self._tokenizer = Tokenizer(_bpe_model(vocab, vocab.token_to_id, byte_fallback=True))
+        self._tokenizer = Tokenizer(_bpe_model(vocab, vocab.token_to_id.as_dict(),
+                                               byte_fallback=True))
         self._newline_runs = {
-            text: token for text, token in vocab.token_to_id.items() if text.strip("\n") == ""
+            text: token for token, text in enumerate(vocab.tokens) if text.strip("\n") == ""
         }
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -21,6 +21,7 @@ from typing import Any
 import jinja2
 
 from actors.errors import InvalidRequest, TemplateError
+from actors.model.gguf.string_array import StringArray
 from actors.model.text.sandbox import (
     GLOBAL_NAMES,
     RenderLimits,
@@ -345,6 +346,7 @@ def _shown(value: Any) -> str:
 def _token_text(metadata: Mapping[str, Any], key: str) -> str:
     tokens = metadata.get("tokenizer.ggml.tokens")
     token = metadata.get(key)
-    if not isinstance(tokens, list) or not isinstance(token, int) or not 0 <= token < len(tokens):
+    if (not isinstance(tokens, StringArray | list) or not isinstance(token, int)
+            or not 0 <= token < len(tokens)):
         return ""
     return tokens[token]

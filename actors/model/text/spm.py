@@ -30,8 +30,9 @@ class SpmEncoder:
     """Cuts text fragments (spaces already '▁') into token ids like llama.cpp."""
 
     def __init__(self, vocab: Vocab) -> None:
-        loose_chars = _chars_without_token(vocab.tokens)
-        symbols = vocab.tokens + loose_chars
+        texts = vocab.tokens.texts()
+        loose_chars = _chars_without_token(texts)
+        symbols = texts + loose_chars
         merged, left, right = merge_pairs(symbols)
         # Best score first (token id on ties); among cuts of one token, transformers' order.
         token_rank = np.empty(vocab.size, dtype=np.int64)
@@ -42,7 +43,7 @@ class SpmEncoder:
         text = symbols.__getitem__
         merges = list(zip(map(text, left[order].tolist()), map(text, right[order].tolist())))
         loose_ids = {char: vocab.size + index for index, char in enumerate(loose_chars)}
-        model = models.BPE(vocab={**vocab.token_to_id, **loose_ids}, merges=merges,
+        model = models.BPE(vocab={**vocab.token_to_id.as_dict(), **loose_ids}, merges=merges,
                            byte_fallback=True)
         self._tokenizer = Tokenizer(model)
         self._n_tokens = vocab.size
