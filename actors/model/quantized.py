@@ -235,12 +235,12 @@ class _KernelThreads:
         """The threads that share a call: the caller and the helpers."""
         return self._helpers + 1
 
-    def run(self, task: ChunkedTask, n_items: int, work: int, share: bool = True) -> None:
+    def run(self, task: ChunkedTask, n_items: int, work: int) -> None:
         """`task(n_chunks, counters)` over `n_items` items worth `work` (weights times rows):
         every thread that calls it with the same counters takes chunks of the items until none
-        are left. Shared with the helpers where the work is worth it and `share` allows."""
+        are left. Shared with the helpers where the work is worth it."""
         with self._lock:
-            shared = (share and work >= PARALLEL_MIN_WORK and self._helpers > 0
+            shared = (work >= PARALLEL_MIN_WORK and self._helpers > 0
                       and self._solo_calls == 0)
             self._solo_calls = max(0, self._solo_calls - 1)
             n_chunks = min(n_items, self.size * CHUNKS_PER_THREAD) if shared else 1
@@ -393,8 +393,8 @@ class QuantizedMatrix:
                 finish_chunk(counters)
                 chunk = claim_chunk(counters)
 
-        if not per_thread:
-            _threads.run(task, n_slabs, 0, share=False)
+        if not per_thread:  # the caller's slabs, BLAS's threads in each product
+            task(1, np.zeros(2, dtype=np.int64))
             return
         with _blas_threads.single():
             _threads.run(task, n_slabs, len(x) * self.in_features * self.out_features)

@@ -16,24 +16,27 @@ from typing import overload
 import numpy as np
 
 
+def joined(parts: Sequence[bytes]) -> tuple[bytes, array]:
+    """`parts` end to end, and where each starts: an int64 array.array with one more entry,
+    the end of the last (it gives one Python int at a time quickly)."""
+    starts = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)), out=starts[1:])
+    return b"".join(parts), array("q", starts.tobytes())
+
+
 class StringArray(Sequence[str]):
     """Immutable strings: `data[starts[i]:starts[i + 1]]` is string i's UTF-8."""
 
     __slots__ = ("_data", "_starts")
 
-    def __init__(self, data: bytes, starts: np.ndarray) -> None:
+    def __init__(self, data: bytes, starts: array) -> None:
         self._data = data
-        # int64, one more than the strings (the end of the last); an array.array gives one
-        # Python int at a time quickly.
-        self._starts = array("q", starts.astype(np.int64).tobytes())
+        self._starts = starts  # as `joined` gives them
 
     @classmethod
     def of_utf8(cls, encoded: Sequence[bytes]) -> StringArray:
         """From each string's UTF-8 bytes (already checked to decode)."""
-        starts = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)),
-                  out=starts[1:])
-        return cls(b"".join(encoded), starts)
+        return cls(*joined(encoded))
 
     @classmethod
     def of(cls, texts: Iterable[str]) -> StringArray:

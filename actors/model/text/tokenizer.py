@@ -23,6 +23,7 @@ import numpy as np
 from actors.errors import InvalidRequest, ModelFormatError, UnsupportedModelError
 from actors.heap import release_free_memory
 from actors.model.gguf.reader import GGUFFile, open_gguf
+from actors.model.gguf.string_array import joined
 from actors.model.packaged import resolve_model
 from actors.model.text.bpe import (
     BYTE_LEVEL_CHARS,
@@ -291,9 +292,7 @@ def _token_pieces(vocab: Vocab) -> tuple[bytes, array]:
             pieces.append(bytes([int(text[3:5], 16)]))
         else:  # unused and undefined tokens render as nothing
             pieces.append(b"")
-    starts = np.zeros(len(pieces) + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces)), out=starts[1:])
-    return b"".join(pieces), array("q", starts.tobytes())
+    return joined(pieces)
 
 
 def _spm_texts(fragments: list[Fragment], add_space_prefix: bool) -> list[str]:
