@@ -17,8 +17,8 @@ so nothing is copied to permute them.
   routes cross was measured per shape (`benchmarks/bench_forward.py --crossover`):
   DIRECT_ROWS_LIMIT.
 
-Both routes see exactly the levels `quants.dequantize` gives; only the order of the float32
-sums differs from a float32 matmul's.
+Both routes see exactly the levels `quants.dequantize` gives; only the order (and, for a row
+alone, the grouping: quantized_kernels) of the float32 sums differs from a float32 matmul's.
 """
 
 from __future__ import annotations

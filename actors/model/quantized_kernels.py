@@ -1,12 +1,16 @@
 """Compiled kernels over a GGUF matrix's own blocks (numba): `x @ W.T` for a few rows of x,
 and rows of W dequantized to float32.
 
-Each block type the project reads has one decoder, `_levels_<type>(row, g)`: the 16 float32
-values `quants.dequantize` gives elements 16g .. 16g + 15 of a row of blocks, computed with the
-same float32 operations in the same order (no fast-math: every multiply and add rounds as
-written), so both kernels see exactly the dequantized levels. Sixteen elements is the widest
-run every format stores under one scale at consecutive byte addresses (a Q4_0 block's halves
-are its low and its high nibbles; a Q6_K scale covers 16).
+Each block type the project reads has one decoder, `_factors_<type>(row, u)`: the quantized
+values of a 32-element unit of a row of blocks, as two halves of 16, with each half's step and
+the unit's offset; its levels `_levels_<type>` are q * step (+ offset), the float32 values
+`quants.dequantize` gives, computed with the same operations in the same order (no fast-math:
+every multiply and add rounds as written). Sixteen elements is the widest run every format
+stores under one scale at consecutive byte addresses (a Q4_0 block's halves are its low and its
+high nibbles; a Q6_K scale covers 16). Rows of x that pass through W together share each
+unit's levels; a row alone takes the unit as its factors instead, step * sum(q x) + offset *
+sum(x), the same levels in half the operations (the sums round differently, as another order
+of the sums would; a one-hot row still gives each level bit for bit).
 
 The decoders work on explicit 16-lane vectors (`_F32X`, `_I32X`: LLVM vector values, one
 AVX-512 register, two AVX2 or four NEON ones), because LLVM's auto-vectorizer turns loops this
@@ -143,8 +147,8 @@ def _splat(builder, value: ir.Value, vector: _Vector) -> ir.Value:
     """`value` (already of the lane type) in every lane."""
     single = builder.insert_element(ir.Constant(vector.ir_type, ir.Undefined), value,
                                     ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(single, single,
-                                  ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+    return builder.shuffle_vector(single, single, ir.Constant(
+        ir.VectorType(ir.IntType(32), vector.lanes), [0] * vector.lanes))
 
 
 def _constant(vector: _Vector, lanes: list[float] | list[int]):
@@ -183,6 +187,18 @@ _lane_index = _constant(_I32X, list(range(LANES)))  # 0, 1, ..., LANES - 1
 _to_float = _lanewise(_I32X, _F32X, lambda builder, value: builder.sitofp(value, _F32X.ir_type))
 _bits_as_float = _lanewise(_I32X, _F32X,
                            lambda builder, value: builder.bitcast(value, _F32X.ir_type))
+
+
+@intrinsic
+def _fill_half(typingctx, value):
+    """The float32 `value` in every lane of a half vector."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _splat(builder, args[0], _F32H)
+
+    return _F32H(value), codegen
 
 
 @intrinsic
@@ -330,9 +346,49 @@ def _nibble_pair(row, at):
     return packed & 15, packed >> 4
 
 
-# --- the levels of a unit (32 elements: 32u .. 32u + 31) of a row, one decoder per type -------
-# Each returns the unit's two halves, 16 levels each. A unit shares one block header in every
-# format (a Q4_0..Q8_0 block, a Q4_K/Q5_K sub-block, a Q6_K quarter of a half), read once.
+# --- the factors of a unit (32 elements: 32u .. 32u + 31) of a row, one decoder per type ------
+# Each quantized type's `_factors_<type>(row, u)` returns (q_low, q_high, step_low, step_high,
+# offset): the quantized values of the unit's two halves (16 each, as float32: exact, being
+# small integers), each half's step and the unit's offset (0 where the format has none). Its
+# `_levels_<type>` is q * step (+ offset) in float32, the operations `quants.dequantize` does.
+# A unit shares one block header in every format (a Q4_0..Q8_0 block, a Q4_K/Q5_K sub-block, a
+# Q6_K quarter of a half), read once. The float types' levels are their values, step 1.
+
+
+def _plus_offset(value, offset):
+    """value + offset; value itself where the format has no offset (offset None, known when
+    the kernel compiles, so such formats pay no add)."""
+    return value if offset is None else value + offset
+
+
+@overload(_plus_offset)
+def _plus_offset_compiled(value, offset):
+    if isinstance(offset, types.NoneType):
+        return lambda value, offset: value
+    return lambda value, offset: value + offset
+
+
+def _levels_of(factors):
+    """A quantized format's levels: q * step (+ offset) for each half."""
+
+    @njit(inline="always")
+    def levels(row, u):
+        q_low, q_high, step_low, step_high, offset = factors(row, u)
+        return (_plus_offset(q_low * step_low, offset),
+                _plus_offset(q_high * step_high, offset))
+
+    return levels
+
+
+def _unscaled(levels):
+    """A float type's factors: its values, step 1, no offset."""
+
+    @njit(inline="always")
+    def factors(row, u):
+        low, high = levels(row, u)
+        return low, high, np.float32(1), np.float32(1), None
+
+    return factors
 
 
 @njit(inline="always")
@@ -352,19 +408,19 @@ def _levels_bf16(row, u):
 
 
 @njit(inline="always")
-def _levels_q4_0(row, u):
+def _factors_q4_0(row, u):
     at = 18 * u  # d, 16 bytes: element j < 16 is byte j's low nibble, else its high
     d = _f16(row, at)
     low, high = _nibble_pair(row, at + 2)
-    return _to_float(low - 8) * d, _to_float(high - 8) * d
+    return _to_float(low - 8), _to_float(high - 8), d, d, None
 
 
 @njit(inline="always")
-def _levels_q4_1(row, u):
+def _factors_q4_1(row, u):
     at = 20 * u  # d, m, 16 bytes of nibbles
-    d, m = _f16(row, at), _f16(row, at + 2)
+    d = _f16(row, at)
     low, high = _nibble_pair(row, at + 4)
-    return _to_float(low) * d + m, _to_float(high) * d + m
+    return _to_float(low), _to_float(high), d, d, _f16(row, at + 2)
 
 
 @njit(inline="always")
@@ -378,26 +434,27 @@ def _q5_values(row, qh_at, qs_at):
 
 
 @njit(inline="always")
-def _levels_q5_0(row, u):
+def _factors_q5_0(row, u):
     at = 22 * u  # d, qh, 16 bytes of nibbles
     d = _f16(row, at)
     low, high = _q5_values(row, at + 2, at + 6)
-    return _to_float(low - 16) * d, _to_float(high - 16) * d
+    return _to_float(low - 16), _to_float(high - 16), d, d, None
 
 
 @njit(inline="always")
-def _levels_q5_1(row, u):
+def _factors_q5_1(row, u):
     at = 24 * u  # d, m, qh, 16 bytes of nibbles
-    d, m = _f16(row, at), _f16(row, at + 2)
+    d = _f16(row, at)
     low, high = _q5_values(row, at + 4, at + 8)
-    return _to_float(low) * d + m, _to_float(high) * d + m
+    return _to_float(low), _to_float(high), d, d, _f16(row, at + 2)
 
 
 @njit(inline="always")
-def _levels_q8_0(row, u):
+def _factors_q8_0(row, u):
     at = 34 * u  # d, 32 signed bytes
     d = _f16(row, at)
-    return _to_float(_load_i8(row, at + 2)) * d, _to_float(_load_i8(row, at + 18)) * d
+    return (_to_float(_load_i8(row, at + 2)), _to_float(_load_i8(row, at + 18)), d, d,
+            None)
 
 
 @njit(inline="always")
@@ -416,18 +473,18 @@ def _k_step_offset(row, at, sub):
 
 
 @njit(inline="always")
-def _levels_q4_k(row, u):
+def _factors_q4_k(row, u):
     at = 144 * (u >> 3)  # d, dmin, 12 scale bytes, 4 x 32 bytes: sub-blocks 2c, 2c+1 in c
     sub = u & 7
     step, offset = _k_step_offset(row, at, sub)
     packed = at + 16 + 32 * (sub >> 1)
     shift = 4 * (sub & 1)
     low, high = _load_u8(row, packed) >> shift, _load_u8(row, packed + LANES) >> shift
-    return _to_float(low & 15) * step + offset, _to_float(high & 15) * step + offset
+    return _to_float(low & 15), _to_float(high & 15), step, step, offset
 
 
 @njit(inline="always")
-def _levels_q5_k(row, u):
+def _factors_q5_k(row, u):
     at = 176 * (u >> 3)  # d, dmin, 12 scale bytes, 32 bytes of fifth bits, 128 of nibbles
     sub = u & 7
     step, offset = _k_step_offset(row, at, sub)
@@ -436,11 +493,11 @@ def _levels_q5_k(row, u):
     low = ((_load_u8(row, packed) >> shift) & 15) | (((_load_u8(row, at + 16) >> sub) & 1) << 4)
     high = (((_load_u8(row, packed + LANES) >> shift) & 15)
             | (((_load_u8(row, at + 16 + LANES) >> sub) & 1) << 4))
-    return _to_float(low) * step + offset, _to_float(high) * step + offset
+    return _to_float(low), _to_float(high), step, step, offset
 
 
 @njit(inline="always")
-def _levels_q6_k(row, u):
+def _factors_q6_k(row, u):
     # 128 ql bytes, 64 qh bytes, 16 int8 scales (one per 16 elements), d. Each 128-element
     # half has 64 ql and 32 qh bytes; its quarter q takes ql bytes from 32 (q & 1) on, their
     # nibble q >> 1, and bits 2q, 2q + 1 of the qh bytes.
@@ -455,8 +512,16 @@ def _levels_q6_k(row, u):
     low = ((_load_u8(row, ql) >> nibble_shift) & 15) | (((_load_u8(row, qh) >> high_shift) & 3) << 4)
     high = (((_load_u8(row, ql + LANES) >> nibble_shift) & 15)
             | (((_load_u8(row, qh + LANES) >> high_shift) & 3) << 4))
-    return (_to_float(low - 32) * (d * np.float32(np.int8(row[scales]))),
-            _to_float(high - 32) * (d * np.float32(np.int8(row[scales + 1]))))
+    return (_to_float(low - 32), _to_float(high - 32), d * np.float32(np.int8(row[scales])),
+            d * np.float32(np.int8(row[scales + 1])), None)
+
+
+_factors_f32, _factors_f16, _factors_bf16 = map(_unscaled, (_levels_f32, _levels_f16,
+                                                            _levels_bf16))
+(_levels_q4_0, _levels_q4_1, _levels_q5_0, _levels_q5_1, _levels_q8_0, _levels_q4_k,
+ _levels_q5_k, _levels_q6_k) = map(_levels_of, (
+    _factors_q4_0, _factors_q4_1, _factors_q5_0, _factors_q5_1, _factors_q8_0, _factors_q4_k,
+    _factors_q5_k, _factors_q6_k))
 
 
 # --- the jobs on one row of W, for one block type --------------------------------------------
@@ -524,34 +589,79 @@ def _tile(levels, row, x, out, r, j):
 
 
 @njit(inline="always")
-def _single(levels, row, x, out, r, j):
-    """out[r, j] = x[r] @ (levels of `row`)."""
-    xr = x[r]
-    acc_low = acc_high = _zeros()  # two chains: each add waits on its own last
+def _single(factors, row, x, sums, out, r, j):
+    """out[r, j] = x[r] @ (levels of `row`), a unit's levels taken as their factors: each
+    half's products with the quantized values, summed, times its step, and the offsets times
+    the unit's sum of x (`sums[r]`). The same levels, in fewer operations than forming each
+    (one row of x gains nothing from levels shared between rows)."""
+    xr, sums_r = x[r], sums[r]
+    # Four vector chains and two scalar ones: each add waits on its own last, two units ago.
+    acc0 = acc1 = acc2 = acc3 = _zeros_half()
+    offsets0 = offsets1 = np.float32(0)
     n_units = x.shape[1] // (2 * LANES)
     u = 0
     while u + 8 <= n_units:  # a K-block's units together: u is a multiple of 8
-        acc_low, acc_high = _single_unit(levels, row, xr, u, acc_low, acc_high)
-        acc_low, acc_high = _single_unit(levels, row, xr, u + 1, acc_low, acc_high)
-        acc_low, acc_high = _single_unit(levels, row, xr, u + 2, acc_low, acc_high)
-        acc_low, acc_high = _single_unit(levels, row, xr, u + 3, acc_low, acc_high)
-        acc_low, acc_high = _single_unit(levels, row, xr, u + 4, acc_low, acc_high)
-        acc_low, acc_high = _single_unit(levels, row, xr, u + 5, acc_low, acc_high)
-        acc_low, acc_high = _single_unit(levels, row, xr, u + 6, acc_low, acc_high)
-        acc_low, acc_high = _single_unit(levels, row, xr, u + 7, acc_low, acc_high)
+        acc0, acc1, offsets0 = _factored_unit(factors, row, xr, sums_r, u, acc0, acc1, offsets0)
+        acc2, acc3, offsets1 = _factored_unit(factors, row, xr, sums_r, u + 1, acc2, acc3,
+                                              offsets1)
+        acc0, acc1, offsets0 = _factored_unit(factors, row, xr, sums_r, u + 2, acc0, acc1,
+                                              offsets0)
+        acc2, acc3, offsets1 = _factored_unit(factors, row, xr, sums_r, u + 3, acc2, acc3,
+                                              offsets1)
+        acc0, acc1, offsets0 = _factored_unit(factors, row, xr, sums_r, u + 4, acc0, acc1,
+                                              offsets0)
+        acc2, acc3, offsets1 = _factored_unit(factors, row, xr, sums_r, u + 5, acc2, acc3,
+                                              offsets1)
+        acc0, acc1, offsets0 = _factored_unit(factors, row, xr, sums_r, u + 6, acc0, acc1,
+                                              offsets0)
+        acc2, acc3, offsets1 = _factored_unit(factors, row, xr, sums_r, u + 7, acc2, acc3,
+                                              offsets1)
         u += 8
     while u < n_units:
-        acc_low, acc_high = _single_unit(levels, row, xr, u, acc_low, acc_high)
+        acc0, acc1, offsets0 = _factored_unit(factors, row, xr, sums_r, u, acc0, acc1, offsets0)
         u += 1
-    out[r, j] = _lane_sum(acc_low + acc_high)
+    out[r, j] = _lane_sum((acc0 + acc1) + (acc2 + acc3)) + (offsets0 + offsets1)
 
 
 @njit(inline="always")
-def _single_unit(levels, row, xr, u, acc_low, acc_high):
-    low, high = levels(row, u)
+def _factored_unit(factors, row, xr, sums_r, u, acc_low, acc_high, offsets):
+    """The accumulators after unit `u`: each half's sum of q x (eight lanes) times its step
+    into acc_low / acc_high, offset times the unit's sum of x into `offsets`."""
+    q_low, q_high, step_low, step_high, offset = factors(row, u)
     at = 2 * LANES * u
-    return (_multiply_add(_load_f32(xr, at), low, acc_low),
-            _multiply_add(_load_f32(xr, at + LANES), high, acc_high))
+    low0, low1 = _halves(q_low)
+    high0, high1 = _halves(q_high)
+    low = _multiply_add(_load_f32_half(xr, at + HALF), low1, _load_f32_half(xr, at) * low0)
+    high = _multiply_add(_load_f32_half(xr, at + LANES + HALF), high1,
+                         _load_f32_half(xr, at + LANES) * high0)
+    return (_multiply_add(low, _fill_half(step_low), acc_low),
+            _multiply_add(high, _fill_half(step_high), acc_high),
+            _plus_offset(offsets, _times(offset, sums_r[u])))
+
+
+def _times(offset, unit_sum):
+    """offset * unit_sum; None where the format has no offset."""
+    return None if offset is None else offset * unit_sum
+
+
+@overload(_times)
+def _times_compiled(offset, unit_sum):
+    if isinstance(offset, types.NoneType):
+        return lambda offset, unit_sum: None
+    return lambda offset, unit_sum: offset * unit_sum
+
+
+@njit(inline="always")
+def _unit_sums(x, first):
+    """The sum of each unit of the rows of x from `first` on: (rows of x, units) float32."""
+    n_units = x.shape[1] // (2 * LANES)
+    sums = np.empty((x.shape[0], n_units), dtype=np.float32)
+    for r in range(first, x.shape[0]):
+        xr = x[r]
+        for u in range(n_units):
+            sums[r, u] = _lane_sum(_load_f32(xr, 2 * LANES * u)
+                                   + _load_f32(xr, 2 * LANES * u + LANES))
+    return sums
 
 
 @njit(inline="always")
@@ -562,11 +672,15 @@ def _row_of(data, offset, size, rows, features, j):
 
 
 @njit(inline="always")
-def _matvec_rows(levels, data, offset, size, rows, features, x, out, first, last):
+def _matvec_rows(levels, factors, data, offset, size, rows, features, x, out, first, last):
     """out[:, j] = x @ W[features[j]] for j in [first, last): a block of W's rows (small
     enough to stay in the core's cache) at a time, through which the rows of x pass
     WIDE_TILE at a time, then TILE, then one by one (each pass decodes the block again)."""
     n_x = x.shape[0]
+    singles = n_x // WIDE_TILE * WIDE_TILE
+    if n_x - singles >= TILE:
+        singles += TILE
+    sums = _unit_sums(x, singles)
     block = max(1, BLOCK_BYTES // size)
     for start in range(first, last, block):
         end = min(start + block, last)
@@ -581,7 +695,8 @@ def _matvec_rows(levels, data, offset, size, rows, features, x, out, first, last
             r += TILE
         while r < n_x:
             for j in range(start, end):
-                _single(levels, _row_of(data, offset, size, rows, features, j), x, out, r, j)
+                _single(factors, _row_of(data, offset, size, rows, features, j), x, sums, out,
+                        r, j)
             r += 1
 
 
@@ -596,11 +711,11 @@ def _dequantize_row(levels, row, out, j):
 
 
 @njit(inline="always")
-def _rows_job(levels, job, data, offset, size, rows, features, x, out, first, last):
+def _rows_job(levels, factors, job, data, offset, size, rows, features, x, out, first, last):
     """`job` on W[features[j]] for j in [first, last), each the row rows[features[j]] of
-    `size` bytes from byte `offset` of `data`."""
+    `size` bytes from byte `offset` of `data` (`levels` and `factors`: its type's decoders)."""
     if job == MATVEC:
-        _matvec_rows(levels, data, offset, size, rows, features, x, out, first, last)
+        _matvec_rows(levels, factors, data, offset, size, rows, features, x, out, first, last)
     else:
         for j in range(first, last):
             _dequantize_row(levels, _row_of(data, offset, size, rows, features, j), out, j)
@@ -608,29 +723,40 @@ def _rows_job(levels, job, data, offset, size, rows, features, x, out, first, la
 
 @njit
 def _rows_job_of_type(code, job, data, offset, size, rows, features, x, out, first, last):
-    """`_rows_job` with the decoder of block type `code`."""
+    """`_rows_job` with the decoders of block type `code`."""
     if code == Q4_K:
-        _rows_job(_levels_q4_k, job, data, offset, size, rows, features, x, out, first, last)
+        _rows_job(_levels_q4_k, _factors_q4_k, job, data, offset, size, rows, features, x, out,
+                  first, last)
     elif code == Q6_K:
-        _rows_job(_levels_q6_k, job, data, offset, size, rows, features, x, out, first, last)
+        _rows_job(_levels_q6_k, _factors_q6_k, job, data, offset, size, rows, features, x, out,
+                  first, last)
     elif code == Q5_K:
-        _rows_job(_levels_q5_k, job, data, offset, size, rows, features, x, out, first, last)
+        _rows_job(_levels_q5_k, _factors_q5_k, job, data, offset, size, rows, features, x, out,
+                  first, last)
     elif code == Q8_0:
-        _rows_job(_levels_q8_0, job, data, offset, size, rows, features, x, out, first, last)
+        _rows_job(_levels_q8_0, _factors_q8_0, job, data, offset, size, rows, features, x, out,
+                  first, last)
     elif code == Q5_0:
-        _rows_job(_levels_q5_0, job, data, offset, size, rows, features, x, out, first, last)
+        _rows_job(_levels_q5_0, _factors_q5_0, job, data, offset, size, rows, features, x, out,
+                  first, last)
     elif code == Q5_1:
-        _rows_job(_levels_q5_1, job, data, offset, size, rows, features, x, out, first, last)
+        _rows_job(_levels_q5_1, _factors_q5_1, job, data, offset, size, rows, features, x, out,
+                  first, last)
     elif code == Q4_0:
-        _rows_job(_levels_q4_0, job, data, offset, size, rows, features, x, out, first, last)
+        _rows_job(_levels_q4_0, _factors_q4_0, job, data, offset, size, rows, features, x, out,
+                  first, last)
     elif code == Q4_1:
-        _rows_job(_levels_q4_1, job, data, offset, size, rows, features, x, out, first, last)
+        _rows_job(_levels_q4_1, _factors_q4_1, job, data, offset, size, rows, features, x, out,
+                  first, last)
     elif code == F16:
-        _rows_job(_levels_f16, job, data, offset, size, rows, features, x, out, first, last)
+        _rows_job(_levels_f16, _factors_f16, job, data, offset, size, rows, features, x, out,
+                  first, last)
     elif code == BF16:
-        _rows_job(_levels_bf16, job, data, offset, size, rows, features, x, out, first, last)
+        _rows_job(_levels_bf16, _factors_bf16, job, data, offset, size, rows, features, x, out,
+                  first, last)
     else:
-        _rows_job(_levels_f32, job, data, offset, size, rows, features, x, out, first, last)
+        _rows_job(_levels_f32, _factors_f32, job, data, offset, size, rows, features, x, out,
+                  first, last)
 
 
 def _on_counter(build: Callable[..., ir.Value]):
