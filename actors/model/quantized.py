@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import os
 import queue
 import threading
@@ -39,17 +38,36 @@ import numpy as np
 from actors.errors import InvalidRequest, ModelFormatError
 from actors.model.gguf.quants import block_format, row_bytes
 from actors.model.quantized_kernels import (
-    CALLS,
+    CALL_WORDS,
+    DATA,
+    DATA_SIZE,
     DEQUANTIZE,
+    FEATURES,
+    JOB,
     LANES,
     MATVEC,
-    SPINNING,
+    N_FEATURES,
+    N_PARTS,
+    N_ROWS,
+    OUT,
+    OUT_COLS,
+    OUT_ROWS,
+    PARTS,
+    ROWS,
     TYPE_CODES,
+    WATCHING,
+    X,
+    X_COLS,
+    X_ROWS,
     claim_chunk,
     finish_chunk,
+    publish,
+    run_published,
     run_rows,
-    wait_for_call,
+    serve_calls,
+    ticket,
     wait_for_chunks,
+    wait_for_published,
 )
 
 # Elements a row must be a whole number of, for the kernels (a unit of two vectors).
@@ -182,53 +200,79 @@ class _KernelThreads:
     The caller takes chunks at once; each helper, woken by a queue, takes what is left when it
     gets a core. So a helper that the machine has given to another process holds nobody up
     (as a fork-join team's barrier would, for a whole time slice), and one that wakes late
-    finds its call's counters used up and goes back to sleep. Only a helper that loses its
+    finds its call's chunks used up and goes back to sleep. Only a helper that loses its
     core in the middle of a chunk keeps the caller waiting; when that costs a call more than
     SLOW_HELPER_SHARE of its time, the cores are busy elsewhere and the next calls run in the
     caller alone, longer each time it happens again (SOLO_CALLS). One call runs at a time. The
     helpers serve the whole process, as BLAS threads do; they start with the first call big
     enough to share.
+
+    A compiled product (`run_compiled`) is published whole in quantized_kernels' call words,
+    and a helper watching them runs it without Python: a helper that needed Python's lock for
+    each call waited for the caller's Python work between calls and slowed it down. Other
+    tasks (`run`) are numbered there and run by the helpers in Python.
     """
 
     def __init__(self, helpers: int) -> None:
         self._helpers = helpers
         self._lock = threading.Lock()
-        self._inboxes: list[queue.SimpleQueue[Call]] = []
+        self._inboxes: list[queue.SimpleQueue[None]] = []
         self._solo_calls = 0  # calls left to run alone
         self._solo_next = SOLO_CALLS[0]  # how many after the next slow shared call
-        self._signal = np.zeros(2, dtype=np.int64)  # quantized_kernels' CALLS, SPINNING
-        self._latest: Call | None = None  # the newest call handed to the helpers
+        self._call = np.zeros(CALL_WORDS, dtype=np.int64)  # quantized_kernels' published call
+        self._number = 0  # the newest call's
+        self._latest: Call | None = None  # the newest call to run in Python
 
-    def _help(self, inbox: queue.SimpleQueue[Call]) -> None:
-        """A helper's life: run each call it is handed; after one, watch for the next for
-        HELPER_WATCH_READS before sleeping on its inbox (a call found both ways runs once)."""
+    def _help(self, inbox: queue.SimpleQueue[None]) -> None:
+        """A helper's life: woken, serve the published calls (`serve_calls`) until none came
+        for HELPER_WATCH_READS reads, running in Python those that are not compiled."""
         seen = 0
         while True:
-            call: Call | None = inbox.get()
-            while call is not None:
-                task, n_chunks, counters, number = call
-                if number > seen:
-                    seen = number
+            inbox.get()
+            while True:
+                newest, python_call = serve_calls(self._call, seen, HELPER_WATCH_READS)
+                if newest == seen:
+                    break
+                seen = newest
+                latest = self._latest
+                if python_call and latest is not None and latest[3] == newest:
+                    task, n_chunks, counters, _ = latest
                     task(n_chunks, counters)
-                newest = wait_for_call(self._signal, seen, HELPER_WATCH_READS)
-                call = self._latest if newest != seen else None
 
     def _start_helpers(self) -> None:
         for index in range(self._helpers):
-            inbox: queue.SimpleQueue[Call] = queue.SimpleQueue()
+            inbox: queue.SimpleQueue[None] = queue.SimpleQueue()
             threading.Thread(target=self._help, args=(inbox,), daemon=True,
                              name=f"kernel-helper-{index + 1}").start()
             self._inboxes.append(inbox)
 
-    def _hand_out(self, task: ChunkedTask, n_chunks: int, counters: np.ndarray) -> None:
-        """Give the helpers a call: the ones watching see its number change; the others (all,
-        unless every one is watching) are woken through their inbox."""
-        number = int(self._signal[CALLS]) + 1
-        self._latest = (task, n_chunks, counters, number)
-        self._signal[CALLS] = number
-        if self._signal[SPINNING] < self._helpers:
+    def _shares(self, work: int) -> bool:
+        """Whether a call worth `work` is shared with the helpers (counting it, if not, among
+        the calls to run alone)."""
+        shared = work >= PARALLEL_MIN_WORK and self._helpers > 0 and self._solo_calls == 0
+        self._solo_calls = max(0, self._solo_calls - 1)
+        if shared and not self._inboxes:
+            self._start_helpers()
+        return shared
+
+    def _publish(self, n_chunks: int, compiled: bool) -> int:
+        """Number the next call and hand it to the helpers: those watching see its ticket;
+        the others (all, unless every one is watching) are woken through their inbox."""
+        self._number += 1
+        publish(self._call, ticket(self._number, n_chunks, compiled))
+        if self._call[WATCHING] < self._helpers:
             for inbox in self._inboxes:
-                inbox.put(self._latest)
+                inbox.put(None)
+        return self._number
+
+    def _count_wait(self, started: float, own_work_done: float) -> None:
+        """After a shared call: whether its helpers kept the caller waiting too long."""
+        waited = time.perf_counter() - own_work_done
+        if waited > SLOW_HELPER_SHARE * (own_work_done - started + waited):
+            self._solo_calls = self._solo_next
+            self._solo_next = min(2 * self._solo_next, SOLO_CALLS[1])
+        else:
+            self._solo_next = SOLO_CALLS[0]
 
     @property
     def size(self) -> int:
@@ -240,27 +284,45 @@ class _KernelThreads:
         every thread that calls it with the same counters takes chunks of the items until none
         are left. Shared with the helpers where the work is worth it."""
         with self._lock:
-            shared = (work >= PARALLEL_MIN_WORK and self._helpers > 0
-                      and self._solo_calls == 0)
-            self._solo_calls = max(0, self._solo_calls - 1)
+            shared = self._shares(work)
             n_chunks = min(n_items, self.size * CHUNKS_PER_THREAD) if shared else 1
             counters = np.zeros(2, dtype=np.int64)
             if not shared:
                 task(n_chunks, counters)
                 return
-            if not self._inboxes:
-                self._start_helpers()
             started = time.perf_counter()
-            self._hand_out(task, n_chunks, counters)
+            self._latest = (task, n_chunks, counters, self._number + 1)
+            self._publish(n_chunks, compiled=False)
             task(n_chunks, counters)
             own_work_done = time.perf_counter()
             wait_for_chunks(counters, n_chunks)
-            waited = time.perf_counter() - own_work_done
-            if waited > SLOW_HELPER_SHARE * (own_work_done - started + waited):
-                self._solo_calls = self._solo_next
-                self._solo_next = min(2 * self._solo_next, SOLO_CALLS[1])
-            else:
-                self._solo_next = SOLO_CALLS[0]
+            self._count_wait(started, own_work_done)
+
+    def run_compiled(self, job: int, data: np.ndarray, parts: np.ndarray, rows: np.ndarray,
+                     features: np.ndarray, x: np.ndarray, out: np.ndarray, work: int) -> None:
+        """`run_rows(job, ...)` on every feature (see quantized_kernels), shared with the
+        helpers where the work is worth it. The arrays must be C-order."""
+        with self._lock:
+            if not self._shares(work):
+                run_rows(job, data, parts, rows, features, x, out, 1,
+                         np.zeros(2, dtype=np.int64))
+                return
+            n_chunks = min(features.size, self.size * CHUNKS_PER_THREAD)
+            call = self._call
+            call[JOB] = job
+            for field, array in ((DATA, data), (PARTS, parts), (ROWS, rows),
+                                 (FEATURES, features), (X, x), (OUT, out)):
+                call[field] = array.ctypes.data
+            call[DATA_SIZE], call[N_ROWS], call[N_FEATURES] = data.size, rows.size, features.size
+            call[N_PARTS] = len(parts)
+            call[X_ROWS], call[X_COLS] = x.shape
+            call[OUT_ROWS], call[OUT_COLS] = out.shape
+            started = time.perf_counter()
+            number = self._publish(n_chunks, compiled=True)
+            run_published(call, number, job, data, parts, rows, features, x, out)
+            own_work_done = time.perf_counter()
+            wait_for_published(call, n_chunks)
+            self._count_wait(started, own_work_done)
 
 
 _threads = _KernelThreads(_cores() - 1)
@@ -345,9 +407,8 @@ class QuantizedMatrix:
     def _run(self, job: int, features: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
         """`run_rows(job)` on W[features], shared among the kernel threads."""
         width = out.shape[1] if job == DEQUANTIZE else x.shape[0] * x.shape[1]
-        task = functools.partial(run_rows, job, self.buffer, self._parts, self._rows, features,
-                                 x, out)
-        _threads.run(task, features.size, features.size * width)
+        _threads.run_compiled(job, self.buffer, self._parts, self._rows, features, x, out,
+                              features.size * width)
 
     def _slab_products(self, x: np.ndarray, out: np.ndarray) -> None:
         """out = x @ W.T a slab of W's rows at a time, dequantized into a reused buffer and
@@ -417,7 +478,7 @@ class QuantizedMatrix:
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """W[ids] as float32 (len(ids), in_features): the embedding's rows of tokens."""
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
         if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= self.out_features)):
             raise InvalidRequest(f"ids must be a list of rows below {self.out_features}",
                                  field="ids")

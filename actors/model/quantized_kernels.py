@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 from llvmlite import ir
+import numba
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, overload, register_model
@@ -794,6 +795,25 @@ CLAIMED, DONE = 0, 1
 # The columns of a matrix's parts table: one row a part, output features [FIRST, END) of W
 # stored as rows of ROW_BYTES bytes of blocks of type CODE from byte OFFSET of the data.
 CODE, OFFSET, ROW_BYTES, FIRST, END = range(5)
+PART_COLUMNS = 5
+
+
+@njit(inline="always")
+def _run_chunk(job, data, parts, rows, features, x, out, chunk, n_chunks):
+    """`job` on chunk `chunk` of `n_chunks` of W[features] (see run_rows): its runs of
+    features in one part, each run in one call."""
+    n = features.size
+    j, last = chunk * n // n_chunks, (chunk + 1) * n // n_chunks
+    while j < last:
+        part = 0
+        while features[j] >= parts[part, END]:
+            part += 1
+        end = j + 1
+        while end < last and parts[part, FIRST] <= features[end] < parts[part, END]:
+            end += 1
+        _rows_job_of_type(parts[part, CODE], job, data, parts[part, OFFSET],
+                          parts[part, ROW_BYTES], rows, features, x, out, j, end)
+        j = end
 
 
 @njit(nogil=True, cache=True)
@@ -806,20 +826,9 @@ def run_rows(job, data, parts, rows, features, x, out, n_chunks, counters):
     (uint8, read-only; `parts` an int64 table, columns above). MATVEC: out[:, j] =
     x @ W[features[j]]. DEQUANTIZE: out[j] = W[features[j]] as float32 (x is not read). x and
     out are C-order float32; W's rows hold whole units (2 LANES)."""
-    n = features.size
     chunk = _fetch_add(counters, CLAIMED)
     while chunk < n_chunks:
-        j, last = chunk * n // n_chunks, (chunk + 1) * n // n_chunks
-        while j < last:  # the chunk's runs of features in one part, each run in one call
-            part = 0
-            while features[j] >= parts[part, END]:
-                part += 1
-            end = j + 1
-            while end < last and parts[part, FIRST] <= features[end] < parts[part, END]:
-                end += 1
-            _rows_job_of_type(parts[part, CODE], job, data, parts[part, OFFSET],
-                              parts[part, ROW_BYTES], rows, features, x, out, j, end)
-            j = end
+        _run_chunk(job, data, parts, rows, features, x, out, chunk, n_chunks)
         _fetch_add(counters, DONE)
         chunk = _fetch_add(counters, CLAIMED)
 
@@ -836,24 +845,156 @@ def finish_chunk(counters):
     _fetch_add(counters, DONE)
 
 
-# signal[CALLS]: the calls handed to the helper threads so far; signal[SPINNING]: helpers
-# watching it (`wait_for_call`).
-CALLS, SPINNING = 0, 1
+# --- a call published to the helper threads --------------------------------------------------
+# One int64 array, `call`, holds the newest call handed to the helpers: compiled calls of
+# run_rows there whole (the addresses and shapes of their arrays), so a helper runs one after
+# another inside `serve_calls` without coming back to Python (whose lock the calling thread
+# holds between calls); other calls are only numbered there, the caller keeping their task.
+# call[TICKET] is the call's number, whether it is compiled, its chunks and the chunks claimed
+# so far, in one word: a thread claims a chunk by swapping the word for the next, which fails
+# once the call is another one, so a helper that read the fields of an older call never acts
+# on them. The caller writes the next call's fields only once every chunk is done.
+TICKET, CHUNKS_DONE, WATCHING = 0, 8, 16  # on cache lines of their own
+(JOB, DATA, DATA_SIZE, PARTS, N_PARTS, ROWS, N_ROWS, FEATURES, N_FEATURES, X, X_ROWS, X_COLS,
+ OUT, OUT_ROWS, OUT_COLS) = range(24, 39)
+CALL_WORDS = 40
+CHUNK_BITS = 12  # chunks claimed, then the call's chunks, then its kind, then its number
+CHUNK_MASK = (1 << CHUNK_BITS) - 1
+COMPILED_BIT = 1 << (2 * CHUNK_BITS)
+NUMBER_SHIFT = 2 * CHUNK_BITS + 1
+
+
+def ticket(number: int, n_chunks: int, compiled: bool) -> int:
+    """The TICKET word of call `number` of `n_chunks` chunks, none claimed yet."""
+    return (number << NUMBER_SHIFT) | (COMPILED_BIT if compiled else 0) | (n_chunks << CHUNK_BITS)
+
+
+@intrinsic
+def _swap_if(typingctx, words, index, expected, desired):
+    """words[index] = desired if it is `expected` (atomically); whether it was."""
+    if not (isinstance(words, types.Array) and words.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(context, builder, signature.args[0], array,
+                                           [args[1]])
+        result = builder.cmpxchg(pointer, args[2], args[3], "seq_cst", "seq_cst")
+        return builder.extract_value(result, 1)
+
+    return types.boolean(words, index, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _store(typingctx, words, index, value):
+    """words[index] = value, atomically (seen by other threads after what came before)."""
+    if not (isinstance(words, types.Array) and words.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(context, builder, signature.args[0], array,
+                                           [args[1]])
+        builder.store_atomic(args[2], pointer, "seq_cst", 8)
+
+    return types.void(words, index, types.int64), codegen
+
+
+def _pointer_to(dtype: types.Type):
+    """An intrinsic: an integer address as a pointer to `dtype`s (for numba.carray)."""
+
+    @intrinsic
+    def pointer(typingctx, address):
+        if not isinstance(address, types.Integer):
+            return None
+        pointer_type = types.CPointer(dtype)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(pointer_type))
+
+        return pointer_type(address), codegen
+
+    return pointer
+
+
+_bytes_at, _int64s_at, _float32s_at = map(_pointer_to, (types.uint8, types.int64,
+                                                        types.float32))
+
+
+@njit(inline="always")
+def _claim(call, number):
+    """The next chunk of published call `number` for this thread; -1 when none is left or the
+    call published is another."""
+    while True:
+        word = _atomic_read(call, TICKET)
+        claimed = word & CHUNK_MASK
+        if word >> NUMBER_SHIFT != number or claimed >= (word >> CHUNK_BITS) & CHUNK_MASK:
+            return -1
+        if _swap_if(call, TICKET, word, word + 1):
+            return claimed
+
+
+@njit(inline="always")
+def _run_claimed(call, number, job, data, parts, rows, features, x, out):
+    """Run chunks of published call `number` (its arrays given) until none is left."""
+    n_chunks = (_atomic_read(call, TICKET) >> CHUNK_BITS) & CHUNK_MASK
+    chunk = _claim(call, number)
+    while chunk >= 0:
+        _run_chunk(job, data, parts, rows, features, x, out, chunk, n_chunks)
+        _fetch_add(call, CHUNKS_DONE)
+        chunk = _claim(call, number)
 
 
 @njit(nogil=True, cache=True)
-def wait_for_call(signal, seen, reads):
-    """Watch signal[CALLS] for a call after call `seen`, at most `reads` times; return the
-    newest call's number (`seen`: none came). A helper thread waits so between the calls of a
-    step, which come faster than a sleeping thread wakes."""
-    _fetch_add(signal, SPINNING)
-    newest = seen
-    for _ in range(reads):
-        newest = _atomic_read(signal, CALLS)
-        if newest != seen:
+def publish(call, word):
+    """Make `word` (a ticket) the published call, none of its chunks done yet."""
+    _store(call, CHUNKS_DONE, 0)
+    _store(call, TICKET, word)
+
+
+@njit(nogil=True, cache=True)
+def run_published(call, number, job, data, parts, rows, features, x, out):
+    """The caller's share of published call `number`: chunks until none is left."""
+    _run_claimed(call, number, job, data, parts, rows, features, x, out)
+
+
+@njit(nogil=True, cache=True)
+def wait_for_published(call, n_chunks):
+    """Return once the published call's `n_chunks` chunks are done."""
+    while _atomic_read(call, CHUNKS_DONE) < n_chunks:
+        pass
+
+
+@njit(nogil=True, cache=True)
+def serve_calls(call, seen, reads):
+    """A helper's watch over the published call: each compiled call after call `seen` it
+    helps run, from its fields; it returns at a call that is not compiled, or after `reads`
+    reads without a new call: (the newest call's number, whether it is one to run in Python).
+    Calls within a step come faster than a sleeping thread wakes."""
+    _fetch_add(call, WATCHING)
+    python_call = False
+    left = reads
+    while left > 0:
+        word = _atomic_read(call, TICKET)
+        number = word >> NUMBER_SHIFT
+        if number == seen:
+            left -= 1
+            continue
+        seen = number
+        if not word & COMPILED_BIT:
+            python_call = True
             break
-    _fetch_sub(signal, SPINNING)
-    return newest
+        # The fields may be those of a later call by now: then no claim succeeds.
+        data = numba.carray(_bytes_at(call[DATA]), call[DATA_SIZE])
+        parts = numba.carray(_int64s_at(call[PARTS]), (call[N_PARTS], PART_COLUMNS))
+        rows = numba.carray(_int64s_at(call[ROWS]), call[N_ROWS])
+        features = numba.carray(_int64s_at(call[FEATURES]), call[N_FEATURES])
+        x = numba.carray(_float32s_at(call[X]), (call[X_ROWS], call[X_COLS]))
+        out = numba.carray(_float32s_at(call[OUT]), (call[OUT_ROWS], call[OUT_COLS]))
+        _run_claimed(call, number, call[JOB], data, parts, rows, features, x, out)
+        left = reads
+    _fetch_sub(call, WATCHING)
+    return seen, python_call
 
 
 @njit(nogil=True, cache=True)
