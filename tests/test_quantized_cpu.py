@@ -34,8 +34,8 @@ from actors.model.quantized_kernels import (
     TYPE_CODES,
     claim_chunk,
     finish_chunk,
-    run_published,
     run_rows,
+    run_shared,
     serve_calls,
 )
 from tests.conftest import TINY_MODELS, gemma3_path
@@ -250,7 +250,7 @@ def test_one_compiled_kernel_serves_every_type_and_route() -> None:
             weights.apply(np.ones((n_x, 256), np.float32), np.empty((n_x, 4096), np.float32))
         weights.lookup(np.arange(4))
     assert len(run_rows.signatures) == 1
-    assert len(run_published.signatures) <= 1 and len(serve_calls.signatures) <= 1
+    assert len(run_shared.signatures) <= 1 and len(serve_calls.signatures) <= 1
 
 
 def test_each_chunk_of_each_shared_call_runs_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,31 +39,16 @@ from actors.errors import InvalidRequest, ModelFormatError
 from actors.model.gguf.quants import block_format, row_bytes
 from actors.model.quantized_kernels import (
     CALL_WORDS,
-    DATA,
-    DATA_SIZE,
     DEQUANTIZE,
-    FEATURES,
-    JOB,
     LANES,
     MATVEC,
-    N_FEATURES,
-    N_PARTS,
-    N_ROWS,
-    OUT,
-    OUT_COLS,
-    OUT_ROWS,
-    PARTS,
-    ROWS,
     TYPE_CODES,
     WATCHING,
-    X,
-    X_COLS,
-    X_ROWS,
     claim_chunk,
     finish_chunk,
     publish,
-    run_published,
     run_rows,
+    run_shared,
     serve_calls,
     ticket,
     wait_for_chunks,
@@ -255,15 +240,14 @@ class _KernelThreads:
             self._start_helpers()
         return shared
 
-    def _publish(self, n_chunks: int, compiled: bool) -> int:
-        """Number the next call and hand it to the helpers: those watching see its ticket;
-        the others (all, unless every one is watching) are woken through their inbox."""
+    def _next_ticket(self, n_chunks: int, compiled: bool) -> int:
+        """Number the next call and wake the helpers not watching for it (all, unless every
+        one is): its ticket, for the caller to publish."""
         self._number += 1
-        publish(self._call, ticket(self._number, n_chunks, compiled))
         if self._call[WATCHING] < self._helpers:
             for inbox in self._inboxes:
                 inbox.put(None)
-        return self._number
+        return ticket(self._number, n_chunks, compiled)
 
     def _count_wait(self, started: float, own_work_done: float) -> None:
         """After a shared call: whether its helpers kept the caller waiting too long."""
@@ -292,7 +276,7 @@ class _KernelThreads:
                 return
             started = time.perf_counter()
             self._latest = (task, n_chunks, counters, self._number + 1)
-            self._publish(n_chunks, compiled=False)
+            publish(self._call, self._next_ticket(n_chunks, compiled=False))
             task(n_chunks, counters)
             own_work_done = time.perf_counter()
             wait_for_chunks(counters, n_chunks)
@@ -308,20 +292,11 @@ class _KernelThreads:
                          np.zeros(2, dtype=np.int64))
                 return
             n_chunks = min(features.size, self.size * CHUNKS_PER_THREAD)
-            call = self._call
-            call[JOB] = job
-            for field, array in ((DATA, data), (PARTS, parts), (ROWS, rows),
-                                 (FEATURES, features), (X, x), (OUT, out)):
-                call[field] = array.ctypes.data
-            call[DATA_SIZE], call[N_ROWS], call[N_FEATURES] = data.size, rows.size, features.size
-            call[N_PARTS] = len(parts)
-            call[X_ROWS], call[X_COLS] = x.shape
-            call[OUT_ROWS], call[OUT_COLS] = out.shape
+            word = self._next_ticket(n_chunks, compiled=True)
             started = time.perf_counter()
-            number = self._publish(n_chunks, compiled=True)
-            run_published(call, number, job, data, parts, rows, features, x, out)
+            run_shared(self._call, word, job, data, parts, rows, features, x, out)
             own_work_done = time.perf_counter()
-            wait_for_published(call, n_chunks)
+            wait_for_published(self._call, n_chunks)
             self._count_wait(started, own_work_done)
 
 

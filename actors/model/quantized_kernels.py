@@ -917,6 +917,19 @@ def _pointer_to(dtype: types.Type):
     return pointer
 
 
+@intrinsic
+def _address(typingctx, array):
+    """The address of an array's first item."""
+    if not isinstance(array, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.ptrtoint(data, ir.IntType(64))
+
+    return types.int64(array), codegen
+
+
 _bytes_at, _int64s_at, _float32s_at = map(_pointer_to, (types.uint8, types.int64,
                                                         types.float32))
 
@@ -947,15 +960,25 @@ def _run_claimed(call, number, job, data, parts, rows, features, x, out):
 
 @njit(nogil=True, cache=True)
 def publish(call, word):
-    """Make `word` (a ticket) the published call, none of its chunks done yet."""
+    """Make `word` (the ticket of a call that is not compiled) the published call."""
     _store(call, CHUNKS_DONE, 0)
     _store(call, TICKET, word)
 
 
 @njit(nogil=True, cache=True)
-def run_published(call, number, job, data, parts, rows, features, x, out):
-    """The caller's share of published call `number`: chunks until none is left."""
-    _run_claimed(call, number, job, data, parts, rows, features, x, out)
+def run_shared(call, word, job, data, parts, rows, features, x, out):
+    """Publish the compiled call of ticket `word` (run_rows' arguments), then run the caller's
+    share of it: chunks until none is left."""
+    call[JOB] = job
+    call[DATA], call[DATA_SIZE] = _address(data), data.size
+    call[PARTS], call[N_PARTS] = _address(parts), parts.shape[0]
+    call[ROWS], call[N_ROWS] = _address(rows), rows.size
+    call[FEATURES], call[N_FEATURES] = _address(features), features.size
+    call[X], call[X_ROWS], call[X_COLS] = _address(x), x.shape[0], x.shape[1]
+    call[OUT], call[OUT_ROWS], call[OUT_COLS] = _address(out), out.shape[0], out.shape[1]
+    _store(call, CHUNKS_DONE, 0)
+    _store(call, TICKET, word)
+    _run_claimed(call, word >> NUMBER_SHIFT, job, data, parts, rows, features, x, out)
 
 
 @njit(nogil=True, cache=True)
