@@ -798,6 +798,27 @@ CODE, OFFSET, ROW_BYTES, FIRST, END = range(5)
 PART_COLUMNS = 5
 
 
+@intrinsic
+def _data_pointer(typingctx, array):
+    """A pointer to an array's first item, typed as its items (for numba.carray)."""
+    if not isinstance(array, types.Array):
+        return None
+    pointer_type = types.CPointer(array.dtype)
+
+    def codegen(context, builder, signature, args):
+        return context.make_array(signature.args[0])(context, builder, args[0]).data
+
+    return pointer_type(array), codegen
+
+
+@njit(inline="always")
+def _c_view(array):
+    """A C-order array as the one type every caller's arrays take here (writable, C layout):
+    the kernels then compile once a process, not once for each caller's flags (read-only
+    mapped blocks, the views a helper makes of a published call), minutes each cold."""
+    return numba.carray(_data_pointer(array), array.shape)
+
+
 @njit(inline="always")
 def _run_chunk(job, data, parts, rows, features, x, out, chunk, n_chunks):
     """`job` on chunk `chunk` of `n_chunks` of W[features] (see run_rows): its runs of
@@ -811,8 +832,9 @@ def _run_chunk(job, data, parts, rows, features, x, out, chunk, n_chunks):
         end = j + 1
         while end < last and parts[part, FIRST] <= features[end] < parts[part, END]:
             end += 1
-        _rows_job_of_type(parts[part, CODE], job, data, parts[part, OFFSET],
-                          parts[part, ROW_BYTES], rows, features, x, out, j, end)
+        _rows_job_of_type(parts[part, CODE], job, _c_view(data), parts[part, OFFSET],
+                          parts[part, ROW_BYTES], _c_view(rows), _c_view(features),
+                          _c_view(x), _c_view(out), j, end)
         j = end
 
 
