@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from actors.errors import InvalidRequest
 from actors.model.arch import ModelSpec
@@ -144,15 +145,34 @@ def attention_groups(plan: StepPlan, window: int) -> tuple[AttentionGroup, ...]:
 def rms_norm(
     x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None
 ) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) * weight over the last axis (Gemma's +1 is in the GGUF).
-    `out` may be x itself."""
-    scale = np.einsum("...i,...i->...", x, x)[..., None]
-    scale *= np.float32(1.0 / x.shape[-1])
-    scale += np.float32(eps)
-    np.sqrt(scale, out=scale)
-    out = np.divide(x, scale, out=out)
-    out *= weight
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis (Gemma's +1 is in the GGUF), for
+    x of 1 to 3 axes; `weight` (width,) or, for x (T, heads, width), one row a head. `out`
+    may be x itself. One compiled call: a decode step makes a few per layer, each of which
+    cost numpy five passes and their dispatch."""
+    if out is None:
+        out = np.empty_like(x)
+    _rms_norm_rows(_as_3d(x), weight.reshape(-1, x.shape[-1]), np.float32(eps), _as_3d(out))
     return out
+
+
+def _as_3d(array: np.ndarray) -> np.ndarray:
+    # Leading axes of length 1 never copy, so `out` stays a view of the caller's array.
+    return array.reshape((1,) * (3 - array.ndim) + array.shape)
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def _rms_norm_rows(x, weight, eps, out):  # pragma: no cover - compiled
+    width = x.shape[2]
+    inverse_width = np.float32(1.0 / width)
+    for a in range(x.shape[0]):
+        for b in range(x.shape[1]):
+            row, target, scaled_by = x[a, b], out[a, b], weight[b % weight.shape[0]]
+            total = np.float32(0.0)
+            for i in range(width):
+                total += row[i] * row[i]
+            scale = np.float32(1.0) / np.sqrt(total * inverse_width + eps)
+            for i in range(width):
+                target[i] = row[i] * scale * scaled_by[i]
 
 
 def silu(x: np.ndarray, out: np.ndarray) -> np.ndarray:
