@@ -6,6 +6,7 @@ over the emulated device, which rehearses their own code."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,12 @@ def test_every_device_test_has_a_group_and_every_group_tests() -> None:
             assert group == "batched", node_id
         else:
             assert group == "kernels", node_id
+
+
+def test_the_device_check_runs_every_group_in_order() -> None:
+    script = (ROOT / "tests" / "gpu" / "device_check.sh").read_text()
+    loop = re.search(r"^for group in (.+); do$", script, re.MULTILINE)
+    assert loop is not None and tuple(loop.group(1).split()) == GPU_TEST_GROUPS
 
 
 def test_the_figures_tests_record_end_the_log() -> None:
