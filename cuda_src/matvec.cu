@@ -235,8 +235,8 @@ __device__ void mul_mat_vec_gate_up(const uint8_t* __restrict__ gate_w,
                     });
 }
 
-// The types with entries here (cuda_plan.MATVEC_TYPES): those mul_mat_vec_mma does not serve.
-#define QK_FOR_EACH_MATVEC_TYPE(X) QK_LEGACY_TYPES(X) X(q5_K, type_q5_K) QK_FLOAT_TYPES(X)
+// The types with entries here (matvec_slices.cuh's QK_FOR_EACH_MATVEC_TYPE): those
+// mul_mat_vec_mma does not serve.
 template <class T>
 constexpr bool has_matvec_entry = false;
 #define QK_HAS_MATVEC_ENTRY(suffix, type) \
