@@ -246,10 +246,10 @@ def row_runs(shape: StepShape) -> list[RowRun]:
     its greedy tokens the same at any number of streams."""
     runs: list[RowRun] = []
     decode_kernels = MATVEC if shape.n_decode <= plan.MATVEC_MMA_MAX_ROWS else BATCH
-    routes = [(shape.n_decode, decode_kernels)] if shape.n_decode else []
-    routes += [(n, MATVEC if plan.uses_matvec(n) else TILES) for n in shape.prefill_lengths]
+    items = [(shape.n_decode, decode_kernels)] if shape.n_decode else []
+    items += [(n, MATVEC if plan.uses_matvec(n) else TILES) for n in shape.prefill_lengths]
     first = 0
-    for rows, kernels in routes:
+    for rows, kernels in items:
         if runs and runs[-1].kernels == kernels:
             runs[-1] = RowRun(runs[-1].first, runs[-1].rows + rows, kernels)
         else:
