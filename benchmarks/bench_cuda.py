@@ -1,20 +1,16 @@
-"""GPU benchmark. Kernels: the Q4_K decode products' effective bandwidth (weight bytes read /
-time) on Llama-3-8B's FFN shapes on each decode route (the matvec, the decode tiles and the
-mma matvec, there the Q6_K product too, row-planar as that route holds it) at 1 to 64 rows,
-beside the device's own copy bandwidth, the batched product (mul_mat_batch<N>: Q4_K, Q6_K
-row-planar) at 16, 32 and 64 rows, and the tensor-core tiles at prefill size (Q4_K;
-Q6_K as the file holds it and row-planar), timed with CUDA events over many launches (the weights cycle through enough
-copies that every launch reads them from HBM, not from L2). Whole models through the CUDA
-backend (wall clock per step, each step ending in its one synchronization): decode tok/s at
-1, 32 and 64 streams on the matvec and the decode tiles routes (`*_decode_tiles`), at 1 and
-32 on the mma matvec route (`llama3_8b_matvec_mma`; 32 streams there take the batched
-product), and prefill-512 tok/s on a
-Llama-3-8B-shaped file (benchmarks/synthetic_gguf.py), one-stream decode on gemma-3-270m, and
-the stream operations and kernels of a decode step (the bare backend runs one step at a time:
-its random tokens would drop every step run ahead). Whole models through the Engine (greedy,
-ignore_eos, a fixed token count) at 1, 32 and 64 streams beside the bare backend's figures
-(the 8B also on the decode tiles route, and on the mma matvec route at 1 stream, and without
-the greedy steps run ahead at 1 and 32, `llama3_8b_engine_one_step_at_a_time`): the
+"""GPU benchmark. Kernels: the decode products' effective bandwidth (weight bytes read / time)
+on Llama-3-8B's FFN shapes: the tensor-core matvec (Q4_K, Q6_K row-planar as the device holds
+it) at 1 and 8 rows, its regime, and the batched product (mul_mat_batch<N>: the same types)
+at 16, 32 and 64 rows, beside the device's own copy bandwidth; the prefill tiles at prefill
+size (Q4_K, Q6_K); timed with CUDA events over many launches (the weights cycle through
+enough copies that every launch reads them from HBM, not from L2). Whole models through the
+CUDA backend (wall clock per step, each step ending in its one synchronization): decode tok/s
+at 1, 8, 32 and 64 streams and prefill-512 tok/s on a Llama-3-8B-shaped file
+(benchmarks/synthetic_gguf.py), one-stream decode on gemma-3-270m, and the stream operations
+and kernels of a decode step (the bare backend runs one step at a time: its random tokens
+would drop every step run ahead). Whole models through the Engine (greedy, ignore_eos, a
+fixed token count) at 1, 32 and 64 streams beside the bare backend's figures (the 8B also
+without the greedy steps run ahead at 1 and 32, `llama3_8b_engine_one_step_at_a_time`): the
 difference per decode step is what the actors cost; the backend's busy share of the run
 (EngineStats.compute_busy_s) tells how much of it falls inside the backend's run calls.
 
@@ -22,7 +18,7 @@ difference per decode step is what the actors cost; the backend's busy share of 
                                     [--gemma3 PATH]
 
 Needs pycuda and a CUDA device (imported when run, so `--help` works anywhere). Targets:
-Q4_K matvec on 4096 x 14336 >= 3.4 TB/s effective (copy: about 4.3 TB/s); 8B decode
+Q4_K mma matvec on 4096 x 14336 >= 3.4 TB/s effective (copy: about 4.3 TB/s); 8B decode
 >= 450 tok/s one stream, >= 4,000 tok/s at 32 streams, prefill 512 >= 10,000 tok/s;
 gemma-3-270m >= 300 tok/s one stream.
 """
@@ -30,7 +26,6 @@ gemma-3-270m >= 300 tok/s one stream.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import time
@@ -49,7 +44,7 @@ from actors.compute.cuda_weights import device_rows
 from actors.model.gguf.quants import row_bytes
 
 MATVEC_SHAPES = ((14336, 4096), (4096, 14336))  # (output rows, inputs): gate/up, down
-MATVEC_BATCHES = (1, 8, 32, 64)  # decode rows: every count takes one decode route
+MATVEC_BATCHES = (1, plan.MATVEC_MMA_MAX_ROWS)  # decode rows the mma matvec takes
 PREFILL_TOKENS = 512
 COPY_BYTES = 1 << 30
 ANCHORS = {"matvec_q4_K_effective_TBps": 3.4, "copy_TBps_seen_on_h200": 4.3,
@@ -57,8 +52,7 @@ ANCHORS = {"matvec_q4_K_effective_TBps": 3.4, "copy_TBps_seen_on_h200": 4.3,
            "llama3_8b_prefill_512_tok_s": 10000, "gemma3_270m_decode_1_stream_tok_s": 300}
 DECODE_PROMPT = 32  # tokens each stream holds before its timed decode steps
 DECODE_STEPS = 64
-DECODE_STREAMS = (1, 32, 64)
-MMA_DECODE_STREAMS = (1, 32)  # the 8B on the matvec_mma route (within the run's time budget)
+DECODE_STREAMS = (1, 8, 32, 64)
 MODEL_BLOCK = 16
 ENGINE_TOKENS = 64  # generated per stream through the Engine
 
@@ -108,130 +102,65 @@ def bench_copy(repeats: int) -> dict[str, float]:
             "TBps_read_plus_write": 2 * COPY_BYTES / seconds / 1e12}
 
 
-# The file holding each decode route's products.
-ROUTE_FILES = {"matvec": "matvec.cu", "tiles": "matmul.cu", "matvec_mma": "matvec_mma.cu"}
+# The files of the benchmarked products, compiled first.
+MATVEC_FILE, BATCH_FILE, TILES_FILE = "matvec_mma.cu", "matmul_batch.cu", "matmul.cu"
 
 
-def decode_product(compiled: dict[str, Any], route: str, type_name: str, rows: int, n_in: int,
-                   batch: int) -> tuple[str, Any, plan.Launch]:
-    """The kernel decode rows of a `type_name` matrix take on `route` (plan.DECODE_ROUTES),
-    its function and launch for `batch` rows of a rows x n_in matrix."""
-    if route == "matvec":
-        name, launch = plan.matvec_kernel(type_name), plan.matvec_launch(rows, n_in)
-    elif route == "matvec_mma":
-        name, launch = plan.matvec_mma_kernel(type_name), plan.matvec_mma_launch(rows, n_in)
-    else:
-        name = plan.decode_tiles_kernel(type_name)
-        launch = plan.decode_tiles_launch(type_name, rows, n_in, batch)
-    return name, compiled[ROUTE_FILES[route]].get_function(name), launch
-
-
-def bench_matvec(compiled: dict[str, Any], rng: np.random.Generator, l2_bytes: int,
-                 repeats: int, routes: tuple[str, ...],
-                 types: tuple[str, ...] = ("Q4_K",)) -> list[dict[str, Any]]:
-    """The product of each of `types` on each of `routes` (plan.DECODE_ROUTES) at each shape
-    and decode batch, the weights (in the layout the route's kernel reads) from HBM; a route
-    whose file did not compile is left out (compile_s says why)."""
+def product_seconds(function: Any, launch: plan.Launch, copies: list[Any], type_name: str,
+                    rows: int, n_in: int, tokens: int, repeats: int) -> float:
+    """Seconds a launch of a product entry (weights, pitch, x, x_stride, y, y_stride, rows,
+    n_in, tokens) over `tokens` random rows, each launch reading the next of `copies`."""
     import pycuda.driver as cuda
 
+    x = cuda.to_device(np.random.default_rng(tokens).standard_normal((tokens, n_in))
+                       .astype(np.float32))
+    y = cuda.mem_alloc(tokens * rows * 4)
+    pitch = np.int64(plan.row_pitch(type_name, n_in))
+    return time_launches(
+        lambda i: function(copies[i % len(copies)], pitch, x, np.int32(n_in), y,
+                           np.int32(rows), np.int32(rows), np.int32(n_in), np.int32(tokens),
+                           grid=launch.grid, block=launch.block),
+        repeats)
+
+
+def bench_products(module: Any, rng: np.random.Generator, l2_bytes: int, repeats: int,
+                   counts: tuple[int, ...], kernel: Any, launch: Any) -> list[dict[str, Any]]:
+    """kernel(type, tokens) of each of plan.MATVEC_MMA_TYPES (as the device holds them) at each
+    shape and each of `counts` rows, launch(rows, n_in, tokens) its geometry, the weights from
+    HBM: the weights' bytes a second and the tensor cores' useful TFLOPs."""
     results = []
-    most = max(MATVEC_BATCHES)
-    workspace = cuda.mem_alloc(plan.DECODE_PARTIAL_ROWS * most * 4)
-    counters = cuda.to_device(np.zeros(plan.DECODE_TILE_MIN_BLOCKS * most, dtype=np.int32))
-    compiled_routes = [r for r in routes if ROUTE_FILES[r] in compiled]
-    for type_name, (rows, n_in) in ((t, shape) for t in types for shape in MATVEC_SHAPES):
-        matrix = random_blocks(rng, type_name, rows * n_in // 256).reshape(rows, -1)
-        images = {planar: weight_copies(device_rows(matrix, type_name, n_in, planar), l2_bytes)
-                  for planar in {plan.holds_planar(type_name, r) for r in compiled_routes}}
-        pitch = np.int64(plan.row_pitch(type_name, n_in))
-        for batch in MATVEC_BATCHES:
-            x = cuda.to_device(rng.standard_normal((batch, n_in)).astype(np.float32))
-            y = cuda.mem_alloc(batch * rows * 4)
-            for route in compiled_routes:
-                name, function, launch = decode_product(compiled, route, type_name, rows, n_in,
-                                                        batch)
-                copies = images[plan.holds_planar(type_name, route)]
-                # the decode tiles' K-split workspace (counters zero, as the backend's)
-                split_args = (workspace, counters) if route == "tiles" else ()
-                seconds = time_launches(
-                    lambda i: function(copies[i % len(copies)], pitch, x, np.int32(n_in), y,
-                                       np.int32(rows), np.int32(rows), np.int32(n_in),
-                                       np.int32(batch), *split_args, grid=launch.grid,
-                                       block=launch.block),
-                    repeats)
+    for type_name in plan.MATVEC_MMA_TYPES:
+        for rows, n_in in MATVEC_SHAPES:
+            matrix = random_blocks(rng, type_name, rows * n_in // 256).reshape(rows, -1)
+            copies = weight_copies(device_rows(matrix, type_name, n_in), l2_bytes)
+            for tokens in counts:
+                name, geometry = kernel(type_name, tokens), launch(rows, n_in, tokens)
+                seconds = product_seconds(module.get_function(name), geometry, copies,
+                                          type_name, rows, n_in, tokens, repeats)
                 weight_bytes = rows * row_bytes(type_name, n_in)
-                results.append({"kernel": name, "route": route, "type": type_name,
-                                "grid": launch.grid, "rows": rows, "n_in": n_in,
-                                "batch": batch, "copies": len(copies), "us": seconds * 1e6,
-                                "weight_bytes": weight_bytes,
-                                "effective_TBps": weight_bytes / seconds / 1e12})
-        for copy in (copy for copies in images.values() for copy in copies):
-            copy.free()
+                results.append({"kernel": name, "type": type_name, "grid": geometry.grid,
+                                "rows": rows, "n_in": n_in, "tokens": tokens,
+                                "copies": len(copies), "us": seconds * 1e6,
+                                "effective_TBps": weight_bytes / seconds / 1e12,
+                                "TFLOPs": 2 * rows * n_in * tokens / seconds / 1e12})
+            for copy in copies:
+                copy.free()
     return results
-
-
-# The batched product timed: Q4_K, and Q6_K row-planar (the matvec_mma route's layout, the one
-# it reads), at each of its token tiles.
-BATCH_FILE = "matmul_batch.cu"
-BATCH_MATRICES = (("Q4_K", False), ("Q6_K", True))
-
-
-def bench_batch(module: Any, rng: np.random.Generator, l2_bytes: int,
-                repeats: int) -> list[dict[str, Any]]:
-    """mul_mat_batch<N> of each of BATCH_MATRICES at each shape and N rows (16, 32, 64: a
-    whole token tile, the weights from HBM): the weights' bytes a second and the tensor cores'
-    useful TFLOPs."""
-    import pycuda.driver as cuda
-
-    results = []
-    for (type_name, planar), (rows, n_in) in itertools.product(BATCH_MATRICES, MATVEC_SHAPES):
-        matrix = random_blocks(rng, type_name, rows * n_in // 256).reshape(rows, -1)
-        copies = weight_copies(device_rows(matrix, type_name, n_in, planar), l2_bytes)
-        pitch = np.int64(plan.row_pitch(type_name, n_in))
-        for tokens in plan.BATCH_TOKENS:
-            x = cuda.to_device(rng.standard_normal((tokens, n_in)).astype(np.float32))
-            y = cuda.mem_alloc(tokens * rows * 4)
-            name = plan.batch_kernel(type_name, tokens, planar=planar)
-            function, launch = module.get_function(name), plan.batch_launch(rows, tokens)
-            seconds = time_launches(
-                lambda i: function(copies[i % len(copies)], pitch, x, np.int32(n_in), y,
-                                   np.int32(rows), np.int32(rows), np.int32(n_in),
-                                   np.int32(tokens), grid=launch.grid, block=launch.block),
-                repeats)
-            weight_bytes = rows * row_bytes(type_name, n_in)
-            results.append({"kernel": name, "type": type_name, "rows": rows, "n_in": n_in,
-                            "tokens": tokens, "copies": len(copies), "us": seconds * 1e6,
-                            "effective_TBps": weight_bytes / seconds / 1e12,
-                            "TFLOPs": 2 * rows * n_in * tokens / seconds / 1e12})
-        for copy in copies:
-            copy.free()
-    return results
-
-
-# The prefill tiles timed: Q4_K, and Q6_K as the file holds it and row-planar (the matvec_mma
-# route's layout), whose staging is all aligned copies and whose level words aligned loads.
-TILE_MATRICES = (("Q4_K", False), ("Q6_K", False), ("Q6_K", True))
 
 
 def bench_tiles(module: Any, rng: np.random.Generator, repeats: int) -> list[dict[str, Any]]:
+    """The prefill tiles of each of plan.MATVEC_MMA_TYPES at PREFILL_TOKENS rows."""
     import pycuda.driver as cuda
 
     rows, n_in = MATVEC_SHAPES[0]
-    x = cuda.to_device(rng.standard_normal((PREFILL_TOKENS, n_in)).astype(np.float32))
-    y = cuda.mem_alloc(PREFILL_TOKENS * rows * 4)
-    launch = plan.matmul_launch(rows, PREFILL_TOKENS)
     results = []
-    for (type_name, planar), tile_input in itertools.product(TILE_MATRICES, plan.TILE_INPUTS):
+    for type_name in plan.MATVEC_MMA_TYPES:
         matrix = random_blocks(rng, type_name, rows * n_in // 256).reshape(rows, -1)
-        weights = cuda.to_device(device_rows(matrix, type_name, n_in, planar))
-        name = plan.matmul_kernel(type_name, PREFILL_TOKENS, tile_input, planar)
-        function = module.get_function(name)
-        seconds = time_launches(
-            lambda i: function(weights, np.int64(plan.row_pitch(type_name, n_in)), x,
-                               np.int32(n_in), y, np.int32(rows), np.int32(rows),
-                               np.int32(n_in), np.int32(PREFILL_TOKENS), grid=launch.grid,
-                               block=launch.block),
-            max(repeats // 10, 3))
+        weights = cuda.to_device(device_rows(matrix, type_name, n_in))
+        name = plan.tiles_kernel(type_name)
+        seconds = product_seconds(module.get_function(name),
+                                  plan.tiles_launch(rows, PREFILL_TOKENS), [weights], type_name,
+                                  rows, n_in, PREFILL_TOKENS, max(repeats // 10, 3))
         weights.free()
         results.append({"kernel": name, "type": type_name, "rows": rows, "n_in": n_in,
                         "tokens": PREFILL_TOKENS, "us": seconds * 1e6,
@@ -286,9 +215,8 @@ def prefill_tok_s(backend: Any, vocab: int, tokens: int, repeats: int,
 
 
 def bench_model(path: Path, streams: tuple[int, ...], prefill: int | None,
-                rng: np.random.Generator, decode_route: str = "matvec") -> dict[str, Any]:
-    """Decode (and prefill) figures of the model file at `path` on the CUDA backend, its
-    decode rows on `decode_route`."""
+                rng: np.random.Generator) -> dict[str, Any]:
+    """Decode (and prefill) figures of the model file at `path` on the CUDA backend."""
     from actors.compute.backends import CudaFactory
     from actors.compute.contract import KVRequest
     from actors.model.loaded import open_model
@@ -299,10 +227,9 @@ def bench_model(path: Path, streams: tuple[int, ...], prefill: int | None,
     started = time.perf_counter()
     # Steps one at a time (random tokens, not the greedy ones a step run ahead would feed):
     # the device's own speed; the Engine figures run steps ahead.
-    backend = CudaFactory(decode_route=decode_route, run_ahead=False).build(
+    backend = CudaFactory(run_ahead=False).build(
         model, KVRequest(blocks=blocks, block_size=MODEL_BLOCK, max_sequences=max(streams)))
-    report: dict[str, Any] = {"model": str(path), "decode_route": decode_route,
-                              "build_s": time.perf_counter() - started}
+    report: dict[str, Any] = {"model": str(path), "build_s": time.perf_counter() - started}
     try:
         vocab = model.spec.vocab_size
         report["decode"] = [decode_tok_s(backend, vocab, n, DECODE_STEPS, rng) for n in streams]
@@ -315,11 +242,11 @@ def bench_model(path: Path, streams: tuple[int, ...], prefill: int | None,
 
 
 @asynccontextmanager
-async def cuda_engine(path: Path, streams: tuple[int, ...], decode_route: str,
+async def cuda_engine(path: Path, streams: tuple[int, ...],
                       run_ahead: bool = True) -> AsyncIterator[Any]:
-    """An Engine on the CUDA backend for the file at `path`: Engine.open for the default
-    route, Engine.open_backend over a CudaFactory for another or without the greedy steps
-    run ahead (the same engine, the model opened here)."""
+    """An Engine on the CUDA backend for the file at `path`: Engine.open, or Engine.open_backend
+    over a CudaFactory without the greedy steps run ahead (the same engine, the model opened
+    here)."""
     from actors.compute.backends import CudaFactory
     from actors.compute.contract import KVRequest
     from actors.engine import Engine
@@ -327,7 +254,7 @@ async def cuda_engine(path: Path, streams: tuple[int, ...], decode_route: str,
 
     per_stream = -(-(DECODE_PROMPT + ENGINE_TOKENS) // MODEL_BLOCK)
     kv_blocks = max(streams) * per_stream + 1
-    if decode_route == "matvec" and run_ahead:
+    if run_ahead:
         async with Engine.open(path, backend="cuda", max_sequences=max(streams),
                                kv_blocks=kv_blocks, block_size=MODEL_BLOCK) as engine:
             yield engine
@@ -336,8 +263,7 @@ async def cuda_engine(path: Path, streams: tuple[int, ...], decode_route: str,
     kv = KVRequest(blocks=kv_blocks, block_size=MODEL_BLOCK, max_sequences=max(streams))
     try:
         async with Engine.open_backend(
-                partial(CudaFactory(decode_route=decode_route, run_ahead=run_ahead).build,
-                        model, kv),
+                partial(CudaFactory(run_ahead=False).build, model, kv),
                 model.tokenizer, backend="cuda", max_sequences=max(streams)) as engine:
             yield engine
     finally:
@@ -345,7 +271,7 @@ async def cuda_engine(path: Path, streams: tuple[int, ...], decode_route: str,
 
 
 async def engine_decode(path: Path, streams: tuple[int, ...], rng: np.random.Generator,
-                        decode_route: str, run_ahead: bool = True) -> list[dict[str, Any]]:
+                        run_ahead: bool = True) -> list[dict[str, Any]]:
     """Each stream count in turn through one Engine: that many concurrent greedy requests of
     ENGINE_TOKENS tokens (ignore_eos) after DECODE_PROMPT-token prompts, after a warm-up that
     captures the decode graphs. Decode figures run from the last stream's first token to the
@@ -355,7 +281,7 @@ async def engine_decode(path: Path, streams: tuple[int, ...], rng: np.random.Gen
     from actors.params import SamplingParams
 
     params = SamplingParams(max_tokens=ENGINE_TOKENS, temperature=0.0, ignore_eos=True)
-    async with cuda_engine(path, streams, decode_route, run_ahead) as engine:
+    async with cuda_engine(path, streams, run_ahead) as engine:
         vocab = engine.info.vocab_size
 
         async def run(n: int,
@@ -399,14 +325,14 @@ async def engine_decode(path: Path, streams: tuple[int, ...], rng: np.random.Gen
 
 
 def bench_engine(path: Path, streams: tuple[int, ...], bare: Any, rng: np.random.Generator,
-                 decode_route: str = "matvec", run_ahead: bool = True) -> list[dict[str, Any]]:
+                 run_ahead: bool = True) -> list[dict[str, Any]]:
     """engine_decode's figures, each beside the bare backend's decode step at the same
-    stream count (from `bare`, bench_model's report of the same file on the same route, where
-    it has one): actors_ms_per_step is what the engine's actors add to a decode step (less
-    what the steps run ahead hide)."""
+    stream count (from `bare`, bench_model's report of the same file, where it has one):
+    actors_ms_per_step is what the engine's actors add to a decode step (less what the steps
+    run ahead hide)."""
     import anyio
 
-    results = anyio.run(engine_decode, path, streams, rng, decode_route, run_ahead)
+    results = anyio.run(engine_decode, path, streams, rng, run_ahead)
     bare_ms = {row["streams"]: row["ms_per_step"]
                for row in (bare or {}).get("decode", []) if "ms_per_step" in row}
     for row in results:
@@ -459,47 +385,33 @@ def main() -> None:
     compiled: dict[str, Any] = {}
     section("compile_s", lambda: compile_all(compiled))
     section("copy", lambda: bench_copy(args.repeats // 4))
-    # The mma matvec has never run on a device: its figures come after every other bare
-    # figure, so a fault in it (which leaves the context unusable) costs only the Engine's.
-    proven_routes = tuple(r for r in plan.DECODE_ROUTES if r != "matvec_mma")
-    section("matvec", lambda: bench_matvec(compiled, rng, l2_bytes, args.repeats, proven_routes))
-    section("tiles", lambda: bench_tiles(compiled["matmul.cu"], rng, args.repeats))
+    section("matvec_mma", lambda: bench_products(
+        compiled[MATVEC_FILE], rng, l2_bytes, args.repeats, MATVEC_BATCHES,
+        lambda t, _: plan.matvec_mma_kernel(t), lambda rows, n_in, _: plan.matvec_mma_launch(
+            rows, n_in)))
+    section("batch", lambda: bench_products(
+        compiled[BATCH_FILE], rng, l2_bytes, args.repeats, plan.BATCH_TOKENS, plan.batch_kernel,
+        lambda rows, _, tokens: plan.batch_launch(rows, tokens)))
+    section("tiles", lambda: bench_tiles(compiled[TILES_FILE], rng, args.repeats))
     engine_streams = tuple(args.engine_streams)
     if args.model_8b:
         section("llama3_8b",
                 lambda: bench_model(args.model_8b, DECODE_STREAMS, PREFILL_TOKENS, rng))
-        section("llama3_8b_decode_tiles",
-                lambda: bench_model(args.model_8b, DECODE_STREAMS, None, rng, "tiles"))
     if args.gemma3:
         section("gemma3_270m", lambda: bench_model(args.gemma3, (1,), None, rng))
     for path in args.model:
         section(path.stem, lambda: bench_model(path, DECODE_STREAMS, None, rng))
-        section(f"{path.stem}_decode_tiles",
-                lambda: bench_model(path, DECODE_STREAMS, None, rng, "tiles"))
-    section("matvec_mma", lambda: bench_matvec(compiled, rng, l2_bytes, args.repeats,
-                                               ("matvec_mma",), plan.MATVEC_MMA_TYPES))
-    section("batch", lambda: bench_batch(compiled[BATCH_FILE], rng, l2_bytes, args.repeats))
-    if args.model_8b:
-        section("llama3_8b_matvec_mma",
-                lambda: bench_model(args.model_8b, MMA_DECODE_STREAMS, None, rng, "matvec_mma"))
     # Through the Engine after every bare figure: a run cut short keeps those first.
     for key, path in [("llama3_8b", args.model_8b), ("gemma3_270m", args.gemma3),
                       *((path.stem, path) for path in args.model)]:
         if path and engine_streams:
             section(f"{key}_engine",
                     lambda: bench_engine(path, engine_streams, report.get(key), rng))
-    if args.model_8b and engine_streams:  # the other routes through the Engine: the 8B alone
+    if args.model_8b and engine_streams:
         # Without the greedy steps run ahead, at 1 and 32 streams: what running ahead hides.
         section("llama3_8b_engine_one_step_at_a_time",
                 lambda: bench_engine(args.model_8b, tuple(n for n in engine_streams if n <= 32),
                                      report.get("llama3_8b"), rng, run_ahead=False))
-        section("llama3_8b_decode_tiles_engine",
-                lambda: bench_engine(args.model_8b, engine_streams,
-                                     report.get("llama3_8b_decode_tiles"), rng, "tiles"))
-        # The mma matvec's route is the one-stream candidate: its Engine figure at 1 stream.
-        section("llama3_8b_matvec_mma_engine",
-                lambda: bench_engine(args.model_8b, (1,), report.get("llama3_8b_matvec_mma"),
-                                     rng, "matvec_mma"))
     print(json.dumps(report, indent=2))
 
 
@@ -507,7 +419,7 @@ def compile_all(compiled: dict[str, Any]) -> float:
     """Compiles the benchmarked files into `compiled`, one at a time (a file that fails
     leaves those before it); the seconds it took."""
     started = time.perf_counter()
-    for name in (*ROUTE_FILES.values(), BATCH_FILE):
+    for name in (MATVEC_FILE, BATCH_FILE, TILES_FILE):
         compiled[name] = compile_module(name)
     return time.perf_counter() - started
 

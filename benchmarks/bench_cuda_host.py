@@ -17,7 +17,6 @@ time and with the steps run ahead: `ms_per_step` a decode step, and `device_idle
 the device waits for the host (the actors and the backend's host work).
 
     python benchmarks/bench_cuda_host.py [--model PATH] [--rows 1 32 64] [--steps 300]
-                                         [--route matvec|tiles|matvec_mma]
                                          [--engine-streams 1 32 64] [--device-ms 2]
 """
 
@@ -39,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' em
 from actors import Engine, SamplingParams  # noqa: E402
 from actors.compute import cuda_packing as packing  # noqa: E402
 from actors.compute.contract import KVRequest, RowInputs, StepItem  # noqa: E402
-from actors.compute.cuda_plan import DECODE_ROUTES  # noqa: E402
 from actors.model.loaded import load_model  # noqa: E402
 from actors.model.step import plan_step  # noqa: E402
 from tests.conftest import TINY_MODELS  # noqa: E402
@@ -95,7 +93,6 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 64])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--route", choices=DECODE_ROUTES, default="matvec")
     parser.add_argument("--engine-streams", type=int, nargs="*", default=[],
                         help="stream counts through the Engine over a timed device")
     parser.add_argument("--device-ms", type=float, default=2.0,
@@ -110,7 +107,7 @@ def main() -> None:
             blocks = per_row * rows + 1
             backend = module.build_cuda_backend(
                 model, KVRequest(blocks=blocks, block_size=BLOCK_SIZE, max_sequences=rows),
-                0.9, decode_route=args.route)
+                0.9)
             tables = [tuple(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
             # Every row a decode token at position 20 of its own blocks, greedy: the same step
             # again and again (the step queued after the first is dropped, none after it).
@@ -130,9 +127,8 @@ def main() -> None:
             rows_ms = best_ms(lambda: packing.row_arrays(inputs, spec.vocab_size), args.steps,
                               args.repeats)
             backend.close()
-            print(json.dumps({"rows": rows, "route": args.route,
-                              "ms_per_step": round(step_ms, 3), "plan_ms": round(plan_ms, 3),
-                              "row_arrays_ms": round(rows_ms, 3),
+            print(json.dumps({"rows": rows, "ms_per_step": round(step_ms, 3),
+                              "plan_ms": round(plan_ms, 3), "row_arrays_ms": round(rows_ms, 3),
                               "ahead_ms_per_step": round(ahead_ms, 3)}), flush=True)
     for streams in args.engine_streams:
         with pytest.MonkeyPatch.context() as patches:

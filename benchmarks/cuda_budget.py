@@ -7,21 +7,15 @@
    resident warps per SM that follow from sm_90's limits (65,536 registers allocated per warp
    in units of 256, 228 KB shared memory with 1 KB reserved per block, 64 warps, 32 blocks)
    for the block size the launch plan gives it.
-2. Matvec inner loops: the SASS (cuobjdump -sass) of mul_mat_vec_q4_K and _q6_K. A loop is
-   found by its backward branch (a BRA whose target lies before it); each walks one slice per
-   pass (`#pragma unroll 1` in matvec.cu), i.e. BLOCK_BYTES / SLICES weight bytes per lane
-   (Q4_K 144 / 8 = 18, Q6_K 210 / 8 = 26.25). The kernel has two: the lone-row loop (a batch
-   of one: the fewer FFMAs) and the chunk loop (8 activation rows a pass, one forward-branch
-   region per row). Reported: the lone-row pass's SASS instructions per weight byte (batch 1),
-   and the chunk pass's per weight byte and activation row (a full chunk of 8). The same for
-   the tensor-core matvec mul_mat_vec_mma_q4_K / _q6_K (route "matvec_mma"): its K-block loop
-   (the innermost loop holding its 32 MMAs: two K-blocks a pass, a quarter of two rows' blocks
-   a lane: 144 weight bytes for Q4_K, 210 for Q6_K), and whether its prefetch holds in the
-   SASS: each K-block's global loads issued before the MMAs of the K-block before it (the
-   pass's second block's before its first MMA, the next pass's first block's before its
-   second block's first MMA), no branch among its MMAs.
+2. The tensor-core matvec's inner loop (decode steps of up to 8 rows): the SASS (cuobjdump
+   -sass) of mul_mat_vec_mma_q4_K / _q6_K, its K-block loop (the innermost loop, found by its
+   backward branch, holding its 32 MMAs: two K-blocks a pass, a quarter of two rows' blocks a
+   lane: 144 weight bytes for Q4_K, 210 for Q6_K): its SASS instructions per weight byte, and
+   whether its prefetch holds in the SASS: each K-block's global loads issued before the MMAs
+   of the K-block before it (the pass's second block's before its first MMA, the next pass's
+   first block's before its second block's first MMA), no branch among its MMAs.
 3. The batched product mul_mat_batch<N>_f16x2_q4_K / _q6_K_planar at N = 16, 32, 64 token
-   columns (route "matvec_mma" past 8 decode rows, and its logits): its stage loop (the
+   columns (decode steps past 8 rows, and the logits): its stage loop (the
    smallest loop holding a barrier and the stage's MMAs, 4 N / 8 of them a warp), counted
    statically (each branch's code once), the once-a-chunk loops inside it (the weight copies
    and the scale table) apart. A warp's stage takes 16 rows x 32 elements of weights (Q4_K
@@ -29,10 +23,10 @@
    HMMAs. Fitted to a + b x (N / 8): `a` (the weights' fetch and unpack, the pipeline) must
    not grow with N, and `b` is what each 8-column MMA tile costs beside its 4 HMMAs (its
    activation fragments, its epilogue, its share of the activations' copy and split).
-4. Kernels of one decode step (one stream), from actors.compute.cuda_launches.forward_calls +
-   candidate_calls: the Llama-3-8B shape of benchmarks/synthetic_gguf.py (Q4_K_M types), also
-   on the decode tiles route and the mma matvec route (mul_mat_vec_mma where it serves a
-   matrix; at 32 and 64 streams the batched product), and gemma-3 (the default model's file).
+4. Kernels of one decode step, from actors.compute.cuda_launches.forward_calls +
+   candidate_calls: the Llama-3-8B shape of benchmarks/synthetic_gguf.py (Q4_K_M types) at one
+   stream (the mma matvec) and at 32 and 64 (the batched product), and gemma-3 (the default
+   model's file) at one stream.
 Targets: Q4_K inner loop <= 4 SASS instructions per weight byte (the batched product: per
 weight byte of a whole step, at any N), its weights' part not growing with N and at most
 TARGET_BATCH_COLUMN_TILE instructions a column tile; no hot kernel below 16 resident warps per
@@ -70,18 +64,12 @@ TARGET_BATCH_COLUMN_TILE = 64
 _MATVEC_THREADS = math.prod(plan.matvec_launch(4096, 4096).block)
 HOT_ENTRIES = {
     "matvec.cu": {name: _MATVEC_THREADS for name in (
-        "mul_mat_vec_q4_K", "mul_mat_vec_q6_K", "mul_mat_vec_q8_0", "mul_mat_vec_bf16",
-        "mul_mat_vec_gate_up_silu_q4_K", "mul_mat_vec_gate_up_gelu_tanh_q8_0",
+        "mul_mat_vec_q5_K", "mul_mat_vec_q8_0", "mul_mat_vec_bf16",
+        "mul_mat_vec_gate_up_silu_q5_K", "mul_mat_vec_gate_up_gelu_tanh_q8_0",
         "mul_mat_vec_qkv")},
-    "matmul.cu": {"mul_mat_tiles_f16x2_q4_K": plan.TILE_THREADS,
-                  "mul_mat_tiles_f16x2_q6_K": plan.TILE_THREADS,
-                  "mul_mat_tiles_f16x2_q6_K_planar": plan.TILE_THREADS,
-                  "mul_mat_decode_tiles_f16x2_q4_K": plan.DECODE_TILE_THREADS,
-                  "mul_mat_decode_tiles_f16x2_q6_K": plan.DECODE_TILE_THREADS,
-                  "mul_mat_decode_tiles_gate_up_silu_f16x2_q4_K": plan.DECODE_TILE_THREADS,
-                  "mul_mat_decode_tiles_qkv_f16x2": plan.DECODE_TILE_THREADS},
+    "matmul.cu": {plan.tiles_kernel(t): plan.TILE_THREADS for t in ("Q4_K", "Q6_K")},
     "matmul_batch.cu": {
-        **{plan.batch_kernel(t, n, planar=t == "Q6_K"): plan.BATCH_THREADS
+        **{plan.batch_kernel(t, n): plan.BATCH_THREADS
            for t in ("Q4_K", "Q6_K") for n in plan.BATCH_TOKENS},
         **{plan.batch_gate_up_kernel("silu", "Q4_K", n): plan.BATCH_THREADS
            for n in plan.BATCH_TOKENS},
@@ -100,8 +88,6 @@ HOT_ENTRIES = {
     "candidates.cu": {"top_candidates": plan.CANDIDATE_THREADS,
                       "apply_token_mask": plan.MASK_THREADS},
 }
-# Weight bytes one lane consumes per pass of the matvec loop: its slice's share of a block.
-LOOP_BYTES = {"mul_mat_vec_q4_K": 144 / 8, "mul_mat_vec_q6_K": 210 / 8}
 # The tensor-core matvec's pass: two K-blocks of its lane's two rows, a quarter of each
 # (matvec_mma.cu: lane c takes its quarter of rows g and g + 8), 16 MMAs a K-block.
 MMA_LOOP_BYTES = {"mul_mat_vec_mma_q4_K": 2 * 2 * 144 / 4, "mul_mat_vec_mma_q6_K": 2 * 2 * 210 / 4}
@@ -177,29 +163,6 @@ def sass_instructions(cubin: Path, function: str, cuobjdump: str) -> list[tuple[
 def branch_target(operands: str) -> int | None:
     match = re.search(r"0x([0-9a-f]+)", operands)
     return int(match.group(1), 16) if match else None
-
-
-def matvec_loops(instructions: list[tuple[int, str, str]]) -> dict[str, int]:
-    """The slice loops (backward branches whose bodies hold FFMAs): the lone-row loop (the
-    fewest FFMAs: batch 1) and the chunk loop (the most: up to 8 rows a pass, each row's
-    region skipped by a forward branch when the batch has fewer)."""
-    loops = []
-    for body in innermost_loops(instructions):  # only innermost loops are passes
-        ffma = sum(op == "FFMA" for _, op, _ in body)
-        if ffma >= 32:
-            loops.append((ffma, body))
-    if len(loops) < 2:
-        raise RuntimeError("the matvec's lone-row and chunk loops were not found")
-    lone = min(loops, key=lambda loop: loop[0])[1]
-    chunk = max(loops, key=lambda loop: (loop[0], -len(loop[1])))[1]
-    end = chunk[-1][0]
-    row_regions = 0
-    for address, opcode, operands in chunk:
-        target = branch_target(operands) if opcode == "BRA" else None
-        if target is not None and address < target <= end:
-            row_regions += any(op == "FFMA" for a, op, _ in chunk if address < a < target)
-    return {"batch1_pass_instructions": len(lone), "chunk_pass_instructions": len(chunk),
-            "chunk_row_regions": row_regions}
 
 
 def innermost_loops(instructions: list[tuple[int, str, str]]) -> list[list[tuple[int, str, str]]]:
@@ -298,8 +261,7 @@ def batch_figures(stages: dict[int, dict], weight_bytes: float) -> dict:
 
 
 def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
-    report: dict = {"entries": {}, "matvec_loops": {}, "matvec_mma_loops": {},
-                    "batch_stages": {}}
+    report: dict = {"entries": {}, "matvec_mma_loops": {}, "batch_stages": {}}
     cubins = {source: work / f"{Path(source).stem}.cubin" for source in HOT_ENTRIES}
     with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:  # a minute or more a file
         reports = dict(zip(cubins, pool.map(
@@ -315,22 +277,11 @@ def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
                 "threads": threads,
                 "resident_warps_per_sm": resident_warps(r["registers"], r["shared"], threads),
             }
-        if source == "matvec.cu" and cuobjdump:
-            for name, lane_bytes in LOOP_BYTES.items():
-                loop = matvec_loops(sass_instructions(cubin, name, cuobjdump))
-                chunk = plan.MATVEC_MAX_BATCH
-                report["matvec_loops"][name] = {
-                    **loop, "lane_weight_bytes_per_pass": lane_bytes,
-                    "sass_per_weight_byte_batch1": round(
-                        loop["batch1_pass_instructions"] / lane_bytes, 2),
-                    "sass_per_weight_byte_and_row_chunk8": round(
-                        loop["chunk_pass_instructions"] / (lane_bytes * chunk), 2),
-                }
         if source == "matmul_batch.cu" and cuobjdump:
             for type_name, weight_bytes in BATCH_STAGE_BYTES.items():
                 stages = {n: batch_stage(sass_instructions(
-                    cubin, plan.batch_kernel(type_name, n, planar=type_name == "Q6_K"),
-                    cuobjdump), n) for n in plan.BATCH_TOKENS}
+                    cubin, plan.batch_kernel(type_name, n), cuobjdump), n)
+                    for n in plan.BATCH_TOKENS}
                 report["batch_stages"][type_name] = batch_figures(stages, weight_bytes)
         if source == "matvec_mma.cu" and cuobjdump:
             for name, lane_bytes in MMA_LOOP_BYTES.items():
@@ -342,11 +293,10 @@ def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
     return report
 
 
-def decode_kernels(spec, layouts, decode_route: str = "matvec",
-                   streams: int = 1) -> dict[str, int]:
+def decode_kernels(spec, layouts, streams: int = 1) -> dict[str, int]:
     """Kernels of one decode step of `streams` sequences (forward + candidates) and of its
     largest layer (the step adds the embedding, the final norm, the output product and
-    candidates), the decode rows' products on `decode_route`."""
+    candidates)."""
     from actors.compute import cuda_launches as launches
     from actors.model.step import StepItem, plan_step
 
@@ -355,20 +305,17 @@ def decode_kernels(spec, layouts, decode_route: str = "matvec",
                       for i in range(streams)], spec, 3 * streams, block_size)
     shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
                                 spec.context_length)
-    forward = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT, decode_route)
+    forward = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT)
     tail = launches.candidate_calls(spec, streams, 1, any_penalty=False, n_masked=0)
-    per_layer = max(len(launches.layer_calls(spec, layouts, shape, layer, launches.TILE_INPUT,
-                                             decode_route))
+    per_layer = max(len(launches.layer_calls(spec, layouts, shape, layer, launches.TILE_INPUT))
                     for layer in range(spec.n_layers))
     return {"layers": spec.n_layers, "kernels_per_step": len(forward) + len(tail),
             "kernels_per_layer": per_layer}
 
 
-def llama_8b_layouts(decode_route: str = "matvec"):
-    """The Llama-3-8B Q4_K_M shape's spec and tensors as they lie on the device for an engine
-    on `decode_route`."""
+def llama_8b_layouts():
+    """The Llama-3-8B Q4_K_M shape's spec and tensors as they lie on the device."""
     from actors.compute.cuda_launches import MatrixLayout
-    from actors.compute.cuda_plan import holds_planar
     from actors.model.arch import ModelSpec
     from benchmarks.synthetic_gguf import LlamaShape, q4_k_m_types, tensor_shapes
 
@@ -381,8 +328,7 @@ def llama_8b_layouts(decode_route: str = "matvec"):
                      rope_dim=shape.d_model // shape.heads, rope_neox=False)
     types = q4_k_m_types(shape)
     layouts = {name: MatrixLayout("F32", 1, dims[0]) if len(dims) == 1
-               else MatrixLayout(types[name], math.prod(dims[:-1]), dims[-1],
-                                 holds_planar(types[name], decode_route))
+               else MatrixLayout(types[name], math.prod(dims[:-1]), dims[-1])
                for name, dims in tensor_shapes(shape)}
     return spec, layouts
 
@@ -408,15 +354,12 @@ def budgets(gemma_path: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory() as work:
         report = resources_section(nvcc, Path(work), cuobjdump)
     if cuobjdump is None:
-        report["matvec_loops_missing"] = ("cuobjdump not found (pip nvidia-cuda-cuobjdump and "
-                                          "nvidia-cuda-nvdisasm provide it)")
+        report["loops_missing"] = ("cuobjdump not found (pip nvidia-cuda-cuobjdump and "
+                                   "nvidia-cuda-nvdisasm provide it)")
+    llama = llama_8b_layouts()
     report["decode_step"] = {
-        "llama3_8b_q4_k_m": decode_kernels(*llama_8b_layouts()),
-        "llama3_8b_q4_k_m_decode_tiles": decode_kernels(*llama_8b_layouts("tiles"), "tiles"),
-        "llama3_8b_q4_k_m_matvec_mma": decode_kernels(*llama_8b_layouts("matvec_mma"),
-                                                      "matvec_mma"),
-        **{f"llama3_8b_q4_k_m_matvec_mma_{n}_streams": decode_kernels(
-            *llama_8b_layouts("matvec_mma"), "matvec_mma", n) for n in (32, 64)}}
+        "llama3_8b_q4_k_m": decode_kernels(*llama),
+        **{f"llama3_8b_q4_k_m_{n}_streams": decode_kernels(*llama, n) for n in (32, 64)}}
     try:
         report["decode_step"]["gemma3"] = decode_kernels(*gemma_layouts(gemma_path))
     except (FileNotFoundError, OSError) as error:
@@ -441,9 +384,6 @@ def main() -> None:
     for name, entry in report["entries"].items():
         print(f"{name:40s} regs {entry['registers']:3d}  smem {entry['shared']:6d}  "
               f"spills {entry['spills']}  warps/SM {entry['resident_warps_per_sm']}")
-    for name, loop in report["matvec_loops"].items():
-        print(f"{name}: {loop['sass_per_weight_byte_batch1']} SASS / weight byte at batch 1, "
-              f"{loop['sass_per_weight_byte_and_row_chunk8']} per byte and row at 8")
     for name, loop in report["matvec_mma_loops"].items():
         print(f"{name}: {loop['sass_per_weight_byte_batch1']} SASS / weight byte a token, "
               f"prefetch ahead: {loop['prefetch_ahead']} ({loop['loads_before_first_mma']} / "

@@ -8,13 +8,12 @@ BIN_DIR holds llama-bench and llama-batched-bench (benchmarks/llama_cpp_cuda.sh)
 every layer on the GPU and llama.cpp's defaults otherwise. The shapes follow bench_cuda's:
 
 - one stream's decode and a 512-token prefill: llama-bench (`-p 512 -n DECODE_STEPS`);
-- decode at 1 / 32 / 64 streams: llama-batched-bench, each stream holding DECODE_PROMPT
+- decode at 1 / 8 / 32 / 64 streams: llama-batched-bench, each stream holding DECODE_PROMPT
   tokens before DECODE_STEPS decode steps of one token a stream, as bench_cuda's decode does
   (its S_TG: the streams' tokens over the decode steps' time).
 
-Where `--ours` names bench_cuda's JSON, each figure is given beside ours: the fastest of our
-decode routes on the bare backend and through the whole Engine, and the ratio of each to
-llama.cpp's. `--theirs` takes llama.cpp's figures from an earlier run's JSON instead of
+Where `--ours` names bench_cuda's JSON, each figure is given beside ours: on the bare
+backend and through the whole Engine, and the ratio of each to llama.cpp's. `--theirs` takes llama.cpp's figures from an earlier run's JSON instead of
 running the tools (ours and theirs measured in two device calls, set side by side here).
 """
 
@@ -31,9 +30,8 @@ from typing import Any
 from bench_cuda import ANCHORS, DECODE_PROMPT, DECODE_STEPS, DECODE_STREAMS, PREFILL_TOKENS
 
 TOOL_TIMEOUT_S = 240
-# bench_cuda's sections of each model on each decode route: bare backend, then the Engine.
-ROUTE_SECTIONS = {"llama3_8b": ("llama3_8b", "llama3_8b_decode_tiles", "llama3_8b_matvec_mma"),
-                  "gemma3_270m": ("gemma3_270m",)}
+# bench_cuda's section of each model: the bare backend's (`<model>_engine`: the Engine's).
+MODEL_SECTIONS = ("llama3_8b", "gemma3_270m")
 
 
 def figure_name(model: str, streams: int) -> str:
@@ -100,27 +98,20 @@ def llama_cpp_figures(bin_dir: Path, model: str, path: Path, streams: tuple[int,
 
 
 def our_figures(report: dict[str, Any]) -> dict[str, dict[str, tuple[float, str]]]:
-    """bench_cuda's figures under the anchors' names: for each, the fastest route's figure
-    and that route's section, on the bare backend ("bare") and through the Engine ("engine")."""
+    """bench_cuda's figures under the anchors' names, each with its section, on the bare
+    backend ("bare") and through the Engine ("engine")."""
     ours: dict[str, dict[str, tuple[float, str]]] = {"bare": {}, "engine": {}}
-
-    def keep(kind: str, name: str, tok_s: float, section: str) -> None:
-        if name not in ours[kind] or tok_s > ours[kind][name][0]:
-            ours[kind][name] = (tok_s, section)
-
-    for model, sections in ROUTE_SECTIONS.items():
-        for section in sections:
-            bare = report.get(section, {})  # a model's figures, or {"error": ...}
-            for row in bare.get("decode", []):
-                keep("bare", figure_name(model, row["streams"]), row["tok_s"], section)
-            prefill = bare.get("prefill")
-            if prefill:
-                keep("bare", f"{model}_prefill_{prefill['tokens']}_tok_s", prefill["tok_s"],
-                     section)
-            engine = report.get(f"{section}_engine")
-            for row in engine if isinstance(engine, list) else []:
-                keep("engine", figure_name(model, row["streams"]), row["decode_tok_s"],
-                     f"{section}_engine")
+    for model in MODEL_SECTIONS:
+        bare = report.get(model, {})  # a model's figures, or {"error": ...}
+        for row in bare.get("decode", []):
+            ours["bare"][figure_name(model, row["streams"])] = (row["tok_s"], model)
+        prefill = bare.get("prefill")
+        if prefill:
+            ours["bare"][f"{model}_prefill_{prefill['tokens']}_tok_s"] = (prefill["tok_s"], model)
+        engine = report.get(f"{model}_engine")
+        for row in engine if isinstance(engine, list) else []:
+            ours["engine"][figure_name(model, row["streams"])] = (row["decode_tok_s"],
+                                                                  f"{model}_engine")
     return ours
 
 

@@ -1,21 +1,23 @@
 // Embedding gather: out[i][:] = dequantize(table row ids[i]) * scale, exact per element
 // (the decode is quants.py's bit for bit, then one float32 multiply, as forward.py's
 // `x *= embed_scale`; scale = 1 leaves the rows as decoded).
-// table: the GGUF token_embd rows at row_pitch bytes (see matvec.cu), or for get_rows_q6_K_planar
-// a Q6_K table's row-planar copy (the matvec_mma route holds its Q6_K matrices so: see
-// cuda_plan.planar_q6_K_rows); d_model % 32 == 0; out: float32 [n_ids][d_model]. Grid: n_ids
-// blocks; any block size.
-#include "quant_blocks.cuh"
+// Entry points get_rows_<type>, per block type as the device holds it (<type> as in
+// matmul.cu: q6_K_planar for Q6_K, held row-planar, cuda_plan.planar_q6_K_rows).
+// table: the GGUF token_embd rows at row_pitch bytes (see matvec.cu), a Q6_K table's
+// row-planar; d_model % 32 == 0; out: float32 [n_ids][d_model]. Grid: n_ids blocks; any block
+// size.
+#include "tile_levels.cuh"
 
 // How a table's row is decoded, a group at a time: its file blocks, or Q6_K row-planar.
 template <class T>
-struct file_row {
+struct held_row {
     static __device__ void group(const uint8_t* row, int, int g, float* out) {
         dequantize_row_group<T>(row, g, out);
     }
 };
 
-struct planar_q6_K_row {
+template <>
+struct held_row<type_q6_K_planar> {
     static __device__ void group(const uint8_t* row, int d_model, int g, float* out) {
         dequantize_planar_q6_K_group(row, d_model / type_q6_K::BLOCK_ELEMENTS, g, out);
     }
@@ -39,13 +41,7 @@ __device__ void get_rows(const uint8_t* __restrict__ table, int64_t row_pitch,
     extern "C" __global__ void get_rows_##suffix(const uint8_t* table, int64_t row_pitch,  \
                                                  const int* ids, float* out, int d_model,  \
                                                  float scale) {                             \
-        get_rows<file_row<type>>(table, row_pitch, ids, out, d_model, scale);               \
+        get_rows<held_row<type>>(table, row_pitch, ids, out, d_model, scale);               \
     }
 
-QK_FOR_EACH_TYPE(QK_GET_ROWS_ENTRY)
-
-extern "C" __global__ void get_rows_q6_K_planar(const uint8_t* table, int64_t row_pitch,
-                                                const int* ids, float* out, int d_model,
-                                                float scale) {
-    get_rows<planar_q6_K_row>(table, row_pitch, ids, out, d_model, scale);
-}
+QK_FOR_EACH_HELD_TYPE(QK_GET_ROWS_ENTRY)

@@ -2,9 +2,9 @@
 // the MMA's token dimension, so each weight byte is fetched and unpacked once per step
 // whatever the number of rows (up to N a launch's token tile; more rows take more token tiles).
 //
-// Entry points, per block type (<type> as in matvec.cu, and q6_K_planar: a Q6_K matrix held
-// row-planar, cuda_plan.planar_q6_K_rows), N in 16, 32, 64 (the step's bucket: the fewest
-// columns holding its rows), <act> in silu, gelu_tanh:
+// Entry points, per block type as the device holds it (<type> as in matmul.cu: q6_K_planar
+// for Q6_K, held row-planar), N in 16, 32, 64 (the step's bucket: the fewest columns holding
+// its rows), <act> in silu, gelu_tanh:
 //   mul_mat_batch<N>_f16x2_<type>(weights, int64 row_pitch, x, int x_stride, y, int y_stride,
 //                                 int rows, int n_in, int n_tokens)
 //       y[t][r] = W[r] . x[t]: blocks of 64 rows x N tokens (BatchTile<N>), 4 warps of 16 rows
@@ -15,8 +15,7 @@
 //       block (grid y: ceil(ffn_rows / 32)), bit for bit mul_mat_batch<N>_f16x2_<type> of
 //       gate and of up then activation.cu's gated_<act>.
 //   mul_mat_batch<N>_qkv_f16x2(matvec.cu's mul_mat_vec_qkv arguments)
-//       q, k and v (a block type each; a Q6_K one row-planar, as mul_mat_vec_mma_qkv reads
-//       it) into one qkv row and their heads finished (qkv_finish_ops.cuh's epilogue,
+//       q, k and v (a block type each, as the device holds it) into one qkv row and their heads finished (qkv_finish_ops.cuh's epilogue,
 //       head_counters a token tile: n_heads + 2 n_kv_heads of them), bit for bit
 //       mul_mat_batch<N>_f16x2_<type> of each matrix then qkv_finish. Grid y: the 64-row
 //       blocks of q, then k, then v. N in 16, 32 only (more rows take more token tiles): at 64
@@ -61,17 +60,6 @@ struct TileGateUp : GateUpRows<Shape::ROWS / 2> {
     }
 };
 
-// What the batched QKV multiplies a segment of a block type as: a Q6_K matrix row-planar (the
-// mma route's layout, the only one the batched product serves), the others as in the file.
-template <class T>
-struct batch_layout {
-    using type = T;
-};
-template <>
-struct batch_layout<type_q6_K> {
-    using type = type_q6_K_planar;
-};
-
 // One segment (q, k or v) of the batched QKV: the block's tile rows are the segment's rows
 // from (blockIdx.y - block_first) * ROWS, their sums at the segment's column of y; the
 // product's activations with it (the out-of-line product takes it all from shared memory).
@@ -101,16 +89,15 @@ constexpr int BATCH_QKV_MAX_HEAD_DIM = 256;
 // Every block type's shared memory in one place (a block multiplies one segment, of one
 // type), and the finish's head copies (a head_dim copy a warp, used once the products are
 // done).
-#define QK_BATCH_SHARED_MEMBER(suffix, block_type) \
-    TileShared<typename batch_layout<block_type>::type, BatchTile<N>> suffix;
+#define QK_BATCH_SHARED_MEMBER(suffix, block_type) TileShared<block_type, BatchTile<N>> suffix;
 template <int N>
 union BatchQkvShared {
-    QK_FOR_EACH_TYPE(QK_BATCH_SHARED_MEMBER)
+    QK_FOR_EACH_HELD_TYPE(QK_BATCH_SHARED_MEMBER)
     float head_copies[BatchTile<N>::THREADS / WARP * BATCH_QKV_MAX_HEAD_DIM];
 };
 
 // The block's tile of its segment, out of line: the eleven products inlined in one kernel
-// spilled registers in the decode tiles' QKV (no one of them alone did).
+// spill registers (no one of them alone does).
 template <class T, int N>
 __device__ __noinline__ void batch_qkv_tile(const TileQkvSegment<BatchTile<N>>& job,
                                             TileShared<T, BatchTile<N>>& shared) {
@@ -119,16 +106,17 @@ __device__ __noinline__ void batch_qkv_tile(const TileQkvSegment<BatchTile<N>>& 
 
 #define QK_BATCH_QKV_CASE(suffix, block_type)                                                 \
     if (job.seg.type_code == code++) {                                                        \
-        batch_qkv_tile<typename batch_layout<block_type>::type, N>(job, shared.suffix);       \
+        batch_qkv_tile<block_type, N>(job, shared.suffix);                                    \
         return;                                                                               \
     }
 
-// Type codes as mul_mat_vec_qkv's; the segment's type is block-uniform.
+// Type codes as mul_mat_vec_qkv's (QK_FOR_EACH_HELD_TYPE keeps their order); the segment's
+// type is block-uniform.
 template <int N>
 __device__ void batch_qkv_segment_of_its_type(const TileQkvSegment<BatchTile<N>>& job,
                                               BatchQkvShared<N>& shared) {
     int code = 0;
-    QK_FOR_EACH_TYPE(QK_BATCH_QKV_CASE)
+    QK_FOR_EACH_HELD_TYPE(QK_BATCH_QKV_CASE)
     __trap();  // a type code cuda_plan.kernel_type_code never gives
 }
 
@@ -187,5 +175,4 @@ QK_BATCH_QKV_ENTRY(32)
     QK_BATCH_ENTRIES_N(32, suffix, type) \
     QK_BATCH_ENTRIES_N(64, suffix, type)
 
-QK_FOR_EACH_TYPE(QK_BATCH_ENTRIES)
-QK_BATCH_ENTRIES(q6_K_planar, type_q6_K_planar)
+QK_FOR_EACH_HELD_TYPE(QK_BATCH_ENTRIES)

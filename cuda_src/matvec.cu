@@ -1,7 +1,11 @@
 // Decode matrix x activations, float32: y[b][r] = sum_i W[r][i] * x[b][i] for any batch >= 1.
 //
-// Entry points (<type>: q4_0 q4_1 q5_0 q5_1 q8_0 q4_K q5_K q6_K f32 f16 bf16; <act>: silu,
-// gelu_tanh):
+// The CUDA-core matvec: the fallback of the matvec rows (decode steps of up to 8 rows, short
+// prompts) for the block types the tensor cores' matvec (matvec_mma.cu: Q4_K, Q6_K) does not
+// serve.
+//
+// Entry points (<type>: q4_0 q4_1 q5_0 q5_1 q8_0 q5_K f32 f16 bf16, cuda_plan.MATVEC_TYPES;
+// <act>: silu, gelu_tanh):
 //   mul_mat_vec_<type>(weights, int64 row_pitch, x, int x_stride, y, int y_stride, int rows,
 //                      int n_in, int batch)
 //       y[b][r] = W[r] . x[b] for r < rows, b < batch.
@@ -14,8 +18,8 @@
 //                   int y_stride, int n_in, int batch, int head_dim, q_bias, k_bias, v_bias,
 //                   q_norm, k_norm, float eps, positions, int rope_dim, double base,
 //                   freq_factors, int neox, slots, k_cache, v_cache, int* head_counters)
-//       three matrices of possibly different block types (type code: the index of the type in
-//       cuda_plan.KERNEL_TYPE_SUFFIX), y rows = q | k | v concatenated (rows_q + rows_k +
+//       three matrices of possibly different block types, each with an entry above (type
+//       code: the index of the type in cuda_plan.KERNEL_TYPE_SUFFIX), y rows = q | k | v concatenated (rows_q + rows_k +
 //       rows_v wide, each a whole number of heads of head_dim), each product bit for bit
 //       mul_mat_vec_<type> of its matrix; then every head of every row finished as
 //       qkv_finish.cu does (from head_dim on, its arguments after n_kv_heads; positions and
@@ -231,23 +235,37 @@ __device__ void mul_mat_vec_gate_up(const uint8_t* __restrict__ gate_w,
                     });
 }
 
+// The types with entries here (matvec_slices.cuh's QK_FOR_EACH_MATVEC_TYPE): those
+// mul_mat_vec_mma does not serve.
+template <class T>
+constexpr bool has_matvec_entry = false;
+#define QK_HAS_MATVEC_ENTRY(suffix, type) \
+    template <>                           \
+    constexpr bool has_matvec_entry<type> = true;
+QK_FOR_EACH_MATVEC_TYPE(QK_HAS_MATVEC_ENTRY)
+
 template <class T>
 __device__ void qkv_segment(const QkvSegment& seg, const float* __restrict__ x, int x_stride,
                             float* __restrict__ y, int y_stride, int n_in, int batch,
                             MatvecShared& shared) {
-    const int per_block = rows_per_block();
-    const int first = (int(blockIdx.x) - seg.block_first) * per_block;
-    const int here = min(per_block, seg.rows - first);
-    auto row_at = [&](int local) -> const uint8_t* {
-        return local < here ? seg.weights + (first + local) * seg.pitch : nullptr;
-    };
-    matvec_block<T>(row_at, x, x_stride, n_in, batch, shared,
-                    [&](auto total, int tid, int threads, int count, int b0) {
-                        for (int e = tid; e < here * count; e += threads) {
-                            const int r = e % here, j = e / here;
-                            y[int64_t(b0 + j) * y_stride + seg.column + first + r] = total(r, j);
-                        }
-                    });
+    if constexpr (!has_matvec_entry<T>) {
+        __trap();  // cuda_plan launches it only where mul_mat_vec_mma serves none of q, k, v
+    } else {
+        const int per_block = rows_per_block();
+        const int first = (int(blockIdx.x) - seg.block_first) * per_block;
+        const int here = min(per_block, seg.rows - first);
+        auto row_at = [&](int local) -> const uint8_t* {
+            return local < here ? seg.weights + (first + local) * seg.pitch : nullptr;
+        };
+        matvec_block<T>(row_at, x, x_stride, n_in, batch, shared,
+                        [&](auto total, int tid, int threads, int count, int b0) {
+                            for (int e = tid; e < here * count; e += threads) {
+                                const int r = e % here, j = e / here;
+                                y[int64_t(b0 + j) * y_stride + seg.column + first + r] =
+                                    total(r, j);
+                            }
+                        });
+    }
 }
 
 // Two blocks per SM at least (16 resident warps): ptxas may take up to 128 registers.
@@ -274,8 +292,8 @@ __device__ void qkv_segment(const QkvSegment& seg, const float* __restrict__ x, 
     QK_GATE_UP_ENTRY(silu, silu_op, suffix, type)           \
     QK_GATE_UP_ENTRY(gelu_tanh, gelu_tanh_op, suffix, type)
 
-QK_FOR_EACH_TYPE(QK_MATVEC_ENTRY)
-QK_FOR_EACH_TYPE(QK_GATE_UP_ENTRIES)
+QK_FOR_EACH_MATVEC_TYPE(QK_MATVEC_ENTRY)
+QK_FOR_EACH_MATVEC_TYPE(QK_GATE_UP_ENTRIES)
 
 // The block's rows of its segment, bit for bit mul_mat_vec_<type> of the segment's matrix.
 // Type codes: the order of QK_FOR_EACH_TYPE (= cuda_plan.KERNEL_TYPE_SUFFIX).

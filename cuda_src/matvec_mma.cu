@@ -46,14 +46,14 @@
 // is 0 for the usual magnitudes), summed in float32 by the tensor cores per sub-block, times
 // 2^e (exact), then d * (scale * sum) - dmin * (min * sum(x)) per sub-block in float32 (Q6_K:
 // d * the sum over sub-blocks of scale * sum): within the float32 summation bound of the
-// exact product of the decoded weights, as the tiles are. Different summation from
-// mul_mat_vec_<type>'s: a different route (cuda_plan.DECODE_ROUTES), never mixed with it
-// within a matrix.
+// exact product of the decoded weights, as the tiles are. (matvec.cu's CUDA-core matvec
+// serves the other block types, never a Q4_K or Q6_K matrix.)
 // Batch invariance: tokens go one at a time, each through the same operations in the same
 // order (the table, the warps' K-blocks, the lanes' and warps' sums in fixed order): a row's
 // result for a token never depends on the batch. Each token pays the whole pass (its weights
-// from L2 after the first token's), so this is the route for few streams; sharing each
-// unpacked fragment among a chunk of tokens needed more than 128 registers a thread.
+// from L2 after the first token's), so it serves steps of up to 8 rows
+// (cuda_plan.MATVEC_MMA_MAX_ROWS; the batched product takes more); sharing each unpacked
+// fragment among a chunk of tokens needed more than 128 registers a thread.
 #include <type_traits>
 
 #include "activation_ops.cuh"

@@ -1,4 +1,6 @@
-// The matvec's block math (host and device): every block type cut into slices of 32 weights,
+// The CUDA-core matvec's block math (host and device): every block type it serves
+// (QK_FOR_EACH_MATVEC_TYPE: all but Q4_K and Q6_K, which matvec_mma.cu serves) cut into
+// slices of 32 weights,
 // each slice read with a few wide loads and unpacked several weights per instruction into
 // exact float levels, and its dot product with x in the factored per-run form
 //     sum_i w_i x_i = scale * sum_i level_i x_i  (+ offset * sum_i x_i for the affine types).
@@ -9,7 +11,7 @@
 // and only the dot product rounds differently: within the float32 summation bound.
 //
 // Loads: a block sits at a multiple of BLOCK_BYTES from a 16-byte aligned row, so its fields
-// are ALIGN-aligned (gcd(BLOCK_BYTES, 16)): Q4_K / Q5_K and the float types load 16-byte
+// are ALIGN-aligned (gcd(BLOCK_BYTES, 16)): Q5_K and the float types load 16-byte
 // vectors, the others aligned 32-bit (or 64-bit) words funnel-shifted into place. No load
 // passes the 4-byte word holding a block's last byte (inside the 16-byte row pitch).
 #pragma once
@@ -22,7 +24,7 @@ constexpr int RUN = 16;
 struct Slice {
     float level[2][RUN];
     float scale[2];
-    float offset[2];  // zero except for the affine types (Q4_1, Q5_1, Q4_K, Q5_K)
+    float offset[2];  // zero except for the affine types (Q4_1, Q5_1, Q5_K)
     int first[2];     // first element of each run within the block
 };
 
@@ -35,15 +37,6 @@ QK_HD uint32_t load_word(const uint8_t* aligned) {
     uint32_t word;
     memcpy(&word, aligned, 4);
     return word;
-#endif
-}
-
-// The signed byte at p.
-QK_HD int load_int8(const uint8_t* p) {
-#ifdef __CUDA_ARCH__
-    return __ldg(reinterpret_cast<const signed char*>(p));
-#else
-    return int8_t(*p);
 #endif
 }
 
@@ -299,7 +292,7 @@ struct slices_q8_0 : sliced<slices_q8_0> {
     }
 };
 
-// Q4_K / Q5_K: the 6-bit scales and mins of sub-blocks 2p and 2p + 1 from the header's packed
+// Q5_K: the 6-bit scales and mins of sub-blocks 2p and 2p + 1 from the header's packed
 // bytes (words 1..3: bytes 0..3 scales 0..3 with the top bits of scales 4..7 above, bytes 4..7
 // mins 0..3 likewise, bytes 8..11 the low nibbles of scales / mins 4..7), all eight at once
 // with masks as llama.cpp does, then the pair picked out.
@@ -317,7 +310,7 @@ QK_HD void k_scale_min_pair(const uint32_t (&header)[4], int p, int (&scale)[2],
     }
 }
 
-// Slice s = 2 p + t of a Q4_K / Q5_K block: qs bytes [32 p + 16 t, +16), sub-blocks 2p (low
+// Slice s = 2 p + t of a Q5_K block: qs bytes [32 p + 16 t, +16), sub-blocks 2p (low
 // nibbles, run 0) and 2p + 1 (high nibbles, run 1), elements 16 t .. 16 t + 15 of each.
 // Levels are biased (1 + v / 2^BITS): scale and offset as `biased_scales` makes them.
 template <int BITS>
@@ -331,21 +324,6 @@ QK_HD void k_affine_runs(const uint32_t (&header)[4], int s, Slice& out) {
         out.first[r] = 64 * p + 32 * r + 16 * t;
     }
 }
-
-struct slices_q4_K : sliced<slices_q4_K> {
-    static constexpr int SLICES = 8, ALIGN = 16;
-    static constexpr bool AFFINE = true;
-    struct Raw { uint32_t header[4], qs[4]; };
-    static QK_HD void load(const uint8_t* block, int s, Raw& raw) {
-        load_span<ALIGN, 16>(block, raw.header);  // d, dmin, scales[12]
-        load_span<ALIGN, 16>(block + 16 + 16 * s, raw.qs);
-    }
-    static QK_HD void unpack(const uint8_t*, const Raw& raw, int s, Slice& out) {
-        biased_levels<4, 0>(raw.qs, out.level[0]);
-        biased_levels<4, 4>(raw.qs, out.level[1]);
-        k_affine_runs<4>(raw.header, s, out);
-    }
-};
 
 struct slices_q5_K : sliced<slices_q5_K> {
     static constexpr int SLICES = 8, ALIGN = 16;
@@ -365,39 +343,6 @@ struct slices_q5_K : sliced<slices_q5_K> {
             biased_levels<5, 0>(part, out.level[r]);
         }
         k_affine_runs<5>(raw.header, s, out);
-    }
-};
-
-// Slice s = 4 h + 2 c + t of a Q6_K block: ql bytes [64 h + 32 c + 16 t, +16) (low nibbles:
-// quarter c of half h, run 0; high nibbles: quarter c + 2, run 1), their top bits from qh bytes
-// [32 h + 16 t, +16) at shifts 2c and 2c + 4; elements 16 t .. 16 t + 15 of each quarter.
-struct slices_q6_K : sliced<slices_q6_K> {
-    static constexpr int SLICES = 8, ALIGN = 2;
-    static constexpr bool AFFINE = false;
-    struct Raw { uint32_t ql[4], qh[4]; };  // the slice's own bytes; the block's scales and d
-                                            // (shared by its 8 slices) are read by unpack
-    static QK_HD void load(const uint8_t* block, int s, Raw& raw) {
-        const int h = s / 4, t = s % 2;
-        load_span<ALIGN, 16>(block + 64 * h + 32 * ((s / 2) % 2) + 16 * t, raw.ql);
-        load_span<ALIGN, 16>(block + 128 + 32 * h + 16 * t, raw.qh);
-    }
-    static QK_HD void unpack(const uint8_t* block, const Raw& raw, int s, Slice& out) {
-        const int h = s / 4, c = (s / 2) % 2, t = s % 2;
-        uint32_t d[1], part[4];
-        load_span<ALIGN, 2>(block + 208, d);
-        const float scale = half_low(d[0]);
-        for (int r = 0; r < 2; ++r) {
-            const int shift = 2 * c + 4 * r;
-            for (int k = 0; k < 4; ++k) {
-                const uint32_t top = ((raw.qh[k] >> shift) & 0x03030303u) << 4;
-                part[k] = ((raw.ql[k] >> 4 * r) & 0x0F0F0F0Fu) | top;
-            }
-            byte_levels(part, 32.0f, out.level[r]);
-            const int index = 2 * c + 4 * r + t;  // scales[8 h + index]
-            out.scale[r] = mul_rn(scale, float(load_int8(block + 192 + 8 * h + index)));
-            out.offset[r] = 0.0f;
-            out.first[r] = 32 * c + 64 * r + 16 * t + 128 * h;
-        }
     }
 };
 
@@ -442,11 +387,14 @@ struct bf16_halves {
 struct slices_f16 : slices_of_halves<f16_halves, slices_f16> {};
 struct slices_bf16 : slices_of_halves<bf16_halves, slices_bf16> {};
 
+// The types the CUDA-core matvec serves (cuda_plan.MATVEC_TYPES), as X(suffix, struct).
+#define QK_FOR_EACH_MATVEC_TYPE(X) QK_LEGACY_TYPES(X) X(q5_K, type_q5_K) QK_FLOAT_TYPES(X)
+
 template <class T> struct slices_of;
 #define QK_SLICES_OF(suffix, type) \
     template <>                    \
     struct slices_of<type> : slices_##suffix {};
-QK_FOR_EACH_TYPE(QK_SLICES_OF)
+QK_FOR_EACH_MATVEC_TYPE(QK_SLICES_OF)
 #undef QK_SLICES_OF
 
 // --- the factored dot product -------------------------------------------------------------

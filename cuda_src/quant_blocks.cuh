@@ -201,20 +201,23 @@ struct type_bf16 {
     }
 };
 
-// Every type, as X(suffix, struct): the one list that instantiates kernels and host wrappers.
-// Suffixes are GGUF's type names in lower case except the K of the K-quants (llama.cpp style).
-#define QK_FOR_EACH_TYPE(X) \
-    X(q4_0, type_q4_0)      \
-    X(q4_1, type_q4_1)      \
-    X(q5_0, type_q5_0)      \
-    X(q5_1, type_q5_1)      \
-    X(q8_0, type_q8_0)      \
-    X(q4_K, type_q4_K)      \
-    X(q5_K, type_q5_K)      \
-    X(q6_K, type_q6_K)      \
-    X(f32, type_f32)        \
-    X(f16, type_f16)        \
+// Every type, as X(suffix, struct), in the order of the kernels' type codes
+// (cuda_plan.KERNEL_TYPE_SUFFIX): the list the host wrappers and the type-code switches
+// follow. Suffixes are GGUF's type names in lower case except the K of the K-quants (llama.cpp
+// style). The kernels' entries follow the types as the device holds them
+// (tile_levels.cuh's QK_FOR_EACH_HELD_TYPE: Q6_K row-planar).
+#define QK_LEGACY_TYPES(X) \
+    X(q4_0, type_q4_0)     \
+    X(q4_1, type_q4_1)     \
+    X(q5_0, type_q5_0)     \
+    X(q5_1, type_q5_1)     \
+    X(q8_0, type_q8_0)
+#define QK_FLOAT_TYPES(X) \
+    X(f32, type_f32)      \
+    X(f16, type_f16)      \
     X(bf16, type_bf16)
+#define QK_FOR_EACH_TYPE(X) \
+    QK_LEGACY_TYPES(X) X(q4_K, type_q4_K) X(q5_K, type_q5_K) X(q6_K, type_q6_K) QK_FLOAT_TYPES(X)
 
 template <class T>
 constexpr int groups_per_block = T::BLOCK_ELEMENTS / GROUP;

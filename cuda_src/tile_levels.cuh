@@ -147,8 +147,8 @@ struct tile_levels<type_q6_K> {
     }
 };
 
-// Q6_K's row-planar copy (cuda_plan.planar_q6_K_rows: the layout the matvec_mma route holds its
-// Q6_K matrices in), as the prefill tiles stage one block of it: its ql + qh and its scales at
+// Q6_K's row-planar copy (cuda_plan.planar_q6_K_rows: the layout the device holds every Q6_K
+// matrix in), as the prefill tiles stage one block of it: its ql + qh and its scales at
 // the file block's offsets, then the 16-byte piece of the row's d plane that holds its d
 // (blocks 8 j .. 8 j + 7 share one). Every piece's source is 16-byte aligned, so the whole
 // block is staged by cp.async, and every level word is 4-byte aligned in shared memory.
@@ -183,6 +183,13 @@ struct tile_levels<type_q6_K_planar> : tile_levels<type_q6_K> {
         scale_with_d(block, e % N, block + D + 2 * (e / N), scale, offset);
     }
 };
+
+// Every type as the device holds it, as X(suffix, struct) in QK_FOR_EACH_TYPE's order (its
+// type codes): Q6_K row-planar (cuda_plan.holds_planar), the others as the file's blocks. The
+// list the tiles', the batched product's and get_rows' entries follow.
+#define QK_FOR_EACH_HELD_TYPE(X)                                        \
+    QK_LEGACY_TYPES(X) X(q4_K, type_q4_K) X(q5_K, type_q5_K)            \
+    X(q6_K_planar, type_q6_K_planar) QK_FLOAT_TYPES(X)
 
 template <>
 struct tile_levels<type_f16> {

@@ -1,18 +1,16 @@
-// The tensor-core tiles' pipeline and block math, shared by the prefill tiles and the decode
-// tiles (matmul.cu) and the batched product (matmul_batch.cu); matmul.cu's opening comment is
-// the numerics' contract.
+// The tensor-core tiles' pipeline and block math, shared by the prefill tiles (matmul.cu) and
+// the batched product (matmul_batch.cu); matmul.cu's opening comment is the numerics' contract.
 //
 // A block computes a tile of rows x tokens, each warp a sub-tile of MMA tiles of 16 x 8 (the
-// prefill shape here; the decode tiles multiply the same stages but fetch differently: see
-// mul_mat_decode_tiles). The inner dimension runs in
-// stages of one 32-element group: activations (64 tokens x 32 floats, 8 KB) double-buffered
-// through cp.async and split into hi / lo in place once in; weights in chunks of whole blocks
-// (a K-quant block, four 32-element blocks, or one group of a float type) copied as the
-// 16-byte aligned byte window holding them, also double-buffered and fetched a whole chunk
-// ahead (Q4_K / Q5_K: with a table of each group's scale and offset, decoded once per chunk).
-// Shared rows are an odd number of 16-byte units apart, the activations' 16-byte pieces are
-// XOR-swizzled by token parity and the scale tables' entries by row, so every shared access
-// is free of bank conflicts. Tokens past the edge are zero-filled (the activation copies and
+// prefill shape here). The inner dimension runs in stages of one 32-element group:
+// activations (64 tokens x 32 floats, 8 KB) double-buffered through cp.async and split into
+// hi / lo in place once in; weights in chunks of whole blocks (a K-quant block, four
+// 32-element blocks, or one group of a float type) copied as the 16-byte aligned byte window
+// holding them, also double-buffered and fetched a whole chunk ahead (Q4_K / Q5_K: with a
+// table of each group's scale and offset, decoded once per chunk). Shared rows are an odd
+// number of 16-byte units apart, the activations' 16-byte pieces are XOR-swizzled by token
+// parity and the scale tables' entries by row, so every shared access is free of bank
+// conflicts. Tokens past the edge are zero-filled (the activation copies and
 // the split run unpredicated), rows past it are never loaded (stale values); neither is stored:
 // an MMA keeps rows and tokens apart.
 #pragma once
@@ -254,7 +252,7 @@ __device__ __forceinline__ void scale_by_token(float (&part)[I][J][4], const flo
 // token's 2^e of the stage's split, one a token of the block's tile. The offset types need
 // each token's sum of the stage's x: `x_sums`, the block's, one a token of the tile (summed
 // once by the threads that split the stage; MMAs of ones x the activations in every warp
-// once cost a third of the prefill's MMAs and half of a decode warp's).
+// once cost a third of the prefill's MMAs).
 template <class T, int I, int J, bool ROLLED = (I > 1)>
 __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, const float2* scales,
                                                int group, const uint4* stage, int warp_tokens,
@@ -266,7 +264,7 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
                                            shared_word_any>::type;
     constexpr int stride = C::ROW_STRIDE;
     // The prefill's 2 x 4 MMA tiles a warp keep the loops rolled (registers, code size); a
-    // warp of one row tile (the decode tiles', the batched product's) unrolls them, its
+    // warp of one row tile (the batched product's) unrolls them, its
     // addresses and first-MMA choice folded, unless its job says ROLLED (registers).
     constexpr int UNROLL = ROLLED ? 1 : GROUP / MMA_K;
     if constexpr (L::KIND == KIND_LEVELS) {
@@ -409,7 +407,7 @@ __device__ __forceinline__ void copy_weight_rows(uint8_t* dest, RowAt row_at, in
 }
 
 // The activation stages: each thread copies one piece (4 floats) of every
-// Shape::THREADS / X_PIECES-th token (prefill: 16th; decode: its one token) and,
+// Shape::THREADS / X_PIECES-th token (every shape's 16th) and,
 // once its copies are in, splits those same pieces in place (cp.async.wait_group makes a
 // thread's own copies visible to it; the barrier after it publishes the split to the block).
 // A piece of elements (e, e+1, e+2, e+3) becomes the halves {hi(e, e+2), hi(e+1, e+3),

@@ -2,9 +2,10 @@
 // type, dequantize_<type> decodes whole rows into floats (the exact decode get_rows uses).
 // Compiled with g++ and
 // -ffp-contract=off, so the decode rounds exactly as the device code (__fmul_rn / __fadd_rn).
-// The matvec's slices (matvec_slices.cuh), on rows `pitch` bytes apart: slice_weights_<type>
-// rebuilds every weight from its slice (level * scale + offset), slice_dot_<type> takes each
-// row's dot product slice by slice in order, as one lane of the kernel does.
+// The CUDA-core matvec's slices (matvec_slices.cuh, its types alone), on rows `pitch` bytes
+// apart: slice_weights_<type> rebuilds every weight from its slice (level * scale + offset),
+// slice_dot_<type> takes each row's dot product slice by slice in order, as one lane of the
+// kernel does.
 // tile_values_<type> rebuilds every element from cuda_src/tile_levels.cuh (what the tensor-core
 // tiles multiply): level * scale + offset, rounded as quants.py rounds.
 // mma_lane_values_q4_K / _q6_K rebuild every Q4_K / Q6_K element from what each lane of the
@@ -244,7 +245,9 @@ extern "C" void mma_lane_values_q6_K(const uint8_t* src, int64_t blocks, float* 
     extern "C" void tile_values_##suffix(const uint8_t* src, int64_t rows, int64_t groups,    \
                                          float* out) {                                        \
         tile_values_rows<type>(src, rows, groups, out);                                       \
-    }                                                                                         \
+    }
+
+#define QK_EXPORT_SLICES(suffix, type)                                                        \
     extern "C" void slice_weights_##suffix(const uint8_t* src, int64_t rows, int64_t pitch,   \
                                            int64_t row_length, float* out) {                  \
         slice_weights_rows<type>(src, rows, pitch, row_length, out);                          \
@@ -255,3 +258,4 @@ extern "C" void mma_lane_values_q6_K(const uint8_t* src, int64_t blocks, float* 
     }
 
 QK_FOR_EACH_TYPE(QK_EXPORT_HOST)
+QK_FOR_EACH_MATVEC_TYPE(QK_EXPORT_SLICES)

@@ -163,61 +163,44 @@ class KernelTwins:
         flat = self.f32(address, (n - 1) * stride + width) if n else self.f32(address, 0)
         return np.lib.stride_tricks.as_strided(flat, (n, width), (4 * stride, 4), writeable=True)
 
-    def matrix(self, address: Any, pitch: int, type_name: str, rows: int, n_in: int,
-               planar: bool = False) -> np.ndarray:
-        """The decoded rows at `address`: the file's blocks, or with `planar` a Q6_K matrix
-        row-planar (cuda_plan.planar_q6_K_rows)."""
+    def matrix(self, address: Any, pitch: int, type_name: str, rows: int,
+               n_in: int) -> np.ndarray:
+        """The decoded rows at `address`: the file's blocks, or a Q6_K matrix row-planar
+        (cuda_plan.holds_planar, planar_q6_K_rows)."""
         raw = self.m.view(address, np.uint8, rows * pitch).reshape(rows, pitch)
         # A copy: quants' Q4_K decode shifts a single block's bytes in place.
-        blocks = (file_q6_K_rows(raw, n_in) if planar
+        blocks = (file_q6_K_rows(raw, n_in) if plan.holds_planar(type_name)
                   else raw[:, : row_bytes(type_name, n_in)].copy())
         return dequantize(blocks, type_name, (rows, n_in))
 
     def launch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
-        planar = mma = name.startswith("mul_mat_vec_mma_")
-        if name.endswith(plan.PLANAR_KERNEL):
-            # An entry reading a Q6_K matrix row-planar (the prefill tiles', get_rows'): its
-            # file-layout twin's numbers on the same values.
-            planar, name = True, name.removesuffix(plan.PLANAR_KERNEL)
-        if mma:
+        # Every entry reads its Q6_K matrices row-planar (`matrix`); the prefill tiles', the
+        # batched product's and get_rows' say so in their names.
+        name = name.removesuffix(plan.PLANAR_KERNEL)
+        if name.startswith("mul_mat_vec_mma_"):
             # The tensor cores' matvec (mul_mat_vec_mma_<suffix>, its gate_up_<act>_<suffix>,
-            # its qkv): the matvec's arguments and twins, Q6_K matrices read from their
-            # row-planar layout; its own summation on the device, within the same float32 bound.
-            planar = name.endswith("_q6_K")
+            # its qkv): the matvec's arguments and twins; its own summation on the device,
+            # within the same float32 bound.
             name = "mul_mat_vec_" + name[len("mul_mat_vec_mma_"):]
         if name.startswith("get_rows_"):
-            self.get_rows(TYPE_OF_SUFFIX[name[len("get_rows_"):]], grid, *args, planar=planar)
+            self.get_rows(TYPE_OF_SUFFIX[name[len("get_rows_"):]], grid, *args)
         elif name == "mul_mat_vec_qkv":
-            self.mul_mat_vec_qkv(*args, mma=mma)
+            self.mul_mat_vec_qkv(*args)
         elif name.startswith("mul_mat_vec_gate_up_"):
             activation, suffix = activation_and_rest("mul_mat_vec_gate_up_", name)
-            self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args, planar=planar)
+            self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args)
         elif name.startswith("mul_mat_vec_"):
-            self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args, planar=planar)
-        elif name.startswith("mul_mat_decode_tiles_qkv_"):
-            tile_input = name[len("mul_mat_decode_tiles_qkv_"):]
-            assert tile_input in plan.TILE_INPUTS, name
-            self.mul_mat_vec_qkv(*self.split_counters_zero(grid, args), tile_input=tile_input)
-        elif name.startswith("mul_mat_decode_tiles_gate_up_"):
-            activation, rest = activation_and_rest("mul_mat_decode_tiles_gate_up_", name)
-            tile_input, suffix = rest.split("_", 1)
-            self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix],
-                         *self.split_counters_zero(grid, args), tile_input=tile_input)
+            self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args)
         elif name.startswith("mul_mat_batch"):
-            self.batch(name, grid, args, planar)
-        elif name.startswith(("mul_mat_tiles_", "mul_mat_decode_tiles_")):
-            # Both tile shapes multiply alike: float16 hi + lo activations, exact levels (the
-            # decode tiles' K-split adds its splits' sums: within the float32 bound too).
-            tile_input, suffix = name.split("tiles_", 1)[1].split("_", 1)
+            self.batch(name, grid, args)
+        elif name.startswith("mul_mat_tiles_"):
+            tile_input, suffix = name[len("mul_mat_tiles_"):].split("_", 1)
             assert tile_input in plan.TILE_INPUTS, name
-            if name.startswith("mul_mat_decode_tiles_"):
-                args = self.split_counters_zero(grid, args)
-            self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args, planar=planar)
+            self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args)
         else:
             getattr(self, name)(grid, *args)
 
-    def batch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...],
-              planar: bool) -> None:
+    def batch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
         """mul_mat_batch<N>_<input>_<suffix>, its gate_up_<act> and qkv entries: the prefill
         tiles' numbers (the same sums, bit for bit, whatever N), on a grid of N-token tiles."""
         match = re.fullmatch(r"mul_mat_batch(\d+)_(gate_up_|qkv_)?(.*)", name)
@@ -239,33 +222,24 @@ class KernelTwins:
         assert tile_input in plan.TILE_INPUTS, name
         if activation is not None:
             self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args,
-                         tile_input=tile_input, planar=planar)
+                         tile_input=tile_input)
         else:
-            self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args, planar=planar)
-
-    def split_counters_zero(self, grid: tuple[int, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """A decode tiles launch's arguments without its K-split workspace, whose counters
-        (one a tile where K splits) must be zero: every launch leaves them so."""
-        *products, _, counters = args
-        tiles = math.prod(grid[:2]) if len(grid) > 2 and grid[2] > 1 else 0
-        assert not self.i32(counters, tiles).any(), "split counters left set"
-        return tuple(products)
+            self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args)
 
     def get_rows(self, type_name: str, grid: tuple[int, ...], table: Any, pitch: int, ids: Any,
-                 out: Any, d: int, scale: float, planar: bool = False) -> None:
-        """The gather of table rows `ids` (`planar`: a Q6_K table row-planar) times scale."""
+                 out: Any, d: int, scale: float) -> None:
+        """The gather of table rows `ids` times scale."""
         n, d = grid[0], int(d)
         for i, token in enumerate(self.i32(ids, n)):
-            row = self.matrix(int(table) + int(token) * int(pitch), int(pitch), type_name, 1, d,
-                              planar)[0]
+            row = self.matrix(int(table) + int(token) * int(pitch), int(pitch), type_name, 1,
+                              d)[0]
             self.f32(int(out) + 4 * i * d, d)[:] = row * scale
 
     def product(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
-                x_stride: int, rows: int, n_in: int, n: int,
-                planar: bool = False) -> np.ndarray:
+                x_stride: int, rows: int, n_in: int, n: int) -> np.ndarray:
         """(n, rows) float32: the matvec's products, one activation row at a time (a row's
         result is the same whatever else shares the launch, as the kernel promises), or with a
-        tile input the tiles' (`planar`: of a Q6_K matrix held row-planar). The weights are
+        tile input the tiles'. The weights are
         decoded PRODUCT_ROWS rows at a time: a vocabulary's logits matrix decoded whole
         (gemma-3's: 671 MB of float32) cost seconds a step in fresh pages alone."""
         rows, n_in, pitch = int(rows), int(n_in), int(pitch)
@@ -273,7 +247,7 @@ class KernelTwins:
         out = np.empty((len(xs), rows), dtype=np.float32)
         for first in range(0, rows, PRODUCT_ROWS):
             count = min(PRODUCT_ROWS, rows - first)
-            w = self.matrix(int(weights) + first * pitch, pitch, type_name, count, n_in, planar)
+            w = self.matrix(int(weights) + first * pitch, pitch, type_name, count, n_in)
             if tile_input is not None:
                 out[:, first : first + count] = tile_product(w, xs, type_name)
                 continue
@@ -282,43 +256,30 @@ class KernelTwins:
         return out
 
     def matmul(self, type_name: str, tile_input: str | None, weights: Any, pitch: int, x: Any,
-               x_stride: int, y: Any, y_stride: int, rows: int, n_in: int, n: int,
-               planar: bool = False) -> None:
+               x_stride: int, y: Any, y_stride: int, rows: int, n_in: int, n: int) -> None:
         self.rows(y, int(n), int(y_stride), int(rows))[:] = self.product(
-            type_name, tile_input, weights, pitch, x, x_stride, rows, n_in, n, planar)
+            type_name, tile_input, weights, pitch, x, x_stride, rows, n_in, n)
 
-    def mul_mat_vec_qkv(self, *args: Any, mma: bool = False, tile_input: str | None = None,
+    def mul_mat_vec_qkv(self, *args: Any, tile_input: str | None = None,
                         batch_tokens: int = 0) -> None:
-        """Three matvecs (q, k, v segments, a block type each; with `mma` those of
-        mul_mat_vec_mma_qkv, whose Q6_K segments are held row-planar; with a tile input
-        mul_mat_decode_tiles_qkv's decode tiles, its last arguments each matrix's K-splits,
-        or with `batch_tokens` too mul_mat_batch<batch_tokens>_qkv's tiles, Q6_K row-planar)
-        into one row of y, then qkv_finish's twin on those rows (positions and slots per
-        activation row). The head counters must be zero (the backend zero-fills them; every
-        launch leaves them so)."""
+        """Three matvecs (q, k, v segments, a block type each; those of mul_mat_vec_mma_qkv
+        alike), or with a tile input and `batch_tokens` mul_mat_batch<batch_tokens>_qkv's
+        tiles, into one row of y, then qkv_finish's twin on those rows (positions and slots
+        per activation row). The head counters must be zero (the backend zero-fills them;
+        every launch leaves them so)."""
+        assert len(args) == 34
         segments, (x, x_stride, y, y_stride, n_in, n) = args[:12], args[12:18]
         head_dim, finish, counters = int(args[18]), args[19:33], args[33]
         types = [list(plan.KERNEL_TYPE_SUFFIX)[int(code)] for code in segments[2::4]]
         rows = [int(r) for r in segments[3::4]]
-        per_block = plan.matvec_rows_per_block(int(n_in))
-        counter_tiles = 1
+        per_block, counter_tiles = plan.matvec_rows_per_block(int(n_in)), 1
         if batch_tokens:
-            assert len(args) == 34 and tile_input is not None
             per_block, counter_tiles = plan.BATCH_ROWS, -(-int(n) // batch_tokens)
-        elif tile_input is not None:
-            # Each matrix K-split as its own decode tiles launch: the same sums, bit for bit.
-            assert tuple(int(s) for s in args[34:]) == plan.decode_tiles_qkv_splits(
-                types, rows, int(n_in))
-            per_block, counter_tiles = plan.DECODE_TILE_ROWS, -(-int(n) //
-                                                                plan.DECODE_TILE_TOKENS)
-        else:
-            assert len(args) == 34
         column = 0
         for (weights, pitch, _, _), type_name, count in zip(zip(*[iter(segments)] * 4), types,
                                                            rows):
             self.matmul(type_name, tile_input, weights, pitch, x, x_stride,
-                        int(y) + 4 * column, y_stride, count, n_in, n,
-                        planar=(mma or batch_tokens > 0) and type_name in plan.PLANAR_TYPES)
+                        int(y) + 4 * column, y_stride, count, n_in, n)
             column += count
         heads, kv_heads = rows[0] // head_dim, rows[1] // head_dim
         assert not self.i32(counters, (heads + 2 * kv_heads) * counter_tiles).any(), \
@@ -330,12 +291,11 @@ class KernelTwins:
 
     def gate_up(self, act: Callable[[np.ndarray, np.ndarray], np.ndarray], type_name: str,
                 gate: Any, up: Any, pitch: int, x: Any, x_stride: int, y: Any, y_stride: int,
-                rows: int, n_in: int, n: int, tile_input: str | None = None,
-                planar: bool = False) -> None:
-        """y = act(gate . x) * (up . x): the two products (the matvec's, `planar` as
-        `product`'s, or with a tile input the tiles') and the gated activation's twin."""
-        gates, ups = (self.product(type_name, tile_input, w, pitch, x, x_stride, rows, n_in, n,
-                                   planar) for w in (gate, up))
+                rows: int, n_in: int, n: int, tile_input: str | None = None) -> None:
+        """y = act(gate . x) * (up . x): the two products (the matvec's, or with a tile input
+        the tiles') and the gated activation's twin."""
+        gates, ups = (self.product(type_name, tile_input, w, pitch, x, x_stride, rows, n_in, n)
+                      for w in (gate, up))
         self.rows(y, int(n), int(y_stride), int(rows))[:] = act(gates, np.empty_like(gates)) * ups
 
     @staticmethod
@@ -585,6 +545,9 @@ class EmulatedModule:
 
     def get_function(self, name: str) -> Callable[..., None]:
         device = self.device
+        if self.signatures and name not in self.signatures:
+            # As cuModuleGetFunction: a name the file does not define is refused.
+            raise device.LogicError(f"cuModuleGetFunction failed: named symbol not found ({name})")
 
         # A function holds its module, as PyCUDA's do (custodian and ward).
         def function(*args: Any, grid: tuple[int, ...], block: tuple[int, ...],
@@ -876,6 +839,10 @@ class EmulatedDevice:
         return lambda: api
 
 
+# The modules that import pycuda, imported again over each emulated device.
+BACKEND_MODULES = ("actors.compute.cuda", "actors.compute.cuda_buffers")
+
+
 def install(monkeypatch: pytest.MonkeyPatch, device: EmulatedDevice) -> Any:
     """Import actors.compute.cuda over `device` (undone by the monkeypatch, except the module,
     which the caller drops from sys.modules); returns the module."""
@@ -888,7 +855,8 @@ def install(monkeypatch: pytest.MonkeyPatch, device: EmulatedDevice) -> Any:
     for name in ("driver", "compiler", "gpuarray", "autoprimaryctx"):
         monkeypatch.setitem(sys.modules, f"pycuda.{name}", getattr(package, name))
     monkeypatch.setitem(sys.modules, "pycuda", package)
-    monkeypatch.delitem(sys.modules, "actors.compute.cuda", raising=False)
+    for name in BACKEND_MODULES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
     module = importlib.import_module("actors.compute.cuda")
     device.real_driver_graphs = module.DriverGraphs  # for tests of it over a fake libcuda
     monkeypatch.setattr(module, "DriverGraphs", device.graph_api())
@@ -903,4 +871,5 @@ def emulated_backend_module(monkeypatch: pytest.MonkeyPatch,
     try:
         yield install(monkeypatch, device), device
     finally:
-        sys.modules.pop("actors.compute.cuda", None)
+        for name in BACKEND_MODULES:
+            sys.modules.pop(name, None)

@@ -228,14 +228,13 @@ def greedy_sharing_steps(backend: Any, prompts: Sequence[Sequence[int]], steps: 
 
 
 def assert_streams_do_not_change_sequence_0(
-        runs: dict[int, tuple[list[list[int]], np.ndarray]], route: str) -> None:
-    """greedy_sharing_steps' results at several stream counts on decode route `route`:
-    sequence 0's tokens the same at every count, and its logits rows the same bits among the
-    counts whose decode rows take the same kernels: every count on the matvec and the decode
-    tiles; on the mma route the counts up to MATVEC_MMA_MAX_ROWS (the mma matvec) and those
-    past it (the batched product), each apart (two summations of the same products)."""
+        runs: dict[int, tuple[list[list[int]], np.ndarray]]) -> None:
+    """greedy_sharing_steps' results at several stream counts: sequence 0's tokens the same
+    at every count, and its logits rows the same bits among the counts whose decode rows
+    take the same kernels: the counts up to MATVEC_MMA_MAX_ROWS (the matvec) and those past
+    it (the batched product), each apart (two summations of the same products)."""
     def kernels(streams: int) -> bool:
-        return route == "matvec_mma" and streams > MATVEC_MMA_MAX_ROWS
+        return streams > MATVEC_MMA_MAX_ROWS
 
     alone_tokens = runs[min(runs)][0]
     first_rows = {kernels(n): rows for n, (_, rows) in sorted(runs.items(), reverse=True)}

@@ -27,8 +27,8 @@ def test_every_section_runs_and_reports(emulated: tuple[Any, Any], tmp_path: Pat
 
     monkeypatch.setattr(bench_cuda, "COPY_BYTES", 1 << 20)
     monkeypatch.setattr(bench_cuda, "MATVEC_SHAPES", ((96, 512), (64, 1024)))
-    for name, value in [("DECODE_STREAMS", (1, 4)), ("MMA_DECODE_STREAMS", (1, 4)),
-                        ("DECODE_STEPS", 4), ("ENGINE_TOKENS", 6), ("PREFILL_TOKENS", 64)]:
+    for name, value in [("DECODE_STREAMS", (1, 9)), ("DECODE_STEPS", 4), ("ENGINE_TOKENS", 6),
+                        ("PREFILL_TOKENS", 64)]:
         monkeypatch.setattr(bench_cuda, name, value)
     out = tmp_path / "bench_cuda.json"
     llama, qwen = TINY_MODELS["llama-q4k-tiny"], TINY_MODELS["qwen2-q4k-tiny"]
@@ -42,28 +42,24 @@ def test_every_section_runs_and_reports(emulated: tuple[Any, Any], tmp_path: Pat
     errors = {name: section["error"] for name, section in report.items()
               if isinstance(section, dict) and "error" in section}
     assert not errors
-    routes = {row["route"] for row in report["matvec"] + report["matvec_mma"]}
-    assert routes == {"matvec", "tiles", "matvec_mma"}
-    assert {row["type"] for row in report["matvec_mma"]} == {"Q4_K", "Q6_K"}
-    assert all(row["us"] > 0 for row in report["matvec"])
+    assert [(row["kernel"], row["tokens"]) for row in report["matvec_mma"]] == [
+        (f"mul_mat_vec_mma_{t}", n) for t in ("q4_K", "q6_K") for _ in bench_cuda.MATVEC_SHAPES
+        for n in (1, 8)]
+    assert all(row["us"] > 0 for row in report["matvec_mma"])
     assert [row["kernel"] for row in report["tiles"]] == [
-        "mul_mat_tiles_f16x2_q4_K", "mul_mat_tiles_f16x2_q6_K", "mul_mat_tiles_f16x2_q6_K_planar"]
+        "mul_mat_tiles_f16x2_q4_K", "mul_mat_tiles_f16x2_q6_K_planar"]
     assert all(row["tokens"] == bench_cuda.PREFILL_TOKENS for row in report["tiles"])
     assert [(row["type"], row["tokens"]) for row in report["batch"]] == [
         (t, n) for t in ("Q4_K", "Q6_K") for _ in bench_cuda.MATVEC_SHAPES for n in (16, 32, 64)]
     assert all(row["kernel"].endswith("_planar") == (row["type"] == "Q6_K")
                for row in report["batch"])
     for section, streams in [("llama3_8b", bench_cuda.DECODE_STREAMS),
-                             ("llama3_8b_decode_tiles", bench_cuda.DECODE_STREAMS),
-                             ("llama3_8b_matvec_mma", bench_cuda.MMA_DECODE_STREAMS),
                              ("gemma3_270m", (1,)), ("qwen2-q4k-tiny", bench_cuda.DECODE_STREAMS)]:
         assert [row["streams"] for row in report[section]["decode"]] == list(streams), section
     assert report["llama3_8b"]["prefill"]["tokens"] == bench_cuda.PREFILL_TOKENS
     for section, streams in [("llama3_8b_engine", [1, 3]), ("gemma3_270m_engine", [1, 3]),
                              ("qwen2-q4k-tiny_engine", [1, 3]),
-                             ("llama3_8b_engine_one_step_at_a_time", [1, 3]),
-                             ("llama3_8b_decode_tiles_engine", [1, 3]),
-                             ("llama3_8b_matvec_mma_engine", [1])]:
+                             ("llama3_8b_engine_one_step_at_a_time", [1, 3])]:
         rows = report[section]
         assert [row["streams"] for row in rows] == streams, section
         # each beside the bare backend's step at the same count, where that one was measured

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from actors.compute.contract import KVRequest, RowInputs, StepItem
-from actors.compute.cuda_plan import DECODE_ROUTES
 from actors.model.loaded import Model, load_model
 from tests.conftest import REFERENCE_DIR, TINY_MODELS, gemma3_path, smollm2_path
 from tests.cuda_emulator import EmulatedDevice
@@ -74,27 +73,22 @@ def compare(model: Model, backend: Any, tokens: list[int], split: int,
     return worst
 
 
-@pytest.mark.parametrize("route", DECODE_ROUTES)
 @pytest.mark.parametrize("name", list(TINY_MODELS))
-def test_tiny_models_match_the_cpu(emulated: tuple[Any, EmulatedDevice], name: str,
-                                   route: str) -> None:
+def test_tiny_models_match_the_cpu(emulated: tuple[Any, EmulatedDevice], name: str) -> None:
     module, device = emulated
     model = load_model(TINY_MODELS[name])
     backend = module.build_cuda_backend(model, KVRequest(blocks=16, block_size=BLOCK,
-                                                         max_sequences=2), 0.9,
-                                        decode_route=route)
+                                                         max_sequences=2), 0.9)
     tokens = reference_tokens(name, 40)
     assert compare(model, backend, tokens, 30) <= TOLERANCE
     # Every decode step replays the one graph of bucket 2.
     assert device.captures == 1 and device.replays == len(tokens) - 30
     # Both files' Q6_K matrices (v and down of a layer, the output or the tied embedding;
-    # down's three blocks a row laid out otherwise than in the file) go to the tensor cores
-    # on that route, held row-planar alone: the prompts' tiles read them so too.
-    assert ("mul_mat_vec_mma_q6_K" in device.launches) == (route == "matvec_mma")
-    assert ("mul_mat_tiles_f16x2_q6_K_planar" in device.launches) == (route == "matvec_mma")
-    assert ("mul_mat_tiles_f16x2_q6_K" in device.launches) == (route != "matvec_mma")
-    # Their decode rows' q, k and v (Q4_K and Q6_K) in one launch with the finish, there.
-    assert ("mul_mat_vec_mma_qkv" in device.launches) == (route == "matvec_mma")
+    # down's three blocks a row laid out otherwise than in the file) go to the tensor cores,
+    # held row-planar alone: the prompts' tiles read them so too.
+    assert {"mul_mat_vec_mma_q6_K", "mul_mat_tiles_f16x2_q6_K_planar"} <= set(device.launches)
+    # Their decode rows' q, k and v (Q4_K and Q6_K) in one launch with the finish.
+    assert "mul_mat_vec_mma_qkv" in device.launches
     backend.close()
     assert device.live == set()
 
@@ -102,14 +96,13 @@ def test_tiny_models_match_the_cpu(emulated: tuple[Any, EmulatedDevice], name: s
 @pytest.mark.parametrize("name", list(TINY_MODELS))
 def test_tiny_models_match_the_cpu_on_the_batched_product(emulated: tuple[Any, EmulatedDevice],
                                                           name: str) -> None:
-    """The mma route's other regime: 9 sequences share each decode step, so every product of
-    the step (q, k and v with their finish, o, gate + up with the activation, down, the
-    logits) is the batched product's, its 16-column tiles."""
+    """The other regime: 9 sequences share each decode step, so every product of the step
+    (q, k and v with their finish, o, gate + up with the activation, down, the logits) is
+    the batched product's, its 16-column tiles."""
     module, device = emulated
     model = load_model(TINY_MODELS[name])
     backend = module.build_cuda_backend(model, KVRequest(blocks=36, block_size=BLOCK,
-                                                         max_sequences=9), 0.9,
-                                        decode_route="matvec_mma")
+                                                         max_sequences=9), 0.9)
     tokens = reference_tokens(name, 40)
     assert compare(model, backend, tokens, 30, sequences=9) <= TOLERANCE
     assert device.captures == 1 and device.replays == len(tokens) - 30  # bucket 16
@@ -120,9 +113,8 @@ def test_tiny_models_match_the_cpu_on_the_batched_product(emulated: tuple[Any, E
     assert device.live == set()
 
 
-@pytest.mark.parametrize("route", DECODE_ROUTES)
-def test_scaled_gemma3_matches_the_cpu_past_its_window(emulated: tuple[Any, EmulatedDevice],
-                                                       route: str) -> None:
+def test_scaled_gemma3_matches_the_cpu_past_its_window(
+        emulated: tuple[Any, EmulatedDevice]) -> None:
     """Gemma 3 as from 4B up (linear RoPE scaling x8 on the global layers, the sliding layers
     at their own base, unscaled), over 100 tokens of its long sequence: its 64-token window
     is passed in the second prefill chunk and by every decode step."""
@@ -131,22 +123,21 @@ def test_scaled_gemma3_matches_the_cpu_past_its_window(emulated: tuple[Any, Emul
     model = load_model(TINY_MODELS[name])
     assert model.spec.rope_linear_factor == 8.0 and model.spec.sliding_window == 64
     backend = module.build_cuda_backend(model, KVRequest(blocks=16, block_size=BLOCK,
-                                                         max_sequences=2), 0.9,
-                                        decode_route=route)
+                                                         max_sequences=2), 0.9)
     assert compare(model, backend, reference_tokens(name, 100), 80) <= TOLERANCE
     backend.close()
 
 
-# Each route with two sequences a step, and the mma route with nine (its batched product).
-ROUTES_AND_SEQUENCES = [*((route, 2) for route in DECODE_ROUTES), ("matvec_mma", 9)]
+# Two sequences a step (the matvec) and nine (the batched product).
+SEQUENCES = (2, 9)
 # A real model's steps through the twins, its logits over a vocabulary each step: minutes.
 SLOW_MODEL_TIMEOUT_S = 1200
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(SLOW_MODEL_TIMEOUT_S)
-@pytest.mark.parametrize(("route", "sequences"), ROUTES_AND_SEQUENCES)
-def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str,
+@pytest.mark.parametrize("sequences", SEQUENCES)
+def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice],
                                 sequences: int) -> None:
     """Sliding-window layers past the window are not reached in 40 tokens; the window is
     shrunk to 8 so that they are, on both sides."""
@@ -154,8 +145,7 @@ def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str
     model = load_model(gemma3_path())
     model.spec = model._transformer.spec = dataclasses.replace(model.spec, sliding_window=8)
     backend = module.build_cuda_backend(model, KVRequest(blocks=4 * sequences, block_size=BLOCK,
-                                                         max_sequences=sequences), 0.9,
-                                        decode_route=route)
+                                                         max_sequences=sequences), 0.9)
     tokens = reference_tokens("gemma3-270m", 40)
     assert compare(model, backend, tokens, 30, sequences) <= TOLERANCE
     backend.close()
@@ -163,15 +153,14 @@ def test_gemma3_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str
 
 @pytest.mark.slow
 @pytest.mark.timeout(SLOW_MODEL_TIMEOUT_S)
-@pytest.mark.parametrize(("route", "sequences"), ROUTES_AND_SEQUENCES)
-def test_smollm2_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: str,
+@pytest.mark.parametrize("sequences", SEQUENCES)
+def test_smollm2_matches_the_cpu(emulated: tuple[Any, EmulatedDevice],
                                  sequences: int) -> None:
     """The fourth model: llama's layout with Q4_1 and Q8_0 blocks and a tied output."""
     module, _ = emulated
     model = load_model(smollm2_path())
     backend = module.build_cuda_backend(model, KVRequest(blocks=4 * sequences, block_size=BLOCK,
-                                                         max_sequences=sequences), 0.9,
-                                        decode_route=route)
+                                                         max_sequences=sequences), 0.9)
     tokens = reference_tokens("smollm2-135m", 40)
     assert compare(model, backend, tokens, 30, sequences) <= TOLERANCE
     backend.close()
@@ -180,33 +169,27 @@ def test_smollm2_matches_the_cpu(emulated: tuple[Any, EmulatedDevice], route: st
 INVARIANCE_STREAMS = (1, 8, 9, 32, 64)
 
 
-@pytest.mark.parametrize("route", DECODE_ROUTES)
 def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(
-        emulated: tuple[Any, EmulatedDevice], route: str) -> None:
-    """Sequence 0 decoded beside 0, 7, 8, 31 and 63 others (past 8 decode rows the step once
-    switched to the tiles), on each decode route: its tokens are the same, and so are its
-    logits rows bit for bit among the step sizes on the same kernels: every size on the
-    matvec and the decode tiles; on the mma route 1 and 8 rows (the mma matvec) and 9, 32 and
-    64 (the batched product, whose sums are another summation of the same products)."""
+        emulated: tuple[Any, EmulatedDevice]) -> None:
+    """Sequence 0 decoded beside 0, 7, 8, 31 and 63 others: its tokens are the same, and so
+    are its logits rows bit for bit among the step sizes on the same kernels: 1 and 8 rows
+    (the mma matvec) and 9, 32 and 64 (the batched product, whose sums are another
+    summation of the same products)."""
     module, device = emulated
     model = load_model(TINY_MODELS["qwen2-q4k-tiny"])
     steps, most = 4, max(INVARIANCE_STREAMS)
     rng = np.random.default_rng(17)
     prompts = [rng.integers(1, model.spec.vocab_size, 3 + i % 4).tolist() for i in range(most)]
     backend = module.build_cuda_backend(model, KVRequest(blocks=most * 2, block_size=BLOCK,
-                                                         max_sequences=most), 0.9,
-                                        decode_route=route)
+                                                         max_sequences=most), 0.9)
     try:
         runs = {n: greedy_sharing_steps(backend, prompts[:n], steps, BLOCK)
                 for n in INVARIANCE_STREAMS}
     finally:
         backend.close()
-    on_route = {"tiles": "mul_mat_decode_tiles", "matvec_mma": "mul_mat_vec_mma_"}
-    for other, prefix in on_route.items():
-        assert any(name.startswith(prefix) for name in device.launches) == (route == other)
-    assert any(name.startswith("mul_mat_batch") for name in device.launches) == (
-        route == "matvec_mma")
-    assert_streams_do_not_change_sequence_0(runs, route)
+    for prefix in ("mul_mat_vec_mma_", "mul_mat_batch"):
+        assert any(name.startswith(prefix) for name in device.launches), prefix
+    assert_streams_do_not_change_sequence_0(runs)
 
 
 def test_a_prompts_logits_do_not_depend_on_the_prompts_sharing_its_step(
@@ -245,7 +228,7 @@ def test_masked_rows_give_the_cpu_references_candidates(
 def test_a_prompt_on_the_tiles_after_a_decode_row_matches_the_cpu(
         emulated: tuple[Any, EmulatedDevice]) -> None:
     """A decode row and a 20-token prompt in one step: the decode row's q, k and v finished
-    in mul_mat_vec_qkv, the prompt's (rows 1 to 20, on the tiles) by qkv_finish over its own
+    in their fused QKV, the prompt's (rows 1 to 20, on the tiles) by qkv_finish over its own
     rows (positions and slots from row 1 on): both logits rows match the CPU."""
     module, device = emulated
     model = load_model(TINY_MODELS["qwen2-q4k-tiny"])

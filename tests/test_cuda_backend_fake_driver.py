@@ -230,7 +230,7 @@ def test_rows_are_checked_before_anything_runs(fake: Any, tiny: OpenedModel) -> 
 def test_errors_fail_the_step_unless_the_context_is_gone(fake: Any, tiny: OpenedModel) -> None:
     cuda_module, driver = fake
     backend = _backend(cuda_module, tiny)
-    driver.fail_kernel = "mul_mat_vec_qkv"
+    driver.fail_kernel = "mul_mat_vec_mma_qkv"
     with pytest.raises(driver.LogicError):
         backend.run([StepItem((7, 8), 0, (0,))], [RowInputs()])
     with pytest.raises(InvalidRequest):
@@ -270,10 +270,10 @@ def test_a_launch_unlike_its_kernels_parameters_is_refused(fake: Any) -> None:
 
     from actors.compute import cuda_plan as plan
 
-    matvec = SourceModule((plan.kernel_source_dir() / "matvec.cu").read_text()).get_function(
-        "mul_mat_vec_q4_K")
+    module = SourceModule((plan.kernel_source_dir() / "matvec.cu").read_text())
+    matvec = module.get_function("mul_mat_vec_q8_0")
     address = np.uintp(1 << 40)
-    right = (address, np.int64(144), address, np.int32(256), address, np.int32(1),
+    right = (address, np.int64(272), address, np.int32(256), address, np.int32(1),
              np.int32(1), np.int32(256), np.int32(1))
     grid, block = (1, 1, 1), (256, 1, 1)
     matvec(*right, grid=grid, block=block)  # recorded: the fake device runs no kernel
@@ -281,3 +281,5 @@ def test_a_launch_unlike_its_kernels_parameters_is_refused(fake: Any) -> None:
                   (right[0], np.int32(144), *right[2:])):  # a 64-bit pitch passed as 32 bits
         with pytest.raises(AssertionError, match="unlike the kernel's parameters"):
             matvec(*wrong, grid=grid, block=block)
+    with pytest.raises(fake[1].LogicError, match="named symbol not found"):
+        module.get_function("mul_mat_vec_q4_K")  # the mma matvec's type: no entry here

@@ -7,7 +7,6 @@ and the registry's reasons."""
 from __future__ import annotations
 
 import builtins
-import itertools
 import math
 import shutil
 import sys
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 
 from actors.compute import cuda_launches as launches
+from actors.compute import cuda_memory as memory
 from actors.compute import cuda_packing as packing
 from actors.compute import cuda_plan as plan
 from actors.compute import cuda_weights
@@ -64,14 +64,13 @@ def _plan(spec: ModelSpec, items: list[StepItem], num_blocks: int = 64):
     return plan_step(items, spec, num_blocks, BLOCK)
 
 
-def _calls(gguf: GGUFFile, items: list[StepItem],
-           decode_route: str = "matvec") -> tuple[ModelSpec, list[launches.KernelCall]]:
+def _calls(gguf: GGUFFile, items: list[StepItem]) -> tuple[ModelSpec, list[launches.KernelCall]]:
     spec = spec_from_gguf(gguf)
     step = _plan(spec, items)
     shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
                                 spec.context_length)
-    return spec, launches.forward_calls(spec, launches.tensor_layouts(gguf, decode_route),
-                                        shape, launches.TILE_INPUT, decode_route)
+    return spec, launches.forward_calls(spec, launches.tensor_layouts(gguf), shape,
+                                        launches.TILE_INPUT)
 
 
 def _layer_slices(calls: list[launches.KernelCall]) -> list[list[launches.KernelCall]]:
@@ -85,11 +84,19 @@ DECODE_AND_PREFILL = [StepItem((5,), 3, (0,)), StepItem((7, 8, 9), 0, (1,))]
 
 
 def _kind(call: launches.KernelCall) -> str:
-    """A launch's kernel without its block-type suffix."""
-    for fused in ("mul_mat_vec_gate_up", "mul_mat_vec_qkv"):
-        if call.kernel.startswith(fused):
-            return fused
+    """A matvec launch's kernel without its block-type suffix (the CUDA-core and the tensor
+    cores' alike), another launch's kernel."""
+    for fused in ("gate_up", "qkv"):
+        if call.kernel.startswith("mul_mat_vec_") and f"_{fused}" in call.kernel:
+            return f"mul_mat_vec_{fused}"
     return "mul_mat_vec" if call.kernel.startswith("mul_mat_vec_") else call.kernel
+
+
+def _fused_qkv(call: launches.KernelCall) -> bool:
+    """Whether a launch is a fused QKV (the matvecs' or the batched product's): the same
+    arguments, the qkv counters last."""
+    return call.kernel in ("mul_mat_vec_qkv", "mul_mat_vec_mma_qkv") or (
+        call.kernel.startswith("mul_mat_batch") and "_qkv_" in call.kernel)
 
 
 # What finishing q, k and v takes, by name, in order: qkv_finish's arguments, and
@@ -101,11 +108,11 @@ PRODUCT_ARGS = 18
 
 
 def _finish_args(call: launches.KernelCall) -> dict[str, launches.Arg]:
-    """A qkv_finish's or a mul_mat_vec_qkv's finishing arguments by name (the fused kernel
-    takes the head counts as its q and k segments' rows over head_dim)."""
+    """A qkv_finish's or a fused QKV's finishing arguments by name (the fused kernel takes
+    the head counts as its q and k segments' rows over head_dim)."""
     if call.kernel == "qkv_finish":
         return dict(zip(QKV_FINISH_ARGS, call.args, strict=True))
-    assert call.kernel == "mul_mat_vec_qkv" and call.args[-1] == launches.Ref("qkv_counters")
+    assert _fused_qkv(call) and call.args[-1] == launches.Ref("qkv_counters")
     head_dim = int(call.args[PRODUCT_ARGS])
     return {"qkv": call.args[14], "stride": call.args[15],
             "heads": call.args[3] // head_dim, "kv_heads": call.args[7] // head_dim,
@@ -113,10 +120,10 @@ def _finish_args(call: launches.KernelCall) -> dict[str, launches.Arg]:
 
 
 def _layer_finish_args(layer: list[launches.KernelCall]) -> dict[str, launches.Arg]:
-    """The finishing arguments of a layer whose rows all take the matvec: mul_mat_vec_qkv's
-    (no qkv_finish follows it)."""
+    """The finishing arguments of a layer whose rows all take one fused QKV (no qkv_finish
+    follows it)."""
     assert not any(c.kernel == "qkv_finish" for c in layer)
-    return _finish_args(next(c for c in layer if c.kernel == "mul_mat_vec_qkv"))
+    return _finish_args(next(c for c in layer if _fused_qkv(c)))
 
 
 def test_llama_layer_runs_the_kernels_in_order(models: dict[str, GGUFFile]) -> None:
@@ -191,7 +198,7 @@ def test_gemma3_quirks(models: dict[str, GGUFFile]) -> None:
         for attention in (c for c in layer if c.kernel.startswith("attention_")):
             window = attention.args[12 if attention.kernel == "attention_decode" else 14]
             assert window == (spec.sliding_window if sliding else 0)
-        assert any(c.kernel.startswith("mul_mat_vec_gate_up_gelu_tanh_") for c in layer)
+        assert any("_gate_up_gelu_tanh_" in c.kernel for c in layer)
         opening, ffn_norm = [c for c in layer if c.kernel == "residual_rms_norm"][:2]
         assert ffn_norm.args[2].name == f"blk.{index}.post_attention_norm.weight"
         expected = launches.NULL if index == 0 else launches.Ref(
@@ -214,36 +221,40 @@ def test_logit_rows_are_gathered_only_when_they_are_not_the_first_rows(
     assert not any(launches.Ref("logits") in call.args for call in none)
 
 
-def _decode_step(gguf: GGUFFile, streams: int,
-                 decode_route: str = "matvec") -> list[launches.KernelCall]:
+def _decode_step(gguf: GGUFFile, streams: int) -> list[launches.KernelCall]:
     spec = spec_from_gguf(gguf)
     shape = launches.graph_shape(launches.bucket_for(streams, launches.graph_buckets(64)), 8,
                                  launches.split_keys_for(spec.context_length),
                                  spec.context_length, BLOCK)
-    return launches.forward_calls(spec, launches.tensor_layouts(gguf, decode_route), shape,
-                                  launches.TILE_INPUT, decode_route)
+    return launches.forward_calls(spec, launches.tensor_layouts(gguf), shape,
+                                  launches.TILE_INPUT)
 
 
 @pytest.mark.parametrize("streams", [1, 8, 9, 32, 64])
-def test_decode_rows_always_take_the_matvec(models: dict[str, GGUFFile], streams: int) -> None:
-    """Batch invariance: however many streams share a decode step, every product of it is
-    one matvec launch over all its rows, never the tiles."""
+def test_the_decode_rows_number_picks_their_kernels(models: dict[str, GGUFFile],
+                                                    streams: int) -> None:
+    """However many streams share a decode step, every product of it is one launch over all
+    its rows: up to 8 rows on the matvec (the tensor cores' for Q4_K), past 8 on the batched
+    product; the logits rows on the batched product either way."""
     calls = _decode_step(models["llama-tiny"], streams)
     products = [c for c in calls if c.kernel.startswith("mul_mat")]
-    assert products and all(c.kernel.startswith("mul_mat_vec") for c in products)
-    batches = {int(c.args[PRODUCT_ARGS - 1] if c.kernel == "mul_mat_vec_qkv" else c.args[-1])
-               for c in products}
+    *layers, logits = products
+    assert logits.args[4] == launches.Ref("logits")
+    assert logits.kernel.startswith("mul_mat_batch")
+    family = "mul_mat_vec_mma_" if streams <= plan.MATVEC_MMA_MAX_ROWS else "mul_mat_batch"
+    assert layers and all(c.kernel.startswith(family) for c in layers)
+    batches = {int(c.args[PRODUCT_ARGS - 1] if _fused_qkv(c) else c.args[-1]) for c in products}
     assert batches == {launches.bucket_for(streams, launches.graph_buckets(64))}
 
 
-def test_decode_rows_keep_the_matvec_when_a_prefill_shares_their_step(
+def test_decode_rows_keep_their_kernels_when_a_prefill_shares_their_step(
         models: dict[str, GGUFFile]) -> None:
     spec = spec_from_gguf(models["llama-tiny"])
     decode = [StepItem((i + 5,), 3 + i, (i,)) for i in range(12)]
     items = [*decode, StepItem(tuple(range(1, 21)), 0, (12, 13))]
     _, calls = _calls(models["llama-tiny"], items)
     down = [c for c in calls if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
-    assert [_kind(c) for c in down] == ["mul_mat_vec", "mul_mat_tiles_f16x2_q4_K"]
+    assert [_kind(c) for c in down] == ["mul_mat_batch16_f16x2_q4_K", "mul_mat_tiles_f16x2_q4_K"]
     assert [int(c.args[8]) for c in down] == [12, 20]
     assert down[1].args[2] == launches.Ref("gated", 12 * spec.ffn_dim * 4)
     assert down[1].args[4] == launches.Ref("projected", 12 * spec.d_model * 4)
@@ -258,8 +269,9 @@ def test_decode_rows_keep_the_matvec_when_a_prefill_shares_their_step(
     # The decode rows finished in their qkv launch, the prefill rows by qkv_finish after
     # their tiles: each over its own rows.
     stride = spec.q_dim + 2 * spec.kv_dim
-    fused, finish = (next(c for c in layer if c.kernel == k)
-                     for k in ("mul_mat_vec_qkv", "qkv_finish"))
+    fused = next(c for c in layer if _fused_qkv(c))
+    finish = next(c for c in layer if c.kernel == "qkv_finish")
+    assert fused.kernel == "mul_mat_batch16_qkv_f16x2"
     assert layer.index(finish) == layer.index(tiles[2]) + 1
     assert finish.launch == plan.qkv_finish_launch(20, spec.n_heads + 2 * spec.n_kv_heads)
     for call, first in ((fused, 0), (finish, 12)):
@@ -271,10 +283,11 @@ def test_decode_rows_keep_the_matvec_when_a_prefill_shares_their_step(
     gated = next(c for c in layer if c.kernel == "gated_silu")
     assert gated.args == (launches.Ref("gate_up", 12 * 2 * spec.ffn_dim * 4),
                           launches.Ref("gated", 12 * spec.ffn_dim * 4), 20, spec.ffn_dim)
-    fused = next(c for c in layer if _kind(c) == "mul_mat_vec_gate_up")
+    fused = next(c for c in layer if "_gate_up_" in c.kernel)
+    assert fused.kernel == f"mul_mat_batch16_gate_up_{spec.activation}_f16x2_q4_K"
     assert int(fused.args[-1]) == 12
     output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
-    assert [int(c.args[8]) for c in output] == [13]  # 12 decode rows and 1 prefill: matvec
+    assert [int(c.args[8]) for c in output] == [13]  # 12 decode rows and 1 prefill
     prefill = [StepItem(tuple(range(1, 21)), 0, (12, 13))]
     _, alone = _calls(models["llama-tiny"], prefill)
     assert all("tiles" in c.kernel for c in alone if c.kernel.startswith("mul_mat")
@@ -285,7 +298,7 @@ def test_each_prefill_item_takes_the_matvec_or_the_tiles_by_its_own_length(
         models: dict[str, GGUFFile]) -> None:
     """Two 5-token prompts together take the matvec as each alone does (10 rows would once
     have gone to the tiles); a 20-token one between them the tiles; neighbours on the same
-    side share a launch; every logits row takes the matvec."""
+    side share a launch; every logits row takes the batched product."""
     spec = spec_from_gguf(models["llama-tiny"])
     items = [StepItem((5,), 3, (0,)), StepItem((6,), 4, (1,)),
              StepItem(tuple(range(1, 6)), 0, (2,)), StepItem(tuple(range(1, 21)), 0, (3, 4)),
@@ -301,73 +314,26 @@ def test_each_prefill_item_takes_the_matvec_or_the_tiles_by_its_own_length(
     assert [(_kind(c), c.args[2].offset // (4 * spec.ffn_dim), int(c.args[8])) for c in down] \
         == [("mul_mat_vec", 0, 7), ("mul_mat_tiles_f16x2_q4_K", 7, 20), ("mul_mat_vec", 27, 10)]
     output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
-    assert [(_kind(c), int(c.args[8])) for c in output] == [("mul_mat_vec", 6)]
+    assert [(c.kernel.startswith("mul_mat_batch16_"), int(c.args[8])) for c in output] == [
+        (True, 6)]
     two_short = items[2:3] + items[4:5]
     assert launches.row_runs(launches.step_shape(
         _plan(spec, two_short), 8, 256, spec.context_length)) == [
             launches.RowRun(0, 10, launches.MATVEC)]
 
 
-def test_decode_rows_on_the_decode_tiles_route_take_them_whatever_shares_the_step(
-        models: dict[str, GGUFFile]) -> None:
-    """The decode tiles route: the decode rows (and only they) on mul_mat_decode_tiles, gate
-    and up a launch each with the activation after them; prefill items keep their own routes
-    and the logits rows the matvec."""
-    spec = spec_from_gguf(models["llama-tiny"])
-    items = [StepItem((5,), 3, (0,)), StepItem((6,), 4, (1,)),
-             StepItem(tuple(range(1, 6)), 0, (2,)), StepItem(tuple(range(1, 21)), 0, (3, 4))]
-    shape = launches.step_shape(_plan(spec, items), 8,
-                                launches.split_keys_for(spec.context_length), spec.context_length)
-    assert launches.row_runs(shape, "tiles") == [launches.RowRun(0, 2, launches.DECODE_TILES),
-                                                 launches.RowRun(2, 5, launches.MATVEC),
-                                                 launches.RowRun(7, 20, launches.TILES)]
-    _, calls = _calls(models["llama-tiny"], items, "tiles")
-    down = [c for c in calls if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
-    assert [(_kind(c), c.args[2].offset // (4 * spec.ffn_dim), int(c.args[8])) for c in down] \
-        == [("mul_mat_decode_tiles_f16x2_q4_K", 0, 2), ("mul_mat_vec", 2, 5),
-            ("mul_mat_tiles_f16x2_q4_K", 7, 20)]
-    decode = [c for c in calls if c.kernel.startswith("mul_mat_decode_tiles")]
-    assert all(c.launch.grid[0] == 1 and c.launch.block == (plan.DECODE_TILE_THREADS, 1, 1)
-               for c in decode)
-    layer = _layer_slices(calls)[0]
-    # q, k and v with their finish in one launch over the decode rows: each matrix K-split as
-    # its own launch would be, the split workspace last
-    assert [_kind(c) for c in layer[:2]] == ["residual_rms_norm", "mul_mat_decode_tiles_qkv_f16x2"]
-    qkv = layer[1]
-    rows = (spec.q_dim, spec.kv_dim, spec.kv_dim)
-    assert tuple(int(a) for a in qkv.args[-5:-2]) == tuple(
-        plan.decode_tiles_splits("Q4_K", n, spec.d_model) for n in rows)
-    assert qkv.args[-2:] == launches.DECODE_SPLIT_WORKSPACE
-    assert qkv.args[-6] == launches.Ref("qkv_counters") and int(qkv.args[17]) == 2
-    assert qkv.launch == plan.decode_tiles_qkv_launch(["Q4_K"] * 3, rows, spec.d_model, 2)
-    assert qkv.launch.grid[1] == sum(-(-n // plan.DECODE_TILE_ROWS) for n in rows)
-    # the prompt on the prefill tiles: a launch per matrix, then qkv_finish over its 20 rows
-    assert [int(c.launch.grid[1]) for c in layer if c.kernel == "qkv_finish"] == [20]
-    # gate, up and the activation in one launch over the decode rows
-    fused = [c for c in layer if c.kernel.startswith("mul_mat_decode_tiles_gate_up_")]
-    assert [(c.kernel, int(c.args[9])) for c in fused] == [
-        (f"mul_mat_decode_tiles_gate_up_{spec.activation}_f16x2_q4_K", 2)]
-    # the activation launched apart only for the prompt on the prefill tiles (20 rows)
-    assert [int(c.args[2]) for c in layer if c.kernel.startswith("gated_")] == [20]
-    output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
-    assert [(_kind(c), int(c.args[8])) for c in output] == [("mul_mat_vec", 4)]
-    with pytest.raises(InvalidRequest, match="decode route"):
-        launches.row_runs(shape, "wmma")
-
-
-def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves() -> None:
-    """The Llama-3-8B shape (Q4_K_M): on the matvec_mma route the decode rows' products take
-    mul_mat_vec_mma, gate and up with the activation in its fused entry, q, k and v in one
-    mul_mat_vec_mma_qkv with the finish; the Q4_K matrices from their file-layout blocks,
-    the Q6_K ones (v and down in some layers) held row-planar. Seven launches a layer, as on
-    the matvec route."""
+def test_decode_rows_up_to_8_take_the_mma_matvec() -> None:
+    """The Llama-3-8B shape (Q4_K_M): 4 decode rows' products take mul_mat_vec_mma, gate and
+    up with the activation in its fused entry, q, k and v in one mul_mat_vec_mma_qkv with the
+    finish; the Q4_K matrices from their file-layout blocks, the Q6_K ones (v and down in
+    some layers) held row-planar. Seven launches a layer."""
     from benchmarks.cuda_budget import llama_8b_layouts
 
-    spec, layouts = llama_8b_layouts("matvec_mma")
+    spec, layouts = llama_8b_layouts()
     shape = launches.graph_shape(4, 8, launches.split_keys_for(spec.context_length),
                                  spec.context_length, BLOCK)
-    assert launches.row_runs(shape, "matvec_mma") == [launches.RowRun(0, 4, launches.DECODE_MMA)]
-    calls = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT, "matvec_mma")
+    assert launches.row_runs(shape) == [launches.RowRun(0, 4, launches.MATVEC)]
+    calls = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT)
     layers = _layer_slices(calls)
     assert len(layers) == spec.n_layers
     served = set()
@@ -411,28 +377,25 @@ def test_decode_rows_on_the_matvec_mma_route_take_it_for_the_matrices_it_serves(
     assert planar_reads == q6_K - {"output.weight"}
 
 
-def test_the_matvec_mma_route_keeps_the_matvec_where_it_serves_nothing(
+def test_the_matvec_rows_of_types_the_mma_matvec_does_not_serve_take_the_cuda_cores(
         models: dict[str, GGUFFile]) -> None:
-    """SmolLM2 (Q4_1 and Q8_0 blocks) decodes exactly as on the matvec route, but for its
-    logits rows: the batched product's, on every step of that route."""
+    """SmolLM2 (Q4_1 and Q8_0 blocks) decodes on the CUDA-core matvec, q, k and v in
+    mul_mat_vec_qkv; its logits rows on the batched product."""
     decode = [StepItem((5,), 3, (0,)), StepItem((6,), 4, (1,))]
-    (spec, mma), (_, matvec) = (_calls(models["llama"], decode, route)
-                                for route in ("matvec_mma", "matvec"))
-    assert mma[:-1] == matvec[:-1]
-    assert (mma[-1].kernel, mma[-1].launch) == (plan.batch_kernel("Q8_0", 2),
-                                                plan.batch_launch(spec.vocab_size, 2))
-    assert mma[-1].args == matvec[-1].args
+    spec, calls = _calls(models["llama"], decode)
+    products = [c for c in calls if c.kernel.startswith("mul_mat")]
+    *layers, logits = products
+    assert all(c.kernel.startswith("mul_mat_vec_") and "_mma_" not in c.kernel for c in layers)
+    assert {c.kernel for c in layers} >= {"mul_mat_vec_qkv", "mul_mat_vec_gate_up_silu_q4_1"}
+    assert (logits.kernel, logits.launch) == (plan.batch_kernel("Q8_0", 2),
+                                              plan.batch_launch(spec.vocab_size, 2))
 
 
-@pytest.mark.parametrize(("route", "ffn"), [
-    ("matvec", ["mul_mat_vec_q4_K", "mul_mat_vec_q8_0", "gated_silu", "mul_mat_vec_q4_K"]),
-    # the decode row and the short prompt in one run on this route: gate on mul_mat_vec_mma,
-    # up on the matvec, the activation, down
-    ("matvec_mma", ["mul_mat_vec_mma_q4_K", "mul_mat_vec_q8_0", "gated_silu",
-                    "mul_mat_vec_mma_q4_K"]),
-])
 def test_gate_and_up_of_different_types_take_two_products_and_the_activation(
-        models: dict[str, GGUFFile], route: str, ffn: list[str]) -> None:
+        models: dict[str, GGUFFile]) -> None:
+    """The decode row and the short prompt in one matvec run: gate on mul_mat_vec_mma, up on
+    the CUDA-core matvec, the activation, down."""
+    ffn = ["mul_mat_vec_mma_q4_K", "mul_mat_vec_q8_0", "gated_silu", "mul_mat_vec_mma_q4_K"]
     gguf = models["llama-tiny"]
     spec = spec_from_gguf(gguf)
     layouts = launches.tensor_layouts(gguf)
@@ -441,7 +404,7 @@ def test_gate_and_up_of_different_types_take_two_products_and_the_activation(
     shape = launches.step_shape(_plan(spec, DECODE_AND_PREFILL), 8,
                                 launches.split_keys_for(spec.context_length),
                                 spec.context_length)
-    layer = launches.layer_calls(spec, layouts, shape, 0, launches.TILE_INPUT, route)
+    layer = launches.layer_calls(spec, layouts, shape, 0, launches.TILE_INPUT)
     assert [c.kernel for c in layer[layer.index(next(
         c for c in layer if c.kernel == "residual_rms_norm" and c is not layer[0])) + 1 :]] == ffn
 
@@ -450,28 +413,26 @@ def test_a_decode_layer_is_a_handful_of_kernels(models: dict[str, GGUFFile]) -> 
     """Per decode layer: norm, qkv (finished in its epilogue: biases, head norms, RoPE, the
     K/V write), attention (split and combine), o, norm, gate+up, down; per step: the
     embedding, the final norm and the output product. The same count at any batch."""
-    for name, route in itertools.product(("llama", "qwen2", "gemma3"), plan.DECODE_ROUTES):
+    for name in ("llama", "qwen2", "gemma3"):
         spec = spec_from_gguf(models[name])
         for streams in (1, 9, 32, 64):
-            calls = _decode_step(models[name], streams, route)
-            assert len(calls) == 7 * spec.n_layers + 3, (name, streams, route)
+            calls = _decode_step(models[name], streams)
+            assert len(calls) == 7 * spec.n_layers + 3, (name, streams)
 
 
 @pytest.mark.parametrize("streams", [9, 16, 32, 64, 65])
-def test_decode_steps_past_8_rows_on_the_mma_route_take_the_batched_product(
-        streams: int) -> None:
-    """On the matvec_mma route a decode step of more than 8 rows multiplies every matrix on
+def test_decode_steps_past_8_rows_take_the_batched_product(streams: int) -> None:
+    """A decode step of more than 8 rows multiplies every matrix on
     the batched product, all its rows a launch (N = 16, 32 or 64 token columns a block, the
     QKV at most 32): q, k and v with their finish in one launch, gate + up with the
     activation in one, Q6_K matrices read row-planar; seven launches a layer."""
     from benchmarks.cuda_budget import llama_8b_layouts
 
-    spec, layouts = llama_8b_layouts("matvec_mma")
+    spec, layouts = llama_8b_layouts()
     shape = launches.graph_shape(streams, 8, launches.split_keys_for(spec.context_length),
                                  spec.context_length, BLOCK)
-    assert launches.row_runs(shape, "matvec_mma") == [launches.RowRun(0, streams,
-                                                                      launches.BATCH)]
-    calls = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT, "matvec_mma")
+    assert launches.row_runs(shape) == [launches.RowRun(0, streams, launches.BATCH)]
+    calls = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT)
     tokens = plan.batch_tokens(streams)
     assert tokens == min(n for n in (16, 32, 64, 128) if n >= min(streams, 64))
     for layer in _layer_slices(calls)[:-1]:
@@ -485,8 +446,7 @@ def test_decode_steps_past_8_rows_on_the_mma_route_take_the_batched_product(
         assert gate_up.launch.grid == (-(-streams // tokens), spec.ffn_dim // 32, 1)
         for call in (layer[3], down):
             matrix = layouts[call.args[0].name]
-            assert call.kernel == plan.batch_kernel(matrix.type_name, streams,
-                                                    planar=matrix.planar)
+            assert call.kernel == plan.batch_kernel(matrix.type_name, streams)
             assert call.kernel.endswith("_planar") == (matrix.type_name == "Q6_K")
             assert call.launch == plan.batch_launch(matrix.rows, streams)
             assert int(call.args[8]) == streams
@@ -494,23 +454,21 @@ def test_decode_steps_past_8_rows_on_the_mma_route_take_the_batched_product(
     # 8 rows (a graph bucket) stay on the mma matvec
     eight = launches.graph_shape(8, 8, launches.split_keys_for(spec.context_length),
                                  spec.context_length, BLOCK)
-    assert launches.row_runs(eight, "matvec_mma") == [launches.RowRun(0, 8,
-                                                                      launches.DECODE_MMA)]
+    assert launches.row_runs(eight) == [launches.RowRun(0, 8, launches.MATVEC)]
 
 
 @pytest.fixture(scope="module")
 def planned_calls(models: dict[str, GGUFFile]) -> dict[str, launches.KernelCall]:
-    """Kernel -> a call of it the backend plans: the forward steps of each architecture and
-    decode route, and the candidates' tail."""
+    """Kernel -> a call of it the backend plans: the forward steps of each architecture, and
+    the candidates' tail."""
     calls = {}
     long_prefill = [*DECODE_AND_PREFILL, StepItem(tuple(range(1, 21)), 0, (12, 13))]
-    for arch, route in itertools.product(("llama", "qwen2", "gemma3"), plan.DECODE_ROUTES):
-        spec, forward = _calls(models[arch], long_prefill, route)
+    for arch in ("llama", "qwen2", "gemma3"):
+        spec, forward = _calls(models[arch], long_prefill)
         tail = launches.candidate_calls(spec, 2, 16, any_penalty=True, n_masked=1)
         calls.update((call.kernel, call) for call in [*forward, *tail])
-        for streams in (9, 40):  # the batched product's steps on the mma route
-            calls.update((call.kernel, call) for call in _decode_step(models[arch], streams,
-                                                                       route))
+        for streams in (9, 40):  # the batched product's steps
+            calls.update((call.kernel, call) for call in _decode_step(models[arch], streams))
     return calls
 
 
@@ -544,12 +502,11 @@ def test_every_address_names_something_the_backend_holds(models: dict[str, GGUFF
         rows = packing.row_arrays([RowInputs(), masked], spec.vocab_size)
         arena = set(cuda_weights.weight_arena(gguf)[0])
         held = {"null", *arena,
-                *plan.workspace_buffers(spec, plan.StepLimits(4, 2, 2, 16)),
+                *memory.workspace_buffers(spec, memory.StepLimits(4, 2, 2, 16)),
                 *(f"{kv}_cache.{layer}" for kv in "kv" for layer in range(spec.n_layers)),
                 *(f"step.{name}" for name in packing.step_arrays(step, 1, 8)),
                 *(f"rows.{name}" for name in rows.arrays)}
-        forward = [call for route in plan.DECODE_ROUTES
-                   for call in _calls(gguf, DECODE_AND_PREFILL, route)[1]]
+        forward = _calls(gguf, DECODE_AND_PREFILL)[1]
         tail = launches.candidate_calls(spec, 2, rows.width, any_penalty=True,
                                         n_masked=rows.n_masked)
         named = {arg.name for call in [*forward, *tail] for arg in call.args
@@ -560,7 +517,8 @@ def test_every_address_names_something_the_backend_holds(models: dict[str, GGUFF
 def test_a_decode_graph_reads_only_the_decode_step_arrays(models: dict[str, GGUFFile]) -> None:
     spec = spec_from_gguf(models["gemma3"])
     shape = launches.graph_shape(8, 16, 256, spec.context_length, BLOCK)
-    calls = launches.forward_calls(spec, launches.tensor_layouts(models["gemma3"]), shape, "f16")
+    calls = launches.forward_calls(spec, launches.tensor_layouts(models["gemma3"]), shape,
+                                   launches.TILE_INPUT)
     graph_arrays = packing.decode_step_arrays([1], [0], [0], [[0]], 8, 16, 0, 0)
     step_names = {arg.name for call in calls for arg in call.args
                   if isinstance(arg, launches.Ref) and arg.name.startswith("step.")}
@@ -812,35 +770,32 @@ def test_candidate_counts_follow_the_contract_and_the_reference() -> None:
 
 def test_kv_pool_fills_the_memory_fraction_up_to_what_sequences_use() -> None:
     gib = 1 << 30
-    blocks = plan.kv_pool_blocks(80 * gib, 0.9, 5 * gib, gib, 2 << 20, None, useful=10**9)
+    blocks = memory.kv_pool_blocks(80 * gib, 0.9, 5 * gib, gib, 2 << 20, None, useful=10**9)
     assert blocks == (int(80 * gib * 0.9) - 6 * gib - (2 << 20)) // (2 << 20)
-    assert plan.kv_pool_blocks(80 * gib, 0.9, 5 * gib, gib, 2 << 20, None, useful=64) == 64
-    assert plan.kv_pool_blocks(80 * gib, 0.9, 5 * gib, gib, 2 << 20, 500, useful=64) == 500
+    assert memory.kv_pool_blocks(80 * gib, 0.9, 5 * gib, gib, 2 << 20, None, useful=64) == 64
+    assert memory.kv_pool_blocks(80 * gib, 0.9, 5 * gib, gib, 2 << 20, 500, useful=64) == 500
     with pytest.raises(ComputeError, match="do not fit"):
-        plan.kv_pool_blocks(8 * gib, 0.9, 5 * gib, gib, 2 << 20, 10**6, useful=64)
+        memory.kv_pool_blocks(8 * gib, 0.9, 5 * gib, gib, 2 << 20, 10**6, useful=64)
     with pytest.raises(ComputeError, match="short of one KV block"):
-        plan.kv_pool_blocks(6 * gib, 0.9, 5 * gib, gib, 2 << 20, None, useful=64)
+        memory.kv_pool_blocks(6 * gib, 0.9, 5 * gib, gib, 2 << 20, None, useful=64)
 
 
-@pytest.mark.parametrize("route", plan.DECODE_ROUTES)
-def test_weights_upload_as_stored_blocks_at_the_row_pitch(models: dict[str, GGUFFile],
-                                                          route: str) -> None:
-    """Every tensor's blocks as stored at the row pitch, once (on the matvec_mma route its
-    Q6_K matrices row-planar instead), the arena about the file's size on every route."""
+def test_weights_upload_as_stored_blocks_at_the_row_pitch(models: dict[str, GGUFFile]) -> None:
+    """Every tensor's blocks as stored at the row pitch, once (its Q6_K matrices row-planar
+    instead), the arena about the file's size."""
     for name in ("llama-tiny", "qwen2", "llama"):
         gguf = models[name]
-        planar = planar_names(launches.tensor_layouts(gguf, route))
+        planar = planar_names(launches.tensor_layouts(gguf))
         offsets, size = cuda_weights.weight_arena(gguf)
         arena = np.zeros(size, dtype=np.uint8)
         for info in gguf:
             assert offsets[info.name] % cuda_weights.ARENA_ALIGN == 0
             for at, data in cuda_weights.device_bytes_of(gguf.raw(info.name), info,
-                                                         chunk_rows=100,
-                                                         planar=info.name in planar):
+                                                         chunk_rows=100):
                 start = offsets[info.name] + at
                 arena[start : start + data.size] = data
         assert set(offsets) == {info.name for info in gguf}
-        assert bool(planar) == (route == "matvec_mma" and name != "llama")  # smollm2: no Q6_K
+        assert bool(planar) == (name != "llama")  # smollm2: no Q6_K
         for info in gguf:
             start = offsets[info.name]
             if info.name in planar:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from actors.compute import cuda_launches as launches
+from actors.compute import cuda_memory as memory
 from actors.compute import cuda_packing as packing
 from actors.compute import cuda_plan as plan
 from actors.compute import cuda_weights
@@ -94,54 +95,60 @@ def test_the_weight_arena_pitches_matrices_and_widens_vectors() -> None:
 
 
 def test_kv_block_bytes_are_float16_k_and_v_of_every_layer() -> None:
-    assert plan.kv_block_bytes(LLAMA3_8B, 16) == 2 * 32 * 16 * 1024 * 2  # 2 MiB
+    assert memory.kv_block_bytes(LLAMA3_8B, 16) == 2 * 32 * 16 * 1024 * 2  # 2 MiB
 
 
 def test_workspace_buffers_scale_with_the_step() -> None:
-    small = plan.workspace_buffers(LLAMA3_8B, plan.StepLimits(8, 8, 4, 64))
-    big = plan.workspace_buffers(LLAMA3_8B, plan.StepLimits(16, 8, 4, 64))
+    small = memory.workspace_buffers(LLAMA3_8B, memory.StepLimits(8, 8, 4, 64))
+    big = memory.workspace_buffers(LLAMA3_8B, memory.StepLimits(16, 8, 4, 64))
     assert small["gate_up"] == 8 * 2 * 14336 * 4
     assert small["logits"] == 8 * 128256 * 4
     assert small["partial_acc"] == 8 * 32 * 4 * 128 * 4
     assert small["attention_counters"] == 8 * 32 * 4  # at most one per (sequence, head)
     assert small["qkv_counters"] == (32 + 2 * 8) * 4  # one per head of the qkv row
-    # ... per 8-token tile of the decode tiles' fused QKV
-    many = plan.workspace_buffers(LLAMA3_8B, plan.StepLimits(64, 33, 4, 64))
-    assert many["qkv_counters"] == (32 + 2 * 8) * 5 * 4
-    assert many["decode_tile_counters"] == 2 * plan.DECODE_TILE_MIN_BLOCKS * 5 * 4
+    # ... per 32-token tile of the batched product's fused QKV
+    many = memory.workspace_buffers(LLAMA3_8B, memory.StepLimits(64, 33, 4, 64))
+    assert many["qkv_counters"] == (32 + 2 * 8) * 2 * 4
     assert small["candidate_partials"] == 8 * 32 * (2 + 2 * 64) * 4
     assert small["candidate_counters"] == 8 * 4
-    assert set(plan.ZEROED_BUFFERS) <= set(small)
+    assert set(memory.ZEROED_BUFFERS) <= set(small)
     assert big["x"] == 2 * small["x"] and big["logits"] == small["logits"]
 
 
 def test_memory_plan_gives_the_rest_to_kv_blocks() -> None:
     gib = 1 << 30
-    memory = plan.plan_memory(free_bytes=100 * gib, fraction=0.9, weights=5 * gib,
-                              workspace=gib, block_bytes=2 * 1024 * 1024)
-    assert memory.kv_blocks == (90 * gib - 6 * gib) // (2 * 1024 * 1024)
-    assert memory.kv_bytes <= 84 * gib
+    planned = memory.plan_memory(free_bytes=100 * gib, fraction=0.9, weights=5 * gib,
+                                 workspace=gib, block_bytes=2 * 1024 * 1024)
+    assert planned.kv_blocks == (90 * gib - 6 * gib) // (2 * 1024 * 1024)
+    assert planned.kv_bytes <= 84 * gib
 
 
 def test_memory_plan_refuses_a_model_that_does_not_fit() -> None:
     with pytest.raises(ComputeError, match="MiB short"):
-        plan.plan_memory(free_bytes=1 << 30, fraction=0.5, weights=1 << 29, workspace=1,
-                         block_bytes=1 << 20)
+        memory.plan_memory(free_bytes=1 << 30, fraction=0.5, weights=1 << 29, workspace=1,
+                           block_bytes=1 << 20)
     with pytest.raises(InvalidRequest, match="fraction"):
-        plan.plan_memory(1 << 30, 1.5, 0, 0, 1)
+        memory.plan_memory(1 << 30, 1.5, 0, 0, 1)
 
 
-def test_matmul_kernel_and_launch_switch_at_the_matvec_batch() -> None:
-    assert plan.matmul_kernel("Q4_K", 8) == "mul_mat_vec_q4_K"
-    assert plan.matmul_kernel("Q6_K", 9) == "mul_mat_tiles_f16x2_q6_K"
-    assert plan.matmul_kernel("BF16", 512, "f16x2") == "mul_mat_tiles_f16x2_bf16"
+def test_matrix_kernels_are_named_for_the_layout_the_device_holds() -> None:
+    """The matvec has entries only for the types the mma matvec does not serve; a Q6_K
+    matrix is read row-planar by every other family."""
+    assert plan.matvec_kernel("Q8_0") == "mul_mat_vec_q8_0"
+    with pytest.raises(InvalidRequest, match="mul_mat_vec_mma"):
+        plan.matvec_kernel("Q4_K")
+    assert plan.matvec_mma_kernel("Q6_K") == "mul_mat_vec_mma_q6_K"
+    assert plan.tiles_kernel("Q6_K") == "mul_mat_tiles_f16x2_q6_K_planar"
+    assert plan.tiles_kernel("BF16", "f16x2") == "mul_mat_tiles_f16x2_bf16"
+    assert plan.batch_kernel("Q6_K", 9) == "mul_mat_batch16_f16x2_q6_K_planar"
+    assert plan.get_rows_kernel("Q6_K") == "get_rows_q6_K_planar"
+    assert plan.get_rows_kernel("Q4_K") == "get_rows_q4_K"
     with pytest.raises(InvalidRequest, match="tile input"):
-        plan.matmul_kernel("Q4_K", 512, "f16")
-    assert plan.matmul_launch(14336, 1) == plan.Launch((448, 1, 1), (256, 1, 1))
+        plan.tiles_kernel("Q4_K", "f16")
     # token tiles fastest: the 8 blocks sharing a 64-row weight tile run together
-    assert plan.matmul_launch(4096, 512) == plan.Launch((8, 64, 1), (128, 1, 1))
-    assert plan.matmul_launch(100, 65) == plan.Launch((2, 2, 1), (128, 1, 1))
-    assert plan.matmul_launch(262144, 9) == plan.Launch((1, 4096, 1), (128, 1, 1))
+    assert plan.tiles_launch(4096, 512) == plan.Launch((8, 64, 1), (128, 1, 1))
+    assert plan.tiles_launch(100, 65) == plan.Launch((2, 2, 1), (128, 1, 1))
+    assert plan.tiles_launch(262144, 9) == plan.Launch((1, 4096, 1), (128, 1, 1))
 
 
 def test_matvec_splits_follow_n_in_only() -> None:
@@ -153,7 +160,6 @@ def test_matvec_splits_follow_n_in_only() -> None:
     assert plan.matvec_launch(14336, 4096) == plan.Launch((896, 1, 1), (128, 2, 1))
     assert plan.matvec_launch(4096, 14336) == plan.Launch((512, 1, 1), (64, 4, 1))
     assert plan.matvec_launch(70, 640) == plan.Launch((3, 1, 1), (256, 1, 1))
-    assert plan.matmul_launch(4096, 8, 14336) == plan.matvec_launch(4096, 14336)
     assert plan.qkv_launch(4096, 1024, 1024, 4096) == plan.Launch((384, 1, 1), (128, 2, 1))
     assert plan.qkv_launch(4000, 1, 1, 4096).grid == (252, 1, 1)
 
@@ -182,23 +188,6 @@ def test_launches_cover_their_work() -> None:
     assert plan.candidates_launch(3, 64, 262144).grid == (32, 3, 1)  # at most 32 slices
     with pytest.raises(InvalidRequest):
         plan.rope_launch(70000, 8)  # past the grid's y limit
-
-
-def test_decode_tiles_qkv_splits_each_matrix_as_its_own_launch() -> None:
-    """The fused QKV on the decode tiles: each matrix's K-split, grid y their row tiles, z the
-    most splits; the split matrices' partial sums one after the other fit the workspace for
-    any q / k / v sizes (a split matrix has splits x row tiles < 2 DECODE_TILE_MIN_BLOCKS)."""
-    types, rows = ("Q4_K", "Q4_K", "Q6_K"), (4096, 1024, 1024)
-    assert plan.decode_tiles_qkv_splits(types, rows, 4096) == (4, 8, 8)
-    assert plan.decode_tiles_qkv_launch(types, rows, 4096, 33) == plan.Launch((5, 192, 8),
-                                                                             (64, 1, 1))
-    assert plan.decode_tiles_qkv_partials(types, rows, 4096) == (4 * 128 + 2 * 8 * 32) * 32
-    # q of 264 row tiles does not split: only k and v hold partial sums
-    assert plan.decode_tiles_qkv_partials(types, (8448, 1024, 1024), 4096) == 2 * 8 * 32 * 32
-    worst = max(plan.decode_tiles_qkv_partials(("Q8_0",) * 3, (n, m, m), 8192)
-                for n in range(32, 20000, 32) for m in (32, 64, 2048, 8416))
-    assert 0 < worst <= plan.DECODE_PARTIAL_ROWS
-    assert plan.decode_tiles_qkv_kernel() == "mul_mat_decode_tiles_qkv_f16x2"
 
 
 def test_decode_splits_cover_the_context() -> None:

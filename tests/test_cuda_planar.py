@@ -1,7 +1,7 @@
-"""The row-planar Q6_K layout the matvec_mma route holds its Q6_K matrices in
+"""The row-planar Q6_K layout the device holds every Q6_K matrix in
 (cuda_plan.planar_q6_K_rows) against a byte-by-byte reading of its definition, its inverse (the
 emulator's), the emulated kernels reading a planar matrix (right with it, wrong with the
-file's layout), and that on that route every launch reads its Q6_K matrices that way."""
+file's layout), and that every launch reads its Q6_K matrices that way."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from actors.model.gguf.reader import TensorInfo, open_gguf
 from actors.model.step import StepItem, plan_step
 from tests.conftest import TINY_MODELS
 from tests.cuda_emulator import KernelTwins, Memory, file_q6_K_rows
-from tests.cuda_samples import planar_names
+from tests.cuda_samples import planar_names, tile_product
 
 
 def planar_offset(nb: int, k: int, i: int) -> int:
@@ -54,19 +54,22 @@ def test_planar_rows_move_each_byte_where_the_layout_says(nb: int) -> None:
 def test_planar_rows_refuse_a_row_of_partial_blocks() -> None:
     with pytest.raises(InvalidRequest, match="whole blocks"):
         plan.planar_q6_K_rows(np.zeros((2, 300), dtype=np.uint8))
-    with pytest.raises(InvalidRequest, match="only Q6_K"):
-        weights.device_rows(np.zeros((2, 144), dtype=np.uint8), "Q4_K", 256, planar=True)
 
 
 ROWS, N_IN, BATCH = 24, 768, 3  # three blocks a row: the planar layout differs from the file's
 
 
 def _upload(memory: Memory, raw: np.ndarray, planar: bool) -> int:
-    """The device image of a (ROWS, N_IN) Q6_K matrix (the planar copy or the file layout)
-    at a fresh address, as the backend uploads it."""
+    """The device image of a (ROWS, N_IN) Q6_K matrix at a fresh address: as the backend
+    uploads it (the planar copy), or its rows as the file holds them at the same pitch."""
     info = TensorInfo("m", "Q6_K", 14, (ROWS, N_IN), 0, raw.size)
     address = memory.allocate(weights.device_tensor_bytes(info))
-    for at, data in weights.device_bytes_of(raw, info, chunk_rows=10, planar=planar):
+    if not planar:
+        pitch = plan.row_pitch("Q6_K", N_IN)
+        rows = memory.view(address, np.uint8, ROWS * pitch).reshape(ROWS, pitch)
+        rows[:, : raw.shape[1]] = raw
+        return address
+    for at, data in weights.device_bytes_of(raw, info, chunk_rows=10):
         memory.view(address + at, np.uint8, data.size)[:] = data
     return address
 
@@ -114,15 +117,17 @@ def test_the_emulated_mma_matvec_reads_a_q6_K_matrix_from_its_planar_copy() -> N
 
 
 def test_the_emulated_planar_tiles_and_gather_read_a_row_planar_matrix() -> None:
-    """mul_mat_tiles_f16x2_q6_K_planar's twin on a planar matrix gives the file-layout tiles'
-    products, and get_rows_q6_K_planar's the decoded rows; on the file's layout they do not."""
+    """mul_mat_tiles_f16x2_q6_K_planar's twin on a planar matrix gives the tiles' products of
+    the decoded matrix, and get_rows_q6_K_planar's the decoded rows; on the file's layout they
+    do not."""
     rng = np.random.default_rng(9)
     memory, pitch = Memory(), np.int64(plan.row_pitch("Q6_K", N_IN))
     twins = KernelTwins(memory)
     raw = quantize(rng.standard_normal((ROWS, N_IN)).astype(np.float32), "Q6_K")
     tokens = 12
-    x_at = _floats(memory, rng.standard_normal((tokens, N_IN)).astype(np.float32))
-    grid = plan.matmul_launch(ROWS, tokens).grid
+    x = rng.standard_normal((tokens, N_IN)).astype(np.float32)
+    x_at = _floats(memory, x)
+    grid = plan.tiles_launch(ROWS, tokens).grid
 
     def tiles(kernel: str, planar: bool) -> np.ndarray:
         y_at = memory.allocate(4 * tokens * ROWS)
@@ -132,17 +137,18 @@ def test_the_emulated_planar_tiles_and_gather_read_a_row_planar_matrix() -> None
                                     np.int32(tokens)))
         return memory.view(y_at, np.float32, tokens * ROWS).copy()
 
-    planar_kernel = plan.matmul_kernel("Q6_K", tokens, planar=True)
-    file_tiles = tiles(plan.matmul_kernel("Q6_K", tokens), planar=False)
-    np.testing.assert_array_equal(tiles(planar_kernel, planar=True), file_tiles)
-    assert not np.allclose(tiles(planar_kernel, planar=False), file_tiles, atol=1e-1)
+    planar_kernel = plan.tiles_kernel("Q6_K")
+    expected = tile_product(dequantize(raw, "Q6_K", (ROWS, N_IN)), x, "Q6_K").astype(
+        np.float32).ravel()
+    np.testing.assert_array_equal(tiles(planar_kernel, planar=True), expected)
+    assert not np.allclose(tiles(planar_kernel, planar=False), expected, atol=1e-1)
 
     ids = np.array([3, 0, ROWS - 1], dtype=np.int32)
     ids_at = memory.allocate(ids.nbytes)
     memory.view(ids_at, np.int32, ids.size)[:] = ids
     out_at = memory.allocate(4 * ids.size * N_IN)
     for planar in (True, False):
-        twins.launch(plan.get_rows_kernel("Q6_K", planar=True), (ids.size, 1, 1),
+        twins.launch(plan.get_rows_kernel("Q6_K"), (ids.size, 1, 1),
                      (np.uintp(_upload(memory, raw, planar)), pitch, np.uintp(ids_at),
                       np.uintp(out_at), np.int32(N_IN), np.float32(0.5)))
         gathered = memory.view(out_at, np.float32, ids.size * N_IN).reshape(ids.size, N_IN)
@@ -163,67 +169,63 @@ def _reads_planar(kernel: str, layout: launches.MatrixLayout) -> bool:
 
 
 @pytest.mark.parametrize("untied", [False, True])
-def test_the_matvec_mma_route_holds_its_q6_K_matrices_row_planar_alone(untied: bool) -> None:
-    """The tiny qwen2 (Q6_K tied embedding, v and down of layer 2) on each route: on the mma
-    route every Q6_K matrix lies on the device row-planar, once, and each launch that reads
-    one (the mma matvec's products, gate + up and qkv, the logits rows, the prefill tiles,
-    the embedding gather; short prefill items on the decode rows' products) reads that layout;
-    no launch of any route reads a matrix in a layout it does not have."""
+def test_every_q6_K_matrix_lies_row_planar_and_is_read_so(untied: bool) -> None:
+    """The tiny qwen2 (Q6_K tied embedding, v and down of layer 2): every Q6_K matrix lies on
+    the device row-planar, once, and each launch that reads one (the mma matvec's products,
+    gate + up and qkv, the logits rows, the prefill tiles, the embedding gather; short
+    prefill items on the matvec) reads that layout; no launch reads a matrix in a layout it
+    does not have."""
     with open_gguf(TINY_MODELS["qwen2-q4k-tiny"]) as gguf:
         spec = spec_from_gguf(gguf)
-        layouts = {route: launches.tensor_layouts(gguf, route) for route in plan.DECODE_ROUTES}
-    q6_K = {name for name, matrix in layouts["matvec"].items() if matrix.type_name == "Q6_K"}
+        layouts = launches.tensor_layouts(gguf)
+    q6_K = {name for name, matrix in layouts.items() if matrix.type_name == "Q6_K"}
     assert "token_embd.weight" in q6_K and len(q6_K) == 3
-    if untied:  # an output matrix of its own
+    if untied:  # its own output matrix; gate and up of a layer in Q6_K too
         spec = dataclasses.replace(spec, tied_output=False)
+        embedding = layouts["token_embd.weight"]
+        layouts["output.weight"] = launches.MatrixLayout("Q4_K", embedding.rows,
+                                                         embedding.row_length)
+        for part in ("gate", "up"):
+            name = f"blk.1.ffn_{part}.weight"
+            layouts[name] = dataclasses.replace(layouts[name], type_name="Q6_K")
     shape = launches.step_shape(plan_step(STEP_ITEMS, spec, 64, 16), 8,
                                 launches.split_keys_for(spec.context_length),
                                 spec.context_length)
-    for route, weights_of_route in layouts.items():
-        if untied:  # its own output matrix; gate and up of a layer in Q6_K too
-            embedding = weights_of_route["token_embd.weight"]
-            weights_of_route["output.weight"] = launches.MatrixLayout(
-                "Q4_K", embedding.rows, embedding.row_length)
-            for part in ("gate", "up"):
-                name = f"blk.1.ffn_{part}.weight"
-                weights_of_route[name] = dataclasses.replace(
-                    weights_of_route[name], type_name="Q6_K",
-                    planar=plan.holds_planar("Q6_K", route))
-        planar = planar_names(weights_of_route)
-        expected = q6_K | ({"blk.1.ffn_gate.weight", "blk.1.ffn_up.weight"} if untied else set())
-        assert planar == (expected if route == "matvec_mma" else frozenset()), route
-        calls = launches.forward_calls(spec, weights_of_route, shape, launches.TILE_INPUT,
-                                       route)
-        read = set()
-        for call in calls:
-            for arg in call.args:
-                if isinstance(arg, launches.Ref) and arg.name in weights_of_route:
-                    layout = weights_of_route[arg.name]
-                    if layout.type_name == "F32":
-                        continue  # vectors, and float32 rows gathered by get_rows_f32
-                    assert layout.planar == _reads_planar(call.kernel, layout), \
-                        (route, call.kernel, arg.name)
-                    read.add((call.kernel, arg.name))
-        if route == "matvec_mma":
-            assert {kernel for kernel, name in read if name in planar} >= {
-                "get_rows_q6_K_planar", "mul_mat_tiles_f16x2_q6_K_planar",
-                "mul_mat_vec_mma_q6_K", "mul_mat_vec_mma_qkv"}
-            assert launches.row_runs(shape, route) == [
-                launches.RowRun(0, 4, launches.DECODE_MMA),
-                launches.RowRun(4, 12, launches.TILES)]
-        if untied and route == "matvec_mma":
-            fused = plan.matvec_mma_gate_up_kernel(spec.activation, "Q6_K")
-            assert [c.args[:2] for c in calls if c.kernel == fused] == [
-                (launches.Ref("blk.1.ffn_gate.weight"), launches.Ref("blk.1.ffn_up.weight"))]
+    planar = planar_names(layouts)
+    assert planar == q6_K | ({"blk.1.ffn_gate.weight", "blk.1.ffn_up.weight"} if untied
+                             else set())
+    calls = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT)
+    read = set()
+    for call in calls:
+        for arg in call.args:
+            if isinstance(arg, launches.Ref) and arg.name in layouts:
+                layout = layouts[arg.name]
+                if layout.type_name == "F32":
+                    continue  # vectors, and float32 rows gathered by get_rows_f32
+                assert layout.planar == _reads_planar(call.kernel, layout), \
+                    (call.kernel, arg.name)
+                read.add((call.kernel, arg.name))
+    assert {kernel for kernel, name in read if name in planar} >= {
+        "get_rows_q6_K_planar", "mul_mat_tiles_f16x2_q6_K_planar", "mul_mat_vec_mma_q6_K",
+        "mul_mat_vec_mma_qkv"}
+    assert launches.row_runs(shape) == [launches.RowRun(0, 4, launches.MATVEC),
+                                        launches.RowRun(4, 12, launches.TILES)]
+    if untied:
+        fused = plan.matvec_mma_gate_up_kernel(spec.activation, "Q6_K")
+        assert [c.args[:2] for c in calls if c.kernel == fused] == [
+            (launches.Ref("blk.1.ffn_gate.weight"), launches.Ref("blk.1.ffn_up.weight"))]
 
 
-def test_only_a_q6_K_matrix_has_row_planar_entries() -> None:
-    """The matvec has no planar entry, nor has any type but Q6_K."""
-    assert plan.matmul_kernel("Q6_K", 9, planar=True) == "mul_mat_tiles_f16x2_q6_K_planar"
-    assert plan.get_rows_kernel("Q6_K", planar=True) == "get_rows_q6_K_planar"
-    with pytest.raises(InvalidRequest, match="no row-planar"):
-        plan.matmul_kernel("Q6_K", 8, planar=True)
-    with pytest.raises(InvalidRequest, match="not Q4_K"):
-        plan.get_rows_kernel("Q4_K", planar=True)
-    assert [plan.holds_planar(t, r) for t in ("Q6_K", "Q4_K") for r in plan.DECODE_ROUTES] == [
-        False, False, True, False, False, False]
+def test_every_q6_K_entry_reads_the_row_planar_layout() -> None:
+    """Only Q6_K lies row-planar; its prefill tiles', batched product's and get_rows' entries
+    are their planar ones, the mma matvec's read that layout, the CUDA-core matvec has none."""
+    assert [plan.holds_planar(t) for t in ("Q6_K", "Q4_K")] == [True, False]
+    entries = {e for file in plan.kernel_entry_points().values() for e in file}
+    q6_K = {e for e in entries if "_q6_K" in e}
+    assert {e for e in q6_K if not e.endswith(plan.PLANAR_KERNEL)} == {
+        plan.matvec_mma_kernel("Q6_K"),
+        *(plan.matvec_mma_gate_up_kernel(a, "Q6_K") for a in plan.ACTIVATIONS)}
+    assert {plan.tiles_kernel("Q6_K"), plan.get_rows_kernel("Q6_K"),
+            plan.batch_kernel("Q6_K", 40)} <= q6_K
+    with pytest.raises(InvalidRequest, match="mul_mat_vec_mma"):
+        plan.matvec_kernel("Q6_K")

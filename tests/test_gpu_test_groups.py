@@ -6,6 +6,7 @@ over the emulated device, which rehearses their own code."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,19 +28,22 @@ def test_every_device_test_has_a_group_and_every_group_tests() -> None:
                                                     path=ROOT / node_id.split("::")[0]))
               for node_id in ids}
     assert set(groups.values()) == set(GPU_TEST_GROUPS)
-    # Each decode route's own kernels and end-to-end checks go with it
+    # Each product's own kernels go with it, the backend end to end apart
     for node_id, group in groups.items():
-        if "matvec_mma" in node_id or "batched" in node_id:  # the mma route's batched product
-            assert group == "mma_route", node_id
-        elif "tiles" in node_id:
-            assert group == "tiles_route", node_id
-        elif "test_cuda_backend.py" in node_id or "fused_qkv" in node_id:
-            assert group == "matvec_route", node_id
+        if "test_cuda_backend.py" in node_id:
+            assert group == "backend", node_id
+        elif "matvec_mma" in node_id:
+            assert group == "mma_matvec", node_id
+        elif "batched" in node_id:
+            assert group == "batched", node_id
         else:
             assert group == "kernels", node_id
-    # the default route end to end has its own process, apart from the kernels one by one
-    assert groups["tests/gpu/test_cuda_backend.py::test_a_decode_step_is_a_handful_of_launches"] \
-        == "matvec_route"
+
+
+def test_the_device_check_runs_every_group_in_order() -> None:
+    script = (ROOT / "tests" / "gpu" / "device_check.sh").read_text()
+    loop = re.search(r"^for group in (.+); do$", script, re.MULTILINE)
+    assert loop is not None and tuple(loop.group(1).split()) == GPU_TEST_GROUPS
 
 
 def test_the_figures_tests_record_end_the_log() -> None:
@@ -80,7 +84,7 @@ def test_the_device_tests_pass_over_the_emulated_device(group: str) -> None:
     them): the device tests' own code (arguments, shapes, fixtures) is right before a device's
     few minutes are spent on it. The full-size SmolLM2 and gemma-3 are left out here (the tiny
     models take the same code), and so are the tiny models that test_cuda_backend_emulated.py
-    already runs on every route."""
+    already runs."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "-k", "not smollm2 and not gemma3 and not qwen3 and not llama3 and not phi3",

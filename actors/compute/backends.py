@@ -55,11 +55,9 @@ class CudaFactory:
     name = "cuda"
 
     def __init__(self, memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
-                 notices: Sequence[str] = (), decode_route: str = "matvec",
-                 run_ahead: bool = True) -> None:
+                 notices: Sequence[str] = (), run_ahead: bool = True) -> None:
         self._memory_fraction = memory_fraction
         self._notices = tuple(notices)
-        self._decode_route = decode_route  # cuda_plan.DECODE_ROUTES: what decode rows run on
         self._run_ahead = run_ahead  # queue the greedy decode step that may come next
 
     def unavailable_reason(self) -> str | None:
@@ -88,7 +86,7 @@ class CudaFactory:
         from actors.compute.cuda import build_cuda_backend
 
         return build_cuda_backend(model, kv, self._memory_fraction, self._notices,
-                                  self._decode_route, self._run_ahead)
+                                  self._run_ahead)
 
 
 def nvidia_gpu_present() -> bool:

@@ -1,9 +1,10 @@
 """The CUDA backend: PyCUDA-compiled kernels over the file's quantized weights and a paged
 float16 KV cache, behind the compute contract (actors.compute.contract).
 
-Only this module imports pycuda; the registry imports it when a CUDA backend is built, inside
-the compute actor's thread. Every device call happens with the device's primary context made
-current for the call (push / pop), so several backends of one process (tests) share it.
+Only this module and its step buffers' (actors.compute.cuda_buffers) import pycuda; the
+registry imports it when a CUDA backend is built, inside the compute actor's thread. Every
+device call happens with the device's primary context made current for the call (push / pop),
+so several backends of one process (tests) share it.
 
 A step: `plan_step` validates it; its int32 arrays are packed into a pinned buffer and copied
 to the device once; the forward kernels run (`cuda_launches.forward_calls`), replayed from a
@@ -45,9 +46,11 @@ from pycuda.compiler import compile as compile_cubin
 
 from actors.compute import cuda_ahead
 from actors.compute import cuda_launches as launches
+from actors.compute import cuda_memory as memory
 from actors.compute import cuda_packing as packing
 from actors.compute import cuda_plan as plan
 from actors.compute import cuda_weights as weights
+from actors.compute.cuda_buffers import InputBuffer, Lane, Workspace
 from actors.compute.cuda_graphs import DriverError, DriverGraphs
 from actors.compute.contract import (
     BackendLostError,
@@ -110,45 +113,6 @@ def compile_kernels(capability: tuple[int, int]) -> dict[str, cuda.Function]:
     return functions
 
 
-class InputBuffer:
-    """A device buffer of int32 words and its pinned host twin: packed arrays go to the
-    device through it in one asynchronous copy."""
-
-    def __init__(self, words: int) -> None:
-        self.words = words
-        self.device = cuda.mem_alloc(words * 4)
-        self.pinned = cuda.pagelocked_empty(words, np.int32)
-
-    def upload(self, packed: packing.PackedArrays, stream: cuda.Stream) -> dict[str, int]:
-        """Queue the copy of `packed` (which must fit); each array's device address. The
-        pinned words must not be rewritten before the stream has run the copy."""
-        words = packed.buffer.size
-        self.pinned[:words] = packed.buffer
-        cuda.memcpy_htod_async(self.device, self.pinned[:words], stream)
-        return {name: int(self.device) + 4 * offset for name, offset in packed.offsets.items()}
-
-    def free(self) -> None:
-        self.device.free()
-        self.pinned.base.free()
-
-
-class Lane:
-    """What a step keeps apart from the step queued beside it: the step arrays' input buffer
-    (its decode graphs read it), its logits rows (fetch_rows reads them after it) and the
-    pinned candidate records it answers from; the event that marks its end."""
-
-    def __init__(self, logits: Any, limits: plan.StepLimits, input_words: int) -> None:
-        self.logits = logits
-        self.input = InputBuffer(input_words)
-        record = plan.candidate_record_words(limits.max_candidates)
-        self.pinned_candidates = cuda.pagelocked_empty(limits.max_rows * record, np.int32)
-        self.done = cuda.Event()
-
-    def free(self) -> None:
-        self.input.free()
-        self.pinned_candidates.base.free()
-
-
 @dataclass
 class QueuedStep:
     """A decode step queued ahead in `lane`: its bucket, `width` candidates a record, the
@@ -163,39 +127,11 @@ class QueuedStep:
     step: cuda_ahead.AheadStep | None = None
 
 
-class Workspace:
-    """The step's device buffers (cuda_plan.workspace_buffers) and its two lanes (the second
-    with logits rows of its own), sized for `limits` and `input_words` int32s."""
-
-    def __init__(self, spec: Any, limits: plan.StepLimits, input_words: int) -> None:
-        self.limits = limits
-        sizes = plan.workspace_buffers(spec, limits)
-        self.buffers = {name: cuda.mem_alloc(max(size, 4)) for name, size in sizes.items()}
-        for name in plan.ZEROED_BUFFERS:  # the kernels' cross-block counters start at zero
-            cuda.memset_d32(self.buffers[name], 0, sizes[name] // 4)
-        cuda.Context.synchronize()  # zeroed before any stream's first launch reads them
-        self.lanes = (Lane(self.buffers["logits"], limits, input_words),
-                      Lane(self.buffers["logits_ahead"], limits, input_words))
-
-    def covers(self, tokens: int, rows: int, input_words: int) -> bool:
-        return (tokens <= self.limits.max_tokens and rows <= self.limits.max_rows
-                and input_words <= self.lanes[0].input.words)
-
-    def free(self) -> None:
-        for allocation in self.buffers.values():
-            allocation.free()
-        for lane in self.lanes:
-            lane.free()
-
-
 class CudaBackend:
     """Owns the device's weights, KV pool, workspace, kernels and decode graphs."""
 
     def __init__(self, model: OpenedModel, kv: KVRequest, memory_fraction: float,
-                 notices: Sequence[str] = (), decode_route: str = "matvec",
-                 run_ahead: bool = True) -> None:
-        # Where decode rows' products run (plan.DECODE_ROUTES), checked before the device.
-        self._decode_route = plan.check_decode_route(decode_route)
+                 notices: Sequence[str] = (), run_ahead: bool = True) -> None:
         self._run_ahead = run_ahead  # queue the greedy decode step that may come next
         cuda.init()
         device = cuda.Device(0)
@@ -236,20 +172,20 @@ class CudaBackend:
         self._functions = compile_kernels(capability)
         self._driver_graphs = DriverGraphs()
         self._stream = cuda.Stream(flags=STREAM_NON_BLOCKING)
-        self._layouts = launches.tensor_layouts(model.tensors, self._decode_route)
+        self._layouts = launches.tensor_layouts(model.tensors)
         self._split_keys = launches.split_keys_for(spec.context_length)
         self._buckets = launches.graph_buckets(min(kv.max_sequences, MAX_GRAPH_BATCH))
         weight_addresses, weight_bytes = self._upload_weights(model)
         self._addresses = {"null": 0, **weight_addresses}
-        limits = plan.StepLimits(
+        limits = memory.StepLimits(
             max_tokens=FIRST_STEP_TOKENS + self._buckets[-1], max_rows=self._buckets[-1],
             max_splits=plan.decode_splits(spec.context_length, self._split_keys),
             max_candidates=plan.MAX_CANDIDATES)
         first_input = 1 << 16
-        workspace_bytes = (sum(plan.workspace_buffers(spec, limits).values()) +
+        workspace_bytes = (sum(memory.workspace_buffers(spec, limits).values()) +
                            2 * 4 * first_input)  # the two lanes' input buffers
-        block_bytes = plan.kv_block_bytes(spec, kv.block_size)
-        self.num_blocks = plan.kv_pool_blocks(
+        block_bytes = memory.kv_block_bytes(spec, kv.block_size)
+        self.num_blocks = memory.kv_pool_blocks(
             free_bytes, memory_fraction, weight_bytes, workspace_bytes, block_bytes,
             kv.blocks, kv.max_sequences * -(-spec.context_length // kv.block_size))
         self.block_size = kv.block_size
@@ -272,17 +208,14 @@ class CudaBackend:
         return allocation
 
     def _upload_weights(self, model: OpenedModel) -> tuple[dict[str, int], int]:
-        """Every tensor into one allocation, blocks as stored (on the matvec_mma route its
-        Q6_K matrices row-planar: actors.compute.cuda_weights): each tensor's address, and the
-        allocation's size."""
+        """Every tensor into one allocation, blocks as stored (its Q6_K matrices row-planar:
+        actors.compute.cuda_weights): each tensor's address, and the allocation's size."""
         offsets, size = weights.weight_arena(model.tensors)
         base = int(self._allocate(size))
         with progress_callback("uploading the weights to the GPU") as report:
             tensors = list(model.tensors)
             for done, info in enumerate(tensors, start=1):
-                planar = self._layouts[info.name].planar
-                for at, data in weights.device_bytes_of(model.tensors.raw(info.name), info,
-                                                        planar=planar):
+                for at, data in weights.device_bytes_of(model.tensors.raw(info.name), info):
                     cuda.memcpy_htod(base + offsets[info.name] + at, data)
                 report(done, len(tensors))
         return {name: base + offset for name, offset in offsets.items()}, size
@@ -297,7 +230,7 @@ class CudaBackend:
             addresses[f"v_cache.{layer}"] = base + (2 * layer + 1) * layer_bytes
         return addresses
 
-    def _set_workspace(self, limits: plan.StepLimits, input_words: int) -> None:
+    def _set_workspace(self, limits: memory.StepLimits, input_words: int) -> None:
         """(Re)allocate the workspace; graphs captured over the old one are dropped, and a
         step queued ahead (it uses the old one) is waited for and dropped."""
         self._settle()
@@ -568,16 +501,15 @@ class CudaBackend:
             return
         limits = workspace.limits
         self._set_workspace(
-            plan.StepLimits(max_tokens=max(limits.max_tokens, shape.n_tokens),
+            memory.StepLimits(max_tokens=max(limits.max_tokens, shape.n_tokens),
                             max_rows=max(limits.max_rows, rows),
                             max_splits=limits.max_splits,
                             max_candidates=limits.max_candidates),
             max(workspace.lanes[0].input.words, input_words))
 
     def _forward_calls(self, shape: launches.StepShape) -> list[launches.KernelCall]:
-        """The step's kernels, eager or to capture, on this backend's decode route."""
-        return launches.forward_calls(self._spec, self._layouts, shape, launches.TILE_INPUT,
-                                      self._decode_route)
+        """The step's kernels, eager or to capture."""
+        return launches.forward_calls(self._spec, self._layouts, shape, launches.TILE_INPUT)
 
     def _launch(self, calls: Sequence[launches.KernelCall], step_addresses: dict[str, int]) -> None:
         for call in calls:
@@ -611,7 +543,6 @@ class CudaBackend:
 
 
 def build_cuda_backend(model: OpenedModel, kv: KVRequest, memory_fraction: float,
-                       notices: Sequence[str] = (), decode_route: str = "matvec",
-                       run_ahead: bool = True) -> CudaBackend:
+                       notices: Sequence[str] = (), run_ahead: bool = True) -> CudaBackend:
     """The CUDA backend for `model` (called in the compute actor's thread)."""
-    return CudaBackend(model, kv, memory_fraction, notices, decode_route, run_ahead)
+    return CudaBackend(model, kv, memory_fraction, notices, run_ahead)

@@ -14,23 +14,21 @@ Layouts are the kernels' (cuda_src/README.md): activations float32 rows; q, k an
 side in one `qkv` row (q heads, then k heads, then v); gate and up side by side in `gate_up`.
 Each layer's residual add is fused into the next RMSNorm (residual_rms_norm's `delta`).
 
-Decode rows always take one route, any number of them: the matvec (the default), the
-decode tiles (tensor cores, 8 tokens a tile) or the mma matvec (mul_mat_vec_mma, the matvec
-on the tensor cores, for the matrices it serves; the matvec for the others; on that route the
-logits rows' product too); a short prefill item takes the matvec (on the mma route, the decode
-rows' products), a long one the tiles, a launch per matrix (`row_runs`): a sequence's tokens
-do not depend on what else shares its step. On the mma route the Q6_K matrices lie on the
-device row-planar alone (`MatrixLayout.planar`): the mma matvec, the prefill tiles and the
-embedding gather each have an entry that reads that layout, and no launch reads another.
+The step's row count picks the kernels (`row_runs`): decode rows up to
+plan.MATVEC_MMA_MAX_ROWS take the matvec (mul_mat_vec_mma, the matvec on the tensor cores,
+for the block types it serves; the CUDA-core mul_mat_vec for the others), more decode rows the
+batched product (mul_mat_batch<N>, each weight byte unpacked once a step); a short prefill
+item takes the matvec too, a long one the prefill tiles, a launch per matrix; the logits rows
+always take the batched product. A sequence's tokens do not depend on what else shares its
+step. The Q6_K matrices lie on the device row-planar alone (`MatrixLayout.planar`): every
+kernel that reads one has an entry for that layout, and none for the file's.
 
-On the matvec a decode layer is seven launches: residual_rms_norm, mul_mat_vec_qkv (its
-epilogue finishes q, k and v: biases, q/k norms, RoPE, the K/V write), attention_decode, the
-output matvec, residual_rms_norm, the fused gate+up+activation matvec, the down matvec. The decode tiles fuse the same (seven
-launches a layer too): q, k and v with the finish in mul_mat_decode_tiles_qkv, gate, up and
-the activation in one launch. The mma matvec takes q, k and v in mul_mat_vec_mma_qkv where it
-serves all three (seven launches a layer too), keeps mul_mat_vec_qkv where it serves none
-(else a launch each, then qkv_finish) and fuses gate, up and the activation as the matvec.
-Rows on the prefill tiles take a launch per matrix and qkv_finish after q, k and v.
+A decode layer is seven launches: residual_rms_norm, the fused QKV (mul_mat_vec_mma_qkv where
+the mma matvec serves q, k and v, mul_mat_vec_qkv where it serves none, mul_mat_batch<N>_qkv
+past 8 rows; its epilogue finishes q, k and v: biases, q/k norms, RoPE, the K/V write),
+attention_decode, the output product, residual_rms_norm, the fused gate+up+activation, the
+down product. A matvec run whose q, k and v the mma matvec serves in part takes a launch a
+matrix then qkv_finish, as do rows on the prefill tiles.
 """
 
 from __future__ import annotations
@@ -88,21 +86,22 @@ class MatrixLayout:
     type_name: str
     rows: int
     row_length: int
-    planar: bool = False  # held in the row-planar layout (cuda_plan.holds_planar)
 
     @property
     def pitch(self) -> int:
         return plan.row_pitch(self.type_name, self.row_length)
 
+    @property
+    def planar(self) -> bool:
+        """Held in the row-planar layout (cuda_plan.holds_planar)."""
+        return plan.holds_planar(self.type_name)
 
-def tensor_layouts(tensors: Iterable[TensorInfo],
-                   decode_route: str = "matvec") -> dict[str, MatrixLayout]:
-    """Every tensor of a file as it lies on the device for an engine on `decode_route`
-    (vectors as one float32 row; the mma route's Q6_K matrices row-planar)."""
+
+def tensor_layouts(tensors: Iterable[TensorInfo]) -> dict[str, MatrixLayout]:
+    """Every tensor of a file as it lies on the device (vectors as one float32 row)."""
     return {
         info.name: MatrixLayout("F32", 1, info.shape[0]) if len(info.shape) == 1
-        else MatrixLayout(info.type_name, math.prod(info.shape[:-1]), info.shape[-1],
-                          plan.holds_planar(info.type_name, decode_route))
+        else MatrixLayout(info.type_name, math.prod(info.shape[:-1]), info.shape[-1])
         for info in tensors
     }
 
@@ -220,50 +219,37 @@ def _i32(value: int) -> np.int32:
     return np.int32(value)
 
 
-# A RowRun's kernels: the matvec, the prefill tiles, and the decode rows' other routes (the
-# decode tiles; the tensor cores' matvec, mul_mat_vec_mma, where it serves a matrix; the
-# batched product, mul_mat_batch, for the mma route's steps of more rows).
-MATVEC, TILES, DECODE_TILES, DECODE_MMA, BATCH = (
-    "matvec", "tiles", "decode_tiles", "decode_mma", "batch")
-# The kernels of the decode rows on each of plan.DECODE_ROUTES.
-DECODE_KERNELS = {"matvec": MATVEC, "tiles": DECODE_TILES, "matvec_mma": DECODE_MMA}
-# The decode tiles' K-split workspace, the last arguments of each of their launches.
-DECODE_SPLIT_WORKSPACE = (Ref("decode_tile_partials"), Ref("decode_tile_counters"))
+# A RowRun's kernels: the matvec (mul_mat_vec_mma where it serves a matrix's block type, the
+# CUDA-core mul_mat_vec for the others), the batched product (mul_mat_batch) or the prefill
+# tiles (mul_mat_tiles).
+MATVEC, BATCH, TILES = "matvec", "batch", "tiles"
 
 
 @dataclass(frozen=True)
 class RowRun:
     """Consecutive rows of a step that one launch per product serves: `rows` rows from
-    `first`, on the matvec, the (prefill) tiles, the decode tiles or the decode rows' mma
-    matvec (the matvec for the matrices mul_mat_vec_mma does not serve)."""
+    `first`, on `kernels` (MATVEC, BATCH or TILES)."""
 
     first: int
     rows: int
-    kernels: str  # MATVEC, TILES, DECODE_TILES, DECODE_MMA or BATCH
-
-    @property
-    def matvec(self) -> bool:
-        return self.kernels == MATVEC
+    kernels: str
 
 
-def row_runs(shape: StepShape, decode_route: str = "matvec") -> list[RowRun]:
-    """The step's rows in launches: the decode rows on `decode_route` (plan.DECODE_ROUTES: the
-    matvec, the decode tiles or the mma matvec; on the mma route the batched product where
-    they are more than plan.MATVEC_MMA_MAX_ROWS, a graph bucket's bound), any number of them;
-    each prefill item on the matvec when it is short (plan.uses_matvec of its own length; on
-    the mma route, whose Q6_K matrices the matvec cannot read, on the mma matvec), else on the
-    tiles; neighbours on the same kernels share a launch. A row's route depends on its own item
-    alone and every kernel's rows are independent of each other, so a sequence's tokens do
-    not depend on what shares its step (a decode row never shares a prefill tile)."""
+def row_runs(shape: StepShape) -> list[RowRun]:
+    """The step's rows in launches: the decode rows on the matvec up to
+    plan.MATVEC_MMA_MAX_ROWS of them (a graph bucket's bound), else on the batched product;
+    each prefill item on the matvec when it is short (plan.uses_matvec of its own length),
+    else on the prefill tiles; neighbours on the same kernels share a launch. A decode row's
+    kernels depend on the number of decode rows alone, a prefill row's on its own item, and
+    each kernel's rows are independent of each other, so a row's sums are the same bits among
+    the steps that give it the same kernels (a decode row never shares a prefill tile), and
+    its greedy tokens the same at any number of streams."""
     runs: list[RowRun] = []
-    decode_kernels = DECODE_KERNELS[plan.check_decode_route(decode_route)]
-    short = DECODE_MMA if decode_kernels == DECODE_MMA else MATVEC
-    if decode_kernels == DECODE_MMA and shape.n_decode > plan.MATVEC_MMA_MAX_ROWS:
-        decode_kernels = BATCH
-    routes = [(shape.n_decode, decode_kernels)] if shape.n_decode else []
-    routes += [(n, short if plan.uses_matvec(n) else TILES) for n in shape.prefill_lengths]
+    decode_kernels = MATVEC if shape.n_decode <= plan.MATVEC_MMA_MAX_ROWS else BATCH
+    items = [(shape.n_decode, decode_kernels)] if shape.n_decode else []
+    items += [(n, MATVEC if plan.uses_matvec(n) else TILES) for n in shape.prefill_lengths]
     first = 0
-    for rows, kernels in routes:
+    for rows, kernels in items:
         if runs and runs[-1].kernels == kernels:
             runs[-1] = RowRun(runs[-1].first, runs[-1].rows + rows, kernels)
         else:
@@ -278,18 +264,15 @@ def _rows_in(ref: Ref, rows: int, stride: int) -> Ref:
 
 
 def matvec_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
-                y_stride: int, batch: int, mma: bool = False) -> KernelCall:
-    """y[b][r] = W[r] . x[b] for the matrix `name`, b < batch, on the matvec; with `mma` on
-    its tensor-core twin mul_mat_vec_mma (the same arguments; a Q6_K matrix row-planar)
-    where that serves the matrix (plan.uses_matvec_mma)."""
+                y_stride: int, batch: int) -> KernelCall:
+    """y[b][r] = W[r] . x[b] for the matrix `name`, b < batch, on mul_mat_vec_mma where it
+    serves the matrix's block type (plan.uses_matvec_mma), else on the CUDA-core mul_mat_vec
+    (the same arguments)."""
     matrix = weights[name]
-    if mma and plan.uses_matvec_mma(matrix.type_name, matrix.row_length):
-        assert matrix.planar == (matrix.type_name in plan.PLANAR_TYPES), \
-            f"{name}: mul_mat_vec_mma reads its Q6_K matrices row-planar, and only those"
+    if plan.uses_matvec_mma(matrix.type_name):
         kernel = plan.matvec_mma_kernel(matrix.type_name)
         launch = plan.matvec_mma_launch(matrix.rows, matrix.row_length)
     else:
-        assert not matrix.planar, f"{name}: the matvec reads no row-planar matrix"
         kernel = plan.matvec_kernel(matrix.type_name)
         launch = plan.matvec_launch(matrix.rows, matrix.row_length)
     return KernelCall(kernel, launch,
@@ -301,33 +284,25 @@ def tiles_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride:
                y_stride: int, n_tokens: int, tile_input: str,
                kernels: str = TILES) -> KernelCall:
     """y[t][r] = W[r] . x[t] for the matrix `name` on the tensor-core tiles: TILES for a run
-    of prefill items each too long for the matvec, DECODE_TILES for decode rows, BATCH for
-    the batched product (any rows: the prefill tiles' sums)."""
+    of prefill items each too long for the matvec, BATCH for the batched product (any rows:
+    the prefill tiles' sums)."""
     matrix = weights[name]
     args = (Ref(name), np.int64(matrix.pitch), x, _i32(x_stride), y, _i32(y_stride),
             _i32(matrix.rows), _i32(matrix.row_length), _i32(n_tokens))
     if kernels == BATCH:
-        return KernelCall(
-            plan.batch_kernel(matrix.type_name, n_tokens, tile_input, matrix.planar),
-            plan.batch_launch(matrix.rows, n_tokens), args)
-    if kernels == DECODE_TILES:
-        assert not matrix.planar, f"{name}: the decode tiles read no row-planar matrix"
-        return KernelCall(
-            plan.decode_tiles_kernel(matrix.type_name, tile_input),
-            plan.decode_tiles_launch(matrix.type_name, matrix.rows, matrix.row_length, n_tokens),
-            (*args, *DECODE_SPLIT_WORKSPACE))
+        return KernelCall(plan.batch_kernel(matrix.type_name, n_tokens, tile_input),
+                          plan.batch_launch(matrix.rows, n_tokens), args)
     assert not plan.uses_matvec(n_tokens), n_tokens
-    return KernelCall(plan.matmul_kernel(matrix.type_name, n_tokens, tile_input, matrix.planar),
-                      plan.matmul_launch(matrix.rows, n_tokens), args)
+    return KernelCall(plan.tiles_kernel(matrix.type_name, tile_input),
+                      plan.tiles_launch(matrix.rows, n_tokens), args)
 
 
 def product_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int,
                  y: Ref, y_stride: int, run: RowRun, tile_input: str) -> KernelCall:
     """y = W x over the rows of `run` (x and y: its first rows) on the run's kernels."""
     run_x, run_y = _rows_in(x, run.first, x_stride), _rows_in(y, run.first, y_stride)
-    if run.kernels in (MATVEC, DECODE_MMA):
-        return matvec_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows,
-                           mma=run.kernels == DECODE_MMA)
+    if run.kernels == MATVEC:
+        return matvec_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows)
     return tiles_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows, tile_input,
                       run.kernels)
 
@@ -406,24 +381,19 @@ def _finish_args(spec: ModelSpec, weights: Mapping[str, MatrixLayout], layer: in
 def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequence[RowRun],
               layer: int, tile_input: str) -> list[KernelCall]:
     """q, k and v side by side in each `qkv` row, finished (biases, head norms, RoPE, the K/V
-    write) for attention: a matvec run in one launch (mul_mat_vec_qkv, a block type per
-    segment, the finish in its epilogue), as are a decode tiles run (mul_mat_decode_tiles_qkv),
-    a batched product run (mul_mat_batch<N>_qkv) and an mma run (mul_mat_vec_mma_qkv where
-    mul_mat_vec_mma serves all three matrices, mul_mat_vec_qkv where it serves none); any
-    other run in one launch per matrix then qkv_finish over its rows. Each row is finished
-    once, by its own run's launches."""
+    write) for attention: a batched product run in one launch (mul_mat_batch<N>_qkv, a block
+    type per segment, the finish in its epilogue), as is a matvec run (mul_mat_vec_mma_qkv
+    where mul_mat_vec_mma serves all three matrices, mul_mat_vec_qkv where it serves none);
+    any other run in one launch per matrix then qkv_finish over its rows. Each row is
+    finished once, by its own run's launches."""
     d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
     names = [f"blk.{layer}.attn_{part}.weight" for part in "qkv"]
-    served = [plan.uses_matvec_mma(weights[name].type_name, d) for name in names]
+    served = {plan.uses_matvec_mma(weights[name].type_name) for name in names}
     columns = (0, spec.q_dim, spec.q_dim + spec.kv_dim)
     calls = []
     for run in runs:
-        if run.matvec or (run.kernels == DECODE_MMA and not any(served)):
-            calls.append(_fused_qkv_call(spec, weights, names, run, layer, MATVEC, tile_input))
-        elif (run.kernels in (DECODE_TILES, BATCH)
-              or (run.kernels == DECODE_MMA and all(served))):
-            calls.append(_fused_qkv_call(spec, weights, names, run, layer, run.kernels,
-                                         tile_input))
+        if run.kernels == BATCH or (run.kernels == MATVEC and len(served) == 1):
+            calls.append(_fused_qkv_call(spec, weights, names, run, layer, tile_input))
         else:
             calls += [product_call(weights, name, Ref("normed"), d, Ref("qkv", column * F32),
                                    qkv_stride, run, tile_input)
@@ -433,38 +403,28 @@ def qkv_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], runs: Sequen
 
 
 def _fused_qkv_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], names: Sequence[str],
-                    run: RowRun, layer: int, kernels: str, tile_input: str) -> KernelCall:
-    """Three products and the finish over the run's rows in one launch, on `kernels`:
-    mul_mat_vec_qkv (MATVEC), mul_mat_vec_mma_qkv (DECODE_MMA: its arguments, a Q6_K segment
-    row-planar), mul_mat_batch<N>_qkv (BATCH: the same) or mul_mat_decode_tiles_qkv
-    (DECODE_TILES: those
-    arguments, then each matrix's K-splits and the split workspace)."""
+                    run: RowRun, layer: int, tile_input: str) -> KernelCall:
+    """Three products and the finish over the run's rows in one launch, the same arguments
+    on the run's kernels: mul_mat_batch<N>_qkv (BATCH), else mul_mat_vec_mma_qkv where the
+    mma matvec serves the three matrices and mul_mat_vec_qkv where it serves none of them."""
     d, qkv_stride = spec.d_model, spec.q_dim + 2 * spec.kv_dim
     layouts = [weights[name] for name in names]
     segments = [arg for name, layout in zip(names, layouts) for arg in (
         Ref(name), np.int64(layout.pitch), _i32(plan.kernel_type_code(layout.type_name)),
         _i32(layout.rows))]
-    rows, types = [layout.rows for layout in layouts], [layout.type_name for layout in layouts]
-    split_args: tuple[Arg, ...] = ()
-    if kernels == DECODE_TILES:
-        kernel = plan.decode_tiles_qkv_kernel(tile_input)
-        launch = plan.decode_tiles_qkv_launch(types, rows, d, run.rows)
-        split_args = (*map(_i32, plan.decode_tiles_qkv_splits(types, rows, d)),
-                      *DECODE_SPLIT_WORKSPACE)
-    elif kernels == DECODE_MMA:
-        kernel, launch = "mul_mat_vec_mma_qkv", plan.matvec_mma_qkv_launch(*rows)
-    elif kernels == BATCH:
-        assert all(layout.planar == (layout.type_name in plan.PLANAR_TYPES)
-                   for layout in layouts), "the batched QKV reads Q6_K row-planar, only Q6_K"
+    rows = [layout.rows for layout in layouts]
+    if run.kernels == BATCH:
         kernel = plan.batch_qkv_kernel(run.rows, tile_input)
         launch = plan.batch_qkv_launch(rows, run.rows)
+    elif plan.uses_matvec_mma(layouts[0].type_name):
+        kernel, launch = "mul_mat_vec_mma_qkv", plan.matvec_mma_qkv_launch(*rows)
     else:
         kernel, launch = "mul_mat_vec_qkv", plan.qkv_launch(*rows, d)
     return KernelCall(kernel, launch, (
         *segments, _rows_in(Ref("normed"), run.first, d), _i32(d),
         _rows_in(Ref("qkv"), run.first, qkv_stride), _i32(qkv_stride), _i32(d),
         _i32(run.rows), _i32(spec.head_dim), *_finish_args(spec, weights, layer, run.first),
-        Ref("qkv_counters"), *split_args))
+        Ref("qkv_counters")))
 
 
 def qkv_finish_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run: RowRun,
@@ -484,8 +444,8 @@ def fused_gate_up_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run
                        layer: int, tile_input: str) -> KernelCall | None:
     """`gated` = act(gate x) * (up x) over the run's rows in one launch, where gate and up
     share a block type and the run's kernels have a fused entry (all but the prefill tiles):
-    the decode tiles', the batched product's, mul_mat_vec_mma's on an mma run where it serves
-    the matrices, else the matvec's. None where nothing fuses."""
+    the batched product's, else mul_mat_vec_mma's where it serves the matrices and the
+    CUDA-core matvec's where it does not. None where nothing fuses."""
     d, ffn = spec.d_model, spec.ffn_dim
     gate, up = f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"
     type_name = weights[gate].type_name
@@ -495,17 +455,11 @@ def fused_gate_up_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run
             _rows_in(Ref("normed"), run.first, d), _i32(d),
             _rows_in(Ref("gated"), run.first, ffn), _i32(ffn), _i32(ffn), _i32(d),
             _i32(run.rows))
-    if run.kernels == DECODE_TILES:
-        return KernelCall(
-            plan.decode_tiles_gate_up_kernel(spec.activation, type_name, tile_input),
-            plan.decode_tiles_gate_up_launch(type_name, ffn, d, run.rows),
-            (*args, *DECODE_SPLIT_WORKSPACE))
     if run.kernels == BATCH:
         return KernelCall(
-            plan.batch_gate_up_kernel(spec.activation, type_name, run.rows, tile_input,
-                                      weights[gate].planar),
+            plan.batch_gate_up_kernel(spec.activation, type_name, run.rows, tile_input),
             plan.batch_launch(ffn, run.rows, plan.BATCH_ROWS // 2), args)
-    if run.kernels == DECODE_MMA and plan.uses_matvec_mma(type_name, d):
+    if plan.uses_matvec_mma(type_name):
         return KernelCall(plan.matvec_mma_gate_up_kernel(spec.activation, type_name),
                           plan.matvec_mma_launch(2 * ffn, d), args)
     return KernelCall(plan.gate_up_kernel(spec.activation, plan.kernel_suffix(type_name)),
@@ -544,10 +498,10 @@ def gated_ffn_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout],
 
 
 def layer_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
-                layer: int, tile_input: str, decode_route: str = "matvec") -> list[KernelCall]:
+                layer: int, tile_input: str) -> list[KernelCall]:
     """One transformer block, from the norm that opens it (adding the previous block's FFN
     output to the residual) to its down projection (left in `projected`)."""
-    p, t, runs = f"blk.{layer}.", shape.n_tokens, row_runs(shape, decode_route)
+    p, t, runs = f"blk.{layer}.", shape.n_tokens, row_runs(shape)
     first = layer == 0
     calls = [residual_norm_call(spec, t, NULL if first else Ref("projected"),
                                 NULL if first else _post_ffn_norm(spec, layer - 1),
@@ -566,17 +520,16 @@ def layer_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: Ste
 
 
 def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: StepShape,
-                  tile_input: str, decode_route: str = "matvec") -> list[KernelCall]:
-    """Every kernel from the token ids to the logits rows (`logits`, n_logit_rows x vocab),
-    the decode rows' products on `decode_route` (plan.DECODE_ROUTES)."""
+                  tile_input: str) -> list[KernelCall]:
+    """Every kernel from the token ids to the logits rows (`logits`, n_logit_rows x vocab)."""
     embedding = weights["token_embd.weight"]
     calls = [KernelCall(
-        plan.get_rows_kernel(embedding.type_name, embedding.planar),
+        plan.get_rows_kernel(embedding.type_name),
         plan.get_rows_launch(shape.n_tokens, spec.d_model),
         (Ref("token_embd.weight"), np.int64(embedding.pitch), Ref("step.token_ids"), Ref("x"),
          _i32(spec.d_model), np.float32(spec.embedding_scale)))]
     for layer in range(spec.n_layers):
-        calls += layer_calls(spec, weights, shape, layer, tile_input, decode_route)
+        calls += layer_calls(spec, weights, shape, layer, tile_input)
     calls.append(residual_norm_call(spec, shape.n_tokens, Ref("projected"),
                                     _post_ffn_norm(spec, spec.n_layers - 1),
                                     Ref("output_norm.weight"), Ref("normed")))
@@ -589,16 +542,11 @@ def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: S
             (Ref("normed"), np.int64(plan.row_pitch("F32", spec.d_model)),
              Ref("step.logit_rows"), final, _i32(spec.d_model), np.float32(1.0))))
     if shape.n_logit_rows:
-        # Every logits row on the matvec, one row per item, each independent of the others;
-        # on the matvec_mma route on the batched product, whatever the number of rows (the
-        # output matrix read and unpacked once a step).
+        # The logits rows on the batched product whatever their number (the output matrix read
+        # and unpacked once a step), each independent of the others.
         output = "token_embd.weight" if spec.tied_output else "output.weight"
-        if decode_route == "matvec_mma":
-            calls.append(tiles_call(weights, output, final, spec.d_model, Ref("logits"),
-                                    spec.vocab_size, shape.n_logit_rows, tile_input, BATCH))
-        else:
-            calls.append(matvec_call(weights, output, final, spec.d_model, Ref("logits"),
-                                     spec.vocab_size, shape.n_logit_rows))
+        calls.append(tiles_call(weights, output, final, spec.d_model, Ref("logits"),
+                                spec.vocab_size, shape.n_logit_rows, tile_input, BATCH))
     return calls
 
 

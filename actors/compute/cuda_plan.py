@@ -1,10 +1,11 @@
 """Host-side planning for the CUDA backend: pure Python and numpy, no pycuda.
 
-Everything the CUDA actor decides before it touches the device lives here, so it is tested on
-every machine: where the kernel sources are and what their entry points are called, how
-device memory splits into weights, workspace and KV pool, and each kernel's launch geometry
-(which kernel multiplies a matrix: the matvec, the prefill or decode tiles, the tensor cores'
-matvec; their K-splits). The weights' device image is actors.compute.cuda_weights'; the
+What the CUDA actor decides about its kernels before it touches the device lives here, so it
+is tested on every machine: where the kernel sources are and what their entry points are
+called, and each kernel's launch geometry (which kernel multiplies a matrix: the tensor
+cores' matvec, the CUDA-core matvec for the block types that one does not serve, the
+batched product or the prefill tiles). The device memory's plan (workspace, KV pool) is
+actors.compute.cuda_memory's; the weights' device image actors.compute.cuda_weights'; the
 launches of a step, and the graph bucket it replays, actors.compute.cuda_launches'; its int32
 arrays, actors.compute.cuda_packing's. The layouts named here are the kernels' (see the
 comment at the top of each cuda_src/*.cu file).
@@ -15,15 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from actors.errors import ComputeError, InvalidRequest
+from actors.errors import InvalidRequest
 from actors.model.gguf.quants import row_bytes
-
-if TYPE_CHECKING:  # annotations only: the GPU machine's tests import this without `gguf`
-    from actors.model.arch import ModelSpec
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
@@ -45,26 +42,20 @@ ROW_ALIGN = 16  # weight rows start on 16-byte boundaries (matvec's vector loads
 MATVEC_WARPS = 8  # warps per matvec block: MATVEC_WARPS / splits rows of warps x splits
 MATVEC_ROWS_PER_WARP = 4
 MATVEC_SPLIT_INPUTS = 2048  # K-split: one split per this many inputs, a power of two <= WARPS
+# A prefill item of at most this many tokens takes the matvecs (uses_matvec), a longer one
+# the prefill tiles.
 MATVEC_MAX_BATCH = 8
 TILE_ROWS = TILE_TOKENS = 64  # a tiles block's share of y; its grid runs token tiles fastest
 TILE_THREADS = 128
-DECODE_TILE_ROWS, DECODE_TILE_TOKENS = 32, 8  # mul_mat_decode_tiles: the same, smaller tiles
-DECODE_TILE_THREADS = 64
-# The decode tiles split K until a matrix has this many blocks a token tile (about two blocks
-# an SM of a 132-SM H100 / H200): a function of the matrix alone, never of the batch.
-DECODE_TILE_MIN_BLOCKS = 264
-MAX_DECODE_SPLITS = 8
-# Partial sums a split launch needs at most a token: splits x row tiles stays under twice
-# DECODE_TILE_MIN_BLOCKS (decode_tiles_splits stops at the first power of two past), the
-# fused gate+up has twice the row tiles of its matrices (16 rows of each a tile), and the
-# fused QKV holds three matrices' partials one after the other.
-DECODE_PARTIAL_ROWS = 6 * DECODE_TILE_MIN_BLOCKS * DECODE_TILE_ROWS
-# mul_mat_vec_mma (matvec_mma.cu): the decode matvec on the tensor cores, one MMA row tile of
-# 16 rows a block, 8 warps splitting K; the block types it has entries for.
+# mul_mat_vec_mma (matvec_mma.cu): the matvec on the tensor cores, one MMA row tile of 16
+# rows a block, 8 warps splitting K; the block types it has entries for. The CUDA-core matvec
+# (matvec.cu) has entries for the other types alone (MATVEC_TYPES): it multiplies the rows
+# the mma matvec takes where a matrix's type is not one of these.
 MATVEC_MMA_TYPES = ("Q4_K", "Q6_K")
-# On the matvec_mma route the matrices of these types lie on the device in the row-planar
-# layout alone (planar_q6_K_rows: the file's 210-byte Q6_K blocks are only 2-byte aligned),
-# read by mul_mat_vec_mma, the prefill tiles' and get_rows' planar entries (PLANAR_KERNEL).
+MATVEC_TYPES = tuple(t for t in KERNEL_TYPE_SUFFIX if t not in MATVEC_MMA_TYPES)
+# The matrices of these types lie on the device in the row-planar layout alone
+# (planar_q6_K_rows: the file's 210-byte Q6_K blocks are only 2-byte aligned): every kernel
+# reading such a matrix has an entry for that layout (PLANAR_KERNEL) and none for the file's.
 PLANAR_TYPES = ("Q6_K",)
 PLANAR_KERNEL = "_planar"  # the suffix of those entries, after the block type's
 MATVEC_MMA_ROWS, MATVEC_MMA_THREADS = 16, 256
@@ -73,13 +64,10 @@ MATVEC_MMA_ROWS, MATVEC_MMA_THREADS = 16, 256
 BATCH_TOKENS = (16, 32, 64)
 BATCH_QKV_TOKENS = 32  # the batched QKV's most token columns a block (matmul_batch.cu)
 BATCH_ROWS, BATCH_THREADS = 64, 128
-# On the matvec_mma route, decode steps of more rows than this take the batched product (each
-# weight byte unpacked once a step); the mma matvec, paying a pass a row, takes the others.
-# To be set by measurement.
+# Decode steps of more rows than this take the batched product (each weight byte unpacked
+# once a step); the mma matvec, paying a pass a row, takes the others. To be set by
+# measurement.
 MATVEC_MMA_MAX_ROWS = 8
-# Where decode rows' products run (cuda_launches.row_runs), whatever their number: the
-# CUDA-core matvec, the tensor cores' decode tiles, or the tensor cores' matvec.
-DECODE_ROUTES = ("matvec", "tiles", "matvec_mma")
 NORM_THREADS = 256
 HEAD_NORM_HEADS_PER_BLOCK = 4
 QKV_FINISH_HEADS_PER_BLOCK = 4
@@ -141,30 +129,23 @@ def nvcc_options() -> list[str]:
 
 def kernel_entry_points() -> dict[str, tuple[str, ...]]:
     """Source file name -> the `extern "C"` kernels it defines (what `get_function` takes)."""
-    suffixes = tuple(KERNEL_TYPE_SUFFIX.values())
+    types = tuple(KERNEL_TYPE_SUFFIX)
     return {
-        "matvec.cu": (*(f"mul_mat_vec_{s}" for s in suffixes),
-                      *(gate_up_kernel(a, s) for a in ACTIVATIONS for s in suffixes),
+        "matvec.cu": (*(matvec_kernel(t) for t in MATVEC_TYPES),
+                      *(gate_up_kernel(a, kernel_suffix(t)) for a in ACTIVATIONS
+                        for t in MATVEC_TYPES),
                       "mul_mat_vec_qkv"),
-        "matmul.cu": (*(f"mul_mat_{shape}_{i}_{s}" for shape in ("tiles", "decode_tiles")
-                        for s in suffixes for i in TILE_INPUTS),
-                      *(tiles_kernel(t, i, planar=True)
-                        for t in PLANAR_TYPES for i in TILE_INPUTS),
-                      *(decode_tiles_gate_up_kernel(a, t, i) for a in ACTIVATIONS
-                        for t in KERNEL_TYPE_SUFFIX for i in TILE_INPUTS),
-                      *(decode_tiles_qkv_kernel(i) for i in TILE_INPUTS)),
-        "matmul_batch.cu": (*(batch_kernel(t, n, i, planar) for n in BATCH_TOKENS
-                              for t, planar in _batch_layouts() for i in TILE_INPUTS),
-                            *(batch_gate_up_kernel(a, t, n, i, planar) for a in ACTIVATIONS
-                              for n in BATCH_TOKENS for t, planar in _batch_layouts()
+        "matmul.cu": tuple(tiles_kernel(t, i) for t in types for i in TILE_INPUTS),
+        "matmul_batch.cu": (*(batch_kernel(t, n, i) for n in BATCH_TOKENS for t in types
                               for i in TILE_INPUTS),
+                            *(batch_gate_up_kernel(a, t, n, i) for a in ACTIVATIONS
+                              for n in BATCH_TOKENS for t in types for i in TILE_INPUTS),
                             *(batch_qkv_kernel(n, i) for n in BATCH_TOKENS
                               if n <= BATCH_QKV_TOKENS for i in TILE_INPUTS)),
         "matvec_mma.cu": (*(matvec_mma_kernel(t) for t in MATVEC_MMA_TYPES),
                           *(matvec_mma_gate_up_kernel(a, t) for a in ACTIVATIONS
                             for t in MATVEC_MMA_TYPES), "mul_mat_vec_mma_qkv"),
-        "embedding.cu": (*(f"get_rows_{s}" for s in suffixes),
-                         *(get_rows_kernel(t, planar=True) for t in PLANAR_TYPES)),
+        "embedding.cu": tuple(get_rows_kernel(t) for t in types),
         "norm.cu": ("residual_rms_norm", "head_rms_norm"),
         "rope.cu": ("rope",),
         "activation.cu": ("gated_silu", "gated_gelu_tanh"),
@@ -199,7 +180,7 @@ def kernel_type_code(type_name: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Device memory
+# The weights on the device
 
 
 def row_pitch(type_name: str, row_length: int) -> int:
@@ -216,7 +197,7 @@ Q6_K_BLOCK_BYTES, Q6_K_QUANT_BYTES, Q6_K_SCALE_BYTES = row_bytes("Q6_K", 256), 1
 
 def planar_q6_K_rows(rows: np.ndarray) -> np.ndarray:
     """Q6_K rows (n, 210 * nb) uint8 as the file holds them -> (n, row_pitch) uint8 rows in
-    the row-planar layout the matvec_mma route holds them in (holds_planar): block k's ql and
+    the row-planar layout the device holds them in (holds_planar): block k's ql and
     qh (its first 192 bytes) at 192 * k, its 16 scales at 192 * nb + 16 * k, its float16 d at
     208 * nb + 2 * k, then zeros to the pitch. The same bytes, reordered so that every load
     is aligned."""
@@ -231,124 +212,10 @@ def planar_q6_K_rows(rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def kv_block_bytes(spec: ModelSpec, block_size: int) -> int:
-    """Device bytes of one KV block: K and V, every layer, float16."""
-    return 2 * spec.n_layers * block_size * spec.kv_dim * KV_BYTES_PER_VALUE
-
-
-@dataclass(frozen=True)
-class StepLimits:
-    """The largest step the workspace is sized for."""
-
-    max_tokens: int  # tokens of one step (decode items + prefill chunk)
-    max_rows: int  # logits rows of one step (items wanting a token)
-    max_splits: int  # flash-decoding splits per (sequence, head)
-    max_candidates: int  # candidates per row
-
-
-# Workspace buffers the kernels count in across blocks: zero when allocated, and every launch
-# leaves them zero (the last block of each counted group resets its counter).
-ZEROED_BUFFERS = ("attention_counters", "candidate_counters", "qkv_counters",
-                  "decode_tile_counters")
-
-
-def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
-    """Bytes of each float32 / int32 device buffer a step uses, by name (forward.py's
-    StepBuffers plus the logits, attention partials and candidate outputs). The buffers named
-    in ZEROED_BUFFERS must be zero-filled once when allocated."""
-    t, rows, f32 = limits.max_tokens, limits.max_rows, 4
-    partials = rows * spec.n_heads * limits.max_splits
-    token_tiles = _blocks(rows, DECODE_TILE_TOKENS)
-    qkv_tiles = sum(_blocks(n, DECODE_TILE_ROWS) for n in (spec.q_dim, spec.kv_dim, spec.kv_dim))
-    return {
-        "x": t * spec.d_model * f32,
-        "normed": t * spec.d_model * f32,
-        "qkv": t * (spec.q_dim + 2 * spec.kv_dim) * f32,
-        "attn": t * spec.q_dim * f32,
-        "projected": t * spec.d_model * f32,
-        "gate_up": t * 2 * spec.ffn_dim * f32,
-        "gated": t * spec.ffn_dim * f32,
-        "logits": rows * spec.vocab_size * f32,
-        # The logits rows of the decode step the CUDA backend runs ahead (actors.compute.
-        # cuda_ahead): the last step's stay readable beside them.
-        "logits_ahead": rows * spec.vocab_size * f32,
-        "partial_acc": partials * spec.head_dim * f32,
-        "partial_max": partials * f32,
-        "partial_sum": partials * f32,
-        # attention_decode: one counter per (sequence, block row of heads) <= n_heads.
-        "attention_counters": rows * spec.n_heads * 4,
-        # The fused QKV kernels: one counter per head of the qkv row (its blocks that have
-        # stored), per token tile of mul_mat_decode_tiles_qkv (8 rows; the batched QKV's
-        # tiles hold more).
-        "qkv_counters": (spec.n_heads + 2 * spec.n_kv_heads) * token_tiles * 4,
-        # mul_mat_decode_tiles with a K-split: each split's sums, and a counter per tile of the
-        # grid (a split matrix has fewer than DECODE_TILE_MIN_BLOCKS row tiles, the fused
-        # gate+up twice that, the fused QKV the row tiles of all three).
-        "decode_tile_partials": DECODE_PARTIAL_ROWS * rows * f32,
-        "decode_tile_counters": max(2 * DECODE_TILE_MIN_BLOCKS, qkv_tiles) * token_tiles * 4,
-        "final": rows * spec.d_model * f32,  # the logits rows' normed states, gathered
-        "candidates": rows * candidate_record_words(limits.max_candidates) * 4,
-        "candidate_partials": rows * MAX_SLICES * SLICE_WORDS * 4,
-        "candidate_counters": rows * 4,
-    }
-
-
 def candidate_record_words(width: int) -> int:
     """32-bit words of one row's top_candidates record: count, log_z, ids[width],
     logits[width]."""
     return 2 + 2 * width
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """How the device memory is spent."""
-
-    weight_bytes: int
-    workspace_bytes: int
-    kv_block_bytes: int
-    kv_blocks: int
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.kv_blocks * self.kv_block_bytes
-
-
-def plan_memory(free_bytes: int, fraction: float, weights: int, workspace: int,
-                block_bytes: int) -> MemoryPlan:
-    """KV blocks = (free memory * fraction - weights - workspace) // block bytes, where
-    `free_bytes` is measured before anything is allocated. ComputeError if not even one block
-    fits (the message says how much more is needed)."""
-    if not 0 < fraction <= 1:
-        raise InvalidRequest(f"the device memory fraction must be in (0, 1], got {fraction}",
-                             field="gpu_memory_fraction")
-    budget = int(free_bytes * fraction)
-    blocks = (budget - weights - workspace) // block_bytes
-    if blocks < 1:
-        short = weights + workspace + block_bytes - budget
-        raise ComputeError(
-            f"the model needs {weights / 2**30:.2f} GiB of weights and {workspace / 2**30:.2f} "
-            f"GiB of workspace, but {fraction:.0%} of the device's free memory is "
-            f"{budget / 2**30:.2f} GiB: {short / 2**20:.0f} MiB short of one KV block; use a "
-            "smaller model, a larger fraction or a smaller step"
-        )
-    return MemoryPlan(weights, workspace, block_bytes, int(blocks))
-
-
-def kv_pool_blocks(free_bytes: int, fraction: float, weights: int, workspace: int,
-                   block_bytes: int, requested: int | None, useful: int) -> int:
-    """KV blocks for the scheduler: `requested` if memory holds it, else as many as the
-    memory plan holds up to `useful` (what the engine's sequences can use). One more block
-    than this is allocated: the padding rows' block, which the scheduler never hands out."""
-    memory = plan_memory(free_bytes, fraction, weights, workspace + block_bytes, block_bytes)
-    if requested is not None:
-        if requested > memory.kv_blocks:
-            raise ComputeError(
-                f"{requested} KV blocks of {block_bytes / 2**20:.1f} MiB do not fit: "
-                f"{fraction:.0%} of the device's free memory holds {memory.kv_blocks} besides "
-                "the weights and workspace; ask for fewer blocks or a larger fraction"
-            )
-        return requested
-    return min(memory.kv_blocks, useful)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,72 +242,22 @@ def _check_grid(launch: Launch) -> Launch:
 
 
 def uses_matvec(n_tokens: int) -> bool:
-    """A prefill item of up to MATVEC_MAX_BATCH tokens takes mul_mat_vec; a longer one goes
-    to the tensor-core tiles. (Decode rows take one route whatever their number, one of
-    DECODE_ROUTES: cuda_launches.row_runs.)"""
+    """A prefill item of up to MATVEC_MAX_BATCH tokens takes the matvecs; a longer one goes to
+    the prefill tiles. (Decode rows take their kernels by their number: cuda_launches.row_runs.)"""
     return n_tokens <= MATVEC_MAX_BATCH
 
 
-def matvec_kernel(type_name: str) -> str:
-    """The matvec entry point of a `type_name` matrix: any number of activation rows, each
-    row's result independent of the others (decode rows on the matvec route)."""
-    return f"mul_mat_vec_{kernel_suffix(type_name)}"
+def holds_planar(type_name: str) -> bool:
+    """Whether a matrix of `type_name` lies on the device in the row-planar layout (every Q6_K
+    matrix: planar_q6_K_rows), not as the file's blocks."""
+    return type_name in PLANAR_TYPES
 
 
-def holds_planar(type_name: str, decode_route: str) -> bool:
-    """Whether a matrix of `type_name` lies on the device in the row-planar layout (the
-    matvec_mma route's Q6_K matrices), not as the file's blocks."""
-    return check_decode_route(decode_route) == "matvec_mma" and type_name in PLANAR_TYPES
-
-
-def check_planar_type(type_name: str) -> None:
-    """InvalidRequest unless matrices of `type_name` have a row-planar layout."""
-    if type_name not in PLANAR_TYPES:
-        raise InvalidRequest(f"only {', '.join(PLANAR_TYPES)} matrices have a row-planar "
-                             f"layout, not {type_name}", field="type")
-
-
-def _layout_suffix(type_name: str, planar: bool) -> str:
-    """The entry-point suffix of a matrix's block type, and of its row-planar layout."""
+def _layout_suffix(type_name: str) -> str:
+    """The entry-point suffix of a matrix as the device holds it: its block type's, then
+    PLANAR_KERNEL where it lies row-planar."""
     suffix = kernel_suffix(type_name)
-    if not planar:
-        return suffix
-    check_planar_type(type_name)
-    return suffix + PLANAR_KERNEL
-
-
-def tiles_kernel(type_name: str, tile_input: str = TILE_INPUTS[0], planar: bool = False) -> str:
-    """The prefill tiles' entry point of a `type_name` matrix (`planar`: held row-planar)."""
-    return f"mul_mat_tiles_{_tile_input(tile_input)}_{_layout_suffix(type_name, planar)}"
-
-
-def matmul_kernel(type_name: str, n_tokens: int, tile_input: str = TILE_INPUTS[0],
-                  planar: bool = False) -> str:
-    """The entry point multiplying a `type_name` matrix (`planar`: held row-planar) by
-    n_tokens activation rows of a prefill item: the matvec or the prefill tiles."""
-    if not uses_matvec(n_tokens):
-        return tiles_kernel(type_name, tile_input, planar)
-    if planar:
-        raise InvalidRequest("the matvec reads no row-planar matrix", field="type")
-    return matvec_kernel(type_name)
-
-
-def get_rows_kernel(type_name: str, planar: bool = False) -> str:
-    """The embedding gather of a `type_name` table (`planar`: held row-planar)."""
-    return f"get_rows_{_layout_suffix(type_name, planar)}"
-
-
-def decode_tiles_kernel(type_name: str, tile_input: str = TILE_INPUTS[0]) -> str:
-    """The decode tiles' entry point of a `type_name` matrix (32 rows x 8 tokens a block):
-    any number of decode rows, each row's result independent of the others."""
-    return f"mul_mat_decode_tiles_{_tile_input(tile_input)}_{kernel_suffix(type_name)}"
-
-
-def decode_tiles_gate_up_kernel(activation: str, type_name: str,
-                                tile_input: str = TILE_INPUTS[0]) -> str:
-    """The decode tiles' y = act(gate . x) * (up . x) entry for a block type."""
-    return (f"mul_mat_decode_tiles_gate_up_{activation}_{_tile_input(tile_input)}_"
-            f"{kernel_suffix(type_name)}")
+    return suffix + PLANAR_KERNEL if holds_planar(type_name) else suffix
 
 
 def _tile_input(tile_input: str) -> str:
@@ -450,81 +267,31 @@ def _tile_input(tile_input: str) -> str:
     return tile_input
 
 
-def tile_chunk_elements(type_name: str) -> int:
-    """Elements of the weight chunks the tiles stage (matmul.cu's tile_chunk): a K-quant
-    block, four 32-element quantized blocks, or one 32-element group of a float type."""
-    if type_name in ("Q4_K", "Q5_K", "Q6_K"):
-        return 256
-    return GROUP if type_name in ("F32", "F16", "BF16") else 4 * GROUP
+def tiles_kernel(type_name: str, tile_input: str = TILE_INPUTS[0]) -> str:
+    """The prefill tiles' entry point of a `type_name` matrix, as the device holds it."""
+    return f"mul_mat_tiles_{_tile_input(tile_input)}_{_layout_suffix(type_name)}"
 
 
-def decode_tiles_splits(type_name: str, rows: int, n_in: int) -> int:
-    """K-splits of a matrix on the decode tiles: powers of two until its row tiles times the
-    splits reach DECODE_TILE_MIN_BLOCKS, at most MAX_DECODE_SPLITS and two weight chunks a
-    split (the pipeline keeps two in flight). The matrix alone decides, so a row's sums are
-    taken in the same order whatever the batch."""
-    chunks = -(-n_in // tile_chunk_elements(type_name))
-    row_tiles, splits = _blocks(rows, DECODE_TILE_ROWS), 1
-    while (splits * 2 <= min(MAX_DECODE_SPLITS, chunks // 2)
-           and row_tiles * splits < DECODE_TILE_MIN_BLOCKS):
-        splits *= 2
-    return splits
+def tiles_launch(rows: int, n_tokens: int) -> Launch:
+    """mul_mat_tiles: 64 x 64 tiles of y, token tiles fastest (the blocks sharing a weight
+    tile run together and read it from DRAM once)."""
+    return _check_grid(Launch((_blocks(n_tokens, TILE_TOKENS), _blocks(rows, TILE_ROWS), 1),
+                              (TILE_THREADS, 1, 1)))
 
 
-def decode_tiles_launch(type_name: str, rows: int, n_in: int, n_tokens: int,
-                        rows_per_tile: int = DECODE_TILE_ROWS) -> Launch:
-    """mul_mat_decode_tiles: 32 x 8 tiles of y, token tiles fastest, 2 warps a block, grid.z
-    the matrix's K-splits. The fused gate+up passes 16 rows a tile (16 gate and 16 up rows
-    of the block) and keeps the K-split of its matrices, so it matches their plain launches."""
-    return _check_grid(Launch((_blocks(n_tokens, DECODE_TILE_TOKENS),
-                               _blocks(rows, rows_per_tile),
-                               decode_tiles_splits(type_name, rows, n_in)),
-                              (DECODE_TILE_THREADS, 1, 1)))
+def get_rows_kernel(type_name: str) -> str:
+    """The embedding gather of a `type_name` table, as the device holds it."""
+    return f"get_rows_{_layout_suffix(type_name)}"
 
 
-def decode_tiles_gate_up_launch(type_name: str, ffn_rows: int, n_in: int,
-                                n_tokens: int) -> Launch:
-    """mul_mat_decode_tiles_gate_up: 16 ffn rows (gate and up) x 8 tokens a block."""
-    return decode_tiles_launch(type_name, ffn_rows, n_in, n_tokens, DECODE_TILE_ROWS // 2)
-
-
-def decode_tiles_qkv_kernel(tile_input: str = TILE_INPUTS[0]) -> str:
-    """The decode tiles' fused QKV entry (q, k and v, a block type each, and the finish)."""
-    return f"mul_mat_decode_tiles_qkv_{_tile_input(tile_input)}"
-
-
-def decode_tiles_qkv_splits(types: Sequence[str], rows: Sequence[int],
-                            n_in: int) -> tuple[int, ...]:
-    """mul_mat_decode_tiles_qkv's K-splits of q, k and v: each matrix's own launch's."""
-    return tuple(decode_tiles_splits(t, n, n_in) for t, n in zip(types, rows))
-
-
-def decode_tiles_qkv_partials(types: Sequence[str], rows: Sequence[int], n_in: int) -> int:
-    """Partial sums a token of mul_mat_decode_tiles_qkv: each split matrix's splits x its row
-    tiles' rows, one matrix after the other (matmul.cu's segment_partial_rows)."""
-    return sum(splits * _blocks(n, DECODE_TILE_ROWS) * DECODE_TILE_ROWS
-               for splits, n in zip(decode_tiles_qkv_splits(types, rows, n_in), rows)
-               if splits > 1)
-
-
-def decode_tiles_qkv_launch(types: Sequence[str], rows: Sequence[int], n_in: int,
-                            n_tokens: int) -> Launch:
-    """mul_mat_decode_tiles_qkv: the 32 x 8 tiles of q, then k, then v (grid y), token tiles
-    fastest, grid.z the most K-splits of the three (a matrix's blocks past its own return).
-    Its partial sums (decode_tiles_qkv_partials) fit DECODE_PARTIAL_ROWS whatever the sizes."""
-    return _check_grid(Launch((_blocks(n_tokens, DECODE_TILE_TOKENS),
-                               sum(_blocks(n, DECODE_TILE_ROWS) for n in rows),
-                               max(decode_tiles_qkv_splits(types, rows, n_in))),
-                              (DECODE_TILE_THREADS, 1, 1)))
-
-
-def uses_matvec_mma(type_name: str, n_in: int) -> bool:
-    """Whether the matvec_mma route gives this matrix to mul_mat_vec_mma (else the matvec)."""
-    return type_name in MATVEC_MMA_TYPES and n_in % 256 == 0
+def uses_matvec_mma(type_name: str) -> bool:
+    """Whether the matvec rows of a `type_name` matrix take mul_mat_vec_mma (else the
+    CUDA-core mul_mat_vec)."""
+    return type_name in MATVEC_MMA_TYPES
 
 
 def matvec_mma_kernel(type_name: str) -> str:
-    """mul_mat_vec's twin on the tensor cores (its arguments, its own summation)."""
+    """The matvec on the tensor cores (mul_mat_vec's arguments, its own summation)."""
     return f"mul_mat_vec_mma_{kernel_suffix(type_name)}"
 
 
@@ -547,31 +314,24 @@ def matvec_mma_qkv_launch(rows_q: int, rows_k: int, rows_v: int) -> Launch:
     return _check_grid(Launch((blocks, 1, 1), (MATVEC_MMA_THREADS, 1, 1)))
 
 
-def _batch_layouts() -> list[tuple[str, bool]]:
-    """The layouts the batched product reads: every block type as in the file, and the
-    row-planar ones."""
-    return [*((t, False) for t in KERNEL_TYPE_SUFFIX), *((t, True) for t in PLANAR_TYPES)]
-
-
 def batch_tokens(n_tokens: int, most: int = BATCH_TOKENS[-1]) -> int:
     """The batched product's token columns a block for n_tokens rows: the fewest of
     BATCH_TOKENS holding them, else `most` (several token tiles)."""
     return next((n for n in BATCH_TOKENS if n >= min(n_tokens, most)), most)
 
 
-def batch_kernel(type_name: str, n_tokens: int, tile_input: str = TILE_INPUTS[0],
-                 planar: bool = False) -> str:
-    """The batched product's entry point of a `type_name` matrix (`planar`: held row-planar)
-    for n_tokens rows: bit for bit the prefill tiles' sums, whatever n_tokens."""
+def batch_kernel(type_name: str, n_tokens: int, tile_input: str = TILE_INPUTS[0]) -> str:
+    """The batched product's entry point of a `type_name` matrix for n_tokens rows, as the
+    device holds it: bit for bit the prefill tiles' sums, whatever n_tokens."""
     return (f"mul_mat_batch{batch_tokens(n_tokens)}_{_tile_input(tile_input)}_"
-            f"{_layout_suffix(type_name, planar)}")
+            f"{_layout_suffix(type_name)}")
 
 
 def batch_gate_up_kernel(activation: str, type_name: str, n_tokens: int,
-                         tile_input: str = TILE_INPUTS[0], planar: bool = False) -> str:
+                         tile_input: str = TILE_INPUTS[0]) -> str:
     """The batched product's y = act(gate . x) * (up . x) entry for a block type."""
     return (f"mul_mat_batch{batch_tokens(n_tokens)}_gate_up_{activation}_"
-            f"{_tile_input(tile_input)}_{_layout_suffix(type_name, planar)}")
+            f"{_tile_input(tile_input)}_{_layout_suffix(type_name)}")
 
 
 def batch_launch(rows: int, n_tokens: int, rows_per_block: int = BATCH_ROWS,
@@ -596,12 +356,14 @@ def batch_qkv_launch(rows: Sequence[int], n_tokens: int) -> Launch:
                         most=BATCH_QKV_TOKENS)
 
 
-def check_decode_route(route: str) -> str:
-    """`route` if it names one of DECODE_ROUTES; InvalidRequest naming them otherwise."""
-    if route not in DECODE_ROUTES:
-        raise InvalidRequest(f"decode route must be one of {DECODE_ROUTES}, got {route!r}",
-                             field="decode_route")
-    return route
+def matvec_kernel(type_name: str) -> str:
+    """The CUDA-core matvec's entry point of a `type_name` matrix (one of MATVEC_TYPES, those
+    mul_mat_vec_mma does not serve): any number of activation rows, each row's result
+    independent of the others."""
+    if type_name not in MATVEC_TYPES:
+        raise InvalidRequest(f"{type_name} matrices take mul_mat_vec_mma, not the CUDA-core "
+                             "matvec", field="type")
+    return f"mul_mat_vec_{kernel_suffix(type_name)}"
 
 
 def matvec_splits(n_in: int) -> int:
@@ -634,17 +396,6 @@ def qkv_launch(rows_q: int, rows_k: int, rows_v: int, n_in: int) -> Launch:
     single = matvec_launch(1, n_in)
     blocks = sum(_blocks(rows, per_block) for rows in (rows_q, rows_k, rows_v))
     return _check_grid(Launch((blocks, 1, 1), single.block))
-
-
-def matmul_launch(rows: int, n_tokens: int, n_in: int | None = None) -> Launch:
-    """mul_mat_vec (matvec_launch) or mul_mat_tiles (64 x 64 tiles of y, token tiles fastest:
-    the blocks sharing a weight tile run together and read it from DRAM once). A matvec call
-    without n_in gets one split: correct for any n_in, but not the summation order of the
-    fused entry points, which take matvec_launch(rows, n_in)."""
-    if uses_matvec(n_tokens):
-        return matvec_launch(rows, 0 if n_in is None else n_in)
-    return _check_grid(Launch((_blocks(n_tokens, TILE_TOKENS), _blocks(rows, TILE_ROWS), 1),
-                              (TILE_THREADS, 1, 1)))
 
 
 def get_rows_launch(n_ids: int, d_model: int) -> Launch:

@@ -2,9 +2,9 @@
 
 Every tensor of the file lies in one device allocation (the arena), each at a cuMemAlloc-like
 boundary: a matrix's blocks as the file stores them, rows cuda_plan.row_pitch apart; a vector
-as float32. A matrix whose layout is `planar` (cuda_launches.MatrixLayout: on the
-matvec_mma route, the Q6_K matrices) lies there in the row-planar layout instead
-(cuda_plan.planar_q6_K_rows: the same bytes at the same pitch, reordered).
+as float32. A matrix of a type held row-planar (cuda_plan.holds_planar: Q6_K) lies there in
+the row-planar layout instead (cuda_plan.planar_q6_K_rows: the same bytes at the same pitch,
+reordered).
 """
 
 from __future__ import annotations
@@ -42,32 +42,29 @@ def weight_arena(tensors: Iterable[TensorInfo]) -> tuple[dict[str, int], int]:
     return offsets, cursor
 
 
-def device_bytes_of(raw: np.ndarray, info: TensorInfo, chunk_rows: int = 4096,
-                    planar: bool = False) -> Iterable[tuple[int, np.ndarray]]:
+def device_bytes_of(raw: np.ndarray, info: TensorInfo,
+                    chunk_rows: int = 4096) -> Iterable[tuple[int, np.ndarray]]:
     """The device image of a tensor from its raw GGUF bytes, as (byte offset, bytes) chunks:
     a matrix's rows at `row_pitch`, its blocks as stored (the raw view itself where the pitch
-    is the row's size) or with `planar` in the row-planar layout; a vector as float32."""
+    is the row's size) or row-planar (device_rows); a vector as float32."""
     if len(info.shape) == 1:
         yield 0, np.ascontiguousarray(dequantize(raw, info.type_name, info.shape),
                                       dtype=np.float32).view(np.uint8)
         return
     rows = raw.reshape(-1, raw.shape[-1])
     pitch = plan.row_pitch(info.type_name, info.shape[-1])
-    if pitch == rows.shape[1] and not planar:
+    if pitch == rows.shape[1] and not plan.holds_planar(info.type_name):
         yield 0, rows.reshape(-1)
         return
     for first in range(0, len(rows), chunk_rows):
-        chunk = device_rows(rows[first : first + chunk_rows], info.type_name, info.shape[-1],
-                            planar)
+        chunk = device_rows(rows[first : first + chunk_rows], info.type_name, info.shape[-1])
         yield first * pitch, chunk.reshape(-1)
 
 
-def device_rows(rows: np.ndarray, type_name: str, row_length: int,
-                planar: bool = False) -> np.ndarray:
+def device_rows(rows: np.ndarray, type_name: str, row_length: int) -> np.ndarray:
     """(n, row_pitch) uint8 device rows of (n, row bytes) file rows of `row_length` elements:
-    the blocks as stored then zeros, or with `planar` (Q6_K only) the row-planar layout."""
-    if planar:
-        plan.check_planar_type(type_name)
+    the blocks as stored then zeros, or for a type held row-planar (Q6_K) that layout."""
+    if plan.holds_planar(type_name):
         return plan.planar_q6_K_rows(rows)
     out = np.zeros((len(rows), plan.row_pitch(type_name, row_length)), dtype=np.uint8)
     out[:, : rows.shape[1]] = rows

@@ -40,21 +40,21 @@ def cuda_unavailable_reason() -> str | None:
 
 # The device tests in groups, each run in a process of its own by device_check.sh (the
 # environment's GPU_TEST_GROUP names one): a kernel's fault that leaves the CUDA context
-# unusable then costs only its own group. In that order: the kernels one by one (most of them
-# measured on a device before), the default matvec route (its fused QKV, the backend end to
-# end, the engine), then the two other decode routes' kernels and ends to end (the mma
-# route's with its batched product's).
-GPU_TEST_GROUPS = ("kernels", "matvec_route", "tiles_route", "mma_route")
+# unusable then costs only its own group. In that order: the products of a decode step, the
+# mma matvec's (up to 8 rows) and the batched product's (more rows, and the logits), then
+# the other kernels one by one (most of them measured on a device before), then the backend
+# end to end (both regimes, the engine).
+GPU_TEST_GROUPS = ("mma_matvec", "batched", "kernels", "backend")
 
 
 def device_group(item: pytest.Item) -> str:
     """The group of a tests/gpu test (GPU_TEST_GROUPS), from its id."""
-    if "matvec_mma" in item.nodeid or "batched" in item.nodeid:  # not "mma": gemma3 holds it
-        return "mma_route"
-    if "tiles" in item.nodeid:
-        return "tiles_route"
-    if "fused_qkv" in item.nodeid or Path(item.path).name == "test_cuda_backend.py":
-        return "matvec_route"
+    if Path(item.path).name == "test_cuda_backend.py":
+        return "backend"
+    if "matvec_mma" in item.nodeid:  # not "mma": gemma3 holds it
+        return "mma_matvec"
+    if "batched" in item.nodeid:
+        return "batched"
     return "kernels"
 
 

@@ -4,14 +4,15 @@
 #   1. PyCUDA from the bundle (.cudacarry/device_setup.sh) and the carried wheels;
 #   2. pytest tests/gpu (each kernel against its numpy twin; the CUDA backend against the CPU
 #      on the reference sequences; the engine on backend="cuda"), in four groups of a process
-#      each (tests/gpu/conftest.py's GPU_TEST_GROUPS) so that a fault costs its group only;
+#      each (tests/gpu/conftest.py's GPU_TEST_GROUPS: the mma matvec's kernels, the batched
+#      product's, the other kernels, the backend end to end) so that a fault costs its group
+#      only;
 #   3. beside the tests: benchmarks/synthetic_gguf.py, the Llama-3-8B-shaped Q4_K_M file, and
 #      how long it takes there (SYNTHETIC_LAYERS, default 32), and the grown gemma-3;
-#   4. benchmarks/bench_cuda.py (Q4_K decode products on the three decode routes, the matvec,
-#      the decode tiles and the mma matvec, in effective TB/s; copy bandwidth; tensor-core
-#      tiles; whole-model decode / prefill tok/s on that file (the 8B decode on the mma matvec
-#      route at 1 and 32 streams, `llama3_8b_matvec_mma`, bare backend only) and, where its
-#      file is here, gemma-3-270m; launches per decode step);
+#   4. benchmarks/bench_cuda.py (the decode products in effective TB/s: the mma matvec at 1
+#      and 8 rows, the batched product at 16 / 32 / 64; copy bandwidth; the prefill tiles at
+#      512 tokens; whole-model decode at 1 / 8 / 32 / 64 streams and prefill 512 tok/s on that
+#      file and, where its file is here, gemma-3-270m; launches per decode step);
 #   5. Nsight Compute (ncu) on the benchmark's matrix kernels, where ncu is there.
 # The model files and bench_cuda.json stay in /tmp for tests/gpu/device_anchors.sh: llama.cpp's
 # CUDA figures on the same files and GPU, run next on the same machine.
@@ -103,7 +104,7 @@ groups_rc=""
 tests_started=$(date +%s)
 tests_deadline=$(( tests_started + $(part_s "${TESTS_S:-200}" 150) ))
 left_after=3
-for group in kernels matvec_route tiles_route mma_route; do
+for group in mma_matvec batched kernels backend; do
     limit=$(( tests_deadline - $(date +%s) - left_after * ${GROUP_MIN_S:-30} ))
     [ "$limit" -ge "${GROUP_MIN_S:-30}" ] || limit=${GROUP_MIN_S:-30}
     left_after=$((left_after - 1))

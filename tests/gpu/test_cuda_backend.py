@@ -21,7 +21,6 @@ import anyio
 import numpy as np
 import pytest
 
-from actors.compute import cuda_plan as plan
 from actors.compute.backends import BACKENDS, CudaFactory
 from actors.compute.contract import Candidates, KVRequest, RowInputs, StepItem
 from actors.engine import Engine
@@ -126,20 +125,17 @@ def run_and_compare(backend: Any, items: list[StepItem], positions: list[tuple[i
         comparison.add(yardsticks[sequence], position, row)
 
 
-@pytest.fixture(scope="module", params=[(name, route) for route in plan.DECODE_ROUTES
-                                        for name in MODELS],
-                ids=lambda param: "-".join(param))
+@pytest.fixture(scope="module", params=MODELS)
 def compared(request: pytest.FixtureRequest) -> Iterator[tuple[str, Comparison]]:
-    """Each model on each decode route (the products of its decode rows: the matvec, the
-    decode tiles or the mma matvec)."""
-    name, route = request.param
+    """Each model's reference sequences side by side."""
+    name = request.param
     model = load_model(model_path(name))
     sequences = reference_sequences(name)
     yardsticks = [CpuYardstick(model, tokens) for tokens in sequences]
     per_sequence = -(-max(len(t) for t in sequences) // BLOCK)
     kv = KVRequest(blocks=per_sequence * len(sequences), block_size=BLOCK,
                    max_sequences=len(sequences))
-    backend = CudaFactory(decode_route=route).build(model, kv)
+    backend = CudaFactory().build(model, kv)
     tables = [tuple(range(i * per_sequence, (i + 1) * per_sequence))
               for i in range(len(sequences))]
     comparison = Comparison()
@@ -214,17 +210,16 @@ def test_a_decode_step_is_a_handful_of_launches() -> None:
 INVARIANCE_STREAMS = (1, 8, 9, 32, 64)
 
 
-@pytest.mark.parametrize("route", plan.DECODE_ROUTES)
-def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(route: str) -> None:
-    """Sequence 0 decoded beside 0, 7, 8, 31 and 63 others: decode rows always take one
-    route (the matvec, the decode tiles or the mma matvec, past 8 rows its batched product),
-    whose rows are independent, so its tokens are the same, and its logits rows the same bits
-    on the same kernels (assert_streams_do_not_change_sequence_0)."""
+def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step() -> None:
+    """Sequence 0 decoded beside 0, 7, 8, 31 and 63 others: decode rows take the mma matvec
+    up to 8 rows and the batched product past them, each with independent rows, so its
+    tokens are the same, and its logits rows the same bits on the same kernels
+    (assert_streams_do_not_change_sequence_0)."""
     model = open_model(TINY_MODELS["qwen2-q4k-tiny"])
     steps, most = 6, max(INVARIANCE_STREAMS)
     rng = np.random.default_rng(17)
     prompts = [rng.integers(1, model.spec.vocab_size, 3 + i % 4).tolist() for i in range(most)]
-    backend = CudaFactory(decode_route=route).build(
+    backend = CudaFactory().build(
         model, KVRequest(blocks=most * 2, block_size=BLOCK, max_sequences=most))
     try:
         runs = {n: greedy_sharing_steps(backend, prompts[:n], steps, BLOCK)
@@ -232,7 +227,7 @@ def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(route: str)
     finally:
         backend.close()
         model.gguf.close()
-    assert_streams_do_not_change_sequence_0(runs, route)
+    assert_streams_do_not_change_sequence_0(runs)
 
 
 def test_a_prompts_logits_do_not_depend_on_the_prompts_sharing_its_step() -> None:

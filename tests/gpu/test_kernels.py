@@ -17,6 +17,7 @@ import pytest
 from actors.compute import cuda_plan as plan
 from actors.compute import cuda_packing as packing
 from actors.compute.cuda_packing import row_arrays
+from actors.compute.cuda_weights import device_rows
 from actors.model.candidates import RowInputs, apply_token_masks, mask_words
 from actors.model.forward import gelu_tanh, rms_norm, silu
 from actors.model.gguf.quants import dequantize
@@ -95,8 +96,9 @@ def test_get_rows_decodes_bit_for_bit(kernel: Kernel, type_name: str, scale: flo
     vocab, d = 40, 512
     raw = finite_blocks(type_name, vocab, d, np.random.default_rng(1))
     ids = np.array([3, 0, 39, 3, 17], dtype=np.int32)
-    table, ids_dev, out = to_device(pitched(raw, type_name, d)), to_device(ids), nan_filled(5, d)
-    run(kernel("embedding.cu", f"get_rows_{plan.kernel_suffix(type_name)}"),
+    table, ids_dev, out = (to_device(device_rows(raw, type_name, d)), to_device(ids),
+                           nan_filled(5, d))
+    run(kernel("embedding.cu", plan.get_rows_kernel(type_name)),
         plan.get_rows_launch(len(ids), d), ptr(table),
         np.int64(plan.row_pitch(type_name, d)), ptr(ids_dev), ptr(out), np.int32(d),
         np.float32(scale))
@@ -105,14 +107,14 @@ def test_get_rows_decodes_bit_for_bit(kernel: Kernel, type_name: str, scale: flo
 
 
 def test_get_rows_of_a_planar_q6_K_table_decodes_bit_for_bit(kernel: Kernel) -> None:
-    """get_rows_q6_K_planar (the matvec_mma route's Q6_K embeddings, held row-planar): rows
-    of 10 blocks, so a block's d lies in the first or second piece of the d plane."""
+    """get_rows_q6_K_planar (Q6_K embeddings are held row-planar): rows of 10 blocks, so a
+    block's d lies in the first or second piece of the d plane."""
     vocab, d = 40, 2560
     raw = finite_blocks("Q6_K", vocab, d, np.random.default_rng(2))
     ids = np.array([3, 0, 39, 3, 17], dtype=np.int32)
     table, ids_dev, out = (to_device(plan.planar_q6_K_rows(raw)), to_device(ids),
                            nan_filled(5, d))
-    run(kernel("embedding.cu", plan.get_rows_kernel("Q6_K", planar=True)),
+    run(kernel("embedding.cu", plan.get_rows_kernel("Q6_K")),
         plan.get_rows_launch(len(ids), d), ptr(table), np.int64(plan.row_pitch("Q6_K", d)),
         ptr(ids_dev), ptr(out), np.int32(d), np.float32(0.5))
     assert_same_floats(out.get(), dequantize(raw[ids], "Q6_K", (len(ids), d)) * np.float32(0.5))
@@ -124,7 +126,7 @@ def matvec(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
     (x's stride: its width); y has 3 spare columns, which must stay NaN."""
     rows, n_in = raw.shape[0], x.shape[1] - 4
     weights, y = to_device(pitched(raw, type_name, n_in)), nan_filled(batch, rows + 3)
-    run(kernel("matvec.cu", f"mul_mat_vec_{plan.kernel_suffix(type_name)}"),
+    run(kernel("matvec.cu", plan.matvec_kernel(type_name)),
         plan.matvec_launch(rows, n_in), ptr(weights), np.int64(plan.row_pitch(type_name, n_in)),
         ptr(to_device(x[:batch])), np.int32(x.shape[1]), ptr(y), np.int32(rows + 3),
         np.int32(rows), np.int32(n_in), np.int32(batch))
@@ -142,7 +144,7 @@ def activations(rng: np.random.Generator, batch: int, n_in: int) -> np.ndarray:
 
 @pytest.mark.parametrize("n_in", [2304, 8448])
 @pytest.mark.parametrize("batch", [1, 3, 8, 9, 33, 64])
-@pytest.mark.parametrize("type_name", ALL_TYPES)
+@pytest.mark.parametrize("type_name", plan.MATVEC_TYPES)
 def test_matvec_within_the_summation_bound(kernel: Kernel, type_name: str, batch: int,
                                            n_in: int) -> None:
     """70 rows (not a multiple of a block's rows); 2304 inputs (9 K-blocks, one split) and
@@ -160,7 +162,7 @@ def test_matvec_within_the_summation_bound(kernel: Kernel, type_name: str, batch
 
 
 @pytest.mark.parametrize("n_in", [4608, 33024])
-@pytest.mark.parametrize("type_name", ALL_TYPES)
+@pytest.mark.parametrize("type_name", plan.MATVEC_TYPES)
 def test_matvec_rows_do_not_depend_on_the_batch(kernel: Kernel, type_name: str,
                                                 n_in: int) -> None:
     """Row b of y is bit for bit the same whether it is computed alone or among 9, 33 or 64
@@ -180,7 +182,7 @@ def test_matvec_rows_do_not_depend_on_the_batch(kernel: Kernel, type_name: str,
 
 
 @pytest.mark.parametrize("act", plan.ACTIVATIONS)
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "BF16"])
+@pytest.mark.parametrize("type_name", ["Q5_K", "Q8_0", "BF16"])
 @pytest.mark.parametrize("batch", [1, 9])
 def test_fused_gate_up_equals_matvec_then_gated(kernel: Kernel, type_name: str, act: str,
                                                 batch: int) -> None:
@@ -208,102 +210,34 @@ def test_fused_gate_up_equals_matvec_then_gated(kernel: Kernel, type_name: str, 
     np.testing.assert_array_equal(got[:, :ffn].view(np.uint32), expected.get().view(np.uint32))
 
 
-def split_workspace(launch: plan.Launch, tokens: int) -> tuple[np.uintp, np.uintp]:
-    """The decode tiles' K-split workspace for a launch: NaN partials (a split every tile row
-    of the grid, every token) and zero counters, which must be zero again when the test ends."""
-    rows = launch.grid[1] * plan.DECODE_TILE_ROWS
-    partials = to_device(np.full(launch.grid[2] * tokens * rows, np.nan, dtype=np.float32))
-    counters = to_device(np.zeros(launch.grid[0] * launch.grid[1], dtype=np.int32))
-    _COUNTERS.append(counters)
-    return ptr(partials), ptr(counters)
-
-
-_COUNTERS: list[Any] = []  # every split launch's counters, zero at the end of its test
-
-
-@pytest.fixture(autouse=True)
-def _split_counters_end_at_zero() -> Any:
-    yield
-    try:
-        assert not any(counters.get().any() for counters in _COUNTERS), "counters left set"
-    finally:
-        _COUNTERS.clear()
-
-
-@pytest.mark.parametrize("act", plan.ACTIVATIONS)
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "BF16"])
-@pytest.mark.parametrize(("ffn", "n_in", "batch"), [(100, 512, 1), (100, 4608, 9), (40, 4608, 33)])
-def test_fused_decode_tiles_gate_up_equal_decode_tiles_then_gated(
-        kernel: Kernel, type_name: str, act: str, ffn: int, n_in: int, batch: int) -> None:
-    """mul_mat_decode_tiles_gate_up_<act> == the decode tiles of gate and of up into one
-    gate|up buffer, then gated_<act>, bit for bit; ffn not a multiple of 16, inputs with and
-    without a K-split (4608: split), batches across token tiles."""
-    rng = np.random.default_rng(29)
-    gate, up = (finite_blocks(type_name, ffn, n_in, rng) for _ in range(2))
-    x = activations(rng, batch, n_in)
-    gate_up = to_device(np.concatenate([tiles(kernel, "decode_tiles", w, type_name, x, batch)
-                                        for w in (gate, up)], axis=1))
-    expected = nan_filled(batch, ffn)
-    run(kernel("activation.cu", f"gated_{act}"), plan.elementwise_launch(batch * ffn),
-        ptr(gate_up), ptr(expected), np.int32(batch), np.int32(ffn))
-    fused = nan_filled(batch, ffn + 5)
-    launch = plan.decode_tiles_gate_up_launch(type_name, ffn, n_in, batch)
-    assert launch.grid[2] == plan.decode_tiles_launch(type_name, ffn, n_in, batch).grid[2]
-    run(kernel("matmul.cu", plan.decode_tiles_gate_up_kernel(act, type_name)), launch,
-        ptr(to_device(pitched(gate, type_name, n_in))),
-        ptr(to_device(pitched(up, type_name, n_in))), np.int64(plan.row_pitch(type_name, n_in)),
-        ptr(to_device(x)), np.int32(x.shape[1]), ptr(fused), np.int32(ffn + 5), np.int32(ffn),
-        np.int32(n_in), np.int32(batch), *split_workspace(launch, batch))
-    got = fused.get()
-    assert np.isnan(got[:, ffn:]).all()
-    np.testing.assert_array_equal(got[:, :ffn].view(np.uint32), expected.get().view(np.uint32))
-
-
-def tiles(kernel: Kernel, shape: str, raw: np.ndarray, type_name: str, x: np.ndarray,
-          tokens: int, planar: bool = False) -> np.ndarray:
-    """mul_mat_tiles (shape "tiles"; `planar`: its entry for a Q6_K matrix held row-planar)
-    or mul_mat_decode_tiles ("decode_tiles") of raw blocks with the first `tokens` rows of x
-    (x's stride: its width); y's 3 spare columns must stay NaN."""
+def tiles(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
+          tokens: int) -> np.ndarray:
+    """mul_mat_tiles of raw blocks (as the device holds them: Q6_K row-planar) with the first
+    `tokens` rows of x (x's stride: its width); y's 3 spare columns must stay NaN."""
     rows, n_in = raw.shape[0], x.shape[1] - 4
-    y = nan_filled(tokens, rows + 3)
-    weights = plan.planar_q6_K_rows(raw) if planar else pitched(raw, type_name, n_in)
-    args = (ptr(to_device(weights)),
-            np.int64(plan.row_pitch(type_name, n_in)), ptr(to_device(x[:tokens])),
-            np.int32(x.shape[1]), ptr(y), np.int32(rows + 3), np.int32(rows), np.int32(n_in),
-            np.int32(tokens))
-    if shape == "tiles":
-        run(kernel("matmul.cu", plan.matmul_kernel(type_name, tokens, planar=planar)),
-            plan.matmul_launch(rows, tokens), *args)
-    else:
-        launch = plan.decode_tiles_launch(type_name, rows, n_in, tokens)
-        run(kernel("matmul.cu", plan.decode_tiles_kernel(type_name)), launch, *args,
-            *split_workspace(launch, tokens))
-    got = y.get()
-    assert np.isnan(got[:, rows:]).all()
-    return got[:, :rows]
+    return product_rows(kernel("matmul.cu", plan.tiles_kernel(type_name)),
+                        plan.tiles_launch(rows, tokens), device_rows(raw, type_name, n_in),
+                        type_name, x, tokens, rows)
 
 
-@pytest.mark.parametrize(("shape", "wide"), [("tiles", False), ("decode_tiles", False),
-                                             ("decode_tiles", True)])
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("type_name", ALL_TYPES)
-def test_tensor_core_tiles_match_their_twin(kernel: Kernel, type_name: str, shape: str,
+def test_tensor_core_tiles_match_their_twin(kernel: Kernel, type_name: str,
                                             wide: bool) -> None:
-    """100 rows x 70 tokens (partial tiles at both edges: 64 x 64, or the decode tiles'
-    32 x 8), padded strides, and for the 32-element types a row of 17 groups (a partial last
-    weight chunk); `wide` rows (2304 / 2336 inputs) make the decode tiles split K 4 or 8 ways
-    (uneven splits). tile_product sums the kernel's exact products; its float32 accumulation
+    """100 rows x 70 tokens (partial 64 x 64 tiles at both edges), padded strides, and for
+    the 32-element types a row of 17 groups (a partial last weight chunk); `wide` rows (2304
+    / 2336 inputs: a planar Q6_K row's 9 blocks take both pieces of its d plane). tile_product
+    sums the kernel's exact products; its float32 accumulation
     (per scale group, then across groups; the level and offset sums of a K-quant can cancel)
     stays within 4x the classic bound, and far below what one float16 rounding of the
     activations would cost, so a lost lo part or a misplaced scale fails."""
     rows, tokens = 100, 70
     k_quant = type_name in ("Q4_K", "Q5_K", "Q6_K")
     n_in = (2304 if k_quant else 2336) if wide else (512 if k_quant else 544)
-    if wide:
-        assert plan.decode_tiles_launch(type_name, rows, n_in, tokens).grid[2] > 1
     rng = np.random.default_rng(7)
     raw = finite_blocks(type_name, rows, n_in, rng)
     x = activations(rng, tokens, n_in)
-    got = tiles(kernel, shape, raw, type_name, x, tokens)
+    got = tiles(kernel, raw, type_name, x, tokens)
     w = dequantize(raw, type_name, (rows, n_in)).astype(np.float64)
     x64 = x[:, :n_in].astype(np.float64)
     twin = tile_product(w, x[:, :n_in], type_name)
@@ -312,22 +246,6 @@ def test_tensor_core_tiles_match_their_twin(kernel: Kernel, type_name: str, shap
     one_rounding = np.abs(x[:, :n_in].astype(np.float16).astype(np.float64) @ w.T - x64 @ w.T)
     # float32 summation here: ~0.0015 of it (numpy model of the kernel's sums); no lo: ~1
     assert error.mean() < 0.05 * one_rounding.mean()
-
-
-@pytest.mark.parametrize("tokens", [9, 70])
-def test_planar_q6_K_tiles_equal_the_file_layouts_bit_for_bit(kernel: Kernel,
-                                                              tokens: int) -> None:
-    """The prefill tiles of a Q6_K matrix held row-planar (the matvec_mma route's layout:
-    each block staged from three planes, d at its slot of a shared d piece) give the file
-    layout's tiles bit for bit: rows of 10 blocks (two d pieces, the second partly used),
-    100 rows (a partial row tile)."""
-    rows, n_in = 100, 2560
-    rng = np.random.default_rng(29)
-    raw = finite_blocks("Q6_K", rows, n_in, rng)
-    x = activations(rng, tokens, n_in)
-    np.testing.assert_array_equal(
-        tiles(kernel, "tiles", raw, "Q6_K", x, tokens, planar=True).view(np.uint32),
-        tiles(kernel, "tiles", raw, "Q6_K", x, tokens).view(np.uint32))
 
 
 def product_rows(function: Any, launch: plan.Launch, weights: np.ndarray, type_name: str,
@@ -355,20 +273,14 @@ def gated(kernel: Kernel, act: str, gates: np.ndarray, ups: np.ndarray) -> Any:
     return out
 
 
-def batch_weights(raw: np.ndarray, type_name: str, n_in: int) -> tuple[np.ndarray, bool]:
-    """A matrix as the batched product reads it (the mma route's layouts: Q6_K row-planar)."""
-    return mma_rows(raw, type_name, n_in), type_name in plan.PLANAR_TYPES
-
-
 def batched(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
             tokens: int) -> np.ndarray:
     """mul_mat_batch<N> of raw blocks with the first `tokens` rows of x (stride: its width);
     y's 3 spare columns must stay NaN."""
     rows, n_in = raw.shape[0], x.shape[1] - 4
-    weights, planar = batch_weights(raw, type_name, n_in)
-    return product_rows(kernel("matmul_batch.cu", plan.batch_kernel(type_name, tokens,
-                                                                    planar=planar)),
-                        plan.batch_launch(rows, tokens), weights, type_name, x, tokens, rows)
+    return product_rows(kernel("matmul_batch.cu", plan.batch_kernel(type_name, tokens)),
+                        plan.batch_launch(rows, tokens), device_rows(raw, type_name, n_in),
+                        type_name, x, tokens, rows)
 
 
 @pytest.mark.parametrize("type_name", ALL_TYPES)
@@ -376,15 +288,15 @@ def test_batched_product_is_the_prefill_tiles_bit_for_bit_at_any_rows(kernel: Ke
                                                                        type_name: str) -> None:
     """mul_mat_batch<N> at 1 to 70 rows (N = 16, 32, 64; partial token tiles, two tiles of 64
     past 64 rows), 100 weight rows (a partial row block), a row of 17 groups for the
-    32-element types: each row's y bit for bit the prefill tiles' with 70 rows (a Q6_K matrix
-    held row-planar, as on the mma route): the same sums whatever the rows beside it."""
+    32-element types: each row's y bit for bit the prefill tiles' with 70 rows: the same sums
+    whatever the rows beside it."""
     rows, tokens = 100, 70
     k_quant = type_name in ("Q4_K", "Q5_K", "Q6_K")
     n_in = 512 if k_quant else 544
     rng = np.random.default_rng(31)
     raw = finite_blocks(type_name, rows, n_in, rng)
     x = activations(rng, tokens, n_in)
-    expected = tiles(kernel, "tiles", raw, type_name, x, tokens)
+    expected = tiles(kernel, raw, type_name, x, tokens)
     for n in (1, 8, 9, 16, 17, 32, 33, 64, 70):
         np.testing.assert_array_equal(batched(kernel, raw, type_name, x, n).view(np.uint32),
                                       expected[:n].view(np.uint32), err_msg=str(n))
@@ -403,10 +315,9 @@ def test_batched_gate_up_equals_the_batched_products_then_gated(kernel: Kernel, 
     x = activations(rng, tokens, n_in)
     expected = gated(kernel, act, *(batched(kernel, raw, type_name, x, tokens)
                                     for raw in (gate, up)))
-    (gate_w, planar), (up_w, _) = (batch_weights(raw, type_name, n_in) for raw in (gate, up))
+    gate_w, up_w = (device_rows(raw, type_name, n_in) for raw in (gate, up))
     fused = nan_filled(tokens, ffn + 5)
-    run(kernel("matmul_batch.cu", plan.batch_gate_up_kernel(act, type_name, tokens,
-                                                            planar=planar)),
+    run(kernel("matmul_batch.cu", plan.batch_gate_up_kernel(act, type_name, tokens)),
         plan.batch_launch(ffn, tokens, plan.BATCH_ROWS // 2), ptr(to_device(gate_w)),
         ptr(to_device(up_w)), np.int64(plan.row_pitch(type_name, n_in)), ptr(to_device(x)),
         np.int32(x.shape[1]), ptr(fused), np.int32(ffn + 5), np.int32(ffn), np.int32(n_in),
@@ -416,37 +327,13 @@ def test_batched_gate_up_equals_the_batched_products_then_gated(kernel: Kernel, 
     np.testing.assert_array_equal(got[:, :ffn].view(np.uint32), expected.get().view(np.uint32))
 
 
-@pytest.mark.parametrize("type_name", ALL_TYPES)
-def test_decode_tiles_rows_do_not_depend_on_the_batch(kernel: Kernel, type_name: str) -> None:
-    """The decode tiles route's promise, as the matvec's: row b of y is bit for bit the same
-    alone or among 9, 33 or 64 tokens (partial token tiles), whichever tile holds it (2304 /
-    2336 inputs: K split 4 or 8 ways, the splits' sums added in split order)."""
-    rows, n_in = 70, 2304 if type_name in ("Q4_K", "Q5_K", "Q6_K") else 2336
-    rng = np.random.default_rng(23)
-    raw = finite_blocks(type_name, rows, n_in, rng)
-    x = activations(rng, 64, n_in)
-    full = tiles(kernel, "decode_tiles", raw, type_name, x, 64)
-    for batch in (1, 9, 33):
-        np.testing.assert_array_equal(
-            tiles(kernel, "decode_tiles", raw, type_name, x, batch).view(np.uint32),
-            full[:batch].view(np.uint32))
-    alone = tiles(kernel, "decode_tiles", raw, type_name, x[37:], 1)  # row 37 alone
-    np.testing.assert_array_equal(alone[0].view(np.uint32), full[37].view(np.uint32))
-
-
-def mma_rows(raw: np.ndarray, type_name: str, n_in: int) -> np.ndarray:
-    """Weight rows as mul_mat_vec_mma_<type> reads them: Q4_K at the device pitch, Q6_K in the
-    row-planar layout (cuda_plan.planar_q6_K_rows)."""
-    return plan.planar_q6_K_rows(raw) if type_name == "Q6_K" else pitched(raw, type_name, n_in)
-
-
 def matvec_mma(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
                batch: int) -> np.ndarray:
     """mul_mat_vec_mma_<type> of raw blocks with the first `batch` rows of x (x's stride: its
     width); y's 3 spare columns must stay NaN."""
     rows, n_in = raw.shape[0], x.shape[1] - 4
     return product_rows(kernel("matvec_mma.cu", plan.matvec_mma_kernel(type_name)),
-                        plan.matvec_mma_launch(rows, n_in), mma_rows(raw, type_name, n_in),
+                        plan.matvec_mma_launch(rows, n_in), device_rows(raw, type_name, n_in),
                         type_name, x, batch, rows)
 
 
@@ -488,8 +375,7 @@ def extreme_activations(rng: np.random.Generator, batch: int, n_in: int) -> np.n
 
 
 @pytest.mark.parametrize(("shape", "type_name"),
-                         [(shape, type_name) for shape in ("tiles", "decode_tiles")
-                          for type_name in ALL_TYPES]
+                         [("tiles", type_name) for type_name in ALL_TYPES]
                          + [("matvec_mma", type_name) for type_name in plan.MATVEC_MMA_TYPES])
 def test_tensor_core_products_hold_any_finite_activation(kernel: Kernel, shape: str,
                                                          type_name: str) -> None:
@@ -504,7 +390,7 @@ def test_tensor_core_products_hold_any_finite_activation(kernel: Kernel, shape: 
     if shape == "matvec_mma":
         got = matvec_mma(kernel, raw, type_name, x, tokens)
     else:
-        got = tiles(kernel, shape, raw, type_name, x, tokens)
+        got = tiles(kernel, raw, type_name, x, tokens)
     w = dequantize(raw, type_name, (rows, n_in)).astype(np.float64)
     x64 = x[:, :n_in].astype(np.float64)
     largest = np.abs(x64).reshape(tokens, -1, 32).max(axis=2, keepdims=True)
@@ -516,7 +402,7 @@ def test_tensor_core_products_hold_any_finite_activation(kernel: Kernel, shape: 
 
 @pytest.mark.parametrize("type_name", plan.MATVEC_MMA_TYPES)
 def test_matvec_mma_rows_do_not_depend_on_the_batch(kernel: Kernel, type_name: str) -> None:
-    """The matvec_mma route's promise: row b of y is bit for bit the same alone or among 9,
+    """The mma matvec's promise: row b of y is bit for bit the same alone or among 9,
     33 or 64 tokens, whatever its place in the batch (4608 inputs)."""
     rows, n_in = 70, 4608
     rng = np.random.default_rng(43)
@@ -549,8 +435,8 @@ def test_fused_matvec_mma_gate_up_equals_matvec_mma_then_gated(kernel: Kernel, a
     fused = nan_filled(batch, ffn + 5)
     run(kernel("matvec_mma.cu", plan.matvec_mma_gate_up_kernel(act, type_name)),
         plan.matvec_mma_launch(2 * ffn, n_in),
-        ptr(to_device(mma_rows(gate, type_name, n_in))),
-        ptr(to_device(mma_rows(up, type_name, n_in))),
+        ptr(to_device(device_rows(gate, type_name, n_in))),
+        ptr(to_device(device_rows(up, type_name, n_in))),
         np.int64(plan.row_pitch(type_name, n_in)), ptr(to_device(x)), np.int32(x.shape[1]),
         ptr(fused), np.int32(ffn + 5), np.int32(ffn), np.int32(n_in), np.int32(batch))
     got = fused.get()
@@ -760,17 +646,11 @@ def test_qkv_finish_equals_the_separate_kernels_bit_for_bit(kernel: Kernel, quir
 # matvec's blocks hold 16 rows at n_in 4608 (two K-splits) and 32 below 4096, the mma
 # matvec's 16: heads span several blocks, a block holds two or more heads, and heads
 # straddle block edges (a block holds parts of two of them); every segment ends in a
-# partial block. The mma kernel serves Q4_K and Q6_K segments (Q6_K rows row-planar).
+# partial block. The CUDA-core matvec serves the types the mma kernel does not (Q4_K,
+# Q6_K; Q6_K rows row-planar).
 QKV_SHAPES = {
     "matvec": {
-        "heads_span_blocks": (5, 1, 72, 4608, ("Q4_K", "Q4_K", "Q6_K")),
-        "blocks_hold_heads": (9, 3, 16, 1024, ("Q8_0", "F16", "Q5_0")),
-        "heads_straddle_blocks": (6, 2, 24, 512, ("Q5_K", "Q4_1", "BF16")),
-    },
-    # 32-row tiles: heads of 72 span tiles, tiles hold two heads of 16, heads of 24 straddle
-    # tile edges; 4608 inputs split K 8 ways, uneven across the three matrices' tiles.
-    "tiles": {
-        "heads_span_blocks": (5, 1, 72, 4608, ("Q4_K", "Q4_K", "Q6_K")),
+        "heads_span_blocks": (5, 1, 72, 4608, ("Q5_K", "Q8_0", "Q5_1")),
         "blocks_hold_heads": (9, 3, 16, 1024, ("Q8_0", "F16", "Q5_0")),
         "heads_straddle_blocks": (6, 2, 24, 512, ("Q5_K", "Q4_1", "BF16")),
     },
@@ -787,55 +667,45 @@ QKV_SHAPES = {
         "heads_straddle_blocks": (6, 2, 48, 512, ("Q5_K", "Q4_1", "BF16")),
     },
 }
-QKV_CASES = [(route, shape) for route, shapes in QKV_SHAPES.items() for shape in shapes]
+QKV_CASES = [(kernels, shape) for kernels, shapes in QKV_SHAPES.items() for shape in shapes]
 
 
-def product_launch(kernel: Kernel, route: str, type_name: str, matrix: Any, rows: int,
+def product_launch(kernel: Kernel, kernels: str, type_name: str, matrix: Any, rows: int,
                    n_in: int, x: Any, y: Any, y_stride: int, batch: int) -> None:
-    """One matrix's product on the route's kernel (mul_mat_vec, mul_mat_decode_tiles with its
-    K-split, mul_mat_vec_mma or the batched product)."""
-    workspace: tuple[np.uintp, ...] = ()
-    if route == "batched":
-        function, launch = (kernel("matmul_batch.cu", plan.batch_kernel(
-            type_name, batch, planar=type_name in plan.PLANAR_TYPES)),
-            plan.batch_launch(rows, batch))
-    elif route == "matvec":
+    """One matrix's product on `kernels` (QKV_SHAPES' keys: mul_mat_vec, mul_mat_vec_mma or
+    the batched product)."""
+    if kernels == "batched":
+        function, launch = (kernel("matmul_batch.cu", plan.batch_kernel(type_name, batch)),
+                            plan.batch_launch(rows, batch))
+    elif kernels == "matvec":
         function, launch = (kernel("matvec.cu", plan.matvec_kernel(type_name)),
                             plan.matvec_launch(rows, n_in))
-    elif route == "tiles":
-        function, launch = (kernel("matmul.cu", plan.decode_tiles_kernel(type_name)),
-                            plan.decode_tiles_launch(type_name, rows, n_in, batch))
-        workspace = split_workspace(launch, batch)
     else:
         function, launch = (kernel("matvec_mma.cu", plan.matvec_mma_kernel(type_name)),
                             plan.matvec_mma_launch(rows, n_in))
     run(function, launch, ptr(matrix), np.int64(plan.row_pitch(type_name, n_in)), ptr(x),
         np.int32(n_in + 4), y, np.int32(y_stride), np.int32(rows), np.int32(n_in),
-        np.int32(batch), *workspace)
+        np.int32(batch))
 
 
 @pytest.mark.parametrize("batch", [1, 8, 9, 33])
-@pytest.mark.parametrize(("route", "shape"), QKV_CASES)
+@pytest.mark.parametrize(("kernels", "shape"), QKV_CASES)
 @pytest.mark.parametrize("quirks", ["llama", "qwen2", "gemma3"])
 def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks: str,
-                                                         route: str, shape: str,
+                                                         kernels: str, shape: str,
                                                          batch: int) -> None:
-    """mul_mat_vec_qkv (route matvec), mul_mat_decode_tiles_qkv (route tiles: each matrix
-    K-split as its own launch, heads counted per token tile), mul_mat_vec_mma_qkv (route
-    matvec_mma) and mul_mat_batch<N>_qkv (route batched: Q6_K row-planar, heads counted per
-    token tile of at most 32 rows): products, then each head finished by the block that stores
-    its last rows, against the route's product of each matrix into its columns then
-    qkv_finish: the same bits in every y row, its padding left NaN, and both caches; the head counters (and the
-    split counters) are zero again after the launch, and a second launch gives the same
-    bits."""
-    heads, kv_heads, head_dim, n_in, types = QKV_SHAPES[route][shape]
+    """mul_mat_vec_qkv ("matvec"), mul_mat_vec_mma_qkv ("matvec_mma") and
+    mul_mat_batch<N>_qkv ("batched": heads counted per token tile of at most 32 rows):
+    products, then each head finished by the block that stores its last rows, against the
+    same kernels' product of each matrix into its columns then qkv_finish: the same bits in
+    every y row, its padding left NaN, and both caches; the head counters are zero again
+    after the launch, and a second launch gives the same bits."""
+    heads, kv_heads, head_dim, n_in, types = QKV_SHAPES[kernels][shape]
     counts = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
     width, stride, kv_dim = sum(counts), sum(counts) + 2, counts[1]
     rng = np.random.default_rng(batch)
     raws = [finite_blocks(t, n, n_in, rng) for t, n in zip(types, counts)]
-    weights = [to_device(mma_rows(raw, t, n_in) if route == "matvec_mma"
-                         else batch_weights(raw, t, n_in)[0] if route == "batched"
-                         else pitched(raw, t, n_in)) for raw, t in zip(raws, types)]
+    weights = [to_device(device_rows(raw, t, n_in)) for raw, t in zip(raws, types)]
     x = to_device(activations(rng, batch, n_in))
     positions = to_device(rng.integers(0, 8192, batch).astype(np.int32))
     slots = to_device(rng.permutation(4 * batch)[:batch].astype(np.int32))
@@ -845,29 +715,22 @@ def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks:
     separate, k_sep, v_sep = nan_filled(batch, stride), to_device(sentinel), to_device(sentinel)
     for matrix, type_name, rows, column in zip(weights, types, counts,
                                                (0, counts[0], counts[0] + counts[1])):
-        product_launch(kernel, route, type_name, matrix, rows, n_in, x, at(separate, column),
+        product_launch(kernel, kernels, type_name, matrix, rows, n_in, x, at(separate, column),
                        stride, batch)
     run(kernel("qkv_finish.cu", "qkv_finish"), plan.qkv_finish_launch(batch, heads + 2 * kv_heads),
         ptr(separate), np.int32(stride), np.int32(heads), np.int32(kv_heads), np.int32(head_dim),
         *finish_args(model, positions, slots, k_sep, v_sep))
 
-    token_tiles = (-(-batch // plan.DECODE_TILE_TOKENS) if route == "tiles"
-                   else -(-batch // plan.BATCH_QKV_TOKENS) if route == "batched" else 1)
+    token_tiles = -(-batch // plan.BATCH_QKV_TOKENS) if kernels == "batched" else 1
     counters = to_device(np.zeros((heads + 2 * kv_heads) * token_tiles, dtype=np.int32))
     segments = []
     for matrix, type_name, rows in zip(weights, types, counts):
         segments += [ptr(matrix), np.int64(plan.row_pitch(type_name, n_in)),
                      np.int32(plan.kernel_type_code(type_name)), np.int32(rows)]
-    splits: tuple[Any, ...] = ()
-    if route == "matvec":
+    if kernels == "matvec":
         fused_kernel, fused_launch = (kernel("matvec.cu", "mul_mat_vec_qkv"),
                                       plan.qkv_launch(*counts, n_in))
-    elif route == "tiles":
-        fused_kernel = kernel("matmul.cu", plan.decode_tiles_qkv_kernel())
-        fused_launch = plan.decode_tiles_qkv_launch(types, counts, n_in, batch)
-        splits = (*map(np.int32, plan.decode_tiles_qkv_splits(types, counts, n_in)),
-                  *split_workspace(fused_launch, batch))
-    elif route == "batched":
+    elif kernels == "batched":
         fused_kernel, fused_launch = (kernel("matmul_batch.cu", plan.batch_qkv_kernel(batch)),
                                       plan.batch_qkv_launch(counts, batch))
     else:
@@ -879,7 +742,7 @@ def test_fused_qkv_equals_three_products_then_qkv_finish(kernel: Kernel, quirks:
         run(fused_kernel, fused_launch, *segments,
             ptr(x), np.int32(n_in + 4), ptr(fused), np.int32(stride), np.int32(n_in),
             np.int32(batch), np.int32(head_dim),
-            *finish_args(model, positions, slots, k_fused, v_fused), ptr(counters), *splits)
+            *finish_args(model, positions, slots, k_fused, v_fused), ptr(counters))
         assert not counters.get().any()
         got = fused.get()
         assert np.isnan(got[:, width:]).all()
