@@ -722,42 +722,56 @@ def _rows_job(levels, factors, job, data, offset, size, rows, features, x, out, 
             _dequantize_row(levels, _row_of(data, offset, size, rows, features, j), out, j)
 
 
+def _rows_job_for(levels, factors):
+    """`_rows_job` with one block type's decoders, compiled as a function of its own: every
+    type's kernels inlined into one function took numba over two minutes to compile (the cost
+    grows faster than a function's size), a function a type about two thirds of that."""
+
+    @njit
+    def rows_job(job, data, offset, size, rows, features, x, out, first, last):
+        _rows_job(levels, factors, job, data, offset, size, rows, features, x, out, first, last)
+
+    return rows_job
+
+
+_rows_job_q4_k = _rows_job_for(_levels_q4_k, _factors_q4_k)
+_rows_job_q6_k = _rows_job_for(_levels_q6_k, _factors_q6_k)
+_rows_job_q5_k = _rows_job_for(_levels_q5_k, _factors_q5_k)
+_rows_job_q8_0 = _rows_job_for(_levels_q8_0, _factors_q8_0)
+_rows_job_q5_0 = _rows_job_for(_levels_q5_0, _factors_q5_0)
+_rows_job_q5_1 = _rows_job_for(_levels_q5_1, _factors_q5_1)
+_rows_job_q4_0 = _rows_job_for(_levels_q4_0, _factors_q4_0)
+_rows_job_q4_1 = _rows_job_for(_levels_q4_1, _factors_q4_1)
+_rows_job_f16 = _rows_job_for(_levels_f16, _factors_f16)
+_rows_job_bf16 = _rows_job_for(_levels_bf16, _factors_bf16)
+_rows_job_f32 = _rows_job_for(_levels_f32, _factors_f32)
+
+
 @njit
 def _rows_job_of_type(code, job, data, offset, size, rows, features, x, out, first, last):
     """`_rows_job` with the decoders of block type `code`."""
     if code == Q4_K:
-        _rows_job(_levels_q4_k, _factors_q4_k, job, data, offset, size, rows, features, x, out,
-                  first, last)
+        _rows_job_q4_k(job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q6_K:
-        _rows_job(_levels_q6_k, _factors_q6_k, job, data, offset, size, rows, features, x, out,
-                  first, last)
+        _rows_job_q6_k(job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q5_K:
-        _rows_job(_levels_q5_k, _factors_q5_k, job, data, offset, size, rows, features, x, out,
-                  first, last)
+        _rows_job_q5_k(job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q8_0:
-        _rows_job(_levels_q8_0, _factors_q8_0, job, data, offset, size, rows, features, x, out,
-                  first, last)
+        _rows_job_q8_0(job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q5_0:
-        _rows_job(_levels_q5_0, _factors_q5_0, job, data, offset, size, rows, features, x, out,
-                  first, last)
+        _rows_job_q5_0(job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q5_1:
-        _rows_job(_levels_q5_1, _factors_q5_1, job, data, offset, size, rows, features, x, out,
-                  first, last)
+        _rows_job_q5_1(job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q4_0:
-        _rows_job(_levels_q4_0, _factors_q4_0, job, data, offset, size, rows, features, x, out,
-                  first, last)
+        _rows_job_q4_0(job, data, offset, size, rows, features, x, out, first, last)
     elif code == Q4_1:
-        _rows_job(_levels_q4_1, _factors_q4_1, job, data, offset, size, rows, features, x, out,
-                  first, last)
+        _rows_job_q4_1(job, data, offset, size, rows, features, x, out, first, last)
     elif code == F16:
-        _rows_job(_levels_f16, _factors_f16, job, data, offset, size, rows, features, x, out,
-                  first, last)
+        _rows_job_f16(job, data, offset, size, rows, features, x, out, first, last)
     elif code == BF16:
-        _rows_job(_levels_bf16, _factors_bf16, job, data, offset, size, rows, features, x, out,
-                  first, last)
+        _rows_job_bf16(job, data, offset, size, rows, features, x, out, first, last)
     else:
-        _rows_job(_levels_f32, _factors_f32, job, data, offset, size, rows, features, x, out,
-                  first, last)
+        _rows_job_f32(job, data, offset, size, rows, features, x, out, first, last)
 
 
 def _on_counter(build: Callable[..., ir.Value]):
