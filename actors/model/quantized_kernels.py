@@ -602,26 +602,27 @@ def _single(factors, row, x, sums, out, r, j):
     n_units = x.shape[1] // (2 * LANES)
     u = 0
     while u + 8 <= n_units:  # a K-block's units together: u is a multiple of 8
-        acc0, acc1, offsets0 = _factored_unit(factors, row, xr, sums_r, u, acc0, acc1, offsets0)
-        acc2, acc3, offsets1 = _factored_unit(factors, row, xr, sums_r, u + 1, acc2, acc3,
-                                              offsets1)
-        acc0, acc1, offsets0 = _factored_unit(factors, row, xr, sums_r, u + 2, acc0, acc1,
-                                              offsets0)
-        acc2, acc3, offsets1 = _factored_unit(factors, row, xr, sums_r, u + 3, acc2, acc3,
-                                              offsets1)
-        acc0, acc1, offsets0 = _factored_unit(factors, row, xr, sums_r, u + 4, acc0, acc1,
-                                              offsets0)
-        acc2, acc3, offsets1 = _factored_unit(factors, row, xr, sums_r, u + 5, acc2, acc3,
-                                              offsets1)
-        acc0, acc1, offsets0 = _factored_unit(factors, row, xr, sums_r, u + 6, acc0, acc1,
-                                              offsets0)
-        acc2, acc3, offsets1 = _factored_unit(factors, row, xr, sums_r, u + 7, acc2, acc3,
-                                              offsets1)
+        acc0, acc1, acc2, acc3, offsets0, offsets1 = _factored_pair(
+            factors, row, xr, sums_r, u, acc0, acc1, acc2, acc3, offsets0, offsets1)
+        acc0, acc1, acc2, acc3, offsets0, offsets1 = _factored_pair(
+            factors, row, xr, sums_r, u + 2, acc0, acc1, acc2, acc3, offsets0, offsets1)
+        acc0, acc1, acc2, acc3, offsets0, offsets1 = _factored_pair(
+            factors, row, xr, sums_r, u + 4, acc0, acc1, acc2, acc3, offsets0, offsets1)
+        acc0, acc1, acc2, acc3, offsets0, offsets1 = _factored_pair(
+            factors, row, xr, sums_r, u + 6, acc0, acc1, acc2, acc3, offsets0, offsets1)
         u += 8
     while u < n_units:
         acc0, acc1, offsets0 = _factored_unit(factors, row, xr, sums_r, u, acc0, acc1, offsets0)
         u += 1
     out[r, j] = _lane_sum((acc0 + acc1) + (acc2 + acc3)) + (offsets0 + offsets1)
+
+
+@njit(inline="always")
+def _factored_pair(factors, row, xr, sums_r, u, acc0, acc1, acc2, acc3, offsets0, offsets1):
+    """Units u and u + 1, each on its own chains (acc0, acc1, offsets0; acc2, acc3, offsets1)."""
+    acc0, acc1, offsets0 = _factored_unit(factors, row, xr, sums_r, u, acc0, acc1, offsets0)
+    acc2, acc3, offsets1 = _factored_unit(factors, row, xr, sums_r, u + 1, acc2, acc3, offsets1)
+    return acc0, acc1, acc2, acc3, offsets0, offsets1
 
 
 @njit(inline="always")
@@ -774,20 +775,27 @@ def _rows_job_of_type(code, job, data, offset, size, rows, features, x, out, fir
         _rows_job_f32(job, data, offset, size, rows, features, x, out, first, last)
 
 
+def _is_words(array: types.Type) -> bool:
+    return isinstance(array, types.Array) and array.dtype == types.int64
+
+
+def _word_pointer(context, builder, signature, args) -> ir.Value:
+    """In an intrinsic called (words, index, ...): the pointer to words[index]."""
+    array = context.make_array(signature.args[0])(context, builder, args[0])
+    return cgutils.get_item_pointer(context, builder, signature.args[0], array, [args[1]])
+
+
 def _on_counter(build: Callable[..., ir.Value]):
     """An intrinsic (counters, index) -> int64: build(builder, pointer to counters[index]),
     counters being a 1-d int64 array."""
 
     @intrinsic
     def operation(typingctx, counters, index):
-        if not (isinstance(counters, types.Array) and counters.dtype == types.int64
-                and isinstance(index, types.Integer)):
+        if not (_is_words(counters) and isinstance(index, types.Integer)):
             return None
 
         def codegen(context, builder, signature, args):
-            array = context.make_array(signature.args[0])(context, builder, args[0])
-            return build(builder, cgutils.get_item_pointer(context, builder, signature.args[0],
-                                                           array, [args[1]]))
+            return build(builder, _word_pointer(context, builder, signature, args))
 
         return types.int64(counters, index), codegen
 
@@ -908,14 +916,12 @@ def ticket(number: int, n_chunks: int, compiled: bool) -> int:
 @intrinsic
 def _swap_if(typingctx, words, index, expected, desired):
     """words[index] = desired if it is `expected` (atomically); whether it was."""
-    if not (isinstance(words, types.Array) and words.dtype == types.int64):
+    if not _is_words(words):
         return None
 
     def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        pointer = cgutils.get_item_pointer(context, builder, signature.args[0], array,
-                                           [args[1]])
-        result = builder.cmpxchg(pointer, args[2], args[3], "seq_cst", "seq_cst")
+        result = builder.cmpxchg(_word_pointer(context, builder, signature, args), args[2],
+                                 args[3], "seq_cst", "seq_cst")
         return builder.extract_value(result, 1)
 
     return types.boolean(words, index, types.int64, types.int64), codegen
@@ -924,14 +930,12 @@ def _swap_if(typingctx, words, index, expected, desired):
 @intrinsic
 def _store(typingctx, words, index, value):
     """words[index] = value, atomically (seen by other threads after what came before)."""
-    if not (isinstance(words, types.Array) and words.dtype == types.int64):
+    if not _is_words(words):
         return None
 
     def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        pointer = cgutils.get_item_pointer(context, builder, signature.args[0], array,
-                                           [args[1]])
-        builder.store_atomic(args[2], pointer, "seq_cst", 8)
+        builder.store_atomic(args[2], _word_pointer(context, builder, signature, args),
+                             "seq_cst", 8)
 
     return types.void(words, index, types.int64), codegen
 
