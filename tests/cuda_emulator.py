@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from actors.compute import cuda_plan as plan
-from actors.model.forward import gelu_tanh, silu
+from actors.model.elementwise import gelu_tanh, silu
 from actors.model.gguf.quants import dequantize, row_bytes
 from tests.cuda_samples import penalties_twin, tile_product, top_candidates_twin
 

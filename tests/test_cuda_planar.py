@@ -15,7 +15,7 @@ from actors.compute import cuda_plan as plan
 from actors.compute import cuda_weights as weights
 from actors.errors import InvalidRequest
 from actors.model.arch import spec_from_gguf
-from actors.model.forward import gelu_tanh
+from actors.model.elementwise import gelu_tanh
 from actors.model.gguf.quantizers import quantize
 from actors.model.gguf.quants import dequantize
 from actors.model.gguf.reader import TensorInfo, open_gguf

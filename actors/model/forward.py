@@ -16,11 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 from actors.errors import InvalidRequest
 from actors.model.arch import ModelSpec
 from actors.model.attention import attend, attend_decode
+from actors.model.decode_layer import DecodeLayers
+from actors.model.elementwise import ACTIVATIONS, rms_norm
 from actors.model.rope import apply_rope, inverse_frequencies, rotation
 from actors.model.step import StepPlan
 from actors.model.weights import ModelWeights
@@ -142,71 +143,6 @@ def attention_groups(plan: StepPlan, window: int) -> tuple[AttentionGroup, ...]:
     return tuple(groups)
 
 
-def rms_norm(
-    x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None
-) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) * weight over the last axis (Gemma's +1 is in the GGUF), for
-    x of 1 to 3 axes; `weight` (width,) or, for x (T, heads, width), one row a head. `out`
-    may be x itself. One compiled call: a decode step makes a few per layer, each of which
-    cost numpy five passes and their dispatch."""
-    if out is None:
-        out = np.empty_like(x)
-    _rms_norm_rows(_as_3d(x), weight.reshape(-1, x.shape[-1]), np.float32(eps), _as_3d(out))
-    return out
-
-
-def _as_3d(array: np.ndarray) -> np.ndarray:
-    # Leading axes of length 1 never copy, so `out` stays a view of the caller's array.
-    return array.reshape((1,) * (3 - array.ndim) + array.shape)
-
-
-@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
-def _rms_norm_rows(x, weight, eps, out):  # pragma: no cover - compiled
-    width = x.shape[2]
-    inverse_width = np.float32(1.0 / width)
-    for a in range(x.shape[0]):
-        for b in range(x.shape[1]):
-            row, target, scaled_by = x[a, b], out[a, b], weight[b % weight.shape[0]]
-            total = np.float32(0.0)
-            for i in range(width):
-                total += row[i] * row[i]
-            scale = np.float32(1.0) / np.sqrt(total * inverse_width + eps)
-            for i in range(width):
-                target[i] = row[i] * scale * scaled_by[i]
-
-
-def silu(x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """x * sigmoid(x), written as x / (1 + exp(-x)): one exp pass, into `out`."""
-    np.negative(x, out=out)
-    with np.errstate(over="ignore"):  # exp overflows to inf for x << 0: x / inf = 0, right
-        np.exp(out, out=out)
-    out += np.float32(1.0)
-    return np.divide(x, out, out=out)
-
-
-_GELU_C = math.sqrt(2.0 / math.pi)
-
-
-def gelu_tanh(x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """0.5 x (1 + tanh(c (x + 0.044715 x^3))), rewritten as the identical
-    x / (1 + exp(-2c (x + 0.044715 x^3))) so it costs one exp and no tanh; into `out`."""
-    np.multiply(x, x, out=out)
-    out *= np.float32(-2.0 * _GELU_C * 0.044715)
-    out -= np.float32(2.0 * _GELU_C)
-    out *= x
-    with np.errstate(over="ignore"):
-        np.exp(out, out=out)
-    out += np.float32(1.0)
-    return np.divide(x, out, out=out)
-
-
-# ModelSpec.activation -> the gate's function.
-ACTIVATIONS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    "silu": silu,
-    "gelu_tanh": gelu_tanh,
-}
-
-
 @dataclass(frozen=True)
 class StepBuffers:
     """The per-layer arrays of one step, allocated once and reused by every layer: fresh
@@ -274,6 +210,7 @@ class Transformer:
             if layer.q_norm is not None and layer.k_norm is not None else None
             for layer in weights.layers
         )
+        self.decode_layers = DecodeLayers.of(spec, weights.layers, self.qk_norms)
 
     def hidden_states(self, plan: StepPlan, kv: KVPool) -> np.ndarray:
         """Run every layer over the step's tokens, writing their K/V into `kv`; return the
@@ -287,11 +224,32 @@ class Transformer:
         )
         groups = attention_groups(plan, self.spec.sliding_window)
         buffers = StepBuffers.for_step(self.spec, plan, groups)
+        if self.decode_layers is not None and self.decode_layers.serves(plan, groups):
+            self._decode_layers(x, self.decode_layers, rope_local, rope_global, plan, groups[0],
+                                kv, buffers)
+            return x
         for index in range(self.spec.n_layers):
             sliding = self.spec.is_sliding(index)
             self._layer(x, index, rope_local if sliding else rope_global, sliding, plan,
                         groups, kv, buffers)
         return x
+
+    def _decode_layers(self, x: np.ndarray, layers: DecodeLayers, rope_local: np.ndarray,
+                       rope_global: np.ndarray, plan: StepPlan, group: AttentionGroup,
+                       kv: KVPool, buffers: StepBuffers) -> None:
+        """Every layer of a step of single tokens, each as one compiled call."""
+        spec = self.spec
+        qk = np.empty((plan.n_tokens, spec.n_heads + spec.n_kv_heads, spec.head_dim),
+                      dtype=np.float32)
+        q = np.empty((plan.n_tokens, spec.n_heads, spec.head_dim), dtype=np.float32)
+        ropes = {False: np.ascontiguousarray(rope_global[:, 0]),
+                 True: np.ascontiguousarray(rope_local[:, 0])}
+        spans = {False: group.keys, True: group.local_keys}
+        for index in range(spec.n_layers):
+            sliding = spec.is_sliding(index)
+            span = spans[sliding]
+            layers.run(x, index, ropes[sliding], span.table, span.bias[:, 0], plan, group, kv,
+                       buffers, (qk, q))
 
     def logits(self, hidden: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Output norm and projection of hidden rows (n, d_model) -> (n, vocab) float32, into

@@ -29,7 +29,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +86,10 @@ CHUNKS_PER_THREAD = 8
 # Below this many weights times rows of x a call runs in the calling thread alone: a helper
 # takes about 10 us to wake.
 PARALLEL_MIN_WORK = 1 << 19
+# The same within compiled code that makes its calls itself (`run_calls`, a decoding block):
+# the helpers, woken once for the block, are watching between its calls, so sharing pays down
+# to small products (SmolLM2-135M's (576, 576) attention output: one stream 5% faster).
+WATCHED_MIN_WORK = 1 << 16
 # A call whose helpers kept its thread waiting for more than this share of the call (they had
 # lost their core to other work mid-chunk) makes the next calls run alone: SOLO_CALLS[0] of
 # them, twice as many after each such call in a row, at most SOLO_CALLS[1].
@@ -207,6 +211,7 @@ class _KernelThreads:
         self._call = np.zeros(CALL_WORDS, dtype=np.int64)  # quantized_kernels' published call
         self._number = 0  # the newest call's
         self._latest: Call | None = None  # the newest call to run in Python
+        self._read_time: float | None = None  # seconds a read of a wait takes
 
     def _help(self, inbox: queue.SimpleQueue[None]) -> None:
         """A helper's life: woken, serve the published calls (`serve_calls`) until none came
@@ -231,10 +236,10 @@ class _KernelThreads:
                              name=f"kernel-helper-{index + 1}").start()
             self._inboxes.append(inbox)
 
-    def _shares(self, work: int) -> bool:
-        """Whether a call worth `work` is shared with the helpers (counting it, if not, among
-        the calls to run alone)."""
-        shared = work >= PARALLEL_MIN_WORK and self._helpers > 0 and self._solo_calls == 0
+    def _shares(self, work: int, minimum: int = PARALLEL_MIN_WORK) -> bool:
+        """Whether a call worth `work` is shared with the helpers (`minimum` the least work
+        worth it), counting it, if not, among the calls to run alone."""
+        shared = work >= minimum and self._helpers > 0 and self._solo_calls == 0
         self._solo_calls = max(0, self._solo_calls - 1)
         if shared and not self._inboxes:
             self._start_helpers()
@@ -244,15 +249,24 @@ class _KernelThreads:
         """Number the next call and wake the helpers not watching for it (all, unless every
         one is): its ticket, for the caller to publish."""
         self._number += 1
+        self._wake_helpers()
+        return ticket(self._number, n_chunks, compiled)
+
+    def _wake_helpers(self) -> None:
+        """Wake the helpers, unless every one is watching for calls already."""
         if self._call[WATCHING] < self._helpers:
             for inbox in self._inboxes:
                 inbox.put(None)
-        return ticket(self._number, n_chunks, compiled)
 
     def _count_wait(self, started: float, own_work_done: float) -> None:
         """After a shared call: whether its helpers kept the caller waiting too long."""
-        waited = time.perf_counter() - own_work_done
-        if waited > SLOW_HELPER_SHARE * (own_work_done - started + waited):
+        finished = time.perf_counter()
+        self._note_wait(finished - started, finished - own_work_done)
+
+    def _note_wait(self, elapsed: float, waited: float) -> None:
+        """After shared calls that took `elapsed` seconds, `waited` of them waiting for the
+        helpers: whether the helpers kept the caller waiting too long."""
+        if waited > SLOW_HELPER_SHARE * elapsed:
             self._solo_calls = self._solo_next
             self._solo_next = min(2 * self._solo_next, SOLO_CALLS[1])
         else:
@@ -282,6 +296,35 @@ class _KernelThreads:
             wait_for_chunks(counters, n_chunks)
             self._count_wait(started, own_work_done)
 
+    def run_calls(self, calls: Sequence[tuple[int, int]],
+                  run: Callable[[np.ndarray, int, np.ndarray], int]) -> None:
+        """Compiled code making kernel calls in order (`product_in_call`), call i over
+        calls[i] = (items, work): run(call words, the first call's number, each call's chunks,
+        0 for a call run alone) -> the reads it spent waiting for the helpers."""
+        with self._lock:
+            chunks = np.array([min(items, self.size * CHUNKS_PER_THREAD)
+                               if self._shares(work, WATCHED_MIN_WORK) else 0
+                               for items, work in calls],
+                              dtype=np.int64)
+            first = self._number + 1
+            self._number += len(calls)
+            if chunks.any():
+                self._wake_helpers()
+            started = time.perf_counter()
+            reads = run(self._call, first, chunks)
+            if reads:
+                self._note_wait(time.perf_counter() - started, reads * self._seconds_per_read())
+
+    def _seconds_per_read(self) -> float:
+        """How long one read of a wait for the helpers takes (measured once: a watch over a
+        call that never comes spins the same loop)."""
+        if self._read_time is None:
+            reads = 1 << 18
+            started = time.perf_counter()
+            serve_calls(np.zeros(CALL_WORDS, dtype=np.int64), 0, reads)
+            self._read_time = (time.perf_counter() - started) / reads
+        return self._read_time
+
     def run_compiled(self, job: int, data: np.ndarray, parts: np.ndarray, rows: np.ndarray,
                      features: np.ndarray, x: np.ndarray, out: np.ndarray, work: int) -> None:
         """`run_rows(job, ...)` on every feature (see quantized_kernels), shared with the
@@ -301,6 +344,13 @@ class _KernelThreads:
 
 
 _threads = _KernelThreads(_cores() - 1)
+
+
+def run_kernel_calls(calls: Sequence[tuple[int, int]],
+                     run: Callable[[np.ndarray, int, np.ndarray], int]) -> None:
+    """Run compiled code that makes kernel calls itself (`product_in_call`), shared with the
+    kernel threads: see _KernelThreads.run_calls."""
+    _threads.run_calls(calls, run)
 
 
 @dataclass(frozen=True)
@@ -373,6 +423,11 @@ class QuantizedMatrix:
                   rows: np.ndarray | None = None) -> QuantizedMatrix:
         """One part: `blocks` (n, row bytes) of `type_name`, its rows taken in `rows` order."""
         return cls([part_of_blocks(type_name, blocks, 0, rows)], in_features)
+
+    @property
+    def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What `run_rows` takes for the whole matrix: data, parts, rows, features."""
+        return self.buffer, self._parts, self._rows, self._features
 
     @property
     def nbytes(self) -> int:

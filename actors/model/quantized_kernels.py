@@ -908,6 +908,7 @@ COMPILED_BIT = 1 << (2 * CHUNK_BITS)
 NUMBER_SHIFT = 2 * CHUNK_BITS + 1
 
 
+@njit(cache=True)
 def ticket(number: int, n_chunks: int, compiled: bool) -> int:
     """The TICKET word of call `number` of `n_chunks` chunks, none claimed yet."""
     return (number << NUMBER_SHIFT) | (COMPILED_BIT if compiled else 0) | (n_chunks << CHUNK_BITS)
@@ -1023,9 +1024,25 @@ def run_shared(call, word, job, data, parts, rows, features, x, out):
 
 @njit(nogil=True, cache=True)
 def wait_for_published(call, n_chunks):
-    """Return once the published call's `n_chunks` chunks are done."""
+    """Return once the published call's `n_chunks` chunks are done: the reads it took beyond
+    the first (how long the helpers kept this thread waiting)."""
+    reads = 0
     while _atomic_read(call, CHUNKS_DONE) < n_chunks:
-        pass
+        reads += 1
+    return reads
+
+
+@njit(nogil=True, cache=True)
+def product_in_call(call, number, n_chunks, data, parts, rows, features, x, out):
+    """out[:, j] = x @ W[features[j]] (run_rows' arguments) from compiled code: published as
+    call `number` in `n_chunks` chunks and shared with the helpers watching, or run by this
+    thread alone where `n_chunks` is 0. The reads spent waiting for the helpers' chunks."""
+    if n_chunks == 0:
+        run_rows(MATVEC, data, parts, rows, features, x, out, 1, np.zeros(2, dtype=np.int64))
+        return 0
+    run_shared(call, ticket(number, n_chunks, True), MATVEC, data, parts, rows, features, x,
+               out)
+    return wait_for_published(call, n_chunks)
 
 
 @njit(nogil=True, cache=True)

@@ -19,7 +19,7 @@ from actors.compute import cuda_packing as packing
 from actors.compute.cuda_packing import row_arrays
 from actors.compute.cuda_weights import device_rows
 from actors.model.candidates import RowInputs, apply_token_masks, mask_words
-from actors.model.forward import gelu_tanh, rms_norm, silu
+from actors.model.elementwise import gelu_tanh, rms_norm, silu
 from actors.model.gguf.quants import dequantize
 from actors.model.rope import apply_rope, inverse_frequencies, pair_order, rotation
 from tests.cuda_samples import (
