@@ -8,8 +8,7 @@ a few dozen (measured, SmolLM2-135M one stream: ~110 us a block around 230 us of
 `Transformer._layer` uses, in its order: the same norm (`rms_norm_rows`), the same products
 (`product_in_call`: the kernels `QuantizedMatrix.apply` runs, shared with the kernel threads
 in the same way), RoPE as the same complex multiply, the same KV writes and attention
-(`attend_decode`). The activations are computed with the same operations as forward's
-(`exp` may differ from numpy's in the last bit).
+(`attend_decode`) and activations (`gate_rows`).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from numba import njit
 
 from actors.model.arch import ModelSpec
 from actors.model.attention import attend_decode
-from actors.model.elementwise import GELU_CUBE, GELU_LINEAR, rms_norm_rows
+from actors.model.elementwise import ACTIVATION_CODES, gate_rows, rms_norm_rows
 from actors.model.quantized import QuantizedMatrix, run_kernel_calls
 from actors.model.quantized_kernels import product_in_call
 from actors.model.step import StepPlan
@@ -32,9 +31,6 @@ from actors.model.weights import LayerWeights
 if TYPE_CHECKING:
     from actors.model.forward import AttentionGroup, KVPool, StepBuffers
 
-# ModelSpec.activation -> the code the compiled block takes.
-SILU, GELU_TANH = 0, 1
-ACTIVATION_CODES = {"silu": SILU, "gelu_tanh": GELU_TANH}
 # The norms table's rows (DecodeLayers): ones where a model has no such norm.
 ATTN_NORM, FFN_NORM, POST_ATTN_NORM, POST_FFN_NORM = range(4)
 # post_norms bits: which of the post norms the model has.
@@ -46,22 +42,6 @@ def _norm_rows(x, norms, row, eps, out):
     """out = rms_norm(x) by norms[row], for x and out (T, width) C-order."""
     rms_norm_rows(x.reshape((1, x.shape[0], x.shape[1])), norms[row : row + 1], eps,
                    out.reshape((1, out.shape[0], out.shape[1])))
-
-
-@njit(inline="always")
-def _gate(gate_up, activation, gated):
-    """gated = act(gate) * up, gate_up (T, 2 * ffn) holding gate then up: forward's silu and
-    gelu_tanh, operation for operation."""
-    ffn = gated.shape[1]
-    one = np.float32(1.0)
-    for t in range(gated.shape[0]):
-        for i in range(ffn):
-            g = gate_up[t, i]
-            if activation == SILU:
-                denominator = np.exp(-g) + one
-            else:
-                denominator = np.exp((g * g * GELU_CUBE - GELU_LINEAR) * g) + one
-            gated[t, i] = g / denominator * gate_up[t, ffn + i]
 
 
 @njit(inline="always")
@@ -123,7 +103,7 @@ def decode_layer(x, norms, post_norms, qk_norm, qkv_bias, datas, partss, rowss, 
     _norm_rows(x, norms, FFN_NORM, eps, normed)
     reads += product_in_call(call, first + 2, chunks[2], datas[2], partss[2], rowss[2],
                              featuress[2], normed, gate_up)
-    _gate(gate_up, activation, gated)
+    gate_rows(gate_up, activation, gated)
     reads += product_in_call(call, first + 3, chunks[3], datas[3], partss[3], rowss[3],
                              featuress[3], gated, projected)
     if post_norms & HAS_POST_FFN:
@@ -159,11 +139,9 @@ class DecodeLayers:
     def of(cls, spec: ModelSpec, layers: Sequence[LayerWeights],
            qk_norms: Sequence[np.ndarray | None]) -> DecodeLayers | None:
         """The compiled block for these layers; None where a matrix is not quantized."""
-        if spec.activation not in ACTIVATION_CODES or not all(
-            isinstance(matrix, QuantizedMatrix)
-            for layer in layers
-            for matrix in (layer.qkv, layer.attn_out, layer.gate_up, layer.down)
-        ):
+        if not all(isinstance(matrix, QuantizedMatrix)
+                   for layer in layers
+                   for matrix in (layer.qkv, layer.attn_out, layer.gate_up, layer.down)):
             return None
         return cls(spec, layers, qk_norms)
 
