@@ -121,6 +121,7 @@ class _Layer:
     qk_norm: np.ndarray  # (q and k heads, head_dim), or (0, head_dim)
     qkv_bias: np.ndarray  # (q_dim + 2 * kv_dim,), or (0,)
     matrices: tuple[QuantizedMatrix, ...]  # qkv, attn_out, gate_up, down
+    products: tuple[tuple[int, int], ...]  # each matrix's output features and weights
     kernel_arrays: tuple[tuple[np.ndarray, ...], ...]  # datas, partss, rowss, featuress
 
 
@@ -164,6 +165,8 @@ class DecodeLayers:
             qkv_bias=np.ascontiguousarray(
                 np.zeros(0) if layer.qkv_bias is None else layer.qkv_bias, dtype=np.float32),
             matrices=matrices,  # type: ignore[arg-type]
+            products=tuple((matrix.out_features, matrix.out_features * matrix.in_features)
+                           for matrix in matrices),
             kernel_arrays=tuple(tuple(column) for column in zip(*arrays)),
         )
 
@@ -180,8 +183,7 @@ class DecodeLayers:
         """Block `index` over the step's rows (what Transformer._layer does), x in place."""
         layer, spec, n_rows = self._layers[index], self.spec, plan.n_tokens
         datas, partss, rowss, featuress = layer.kernel_arrays
-        calls = [(matrix.out_features, n_rows * matrix.out_features * matrix.in_features)
-                 for matrix in layer.matrices]
+        calls = [(features, n_rows * weights) for features, weights in layer.products]
 
         def run(call: np.ndarray, first: int, chunks: np.ndarray) -> int:
             return decode_layer(

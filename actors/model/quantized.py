@@ -199,7 +199,8 @@ class _KernelThreads:
     A compiled product (`run_compiled`) is published whole in quantized_kernels' call words,
     and a helper watching them runs it without Python: a helper that needed Python's lock for
     each call waited for the caller's Python work between calls and slowed it down. Other
-    tasks (`run`) are numbered there and run by the helpers in Python.
+    tasks (`run`) are numbered there and run by the helpers in Python. Compiled code may also
+    publish its own products (`run_calls`: a decoding block's four, numbered for it here).
     """
 
     def __init__(self, helpers: int) -> None:
