@@ -1037,10 +1037,14 @@ def product_in_call(call, number, n_chunks, data, parts, rows, features, x, out)
     """out[:, j] = x @ W[features[j]] (run_rows' arguments) from compiled code: published as
     call `number` in `n_chunks` chunks and shared with the helpers watching, or run by this
     thread alone where `n_chunks` is 0. The reads spent waiting for the helpers' chunks."""
+    # Constants passed on as int64, not as literals: a literal's type would compile the
+    # kernels once more (run_rows and the block kernels for it, a minute and more cold).
+    matvec = np.int64(MATVEC)
     if n_chunks == 0:
-        run_rows(MATVEC, data, parts, rows, features, x, out, 1, np.zeros(2, dtype=np.int64))
+        run_rows(matvec, data, parts, rows, features, x, out, np.int64(1),
+                 np.zeros(2, dtype=np.int64))
         return 0
-    run_shared(call, ticket(number, n_chunks, True), MATVEC, data, parts, rows, features, x,
+    run_shared(call, ticket(number, n_chunks, True), matvec, data, parts, rows, features, x,
                out)
     return wait_for_published(call, n_chunks)
 
