@@ -1,9 +1,9 @@
 """A decoding step's transformer block as one compiled call.
 
 In a step of single tokens (every sequence decoding, no more rows than the direct product
-takes) the weight products are small, and the Python between them cost about as much again:
-each numpy operation and kernel call made from Python costs microseconds, and a block makes
-a few dozen (measured, SmolLM2-135M one stream: ~110 us a block around 230 us of products).
+takes) the weight products are small, and each numpy operation and kernel call made from
+Python between them costs microseconds; a block makes a few dozen (measured, SmolLM2-135M one
+stream: a token 11.9 ms with the numpy block, 10.5 ms with this one).
 `DecodeLayers` runs such a block in one compiled call instead, with the pieces
 `Transformer._layer` uses, in its order: the same norm (`rms_norm_rows`), the same products
 (`product_in_call`: the kernels `QuantizedMatrix.apply` runs, shared with the kernel threads
