@@ -7,8 +7,8 @@ stream: a token 11.9 ms with the numpy block, 10.5 ms with this one).
 `DecodeLayers` runs such a block in one compiled call instead, with the pieces
 `Transformer._layer` uses, in its order: the same norm (`rms_norm_rows`), the same products
 (`product_in_call`: the kernels `QuantizedMatrix.apply` runs, shared with the kernel threads
-in the same way), RoPE as the same complex multiply, the same KV writes and attention
-(`attend_decode`) and activations (`gate_rows`).
+in the same way), RoPE (`rotate_pairs`), KV writes and attention (`attend_decode`); the gate
+is numpy's operations in their order, compiled (`gate_rows`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from actors.model.attention import attend_decode
 from actors.model.elementwise import ACTIVATION_CODES, gate_rows, rms_norm_rows
 from actors.model.quantized import QuantizedMatrix, run_kernel_calls
 from actors.model.quantized_kernels import product_in_call
+from actors.model.rope import rotate_pairs
 from actors.model.step import StepPlan
 from actors.model.weights import LayerWeights
 
@@ -42,19 +43,6 @@ def _norm_rows(x, norms, row, eps, out):
     """out = rms_norm(x) by norms[row], for x and out (T, width) C-order."""
     rms_norm_rows(x.reshape((1, x.shape[0], x.shape[1])), norms[row : row + 1], eps,
                    out.reshape((1, out.shape[0], out.shape[1])))
-
-
-@njit(inline="always")
-def _rope(qk, rope):
-    """Rotate each head's first rope pairs by rope[t] (T, pairs) complex64, as apply_rope's
-    complex multiply does."""
-    for t in range(qk.shape[0]):
-        for h in range(qk.shape[1]):
-            for i in range(rope.shape[1]):
-                a, b = qk[t, h, 2 * i], qk[t, h, 2 * i + 1]
-                c, d = rope[t, i].real, rope[t, i].imag
-                qk[t, h, 2 * i] = a * c - b * d
-                qk[t, h, 2 * i + 1] = a * d + b * c
 
 
 @njit(nogil=True, cache=True)
@@ -84,7 +72,7 @@ def decode_layer(x, norms, post_norms, qk_norm, qkv_bias, datas, partss, rowss, 
             qk[t, h] = qkv[t, h * head_dim : (h + 1) * head_dim]
     if qk_norm.shape[0]:
         rms_norm_rows(qk, qk_norm, eps, qk)
-    _rope(qk, rope)
+    rotate_pairs(qk, rope)
     for t in range(n_rows):
         block, offset = slot_blocks[t], slot_offsets[t]
         for h in range(n_heads):
@@ -175,21 +163,23 @@ class DecodeLayers:
         return (len(groups) == 1 and groups[0].single_queries
                 and groups[0].rows.shape[0] == plan.n_tokens
                 and all(plan.n_tokens <= matrix.direct_rows_limit
-                        for matrix in self._layers[0].matrices))
+                        for layer in self._layers for matrix in layer.matrices))
 
-    def run(self, x: np.ndarray, index: int, rope: np.ndarray, span_table: np.ndarray,
-            span_bias: np.ndarray, plan: StepPlan, group: AttentionGroup, kv: KVPool,
-            buffers: StepBuffers, scratch: tuple[np.ndarray, np.ndarray]) -> None:
-        """Block `index` over the step's rows (what Transformer._layer does), x in place."""
+    def run(self, x: np.ndarray, index: int, rope: np.ndarray,
+            span: tuple[np.ndarray, np.ndarray], plan: StepPlan, group: AttentionGroup,
+            kv: KVPool, buffers: StepBuffers, scratch: tuple[np.ndarray, np.ndarray]) -> None:
+        """Block `index` over the step's rows (what Transformer._layer does), x in place;
+        `span` the layer's keys (block table, and bias of each sequence's one query)."""
         layer, spec, n_rows = self._layers[index], self.spec, plan.n_tokens
         datas, partss, rowss, featuress = layer.kernel_arrays
+        table, bias = span
         calls = [(features, n_rows * weights) for features, weights in layer.products]
 
         def run(call: np.ndarray, first: int, chunks: np.ndarray) -> int:
             return decode_layer(
                 x, layer.norms, layer.post_norms, layer.qk_norm, layer.qkv_bias, datas, partss,
                 rowss, featuress, call, first, chunks, rope, kv.k[index], kv.v[index],
-                plan.slot_blocks, plan.slot_offsets, span_table, span_bias, group.rows[:, 0],
+                plan.slot_blocks, plan.slot_offsets, table, bias, group.rows[:, 0],
                 buffers.normed, buffers.qkv, scratch[0], scratch[1], buffers.attn,
                 buffers.projected, buffers.gate_up, buffers.gated, np.float32(spec.rms_eps),
                 np.float32(spec.query_scale), self.activation)

@@ -244,12 +244,12 @@ class Transformer:
         q = np.empty((plan.n_tokens, spec.n_heads, spec.head_dim), dtype=np.float32)
         ropes = {False: np.ascontiguousarray(rope_global[:, 0]),
                  True: np.ascontiguousarray(rope_local[:, 0])}
-        spans = {False: group.keys, True: group.local_keys}
+        spans = {sliding: (keys.table, keys.bias[:, 0])
+                 for sliding, keys in ((False, group.keys), (True, group.local_keys))}
         for index in range(spec.n_layers):
             sliding = spec.is_sliding(index)
-            span = spans[sliding]
-            layers.run(x, index, ropes[sliding], span.table, span.bias[:, 0], plan, group, kv,
-                       buffers, (qk, q))
+            layers.run(x, index, ropes[sliding], spans[sliding], plan, group, kv, buffers,
+                       (qk, q))
 
     def logits(self, hidden: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Output norm and projection of hidden rows (n, d_model) -> (n, vocab) float32, into

@@ -11,6 +11,7 @@ of q and k, unchanged when both are permuted alike).
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 
 def inverse_frequencies(
@@ -42,6 +43,18 @@ def rotation(positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
 
 def apply_rope(x: np.ndarray, rotation: np.ndarray) -> None:
     """Rotate the first rope_dim features of every head of x (T, heads, head_dim) float32 in
-    place; x's features are in `pair_order` and its last axis is contiguous."""
-    pairs = x[..., : 2 * rotation.shape[-1]].view(np.complex64)
-    pairs *= rotation
+    place by `rotation` (T, 1, rope_dim/2); x's features are in `pair_order`."""
+    rotate_pairs(x, np.ascontiguousarray(rotation[:, 0]))
+
+
+@njit(nogil=True, cache=True)
+def rotate_pairs(x, rotation):  # pragma: no cover - compiled
+    """x[t, h]'s pairs (2i, 2i + 1) times rotation[t, i] (T, pairs) complex64, in place, as a
+    complex multiply (ac - bd, ad + bc); also called from compiled code (the decoding block)."""
+    for t in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            for i in range(rotation.shape[1]):
+                a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
+                c, d = rotation[t, i].real, rotation[t, i].imag
+                x[t, h, 2 * i] = a * c - b * d
+                x[t, h, 2 * i + 1] = a * d + b * c
