@@ -29,13 +29,11 @@ import numpy as np
 import pytest
 
 from actors.compute import cuda_plan as plan
-from actors.model.elementwise import gelu_tanh, silu
 from actors.model.gguf.quants import dequantize, row_bytes
-from tests.cuda_samples import penalties_twin, tile_product, top_candidates_twin
+from tests.cuda_samples import gated_twin, penalties_twin, tile_product, top_candidates_twin
 
 GIB = 1 << 30
 TYPE_OF_SUFFIX = {suffix: name for name, suffix in plan.KERNEL_TYPE_SUFFIX.items()}
-GATED = {"silu": silu, "gelu_tanh": gelu_tanh}
 # The PTX type each launch argument's type becomes (an address: u64).
 PTX_TYPE = {np.uintp: "u64", np.int64: "u64", np.int32: "u32", np.float32: "f32",
             np.float64: "f64"}
@@ -188,7 +186,7 @@ class KernelTwins:
             self.mul_mat_vec_qkv(*args)
         elif name.startswith("mul_mat_vec_gate_up_"):
             activation, suffix = activation_and_rest("mul_mat_vec_gate_up_", name)
-            self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args)
+            self.gate_up(activation, TYPE_OF_SUFFIX[suffix], *args)
         elif name.startswith("mul_mat_vec_"):
             self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args)
         elif name.startswith("mul_mat_batch"):
@@ -221,7 +219,7 @@ class KernelTwins:
         tile_input, suffix = rest.split("_", 1)
         assert tile_input in plan.TILE_INPUTS, name
         if activation is not None:
-            self.gate_up(GATED[activation], TYPE_OF_SUFFIX[suffix], *args,
+            self.gate_up(activation, TYPE_OF_SUFFIX[suffix], *args,
                          tile_input=tile_input)
         else:
             self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args)
@@ -289,14 +287,14 @@ class KernelTwins:
             assert_each_head_counted_complete_once(count, head_dim, per_block)
         self.qkv_finish((1, int(n)), y, y_stride, heads, kv_heads, head_dim, *finish)
 
-    def gate_up(self, act: Callable[[np.ndarray, np.ndarray], np.ndarray], type_name: str,
+    def gate_up(self, activation: str, type_name: str,
                 gate: Any, up: Any, pitch: int, x: Any, x_stride: int, y: Any, y_stride: int,
                 rows: int, n_in: int, n: int, tile_input: str | None = None) -> None:
         """y = act(gate . x) * (up . x): the two products (the matvec's, or with a tile input
         the tiles') and the gated activation's twin."""
         gates, ups = (self.product(type_name, tile_input, w, pitch, x, x_stride, rows, n_in, n)
                       for w in (gate, up))
-        self.rows(y, int(n), int(y_stride), int(rows))[:] = act(gates, np.empty_like(gates)) * ups
+        self.rows(y, int(n), int(y_stride), int(rows))[:] = gated_twin(activation, gates, ups)
 
     @staticmethod
     def _rms(v: np.ndarray, eps: float) -> np.ndarray:
@@ -462,18 +460,16 @@ class KernelTwins:
                 row = self.f32(int(out) + 4 * (first_row + i) * int(out_stride), heads * head_dim)
                 row[:] = np.concatenate([values / weight for _, weight, values in parts])
 
-    def _gated(self, act: Callable[[np.ndarray, np.ndarray], np.ndarray], gate_up: Any, out: Any,
-               n: int, ffn: int) -> None:
+    def _gated(self, activation: str, gate_up: Any, out: Any, n: int, ffn: int) -> None:
         both = self.f32(gate_up, int(n) * 2 * int(ffn)).reshape(int(n), 2, int(ffn))
-        gate = both[:, 0].copy()
-        self.f32(out, int(n) * int(ffn)).reshape(int(n), int(ffn))[:] = (
-            act(gate, np.empty_like(gate)) * both[:, 1])
+        self.f32(out, int(n) * int(ffn)).reshape(int(n), int(ffn))[:] = gated_twin(
+            activation, both[:, 0], both[:, 1])
 
     def gated_silu(self, grid: tuple[int, ...], *args: Any) -> None:
-        self._gated(silu, *args)
+        self._gated("silu", *args)
 
     def gated_gelu_tanh(self, grid: tuple[int, ...], *args: Any) -> None:
-        self._gated(gelu_tanh, *args)
+        self._gated("gelu_tanh", *args)
 
     def apply_token_mask(self, grid: tuple[int, ...], logits: Any, vocab: int,
                          mask_rows: Any, words: Any) -> None:

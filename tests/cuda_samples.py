@@ -13,6 +13,7 @@ import numpy as np
 
 from actors.compute.cuda_plan import MATVEC_MMA_MAX_ROWS, candidate_record_words
 from actors.model.candidates import mask_words
+from actors.model.elementwise import ACTIVATION_CODES, gate_rows
 from actors.model.candidates import (
     Candidates,
     RowInputs,
@@ -180,6 +181,14 @@ def activation_parts(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     e = np.repeat(split_exponents(x), SPLIT_GROUP, axis=-1)
     hi, lo = float16_parts(x * np.exp2(-e).astype(np.float32))
     return hi * np.exp2(e), lo * np.exp2(e)
+
+
+def gated_twin(activation: str, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """act(gate) * up as the CPU computes it (gate_rows), for gate and up (T, ffn)."""
+    gated = np.empty(gate.shape, dtype=np.float32)
+    gate_rows(np.concatenate([gate, up], axis=1).astype(np.float32),
+              ACTIVATION_CODES[activation], gated)
+    return gated
 
 
 def planar_names(layouts: dict[str, Any]) -> frozenset[str]:

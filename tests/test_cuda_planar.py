@@ -15,14 +15,13 @@ from actors.compute import cuda_plan as plan
 from actors.compute import cuda_weights as weights
 from actors.errors import InvalidRequest
 from actors.model.arch import spec_from_gguf
-from actors.model.elementwise import gelu_tanh
 from actors.model.gguf.quantizers import quantize
 from actors.model.gguf.quants import dequantize
 from actors.model.gguf.reader import TensorInfo, open_gguf
 from actors.model.step import StepItem, plan_step
 from tests.conftest import TINY_MODELS
 from tests.cuda_emulator import KernelTwins, Memory, file_q6_K_rows
-from tests.cuda_samples import planar_names, tile_product
+from tests.cuda_samples import gated_twin, planar_names, tile_product
 
 
 def planar_offset(nb: int, k: int, i: int) -> int:
@@ -113,7 +112,7 @@ def test_the_emulated_mma_matvec_reads_a_q6_K_matrix_from_its_planar_copy() -> N
     gates = expected.astype(np.float32)
     np.testing.assert_allclose(
         memory.view(y_at, np.float32, BATCH * ROWS).reshape(BATCH, ROWS),
-        gelu_tanh(gates, np.empty_like(gates)) * (x @ decoded["up"].T), rtol=1e-3, atol=1e-3)
+        gated_twin("gelu_tanh", gates, x @ decoded["up"].T), rtol=1e-3, atol=1e-3)
 
 
 def test_the_emulated_planar_tiles_and_gather_read_a_row_planar_matrix() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from actors.model.elementwise import exp_in_place
+
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """Attention for B sequences at once.
@@ -21,14 +23,41 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray) -> np.
     q_grouped = q.reshape(batch, n, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
     q_grouped = q_grouped.reshape(batch, kv_heads, group * n, head_dim)
     scores = np.matmul(q_grouped, k.transpose(0, 2, 3, 1))
-    scores = scores.reshape(batch, kv_heads, group, n, -1)
-    scores += bias[:, None, None]
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    masked_softmax(scores.reshape(batch, heads, n, -1), bias)
     out = np.matmul(scores.reshape(batch, kv_heads, group * n, -1), v.transpose(0, 2, 1, 3))
     out = out.reshape(batch, kv_heads, group, n, head_dim).transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, n, heads * head_dim)
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc"})
+def softmax_in_place(row, scratch):  # pragma: no cover - compiled
+    """row = softmax(row) for a contiguous float32 row with at least one finite entry (-inf
+    entries get 0); `scratch` an int32 row at least as long (exp_in_place's)."""
+    top = row[0]
+    for j in range(row.size):
+        top = max(top, row[j])
+    for j in range(row.size):
+        row[j] -= top
+    exp_in_place(row, scratch)
+    total = np.float32(0.0)
+    for j in range(row.size):
+        total += row[j]
+    inverse = np.float32(1.0) / total
+    for j in range(row.size):
+        row[j] *= inverse
+
+
+@njit(nogil=True, cache=True)
+def masked_softmax(scores, bias):  # pragma: no cover - compiled
+    """scores (B, heads, n, S) += bias (B, n, S), then softmax over S, in place: one pass
+    of a row in L1 where numpy made five over the whole array."""
+    scratch = np.empty(scores.shape[3], dtype=np.int32)
+    for b in range(scores.shape[0]):
+        for h in range(scores.shape[1]):
+            for i in range(scores.shape[2]):
+                row = scores[b, h, i]
+                row += bias[b, i]
+                softmax_in_place(row, scratch)
 
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
@@ -46,6 +75,7 @@ def attend_decode(q, keys, values, table, bias, rows, out):  # pragma: no cover 
     group = heads // kv_heads
     n_keys = bias.shape[1]
     scores = np.empty((group, n_keys), dtype=np.float32)
+    scratch = np.empty(n_keys, dtype=np.int32)
     acc = np.empty((group, head_dim), dtype=np.float32)
     for b in range(rows.size):
         query = q[rows[b]]
@@ -62,14 +92,7 @@ def attend_decode(q, keys, values, table, bias, rows, out):  # pragma: no cover 
                         total += query[first + i, t] * key[t]
                     scores[i, j] = total
             for i in range(group):
-                top = scores[i].max()
-                total = np.float32(0.0)
-                for j in range(n_keys):
-                    weight = np.exp(scores[i, j] - top)
-                    scores[i, j] = weight
-                    total += weight
-                for j in range(n_keys):
-                    scores[i, j] /= total
+                softmax_in_place(scores[i], scratch)
             acc[:] = 0.0
             for j in range(n_keys):
                 if bias[b, j] < 0:

@@ -7,8 +7,8 @@ stream: a token 11.9 ms with the numpy block, 10.5 ms with this one).
 `DecodeLayers` runs such a block in one compiled call instead, with the pieces
 `Transformer._layer` uses, in its order: the same norm (`rms_norm_rows`), the same products
 (`product_in_call`: the kernels `QuantizedMatrix.apply` runs, shared with the kernel threads
-in the same way), RoPE (`rotate_pairs`), KV writes and attention (`attend_decode`); the gate
-is numpy's operations in their order, compiled (`gate_rows`).
+in the same way), RoPE (`rotate_pairs`), KV writes, attention (`attend_decode`) and the gate
+(`gate_rows`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +21,7 @@ from actors.errors import InvalidRequest
 from actors.model.arch import ModelSpec
 from actors.model.attention import attend, attend_decode
 from actors.model.decode_layer import DecodeLayers
-from actors.model.elementwise import ACTIVATIONS, rms_norm
+from actors.model.elementwise import ACTIVATION_CODES, gate_rows, rms_norm
 from actors.model.rope import apply_rope, inverse_frequencies, rotation
 from actors.model.step import StepPlan
 from actors.model.weights import ModelWeights
@@ -199,9 +199,7 @@ class Transformer:
         )
         self.embed_scale = np.float32(spec.embedding_scale)
         self.query_scale = np.float32(spec.query_scale)
-        self.activation: Callable[[np.ndarray, np.ndarray], np.ndarray] = ACTIVATIONS[
-            spec.activation
-        ]
+        self.activation = ACTIVATION_CODES[spec.activation]
         # q and k sit side by side in the fused qkv output: one per-head weight table lets a
         # single norm call (and a single RoPE call) cover both.
         self.qk_norms = tuple(
@@ -317,8 +315,8 @@ class Transformer:
 
         gate_up = layer.gate_up.apply(rms_norm(x, layer.ffn_norm, eps, out=buffers.normed),
                                       buffers.gate_up)
-        gated = self.activation(gate_up[:, : spec.ffn_dim], buffers.gated)
-        gated *= gate_up[:, spec.ffn_dim :]
+        gated = buffers.gated
+        gate_rows(gate_up, self.activation, gated)
         ffn_out = layer.down.apply(gated, buffers.projected)
         if layer.post_ffn_norm is not None:
             rms_norm(ffn_out, layer.post_ffn_norm, eps, out=ffn_out)
