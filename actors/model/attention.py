@@ -74,33 +74,36 @@ def attend_decode(q, keys, values, table, bias, rows, out):  # pragma: no cover 
     block_size, kv_heads = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     n_keys = bias.shape[1]
-    scores = np.empty((group, n_keys), dtype=np.float32)
+    scores = np.empty((heads, n_keys), dtype=np.float32)
     scratch = np.empty(n_keys, dtype=np.int32)
-    acc = np.empty((group, head_dim), dtype=np.float32)
+    acc = np.empty((heads, head_dim), dtype=np.float32)
     for b in range(rows.size):
         query = q[rows[b]]
-        for g in range(kv_heads):
-            first = g * group
-            for j in range(n_keys):
-                if bias[b, j] < 0:
-                    scores[:, j] = -np.inf
-                    continue
-                key = keys[table[b, j // block_size], j % block_size, g]
-                for i in range(group):
+        # Position by position, every KV head's row of it (contiguous in the pool) at once.
+        for j in range(n_keys):
+            if bias[b, j] < 0:
+                scores[:, j] = -np.inf
+                continue
+            position = keys[table[b, j // block_size], j % block_size]
+            for g in range(kv_heads):
+                key = position[g]
+                for h in range(g * group, (g + 1) * group):
                     total = np.float32(0.0)
                     for t in range(head_dim):
-                        total += query[first + i, t] * key[t]
-                    scores[i, j] = total
-            for i in range(group):
-                softmax_in_place(scores[i], scratch)
-            acc[:] = 0.0
-            for j in range(n_keys):
-                if bias[b, j] < 0:
-                    continue
-                value = values[table[b, j // block_size], j % block_size, g]
-                for i in range(group):
-                    weight = scores[i, j]
+                        total += query[h, t] * key[t]
+                    scores[h, j] = total
+        for h in range(heads):
+            softmax_in_place(scores[h], scratch)
+        acc[:] = 0.0
+        for j in range(n_keys):
+            if bias[b, j] < 0:
+                continue
+            position = values[table[b, j // block_size], j % block_size]
+            for g in range(kv_heads):
+                value = position[g]
+                for h in range(g * group, (g + 1) * group):
+                    weight = scores[h, j]
                     for t in range(head_dim):
-                        acc[i, t] += weight * value[t]
-            for i in range(group):
-                out[rows[b], (first + i) * head_dim : (first + i + 1) * head_dim] = acc[i]
+                        acc[h, t] += weight * value[t]
+        for h in range(heads):
+            out[rows[b], h * head_dim : (h + 1) * head_dim] = acc[h]
