@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.compute.openblas_kernels import choose_openblas_kernels
+from actors.compute.openblas_env import configure_openblas
 
-# Before anything imports numpy: OpenBLAS picks its kernels once, when numpy loads it.
-choose_openblas_kernels()
+# Before anything imports numpy: OpenBLAS reads its settings once, when numpy loads it.
+configure_openblas()
 
 from actors.errors import (  # noqa: E402
     BackendUnavailable,

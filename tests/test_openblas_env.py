@@ -1,4 +1,4 @@
-"""OpenBLAS kernel choice: which CPUs get which kernels, and that the user's choice wins."""
+"""OpenBLAS's settings: which CPUs get which kernels, threads that sleep, the user's choice wins."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from actors.compute.openblas_kernels import CPUINFO, kernel_family_for
+from actors.compute.openblas_env import CPUINFO, THREAD_TIMEOUT, kernel_family_for
 
 ZEN4 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -30,8 +30,9 @@ def test_other_cpus_keep_openblas_own_choice() -> None:
     assert kernel_family_for([]) is None
 
 
-def _coretype_after_import(env: dict[str, str], first_import: str) -> str:
-    code = f"import {first_import}, actors, os; print(os.environ.get('OPENBLAS_CORETYPE'))"
+def _setting_after_import(env: dict[str, str], first_import: str,
+                          name: str = "OPENBLAS_CORETYPE") -> str:
+    code = f"import {first_import}, actors, os; print(os.environ.get({name!r}))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, check=True)
     return done.stdout.strip()
@@ -40,10 +41,18 @@ def _coretype_after_import(env: dict[str, str], first_import: str) -> str:
 def test_importing_actors_first_sets_the_family_for_this_cpu() -> None:
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
     expected = kernel_family_for(CPUINFO.read_text().splitlines()) if CPUINFO.exists() else None
-    assert _coretype_after_import(env, "sys") == str(expected)
+    assert _setting_after_import(env, "sys") == str(expected)
 
 
 def test_users_choice_and_an_already_loaded_numpy_are_left_alone() -> None:
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
-    assert _coretype_after_import({**env, "OPENBLAS_CORETYPE": "Haswell"}, "sys") == "Haswell"
-    assert _coretype_after_import(env, "numpy") == "None"
+    assert _setting_after_import({**env, "OPENBLAS_CORETYPE": "Haswell"}, "sys") == "Haswell"
+    assert _setting_after_import(env, "numpy") == "None"
+
+
+def test_openblas_threads_sleep_after_a_product_unless_the_user_says() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    name = "OPENBLAS_THREAD_TIMEOUT"
+    assert _setting_after_import(env, "sys", name) == THREAD_TIMEOUT
+    assert _setting_after_import({**env, name: "20"}, "sys", name) == "20"
+    assert _setting_after_import(env, "numpy", name) == "None"
