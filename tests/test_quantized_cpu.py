@@ -11,7 +11,11 @@ product of one-hot rows must give the dequantized levels bit for bit.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -321,3 +325,45 @@ def test_default_kv_pool_is_sized_from_the_model_and_the_machine() -> None:
     positions = backend.info.num_blocks * 16
     assert positions == max(tiny.spec.context_length, 2 * KV_POSITIONS_PER_SEQUENCE)
     assert 0 < resident_bytes() < available_memory_bytes() + resident_bytes()
+
+
+WARM_UP_CHECK = """
+import json, sys
+from actors.logs import configure_logging
+from actors.compute.cpu import WARM_UP_TASK, CpuBackend
+from actors.model.decode_layer import decode_layer
+from actors.model.loaded import load_model
+from actors.model.quantized_kernels import run_rows
+
+class Counting(CpuBackend):
+    steps = 0
+
+    def run(self, items, rows):
+        Counting.steps += 1
+        return super().run(items, rows)
+
+configure_logging("info", sys.stderr, as_json=True)
+model = load_model(sys.argv[1])
+before = (len(run_rows.signatures), len(decode_layer.signatures))
+Counting(model, 4, 16)
+after = (len(run_rows.signatures), len(decode_layer.signatures))
+Counting(model, 4, 16)
+print(json.dumps([before, after, Counting.steps, WARM_UP_TASK]))
+"""
+
+
+def test_the_first_backend_of_a_process_compiles_the_kernels_before_any_request(
+    tiny_model_paths: dict[str, Path],
+) -> None:
+    """A fresh process's first CpuBackend runs a prefill and a decoding step itself (its own
+    steps, not a subclass's `run`), so numba compiles the products and the decoding block
+    under a logged progress task, before any request; the second backend does not."""
+    done = subprocess.run([sys.executable, "-c", WARM_UP_CHECK,
+                           str(tiny_model_paths["llama-q4k-tiny"])],
+                          capture_output=True, text=True, check=True, timeout=900)
+    before, after, steps, task = json.loads(done.stdout)
+    assert before == [0, 0] and after == [1, 1] and steps == 0
+    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    done_counts = [event["done"] for event in events
+                   if event.get("event") == "progress" and event.get("task") == task]
+    assert done_counts == [0, 2]

@@ -25,7 +25,7 @@ from actors.compute.contract import (
 from actors.errors import InvalidRequest
 from actors.model.arch import ModelSpec
 from actors.model.loaded import Model, OpenedModel, load_quantized
-from actors.progress import progress_callback
+from actors.progress import Progress, progress_callback
 
 # The K/V arrays are float32 on the host.
 KV_DTYPE = np.float32
@@ -37,6 +37,10 @@ KV_POSITIONS_PER_SEQUENCE = 1024
 KV_MEMORY_SHARE = 0.5
 MEMINFO = Path("/proc/meminfo")
 STATM = Path("/proc/self/statm")
+# The warm-up's steps: a prefill of this many tokens, then one decoding step.
+WARM_UP_PROMPT = 2
+WARM_UP_TASK = "preparing the CPU kernels (compiled on a machine's first run, then cached)"
+_warmed_up = False  # the kernels compile once a process
 
 
 class CpuBackend:
@@ -57,6 +61,29 @@ class CpuBackend:
             kv_dtype=np.dtype(KV_DTYPE).name,
             notices=tuple(notices),
         )
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """The process's first backend runs a tiny prefill and a decoding step on the pool's
+        first blocks (overwritten before any sequence reads them): numba compiles every kernel
+        a step takes on its first call, about two and a half minutes on a fresh install, and
+        this way that happens here, under a progress bar, not inside the first request. The
+        steps are this class's own (a subclass's `run` may count or refuse steps)."""
+        global _warmed_up
+        positions = WARM_UP_PROMPT + 1
+        blocks = tuple(range(-(-positions // self._kv.block_size)))
+        if _warmed_up or len(blocks) > self._kv.num_blocks:
+            return
+        greedy = [RowInputs(candidates=1)]
+        with Progress(WARM_UP_TASK, 2) as progress:
+            first = CpuBackend.run(self, [StepItem(tuple(range(WARM_UP_PROMPT)), 0, blocks)],
+                                   greedy)
+            progress.advance()
+            CpuBackend.run(self, [StepItem((int(first.ids[0, 0]),), WARM_UP_PROMPT, blocks)],
+                           greedy)
+            progress.advance()
+        self._last_rows = self._last_rows[:0]
+        _warmed_up = True
 
     def run(self, items: Sequence[StepItem], rows: Sequence[RowInputs]) -> Candidates:
         # Forget the last step's rows first: a failed step leaves nothing to fetch.
