@@ -70,9 +70,10 @@ class CpuBackend:
         this way that happens here, under a progress bar, not inside the first request. The
         steps are this class's own (a subclass's `run` may count or refuse steps)."""
         global _warmed_up
-        positions = WARM_UP_PROMPT + 1
-        blocks = tuple(range(-(-positions // self._kv.block_size)))
-        if _warmed_up or len(blocks) > self._kv.num_blocks:
+        if _warmed_up:
+            return
+        blocks = tuple(range(-(-(WARM_UP_PROMPT + 1) // self._kv.block_size)))
+        if len(blocks) > self._kv.num_blocks:
             return
         greedy = [RowInputs(candidates=1)]
         with Progress(WARM_UP_TASK, 2) as progress:

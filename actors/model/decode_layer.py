@@ -119,8 +119,9 @@ class DecodeLayers:
 
     def __init__(self, spec: ModelSpec, layers: Sequence[LayerWeights],
                  qk_norms: Sequence[np.ndarray | None]) -> None:
-        self.spec = spec
         self.activation = ACTIVATION_CODES[spec.activation]
+        self.eps = np.float32(spec.rms_eps)
+        self.query_scale = np.float32(spec.query_scale)
         self._layers = tuple(self._layer(spec, layer, qk_norm)
                              for layer, qk_norm in zip(layers, qk_norms))
 
@@ -170,7 +171,7 @@ class DecodeLayers:
             kv: KVPool, buffers: StepBuffers, scratch: tuple[np.ndarray, np.ndarray]) -> None:
         """Block `index` over the step's rows (what Transformer._layer does), x in place;
         `span` the layer's keys (block table, and bias of each sequence's one query)."""
-        layer, spec, n_rows = self._layers[index], self.spec, plan.n_tokens
+        layer, n_rows = self._layers[index], plan.n_tokens
         datas, partss, rowss, featuress = layer.kernel_arrays
         table, bias = span
         calls = [(features, n_rows * weights) for features, weights in layer.products]
@@ -181,7 +182,7 @@ class DecodeLayers:
                 rowss, featuress, call, first, chunks, rope, kv.k[index], kv.v[index],
                 plan.slot_blocks, plan.slot_offsets, table, bias, group.rows[:, 0],
                 buffers.normed, buffers.qkv, scratch[0], scratch[1], buffers.attn,
-                buffers.projected, buffers.gate_up, buffers.gated, np.float32(spec.rms_eps),
-                np.float32(spec.query_scale), self.activation)
+                buffers.projected, buffers.gate_up, buffers.gated, self.eps, self.query_scale,
+                self.activation)
 
         run_kernel_calls(calls, run)
