@@ -3,12 +3,14 @@ in for, on every reference architecture, and the steps it takes."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from actors.model import quantized
+from actors.model.decode_layer import DecodeLayers
 from actors.model.forward import KVPool, Transformer, attention_groups
 from actors.model.loaded import load_model
 from actors.model.step import StepItem, plan_step
@@ -98,3 +100,32 @@ def test_only_steps_of_few_single_tokens_take_the_compiled_block() -> None:
 def test_float32_weights_keep_the_numpy_block() -> None:
     model = load_model(TINY_MODELS["llama-q4k-tiny"], weights="float32")
     assert Transformer(model.spec, model.weights).decode_layers is None
+
+
+def test_matrices_outside_the_models_buffer_keep_the_numpy_block() -> None:
+    # One call reaches every layer's blocks through one buffer: a matrix built in memory (its
+    # blocks copied) lies outside the file's, and the step keeps the numpy block, decoding the
+    # same tokens.
+    model = load_model(TINY_MODELS["qwen3-q4k-tiny"])
+    first = model.weights.layers[0]
+    moved = quantized.QuantizedMatrix(
+        [quantized.QuantizedPart(part.type_name, part.blocks.copy(), part.rows, part.first)
+         for part in first.down.parts],  # type: ignore[union-attr]
+        first.down.in_features)  # type: ignore[union-attr]
+    weights = dataclasses.replace(
+        model.weights, layers=(dataclasses.replace(first, down=moved),
+                               *model.weights.layers[1:]))
+    assert Transformer(model.spec, weights).decode_layers is None
+    prompts = [(11, 12, 13, 14)]
+    ours = _decode(Transformer(model.spec, weights), prompts, 3)[0]
+    theirs = _decode(Transformer(model.spec, model.weights), prompts, 3)[0]
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=BLOCK_TOLERANCE)
+
+
+def test_layers_that_differ_in_query_key_norms_keep_the_numpy_block() -> None:
+    model = load_model(TINY_MODELS["qwen3-q4k-tiny"])
+    transformer = Transformer(model.spec, model.weights)
+    norms = list(transformer.qk_norms)
+    assert DecodeLayers.of(model.spec, model.weights.layers, norms) is not None
+    norms[-1] = None
+    assert DecodeLayers.of(model.spec, model.weights.layers, norms) is None

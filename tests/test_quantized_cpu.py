@@ -331,7 +331,7 @@ WARM_UP_CHECK = """
 import json, sys
 from actors.logs import configure_logging
 from actors.compute.cpu import WARM_UP_TASK, CpuBackend
-from actors.model.decode_layer import decode_layer
+from actors.model.decode_layer import decode_blocks
 from actors.model.loaded import load_model
 from actors.model.quantized_kernels import run_rows
 
@@ -344,9 +344,9 @@ class Counting(CpuBackend):
 
 configure_logging("info", sys.stderr, as_json=True)
 model = load_model(sys.argv[1])
-before = (len(run_rows.signatures), len(decode_layer.signatures))
+before = (len(run_rows.signatures), len(decode_blocks.signatures))
 Counting(model, 4, 16)
-after = (len(run_rows.signatures), len(decode_layer.signatures))
+after = (len(run_rows.signatures), len(decode_blocks.signatures))
 Counting(model, 4, 16)
 print(json.dumps([before, after, Counting.steps, WARM_UP_TASK]))
 """

@@ -235,19 +235,15 @@ class Transformer:
     def _decode_layers(self, x: np.ndarray, layers: DecodeLayers, rope_local: np.ndarray,
                        rope_global: np.ndarray, plan: StepPlan, group: AttentionGroup,
                        kv: KVPool, buffers: StepBuffers) -> None:
-        """Every layer of a step of single tokens, each as one compiled call."""
+        """Every layer of a step of single tokens, in one compiled call."""
         spec = self.spec
         qk = np.empty((plan.n_tokens, spec.n_heads + spec.n_kv_heads, spec.head_dim),
                       dtype=np.float32)
         q = np.empty((plan.n_tokens, spec.n_heads, spec.head_dim), dtype=np.float32)
-        ropes = {False: np.ascontiguousarray(rope_global[:, 0]),
-                 True: np.ascontiguousarray(rope_local[:, 0])}
-        spans = {sliding: (keys.table, keys.bias[:, 0])
-                 for sliding, keys in ((False, group.keys), (True, group.local_keys))}
-        for index in range(spec.n_layers):
-            sliding = spec.is_sliding(index)
-            layers.run(x, index, ropes[sliding], spans[sliding], plan, group, kv, buffers,
-                       (qk, q))
+        ropes = (np.ascontiguousarray(rope_global[:, 0]), np.ascontiguousarray(rope_local[:, 0]))
+        spans = ((group.keys.table, group.keys.bias[:, 0]),
+                 (group.local_keys.table, group.local_keys.bias[:, 0]))
+        layers.run(x, ropes, spans, plan, group, kv, buffers, (qk, q))
 
     def logits(self, hidden: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Output norm and projection of hidden rows (n, d_model) -> (n, vocab) float32, into
