@@ -6,11 +6,10 @@ Python between them costs microseconds; a block makes a few dozen (measured, Smo
 stream: a token 11.9 ms with the numpy block, 10.5 ms with a compiled call a block), and a
 call a block still costs its Python and its dispatch, and lets the kernel threads wait
 between blocks. `DecodeLayers` runs every block of such a step in one compiled call, with the
-pieces
-`Transformer._layer` uses, in its order: the same norm (`rms_norm_rows`), the same products
-(`product_in_call`: the kernels `QuantizedMatrix.apply` runs, shared with the kernel threads
-in the same way), RoPE (`rotate_pairs`), KV writes, attention (`attend_decode`) and the gate
-(`gate_rows`).
+pieces `Transformer._layer` uses, in its order: the same norm (`rms_norm_rows`), the same
+products (`product_in_call`: the kernels `QuantizedMatrix.apply` runs, shared with the kernel
+threads in the same way), RoPE (`rotate_pairs`), KV writes, attention (`attend_decode`) and
+the gate (`gate_rows`).
 """
 
 from __future__ import annotations
