@@ -136,6 +136,8 @@ def _penalize(logits: np.ndarray, rows: Sequence[RowInputs]) -> None:
          np.asarray(r.generated_counts, dtype=np.int64))
         for i, r in enumerate(rows) if r.presence_penalty != 0 or r.frequency_penalty != 0
     ]
+    if not repeated and not counted:
+        return  # no row penalizes (the usual step): spares the empty set operations below
     # (row, token) pairs are keyed row * vocab + token, so one sorted array covers the batch.
     repeated_keys = np.unique(np.concatenate([np.zeros(0, np.int64), *repeated]))
     counted_keys = np.concatenate([np.zeros(0, np.int64), *(keys for keys, _ in counted)])
