@@ -259,6 +259,27 @@ def test_one_compiled_kernel_serves_every_type_and_route() -> None:
     assert len(quantized_kernels._rows_job_of_type.signatures) <= 1
 
 
+def test_compiled_calls_are_shared_as_the_helpers_allow() -> None:
+    """A decoding step's calls (run_calls): each call big enough is shared, in chunks,
+    unless the slow-helper rule still holds calls to run alone; those count down call by
+    call, the step's calls together."""
+    threads = quantized._KernelThreads(1)
+    seen = []
+
+    def run(call: np.ndarray, first: int, chunks: np.ndarray) -> int:
+        seen.append((first, chunks.tolist()))
+        return 0
+
+    big, small = quantized.WATCHED_MIN_WORK, quantized.WATCHED_MIN_WORK - 1
+    most = threads.size * quantized.CHUNKS_PER_THREAD
+    items = np.array([5, 100, 100, 100, 100], dtype=np.int64)
+    threads._solo_calls = 2
+    threads.run_calls(items, np.array([big, big, big, small, big]), run)
+    threads.run_calls(items, np.array([big, big, big, small, big]), run)
+    assert seen == [(1, [0, 0, most, 0, most]), (6, [5, most, most, 0, most])]
+    assert threads._solo_calls == 0
+
+
 def test_each_chunk_of_each_shared_call_runs_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Helpers take a call from their inbox or by watching for the next one, and may find a
     call both ways: still each chunk of each call runs exactly once, all of them before the

@@ -152,8 +152,8 @@ class DecodeLayers:
             matrix for layer in layers
             for matrix in (layer.qkv, layer.attn_out, layer.gate_up, layer.down))
         # Each product's output features and weights, in the step's order.
-        self.products = tuple((matrix.out_features, matrix.out_features * matrix.in_features)
-                              for matrix in self.matrices)
+        self.features = np.array([matrix.out_features for matrix in self.matrices])
+        self.weights = self.features * np.array([matrix.in_features for matrix in self.matrices])
         self.data = self.matrices[0].buffer
         arrays = [matrix.kernel_arrays[1:] for matrix in self.matrices]
         starts = np.zeros((len(arrays) + 1, 3), dtype=np.int64)
@@ -193,8 +193,6 @@ class DecodeLayers:
         """Every block over the step's rows (what Transformer._layer does), x in place. ropes
         and spans: the global layers' and the sliding layers' rotations and keys (a span:
         the block table, and the bias of each sequence's one query)."""
-        n_rows = plan.n_tokens
-        calls = [(features, n_rows * weights) for features, weights in self.products]
 
         def run(call: np.ndarray, first: int, chunks: np.ndarray) -> int:
             return decode_blocks(
@@ -204,4 +202,4 @@ class DecodeLayers:
                 buffers.qkv, scratch[0], scratch[1], buffers.attn, buffers.projected,
                 buffers.gate_up, buffers.gated, self.eps, self.query_scale, self.activation)
 
-        run_kernel_calls(calls, run)
+        run_kernel_calls(self.features, plan.n_tokens * self.weights, run)

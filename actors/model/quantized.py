@@ -297,19 +297,22 @@ class _KernelThreads:
             wait_for_chunks(counters, n_chunks)
             self._count_wait(started, own_work_done)
 
-    def run_calls(self, calls: Sequence[tuple[int, int]],
+    def run_calls(self, items: np.ndarray, work: np.ndarray,
                   run: Callable[[np.ndarray, int, np.ndarray], int]) -> None:
         """Compiled code making kernel calls in order (`product_in_call`), call i over
-        calls[i] = (items, work): run(call words, the first call's number, each call's chunks,
-        0 for a call run alone) -> the reads it spent waiting for the helpers."""
+        items[i] items worth work[i] (int64 arrays): run(call words, the first call's number,
+        each call's chunks, 0 for a call run alone) -> the reads it spent waiting for the
+        helpers. Which calls are shared follows `_shares`, call by call, for all at once."""
         with self._lock:
-            chunks = np.array([min(items, self.size * CHUNKS_PER_THREAD)
-                               if self._shares(work, WATCHED_MIN_WORK) else 0
-                               for items, work in calls],
-                              dtype=np.int64)
+            shared = (work >= WATCHED_MIN_WORK) & (self._helpers > 0)
+            shared[: self._solo_calls] = False  # the calls still to run alone
+            self._solo_calls = max(0, self._solo_calls - len(work))
+            if shared.any() and not self._inboxes:
+                self._start_helpers()
+            chunks = np.where(shared, np.minimum(items, self.size * CHUNKS_PER_THREAD), 0)
             first = self._number + 1
-            self._number += len(calls)
-            if chunks.any():
+            self._number += len(work)
+            if shared.any():
                 self._wake_helpers()
             started = time.perf_counter()
             reads = run(self._call, first, chunks)
@@ -347,11 +350,11 @@ class _KernelThreads:
 _threads = _KernelThreads(_cores() - 1)
 
 
-def run_kernel_calls(calls: Sequence[tuple[int, int]],
+def run_kernel_calls(items: np.ndarray, work: np.ndarray,
                      run: Callable[[np.ndarray, int, np.ndarray], int]) -> None:
     """Run compiled code that makes kernel calls itself (`product_in_call`), shared with the
     kernel threads: see _KernelThreads.run_calls."""
-    _threads.run_calls(calls, run)
+    _threads.run_calls(items, work, run)
 
 
 @dataclass(frozen=True)
