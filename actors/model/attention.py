@@ -107,3 +107,34 @@ def attend_decode(q, keys, values, table, bias, rows, out):  # pragma: no cover 
                         acc[h, t] += weight * value[t]
         for h in range(heads):
             out[rows[b], h * head_dim : (h + 1) * head_dim] = acc[h]
+
+
+@njit(nogil=True, cache=True)
+def key_span(tables, query_pos, block_size, window):  # pragma: no cover - compiled
+    """The keys B sequences' queries at `query_pos` (B, n) may see, from their block `tables`
+    (B, at least the blocks their queries reach): (the blocks to read (B, blocks), each
+    query's bias over those blocks' positions (B, n, blocks * block_size): 0 where it may
+    attend to the key, -inf elsewhere). With a window (0: none), blocks wholly before it are
+    left out. Sequences reading fewer blocks than the widest read their last one again, which
+    the bias hides."""
+    n_seqs, n_queries = query_pos.shape
+    first = np.zeros(n_seqs, dtype=np.int64)
+    last = np.empty(n_seqs, dtype=np.int64)
+    width = 1
+    for b in range(n_seqs):
+        last[b] = query_pos[b].max() // block_size
+        if window:
+            first[b] = max(query_pos[b].min() - window + 1, 0) // block_size
+        width = max(width, last[b] - first[b] + 1)
+    blocks = np.empty((n_seqs, width), dtype=np.int64)
+    bias = np.empty((n_seqs, n_queries, width * block_size), dtype=np.float32)
+    for b in range(n_seqs):
+        for k in range(width):
+            blocks[b, k] = tables[b, min(first[b] + k, last[b])]
+        start = first[b] * block_size
+        for i in range(n_queries):
+            for j in range(width * block_size):
+                distance = query_pos[b, i] - (start + j)
+                visible = distance >= 0 and (window == 0 or distance < window)
+                bias[b, i, j] = 0.0 if visible else -np.inf
+    return blocks, bias

@@ -19,7 +19,7 @@ import numpy as np
 
 from actors.errors import InvalidRequest
 from actors.model.arch import ModelSpec
-from actors.model.attention import attend, attend_decode
+from actors.model.attention import attend, attend_decode, key_span
 from actors.model.decode_layer import DecodeLayers
 from actors.model.elementwise import ACTIVATION_CODES, gate_rows, rms_norm
 from actors.model.rope import apply_rope, inverse_frequencies, rotation
@@ -96,22 +96,8 @@ def _key_span(
 ) -> KeySpan:
     """The keys B sequences' queries at `query_pos` (B, n) may see, from their block `tables`
     (B, >= blocks needed). With a window, blocks wholly before it are left out."""
-    last_block = query_pos.max(axis=1) // block_size
-    first_block = (
-        np.maximum(query_pos.min(axis=1) - window + 1, 0) // block_size
-        if window else np.zeros_like(last_block)
-    )
-    key_block = first_block[:, None] + np.arange(int((last_block - first_block).max()) + 1)
-    # Padding past a sequence's last block re-reads that block; the mask hides it.
-    gather = np.take_along_axis(tables, np.minimum(key_block, last_block[:, None]), axis=1)
-    key_pos = (key_block[:, :, None] * block_size + np.arange(block_size)).reshape(
-        len(tables), -1
-    )
-    distance = query_pos[:, :, None] - key_pos[:, None, :]
-    visible = distance >= 0
-    if window:
-        visible &= distance < window
-    return KeySpan(gather, np.where(visible, np.float32(0), np.float32(-np.inf)))
+    return KeySpan(*key_span(np.ascontiguousarray(tables), np.ascontiguousarray(query_pos),
+                             block_size, window))
 
 
 def _attention_group(
