@@ -27,7 +27,7 @@ from actors.model.quantized import QuantizedMatrix, run_kernel_calls
 from actors.model.quantized_kernels import product_in_call
 from actors.model.rope import rotate_pairs
 from actors.model.step import StepPlan
-from actors.model.weights import LayerWeights
+from actors.model.weights import LayerWeights, Matrix
 
 if TYPE_CHECKING:
     from actors.model.forward import AttentionGroup, KVPool, StepBuffers
@@ -118,6 +118,13 @@ def decode_blocks(x, norms, post_norms, qk_norms, qkv_biases, sliding, data, tab
     return reads
 
 
+def _step_matrices(layers: Sequence[LayerWeights]) -> list[Matrix]:
+    """Every layer's matrices in the order a step multiplies them: qkv, attn_out, gate_up,
+    down, layer after layer."""
+    return [matrix for layer in layers
+            for matrix in (layer.qkv, layer.attn_out, layer.gate_up, layer.down)]
+
+
 class DecodeLayers:
     """The compiled blocks (decode_blocks) for a model whose layers' matrices are all
     quantized and lie in one buffer (a model's mapped file: the kernels run them), and the
@@ -148,9 +155,8 @@ class DecodeLayers:
             [np.zeros(width) if layer.qkv_bias is None else layer.qkv_bias for layer in layers]
             if biased else np.zeros((len(layers), 0)), dtype=np.float32)
         self.sliding = np.array([spec.is_sliding(index) for index in range(len(layers))])
-        self.matrices: tuple[QuantizedMatrix, ...] = tuple(  # type: ignore[assignment]
-            matrix for layer in layers
-            for matrix in (layer.qkv, layer.attn_out, layer.gate_up, layer.down))
+        self.matrices: tuple[QuantizedMatrix, ...] = tuple(  # type: ignore[arg-type]
+            _step_matrices(layers))
         # Each product's output features and weights, in the step's order.
         self.features = np.array([matrix.out_features for matrix in self.matrices])
         self.weights = self.features * np.array([matrix.in_features for matrix in self.matrices])
@@ -168,8 +174,7 @@ class DecodeLayers:
         matrices do not all lie in one buffer (weights built in memory, not read from one
         file: one buffer is what lets a single call reach every layer's blocks), or only some
         layers norm their queries and keys."""
-        matrices = [matrix for layer in layers
-                    for matrix in (layer.qkv, layer.attn_out, layer.gate_up, layer.down)]
+        matrices = _step_matrices(layers)
         if not all(isinstance(matrix, QuantizedMatrix) for matrix in matrices):
             return None
         buffers = {(matrix.buffer.ctypes.data, matrix.buffer.size)  # type: ignore[union-attr]

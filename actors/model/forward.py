@@ -226,7 +226,9 @@ class Transformer:
         qk = np.empty((plan.n_tokens, spec.n_heads + spec.n_kv_heads, spec.head_dim),
                       dtype=np.float32)
         q = np.empty((plan.n_tokens, spec.n_heads, spec.head_dim), dtype=np.float32)
-        ropes = (np.ascontiguousarray(rope_global[:, 0]), np.ascontiguousarray(rope_local[:, 0]))
+        rope = np.ascontiguousarray(rope_global[:, 0])
+        ropes = (rope, rope if rope_local is rope_global
+                 else np.ascontiguousarray(rope_local[:, 0]))
         spans = ((group.keys.table, group.keys.bias[:, 0]),
                  (group.local_keys.table, group.local_keys.bias[:, 0]))
         layers.run(x, ropes, spans, plan, group, kv, buffers, (qk, q))

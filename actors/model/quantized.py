@@ -237,14 +237,20 @@ class _KernelThreads:
                              name=f"kernel-helper-{index + 1}").start()
             self._inboxes.append(inbox)
 
-    def _shares(self, work: int, minimum: int = PARALLEL_MIN_WORK) -> bool:
-        """Whether a call worth `work` is shared with the helpers (`minimum` the least work
-        worth it), counting it, if not, among the calls to run alone."""
-        shared = work >= minimum and self._helpers > 0 and self._solo_calls == 0
-        self._solo_calls = max(0, self._solo_calls - 1)
-        if shared and not self._inboxes:
+    def _shared_calls(self, work: np.ndarray, minimum: int) -> np.ndarray:
+        """Which of the next calls, worth `work` each in order, are shared with the helpers
+        (`minimum` the least work worth it): none of those still to run alone after a slow
+        shared call, which they count down."""
+        shared = (work >= minimum) & (self._helpers > 0)
+        shared[: self._solo_calls] = False
+        self._solo_calls = max(0, self._solo_calls - len(work))
+        if shared.any() and not self._inboxes:
             self._start_helpers()
         return shared
+
+    def _shares(self, work: int) -> bool:
+        """Whether the next call, worth `work`, is shared with the helpers."""
+        return bool(self._shared_calls(np.array([work]), PARALLEL_MIN_WORK)[0])
 
     def _next_ticket(self, n_chunks: int, compiled: bool) -> int:
         """Number the next call and wake the helpers not watching for it (all, unless every
@@ -302,13 +308,9 @@ class _KernelThreads:
         """Compiled code making kernel calls in order (`product_in_call`), call i over
         items[i] items worth work[i] (int64 arrays): run(call words, the first call's number,
         each call's chunks, 0 for a call run alone) -> the reads it spent waiting for the
-        helpers. Which calls are shared follows `_shares`, call by call, for all at once."""
+        helpers."""
         with self._lock:
-            shared = (work >= WATCHED_MIN_WORK) & (self._helpers > 0)
-            shared[: self._solo_calls] = False  # the calls still to run alone
-            self._solo_calls = max(0, self._solo_calls - len(work))
-            if shared.any() and not self._inboxes:
-                self._start_helpers()
+            shared = self._shared_calls(work, WATCHED_MIN_WORK)
             chunks = np.where(shared, np.minimum(items, self.size * CHUNKS_PER_THREAD), 0)
             first = self._number + 1
             self._number += len(work)
