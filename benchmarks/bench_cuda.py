@@ -1,8 +1,8 @@
 """GPU benchmark. Kernels: the decode products' effective bandwidth (weight bytes read / time)
 on Llama-3-8B's FFN shapes: the tensor-core matvec (Q4_K, Q6_K row-planar as the device holds
 it) at 1 and 8 rows, its regime, and the batched product (mul_mat_batch<N>: the same types)
-at 16, 32 and 64 rows, beside the device's own copy bandwidth; the prefill tiles at prefill
-size (Q4_K, Q6_K); timed with CUDA events over many launches (the weights cycle through
+at 16, 32 and 64 rows, beside the device's own copy bandwidth, and at a prefill chunk's rows
+(PREFILL_TOKENS); timed with CUDA events over many launches (the weights cycle through
 enough copies that every launch reads them from HBM, not from L2). Whole models through the
 CUDA backend (wall clock per step, each step ending in its one synchronization): decode tok/s
 at 1, 8, 32 and 64 streams and prefill-512 tok/s on a Llama-3-8B-shaped file
@@ -103,7 +103,7 @@ def bench_copy(repeats: int) -> dict[str, float]:
 
 
 # The files of the benchmarked products, compiled first.
-MATVEC_FILE, BATCH_FILE, TILES_FILE = "matvec_mma.cu", "matmul_batch.cu", "matmul.cu"
+MATVEC_FILE, BATCH_FILE = "matvec_mma.cu", "matmul_batch.cu"
 
 
 def product_seconds(function: Any, launch: plan.Launch, copies: list[Any], type_name: str,
@@ -124,13 +124,14 @@ def product_seconds(function: Any, launch: plan.Launch, copies: list[Any], type_
 
 
 def bench_products(module: Any, rng: np.random.Generator, l2_bytes: int, repeats: int,
-                   counts: tuple[int, ...], kernel: Any, launch: Any) -> list[dict[str, Any]]:
+                   counts: tuple[int, ...], kernel: Any, launch: Any,
+                   shapes: tuple[tuple[int, int], ...] = MATVEC_SHAPES) -> list[dict[str, Any]]:
     """kernel(type, tokens) of each of plan.MATVEC_MMA_TYPES (as the device holds them) at each
-    shape and each of `counts` rows, launch(rows, n_in, tokens) its geometry, the weights from
+    of `shapes` and each of `counts` rows, launch(rows, n_in, tokens) its geometry, the weights from
     HBM: the weights' bytes a second and the tensor cores' useful TFLOPs."""
     results = []
     for type_name in plan.MATVEC_MMA_TYPES:
-        for rows, n_in in MATVEC_SHAPES:
+        for rows, n_in in shapes:
             matrix = random_blocks(rng, type_name, rows * n_in // 256).reshape(rows, -1)
             copies = weight_copies(device_rows(matrix, type_name, n_in), l2_bytes)
             for tokens in counts:
@@ -148,24 +149,9 @@ def bench_products(module: Any, rng: np.random.Generator, l2_bytes: int, repeats
     return results
 
 
-def bench_tiles(module: Any, rng: np.random.Generator, repeats: int) -> list[dict[str, Any]]:
-    """The prefill tiles of each of plan.MATVEC_MMA_TYPES at PREFILL_TOKENS rows."""
-    import pycuda.driver as cuda
-
-    rows, n_in = MATVEC_SHAPES[0]
-    results = []
-    for type_name in plan.MATVEC_MMA_TYPES:
-        matrix = random_blocks(rng, type_name, rows * n_in // 256).reshape(rows, -1)
-        weights = cuda.to_device(device_rows(matrix, type_name, n_in))
-        name = plan.tiles_kernel(type_name)
-        seconds = product_seconds(module.get_function(name),
-                                  plan.tiles_launch(rows, PREFILL_TOKENS), [weights], type_name,
-                                  rows, n_in, PREFILL_TOKENS, max(repeats // 10, 3))
-        weights.free()
-        results.append({"kernel": name, "type": type_name, "rows": rows, "n_in": n_in,
-                        "tokens": PREFILL_TOKENS, "us": seconds * 1e6,
-                        "TFLOPs": 2 * rows * n_in * PREFILL_TOKENS / seconds / 1e12})
-    return results
+def batch_geometry(rows: int, n_in: int, tokens: int) -> plan.Launch:
+    """The batched product's launch for `tokens` rows (its grid does not depend on n_in)."""
+    return plan.batch_launch(rows, tokens)
 
 
 def decode_tok_s(backend: Any, vocab: int, streams: int, steps: int,
@@ -391,8 +377,10 @@ def main() -> None:
             rows, n_in)))
     section("batch", lambda: bench_products(
         compiled[BATCH_FILE], rng, l2_bytes, args.repeats, plan.BATCH_TOKENS, plan.batch_kernel,
-        lambda rows, _, tokens: plan.batch_launch(rows, tokens)))
-    section("tiles", lambda: bench_tiles(compiled[TILES_FILE], rng, args.repeats))
+        batch_geometry))
+    section("batch_prefill", lambda: bench_products(
+        compiled[BATCH_FILE], rng, l2_bytes, max(args.repeats // 10, 3), (PREFILL_TOKENS,),
+        plan.batch_kernel, batch_geometry, MATVEC_SHAPES[:1]))
     engine_streams = tuple(args.engine_streams)
     if args.model_8b:
         section("llama3_8b",
@@ -419,7 +407,7 @@ def compile_all(compiled: dict[str, Any]) -> float:
     """Compiles the benchmarked files into `compiled`, one at a time (a file that fails
     leaves those before it); the seconds it took."""
     started = time.perf_counter()
-    for name in (MATVEC_FILE, BATCH_FILE, TILES_FILE):
+    for name in (MATVEC_FILE, BATCH_FILE):
         compiled[name] = compile_module(name)
     return time.perf_counter() - started
 

@@ -15,7 +15,7 @@
    of the K-block before it (the pass's second block's before its first MMA, the next pass's
    first block's before its second block's first MMA), no branch among its MMAs.
 3. The batched product mul_mat_batch<N>_f16x2_q4_K / _q6_K_planar at N = 16, 32, 64 token
-   columns (decode steps past 8 rows, and the logits): its stage loop (the
+   columns (decode steps past 8 rows, the logits, prefill chunks at 64): its stage loop (the
    smallest loop holding a barrier and the stage's MMAs, 4 N / 8 of them a warp), counted
    statically (each branch's code once), the once-a-chunk loops inside it (the weight copies
    and the scale table) apart. A warp's stage takes 16 rows x 32 elements of weights (Q4_K
@@ -26,7 +26,8 @@
 4. Kernels of one decode step, from actors.compute.cuda_launches.forward_calls +
    candidate_calls: the Llama-3-8B shape of benchmarks/synthetic_gguf.py (Q4_K_M types) at one
    stream (the mma matvec) and at 32 and 64 (the batched product), and gemma-3 (the default
-   model's file) at one stream.
+   model's file) at one stream; and of a 512-token prefill chunk of the 8B shape (the batched
+   product).
 Targets: Q4_K inner loop <= 4 SASS instructions per weight byte (the batched product: per
 weight byte of a whole step, at any N), its weights' part not growing with N and at most
 TARGET_BATCH_COLUMN_TILE instructions a column tile; no hot kernel below 16 resident warps per
@@ -59,6 +60,7 @@ TARGET_SASS_PER_BYTE, TARGET_WARPS, TARGET_KERNELS_PER_LAYER = 4.0, 16, 7
 # The batched product's warp instructions a stage per 8-column MMA tile (its 4 HMMAs, its
 # activation fragments and epilogue, its share of the activations' copy and split).
 TARGET_BATCH_COLUMN_TILE = 64
+KV_BLOCK_SIZE = 16  # tokens a KV block of the steps whose kernels are counted
 
 # Hot entry points and their threads per block (from the launch plan's geometry).
 _MATVEC_THREADS = math.prod(plan.matvec_launch(4096, 4096).block)
@@ -67,7 +69,6 @@ HOT_ENTRIES = {
         "mul_mat_vec_q5_K", "mul_mat_vec_q8_0", "mul_mat_vec_bf16",
         "mul_mat_vec_gate_up_silu_q5_K", "mul_mat_vec_gate_up_gelu_tanh_q8_0",
         "mul_mat_vec_qkv")},
-    "matmul.cu": {plan.tiles_kernel(t): plan.TILE_THREADS for t in ("Q4_K", "Q6_K")},
     "matmul_batch.cu": {
         **{plan.batch_kernel(t, n): plan.BATCH_THREADS
            for t in ("Q4_K", "Q6_K") for n in plan.BATCH_TOKENS},
@@ -293,24 +294,40 @@ def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
     return report
 
 
-def decode_kernels(spec, layouts, streams: int = 1) -> dict[str, int]:
-    """Kernels of one decode step of `streams` sequences (forward + candidates) and of its
+def step_kernels(spec, items: list, blocks: int, layouts) -> dict[str, int]:
+    """Kernels of one step of `items` (forward + candidates of its logits rows) and of its
     largest layer (the step adds the embedding, the final norm, the output product and
     candidates)."""
     from actors.compute import cuda_launches as launches
-    from actors.model.step import StepItem, plan_step
+    from actors.model.step import plan_step
 
-    block_size = 16
-    step = plan_step([StepItem((1,), 40, (3 * i, 3 * i + 1, 3 * i + 2))
-                      for i in range(streams)], spec, 3 * streams, block_size)
+    step = plan_step(items, spec, blocks, KV_BLOCK_SIZE)
     shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
                                 spec.context_length)
     forward = launches.forward_calls(spec, layouts, shape, launches.TILE_INPUT)
-    tail = launches.candidate_calls(spec, streams, 1, any_penalty=False, n_masked=0)
+    tail = launches.candidate_calls(spec, len(step.logit_rows), 1, any_penalty=False,
+                                    n_masked=0)
     per_layer = max(len(launches.layer_calls(spec, layouts, shape, layer, launches.TILE_INPUT))
                     for layer in range(spec.n_layers))
     return {"layers": spec.n_layers, "kernels_per_step": len(forward) + len(tail),
             "kernels_per_layer": per_layer}
+
+
+def decode_kernels(spec, layouts, streams: int = 1) -> dict[str, int]:
+    """step_kernels of a decode step of `streams` sequences."""
+    from actors.model.step import StepItem
+
+    return step_kernels(spec, [StepItem((1,), 40, (3 * i, 3 * i + 1, 3 * i + 2))
+                               for i in range(streams)], 3 * streams, layouts)
+
+
+def prefill_kernels(spec, layouts, tokens: int) -> dict[str, int]:
+    """step_kernels of one prompt of `tokens` tokens prefilled in one chunk."""
+    from actors.model.step import StepItem
+
+    blocks = -(-tokens // KV_BLOCK_SIZE)
+    return step_kernels(spec, [StepItem(tuple(range(1, tokens + 1)), 0, tuple(range(blocks)))],
+                        blocks, layouts)
 
 
 def llama_8b_layouts():
@@ -360,6 +377,7 @@ def budgets(gemma_path: Path | None = None) -> dict:
     report["decode_step"] = {
         "llama3_8b_q4_k_m": decode_kernels(*llama),
         **{f"llama3_8b_q4_k_m_{n}_streams": decode_kernels(*llama, n) for n in (32, 64)}}
+    report["prefill_step"] = {"llama3_8b_q4_k_m_512_tokens": prefill_kernels(*llama, 512)}
     try:
         report["decode_step"]["gemma3"] = decode_kernels(*gemma_layouts(gemma_path))
     except (FileNotFoundError, OSError) as error:
@@ -398,7 +416,7 @@ def main() -> None:
         for fit in figures["fits"]:
             print(f"  N {fit['tokens']}: weights' part {fit['weights_part_per_weight_byte']} / "
                   f"weight byte, {fit['per_column_tile']} a column tile (4 of them HMMA)")
-    for model, step in report["decode_step"].items():
+    for model, step in [*report["decode_step"].items(), *report["prefill_step"].items()]:
         print(f"{model}: {step}")
 
 

@@ -1,5 +1,5 @@
 // The scale of the float16 hi + lo split of activations (mma_ops.cuh's split_pair) that the
-// tensor cores multiply (matmul.cu, matvec_mma.cu), safe for every float. Float16 holds
+// tensor cores multiply (matmul_batch.cu, matvec_mma.cu), safe for every float. Float16 holds
 // magnitudes below 65,520 only (65,520 and up round to inf, and lo = x - inf is NaN) and has
 // an absolute floor of 2^-24, so each 32-element group of an activation row (SPLIT_GROUP,
 // aligned within the row) is split as x 2^-e: hi = f16(x 2^-e), lo = f16(x 2^-e - hi), and

@@ -2,7 +2,7 @@
 // (the decode is quants.py's bit for bit, then one float32 multiply, as forward.py's
 // `x *= embed_scale`; scale = 1 leaves the rows as decoded).
 // Entry points get_rows_<type>, per block type as the device holds it (<type> as in
-// matmul.cu: q6_K_planar for Q6_K, held row-planar, cuda_plan.planar_q6_K_rows).
+// matmul_batch.cu: q6_K_planar for Q6_K, held row-planar, cuda_plan.planar_q6_K_rows).
 // table: the GGUF token_embd rows at row_pitch bytes (see matvec.cu), a Q6_K table's
 // row-planar; d_model % 32 == 0; out: float32 [n_ids][d_model]. Grid: n_ids blocks; any block
 // size.

@@ -1,32 +1,53 @@
-// The batched product: a matrix times all of a step's rows on the tensor cores, the rows in
-// the MMA's token dimension, so each weight byte is fetched and unpacked once per step
-// whatever the number of rows (up to N a launch's token tile; more rows take more token tiles).
+// The batched product: a matrix times all of a step's rows on the tensor cores (mma.sync
+// m16n8k16, float16 inputs, float32 accumulation; sm_80+), the rows in the MMA's token
+// dimension, so each weight byte is fetched and unpacked once per N rows: decode steps past
+// the mma matvec's rows, every step's logits rows and every prefill chunk past the matvec's
+// tokens (at 64 columns a block) take it.
 //
-// Entry points, per block type as the device holds it (<type> as in matmul.cu: q6_K_planar
-// for Q6_K, held row-planar), N in 16, 32, 64 (the step's bucket: the fewest columns holding
-// its rows), <act> in silu, gelu_tanh:
+// Numerics: each activation is split into float16 parts, x = (hi + lo) 2^e with hi =
+// f16(x 2^-e) and lo = f16(x 2^-e - hi) (about 22 bits of x), e a power-of-two exponent per
+// token and stage (32 elements) that keeps the parts in float16's range for any float and is 0
+// for the usual magnitudes (activation_split.cuh), and both parts are multiplied by the
+// weights' levels; each stage's float32 sums are multiplied by 2^e (exact) before they join
+// the token's sums:
+// - quantized types (tile_levels.cuh): the integer levels are exact in float16, so per scale
+//   group (32 elements, Q6_K 16) the tensor cores sum levels x (hi + lo) in float32, and the
+//   block's scale and offset are applied to the sums: y += scale * (2^e sum(level * x)) +
+//   offset * sum(x). Two MMAs per product; sum(x) (the offset types', 32-element groups) is
+//   each token's float32 sum of the stage, taken once a block by the threads that split it.
+// - F16 weights: exact in float16, W x hi + W x lo, summed a stage, then 2^e times that.
+// - F32 / BF16 weights: split as the activations (without a scale: |w| < 65,520),
+//   W_hi x_hi + W_hi x_lo + W_lo x_hi, summed a stage, then 2^e times that.
+// One float16 rounding of the activations moves logits past the 0.05 allowed (the emulated
+// tiny qwen2: 0.054 off the CPU; with the split 0.024).
+//
+// Entry points, per block type as the device holds it (<type>: q4_0 ... bf16, and
+// q6_K_planar: every Q6_K matrix lies row-planar, cuda_plan.planar_q6_K_rows), N in 16, 32,
+// 64 (the step's bucket: the fewest columns holding its rows; 64 and more token tiles past
+// them), <act> in silu, gelu_tanh:
 //   mul_mat_batch<N>_f16x2_<type>(weights, int64 row_pitch, x, int x_stride, y, int y_stride,
 //                                 int rows, int n_in, int n_tokens)
 //       y[t][r] = W[r] . x[t]: blocks of 64 rows x N tokens (BatchTile<N>), 4 warps of 16 rows
-//       x N tokens. Grid (ceil(n_tokens / N), ceil(rows / 64)).
+//       x N tokens. Grid (ceil(n_tokens / N), ceil(rows / 64)): token tiles fastest, so the
+//       blocks sharing a weight tile run together and read it from DRAM once.
 //   mul_mat_batch<N>_gate_up_<act>_f16x2_<type>(gate, up, int64 row_pitch, x, x_stride, y,
 //                                               y_stride, int ffn_rows, n_in, n_tokens)
 //       y[t][f] = act(gate[f] . x[t]) * (up[f] . x[t]): 32 gate and the same 32 up rows a
 //       block (grid y: ceil(ffn_rows / 32)), bit for bit mul_mat_batch<N>_f16x2_<type> of
 //       gate and of up then activation.cu's gated_<act>.
 //   mul_mat_batch<N>_qkv_f16x2(matvec.cu's mul_mat_vec_qkv arguments)
-//       q, k and v (a block type each, as the device holds it) into one qkv row and their heads finished (qkv_finish_ops.cuh's epilogue,
-//       head_counters a token tile: n_heads + 2 n_kv_heads of them), bit for bit
-//       mul_mat_batch<N>_f16x2_<type> of each matrix then qkv_finish. Grid y: the 64-row
-//       blocks of q, then k, then v. N in 16, 32 only (more rows take more token tiles): at 64
-//       the out-of-line Q6_K product spilled registers.
-// Layouts and numerics: matmul.cu's tiles (its opening comment), through the same pipeline
-// (tile_pipeline.cuh) on another tile shape: each warp unpacks its 16 rows' weight fragments
-// once a stage (32 elements) and multiplies them with the N / 8 MMA column tiles of the
-// block's tokens. A token's sums are taken in the same order as the prefill tiles' (stage by
-// stage, MMA by MMA, the same split of x): whatever N, the number of rows or the other rows,
-// a token's result is bit for bit mul_mat_tiles_f16x2_<type>'s (the K order depends on the
-// matrix alone, and MMA columns are independent).
+//       q, k and v (a block type each, as the device holds it) into one qkv row and their
+//       heads finished (qkv_finish_ops.cuh's epilogue, head_counters a token tile: n_heads +
+//       2 n_kv_heads of them), bit for bit mul_mat_batch<N>_f16x2_<type> of each matrix then
+//       qkv_finish. Grid y: the 64-row blocks of q, then k, then v. N in 16, 32 only (more
+//       rows take more token tiles): at 64 the out-of-line Q6_K product spilled registers.
+// Layouts as in matvec.cu: weights at row_pitch bytes per row (16-byte aligned rows), x
+// [n_tokens][x_stride] float32 with 16-byte aligned rows (x_stride % 4 == 0), n_in % 32 == 0,
+// y [n_tokens][y_stride] float32. Each warp unpacks its 16 rows' weight fragments once a stage
+// (32 elements) and multiplies them with the N / 8 MMA column tiles of the block's tokens
+// (tile_pipeline.cuh). A token's sums are taken stage by stage, MMA by MMA, with the same split
+// of x: whatever N, the number of rows or the other rows, a token's result is the same bits
+// (the K order depends on the matrix alone, and MMA columns are independent).
 #include "tile_pipeline.cuh"
 
 // Gate and up with the activation: tile rows 0..31 are gate rows f0.. (warps 0 and 1), rows

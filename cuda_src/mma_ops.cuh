@@ -1,5 +1,6 @@
-// Device helpers of the kernels that multiply on the tensor cores (matmul.cu, matvec_mma.cu):
-// float16x2 packing, the hi + lo split of activations, and mma.sync m16n8k16 (sm_80+).
+// Device helpers of the kernels that multiply on the tensor cores (matmul_batch.cu,
+// matvec_mma.cu): float16x2 packing, the hi + lo split of activations, and mma.sync m16n8k16
+// (sm_80+).
 #pragma once
 
 #include <stdint.h>

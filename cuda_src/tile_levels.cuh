@@ -1,5 +1,6 @@
-// What the tensor-core tiles (matmul.cu) feed the MMAs, per block type, shared by host and
-// device code (tests/test_cuda_blockmath.py rebuilds every type's values from it, bit for bit).
+// What the tensor-core tiles (matmul_batch.cu) feed the MMAs, per block type, shared by host
+// and device code (tests/test_cuda_blockmath.py rebuilds every type's values from it, bit for
+// bit).
 //
 // A quantized weight is level * scale + offset, with an integer level exact in float16 and
 // scale / offset constant over SCALE_ELEMENTS consecutive elements (offset 0 unless HAS_MIN);
@@ -148,7 +149,7 @@ struct tile_levels<type_q6_K> {
 };
 
 // Q6_K's row-planar copy (cuda_plan.planar_q6_K_rows: the layout the device holds every Q6_K
-// matrix in), as the prefill tiles stage one block of it: its ql + qh and its scales at
+// matrix in), as the batched product stages one block of it: its ql + qh and its scales at
 // the file block's offsets, then the 16-byte piece of the row's d plane that holds its d
 // (blocks 8 j .. 8 j + 7 share one). Every piece's source is 16-byte aligned, so the whole
 // block is staged by cp.async, and every level word is 4-byte aligned in shared memory.

@@ -1,9 +1,9 @@
-// The tensor-core tiles' pipeline and block math, shared by the prefill tiles (matmul.cu) and
-// the batched product (matmul_batch.cu); matmul.cu's opening comment is the numerics' contract.
+// The tensor-core tiles' pipeline and block math: the batched product's (matmul_batch.cu,
+// whose opening comment is the numerics' contract).
 //
-// A block computes a tile of rows x tokens, each warp a sub-tile of MMA tiles of 16 x 8 (the
-// prefill shape here). The inner dimension runs in stages of one 32-element group:
-// activations (64 tokens x 32 floats, 8 KB) double-buffered through cp.async and split into
+// A block computes a tile of rows x tokens, each warp a sub-tile of MMA tiles of 16 x 8. The
+// inner dimension runs in stages of one 32-element group:
+// activations (up to 64 tokens x 32 floats, 8 KB) double-buffered through cp.async and split into
 // hi / lo in place once in; weights in chunks of whole blocks (a K-quant block, four
 // 32-element blocks, or one group of a float type) copied as the 16-byte aligned byte window
 // holding them, also double-buffered and fetched a whole chunk ahead (Q4_K / Q5_K: with a
@@ -51,7 +51,6 @@ struct tile_shape {
     static __device__ int warp_rows(int warp) { return warp % WARPS_ACROSS_ROWS * WARP_ROWS; }
     static __device__ int warp_tokens(int warp) { return warp / WARPS_ACROSS_ROWS * WARP_TOKENS; }
 };
-using PrefillTile = tile_shape<64, 64, 32, 32>;
 // The batched product (matmul_batch.cu): 64 weight rows x all N of a step's rows a block, 4
 // warps of 16 rows x N, so each warp unpacks its weight fragments once a stage for N / 8 MMA
 // column tiles and each weight byte is unpacked once per block.
@@ -252,8 +251,8 @@ __device__ __forceinline__ void scale_by_token(float (&part)[I][J][4], const flo
 // token's 2^e of the stage's split, one a token of the block's tile. The offset types need
 // each token's sum of the stage's x: `x_sums`, the block's, one a token of the tile (summed
 // once by the threads that split the stage; MMAs of ones x the activations in every warp
-// once cost a third of the prefill's MMAs).
-template <class T, int I, int J, bool ROLLED = (I > 1)>
+// once cost a third of a prefill chunk's MMAs).
+template <class T, int I, int J, bool ROLLED>
 __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, const float2* scales,
                                                int group, const uint4* stage, int warp_tokens,
                                                float (&acc)[I][J][4], const float* x_factors,
@@ -263,9 +262,8 @@ __device__ __forceinline__ void multiply_stage(const uint8_t* block, int e, cons
     using Load = typename std::conditional<C::WORD_ALIGNED, shared_word_aligned,
                                            shared_word_any>::type;
     constexpr int stride = C::ROW_STRIDE;
-    // The prefill's 2 x 4 MMA tiles a warp keep the loops rolled (registers, code size); a
-    // warp of one row tile (the batched product's) unrolls them, its
-    // addresses and first-MMA choice folded, unless its job says ROLLED (registers).
+    // A warp of one row tile unrolls the loops, its addresses and first-MMA choice folded,
+    // unless its job says ROLLED (registers).
     constexpr int UNROLL = ROLLED ? 1 : GROUP / MMA_K;
     if constexpr (L::KIND == KIND_LEVELS) {
         const int g = threadIdx.x % WARP / 4;
@@ -564,7 +562,7 @@ struct TileShared {
 // One matrix: the tile rows are the matrix's rows from blockIdx.y * ROWS, y[t][row] their sums.
 template <class Shape>
 struct TileMatrix {
-    static constexpr bool ROLLED = Shape::I > 1;
+    static constexpr bool ROLLED = false;
     const uint8_t* weights;
     int64_t row_pitch;
     int rows;

@@ -172,8 +172,8 @@ class KernelTwins:
         return dequantize(blocks, type_name, (rows, n_in))
 
     def launch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
-        # Every entry reads its Q6_K matrices row-planar (`matrix`); the prefill tiles', the
-        # batched product's and get_rows' say so in their names.
+        # Every entry reads its Q6_K matrices row-planar (`matrix`); the batched product's and
+        # get_rows' say so in their names.
         name = name.removesuffix(plan.PLANAR_KERNEL)
         if name.startswith("mul_mat_vec_mma_"):
             # The tensor cores' matvec (mul_mat_vec_mma_<suffix>, its gate_up_<act>_<suffix>,
@@ -191,16 +191,12 @@ class KernelTwins:
             self.matmul(TYPE_OF_SUFFIX[name[len("mul_mat_vec_"):]], None, *args)
         elif name.startswith("mul_mat_batch"):
             self.batch(name, grid, args)
-        elif name.startswith("mul_mat_tiles_"):
-            tile_input, suffix = name[len("mul_mat_tiles_"):].split("_", 1)
-            assert tile_input in plan.TILE_INPUTS, name
-            self.matmul(TYPE_OF_SUFFIX[suffix], tile_input, *args)
         else:
             getattr(self, name)(grid, *args)
 
     def batch(self, name: str, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
-        """mul_mat_batch<N>_<input>_<suffix>, its gate_up_<act> and qkv entries: the prefill
-        tiles' numbers (the same sums, bit for bit, whatever N), on a grid of N-token tiles."""
+        """mul_mat_batch<N>_<input>_<suffix>, its gate_up_<act> and qkv entries: the same sums
+        whatever N (tile_product's numbers), on a grid of N-token tiles."""
         match = re.fullmatch(r"mul_mat_batch(\d+)_(gate_up_|qkv_)?(.*)", name)
         assert match is not None, name
         tokens, fused, rest = int(match.group(1)), match.group(2), match.group(3)
@@ -237,7 +233,7 @@ class KernelTwins:
                 x_stride: int, rows: int, n_in: int, n: int) -> np.ndarray:
         """(n, rows) float32: the matvec's products, one activation row at a time (a row's
         result is the same whatever else shares the launch, as the kernel promises), or with a
-        tile input the tiles'. The weights are
+        tile input the batched product's. The weights are
         decoded PRODUCT_ROWS rows at a time: a vocabulary's logits matrix decoded whole
         (gemma-3's: 671 MB of float32) cost seconds a step in fresh pages alone."""
         rows, n_in, pitch = int(rows), int(n_in), int(pitch)

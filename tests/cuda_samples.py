@@ -154,8 +154,8 @@ def penalties_twin(logits: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
 
 
 def float16_parts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 values split as the tiles split them: hi = f16(v), lo = f16(v - hi) (nearest
-    even; v - hi is exact in float32), both as float64."""
+    """float32 values split as the tensor-core kernels split them: hi = f16(v), lo =
+    f16(v - hi) (nearest even; v - hi is exact in float32), both as float64."""
     values = np.asarray(values, dtype=np.float32)
     hi = values.astype(np.float16)
     lo = (values - hi.astype(np.float32)).astype(np.float16)
@@ -197,7 +197,7 @@ def planar_names(layouts: dict[str, Any]) -> frozenset[str]:
 
 
 def tile_product(w: np.ndarray, x: np.ndarray, type_name: str) -> np.ndarray:
-    """x @ w.T as mul_mat_tiles_f16x2_<type> multiplies, summed exactly (float64): the
+    """x @ w.T as mul_mat_batch<N>_f16x2_<type> multiplies, summed exactly (float64): the
     activations split into float16 hi + lo (activation_parts: scaled by a power of two per 32
     elements), times the weights exactly (a quantized type's
     integer levels and F16's halves are exact in float16; level * scale + offset is w before

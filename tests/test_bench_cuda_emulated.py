@@ -46,9 +46,9 @@ def test_every_section_runs_and_reports(emulated: tuple[Any, Any], tmp_path: Pat
         (f"mul_mat_vec_mma_{t}", n) for t in ("q4_K", "q6_K") for _ in bench_cuda.MATVEC_SHAPES
         for n in (1, 8)]
     assert all(row["us"] > 0 for row in report["matvec_mma"])
-    assert [row["kernel"] for row in report["tiles"]] == [
-        "mul_mat_tiles_f16x2_q4_K", "mul_mat_tiles_f16x2_q6_K_planar"]
-    assert all(row["tokens"] == bench_cuda.PREFILL_TOKENS for row in report["tiles"])
+    assert [row["kernel"] for row in report["batch_prefill"]] == [
+        "mul_mat_batch64_f16x2_q4_K", "mul_mat_batch64_f16x2_q6_K_planar"]
+    assert all(row["tokens"] == bench_cuda.PREFILL_TOKENS for row in report["batch_prefill"])
     assert [(row["type"], row["tokens"]) for row in report["batch"]] == [
         (t, n) for t in ("Q4_K", "Q6_K") for _ in bench_cuda.MATVEC_SHAPES for n in (16, 32, 64)]
     assert all(row["kernel"].endswith("_planar") == (row["type"] == "Q6_K")

@@ -1,7 +1,7 @@
 """actors.compute.cuda end to end on the host: the real backend (packing, pinned copies, the
 launches of cuda_launches, graph capture and replay, candidate records, fetch_rows) over an
 emulated device whose kernels are numpy twins of cuda_src (tests/cuda_emulator.py), against
-the CPU model. Float16 KV and the tiles' float16 hi + lo activations are emulated, so this is
+the CPU model. Float16 KV and the tensor cores' float16 hi + lo activations are emulated, so this is
 also the backend's precision against the CPU, measured before any device runs it."""
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def test_tiny_models_match_the_cpu(emulated: tuple[Any, EmulatedDevice], name: s
     assert device.captures == 1 and device.replays == len(tokens) - 30
     # Both files' Q6_K matrices (v and down of a layer, the output or the tied embedding;
     # down's three blocks a row laid out otherwise than in the file) go to the tensor cores,
-    # held row-planar alone: the prompts' tiles read them so too.
-    assert {"mul_mat_vec_mma_q6_K", "mul_mat_tiles_f16x2_q6_K_planar"} <= set(device.launches)
+    # held row-planar alone: the prompts' batched products read them so too.
+    assert {"mul_mat_vec_mma_q6_K", "mul_mat_batch32_f16x2_q6_K_planar"} <= set(device.launches)
     # Their decode rows' q, k and v (Q4_K and Q6_K) in one launch with the finish.
     assert "mul_mat_vec_mma_qkv" in device.launches
     backend.close()
@@ -198,7 +198,7 @@ def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step(
 def test_a_prompts_logits_do_not_depend_on_the_prompts_sharing_its_step(
         emulated: tuple[Any, EmulatedDevice]) -> None:
     """A 5-token prompt alone, then beside another short one and a 20-token one (30 prefill
-    rows once took the tiles all together): its logits row is the same bits."""
+    rows once took one launch all together): its logits row is the same bits."""
     module, _ = emulated
     model = load_model(TINY_MODELS["qwen2-q4k-tiny"])
     backend = module.build_cuda_backend(model, KVRequest(blocks=8, block_size=BLOCK,
@@ -228,11 +228,11 @@ def test_masked_rows_give_the_cpu_references_candidates(
     assert device.captures == 2 and device.launches.count("apply_token_mask") == 2
 
 
-def test_a_prompt_on_the_tiles_after_a_decode_row_matches_the_cpu(
+def test_a_prompt_on_the_batched_product_after_a_decode_row_matches_the_cpu(
         emulated: tuple[Any, EmulatedDevice]) -> None:
     """A decode row and a 20-token prompt in one step: the decode row's q, k and v finished
-    in their fused QKV, the prompt's (rows 1 to 20, on the tiles) by qkv_finish over its own
-    rows (positions and slots from row 1 on): both logits rows match the CPU."""
+    in the mma matvec's fused QKV, the prompt's (rows 1 to 20) in the batched QKV's epilogue
+    over its own rows (positions and slots from row 1 on): both logits rows match the CPU."""
     module, device = emulated
     model = load_model(TINY_MODELS["qwen2-q4k-tiny"])
     tokens = reference_tokens("qwen2-q4k-tiny", 30)
@@ -245,7 +245,8 @@ def test_a_prompt_on_the_tiles_after_a_decode_row_matches_the_cpu(
         rows = backend.fetch_rows([0, 1])
     finally:
         backend.close()
-    assert device.launches.count("qkv_finish") == model.spec.n_layers  # the prompt's rows only
+    assert "qkv_finish" not in device.launches
+    assert device.launches.count("mul_mat_batch32_qkv_f16x2") == model.spec.n_layers
     for row, expected in zip(rows, (model.logits(tokens[:6])[5], model.logits(tokens[10:30])[19])):
         top = np.argsort(-expected)[:16]
         assert np.abs(row[top] - expected[top]).max() <= TOLERANCE

@@ -7,6 +7,7 @@ and the registry's reasons."""
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import math
 import shutil
 import sys
@@ -247,58 +248,71 @@ def test_the_decode_rows_number_picks_their_kernels(models: dict[str, GGUFFile],
     assert batches == {launches.bucket_for(streams, launches.graph_buckets(64))}
 
 
-def test_decode_rows_keep_their_kernels_when_a_prefill_shares_their_step(
+def test_a_long_prefill_joins_the_decode_rows_on_the_batched_product(
         models: dict[str, GGUFFile]) -> None:
+    """12 decode rows (past the matvec's 8) and a 20-token prompt: one batched product over
+    the step's 32 rows for every matrix of a layer (a row's sums are the same bits whatever
+    else shares its launch), q, k and v finished in the fused QKV's epilogue, gate and up in
+    their fused entry: seven launches a layer, with the prefill's attention beside the
+    decode rows'."""
     spec = spec_from_gguf(models["llama-tiny"])
     decode = [StepItem((i + 5,), 3 + i, (i,)) for i in range(12)]
-    items = [*decode, StepItem(tuple(range(1, 21)), 0, (12, 13))]
-    _, calls = _calls(models["llama-tiny"], items)
-    down = [c for c in calls if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
-    assert [_kind(c) for c in down] == ["mul_mat_batch16_f16x2_q4_K", "mul_mat_tiles_f16x2_q4_K"]
-    assert [int(c.args[8]) for c in down] == [12, 20]
-    assert down[1].args[2] == launches.Ref("gated", 12 * spec.ffn_dim * 4)
-    assert down[1].args[4] == launches.Ref("projected", 12 * spec.d_model * 4)
+    _, calls = _calls(models["llama-tiny"], [*decode, StepItem(tuple(range(1, 21)), 0, (12, 13))])
     layer = _layer_slices(calls)[0]
-    # The prefill rows' q, k and v on the tiles, their gate and up too, then their activation.
-    tiles = [c for c in layer if c.kernel.startswith("mul_mat_tiles_")]
-    assert [c.args[0].name.split(".")[2] for c in tiles] == [
-        "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
-    assert [c.args[4] for c in tiles[:3]] == [
-        launches.Ref("qkv", (12 * (spec.q_dim + 2 * spec.kv_dim) + column) * 4)
-        for column in (0, spec.q_dim, spec.q_dim + spec.kv_dim)]
-    # The decode rows finished in their qkv launch, the prefill rows by qkv_finish after
-    # their tiles: each over its own rows.
+    assert [_kind(c) for c in layer] == [
+        "residual_rms_norm", "mul_mat_batch32_qkv_f16x2", "attention_decode",
+        "attention_prefill", "mul_mat_batch32_f16x2_q4_K", "residual_rms_norm",
+        f"mul_mat_batch32_gate_up_{spec.activation}_f16x2_q4_K", "mul_mat_batch32_f16x2_q4_K"]
+    products = [c for c in layer if c.kernel.startswith("mul_mat_batch")]
+    assert [int(c.args[PRODUCT_ARGS - 1] if _fused_qkv(c) else c.args[-1]) for c in products] \
+        == [32, 32, 32, 32]
+    args = _layer_finish_args(layer)
+    assert (args["qkv"], args["positions"], args["slots"]) == (
+        launches.Ref("qkv"), launches.Ref("step.positions"), launches.Ref("step.slots"))
+    output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
+    assert [(c.kernel, int(c.args[8])) for c in output] == [
+        ("mul_mat_batch16_f16x2_q6_K_planar", 13)]  # 12 decode rows and 1 prefill
+
+
+def test_a_prefill_chunk_takes_the_batched_product_at_64_columns(
+        models: dict[str, GGUFFile]) -> None:
+    """A 100-token prompt alone: its products on 64-column blocks, two token tiles (the
+    batched QKV on 32-column ones, four); rows on the matvec keep theirs beside it."""
+    spec = spec_from_gguf(models["llama-tiny"])
+    prompt = StepItem(tuple(range(1, 101)), 0, tuple(range(10, 17)))
+    _, calls = _calls(models["llama-tiny"], [prompt])
+    layer = _layer_slices(calls)[0]
+    products = [c for c in layer if c.kernel.startswith("mul_mat")]
+    assert [c.kernel for c in products] == [
+        "mul_mat_batch32_qkv_f16x2", "mul_mat_batch64_f16x2_q4_K",
+        f"mul_mat_batch64_gate_up_{spec.activation}_f16x2_q4_K", "mul_mat_batch64_f16x2_q4_K"]
+    assert [c.launch.grid[0] for c in products] == [4, 2, 2, 2]
+    # Four decode rows on the matvec, the prompt's rows after them on the batched product,
+    # each run finished by its own fused QKV over its own rows.
+    decode = [StepItem((i + 5,), 3 + i, (i,)) for i in range(4)]
+    _, calls = _calls(models["llama-tiny"], [*decode, prompt])
+    layer = _layer_slices(calls)[0]
+    down = [c for c in layer if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
+    assert [(_kind(c), int(c.args[8])) for c in down] == [
+        ("mul_mat_vec", 4), ("mul_mat_batch64_f16x2_q4_K", 100)]
+    assert down[1].args[2] == launches.Ref("gated", 4 * spec.ffn_dim * 4)
+    assert down[1].args[4] == launches.Ref("projected", 4 * spec.d_model * 4)
     stride = spec.q_dim + 2 * spec.kv_dim
-    fused = next(c for c in layer if _fused_qkv(c))
-    finish = next(c for c in layer if c.kernel == "qkv_finish")
-    assert fused.kernel == "mul_mat_batch16_qkv_f16x2"
-    assert layer.index(finish) == layer.index(tiles[2]) + 1
-    assert finish.launch == plan.qkv_finish_launch(20, spec.n_heads + 2 * spec.n_kv_heads)
-    for call, first in ((fused, 0), (finish, 12)):
+    fused = [c for c in layer if _fused_qkv(c)]
+    assert [c.kernel for c in fused] == ["mul_mat_vec_mma_qkv", "mul_mat_batch32_qkv_f16x2"]
+    assert not any(c.kernel == "qkv_finish" for c in layer)
+    for call, first in zip(fused, (0, 4)):
         args = _finish_args(call)
         assert args["qkv"] == launches.Ref("qkv", first * stride * 4)
         assert (args["positions"], args["slots"]) == (launches.Ref("step.positions", first * 4),
                                                       launches.Ref("step.slots", first * 4))
-    assert int(fused.args[17]) == 12
-    gated = next(c for c in layer if c.kernel == "gated_silu")
-    assert gated.args == (launches.Ref("gate_up", 12 * 2 * spec.ffn_dim * 4),
-                          launches.Ref("gated", 12 * spec.ffn_dim * 4), 20, spec.ffn_dim)
-    fused = next(c for c in layer if "_gate_up_" in c.kernel)
-    assert fused.kernel == f"mul_mat_batch16_gate_up_{spec.activation}_f16x2_q4_K"
-    assert int(fused.args[-1]) == 12
-    output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
-    assert [int(c.args[8]) for c in output] == [13]  # 12 decode rows and 1 prefill
-    prefill = [StepItem(tuple(range(1, 21)), 0, (12, 13))]
-    _, alone = _calls(models["llama-tiny"], prefill)
-    assert all("tiles" in c.kernel for c in alone if c.kernel.startswith("mul_mat")
-               and c.args[4] != launches.Ref("logits"))
 
 
-def test_each_prefill_item_takes_the_matvec_or_the_tiles_by_its_own_length(
+def test_each_prefill_item_takes_the_matvec_or_the_batched_product_by_its_own_length(
         models: dict[str, GGUFFile]) -> None:
     """Two 5-token prompts together take the matvec as each alone does (10 rows would once
-    have gone to the tiles); a 20-token one between them the tiles; neighbours on the same
-    side share a launch; every logits row takes the batched product."""
+    have gone to the batched product); a 20-token one between them the batched product;
+    neighbours on the same side share a launch; every logits row takes the batched product."""
     spec = spec_from_gguf(models["llama-tiny"])
     items = [StepItem((5,), 3, (0,)), StepItem((6,), 4, (1,)),
              StepItem(tuple(range(1, 6)), 0, (2,)), StepItem(tuple(range(1, 21)), 0, (3, 4)),
@@ -307,12 +321,12 @@ def test_each_prefill_item_takes_the_matvec_or_the_tiles_by_its_own_length(
     shape = launches.step_shape(step, 8, launches.split_keys_for(spec.context_length),
                                 spec.context_length)
     assert launches.row_runs(shape) == [launches.RowRun(0, 7, launches.MATVEC),
-                                        launches.RowRun(7, 20, launches.TILES),
+                                        launches.RowRun(7, 20, launches.BATCH),
                                         launches.RowRun(27, 10, launches.MATVEC)]
     _, calls = _calls(models["llama-tiny"], items)
     down = [c for c in calls if c.args[0] == launches.Ref("blk.0.ffn_down.weight")]
     assert [(_kind(c), c.args[2].offset // (4 * spec.ffn_dim), int(c.args[8])) for c in down] \
-        == [("mul_mat_vec", 0, 7), ("mul_mat_tiles_f16x2_q4_K", 7, 20), ("mul_mat_vec", 27, 10)]
+        == [("mul_mat_vec", 0, 7), ("mul_mat_batch32_f16x2_q4_K", 7, 20), ("mul_mat_vec", 27, 10)]
     output = [c for c in calls if launches.Ref("logits") in c.args[4:5]]
     assert [(c.kernel.startswith("mul_mat_batch16_"), int(c.args[8])) for c in output] == [
         (True, 6)]
@@ -469,6 +483,18 @@ def planned_calls(models: dict[str, GGUFFile]) -> dict[str, launches.KernelCall]
         calls.update((call.kernel, call) for call in [*forward, *tail])
         for streams in (9, 40):  # the batched product's steps
             calls.update((call.kernel, call) for call in _decode_step(models[arch], streams))
+    # Types the fused launches do not join: an up matrix and a v of another type than their
+    # neighbours' (two products then the activation; on the matvec, a launch a matrix then
+    # qkv_finish).
+    gguf = models["llama-tiny"]
+    spec, layouts = spec_from_gguf(gguf), launches.tensor_layouts(gguf)
+    for name in ("blk.0.ffn_up.weight", "blk.0.attn_v.weight"):
+        layouts[name] = dataclasses.replace(layouts[name], type_name="Q8_0")
+    shape = launches.step_shape(_plan(spec, long_prefill), 8,
+                                launches.split_keys_for(spec.context_length),
+                                spec.context_length)
+    calls.update((call.kernel, call) for call in launches.forward_calls(
+        spec, layouts, shape, launches.TILE_INPUT))
     return calls
 
 

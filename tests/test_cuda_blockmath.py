@@ -207,7 +207,7 @@ def test_mma_lane_values_rebuild_every_value_bit_for_bit(blockmath: ctypes.CDLL,
 def test_planar_q6_K_rows_decode_and_stage_bit_for_bit(blockmath: ctypes.CDLL, kind: str,
                                                        blocks_a_row: int) -> None:
     """Row-planar Q6_K rows (the layout the device holds every Q6_K matrix in) give back
-    quants.py's values through get_rows_q6_K_planar's decode, and through the prefill tiles'
+    quants.py's values through get_rows_q6_K_planar's decode, and through the batched product's
     staging of each block (type_q6_K_planar's pieces from three planes, d at its slot in the d
     piece) and tile_levels: every element, rows of 1 to 17 blocks (a d piece holds 8), no
     piece read past the row's pitch."""

@@ -101,6 +101,10 @@ def test_budget_report(report: dict) -> None:
         # + act one
         batched = report["decode_step"][f"llama3_8b_q4_k_m_{streams}_streams"]
         assert batched["kernels_per_layer"] == llama["kernels_per_layer"]
+    # A prefill chunk's layer on the batched product: the same count (its attention in place
+    # of the decode rows')
+    prefill = report["prefill_step"]["llama3_8b_q4_k_m_512_tokens"]
+    assert prefill["kernels_per_layer"] == llama["kernels_per_layer"]
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,

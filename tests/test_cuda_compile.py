@@ -104,5 +104,6 @@ def test_spills_and_local_memory_fail_the_check(tmp_path: Path) -> None:
 def test_a_compile_past_its_limit_fails_its_test_naming_the_file_and_arch(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(sys.modules[__name__], "COMPILE_TIMEOUT_S", 0.01)
-    with pytest.raises(pytest.fail.Exception, match=r"nvcc did not finish matmul\.cu for sm_80"):
-        compile_cubin(kernel_source_dir() / "matmul.cu", "80", tmp_path / "matmul.cubin")
+    with pytest.raises(pytest.fail.Exception,
+                       match=r"nvcc did not finish matmul_batch\.cu for sm_80"):
+        compile_cubin(kernel_source_dir() / "matmul_batch.cu", "80", tmp_path / "batch.cubin")

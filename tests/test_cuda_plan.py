@@ -106,9 +106,12 @@ def test_workspace_buffers_scale_with_the_step() -> None:
     assert small["partial_acc"] == 8 * 32 * 4 * 128 * 4
     assert small["attention_counters"] == 8 * 32 * 4  # at most one per (sequence, head)
     assert small["qkv_counters"] == (32 + 2 * 8) * 4  # one per head of the qkv row
-    # ... per 32-token tile of the batched product's fused QKV
+    # ... per 32-token tile of the batched product's fused QKV, over all of a step's tokens
+    # (a prefill chunk takes it too)
     many = memory.workspace_buffers(LLAMA3_8B, memory.StepLimits(64, 33, 4, 64))
     assert many["qkv_counters"] == (32 + 2 * 8) * 2 * 4
+    chunk = memory.workspace_buffers(LLAMA3_8B, memory.StepLimits(520, 8, 4, 64))
+    assert chunk["qkv_counters"] == (32 + 2 * 8) * 17 * 4
     assert small["candidate_partials"] == 8 * 32 * (2 + 2 * 64) * 4
     assert small["candidate_counters"] == 8 * 4
     assert set(memory.ZEROED_BUFFERS) <= set(small)
@@ -138,17 +141,16 @@ def test_matrix_kernels_are_named_for_the_layout_the_device_holds() -> None:
     with pytest.raises(InvalidRequest, match="mul_mat_vec_mma"):
         plan.matvec_kernel("Q4_K")
     assert plan.matvec_mma_kernel("Q6_K") == "mul_mat_vec_mma_q6_K"
-    assert plan.tiles_kernel("Q6_K") == "mul_mat_tiles_f16x2_q6_K_planar"
-    assert plan.tiles_kernel("BF16", "f16x2") == "mul_mat_tiles_f16x2_bf16"
     assert plan.batch_kernel("Q6_K", 9) == "mul_mat_batch16_f16x2_q6_K_planar"
+    assert plan.batch_kernel("BF16", 512, "f16x2") == "mul_mat_batch64_f16x2_bf16"
     assert plan.get_rows_kernel("Q6_K") == "get_rows_q6_K_planar"
     assert plan.get_rows_kernel("Q4_K") == "get_rows_q4_K"
     with pytest.raises(InvalidRequest, match="tile input"):
-        plan.tiles_kernel("Q4_K", "f16")
+        plan.batch_kernel("Q4_K", 512, "f16")
     # token tiles fastest: the 8 blocks sharing a 64-row weight tile run together
-    assert plan.tiles_launch(4096, 512) == plan.Launch((8, 64, 1), (128, 1, 1))
-    assert plan.tiles_launch(100, 65) == plan.Launch((2, 2, 1), (128, 1, 1))
-    assert plan.tiles_launch(262144, 9) == plan.Launch((1, 4096, 1), (128, 1, 1))
+    assert plan.batch_launch(4096, 512) == plan.Launch((8, 64, 1), (128, 1, 1))
+    assert plan.batch_launch(100, 65) == plan.Launch((2, 2, 1), (128, 1, 1))
+    assert plan.batch_launch(262144, 9) == plan.Launch((1, 4096, 1), (128, 1, 1))
 
 
 def test_matvec_splits_follow_n_in_only() -> None:

@@ -115,10 +115,10 @@ def test_the_emulated_mma_matvec_reads_a_q6_K_matrix_from_its_planar_copy() -> N
         gated_twin("gelu_tanh", gates, x @ decoded["up"].T), rtol=1e-3, atol=1e-3)
 
 
-def test_the_emulated_planar_tiles_and_gather_read_a_row_planar_matrix() -> None:
-    """mul_mat_tiles_f16x2_q6_K_planar's twin on a planar matrix gives the tiles' products of
-    the decoded matrix, and get_rows_q6_K_planar's the decoded rows; on the file's layout they
-    do not."""
+def test_the_emulated_planar_batched_product_and_gather_read_a_row_planar_matrix() -> None:
+    """mul_mat_batch<N>_f16x2_q6_K_planar's twin on a planar matrix gives the batched
+    product's sums of the decoded matrix, and get_rows_q6_K_planar's the decoded rows; on the
+    file's layout they do not."""
     rng = np.random.default_rng(9)
     memory, pitch = Memory(), np.int64(plan.row_pitch("Q6_K", N_IN))
     twins = KernelTwins(memory)
@@ -126,9 +126,9 @@ def test_the_emulated_planar_tiles_and_gather_read_a_row_planar_matrix() -> None
     tokens = 12
     x = rng.standard_normal((tokens, N_IN)).astype(np.float32)
     x_at = _floats(memory, x)
-    grid = plan.tiles_launch(ROWS, tokens).grid
+    grid = plan.batch_launch(ROWS, tokens).grid
 
-    def tiles(kernel: str, planar: bool) -> np.ndarray:
+    def products(kernel: str, planar: bool) -> np.ndarray:
         y_at = memory.allocate(4 * tokens * ROWS)
         twins.launch(kernel, grid, (np.uintp(_upload(memory, raw, planar)), pitch,
                                     np.uintp(x_at), np.int32(N_IN), np.uintp(y_at),
@@ -136,11 +136,11 @@ def test_the_emulated_planar_tiles_and_gather_read_a_row_planar_matrix() -> None
                                     np.int32(tokens)))
         return memory.view(y_at, np.float32, tokens * ROWS).copy()
 
-    planar_kernel = plan.tiles_kernel("Q6_K")
+    planar_kernel = plan.batch_kernel("Q6_K", tokens)
     expected = tile_product(dequantize(raw, "Q6_K", (ROWS, N_IN)), x, "Q6_K").astype(
         np.float32).ravel()
-    np.testing.assert_array_equal(tiles(planar_kernel, planar=True), expected)
-    assert not np.allclose(tiles(planar_kernel, planar=False), expected, atol=1e-1)
+    np.testing.assert_array_equal(products(planar_kernel, planar=True), expected)
+    assert not np.allclose(products(planar_kernel, planar=False), expected, atol=1e-1)
 
     ids = np.array([3, 0, ROWS - 1], dtype=np.int32)
     ids_at = memory.allocate(ids.nbytes)
@@ -155,23 +155,27 @@ def test_the_emulated_planar_tiles_and_gather_read_a_row_planar_matrix() -> None
         assert np.array_equal(gathered, expected) == planar
 
 
-# A decode row, a short prefill item (the matvec's length) and a long one (the tiles').
+# A decode row, a short prefill item (the matvec's length) and a long one (the batched
+# product's).
 STEP_ITEMS = [StepItem((5,), 3, (0,)), StepItem((7, 8, 9), 0, (1,)),
               StepItem(tuple(range(10, 22)), 0, (2,))]
 
 
 def _reads_planar(kernel: str, layout: launches.MatrixLayout) -> bool:
     """Whether `kernel` reads a matrix of `layout`'s type row-planar: the planar entries
-    (prefill tiles, get_rows), and mul_mat_vec_mma's Q6_K products (its qkv per segment)."""
+    (the batched product's, get_rows), and the Q6_K products of mul_mat_vec_mma (its qkv per
+    segment) and of the batched QKV (a segment's type code is its held type's)."""
+    batched_qkv = kernel.startswith("mul_mat_batch") and "_qkv_" in kernel
     return kernel.endswith(plan.PLANAR_KERNEL) or (
-        kernel.startswith("mul_mat_vec_mma_") and layout.type_name == "Q6_K")
+        (kernel.startswith("mul_mat_vec_mma_") or batched_qkv) and layout.type_name == "Q6_K")
 
 
 @pytest.mark.parametrize("untied", [False, True])
 def test_every_q6_K_matrix_lies_row_planar_and_is_read_so(untied: bool) -> None:
     """The tiny qwen2 (Q6_K tied embedding, v and down of layer 2): every Q6_K matrix lies on
     the device row-planar, once, and each launch that reads one (the mma matvec's products,
-    gate + up and qkv, the logits rows, the prefill tiles, the embedding gather; short
+    gate + up and qkv, the logits rows, the batched product's and its qkv, the embedding
+    gather; short
     prefill items on the matvec) reads that layout; no launch reads a matrix in a layout it
     does not have."""
     with open_gguf(TINY_MODELS["qwen2-q4k-tiny"]) as gguf:
@@ -205,10 +209,10 @@ def test_every_q6_K_matrix_lies_row_planar_and_is_read_so(untied: bool) -> None:
                     (call.kernel, arg.name)
                 read.add((call.kernel, arg.name))
     assert {kernel for kernel, name in read if name in planar} >= {
-        "get_rows_q6_K_planar", "mul_mat_tiles_f16x2_q6_K_planar", "mul_mat_vec_mma_q6_K",
-        "mul_mat_vec_mma_qkv"}
+        "get_rows_q6_K_planar", "mul_mat_batch16_f16x2_q6_K_planar", "mul_mat_vec_mma_q6_K",
+        "mul_mat_vec_mma_qkv", "mul_mat_batch16_qkv_f16x2"}
     assert launches.row_runs(shape) == [launches.RowRun(0, 4, launches.MATVEC),
-                                        launches.RowRun(4, 12, launches.TILES)]
+                                        launches.RowRun(4, 12, launches.BATCH)]
     if untied:
         fused = plan.matvec_mma_gate_up_kernel(spec.activation, "Q6_K")
         assert [c.args[:2] for c in calls if c.kernel == fused] == [
@@ -216,7 +220,7 @@ def test_every_q6_K_matrix_lies_row_planar_and_is_read_so(untied: bool) -> None:
 
 
 def test_every_q6_K_entry_reads_the_row_planar_layout() -> None:
-    """Only Q6_K lies row-planar; its prefill tiles', batched product's and get_rows' entries
+    """Only Q6_K lies row-planar; its batched product's and get_rows' entries
     are their planar ones, the mma matvec's read that layout, the CUDA-core matvec has none."""
     assert [plan.holds_planar(t) for t in ("Q6_K", "Q4_K")] == [True, False]
     entries = {e for file in plan.kernel_entry_points().values() for e in file}
@@ -224,7 +228,7 @@ def test_every_q6_K_entry_reads_the_row_planar_layout() -> None:
     assert {e for e in q6_K if not e.endswith(plan.PLANAR_KERNEL)} == {
         plan.matvec_mma_kernel("Q6_K"),
         *(plan.matvec_mma_gate_up_kernel(a, "Q6_K") for a in plan.ACTIVATIONS)}
-    assert {plan.tiles_kernel("Q6_K"), plan.get_rows_kernel("Q6_K"),
-            plan.batch_kernel("Q6_K", 40)} <= q6_K
+    assert {plan.batch_kernel("Q6_K", 512), plan.get_rows_kernel("Q6_K"),
+            plan.batch_kernel("Q6_K", 9)} <= q6_K
     with pytest.raises(InvalidRequest, match="mul_mat_vec_mma"):
         plan.matvec_kernel("Q6_K")

@@ -18,8 +18,8 @@ The step's row count picks the kernels (`row_runs`): decode rows up to
 plan.MATVEC_MMA_MAX_ROWS take the matvec (mul_mat_vec_mma, the matvec on the tensor cores,
 for the block types it serves; the CUDA-core mul_mat_vec for the others), more decode rows the
 batched product (mul_mat_batch<N>, each weight byte unpacked once a step); a short prefill
-item takes the matvec too, a long one the prefill tiles, a launch per matrix; the logits rows
-always take the batched product. A sequence's tokens do not depend on what else shares its
+item takes the matvec too, a long one the batched product at 64 token columns a block; the
+logits rows always take the batched product. A sequence's tokens do not depend on what else shares its
 step. The Q6_K matrices lie on the device row-planar alone (`MatrixLayout.planar`): every
 kernel that reads one has an entry for that layout, and none for the file's.
 
@@ -28,7 +28,7 @@ the mma matvec serves q, k and v, mul_mat_vec_qkv where it serves none, mul_mat_
 past 8 rows; its epilogue finishes q, k and v: biases, q/k norms, RoPE, the K/V write),
 attention_decode, the output product, residual_rms_norm, the fused gate+up+activation, the
 down product. A matvec run whose q, k and v the mma matvec serves in part takes a launch a
-matrix then qkv_finish, as do rows on the prefill tiles.
+matrix then qkv_finish.
 """
 
 from __future__ import annotations
@@ -220,15 +220,14 @@ def _i32(value: int) -> np.int32:
 
 
 # A RowRun's kernels: the matvec (mul_mat_vec_mma where it serves a matrix's block type, the
-# CUDA-core mul_mat_vec for the others), the batched product (mul_mat_batch) or the prefill
-# tiles (mul_mat_tiles).
-MATVEC, BATCH, TILES = "matvec", "batch", "tiles"
+# CUDA-core mul_mat_vec for the others) or the batched product (mul_mat_batch).
+MATVEC, BATCH = "matvec", "batch"
 
 
 @dataclass(frozen=True)
 class RowRun:
     """Consecutive rows of a step that one launch per product serves: `rows` rows from
-    `first`, on `kernels` (MATVEC, BATCH or TILES)."""
+    `first`, on `kernels` (MATVEC or BATCH)."""
 
     first: int
     rows: int
@@ -239,15 +238,15 @@ def row_runs(shape: StepShape) -> list[RowRun]:
     """The step's rows in launches: the decode rows on the matvec up to
     plan.MATVEC_MMA_MAX_ROWS of them (a graph bucket's bound), else on the batched product;
     each prefill item on the matvec when it is short (plan.uses_matvec of its own length),
-    else on the prefill tiles; neighbours on the same kernels share a launch. A decode row's
-    kernels depend on the number of decode rows alone, a prefill row's on its own item, and
-    each kernel's rows are independent of each other, so a row's sums are the same bits among
-    the steps that give it the same kernels (a decode row never shares a prefill tile), and
+    else on the batched product; neighbours on the same kernels share a launch. A decode
+    row's kernels depend on the number of decode rows alone, a prefill row's on its own item,
+    and each kernel's rows are independent of each other (the batched product's whatever its
+    N), so a row's sums are the same bits among the steps that give it the same kernels, and
     its greedy tokens the same at any number of streams."""
     runs: list[RowRun] = []
     decode_kernels = MATVEC if shape.n_decode <= plan.MATVEC_MMA_MAX_ROWS else BATCH
     items = [(shape.n_decode, decode_kernels)] if shape.n_decode else []
-    items += [(n, MATVEC if plan.uses_matvec(n) else TILES) for n in shape.prefill_lengths]
+    items += [(n, MATVEC if plan.uses_matvec(n) else BATCH) for n in shape.prefill_lengths]
     first = 0
     for rows, kernels in items:
         if runs and runs[-1].kernels == kernels:
@@ -280,21 +279,15 @@ def matvec_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride
                        _i32(matrix.rows), _i32(matrix.row_length), _i32(batch)))
 
 
-def tiles_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
-               y_stride: int, n_tokens: int, tile_input: str,
-               kernels: str = TILES) -> KernelCall:
-    """y[t][r] = W[r] . x[t] for the matrix `name` on the tensor-core tiles: TILES for a run
-    of prefill items each too long for the matvec, BATCH for the batched product (any rows:
-    the prefill tiles' sums)."""
+def batch_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int, y: Ref,
+               y_stride: int, n_tokens: int, tile_input: str) -> KernelCall:
+    """y[t][r] = W[r] . x[t] for the matrix `name` on the batched product, t < n_tokens (any
+    number: N = plan.batch_tokens(n_tokens) columns a block, more token tiles past 64)."""
     matrix = weights[name]
-    args = (Ref(name), np.int64(matrix.pitch), x, _i32(x_stride), y, _i32(y_stride),
-            _i32(matrix.rows), _i32(matrix.row_length), _i32(n_tokens))
-    if kernels == BATCH:
-        return KernelCall(plan.batch_kernel(matrix.type_name, n_tokens, tile_input),
-                          plan.batch_launch(matrix.rows, n_tokens), args)
-    assert not plan.uses_matvec(n_tokens), n_tokens
-    return KernelCall(plan.tiles_kernel(matrix.type_name, tile_input),
-                      plan.tiles_launch(matrix.rows, n_tokens), args)
+    return KernelCall(plan.batch_kernel(matrix.type_name, n_tokens, tile_input),
+                      plan.batch_launch(matrix.rows, n_tokens),
+                      (Ref(name), np.int64(matrix.pitch), x, _i32(x_stride), y, _i32(y_stride),
+                       _i32(matrix.rows), _i32(matrix.row_length), _i32(n_tokens)))
 
 
 def product_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int,
@@ -303,8 +296,7 @@ def product_call(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_strid
     run_x, run_y = _rows_in(x, run.first, x_stride), _rows_in(y, run.first, y_stride)
     if run.kernels == MATVEC:
         return matvec_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows)
-    return tiles_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows, tile_input,
-                      run.kernels)
+    return batch_call(weights, name, run_x, x_stride, run_y, y_stride, run.rows, tile_input)
 
 
 def matmul_calls(weights: Mapping[str, MatrixLayout], name: str, x: Ref, x_stride: int,
@@ -443,13 +435,12 @@ def qkv_finish_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run: R
 def fused_gate_up_call(spec: ModelSpec, weights: Mapping[str, MatrixLayout], run: RowRun,
                        layer: int, tile_input: str) -> KernelCall | None:
     """`gated` = act(gate x) * (up x) over the run's rows in one launch, where gate and up
-    share a block type and the run's kernels have a fused entry (all but the prefill tiles):
-    the batched product's, else mul_mat_vec_mma's where it serves the matrices and the
-    CUDA-core matvec's where it does not. None where nothing fuses."""
+    share a block type: the batched product's fused entry, else mul_mat_vec_mma's where it
+    serves the matrices and the CUDA-core matvec's where it does not. None where they differ."""
     d, ffn = spec.d_model, spec.ffn_dim
     gate, up = f"blk.{layer}.ffn_gate.weight", f"blk.{layer}.ffn_up.weight"
     type_name = weights[gate].type_name
-    if type_name != weights[up].type_name or run.kernels == TILES:
+    if type_name != weights[up].type_name:
         return None
     args = (Ref(gate), Ref(up), np.int64(weights[gate].pitch),
             _rows_in(Ref("normed"), run.first, d), _i32(d),
@@ -545,8 +536,8 @@ def forward_calls(spec: ModelSpec, weights: Mapping[str, MatrixLayout], shape: S
         # The logits rows on the batched product whatever their number (the output matrix read
         # and unpacked once a step), each independent of the others.
         output = "token_embd.weight" if spec.tied_output else "output.weight"
-        calls.append(tiles_call(weights, output, final, spec.d_model, Ref("logits"),
-                                spec.vocab_size, shape.n_logit_rows, tile_input, BATCH))
+        calls.append(batch_call(weights, output, final, spec.d_model, Ref("logits"),
+                                spec.vocab_size, shape.n_logit_rows, tile_input))
     return calls
 
 

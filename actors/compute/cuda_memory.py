@@ -41,7 +41,7 @@ def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
     in ZEROED_BUFFERS must be zero-filled once when allocated."""
     t, rows, f32 = limits.max_tokens, limits.max_rows, 4
     partials = rows * spec.n_heads * limits.max_splits
-    token_tiles = -(-rows // plan.BATCH_QKV_TOKENS)
+    token_tiles = -(-t // plan.BATCH_QKV_TOKENS)
     return {
         "x": t * spec.d_model * f32,
         "normed": t * spec.d_model * f32,
@@ -60,8 +60,8 @@ def workspace_buffers(spec: ModelSpec, limits: StepLimits) -> dict[str, int]:
         # attention_decode: one counter per (sequence, block row of heads) <= n_heads.
         "attention_counters": rows * spec.n_heads * 4,
         # The fused QKV kernels: one counter per head of the qkv row (its blocks that have
-        # stored), per token tile of the batched QKV (at most BATCH_QKV_TOKENS rows a tile;
-        # the matvecs' take every row in one).
+        # stored), per token tile of the batched QKV (at most BATCH_QKV_TOKENS of a step's
+        # tokens a tile, a prefill chunk's too; the matvecs' take every row in one).
         "qkv_counters": (spec.n_heads + 2 * spec.n_kv_heads) * token_tiles * 4,
         "final": rows * spec.d_model * f32,  # the logits rows' normed states, gathered
         "candidates": rows * plan.candidate_record_words(limits.max_candidates) * 4,

@@ -3,8 +3,8 @@
 What the CUDA actor decides about its kernels before it touches the device lives here, so it
 is tested on every machine: where the kernel sources are and what their entry points are
 called, and each kernel's launch geometry (which kernel multiplies a matrix: the tensor
-cores' matvec, the CUDA-core matvec for the block types that one does not serve, the
-batched product or the prefill tiles). The device memory's plan (workspace, KV pool) is
+cores' matvec, the CUDA-core matvec for the block types that one does not serve, or the
+batched product). The device memory's plan (workspace, KV pool) is
 actors.compute.cuda_memory's; the weights' device image actors.compute.cuda_weights'; the
 launches of a step, and the graph bucket it replays, actors.compute.cuda_launches'; its int32
 arrays, actors.compute.cuda_packing's. The layouts named here are the kernels' (see the
@@ -30,8 +30,8 @@ KERNEL_TYPE_SUFFIX = {
     "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
     "Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K", "F32": "f32", "F16": "f16", "BF16": "bf16",
 }
-# What mul_mat_tiles feeds the tensor cores: exact float16 weight levels and the activations
-# split into float16 hi + lo parts (see cuda_src/matmul.cu).
+# What the batched product feeds the tensor cores: exact float16 weight levels and the
+# activations split into float16 hi + lo parts (see cuda_src/matmul_batch.cu).
 TILE_INPUTS = ("f16x2",)
 # The gated activations: activation.cu's gated_<act> and matvec.cu's fused gate+up entries.
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -43,10 +43,8 @@ MATVEC_WARPS = 8  # warps per matvec block: MATVEC_WARPS / splits rows of warps 
 MATVEC_ROWS_PER_WARP = 4
 MATVEC_SPLIT_INPUTS = 2048  # K-split: one split per this many inputs, a power of two <= WARPS
 # A prefill item of at most this many tokens takes the matvecs (uses_matvec), a longer one
-# the prefill tiles.
+# the batched product.
 MATVEC_MAX_BATCH = 8
-TILE_ROWS = TILE_TOKENS = 64  # a tiles block's share of y; its grid runs token tiles fastest
-TILE_THREADS = 128
 # mul_mat_vec_mma (matvec_mma.cu): the matvec on the tensor cores, one MMA row tile of 16
 # rows a block, 8 warps splitting K; the block types it has entries for. The CUDA-core matvec
 # (matvec.cu) has entries for the other types alone (MATVEC_TYPES): it multiplies the rows
@@ -60,7 +58,8 @@ PLANAR_TYPES = ("Q6_K",)
 PLANAR_KERNEL = "_planar"  # the suffix of those entries, after the block type's
 MATVEC_MMA_ROWS, MATVEC_MMA_THREADS = 16, 256
 # The batched product (matmul_batch.cu): 64 weight rows x N token columns a block, N the
-# fewest of BATCH_TOKENS holding the step's rows (64 columns a token tile past them).
+# fewest of BATCH_TOKENS holding the step's rows (64 columns a token tile past them: a
+# prefill chunk's); its grid runs token tiles fastest.
 BATCH_TOKENS = (16, 32, 64)
 BATCH_QKV_TOKENS = 32  # the batched QKV's most token columns a block (matmul_batch.cu)
 BATCH_ROWS, BATCH_THREADS = 64, 128
@@ -135,7 +134,6 @@ def kernel_entry_points() -> dict[str, tuple[str, ...]]:
                       *(gate_up_kernel(a, kernel_suffix(t)) for a in ACTIVATIONS
                         for t in MATVEC_TYPES),
                       "mul_mat_vec_qkv"),
-        "matmul.cu": tuple(tiles_kernel(t, i) for t in types for i in TILE_INPUTS),
         "matmul_batch.cu": (*(batch_kernel(t, n, i) for n in BATCH_TOKENS for t in types
                               for i in TILE_INPUTS),
                             *(batch_gate_up_kernel(a, t, n, i) for a in ACTIVATIONS
@@ -243,7 +241,8 @@ def _check_grid(launch: Launch) -> Launch:
 
 def uses_matvec(n_tokens: int) -> bool:
     """A prefill item of up to MATVEC_MAX_BATCH tokens takes the matvecs; a longer one goes to
-    the prefill tiles. (Decode rows take their kernels by their number: cuda_launches.row_runs.)"""
+    the batched product. (Decode rows take their kernels by their number:
+    cuda_launches.row_runs.)"""
     return n_tokens <= MATVEC_MAX_BATCH
 
 
@@ -265,18 +264,6 @@ def _tile_input(tile_input: str) -> str:
         raise InvalidRequest(f"tile input must be one of {TILE_INPUTS}, got {tile_input!r}",
                              field="tile_input")
     return tile_input
-
-
-def tiles_kernel(type_name: str, tile_input: str = TILE_INPUTS[0]) -> str:
-    """The prefill tiles' entry point of a `type_name` matrix, as the device holds it."""
-    return f"mul_mat_tiles_{_tile_input(tile_input)}_{_layout_suffix(type_name)}"
-
-
-def tiles_launch(rows: int, n_tokens: int) -> Launch:
-    """mul_mat_tiles: 64 x 64 tiles of y, token tiles fastest (the blocks sharing a weight
-    tile run together and read it from DRAM once)."""
-    return _check_grid(Launch((_blocks(n_tokens, TILE_TOKENS), _blocks(rows, TILE_ROWS), 1),
-                              (TILE_THREADS, 1, 1)))
 
 
 def get_rows_kernel(type_name: str) -> str:
@@ -322,7 +309,7 @@ def batch_tokens(n_tokens: int, most: int = BATCH_TOKENS[-1]) -> int:
 
 def batch_kernel(type_name: str, n_tokens: int, tile_input: str = TILE_INPUTS[0]) -> str:
     """The batched product's entry point of a `type_name` matrix for n_tokens rows, as the
-    device holds it: bit for bit the prefill tiles' sums, whatever n_tokens."""
+    device holds it: a row's sums the same bits whatever n_tokens."""
     return (f"mul_mat_batch{batch_tokens(n_tokens)}_{_tile_input(tile_input)}_"
             f"{_layout_suffix(type_name)}")
 
@@ -336,8 +323,8 @@ def batch_gate_up_kernel(activation: str, type_name: str, n_tokens: int,
 
 def batch_launch(rows: int, n_tokens: int, rows_per_block: int = BATCH_ROWS,
                  most: int = BATCH_TOKENS[-1]) -> Launch:
-    """mul_mat_batch<N>: token tiles of N (batch_tokens, at most `most`) fastest, BATCH_ROWS
-    rows a block; the gate+up entry passes 32 ffn rows a block (32 gate and the same 32 up
+    """mul_mat_batch<N>: token tiles of N (batch_tokens, at most `most`) fastest (the blocks
+    sharing a weight tile run together and read it from DRAM once), BATCH_ROWS rows a block; the gate+up entry passes 32 ffn rows a block (32 gate and the same 32 up
     rows), the QKV entry the rows of its three matrices one after the other."""
     return _check_grid(Launch((_blocks(n_tokens, batch_tokens(n_tokens, most)),
                                _blocks(rows, rows_per_block), 1), (BATCH_THREADS, 1, 1)))

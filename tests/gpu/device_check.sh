@@ -10,8 +10,8 @@
 #   3. beside the tests: benchmarks/synthetic_gguf.py, the Llama-3-8B-shaped Q4_K_M file, and
 #      how long it takes there (SYNTHETIC_LAYERS, default 32), and the grown gemma-3;
 #   4. benchmarks/bench_cuda.py (the decode products in effective TB/s: the mma matvec at 1
-#      and 8 rows, the batched product at 16 / 32 / 64; copy bandwidth; the prefill tiles at
-#      512 tokens; whole-model decode at 1 / 8 / 32 / 64 streams and prefill 512 tok/s on that
+#      and 8 rows, the batched product at 16 / 32 / 64 and at 512 tokens; copy bandwidth;
+#      whole-model decode at 1 / 8 / 32 / 64 streams and prefill 512 tok/s on that
 #      file and, where its file is here, gemma-3-270m; launches per decode step);
 #   5. Nsight Compute (ncu) on the benchmark's matrix kernels, where ncu is there.
 # The model files and bench_cuda.json stay in /tmp for tests/gpu/device_anchors.sh: llama.cpp's

@@ -3,7 +3,7 @@ reference sequences of the four models, and the engine on backend="cuda" (concur
 equals solo, cancellation, an injected step failure, launches per decode step).
 
 Model check: every reference sequence of a model at once, the first half prefilled in chunks
-of varied sizes (several items per step: matvec, tensor-core tiles and the gathered logits
+of varied sizes (several items per step: matvec, batched product and the gathered logits
 rows), the rest decoded one token per sequence per step (the decode graphs). At every position
 with a logits row: the CUDA row at the CPU row's top-16 ids within 0.05 of the CPU's, and the
 teacher-forced top-1 of both agreeing at >= 99% of the positions.
@@ -39,7 +39,7 @@ MODELS = ("llama-q4k-tiny", "qwen2-q4k-tiny", "qwen3-q4k-tiny", "llama3-q4k-tiny
           "gemma3-scaled-q4k-tiny", "phi3-q4k-tiny", "smollm2-135m", "gemma3-270m")
 TOP16_TOLERANCE = 0.05
 TOP1_AGREEMENT = 0.99
-CHUNKS = (37, 5, 64, 200, 8, 9)  # prefill chunk sizes, in turn: matvec, tiles, both sides of 8
+CHUNKS = (37, 5, 64, 200, 8, 9)  # prefill chunk sizes, in turn: matvec, batched, both sides of 8
 BLOCK = 16
 
 
@@ -231,8 +231,9 @@ def test_greedy_tokens_do_not_depend_on_the_streams_sharing_the_step() -> None:
 
 
 def test_a_prompts_logits_do_not_depend_on_the_prompts_sharing_its_step() -> None:
-    """Each prefill item takes the matvec or the tiles by its own length: a 5-token prompt's
-    logits row is the same bits alone and beside a short and a 20-token prompt."""
+    """Each prefill item takes the matvec or the batched product by its own length: a
+    5-token prompt's logits row is the same bits alone and beside a short and a 20-token
+    prompt."""
     model = open_model(TINY_MODELS["qwen2-q4k-tiny"])
     backend = BACKENDS["cuda"].build(model, KVRequest(blocks=8, block_size=BLOCK,
                                                       max_sequences=4))
@@ -260,8 +261,8 @@ def test_masked_rows_give_the_cpu_references_candidates() -> None:
 # --- the engine on backend="cuda" -----------------------------------------------------------
 
 # Token-id prompts of more than MATVEC_MAX_BATCH tokens: alone or together, a prompt's rows
-# then take the tensor-core tiles (and every decode row the matvec), so each sequence's math is
-# the same either way and greedy tokens must match exactly.
+# then take the batched product (and the decode rows theirs by their number), so each
+# sequence's math is the same either way and greedy tokens must match exactly.
 PROMPTS = [tuple(int(t) for t in np.random.default_rng(i).integers(10, 1000, 12 + i))
            for i in range(6)]
 ENGINE_MODEL = "qwen2-q4k-tiny"

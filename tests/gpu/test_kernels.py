@@ -211,21 +211,11 @@ def test_fused_gate_up_equals_matvec_then_gated(kernel: Kernel, type_name: str, 
     np.testing.assert_array_equal(got[:, :ffn].view(np.uint32), expected.get().view(np.uint32))
 
 
-def tiles(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
-          tokens: int) -> np.ndarray:
-    """mul_mat_tiles of raw blocks (as the device holds them: Q6_K row-planar) with the first
-    `tokens` rows of x (x's stride: its width); y's 3 spare columns must stay NaN."""
-    rows, n_in = raw.shape[0], x.shape[1] - 4
-    return product_rows(kernel("matmul.cu", plan.tiles_kernel(type_name)),
-                        plan.tiles_launch(rows, tokens), device_rows(raw, type_name, n_in),
-                        type_name, x, tokens, rows)
-
-
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("type_name", ALL_TYPES)
-def test_tensor_core_tiles_match_their_twin(kernel: Kernel, type_name: str,
-                                            wide: bool) -> None:
-    """100 rows x 70 tokens (partial 64 x 64 tiles at both edges), padded strides, and for
+def test_batched_product_matches_its_twin(kernel: Kernel, type_name: str, wide: bool) -> None:
+    """100 rows x 70 tokens (a prefill chunk's 64-column blocks, partial at both edges),
+    padded strides, and for
     the 32-element types a row of 17 groups (a partial last weight chunk); `wide` rows (2304
     / 2336 inputs: a planar Q6_K row's 9 blocks take both pieces of its d plane). tile_product
     sums the kernel's exact products; its float32 accumulation
@@ -238,7 +228,7 @@ def test_tensor_core_tiles_match_their_twin(kernel: Kernel, type_name: str,
     rng = np.random.default_rng(7)
     raw = finite_blocks(type_name, rows, n_in, rng)
     x = activations(rng, tokens, n_in)
-    got = tiles(kernel, raw, type_name, x, tokens)
+    got = batched(kernel, raw, type_name, x, tokens)
     w = dequantize(raw, type_name, (rows, n_in)).astype(np.float64)
     x64 = x[:, :n_in].astype(np.float64)
     twin = tile_product(w, x[:, :n_in], type_name)
@@ -285,11 +275,11 @@ def batched(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
 
 
 @pytest.mark.parametrize("type_name", ALL_TYPES)
-def test_batched_product_is_the_prefill_tiles_bit_for_bit_at_any_rows(kernel: Kernel,
-                                                                       type_name: str) -> None:
-    """mul_mat_batch<N> at 1 to 70 rows (N = 16, 32, 64; partial token tiles, two tiles of 64
-    past 64 rows), 100 weight rows (a partial row block), a row of 17 groups for the
-    32-element types: each row's y bit for bit the prefill tiles' with 70 rows: the same sums
+def test_batched_product_gives_a_row_the_same_bits_at_any_rows(kernel: Kernel,
+                                                                type_name: str) -> None:
+    """mul_mat_batch<N> at 1 to 64 rows (N = 16, 32, 64; partial token tiles), 100 weight
+    rows (a partial row block), a row of 17 groups for the 32-element types: each row's y bit
+    for bit what a 70-row prefill chunk (two 64-column token tiles) gives it: the same sums
     whatever the rows beside it."""
     rows, tokens = 100, 70
     k_quant = type_name in ("Q4_K", "Q5_K", "Q6_K")
@@ -297,8 +287,8 @@ def test_batched_product_is_the_prefill_tiles_bit_for_bit_at_any_rows(kernel: Ke
     rng = np.random.default_rng(31)
     raw = finite_blocks(type_name, rows, n_in, rng)
     x = activations(rng, tokens, n_in)
-    expected = tiles(kernel, raw, type_name, x, tokens)
-    for n in (1, 8, 9, 16, 17, 32, 33, 64, 70):
+    expected = batched(kernel, raw, type_name, x, tokens)
+    for n in (1, 8, 9, 16, 17, 32, 33, 64):
         np.testing.assert_array_equal(batched(kernel, raw, type_name, x, n).view(np.uint32),
                                       expected[:n].view(np.uint32), err_msg=str(n))
 
@@ -343,8 +333,8 @@ def matvec_mma(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
 @pytest.mark.parametrize("n_in", [512, 4096, 8448, 14336])
 def test_matvec_mma_matches_its_twin(kernel: Kernel, n_in: int, batch: int,
                                      type_name: str) -> None:
-    """The tensor-core matvec against the tiles' twin (the same numbers: x split into float16
-    hi + lo, exact levels): 70 rows (a partial row tile); 512 inputs (2 K-blocks: six warps
+    """The tensor-core matvec against the batched product's twin (the same numbers: x split
+    into float16 hi + lo, exact levels): 70 rows (a partial row tile); 512 inputs (2 K-blocks: six warps
     idle), 4096, 8448 (a full activation table, then a piece of one K-block) and 14336 (the
     8B down projection: 32 + 24). Within 4x the classic bound, and far below one float16
     rounding of x: a lost lo part, a level off its bias or a misplaced scale fails."""
@@ -376,7 +366,7 @@ def extreme_activations(rng: np.random.Generator, batch: int, n_in: int) -> np.n
 
 
 @pytest.mark.parametrize(("shape", "type_name"),
-                         [("tiles", type_name) for type_name in ALL_TYPES]
+                         [("batched", type_name) for type_name in ALL_TYPES]
                          + [("matvec_mma", type_name) for type_name in plan.MATVEC_MMA_TYPES])
 def test_tensor_core_products_hold_any_finite_activation(kernel: Kernel, shape: str,
                                                          type_name: str) -> None:
@@ -391,7 +381,7 @@ def test_tensor_core_products_hold_any_finite_activation(kernel: Kernel, shape: 
     if shape == "matvec_mma":
         got = matvec_mma(kernel, raw, type_name, x, tokens)
     else:
-        got = tiles(kernel, raw, type_name, x, tokens)
+        got = batched(kernel, raw, type_name, x, tokens)
     w = dequantize(raw, type_name, (rows, n_in)).astype(np.float64)
     x64 = x[:, :n_in].astype(np.float64)
     largest = np.abs(x64).reshape(tokens, -1, 32).max(axis=2, keepdims=True)
