@@ -119,7 +119,7 @@ def product_seconds(function: Any, launch: plan.Launch, copies: list[Any], type_
     return time_launches(
         lambda i: function(copies[i % len(copies)], pitch, x, np.int32(n_in), y,
                            np.int32(rows), np.int32(rows), np.int32(n_in), np.int32(tokens),
-                           grid=launch.grid, block=launch.block),
+                           grid=launch.grid, block=launch.block, shared=launch.shared),
         repeats)
 
 
@@ -129,6 +129,8 @@ def bench_products(module: Any, rng: np.random.Generator, l2_bytes: int, repeats
     """kernel(type, tokens) of each of plan.MATVEC_MMA_TYPES (as the device holds them) at each
     of `shapes` and each of `counts` rows, launch(rows, n_in, tokens) its geometry, the weights from
     HBM: the weights' bytes a second and the tensor cores' useful TFLOPs."""
+    from actors.compute.cuda import entry_function
+
     results = []
     for type_name in plan.MATVEC_MMA_TYPES:
         for rows, n_in in shapes:
@@ -136,7 +138,7 @@ def bench_products(module: Any, rng: np.random.Generator, l2_bytes: int, repeats
             copies = weight_copies(device_rows(matrix, type_name, n_in), l2_bytes)
             for tokens in counts:
                 name, geometry = kernel(type_name, tokens), launch(rows, n_in, tokens)
-                seconds = product_seconds(module.get_function(name), geometry, copies,
+                seconds = product_seconds(entry_function(module, name), geometry, copies,
                                           type_name, rows, n_in, tokens, repeats)
                 weight_bytes = rows * row_bytes(type_name, n_in)
                 results.append({"kernel": name, "type": type_name, "grid": geometry.grid,

@@ -9,11 +9,10 @@
    for the block size the launch plan gives it.
 2. The tensor-core matvec's inner loop (decode steps of up to 8 rows): the SASS (cuobjdump
    -sass) of mul_mat_vec_mma_q4_K / _q6_K, its K-block loop (the innermost loop, found by its
-   backward branch, holding its 32 MMAs: two K-blocks a pass, a quarter of two rows' blocks a
-   lane: 144 weight bytes for Q4_K, 210 for Q6_K): its SASS instructions per weight byte, and
-   whether its prefetch holds in the SASS: each K-block's global loads issued before the MMAs
-   of the K-block before it (the pass's second block's before its first MMA, the next pass's
-   first block's before its second block's first MMA), no branch among its MMAs.
+   backward branch, holding a K-block's 16 MMAs, a quarter of two rows' blocks a lane: 72
+   weight bytes for Q4_K, 105 for Q6_K): its SASS instructions per weight byte, and whether its
+   prefetch holds in the SASS: the copies of the K-block ahead (cp.async's LDGSTS, or plain
+   loads) all issued before the first MMA of the block before it, no branch among its MMAs.
 3. The batched product mul_mat_batch<N>_f16x2_q4_K / _q6_K_planar at N = 16, 32, 64 token
    columns (decode steps past 8 rows, the logits, prefill chunks at 64): its stage loop (the
    smallest loop holding a barrier and the stage's MMAs, 4 N / 8 of them a warp), counted
@@ -89,10 +88,10 @@ HOT_ENTRIES = {
     "candidates.cu": {"top_candidates": plan.CANDIDATE_THREADS,
                       "apply_token_mask": plan.MASK_THREADS},
 }
-# The tensor-core matvec's pass: two K-blocks of its lane's two rows, a quarter of each
-# (matvec_mma.cu: lane c takes its quarter of rows g and g + 8), 16 MMAs a K-block.
-MMA_LOOP_BYTES = {"mul_mat_vec_mma_q4_K": 2 * 2 * 144 / 4, "mul_mat_vec_mma_q6_K": 2 * 2 * 210 / 4}
-MMA_PER_PASS = 32
+# The tensor-core matvec's loop: a K-block of its lane's two rows, a quarter of each
+# (matvec_mma.cu: lane c takes its quarter of rows g and g + 8), 16 MMAs.
+MMA_LOOP_BYTES = {"mul_mat_vec_mma_q4_K": 2 * 144 / 4, "mul_mat_vec_mma_q6_K": 2 * 210 / 4}
+MMA_PER_BLOCK = 16
 # The batched product's stage: a warp's 16 rows x 32 elements of weights, in bytes.
 BATCH_STAGE_BYTES = {"Q4_K": 16 * 32 * 144 / 256, "Q6_K": 16 * 32 * 210 / 256}
 
@@ -177,35 +176,37 @@ def innermost_loops(instructions: list[tuple[int, str, str]]) -> list[list[tuple
 
 
 def mma_matvec_loop(instructions: list[tuple[int, str, str]]) -> dict:
-    """The tensor-core matvec's K-block loop (the innermost loop holding its MMAs) and its
-    prefetch (mma_prefetch)."""
+    """The tensor-core matvec's K-block loop (the innermost loop holding a K-block's MMAs)
+    and its prefetch (mma_prefetch)."""
     loops = [body for body in innermost_loops(instructions)
-             if sum(op.startswith("HMMA") for _, op, _ in body) == MMA_PER_PASS]
+             if sum(op.startswith("HMMA") for _, op, _ in body) == MMA_PER_BLOCK]
     if len(loops) != 1:
-        raise RuntimeError(f"expected one loop of {MMA_PER_PASS} MMAs, found {len(loops)}")
-    return {"pass_instructions": len(loops[0]), "mma_per_pass": MMA_PER_PASS,
+        raise RuntimeError(f"expected one loop of {MMA_PER_BLOCK} MMAs, found {len(loops)}")
+    return {"block_instructions": len(loops[0]), "mma_per_block": MMA_PER_BLOCK,
             **mma_prefetch(loops[0])}
 
 
+def is_global_load(opcode: str) -> bool:
+    """A load from global memory: into registers (LDG) or into shared memory (cp.async's
+    LDGSTS); not LDGDEPBAR, which closes a group of copies."""
+    return opcode.startswith("LDG") and not opcode.startswith("LDGDEPBAR")
+
+
 def mma_prefetch(body: list[tuple[int, str, str]]) -> dict:
-    """Where a pass's global loads (two K-blocks' worth) stand among its MMAs (two K-blocks'
-    16 each): `prefetch_ahead` when half of them come before its first MMA, all of them before
-    its second K-block's first, and no branch lies among its MMAs (a load after an MMA of
-    the K-block before its own waits out a DRAM latency)."""
+    """Where a K-block iteration's global loads (those of a K-block ahead) stand among its
+    MMAs (the K-block's own): `prefetch_ahead` when every load comes before its first MMA
+    and no branch lies among its MMAs (a load after an MMA of the K-block before its own
+    waits out a DRAM latency the MMAs could have hidden)."""
     mmas = [i for i, (_, opcode, _) in enumerate(body) if opcode.startswith("HMMA")]
-    loads = [i for i, (_, opcode, _) in enumerate(body) if opcode.startswith("LDG")]
-    first, second_block = mmas[0], mmas[MMA_PER_PASS // 2]
+    loads = [i for i, (_, opcode, _) in enumerate(body) if is_global_load(opcode)]
     report = {
-        "loads_per_pass": len(loads),
-        "loads_before_first_mma": sum(i < first for i in loads),
-        "loads_before_second_block_mma": sum(i < second_block for i in loads),
-        "branches_among_mmas": sum(opcode == "BRA" for _, opcode, _ in body[first:mmas[-1]]),
+        "loads_per_block": len(loads),
+        "loads_before_first_mma": sum(i < mmas[0] for i in loads),
+        "branches_among_mmas": sum(opcode == "BRA" for _, opcode, _ in body[mmas[0]:mmas[-1]]),
     }
-    report["prefetch_ahead"] = (
-        len(loads) > 0 and len(loads) % 2 == 0
-        and report["loads_before_first_mma"] >= len(loads) // 2
-        and report["loads_before_second_block_mma"] == len(loads)
-        and report["branches_among_mmas"] == 0)
+    report["prefetch_ahead"] = (len(loads) > 0
+                                and report["loads_before_first_mma"] == len(loads)
+                                and report["branches_among_mmas"] == 0)
     return report
 
 
@@ -273,10 +274,13 @@ def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
         resources = ptxas_resources(reports[source])
         for name, threads in entries.items():
             r = resources[name]
+            dynamic = plan.dynamic_shared_bytes(name)
             report["entries"][name] = {
                 **{k: r[k] for k in ("registers", "shared", "spills", "stack")},
+                "dynamic_shared": dynamic,
                 "threads": threads,
-                "resident_warps_per_sm": resident_warps(r["registers"], r["shared"], threads),
+                "resident_warps_per_sm": resident_warps(r["registers"], r["shared"] + dynamic,
+                                                        threads),
             }
         if source == "matmul_batch.cu" and cuobjdump:
             for type_name, weight_bytes in BATCH_STAGE_BYTES.items():
@@ -288,9 +292,9 @@ def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
             for name, lane_bytes in MMA_LOOP_BYTES.items():
                 loop = mma_matvec_loop(sass_instructions(cubin, name, cuobjdump))
                 report["matvec_mma_loops"][name] = {
-                    **loop, "lane_weight_bytes_per_pass": lane_bytes,
+                    **loop, "lane_weight_bytes_per_block": lane_bytes,
                     "sass_per_weight_byte_batch1": round(
-                        loop["pass_instructions"] / lane_bytes, 2)}
+                        loop["block_instructions"] / lane_bytes, 2)}
     return report
 
 
@@ -400,13 +404,13 @@ def main() -> None:
         print(json.dumps(report, indent=2))
         return
     for name, entry in report["entries"].items():
-        print(f"{name:40s} regs {entry['registers']:3d}  smem {entry['shared']:6d}  "
+        print(f"{name:40s} regs {entry['registers']:3d}  smem {entry['shared']:6d}"
+              f"{' + ' + str(entry['dynamic_shared']) if entry['dynamic_shared'] else ''}  "
               f"spills {entry['spills']}  warps/SM {entry['resident_warps_per_sm']}")
     for name, loop in report["matvec_mma_loops"].items():
         print(f"{name}: {loop['sass_per_weight_byte_batch1']} SASS / weight byte a token, "
-              f"prefetch ahead: {loop['prefetch_ahead']} ({loop['loads_before_first_mma']} / "
-              f"{loop['loads_before_second_block_mma']} of {loop['loads_per_pass']} loads before "
-              f"the first / second K-block's MMAs)")
+              f"prefetch ahead: {loop['prefetch_ahead']} ({loop['loads_before_first_mma']} of "
+              f"{loop['loads_per_block']} loads of the next K-block before the MMAs)")
     for type_name, figures in report["batch_stages"].items():
         for n in plan.BATCH_TOKENS:
             stage = figures[f"n{n}"]

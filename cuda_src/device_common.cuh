@@ -35,9 +35,25 @@ __device__ __forceinline__ float block_sum(float value, float* scratch) {
     return warp_sum(value);
 }
 
-// cp.async bookkeeping (sm_80+), shared by the kernels that stream tiles into shared memory:
-// close this thread's current group of copies, and wait until at most `pending` of its latest
-// groups are still in flight.
+// cp.async (sm_80+), shared by the kernels that stream weights into shared memory: BYTES (4,
+// 8 or 16, the addresses aligned to it) from global to shared memory without registers, in
+// this thread's current group of copies (16 bytes bypass L1: weights are read once a block).
+template <int BYTES>
+__device__ __forceinline__ void copy_async(void* shared_dst, const void* global_src) {
+    static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
+    const uint32_t dst = uint32_t(__cvta_generic_to_shared(shared_dst));
+    if constexpr (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src)
+                     : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(global_src),
+                     "n"(BYTES)
+                     : "memory");
+    }
+}
+
+// Close this thread's current group of copies, and wait until at most `pending` of its latest
+// groups are still in flight (a thread sees its own copies once their group is done).
 __device__ __forceinline__ void commit_copies() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

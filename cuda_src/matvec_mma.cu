@@ -1,5 +1,6 @@
 // Decode matrix x activations on the tensor cores, Q4_K and Q6_K: y[b][r] = sum_i W[r][i] *
-// x[b][i] for any batch >= 1, each weight byte straight from global memory into an MMA fragment.
+// x[b][i] for any batch >= 1, each weight byte copied once into shared memory, then into an
+// MMA fragment.
 //
 // Entry points (<type>: q4_K, q6_K; <act>: silu, gelu_tanh):
 //   mul_mat_vec_mma_<type>(weights, int64 row_pitch, x, int x_stride, y, int y_stride,
@@ -20,14 +21,18 @@
 // blocks' ql + qh, 192 bytes each, then their 16-byte scales, then their d), since the
 // file's 210-byte blocks are only 2-byte aligned.
 // Geometry (cuda_plan.matvec_mma_launch): 256 threads, a block per 16 output rows (the gate
-// entry: 8 gate rows and the same 8 up rows), grid.x = ceil(rows / 16).
+// entry: 8 gate rows and the same 8 up rows), grid.x = ceil(rows / 16), and
+// the staging ring in dynamic shared memory (cuda_plan.MATVEC_MMA_STAGING_BYTES: the launch
+// asks for it, and the function must be allowed it).
 //
 // The block's 16 rows are one MMA row tile (m16n8k16); its 8 warps take the K-blocks (256
 // elements) in turn, warp w blocks w, w + 8, ... Lane 4g + c holds rows g and g + 8 of the tile
-// and its quarter c of each of their blocks (matvec_mma_blocks.cuh), loaded a K-block ahead
-// with 16-byte loads, every quant byte its own lane's: Q4_K's chunk c (two loads a row) and
-// the 16-byte header; Q6_K's three runs, its 8 scale bytes and d. Its words become the A
-// fragments directly (the exact levels as float16 integers), one MMA per word and nibble
+// and its quarter c of each of their blocks (matvec_mma_blocks.cuh), every quant byte its own
+// lane's: Q4_K's chunk c (two 16-byte pieces a row) and the 16-byte header; Q6_K's three
+// runs, its 8 scale bytes and d. Each lane copies its pieces of a K-block into its own slots
+// of a two-stage staging ring in dynamic shared memory (cp.async: no registers held while
+// they fly) one of its K-blocks ahead, and reads them back once they are in. Its words become
+// the A fragments directly (the exact levels as float16 integers), one MMA per word and nibble
 // half (Q4_K) or quarter (Q6_K). The B fragment's eight columns are four lanes x (hi, lo):
 // column 2c + p holds part p of x at lane c's elements and zero at every other lane's, so
 // the tensor cores add each lane's own products (a sub-block of one row) into that lane's
@@ -65,6 +70,13 @@
 
 constexpr int MMA_MATVEC_WARPS = 8;
 constexpr int MMA_MATVEC_ROWS = 16;
+constexpr int MMA_MATVEC_THREADS = MMA_MATVEC_WARPS * WARP;
+// The staging ring: a thread's pieces of MMA_MATVEC_STAGES of its K-blocks, MMA_MATVEC_PIECES
+// 16-byte slots each (the most a block type stages), slot p of every thread side by side
+// (consecutive lanes, consecutive 16 bytes: no bank conflicts).
+constexpr int MMA_MATVEC_STAGES = 2;
+constexpr int MMA_MATVEC_PIECES = 8;
+extern __shared__ uint4 mma_matvec_staging[];  // STAGES x PIECES x THREADS 16-byte slots
 constexpr int K_BLOCK = 256;         // a K-block: one Q4_K or Q6_K block a row
 constexpr int TABLE_BLOCKS = 32;     // K-blocks of activations a table holds: 8192 elements
 // 16-byte entries a K-block: 4 chunks x 8 words x 2 parts (hi, lo).
@@ -95,8 +107,11 @@ __device__ __forceinline__ void entry_mmas(bool start, const uint4& b, const uin
 }
 
 // The block types' lanes (quarter c of a K-block of rows g and g + 8). Each gives:
-//   Lane: the lane's bytes of a K-block; Rows: the lane's addresses in K-block 0 of its rows,
-//   rows_of(row_g, row_g8, n_blocks, c); load(rows, k, out): K-block k into a Lane;
+//   Lane: the lane's bytes of a K-block; Rows: the lane's addresses in a K-block of its rows,
+//   rows_of(row_g, row_g8, n_blocks, c) those in K-block 0, advance(rows, blocks) moves them
+//   on; PIECES: the 16-byte staging slots of a K-block; copy(rows, slots, stride): starts
+//   copying the K-block into slots[0], slots[stride], ...; read(slots, stride, k, out):
+//   K-block k from them, once its copies are in;
 //   multiply(lane, entries, factors, sums, c, acc): the K-block's products (its groups' sums
 //   times their `factors`, 2^e) added to acc[row];
 //   first_element(c, i), SECOND_OFFSET: the elements of table entry i of chunk c (elements
@@ -126,14 +141,34 @@ struct MmaQ4K {
         return {{row_g, row_g8}, {row_g + 16 + 32 * c, row_g8 + 16 + 32 * c}};
     }
 
-    static __device__ __forceinline__ void load(const Rows& rows, int k, Lane& out) {
-        const int64_t offset = int64_t(k) * type_q4_K::BLOCK_BYTES;
+    // Per row: the header, then the chunk's two pieces.
+    static constexpr int PIECES = 6;
+
+    static __device__ __forceinline__ void advance(Rows& rows, int blocks) {
+        const int64_t bytes = int64_t(blocks) * type_q4_K::BLOCK_BYTES;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            out.head[r] = __ldg(reinterpret_cast<const uint4*>(rows.head[r] + offset));
-            const uint4* chunk = reinterpret_cast<const uint4*>(rows.chunk[r] + offset);
-            out.quants[r][0] = __ldg(chunk);
-            out.quants[r][1] = __ldg(chunk + 1);
+            rows.head[r] += bytes;
+            rows.chunk[r] += bytes;
+        }
+    }
+
+    static __device__ __forceinline__ void copy(const Rows& rows, uint4* slots, int stride) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            copy_async<16>(slots + 3 * r * stride, rows.head[r]);
+            copy_async<16>(slots + (3 * r + 1) * stride, rows.chunk[r]);
+            copy_async<16>(slots + (3 * r + 2) * stride, rows.chunk[r] + 16);
+        }
+    }
+
+    static __device__ __forceinline__ void read(const uint4* slots, int stride, int,
+                                                Lane& out) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            out.head[r] = slots[3 * r * stride];
+            out.quants[r][0] = slots[(3 * r + 1) * stride];
+            out.quants[r][1] = slots[(3 * r + 2) * stride];
         }
     }
 
@@ -189,14 +224,12 @@ struct MmaQ6K {
     }
 
     struct Lane {
-        uint4 runs[2][3];  // per row: ql (quarters 0, 2), ql (1, 3), qh
-        uint2 scales[2];   // per row: scales 8h .. 8h + 7
-        // Per row: d's bits, converted when multiplied (a conversion here would wait for the
-        // load that should still be flying).
-        unsigned short d[2];
+        uint4 runs[2][3];     // per row: ql (quarters 0, 2), ql (1, 3), qh
+        uint2 scales[2];      // per row: scales 8h .. 8h + 7
+        unsigned short d[2];  // per row: d's bits, converted when multiplied
     };
 
-    // The lane's addresses in K-block 0 of rows g and g + 8: its first ql run (the second is
+    // The lane's addresses in a K-block of rows g and g + 8: its first ql run (the second is
     // 32 bytes on), its qh run, its scales and d.
     struct Rows {
         const uint8_t *ql[2], *qh[2], *scales[2], *d[2];
@@ -212,16 +245,48 @@ struct MmaQ6K {
                 {row_g + d, row_g8 + d}};
     }
 
-    static __device__ __forceinline__ void load(const Rows& rows, int k, Lane& out) {
+    static __device__ __forceinline__ void advance(Rows& rows, int blocks) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const uint4* ql = reinterpret_cast<const uint4*>(rows.ql[r] + 192 * k);
-            out.runs[r][0] = __ldg(ql);
-            out.runs[r][1] = __ldg(ql + 2);
-            out.runs[r][2] = __ldg(reinterpret_cast<const uint4*>(rows.qh[r] + 192 * k));
-            out.scales[r] = __ldg(reinterpret_cast<const uint2*>(rows.scales[r] + 16 * k));
-            out.d[r] = __ldg(reinterpret_cast<const unsigned short*>(rows.d[r] + 2 * k));
+            rows.ql[r] += 192 * blocks;
+            rows.qh[r] += 192 * blocks;
+            rows.scales[r] += 16 * blocks;
+            rows.d[r] += 2 * blocks;
         }
+    }
+
+    // Per row its three runs; then both rows' scales (8 bytes each) in one slot, and the
+    // 4-byte words holding their d in another: the d plane starts 16-byte aligned (n_blocks x
+    // 208 bytes into a 16-byte aligned row), so block k's d is the high half of its word
+    // where k is odd, and the word of the last d ends within the row's pitch.
+    static constexpr int PIECES = 8;
+
+    static __device__ __forceinline__ void copy(const Rows& rows, uint4* slots, int stride) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            copy_async<16>(slots + 3 * r * stride, rows.ql[r]);
+            copy_async<16>(slots + (3 * r + 1) * stride, rows.ql[r] + 32);
+            copy_async<16>(slots + (3 * r + 2) * stride, rows.qh[r]);
+            copy_async<8>(reinterpret_cast<uint2*>(slots + 6 * stride) + r, rows.scales[r]);
+            const uintptr_t d_word = reinterpret_cast<uintptr_t>(rows.d[r]) & ~uintptr_t(3);
+            copy_async<4>(reinterpret_cast<uint32_t*>(slots + 7 * stride) + r,
+                          reinterpret_cast<const void*>(d_word));
+        }
+    }
+
+    static __device__ __forceinline__ void read(const uint4* slots, int stride, int k,
+                                                Lane& out) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int run = 0; run < 3; ++run) out.runs[r][run] = slots[(3 * r + run) * stride];
+        }
+        const uint4 scales = slots[6 * stride], d_words = slots[7 * stride];
+        out.scales[0] = make_uint2(scales.x, scales.y);
+        out.scales[1] = make_uint2(scales.z, scales.w);
+        const int d_shift = 16 * (k % 2);
+        out.d[0] = static_cast<unsigned short>(d_words.x >> d_shift);
+        out.d[1] = static_cast<unsigned short>(d_words.y >> d_shift);
     }
 
     // Quarter u and u + 2 of word j of row r's runs: their A pairs (the levels less 32).
@@ -385,44 +450,51 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
     }
     const int n_blocks = n_in / K_BLOCK;
     const typename Block::Rows rows = Block::rows_of(row_g, row_g8, n_blocks, c);
+    static_assert(Block::PIECES <= MMA_MATVEC_PIECES, "a K-block's pieces fit a stage");
+    static_assert(MMA_MATVEC_STAGES == 2, "the loop copies one K-block ahead");
+    // K-block k's products from its copies in `stage`, once they are in.
+    auto multiply_staged = [&](int k, const uint4* stage, float(&acc)[2]) {
+        typename Block::Lane block;
+        Block::read(stage, MMA_MATVEC_THREADS, k, block);
+        Block::multiply(block, entries + k * entry_step, shared.factors + k * K_BLOCK_GROUPS,
+                        shared.sums[k * 4 + c], c, acc);
+    };
     for (int b = 0; b < batch; ++b) {
         const float* xb = x + int64_t(b) * x_stride;
         float acc[2] = {0.0f, 0.0f};
         for (int first = 0; first < n_blocks; first += TABLE_BLOCKS) {
             const int count = min(TABLE_BLOCKS, n_blocks - first);
-            // The warp's K-blocks k, k + 8, ... of the piece alternate between two buffers,
-            // each loaded a block ahead. Past the piece's last block a load repeats the last
-            // one (in L1: no address leaves the rows) and its products are computed from it
-            // and the last block's table entries, then left out of acc, so a pass has no
-            // branch: a mid-pass exit let ptxas sink all of the second buffer's loads past the
-            // first block's MMAs (a DRAM latency a pass). benchmarks/cuda_budget.py reports
-            // where the loads stand among the MMAs in the SASS. The first load flies while the
-            // table fills.
-            auto last = [&](int k) { return min(k, count - 1); };
-            auto load = [&](int k, typename Block::Lane& out) {
-                Block::load(rows, first + last(k), out);
-            };
-            auto multiply = [&](int k, const typename Block::Lane& block) {
-                const int at = last(k);
-                float sums[2] = {acc[0], acc[1]};
-                Block::multiply(block, entries + at * entry_step,
-                                shared.factors + at * K_BLOCK_GROUPS, shared.sums[at * 4 + c], c,
-                                sums);
-                const bool counted = k < count;
-                acc[0] = counted ? sums[0] : acc[0];
-                acc[1] = counted ? sums[1] : acc[1];
-            };
-            typename Block::Lane even, odd;
-            if (warp < count) load(warp, even);
+            // The warp's K-blocks k = warp, warp + 8, ... of the piece, in the two stages of
+            // its threads' slots in turn: each block's copies (a group) are issued before the
+            // MMAs of the block before it, into the stage that block's copies were read from
+            // (its MMAs took those registers), and the last block of the piece is multiplied
+            // after the loop (a loop without a branch to skip the copy past it). The first
+            // copies fly while the table fills; every copy of a piece is read inside it.
+            typename Block::Rows at = rows;
+            Block::advance(at, first + warp);
+            uint4* this_stage = mma_matvec_staging + threadIdx.x;  // block k's
+            uint4* next_stage = this_stage + MMA_MATVEC_PIECES * MMA_MATVEC_THREADS;
+            if (warp < count) Block::copy(at, this_stage, MMA_MATVEC_THREADS);
+            commit_copies();
+            Block::advance(at, MMA_MATVEC_WARPS);  // block k + 8's
             __syncthreads();  // the previous piece's table is read
             fill_table<Block>(xb, first, count, shared);
             __syncthreads();
-#pragma unroll 1  // two K-blocks a pass: the budget tool reads the pass's SASS per weight byte
-            for (int k = warp; k < count; k += 2 * MMA_MATVEC_WARPS) {
-                load(k + MMA_MATVEC_WARPS, odd);
-                multiply(k, even);
-                load(k + 2 * MMA_MATVEC_WARPS, even);
-                multiply(k + MMA_MATVEC_WARPS, odd);
+            int k = warp;
+#pragma unroll 1  // a K-block an iteration: the budget tool reads its SASS per weight byte
+            for (; k + MMA_MATVEC_WARPS < count; k += MMA_MATVEC_WARPS) {
+                Block::copy(at, next_stage, MMA_MATVEC_THREADS);
+                commit_copies();
+                Block::advance(at, MMA_MATVEC_WARPS);
+                wait_copies<1>();  // block k's copies are in
+                multiply_staged(k, this_stage, acc);
+                uint4* const done = this_stage;
+                this_stage = next_stage;
+                next_stage = done;
+            }
+            if (k < count) {
+                wait_copies<0>();
+                multiply_staged(k, this_stage, acc);
             }
         }
 #pragma unroll
@@ -447,7 +519,7 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
 }
 
 // Two blocks per SM at least (16 resident warps): ptxas may take up to 128 registers.
-#define QK_MMA_MATVEC_BOUNDS __launch_bounds__(MMA_MATVEC_WARPS * WARP, 2)
+#define QK_MMA_MATVEC_BOUNDS __launch_bounds__(MMA_MATVEC_THREADS, 2)
 
 // Block `block` of a matrix's 16-row blocks (rows [16 block, 16 block + 16) of y's columns).
 template <class Block>

@@ -125,12 +125,6 @@ __host__ __device__ constexpr int scale_table_index(int r, int group) {
     return r * 8 + (group ^ ((r >> 1) & 3));
 }
 
-__device__ __forceinline__ void copy_piece_async(void* shared_dst, const void* global_src) {
-    const uint32_t dst = uint32_t(__cvta_generic_to_shared(shared_dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src)
-                 : "memory");
-}
-
 // cp.async of a piece when `in_range`, else 16 zero bytes (src-size 0: nothing is read from
 // `fallback`, a valid address all the same): an unpredicated copy, no per-lane branch.
 __device__ __forceinline__ void copy_piece_or_zeros(void* shared_dst, const void* global_src,
@@ -398,7 +392,7 @@ __device__ __forceinline__ void copy_weight_rows(uint8_t* dest, RowAt row_at, in
         const int r = i / MAX_PIECES, piece = i % MAX_PIECES;
         const WeightRow row = row_at(r);
         if (piece < pieces && row.present) {
-            copy_piece_async(dest + r * C::ROW_STRIDE + piece * PIECE,
+            copy_async<PIECE>(dest + r * C::ROW_STRIDE + piece * PIECE,
                              row.bytes + C::piece_source(n_in, chunk, piece));
         }
     }

@@ -535,25 +535,49 @@ class EmulatedModule:
         device.modules_made += 1
         weakref.finalize(self, device.release, "module")
 
-    def get_function(self, name: str) -> Callable[..., None]:
-        device = self.device
+    def get_function(self, name: str) -> EmulatedFunction:
         if self.signatures and name not in self.signatures:
             # As cuModuleGetFunction: a name the file does not define is refused.
-            raise device.LogicError(f"cuModuleGetFunction failed: named symbol not found ({name})")
+            raise self.device.LogicError(
+                f"cuModuleGetFunction failed: named symbol not found ({name})")
+        return EmulatedFunction(self, name)
 
-        # A function holds its module, as PyCUDA's do (custodian and ward).
-        def function(*args: Any, grid: tuple[int, ...], block: tuple[int, ...],
-                     stream: Any = None, module: EmulatedModule = self) -> None:
-            # PyCUDA passes an allocation as its address
-            args = tuple(np.uintp(a.address) if isinstance(a, device.allocation_type)
-                         else a for a in args)
-            assert all(isinstance(a, tuple(PTX_TYPE)) for a in args), name
-            if name in module.signatures:
-                assert [PTX_TYPE[type(a)] for a in args] == module.signatures[name], \
-                    (name, "arguments unlike the kernel's parameters")
-            assert math.prod(block) <= 1024 and min(grid) >= 1, (name, grid, block)
-            device.launch(name, grid, args)
-        return function
+
+# cuFuncSetAttribute's attribute the backend sets (pycuda.driver.function_attribute's).
+MAX_DYNAMIC_SHARED_SIZE_BYTES = "MAX_DYNAMIC_SHARED_SIZE_BYTES"
+
+
+class EmulatedFunction:
+    """An entry point of an EmulatedModule, as PyCUDA's Function: called with the kernel's
+    arguments, grid, block, shared and stream, it launches the kernel's twin. It holds its
+    module, as PyCUDA's do (custodian and ward). A launch asking for dynamic shared memory
+    is refused unless set_attribute allowed the function that much, as cuLaunchKernel
+    refuses one past the 48 KB a block has without asking (every such launch here asks for
+    more)."""
+
+    def __init__(self, module: EmulatedModule, name: str) -> None:
+        self.module, self.name = module, name
+        self.allowed_shared = 0
+
+    def set_attribute(self, attribute: str, value: int) -> None:
+        assert attribute == MAX_DYNAMIC_SHARED_SIZE_BYTES, attribute
+        self.allowed_shared = int(value)
+
+    def __call__(self, *args: Any, grid: tuple[int, ...], block: tuple[int, ...],
+                 shared: int = 0, stream: Any = None) -> None:
+        device, name, signatures = self.module.device, self.name, self.module.signatures
+        if shared > self.allowed_shared:
+            raise device.LogicError(f"cuLaunchKernel failed: {name} asks for {shared} bytes of "
+                                    f"dynamic shared memory, allowed {self.allowed_shared}")
+        # PyCUDA passes an allocation as its address
+        args = tuple(np.uintp(a.address) if isinstance(a, device.allocation_type)
+                     else a for a in args)
+        assert all(isinstance(a, tuple(PTX_TYPE)) for a in args), name
+        if name in signatures:
+            assert [PTX_TYPE[type(a)] for a in args] == signatures[name], \
+                (name, "arguments unlike the kernel's parameters")
+        assert math.prod(block) <= 1024 and min(grid) >= 1, (name, grid, block)
+        device.launch(name, grid, args)
 
 
 class EmulatedDevice:
@@ -614,6 +638,8 @@ class EmulatedDevice:
         module.Error, module.MemoryError, module.LogicError = (self.Error, self.MemoryError,
                                                                 self.LogicError)
         module.module_from_buffer = functools.partial(EmulatedModule, device)
+        module.function_attribute = types.SimpleNamespace(
+            MAX_DYNAMIC_SHARED_SIZE_BYTES=MAX_DYNAMIC_SHARED_SIZE_BYTES)
 
         class Allocation:
             def __init__(self, size: int) -> None:

@@ -283,3 +283,27 @@ def test_a_launch_unlike_its_kernels_parameters_is_refused(fake: Any) -> None:
             matvec(*wrong, grid=grid, block=block)
     with pytest.raises(fake[1].LogicError, match="named symbol not found"):
         module.get_function("mul_mat_vec_q4_K")  # the mma matvec's type: no entry here
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+def test_the_mma_matvec_is_allowed_the_staging_ring_its_launches_ask_for(fake: Any) -> None:
+    """mul_mat_vec_mma's launches ask for its staging ring in dynamic shared memory, past
+    the 48 KB a block has without asking: refused from a function not allowed it, launched
+    from the backend's entry_function."""
+    from pycuda.compiler import SourceModule
+
+    from actors.compute import cuda_plan as plan
+
+    cuda_module, device = fake
+    module = SourceModule((plan.kernel_source_dir() / "matvec_mma.cu").read_text())
+    name, launch = "mul_mat_vec_mma_q4_K", plan.matvec_mma_launch(16, 256)
+    assert launch.shared == plan.dynamic_shared_bytes(name) > 48 * 1024
+    address = np.uintp(1 << 40)
+    args = (address, np.int64(144), address, np.int32(256), address, np.int32(16),
+            np.int32(16), np.int32(256), np.int32(1))
+    with pytest.raises(device.LogicError, match="dynamic shared memory"):
+        module.get_function(name)(*args, grid=launch.grid, block=launch.block,
+                                  shared=launch.shared)
+    cuda_module.entry_function(module, name)(*args, grid=launch.grid, block=launch.block,
+                                             shared=launch.shared)
+    assert device.launches[-1] == name

@@ -9,6 +9,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import math
+import re
 import shutil
 import sys
 import types
@@ -366,7 +367,8 @@ def test_decode_rows_up_to_8_take_the_mma_matvec() -> None:
         for call in products:
             if "gate_up" in call.kernel:
                 assert call.kernel == plan.matvec_mma_gate_up_kernel("silu", "Q4_K")
-                assert call.launch == plan.Launch((2 * spec.ffn_dim // 16, 1, 1), (256, 1, 1))
+                assert call.launch == plan.Launch((2 * spec.ffn_dim // 16, 1, 1), (256, 1, 1),
+                                                  plan.MATVEC_MMA_STAGING_BYTES)
                 assert {ref.name for ref in call.args[:2]} <= set(layouts)  # file layout
                 continue
             matrix = layouts[call.args[0].name]
@@ -502,6 +504,24 @@ def test_every_planned_kernel_is_in_a_source_file(
         planned_calls: dict[str, launches.KernelCall]) -> None:
     defined = {entry for entries in plan.kernel_entry_points().values() for entry in entries}
     assert set(planned_calls) <= defined
+
+
+def test_every_launch_asks_for_the_dynamic_shared_memory_its_function_is_allowed(
+        planned_calls: dict[str, launches.KernelCall]) -> None:
+    """The mma matvec's launches ask for its staging ring, as many bytes as matvec_mma.cu
+    sizes it (stages x pieces x threads x 16) and as the backend allows its functions; no
+    other launch asks for any."""
+    source = (plan.kernel_source_dir() / "matvec_mma.cu").read_text()
+    constant = {name: int(value) for name, value in
+                re.findall(r"constexpr int (MMA_MATVEC_\w+) = (\d+);", source)}
+    ring = (constant["MMA_MATVEC_STAGES"] * constant["MMA_MATVEC_PIECES"]
+            * constant["MMA_MATVEC_WARPS"] * 32 * 16)
+    assert ring == plan.MATVEC_MMA_STAGING_BYTES
+    asking = {kernel for kernel, call in planned_calls.items() if call.launch.shared}
+    assert asking == {kernel for kernel in planned_calls if kernel.startswith("mul_mat_vec_mma_")}
+    assert "mul_mat_vec_mma_qkv" in asking
+    for kernel, call in planned_calls.items():
+        assert call.launch.shared == plan.dynamic_shared_bytes(kernel), kernel
 
 
 # A file a test: its PTX compile (seconds, many more on a loaded machine) under its own timeout.

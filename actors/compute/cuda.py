@@ -109,8 +109,19 @@ def compile_kernels(capability: tuple[int, int]) -> dict[str, cuda.Function]:
     functions = {}
     for file_name, entry_points in plan.kernel_entry_points().items():
         module = cuda.module_from_buffer(cubins[file_name])
-        functions.update((name, module.get_function(name)) for name in entry_points)
+        functions.update((name, entry_function(module, name)) for name in entry_points)
     return functions
+
+
+def entry_function(module: Any, name: str) -> Any:
+    """The entry point `name` of a loaded module, allowed the dynamic shared memory its
+    launches ask for (cuda_plan.dynamic_shared_bytes: past 48 KB a block, a launch is refused
+    unless its function was allowed it)."""
+    function = module.get_function(name)
+    shared = plan.dynamic_shared_bytes(name)
+    if shared:
+        function.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
+    return function
 
 
 @dataclass
@@ -515,7 +526,7 @@ class CudaBackend:
         for call in calls:
             args = [self._resolve(arg, step_addresses) for arg in call.args]
             self._functions[call.kernel](*args, grid=call.launch.grid, block=call.launch.block,
-                                         stream=self._stream)
+                                         shared=call.launch.shared, stream=self._stream)
 
     def _resolve(self, arg: launches.Arg, step_addresses: dict[str, int]) -> Any:
         if not isinstance(arg, launches.Ref):

@@ -19,9 +19,10 @@ plan.MATVEC_MMA_MAX_ROWS take the matvec (mul_mat_vec_mma, the matvec on the ten
 for the block types it serves; the CUDA-core mul_mat_vec for the others), more decode rows the
 batched product (mul_mat_batch<N>, each weight byte unpacked once a step); a short prefill
 item takes the matvec too, a long one the batched product at 64 token columns a block; the
-logits rows always take the batched product. A sequence's tokens do not depend on what else shares its
-step. The Q6_K matrices lie on the device row-planar alone (`MatrixLayout.planar`): every
-kernel that reads one has an entry for that layout, and none for the file's.
+logits rows always take the batched product. A sequence's tokens do not depend on what else
+shares its step. The Q6_K matrices lie on the device row-planar alone
+(`MatrixLayout.planar`): every kernel that reads one has an entry for that layout, and none for
+the file's.
 
 A decode layer is seven launches: residual_rms_norm, the fused QKV (mul_mat_vec_mma_qkv where
 the mma matvec serves q, k and v, mul_mat_vec_qkv where it serves none, mul_mat_batch<N>_qkv

@@ -57,6 +57,10 @@ MATVEC_TYPES = tuple(t for t in KERNEL_TYPE_SUFFIX if t not in MATVEC_MMA_TYPES)
 PLANAR_TYPES = ("Q6_K",)
 PLANAR_KERNEL = "_planar"  # the suffix of those entries, after the block type's
 MATVEC_MMA_ROWS, MATVEC_MMA_THREADS = 16, 256
+# mul_mat_vec_mma's staging ring of weight pieces in dynamic shared memory (matvec_mma.cu's
+# MMA_MATVEC_STAGING_BYTES: 2 stages x 8 pieces of 16 bytes a thread), which its launches ask
+# for and its functions must be allowed (past the 48 KB a block has without asking).
+MATVEC_MMA_STAGING_BYTES = 2 * 8 * MATVEC_MMA_THREADS * 16
 # The batched product (matmul_batch.cu): 64 weight rows x N token columns a block, N the
 # fewest of BATCH_TOKENS holding the step's rows (64 columns a token tile past them: a
 # prefill chunk's); its grid runs token tiles fastest.
@@ -222,10 +226,12 @@ def candidate_record_words(width: int) -> int:
 
 @dataclass(frozen=True)
 class Launch:
-    """A kernel's grid and block, as PyCUDA's `grid=` and `block=` take them."""
+    """A kernel's grid and block, as PyCUDA's `grid=` and `block=` take them, and the bytes of
+    dynamic shared memory it asks for (`shared=`)."""
 
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
+    shared: int = 0
 
 
 def _blocks(n: int, per_block: int) -> int:
@@ -290,15 +296,22 @@ def matvec_mma_gate_up_kernel(activation: str, type_name: str) -> str:
 def matvec_mma_launch(rows: int, n_in: int) -> Launch:
     """mul_mat_vec_mma (`rows` output rows) or its gate+up (2 * ffn rows: 8 gate and the same
     8 up rows a block), any batch: MATVEC_MMA_ROWS rows a block, its 8 warps splitting n_in
-    (which the grid does not depend on)."""
+    (which the grid does not depend on), its staging ring."""
     return _check_grid(Launch((_blocks(rows, MATVEC_MMA_ROWS), 1, 1),
-                              (MATVEC_MMA_THREADS, 1, 1)))
+                              (MATVEC_MMA_THREADS, 1, 1), MATVEC_MMA_STAGING_BYTES))
 
 
 def matvec_mma_qkv_launch(rows_q: int, rows_k: int, rows_v: int) -> Launch:
     """mul_mat_vec_mma_qkv: the 16-row blocks of the three matrices one after the other."""
     blocks = sum(_blocks(rows, MATVEC_MMA_ROWS) for rows in (rows_q, rows_k, rows_v))
-    return _check_grid(Launch((blocks, 1, 1), (MATVEC_MMA_THREADS, 1, 1)))
+    return _check_grid(Launch((blocks, 1, 1), (MATVEC_MMA_THREADS, 1, 1),
+                              MATVEC_MMA_STAGING_BYTES))
+
+
+def dynamic_shared_bytes(kernel: str) -> int:
+    """The dynamic shared memory `kernel`'s launches ask for, which its function must be
+    allowed before its first launch (the mma matvec's staging ring; none elsewhere)."""
+    return MATVEC_MMA_STAGING_BYTES if kernel.startswith("mul_mat_vec_mma_") else 0
 
 
 def batch_tokens(n_tokens: int, most: int = BATCH_TOKENS[-1]) -> int:
@@ -324,8 +337,9 @@ def batch_gate_up_kernel(activation: str, type_name: str, n_tokens: int,
 def batch_launch(rows: int, n_tokens: int, rows_per_block: int = BATCH_ROWS,
                  most: int = BATCH_TOKENS[-1]) -> Launch:
     """mul_mat_batch<N>: token tiles of N (batch_tokens, at most `most`) fastest (the blocks
-    sharing a weight tile run together and read it from DRAM once), BATCH_ROWS rows a block; the gate+up entry passes 32 ffn rows a block (32 gate and the same 32 up
-    rows), the QKV entry the rows of its three matrices one after the other."""
+    sharing a weight tile run together and read it from DRAM once), BATCH_ROWS rows a block;
+    the gate+up entry passes 32 ffn rows a block (32 gate and the same 32 up rows), the QKV
+    entry the rows of its three matrices one after the other."""
     return _check_grid(Launch((_blocks(n_tokens, batch_tokens(n_tokens, most)),
                                _blocks(rows, rows_per_block), 1), (BATCH_THREADS, 1, 1)))
 

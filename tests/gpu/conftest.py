@@ -95,6 +95,8 @@ def kernel(cuda_context: Any) -> Callable[[str, str], Any]:
     the backend's own cache folder: the backend's tests then compile nothing again)."""
     from pycuda.compiler import SourceModule
 
+    from actors.compute.cuda import entry_function
+
     modules: dict[str, Any] = {}
     capability = cuda_context.get_device().compute_capability()
 
@@ -102,7 +104,7 @@ def kernel(cuda_context: Any) -> Callable[[str, str], Any]:
         if file_name not in modules:
             source = (kernel_source_dir() / file_name).read_text()
             modules[file_name] = SourceModule(source, **source_module_options(capability))
-        return modules[file_name].get_function(name)
+        return entry_function(modules[file_name], name)
 
     return get
 

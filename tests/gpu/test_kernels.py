@@ -69,7 +69,7 @@ def ptr(array: Any) -> np.uintp:
 def run(function: Any, launch: plan.Launch, *args: Any) -> None:
     import pycuda.driver as cuda
 
-    function(*args, grid=launch.grid, block=launch.block)
+    function(*args, grid=launch.grid, block=launch.block, shared=launch.shared)
     cuda.Context.synchronize()
 
 
@@ -334,9 +334,9 @@ def matvec_mma(kernel: Kernel, raw: np.ndarray, type_name: str, x: np.ndarray,
 def test_matvec_mma_matches_its_twin(kernel: Kernel, n_in: int, batch: int,
                                      type_name: str) -> None:
     """The tensor-core matvec against the batched product's twin (the same numbers: x split
-    into float16 hi + lo, exact levels): 70 rows (a partial row tile); 512 inputs (2 K-blocks: six warps
-    idle), 4096, 8448 (a full activation table, then a piece of one K-block) and 14336 (the
-    8B down projection: 32 + 24). Within 4x the classic bound, and far below one float16
+    into float16 hi + lo, exact levels): 70 rows (a partial row tile); 512 inputs (2 K-blocks:
+    six warps idle), 4096, 8448 (a full activation table, then a piece of one K-block) and
+    14336 (the 8B down projection: 32 + 24). Within 4x the classic bound, and far below one float16
     rounding of x: a lost lo part, a level off its bias or a misplaced scale fails."""
     rows = 70
     rng = np.random.default_rng(41 + n_in)
