@@ -91,7 +91,8 @@ HOT_ENTRIES = {
 # The tensor-core matvec's loop: a K-block of its lane's two rows, a quarter of each
 # (matvec_mma.cu: lane c takes its quarter of rows g and g + 8), 16 MMAs.
 MMA_LOOP_BYTES = {"mul_mat_vec_mma_q4_K": 2 * 144 / 4, "mul_mat_vec_mma_q6_K": 2 * 210 / 4}
-MMA_PER_BLOCK = 16
+MMA_PER_BLOCK = 16  # a token's
+MMA_PAIR_TOKENS = 2  # the tokens a pass of the plain and gate + up entries (matvec_mma.cu)
 # The batched product's stage: a warp's 16 rows x 32 elements of weights, in bytes.
 BATCH_STAGE_BYTES = {"Q4_K": 16 * 32 * 144 / 256, "Q6_K": 16 * 32 * 210 / 256}
 
@@ -175,14 +176,15 @@ def innermost_loops(instructions: list[tuple[int, str, str]]) -> list[list[tuple
             if not any(start <= a and b < stop for a, b in backward if (a, b) != (start, stop))]
 
 
-def mma_matvec_loop(instructions: list[tuple[int, str, str]]) -> dict:
-    """The tensor-core matvec's K-block loop (the innermost loop holding a K-block's MMAs)
-    and its prefetch (mma_prefetch)."""
+def mma_matvec_loop(instructions: list[tuple[int, str, str]], tokens: int = 1) -> dict:
+    """The tensor-core matvec's K-block loop of a pass of `tokens` tokens (the innermost loop
+    holding a K-block's MMAs for each of them) and its prefetch (mma_prefetch)."""
+    mmas = MMA_PER_BLOCK * tokens
     loops = [body for body in innermost_loops(instructions)
-             if sum(op.startswith("HMMA") for _, op, _ in body) == MMA_PER_BLOCK]
+             if sum(op.startswith("HMMA") for _, op, _ in body) == mmas]
     if len(loops) != 1:
-        raise RuntimeError(f"expected one loop of {MMA_PER_BLOCK} MMAs, found {len(loops)}")
-    return {"block_instructions": len(loops[0]), "mma_per_block": MMA_PER_BLOCK,
+        raise RuntimeError(f"expected one loop of {mmas} MMAs, found {len(loops)}")
+    return {"block_instructions": len(loops[0]), "mma_per_block": mmas,
             **mma_prefetch(loops[0])}
 
 
@@ -290,11 +292,14 @@ def resources_section(nvcc: str, work: Path, cuobjdump: str | None) -> dict:
                 report["batch_stages"][type_name] = batch_figures(stages, weight_bytes)
         if source == "matvec_mma.cu" and cuobjdump:
             for name, lane_bytes in MMA_LOOP_BYTES.items():
-                loop = mma_matvec_loop(sass_instructions(cubin, name, cuobjdump))
+                sass = sass_instructions(cubin, name, cuobjdump)
+                loop, pair = mma_matvec_loop(sass), mma_matvec_loop(sass, MMA_PAIR_TOKENS)
                 report["matvec_mma_loops"][name] = {
                     **loop, "lane_weight_bytes_per_block": lane_bytes,
                     "sass_per_weight_byte_batch1": round(
-                        loop["block_instructions"] / lane_bytes, 2)}
+                        loop["block_instructions"] / lane_bytes, 2),
+                    "pair": {**pair, "sass_per_weight_byte_a_token": round(
+                        pair["block_instructions"] / lane_bytes / MMA_PAIR_TOKENS, 2)}}
     return report
 
 
@@ -408,9 +413,12 @@ def main() -> None:
               f"{' + ' + str(entry['dynamic_shared']) if entry['dynamic_shared'] else ''}  "
               f"spills {entry['spills']}  warps/SM {entry['resident_warps_per_sm']}")
     for name, loop in report["matvec_mma_loops"].items():
-        print(f"{name}: {loop['sass_per_weight_byte_batch1']} SASS / weight byte a token, "
-              f"prefetch ahead: {loop['prefetch_ahead']} ({loop['loads_before_first_mma']} of "
-              f"{loop['loads_per_block']} loads of the next K-block before the MMAs)")
+        pair = loop["pair"]
+        print(f"{name}: {loop['sass_per_weight_byte_batch1']} SASS / weight byte a token "
+              f"({pair['sass_per_weight_byte_a_token']} in passes of {MMA_PAIR_TOKENS}), "
+              f"prefetch ahead: {loop['prefetch_ahead']} / {pair['prefetch_ahead']} "
+              f"({loop['loads_before_first_mma']} of {loop['loads_per_block']} loads of the "
+              f"next K-block before the MMAs)")
     for type_name, figures in report["batch_stages"].items():
         for n in plan.BATCH_TOKENS:
             stage = figures[f"n{n}"]

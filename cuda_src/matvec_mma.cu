@@ -43,8 +43,9 @@
 // The activations are split into float16 hi + lo once per block and token, into a shared
 // table laid out as the B fragments are read (one 16-byte load per lane gives the fragments of
 // two MMAs: a word's two nibble halves), with each 32-element group's 2^e of the split
-// (activation_split.cuh) and Q4_K's sub-block float32 sums of x for the mins; n_in past
-// TABLE_BLOCKS K-blocks goes in pieces, the warps' partial sums carried across.
+// (activation_split.cuh) and Q4_K's sub-block float32 sums of x for the mins; the table holds
+// TABLE_BLOCKS K-blocks, shared among a pass's tokens, and n_in past a token's share goes in
+// pieces, the warps' partial sums carried across.
 //
 // Numerics: products of exact levels with the float16 parts of x 2^-e (about 22 bits of x, e a
 // power-of-two exponent per 32 elements that keeps them in float16's range for any float and
@@ -53,12 +54,14 @@
 // d * the sum over sub-blocks of scale * sum): within the float32 summation bound of the
 // exact product of the decoded weights, as the tiles are. (matvec.cu's CUDA-core matvec
 // serves the other block types, never a Q4_K or Q6_K matrix.)
-// Batch invariance: tokens go one at a time, each through the same operations in the same
-// order (the table, the warps' K-blocks, the lanes' and warps' sums in fixed order): a row's
-// result for a token never depends on the batch. Each token pays the whole pass (its weights
-// from L2 after the first token's), so it serves steps of up to 8 rows
-// (cuda_plan.MATVEC_MMA_MAX_ROWS; the batched product takes more); sharing each unpacked
-// fragment among a chunk of tokens needed more than 128 registers a thread.
+// Passes of MMA_MATVEC_TOKENS tokens (the fused QKV: one): each weight fragment unpacked once
+// a pass serves the pass's tokens, each with its own MMAs and table; the batch's last odd
+// token goes alone.
+// Batch invariance: each token goes through the same operations in the same order whatever
+// shares its pass (its table, the warps' K-blocks, the lanes' and warps' sums in fixed
+// order): a row's result for a token never depends on the batch. A pass reads the weights
+// again (from L2 after the first), so the matvec serves steps of up to 8 rows
+// (cuda_plan.MATVEC_MMA_MAX_ROWS; the batched product takes more).
 #include <type_traits>
 
 #include "activation_ops.cuh"
@@ -75,6 +78,9 @@ constexpr int MMA_MATVEC_THREADS = MMA_MATVEC_WARPS * WARP;
 // 16-byte slots each (the most a block type stages), slot p of every thread side by side
 // (consecutive lanes, consecutive 16 bytes: no bank conflicts).
 constexpr int MMA_MATVEC_STAGES = 2;
+// Tokens a pass of the plain and gate + up entries: each unpacked weight fragment serves both
+// (the fused QKV's two block types take one: two in one kernel spill registers).
+constexpr int MMA_MATVEC_TOKENS = 2;
 constexpr int MMA_MATVEC_PIECES = 8;
 extern __shared__ uint4 mma_matvec_staging[];  // STAGES x PIECES x THREADS 16-byte slots
 constexpr int K_BLOCK = 256;         // a K-block: one Q4_K or Q6_K block a row
@@ -89,6 +95,29 @@ struct MmaMatvecShared {
     float factors[TABLE_BLOCKS * K_BLOCK_GROUPS];  // per K-block, its groups' 2^e
     float2 sums[TABLE_BLOCKS * 4];  // Q4_K: per K-block, its sub-blocks' sums of x, pairs (2c, 2c+1)
     float partial[MMA_MATVEC_WARPS][MMA_MATVEC_ROWS];
+};
+
+// The table of a pass of T tokens as a lane reads it: token t's K-block k of the piece at
+// table block t * TABLE_BLOCKS / T + k (`entries`: the lane's entries of table block 0, a
+// block `entry_step` on: 0 for the lanes that read the zero entries); the 2^e of its groups
+// from the lane's first (`factors`, K_BLOCK_GROUPS a table block) and Q4_K's sums of x of its
+// sub-blocks (`sums`, 4 a table block).
+template <int T>
+struct TableView {
+    static constexpr int TOKEN_BLOCKS = TABLE_BLOCKS / T;  // K-blocks of a token a piece
+    const uint4* entries;
+    int entry_step;
+    const float* factors;
+    const float2* sums;
+
+    static __device__ int at(int t, int k) { return t * TOKEN_BLOCKS + k; }
+    __device__ const uint4* entries_of(int t, int k) const {
+        return entries + at(t, k) * entry_step;
+    }
+    __device__ const float* factors_of(int t, int k) const {
+        return factors + at(t, k) * K_BLOCK_GROUPS;
+    }
+    __device__ float2 sums_of(int t, int k) const { return sums[at(t, k) * 4]; }
 };
 
 // A table entry's two MMAs (its B registers .x, .y for the first, .z, .w for the second), each
@@ -122,6 +151,8 @@ __device__ __forceinline__ void entry_mmas(bool start, const uint4& b, const uin
 
 // Q4_K: chunk c of the quants (sub-blocks 2c, 2c + 1) and the header, file layout.
 struct MmaQ4K {
+    // The lane's first group of a K-block: sub-block 2c's.
+    static constexpr __host__ __device__ int first_group(int c) { return 2 * c; }
     static constexpr int SECOND_OFFSET = 32;
     static constexpr int GROUP_LANE_BITS = 0b00111;  // a chunk's 8 items
     static constexpr bool NEEDS_SUMS = true;
@@ -172,12 +203,14 @@ struct MmaQ4K {
         }
     }
 
-    // 16 MMAs (a word's low nibbles, then its high ones, per word), then each row's two
-    // sub-blocks' scales and mins.
-    static __device__ __forceinline__ void multiply(const Lane& block, const uint4* entries,
-                                                    const float* factors, float2 sums, int c,
-                                                    float (&acc)[2]) {
-        float low[4], high[4];  // (row g: hi, lo part; row g + 8: hi, lo) of sub-blocks 2c, 2c+1
+    // 16 MMAs a token (a word's low nibbles, then its high ones, per word; each word's A
+    // fragments unpacked once for the T tokens), then each row's two sub-blocks' scales and
+    // mins, token by token.
+    template <int T>
+    static __device__ __forceinline__ void multiply(const Lane& block, const TableView<T>& table,
+                                                    int k, int c, float (&acc)[T][2]) {
+        // Per token: (row g: hi, lo part; row g + 8: hi, lo) of sub-blocks 2c, 2c + 1
+        float low[T][4], high[T][4];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const NibblePairs g = nibble_pairs_of(word_of(block.quants[0][i / 4], i % 4));
@@ -187,22 +220,34 @@ struct MmaQ4K {
                                        level(g8.low13)};
             const uint32_t a_high[4] = {level(g.high02), level(g8.high02), level(g.high13),
                                         level(g8.high13)};
-            entry_mmas(i == 0, entries[2 * i], a_low, a_high, low, high);
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                entry_mmas(i == 0, table.entries_of(t, k)[2 * i], a_low, a_high, low[t],
+                           high[t]);
+            }
         }
-        const float2 factor = *reinterpret_cast<const float2*>(factors + 2 * c);  // 2c, 2c+1
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const uint4 head = block.head[r];
             const LaneScales s = lane_scales(head.y, head.z, head.w, c);
             const float2 d = unpack_halves(head.x);  // d, dmin
-            // Rounded as written (no contraction left to the compiler), so rows g and g + 8
-            // round alike: the fused gate+up entry puts a row where the plain one may not.
-            const float sum_low = __fmul_rn(__fadd_rn(low[2 * r], low[2 * r + 1]), factor.x);
-            const float sum_high = __fmul_rn(__fadd_rn(high[2 * r], high[2 * r + 1]), factor.y);
-            const float scaled =
-                __fmaf_rn(s.scale_high, sum_high, __fmul_rn(s.scale_low, sum_low));
-            const float mins = __fmaf_rn(s.min_high, sums.y, __fmul_rn(s.min_low, sums.x));
-            acc[r] = __fmaf_rn(-d.y, mins, __fmaf_rn(d.x, scaled, acc[r]));
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                // 2^e of sub-blocks 2c, 2c + 1
+                const float2 factor = *reinterpret_cast<const float2*>(table.factors_of(t, k));
+                const float2 sums = table.sums_of(t, k);
+                // Rounded as written (no contraction left to the compiler), so rows g and
+                // g + 8 round alike: the fused gate+up entry puts a row where the plain one
+                // may not.
+                const float sum_low =
+                    __fmul_rn(__fadd_rn(low[t][2 * r], low[t][2 * r + 1]), factor.x);
+                const float sum_high =
+                    __fmul_rn(__fadd_rn(high[t][2 * r], high[t][2 * r + 1]), factor.y);
+                const float scaled =
+                    __fmaf_rn(s.scale_high, sum_high, __fmul_rn(s.scale_low, sum_low));
+                const float mins = __fmaf_rn(s.min_high, sums.y, __fmul_rn(s.min_low, sums.x));
+                acc[t][r] = __fmaf_rn(-d.y, mins, __fmaf_rn(d.x, scaled, acc[t][r]));
+            }
         }
     }
 
@@ -214,6 +259,8 @@ struct MmaQ4K {
 // Q6_K, row-planar: the lane's sub-blocks 8h + 2t + v (h = c / 2, v = c % 2, t = 0..3),
 // three 16-byte runs, 8 scale bytes and d a row.
 struct MmaQ6K {
+    // The lane's first group of a K-block: half c / 2's first quarter.
+    static constexpr __host__ __device__ int first_group(int c) { return 4 * (c / 2); }
     static constexpr int SECOND_OFFSET = 64;  // quarter u + 2 beside quarter u
     // The 4 items of a quarter's words in both lanes of a half: c % 2 and i % 4 vary.
     static constexpr int GROUP_LANE_BITS = 0b01011;
@@ -306,46 +353,55 @@ struct MmaQ6K {
         a[3] = sub_halves(level_pair(levels[1], true), HALF_1056_PAIR);
     }
 
-    // Quarters u and u + 2 (4 MMAs each), their sums scaled into the block's sum per row
-    // (`factors`: the 2^e of half h's groups, quarter by quarter).
-    template <int U>
+    // Quarters u and u + 2 (4 MMAs each a token, each word's A fragments unpacked once for
+    // the T tokens), their sums scaled into each token's block sum per row (the 2^e of half
+    // h's groups, quarter by quarter).
+    template <int U, int T>
     static __device__ __forceinline__ void multiply_quarters(const Lane& block,
-                                                             const uint4* entries,
-                                                             const float* factors, int v,
-                                                             float (&block_sum)[2]) {
-        float first[4], second[4];
+                                                             const TableView<T>& table, int k,
+                                                             int c, float (&block_sum)[T][2]) {
+        float first[T][4], second[T][4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             uint32_t a_first[4], a_second[4];
             quarter_pairs<U>(block, j, a_first);
             quarter_pairs<U + 2>(block, j, a_second);
-            entry_mmas(j == 0, entries[2 * (4 * U + j)], a_first, a_second, first, second);
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                entry_mmas(j == 0, table.entries_of(t, k)[2 * (4 * U + j)], a_first, a_second,
+                           first[t], second[t]);
+            }
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const uint2 sc = block.scales[r];
-            const float scale_first = q6_K_lane_scale(sc.x, sc.y, U, v);
-            const float scale_second = q6_K_lane_scale(sc.x, sc.y, U + 2, v);
-            const float sum_first = __fmul_rn(__fadd_rn(first[2 * r], first[2 * r + 1]),
-                                              factors[U]);
-            const float sum_second = __fmul_rn(__fadd_rn(second[2 * r], second[2 * r + 1]),
-                                               factors[U + 2]);
-            const float scaled =
-                __fmaf_rn(scale_second, sum_second, __fmul_rn(scale_first, sum_first));
-            block_sum[r] = U == 0 ? scaled : __fadd_rn(block_sum[r], scaled);
+            const float scale_first = q6_K_lane_scale(sc.x, sc.y, U, c % 2);
+            const float scale_second = q6_K_lane_scale(sc.x, sc.y, U + 2, c % 2);
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                const float* factors = table.factors_of(t, k);
+                const float sum_first =
+                    __fmul_rn(__fadd_rn(first[t][2 * r], first[t][2 * r + 1]), factors[U]);
+                const float sum_second =
+                    __fmul_rn(__fadd_rn(second[t][2 * r], second[t][2 * r + 1]), factors[U + 2]);
+                const float scaled =
+                    __fmaf_rn(scale_second, sum_second, __fmul_rn(scale_first, sum_first));
+                block_sum[t][r] = U == 0 ? scaled : __fadd_rn(block_sum[t][r], scaled);
+            }
         }
     }
 
-    static __device__ __forceinline__ void multiply(const Lane& block, const uint4* entries,
-                                                    const float* factors, float2, int c,
-                                                    float (&acc)[2]) {
-        float block_sum[2];
-        const float* half_factors = factors + 4 * (c / 2);
-        multiply_quarters<0>(block, entries, half_factors, c % 2, block_sum);
-        multiply_quarters<1>(block, entries, half_factors, c % 2, block_sum);
+    template <int T>
+    static __device__ __forceinline__ void multiply(const Lane& block, const TableView<T>& table,
+                                                    int k, int c, float (&acc)[T][2]) {
+        float block_sum[T][2];
+        multiply_quarters<0>(block, table, k, c, block_sum);
+        multiply_quarters<1>(block, table, k, c, block_sum);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            acc[r] = __fmaf_rn(half_to_float(block.d[r]), block_sum[r], acc[r]);
+            const float d = half_to_float(block.d[r]);
+#pragma unroll
+            for (int t = 0; t < T; ++t) acc[t][r] = __fmaf_rn(d, block_sum[t][r], acc[t][r]);
         }
     }
 };
@@ -382,14 +438,15 @@ __device__ __forceinline__ uint32_t largest_magnitude(const float4& v) {
                max(magnitude_bits(v.z), magnitude_bits(v.w)));
 }
 
-// K-blocks [first, first + count) of one activation row into the table: an item per (block,
+// K-blocks [first, first + count) of one activation row into the table from its block `at`:
+// an item per (block,
 // chunk c, entry i) splits elements e .. e + 3 (e = first_element(c, i)) and e + SECOND_OFFSET
 // .. + 3, each run scaled by 2^-e of its group (the items of a group find its exponent in one
 // warp reduction over their lanes; the group's first item stores 2^e), into the hi entry and
 // the lo entry (each: the first MMA's two B registers, then the second's); for Q4_K the eight
 // items of a chunk sum its sub-blocks in one fixed shuffle tree.
 template <class Block>
-__device__ void fill_table(const float* __restrict__ x, int first, int count,
+__device__ void fill_table(const float* __restrict__ x, int first, int count, int at,
                            MmaMatvecShared& shared) {
     static_assert(group_lanes_hold_whole_groups<Block>(), "a group's exponent from its lanes");
     constexpr uint32_t GROUP_LANES = lane_zero_group<Block>();
@@ -410,11 +467,12 @@ __device__ void fill_table(const float* __restrict__ x, int first, int count,
         split_pair(__fmul_rn(high.x, down_high), __fmul_rn(high.z, down_high), &hi.z, &lo.z);
         split_pair(__fmul_rn(high.y, down_high), __fmul_rn(high.w, down_high), &hi.w, &lo.w);
         if (element % SPLIT_GROUP == 0) {
-            float* factors = shared.factors + block * K_BLOCK_GROUPS + element / SPLIT_GROUP;
+            float* factors =
+                shared.factors + (at + block) * K_BLOCK_GROUPS + element / SPLIT_GROUP;
             factors[0] = power_of_two(e_low);
             factors[Block::SECOND_OFFSET / SPLIT_GROUP] = power_of_two(e_high);
         }
-        uint4* entry = shared.table + block * ENTRIES_PER_BLOCK + (8 * c + i) * 2;
+        uint4* entry = shared.table + (at + block) * ENTRIES_PER_BLOCK + (8 * c + i) * 2;
         entry[0] = hi;
         entry[1] = lo;
         if constexpr (Block::NEEDS_SUMS) {
@@ -425,14 +483,75 @@ __device__ void fill_table(const float* __restrict__ x, int first, int count,
                 sums.x += __shfl_xor_sync(FULL_MASK, sums.x, offset);
                 sums.y += __shfl_xor_sync(FULL_MASK, sums.y, offset);
             }
-            if (i == 0) shared.sums[block * 4 + c] = sums;
+            if (i == 0) shared.sums[(at + block) * 4 + c] = sums;
+        }
+    }
+}
+
+// Tokens b .. b + T - 1 through the block's 16 rows (`rows`: this lane's addresses in their
+// K-block 0): their dot products into acc[t][row g, row g + 8] of this lane's chunk, each
+// token's in the same operations and order whatever T. The table holds TABLE_BLOCKS / T
+// K-blocks of each token a piece.
+template <class Block, int T>
+__device__ void mma_matvec_pass(const typename Block::Rows& rows, const TableView<T>& table,
+                                const float* __restrict__ x, int x_stride, int n_blocks, int b,
+                                MmaMatvecShared& shared, float (&acc)[T][2]) {
+    static_assert(Block::PIECES <= MMA_MATVEC_PIECES, "a K-block's pieces fit a stage");
+    static_assert(MMA_MATVEC_STAGES == 2, "the loop copies one K-block ahead");
+    const int warp = threadIdx.x / WARP, c = threadIdx.x % 4;
+    // K-block k's products from its copies in `stage`, once they are in.
+    auto multiply_staged = [&](int k, const uint4* stage) {
+        typename Block::Lane block;
+        Block::read(stage, MMA_MATVEC_THREADS, k, block);
+        Block::template multiply<T>(block, table, k, c, acc);
+    };
+    for (int first = 0; first < n_blocks; first += table.TOKEN_BLOCKS) {
+        const int count = min(table.TOKEN_BLOCKS, n_blocks - first);
+        // The warp's K-blocks k = warp, warp + 8, ... of the piece, in the two stages of its
+        // threads' slots in turn: each block's copies (a group) are issued before the MMAs of
+        // the block before it, into the stage that block's copies were read from (its MMAs
+        // took those registers), and the last block of the piece is multiplied after the loop
+        // (a loop without a branch to skip the copy past it). The first copies fly while the
+        // table fills; every copy of a piece is read inside it.
+        typename Block::Rows at = rows;
+        Block::advance(at, first + warp);
+        // This thread's slots of block k's stage from mma_matvec_staging + stage; the other
+        // stage's STAGE_SLOTS on or back.
+        constexpr int STAGE_SLOTS = MMA_MATVEC_PIECES * MMA_MATVEC_THREADS;
+        uint4* const slots = mma_matvec_staging + threadIdx.x;
+        int stage = 0;
+        if (warp < count) Block::copy(at, slots, MMA_MATVEC_THREADS);
+        commit_copies();
+        Block::advance(at, MMA_MATVEC_WARPS);  // block k + 8's
+        __syncthreads();  // the previous piece's table is read
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            fill_table<Block>(x + int64_t(b + t) * x_stride, first, count, table.at(t, 0),
+                              shared);
+        }
+        __syncthreads();
+        int k = warp;
+#pragma unroll 1  // a K-block an iteration: the budget tool reads its SASS per weight byte
+        for (; k + MMA_MATVEC_WARPS < count; k += MMA_MATVEC_WARPS) {
+            Block::copy(at, slots + (stage ^ STAGE_SLOTS), MMA_MATVEC_THREADS);
+            commit_copies();
+            Block::advance(at, MMA_MATVEC_WARPS);
+            wait_copies<1>();  // block k's copies are in
+            multiply_staged(k, slots + stage);
+            stage ^= STAGE_SLOTS;
+        }
+        if (k < count) {
+            wait_copies<0>();
+            multiply_staged(k, slots + stage);
         }
     }
 }
 
 // The block's 16 rows (row_g, row_g8: this lane's rows g and g + 8) times each activation
-// row; epilogue(total, b) stores token b's results, total(r) = row r's dot product.
-template <class Block, class Epilogue>
+// row, T rows a pass (each unpacked weight fragment serving them all) and one at a time past
+// the last whole pass; epilogue(total, b) stores token b's results, total(r) = row r's dot
+// product.
+template <class Block, int T, class Epilogue>
 __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __restrict__ row_g8,
                            const float* __restrict__ x, int x_stride, int n_in, int batch,
                            MmaMatvecShared& shared, Epilogue epilogue) {
@@ -445,58 +564,15 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
     const uint4* entries = owner ? shared.table + 16 * c + column % 2
                                  : shared.table + TABLE_BLOCKS * ENTRIES_PER_BLOCK;
     const int entry_step = owner ? ENTRIES_PER_BLOCK : 0;
+    const float* factors = shared.factors + Block::first_group(c);
+    const float2* sums = shared.sums + c;
     if (threadIdx.x < ZERO_ENTRIES) {
         shared.table[TABLE_BLOCKS * ENTRIES_PER_BLOCK + threadIdx.x] = make_uint4(0, 0, 0, 0);
     }
     const int n_blocks = n_in / K_BLOCK;
     const typename Block::Rows rows = Block::rows_of(row_g, row_g8, n_blocks, c);
-    static_assert(Block::PIECES <= MMA_MATVEC_PIECES, "a K-block's pieces fit a stage");
-    static_assert(MMA_MATVEC_STAGES == 2, "the loop copies one K-block ahead");
-    // K-block k's products from its copies in `stage`, once they are in.
-    auto multiply_staged = [&](int k, const uint4* stage, float(&acc)[2]) {
-        typename Block::Lane block;
-        Block::read(stage, MMA_MATVEC_THREADS, k, block);
-        Block::multiply(block, entries + k * entry_step, shared.factors + k * K_BLOCK_GROUPS,
-                        shared.sums[k * 4 + c], c, acc);
-    };
-    for (int b = 0; b < batch; ++b) {
-        const float* xb = x + int64_t(b) * x_stride;
-        float acc[2] = {0.0f, 0.0f};
-        for (int first = 0; first < n_blocks; first += TABLE_BLOCKS) {
-            const int count = min(TABLE_BLOCKS, n_blocks - first);
-            // The warp's K-blocks k = warp, warp + 8, ... of the piece, in the two stages of
-            // its threads' slots in turn: each block's copies (a group) are issued before the
-            // MMAs of the block before it, into the stage that block's copies were read from
-            // (its MMAs took those registers), and the last block of the piece is multiplied
-            // after the loop (a loop without a branch to skip the copy past it). The first
-            // copies fly while the table fills; every copy of a piece is read inside it.
-            typename Block::Rows at = rows;
-            Block::advance(at, first + warp);
-            uint4* this_stage = mma_matvec_staging + threadIdx.x;  // block k's
-            uint4* next_stage = this_stage + MMA_MATVEC_PIECES * MMA_MATVEC_THREADS;
-            if (warp < count) Block::copy(at, this_stage, MMA_MATVEC_THREADS);
-            commit_copies();
-            Block::advance(at, MMA_MATVEC_WARPS);  // block k + 8's
-            __syncthreads();  // the previous piece's table is read
-            fill_table<Block>(xb, first, count, shared);
-            __syncthreads();
-            int k = warp;
-#pragma unroll 1  // a K-block an iteration: the budget tool reads its SASS per weight byte
-            for (; k + MMA_MATVEC_WARPS < count; k += MMA_MATVEC_WARPS) {
-                Block::copy(at, next_stage, MMA_MATVEC_THREADS);
-                commit_copies();
-                Block::advance(at, MMA_MATVEC_WARPS);
-                wait_copies<1>();  // block k's copies are in
-                multiply_staged(k, this_stage, acc);
-                uint4* const done = this_stage;
-                this_stage = next_stage;
-                next_stage = done;
-            }
-            if (k < count) {
-                wait_copies<0>();
-                multiply_staged(k, this_stage, acc);
-            }
-        }
+    // Token b's sums of the 16 rows (acc: this lane's chunk of rows g, g + 8) to `epilogue`.
+    auto finish = [&](float (&acc)[2], int b) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {  // the chunks' sums of a row, in one fixed tree
             acc[r] += __shfl_xor_sync(FULL_MASK, acc[r], 1);
@@ -515,6 +591,22 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
         };
         epilogue(total, b);
         __syncthreads();  // partial is rewritten by the next token
+    };
+    int b = 0;
+    for (; b + T <= batch; b += T) {
+        float acc[T][2] = {};
+        mma_matvec_pass<Block, T>(rows, {entries, entry_step, factors, sums}, x, x_stride,
+                                  n_blocks, b, shared, acc);
+#pragma unroll
+        for (int t = 0; t < T; ++t) finish(acc[t], b + t);
+    }
+    if constexpr (T > 1) {
+        for (; b < batch; ++b) {
+            float acc[1][2] = {};
+            mma_matvec_pass<Block, 1>(rows, {entries, entry_step, factors, sums}, x, x_stride,
+                                      n_blocks, b, shared, acc);
+            finish(acc[0], b);
+        }
     }
 }
 
@@ -522,20 +614,21 @@ __device__ void mma_matvec(const uint8_t* __restrict__ row_g, const uint8_t* __r
 #define QK_MMA_MATVEC_BOUNDS __launch_bounds__(MMA_MATVEC_THREADS, 2)
 
 // Block `block` of a matrix's 16-row blocks (rows [16 block, 16 block + 16) of y's columns).
-template <class Block>
+template <class Block, int T>
 __device__ void mma_matvec_rows(const uint8_t* weights, int64_t row_pitch, const float* x,
                                 int x_stride, float* y, int y_stride, int rows, int n_in,
                                 int batch, int block, MmaMatvecShared& shared) {
     const int first = block * MMA_MATVEC_ROWS, g = threadIdx.x % WARP / 4;
     // Rows past the matrix read row 0 (a valid address) and are never stored.
     auto row_at = [&](int r) { return weights + (r < rows ? r : 0) * row_pitch; };
-    mma_matvec<Block>(row_at(first + g), row_at(first + g + 8), x, x_stride, n_in, batch,
-                      shared, [&](auto total, int b) {
-                          const int r = threadIdx.x;
-                          if (r < MMA_MATVEC_ROWS && first + r < rows) {
-                              y[int64_t(b) * y_stride + first + r] = total(r);
-                          }
-                      });
+    auto store = [&](auto total, int b) {
+        const int r = threadIdx.x;
+        if (r < MMA_MATVEC_ROWS && first + r < rows) {
+            y[int64_t(b) * y_stride + first + r] = total(r);
+        }
+    };
+    mma_matvec<Block, T>(row_at(first + g), row_at(first + g + 8), x, x_stride, n_in, batch,
+                         shared, store);
 }
 
 // Tile rows g are gate rows, rows g + 8 the same up rows: 8 feed-forward rows a block.
@@ -547,14 +640,14 @@ __device__ void mma_matvec_gate_up(const uint8_t* gate_w, const uint8_t* up_w,
     constexpr int HALF = MMA_MATVEC_ROWS / 2;
     const int first = blockIdx.x * HALF, g = threadIdx.x % WARP / 4;
     const int64_t offset = (first + g < ffn_rows ? first + g : 0) * row_pitch;
-    mma_matvec<Block>(gate_w + offset, up_w + offset, x, x_stride, n_in, batch, shared,
-                      [&](auto total, int b) {
-                          const int f = threadIdx.x;
-                          if (f < HALF && first + f < ffn_rows) {
-                              y[int64_t(b) * y_stride + first + f] =
-                                  Op::apply(total(f)) * total(f + HALF);
-                          }
-                      });
+    auto store = [&](auto total, int b) {
+        const int f = threadIdx.x;
+        if (f < HALF && first + f < ffn_rows) {
+            y[int64_t(b) * y_stride + first + f] = Op::apply(total(f)) * total(f + HALF);
+        }
+    };
+    mma_matvec<Block, MMA_MATVEC_TOKENS>(gate_w + offset, up_w + offset, x, x_stride, n_in,
+                                         batch, shared, store);
 }
 
 #define QK_MMA_MATVEC_ENTRIES(suffix, block)                                                   \
@@ -562,8 +655,9 @@ __device__ void mma_matvec_gate_up(const uint8_t* gate_w, const uint8_t* up_w,
         const uint8_t* weights, int64_t row_pitch, const float* x, int x_stride, float* y,     \
         int y_stride, int rows, int n_in, int batch) {                                         \
         __shared__ MmaMatvecShared shared;                                                     \
-        mma_matvec_rows<block>(weights, row_pitch, x, x_stride, y, y_stride, rows, n_in,      \
-                               batch, blockIdx.x, shared);                                     \
+        mma_matvec_rows<block, MMA_MATVEC_TOKENS>(weights, row_pitch, x, x_stride, y,           \
+                                                  y_stride, rows, n_in, batch, blockIdx.x,     \
+                                                  shared);                                     \
     }                                                                                          \
     QK_MMA_GATE_UP_ENTRY(silu, silu_op, suffix, block)                                         \
     QK_MMA_GATE_UP_ENTRY(gelu_tanh, gelu_tanh_op, suffix, block)
@@ -602,7 +696,7 @@ __device__ void mma_qkv_segment(const QkvSegment& seg, const float* x, int x_str
     if constexpr (std::is_void_v<Lanes>) {
         __trap();  // cuda_plan launches it only for the types this kernel serves
     } else {
-        mma_matvec_rows<Lanes>(seg.weights, seg.pitch, x, x_stride, y + seg.column, y_stride,
+        mma_matvec_rows<Lanes, 1>(seg.weights, seg.pitch, x, x_stride, y + seg.column, y_stride,
                                seg.rows, n_in, batch, int(blockIdx.x) - seg.block_first,
                                shared);
     }

@@ -79,6 +79,10 @@ def test_budget_report(report: dict) -> None:
         assert mma_loop["sass_per_weight_byte_batch1"] <= cuda_budget.TARGET_SASS_PER_BYTE, name
         # no branch among a pass's MMAs (the mid-pass exit let ptxas sink the loads past them)
         assert mma_loop["branches_among_mmas"] == 0, (name, mma_loop)
+        # two tokens a pass share each unpacked fragment: well under twice one token's work
+        pair = mma_loop["pair"]
+        assert pair["branches_among_mmas"] == 0, (name, pair)
+        assert pair["sass_per_weight_byte_a_token"] < 0.7 * mma_loop["sass_per_weight_byte_batch1"]
     # the batched product (decode steps past 8 rows, and the logits): each weight byte
     # fetched and unpacked once a step, whatever the rows
     assert set(report["batch_stages"]) == {"Q4_K", "Q6_K"}
@@ -114,6 +118,7 @@ def test_mma_matvec_copies_each_k_block_before_the_mmas_of_the_one_before(report
     if cuda_budget.find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump is not installed (pip nvidia-cuda-cuobjdump provides one)")
     for name, mma_loop in report["matvec_mma_loops"].items():
-        assert mma_loop["prefetch_ahead"], (name, mma_loop)
-        assert mma_loop["loads_per_block"] == {"mul_mat_vec_mma_q4_K": 6,
+        for loop in (mma_loop, mma_loop["pair"]):  # a token a pass, and two
+            assert loop["prefetch_ahead"], (name, loop)
+            assert loop["loads_per_block"] == {"mul_mat_vec_mma_q4_K": 6,
                                                "mul_mat_vec_mma_q6_K": 10}[name]

@@ -68,7 +68,7 @@ BATCH_TOKENS = (16, 32, 64)
 BATCH_QKV_TOKENS = 32  # the batched QKV's most token columns a block (matmul_batch.cu)
 BATCH_ROWS, BATCH_THREADS = 64, 128
 # Decode steps of more rows than this take the batched product (each weight byte unpacked
-# once a step); the mma matvec, paying a pass a row, takes the others. To be set by
+# once a step); the mma matvec, paying a pass for every two rows, the others. To be set by
 # measurement.
 MATVEC_MMA_MAX_ROWS = 8
 NORM_THREADS = 256
