@@ -54,6 +54,9 @@ from actors.compute import cuda_plan as plan  # noqa: E402
 ARCH = "sm_90"
 REGISTERS_PER_SM, REGISTER_UNIT = 65536, 256  # registers are allocated per warp in 256s
 SHARED_PER_SM, SHARED_RESERVED_PER_BLOCK = 228 * 1024, 1024
+# The most shared memory a block may ask for on the smallest of the supported devices (sm_86
+# and sm_89: 99 KB; sm_80 163 KB, sm_90 227 KB).
+SHARED_PER_BLOCK_ANYWHERE = 99 * 1024
 WARPS_PER_SM, BLOCKS_PER_SM = 64, 32
 TARGET_SASS_PER_BYTE, TARGET_WARPS, TARGET_KERNELS_PER_LAYER = 4.0, 16, 7
 # The batched product's warp instructions a stage per 8-column MMA tile (its 4 HMMAs, its

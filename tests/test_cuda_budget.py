@@ -70,6 +70,9 @@ def test_budget_report(report: dict) -> None:
     assert set(entries) == {name for names in cuda_budget.HOT_ENTRIES.values()
                             for name in names}
     assert all(e["spills"] == 0 and e["resident_warps_per_sm"] >= 16 for e in entries.values())
+    # static and dynamic shared memory within what any supported device gives a block
+    assert all(e["shared"] + e["dynamic_shared"] <= cuda_budget.SHARED_PER_BLOCK_ANYWHERE
+               for e in entries.values())
     if cuda_budget.find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump is not installed (pip nvidia-cuda-cuobjdump provides one)")
     # the static budget the Q4_K decode product of up to 8 rows is held to, held by its Q6_K
