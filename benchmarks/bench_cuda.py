@@ -2,8 +2,9 @@
 on Llama-3-8B's FFN shapes: the tensor-core matvec (Q4_K, Q6_K row-planar as the device holds
 it) at 1 and 8 rows, its regime, and the batched product (mul_mat_batch<N>: the same types)
 at 16, 32 and 64 rows, beside the device's own copy bandwidth, and at a prefill chunk's rows
-(PREFILL_TOKENS); timed with CUDA events over many launches (the weights cycle through
-enough copies that every launch reads them from HBM, not from L2). Whole models through the
+(PREFILL_TOKENS); timed with CUDA events around one replay of a CUDA graph of many launches,
+not Python's launch loop (the weights cycle through enough copies that every launch reads
+them from HBM, not from L2). Whole models through the
 CUDA backend (wall clock per step, each step ending in its one synchronization): decode tok/s
 at 1, 8, 32 and 64 streams and prefill-512 tok/s on a Llama-3-8B-shaped file
 (benchmarks/synthetic_gguf.py), one-stream decode on gemma-3-270m, and the stream operations
@@ -69,7 +70,8 @@ def compile_module(file_name: str) -> Any:
 
 def time_launches(launch: Any, repeats: int) -> float:
     """Seconds per call of launch(i), from CUDA events around `repeats` calls (at least one)
-    after a warmup of a tenth as many."""
+    after a warmup of a tenth as many: for operations long beside a launch's own cost (the
+    copy of COPY_BYTES)."""
     import pycuda.driver as cuda
 
     repeats = max(repeats, 1)  # a fraction of --repeats may round to none (ncu's run asks 2)
@@ -82,6 +84,33 @@ def time_launches(launch: Any, repeats: int) -> float:
         launch(i)
     end.record()
     end.synchronize()
+    return end.time_since(start) / 1e3 / repeats
+
+
+def time_graph(launch: Any, repeats: int) -> float:
+    """Seconds per kernel launch(i, stream), from CUDA events around one replay of a graph of
+    `repeats` of them (at least one; the graph replayed once before, after a warm-up of a tenth
+    as many launched alone): the device's time, not Python's per launch (a few microseconds,
+    as long as a small product)."""
+    import pycuda.driver as cuda
+
+    from actors.compute import cuda as backend  # its DriverGraphs: the libcuda graph calls
+
+    repeats = max(repeats, 1)
+    stream = cuda.Stream()
+    for i in range(max(repeats // 10, 1)):
+        launch(i, stream)
+    graphs = backend.DriverGraphs()
+    executable = graphs.capture(stream, lambda: [launch(i, stream) for i in range(repeats)])
+    try:
+        graphs.launch(executable, stream)
+        start, end = cuda.Event(), cuda.Event()
+        start.record(stream)
+        graphs.launch(executable, stream)
+        end.record(stream)
+        end.synchronize()
+    finally:
+        graphs.destroy(executable)
     return end.time_since(start) / 1e3 / repeats
 
 
@@ -116,10 +145,11 @@ def product_seconds(function: Any, launch: plan.Launch, copies: list[Any], type_
                        .astype(np.float32))
     y = cuda.mem_alloc(tokens * rows * 4)
     pitch = np.int64(plan.row_pitch(type_name, n_in))
-    return time_launches(
-        lambda i: function(copies[i % len(copies)], pitch, x, np.int32(n_in), y,
-                           np.int32(rows), np.int32(rows), np.int32(n_in), np.int32(tokens),
-                           grid=launch.grid, block=launch.block, shared=launch.shared),
+    return time_graph(
+        lambda i, stream: function(copies[i % len(copies)], pitch, x, np.int32(n_in), y,
+                                   np.int32(rows), np.int32(rows), np.int32(n_in),
+                                   np.int32(tokens), grid=launch.grid, block=launch.block,
+                                   shared=launch.shared, stream=stream),
         repeats)
 
 

@@ -618,6 +618,7 @@ class EmulatedDevice:
         self.capturing: list[tuple[str, tuple[int, ...], tuple[Any, ...]]] | None = None
         self.graphs: dict[int, list[tuple[str, tuple[int, ...], tuple[Any, ...]]]] = {}
         self.captures = self.replays = self.destroyed = 0
+        self.captured: list[tuple[str, ...]] = []  # the kernels of each capture, in order
         self.compiled: list[tuple[str, dict[str, Any]]] = []
         # Streams and modules made, and how each went: released while the context was
         # current, or later (after the context's detach: PyCUDA then warns from a destructor).
@@ -830,6 +831,7 @@ class EmulatedDevice:
             enqueue()
             self.captures += 1
             self.graphs[self.captures] = self.capturing
+            self.captured.append(tuple(name for name, _, _ in self.capturing))
         finally:
             self.capturing = None
         return self.captures

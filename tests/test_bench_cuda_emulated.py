@@ -53,6 +53,13 @@ def test_every_section_runs_and_reports(emulated: tuple[Any, Any], tmp_path: Pat
         (t, n) for t in ("Q4_K", "Q6_K") for _ in bench_cuda.MATVEC_SHAPES for n in (16, 32, 64)]
     assert all(row["kernel"].endswith("_planar") == (row["type"] == "Q6_K")
                for row in report["batch"])
+    # every product timed from a graph of its launches alone (several), not from Python's
+    # launch loop
+    timed = [row["kernel"] for name in ("matvec_mma", "batch", "batch_prefill")
+             for row in report[name]]
+    graphs = [graph for graph in emulated[1].captured if graph[0] in timed][:len(timed)]
+    assert [graph[0] for graph in graphs] == timed
+    assert all(len(graph) >= 2 and set(graph) == {graph[0]} for graph in graphs)
     for section, streams in [("llama3_8b", bench_cuda.DECODE_STREAMS),
                              ("gemma3_270m", (1,)), ("qwen2-q4k-tiny", bench_cuda.DECODE_STREAMS)]:
         assert [row["streams"] for row in report[section]["decode"]] == list(streams), section

@@ -13,17 +13,20 @@
 #      and 8 rows, the batched product at 16 / 32 / 64 and at 512 tokens; copy bandwidth;
 #      whole-model decode at 1 / 8 / 32 / 64 streams and prefill 512 tok/s on that
 #      file and, where its file is here, gemma-3-270m; launches per decode step);
-#   5. Nsight Compute (ncu) on the benchmark's matrix kernels, where ncu is there.
+#   5. compute-sanitizer, memcheck then racecheck, on the tensor-core kernels' tests at small
+#      shapes (SANITIZE_K picks them), where compute-sanitizer is there;
+#   6. Nsight Compute (ncu) on the benchmark's matrix kernels, where ncu is there.
 # The model files and bench_cuda.json stay in /tmp for tests/gpu/device_anchors.sh: llama.cpp's
 # CUDA figures on the same files and GPU, run next on the same machine.
-# Results under $OUT (four files): device_check.log (every part's output, the tests' recorded
-# figures at the end of each group), bench_cuda.json, ncu.txt and device_check.json (exit
-# codes and seconds of each part).
+# Results under $OUT: device_check.log (every part's output, the tests' recorded figures at
+# the end of each group), bench_cuda.json, sanitize_memcheck.txt, sanitize_racecheck.txt,
+# ncu.txt and device_check.json (exit codes and seconds of each part).
 # Time: the whole run ends within TOTAL_S (420 s, so that it and device_anchors.sh's 150 s
 # fit a 15-minute hold of the machine, its start included). Each part has a budget, cut to
 # what is left: tests 200 s (TESTS_S; GROUP_MIN_S, 30, kept for each later group; TEST_S,
-# 90, a test; the model files are written meanwhile, within SYNTHETIC_S, 90), bench 180 s
-# (BENCH_S), ncu 40 s (NCU_S; 0 = none).
+# 90, a test; the model files are written meanwhile, within SYNTHETIC_S, 90), the sanitizer
+# 40 s (SANITIZE_S, half a tool; 0 = none), bench 180 s (BENCH_S), ncu 40 s (NCU_S; 0 =
+# none).
 # Rehearsal without a GPU: PYCUDA_CHECK=import with LD_LIBRARY_PATH at a libcuda stub
 # (.cudacarry/make_libcuda_stub.sh): PyCUDA installs and imports, tests/gpu skips, no bench.
 set -uo pipefail
@@ -98,11 +101,11 @@ per_test=()
 # The groups of tests/gpu/conftest.py (GPU_TEST_GROUPS), a process each: a kernel fault that
 # leaves the CUDA context unusable costs its own group only. Each may use what is left of the
 # test budget but GROUP_MIN_S for each group after it (the kernels compiled once, in PyCUDA's
-# cache folder, for all); the tests leave 150 s for the benchmark.
+# cache folder, for all); the tests leave 190 s for the sanitizer and the benchmark.
 tests_rc=0
 groups_rc=""
 tests_started=$(date +%s)
-tests_deadline=$(( tests_started + $(part_s "${TESTS_S:-200}" 150) ))
+tests_deadline=$(( tests_started + $(part_s "${TESTS_S:-200}" 190) ))
 left_after=3
 for group in mma_matvec batched kernels backend; do
     limit=$(( tests_deadline - $(date +%s) - left_after * ${GROUP_MIN_S:-30} ))
@@ -125,6 +128,24 @@ if [ -n "$grow_pid" ]; then
     cat "$work/grow.log"
 fi
 
+# 5. compute-sanitizer on the tensor-core kernels at small shapes: memcheck (out-of-bounds and
+#    misaligned accesses, the cp.async copies' included), then racecheck (shared-memory hazards
+#    between a block's threads: the staging ring, the activation tables, the epilogues).
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+sanitize_rc='"skipped: no compute-sanitizer"'
+if [ -n "$sanitizer" ] && [ "${PYCUDA_CHECK:-}" != import ] && [ "${SANITIZE_S:-40}" != 0 ]; then
+    sanitize_rc=""
+    selection=${SANITIZE_K:-"(matvec_mma_matches_its_twin and 512) or (fused_matvec_mma_gate_up and silu) or (batched_product_gives_a_row and (Q4_K or Q6_K)) or (fused_qkv_equals and llama and 9 and (mma or batched))"}
+    for tool in memcheck racecheck; do
+        timeout "$(part_s $(( ${SANITIZE_S:-40} / 2 )) 150)" "$sanitizer" --tool "$tool" \
+            --error-exitcode 9 "$py" -m pytest -q -p no:cacheprovider -k "$selection" \
+            tests/gpu/test_kernels.py > "$OUT/sanitize_$tool.txt" 2>&1
+        sanitize_rc="$sanitize_rc\"$tool\": $?, "
+        tail -3 "$OUT/sanitize_$tool.txt"
+    done
+    sanitize_rc="{${sanitize_rc%, }}"
+fi
+
 if [ "${PYCUDA_CHECK:-}" = import ]; then
     bench_rc='"skipped: PYCUDA_CHECK=import (no device)"'
 else
@@ -143,7 +164,7 @@ fi
 printf 'model_8b=%s\ngemma3=%s\n' "$model_8b" "$gemma3" > "$work/models.env"
 [ -f "$OUT/bench_cuda.json" ] && cp "$OUT/bench_cuda.json" "$work/"
 
-# 5. Nsight Compute on the benchmarked matrix kernels (each launched a few times): DRAM
+# 6. Nsight Compute on the benchmarked matrix kernels (each launched a few times): DRAM
 #    throughput, instructions, time, bytes read, shared-memory bank conflicts, warps active.
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
 ncu_rc='"skipped: no ncu"'
@@ -156,8 +177,8 @@ fi
 total_s=$(( $(date +%s) - started ))
 # Which card gave the figures (the absolute anchors are an H200's; an H100 serves as well).
 gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
-printf '{"gpu": "%s", "setup_s": %s, "tests_rc": %s, "test_groups_rc": {%s}, "tests_s": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "ncu_rc": %s, "total_s": %s}\n' \
-    "${gpu:-none}" "$setup_s" "$tests_rc" "${groups_rc%, }" "$tests_s" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$ncu_rc" "$total_s" \
+printf '{"gpu": "%s", "setup_s": %s, "tests_rc": %s, "test_groups_rc": {%s}, "tests_s": %s, "sanitize_rc": %s, "bench_rc": %s, "synthetic_rc": %s, "synthetic_s": %s, "ncu_rc": %s, "total_s": %s}\n' \
+    "${gpu:-none}" "$setup_s" "$tests_rc" "${groups_rc%, }" "$tests_s" "$sanitize_rc" "$bench_rc" "$synthetic_rc" "$synthetic_s" "$ncu_rc" "$total_s" \
     > "$OUT/device_check.json"
 cat "$OUT/device_check.json"
 [ "$tests_rc" = 0 ] && [ "$synthetic_rc" = 0 ] && { [ "${PYCUDA_CHECK:-}" = import ] || [ "$bench_rc" = 0 ]; }
