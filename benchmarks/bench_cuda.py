@@ -11,7 +11,8 @@ at 1, 8, 32 and 64 streams and prefill-512 tok/s on a Llama-3-8B-shaped file
 and kernels of a decode step (the bare backend runs one step at a time: its random tokens
 would drop every step run ahead). Whole models through the Engine (greedy, ignore_eos, a
 fixed token count) at 1, 32 and 64 streams beside the bare backend's figures (the 8B also
-without the greedy steps run ahead at 1 and 32, `llama3_8b_engine_one_step_at_a_time`): the
+with the run-ahead rule reversed at up to 32 streams, `llama3_8b_engine_other_run_ahead`: none
+where it runs greedy steps ahead, every step where it does not): the
 difference per decode step is what the actors cost; the backend's busy share of the run
 (EngineStats.compute_busy_s) tells how much of it falls inside the backend's run calls.
 
@@ -245,7 +246,7 @@ def bench_model(path: Path, streams: tuple[int, ...], prefill: int | None,
     started = time.perf_counter()
     # Steps one at a time (random tokens, not the greedy ones a step run ahead would feed):
     # the device's own speed; the Engine figures run steps ahead.
-    backend = CudaFactory(run_ahead=False).build(
+    backend = CudaFactory(run_ahead_rows=0).build(
         model, KVRequest(blocks=blocks, block_size=MODEL_BLOCK, max_sequences=max(streams)))
     report: dict[str, Any] = {"model": str(path), "build_s": time.perf_counter() - started}
     try:
@@ -261,10 +262,10 @@ def bench_model(path: Path, streams: tuple[int, ...], prefill: int | None,
 
 @asynccontextmanager
 async def cuda_engine(path: Path, streams: tuple[int, ...],
-                      run_ahead: bool = True) -> AsyncIterator[Any]:
-    """An Engine on the CUDA backend for the file at `path`: Engine.open, or Engine.open_backend
-    over a CudaFactory without the greedy steps run ahead (the same engine, the model opened
-    here)."""
+                      run_ahead_rows: int | None = None) -> AsyncIterator[Any]:
+    """An Engine on the CUDA backend for the file at `path`: Engine.open, or with
+    `run_ahead_rows` Engine.open_backend over a CudaFactory running greedy steps of up to that
+    many rows ahead (the same engine, the model opened here)."""
     from actors.compute.backends import CudaFactory
     from actors.compute.contract import KVRequest
     from actors.engine import Engine
@@ -272,7 +273,7 @@ async def cuda_engine(path: Path, streams: tuple[int, ...],
 
     per_stream = -(-(DECODE_PROMPT + ENGINE_TOKENS) // MODEL_BLOCK)
     kv_blocks = max(streams) * per_stream + 1
-    if run_ahead:
+    if run_ahead_rows is None:
         async with Engine.open(path, backend="cuda", max_sequences=max(streams),
                                kv_blocks=kv_blocks, block_size=MODEL_BLOCK) as engine:
             yield engine
@@ -281,7 +282,7 @@ async def cuda_engine(path: Path, streams: tuple[int, ...],
     kv = KVRequest(blocks=kv_blocks, block_size=MODEL_BLOCK, max_sequences=max(streams))
     try:
         async with Engine.open_backend(
-                partial(CudaFactory(run_ahead=False).build, model, kv),
+                partial(CudaFactory(run_ahead_rows=run_ahead_rows).build, model, kv),
                 model.tokenizer, backend="cuda", max_sequences=max(streams)) as engine:
             yield engine
     finally:
@@ -289,7 +290,7 @@ async def cuda_engine(path: Path, streams: tuple[int, ...],
 
 
 async def engine_decode(path: Path, streams: tuple[int, ...], rng: np.random.Generator,
-                        run_ahead: bool = True) -> list[dict[str, Any]]:
+                        run_ahead_rows: int | None = None) -> list[dict[str, Any]]:
     """Each stream count in turn through one Engine: that many concurrent greedy requests of
     ENGINE_TOKENS tokens (ignore_eos) after DECODE_PROMPT-token prompts, after a warm-up that
     captures the decode graphs. Decode figures run from the last stream's first token to the
@@ -299,7 +300,7 @@ async def engine_decode(path: Path, streams: tuple[int, ...], rng: np.random.Gen
     from actors.params import SamplingParams
 
     params = SamplingParams(max_tokens=ENGINE_TOKENS, temperature=0.0, ignore_eos=True)
-    async with cuda_engine(path, streams, run_ahead) as engine:
+    async with cuda_engine(path, streams, run_ahead_rows) as engine:
         vocab = engine.info.vocab_size
 
         async def run(n: int,
@@ -343,14 +344,14 @@ async def engine_decode(path: Path, streams: tuple[int, ...], rng: np.random.Gen
 
 
 def bench_engine(path: Path, streams: tuple[int, ...], bare: Any, rng: np.random.Generator,
-                 run_ahead: bool = True) -> list[dict[str, Any]]:
+                 run_ahead_rows: int | None = None) -> list[dict[str, Any]]:
     """engine_decode's figures, each beside the bare backend's decode step at the same
     stream count (from `bare`, bench_model's report of the same file, where it has one):
     actors_ms_per_step is what the engine's actors add to a decode step (less what the steps
     run ahead hide)."""
     import anyio
 
-    results = anyio.run(engine_decode, path, streams, rng, run_ahead)
+    results = anyio.run(engine_decode, path, streams, rng, run_ahead_rows)
     bare_ms = {row["streams"]: row["ms_per_step"]
                for row in (bare or {}).get("decode", []) if "ms_per_step" in row}
     for row in results:
@@ -428,11 +429,26 @@ def main() -> None:
             section(f"{key}_engine",
                     lambda: bench_engine(path, engine_streams, report.get(key), rng))
     if args.model_8b and engine_streams:
-        # Without the greedy steps run ahead, at 1 and 32 streams: what running ahead hides.
-        section("llama3_8b_engine_one_step_at_a_time",
-                lambda: bench_engine(args.model_8b, tuple(n for n in engine_streams if n <= 32),
-                                     report.get("llama3_8b"), rng, run_ahead=False))
+        # The other side of the run-ahead rule (cuda_ahead.RUN_AHEAD_MAX_ROWS) at up to 32
+        # streams: one step at a time where the engine runs greedy steps ahead, every step
+        # ahead where it does not; beside the engine's own figures, where the rule pays.
+        section("llama3_8b_engine_other_run_ahead",
+                lambda: other_run_ahead(args.model_8b, engine_streams, report.get("llama3_8b"),
+                                        rng))
     print(json.dumps(report, indent=2))
+
+
+def other_run_ahead(path: Path, streams: tuple[int, ...], bare: Any,
+                    rng: np.random.Generator) -> list[dict[str, Any]]:
+    """bench_engine at each of `streams` up to 32 with the run-ahead rule reversed: no step
+    run ahead at counts the rule runs ahead, every step at the others (`run_ahead_rows` in
+    each row)."""
+    from actors.compute.cuda_ahead import RUN_AHEAD_MAX_ROWS
+
+    return [{**row, "run_ahead_rows": rows}
+            for n in streams if n <= 32
+            for rows in [0 if n <= RUN_AHEAD_MAX_ROWS else n]
+            for row in bench_engine(path, (n,), bare, rng, rows)]
 
 
 def compile_all(compiled: dict[str, Any]) -> float:

@@ -10,14 +10,19 @@ a greedy decode whose every step was run ahead (actors.compute.cuda_ahead: the s
 recognized, the next one queued, the records read), over AHEAD_STEPS steps.
 
 `--engine-streams`: the whole Engine over the same device, its stream keeping time as a GPU
-whose every decode step takes `--device-ms` (the work done at once, each wait sleeping until
-the work queued before it would be done; the candidate kernels' twins run, so every row
-answers token 0). That many concurrent greedy requests of ENGINE_TOKENS tokens, one step at a
-time and with the steps run ahead: `ms_per_step` a decode step, and `device_idle_ms` what of it
-the device waits for the host (the actors and the backend's host work).
+whose every decode step takes `--device-ms` (one value, or one a stream count; the work done
+at once, each wait sleeping until the work queued before it would be done; the candidate
+kernels' twins run, so every row answers token 0). That many concurrent greedy requests of
+ENGINE_TOKENS tokens, one step at a time and with every step run ahead: `ms_per_step` a
+decode step, and `device_idle_ms` what of it the device waits for the host (the actors and
+the backend's host work). With `--staggered LOW HIGH`: instead, a closed loop of four times
+the streams' requests of LOW to HIGH tokens (staggered), `tok_s` one step at a time and with
+every step run ahead, each twice in turn: where running ahead pays once sequences join and
+end (each costing a dropped step) — cuda_ahead.RUN_AHEAD_MAX_ROWS's measurement.
 
     python benchmarks/bench_cuda_host.py [--model PATH] [--rows 1 32 64] [--steps 300]
-                                         [--engine-streams 1 32 64] [--device-ms 2]
+                                         [--engine-streams 1 32 64] [--device-ms 2 ...]
+                                         [--staggered LOW HIGH]
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ def best_ms(work: Callable[[], object], steps: int, repeats: int) -> float:
     return best * 1e3
 
 
-async def engine_step_ms(module: Any, model: Any, streams: int, run_ahead: bool) -> float:
+async def engine_step_ms(module: Any, model: Any, streams: int, run_ahead_rows: int) -> float:
     """A decode step's wall time through an Engine over the timed emulated device: `streams`
     concurrent greedy requests, from the last one's first token to the end."""
     per_stream = -(-(8 + ENGINE_TOKENS + 1) // BLOCK_SIZE) + 1
@@ -76,7 +81,7 @@ async def engine_step_ms(module: Any, model: Any, streams: int, run_ahead: bool)
                 first = False
 
     async with Engine.open_backend(
-            lambda: module.build_cuda_backend(model, kv, 0.9, run_ahead=run_ahead),
+            lambda: module.build_cuda_backend(model, kv, 0.9, run_ahead_rows=run_ahead_rows),
             FakeTokenizer(model.spec.vocab_size), max_sequences=streams) as engine:
         await engine.complete([2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0))
         async with anyio.create_task_group() as tasks:
@@ -84,6 +89,59 @@ async def engine_step_ms(module: Any, model: Any, streams: int, run_ahead: bool)
                 tasks.start_soon(one, engine, index)
         ended = time.perf_counter()
     return (ended - max(firsts)) / (ENGINE_TOKENS - 1) * 1e3
+
+
+async def staggered_tok_s(module: Any, model: Any, streams: int, run_ahead_rows: int,
+                          lengths: tuple[int, int]) -> float:
+    """Tokens a second through an Engine over the timed emulated device: four times `streams`
+    greedy requests, `streams` at a time (one starts as one ends), of lengths staggered from
+    lengths[0] to lengths[1] tokens."""
+    low, high = lengths
+    requests = 4 * streams
+    sizes = [low + 7 * index % (high - low + 1) for index in range(requests)]
+    per_stream = -(-(8 + high + 1) // BLOCK_SIZE) + 1
+    kv = KVRequest(blocks=streams * per_stream, block_size=BLOCK_SIZE, max_sequences=streams)
+    produced = 0
+
+    async def one(engine: Engine, index: int, slots: anyio.Semaphore) -> None:
+        nonlocal produced
+        params = SamplingParams(max_tokens=sizes[index], temperature=0.0, ignore_eos=True)
+        async with slots:
+            async for chunk in engine.generate([2 + index % 50] * 8, params):
+                produced += chunk.token_id is not None
+
+    async with Engine.open_backend(
+            lambda: module.build_cuda_backend(model, kv, 0.9, run_ahead_rows=run_ahead_rows),
+            FakeTokenizer(model.spec.vocab_size), max_sequences=streams) as engine:
+        await engine.complete([2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0))
+        slots = anyio.Semaphore(streams)
+        started = time.perf_counter()
+        async with anyio.create_task_group() as tasks:
+            for index in range(requests):
+                tasks.start_soon(one, engine, index, slots)
+        return produced / (time.perf_counter() - started)
+
+
+def engine_figures(module: Any, model: Any, streams: int, device_ms: float,
+                   staggered: tuple[int, int] | None) -> None:
+    """Prints the Engine's figures at `streams` one step at a time and with every step run
+    ahead: the decode step and the device's idle time, or with `staggered` the tok/s of that
+    workload (twice each, in turn)."""
+    runs = (0, streams, 0, streams) if staggered else (0, streams)
+    figures: dict[int, list[float]] = {}
+    for rows in runs:
+        if staggered:
+            figure = anyio.run(staggered_tok_s, module, model, streams, rows, staggered)
+        else:
+            figure = anyio.run(engine_step_ms, module, model, streams, rows)
+        figures.setdefault(rows, []).append(round(figure, 3))
+    for rows, values in figures.items():
+        line = {"engine_streams": streams, "run_ahead": rows > 0, "device_ms": device_ms}
+        if staggered:
+            line |= {"lengths": list(staggered), "tok_s": values}
+        else:
+            line |= {"ms_per_step": values[0], "device_idle_ms": round(values[0] - device_ms, 3)}
+        print(json.dumps(line), flush=True)
 
 
 def main() -> None:
@@ -95,8 +153,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine-streams", type=int, nargs="*", default=[],
                         help="stream counts through the Engine over a timed device")
-    parser.add_argument("--device-ms", type=float, default=2.0,
-                        help="the timed device's decode step (ms)")
+    parser.add_argument("--device-ms", type=float, nargs="+", default=[2.0],
+                        help="the timed device's decode step (ms): one, or one a stream count")
+    parser.add_argument("--staggered", type=int, nargs=2, metavar=("LOW", "HIGH"),
+                        help="tok/s of requests of LOW to HIGH tokens in a closed loop")
     args = parser.parse_args()
     with pytest.MonkeyPatch.context() as patches:
         module = install(patches, EmulatedDevice(run_kernels=False))
@@ -130,17 +190,15 @@ def main() -> None:
             print(json.dumps({"rows": rows, "ms_per_step": round(step_ms, 3),
                               "plan_ms": round(plan_ms, 3), "row_arrays_ms": round(rows_ms, 3),
                               "ahead_ms_per_step": round(ahead_ms, 3)}), flush=True)
-    for streams in args.engine_streams:
+    device_ms = (args.device_ms if len(args.device_ms) > 1
+                 else args.device_ms * len(args.engine_streams))
+    if len(device_ms) != len(args.engine_streams):
+        parser.error("--device-ms takes one value, or one for each of --engine-streams")
+    for streams, step_ms in zip(args.engine_streams, device_ms):
         with pytest.MonkeyPatch.context() as patches:
             module = install(patches, EmulatedDevice(run_kernels=False, run_candidates=True,
-                                                     graph_seconds=args.device_ms / 1e3))
-            for run_ahead in (False, True):
-                step_ms = anyio.run(engine_step_ms, module, model, streams, run_ahead)
-                print(json.dumps({"engine_streams": streams, "run_ahead": run_ahead,
-                                  "device_ms": args.device_ms,
-                                  "ms_per_step": round(step_ms, 3),
-                                  "device_idle_ms": round(step_ms - args.device_ms, 3)}),
-                      flush=True)
+                                                     graph_seconds=step_ms / 1e3))
+            engine_figures(module, model, streams, step_ms, args.staggered)
 
 
 if __name__ == "__main__":

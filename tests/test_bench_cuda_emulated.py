@@ -34,7 +34,7 @@ def test_every_section_runs_and_reports(emulated: tuple[Any, Any], tmp_path: Pat
     llama, qwen = TINY_MODELS["llama-q4k-tiny"], TINY_MODELS["qwen2-q4k-tiny"]
     monkeypatch.setattr(sys, "argv", [
         "bench_cuda.py", "--json", str(out), "--repeats", "2", "--model-8b", str(llama),
-        "--gemma3", str(qwen), "--model", str(qwen), "--engine-streams", "1", "3"])
+        "--gemma3", str(qwen), "--model", str(qwen), "--engine-streams", "1", "9"])
     bench_cuda.main()
     capsys.readouterr()
     report = json.loads(out.read_text())
@@ -64,13 +64,15 @@ def test_every_section_runs_and_reports(emulated: tuple[Any, Any], tmp_path: Pat
                              ("gemma3_270m", (1,)), ("qwen2-q4k-tiny", bench_cuda.DECODE_STREAMS)]:
         assert [row["streams"] for row in report[section]["decode"]] == list(streams), section
     assert report["llama3_8b"]["prefill"]["tokens"] == bench_cuda.PREFILL_TOKENS
-    for section, streams in [("llama3_8b_engine", [1, 3]), ("gemma3_270m_engine", [1, 3]),
-                             ("qwen2-q4k-tiny_engine", [1, 3]),
-                             ("llama3_8b_engine_one_step_at_a_time", [1, 3])]:
+    for section, streams in [("llama3_8b_engine", [1, 9]), ("gemma3_270m_engine", [1, 9]),
+                             ("qwen2-q4k-tiny_engine", [1, 9]),
+                             ("llama3_8b_engine_other_run_ahead", [1, 9])]:
         rows = report[section]
         assert [row["streams"] for row in rows] == streams, section
         # each beside the bare backend's step at the same count, where that one was measured
         assert all("decode_tok_s" in row for row in rows), section
+    # the run-ahead rule reversed: none at 1 stream, every step at 9 (past the rule's 8)
+    assert [row["run_ahead_rows"] for row in report["llama3_8b_engine_other_run_ahead"]] == [0, 9]
 
 
 def test_the_compile_benchmark_times_every_case(emulated: tuple[Any, Any],

@@ -47,6 +47,17 @@ def test_only_rows_that_must_take_their_first_candidate_run_ahead() -> None:
                             1024).row_inputs() == GREEDY_LOGPROBS
 
 
+def test_only_steps_of_up_to_the_measured_rows_run_ahead() -> None:
+    """Past RUN_AHEAD_MAX_ROWS rows a dropped step (each time a sequence joins or ends) costs
+    more than the host time it hides: no step follows a wider one."""
+    def step(rows: int) -> list[StepItem]:
+        return [StepItem((7,), 3, (i,), seq_id=i) for i in range(rows)]
+
+    most = cuda_ahead.RUN_AHEAD_MAX_ROWS
+    assert cuda_ahead.next_items(step(most), [GREEDY] * most, BLOCK, 64, 128) is not None
+    assert cuda_ahead.next_items(step(most + 1), [GREEDY] * (most + 1), BLOCK, 64, 128) is None
+
+
 def test_the_next_items_advance_each_sequence_inside_its_own_blocks() -> None:
     items = [StepItem((7,), 14, (3, 4), seq_id=1), StepItem((8,), 3, (5,), seq_id=2)]
     following = cuda_ahead.next_items(items, [GREEDY] * 2, BLOCK, 8, 128)
@@ -95,8 +106,8 @@ def model() -> Model:
 def backends(module: Any, model: Model) -> tuple[Any, Any]:
     """A backend that runs steps ahead and one that does not, over one emulated device."""
     kv = KVRequest(blocks=48, block_size=BLOCK, max_sequences=4)
-    return (module.build_cuda_backend(model, kv, 0.9, run_ahead=True),
-            module.build_cuda_backend(model, kv, 0.9, run_ahead=False))
+    return (module.build_cuda_backend(model, kv, 0.9),
+            module.build_cuda_backend(model, kv, 0.9, run_ahead_rows=0))
 
 
 def assert_same_step(pair: tuple[Any, Any], items: list[StepItem],
@@ -181,14 +192,42 @@ def test_no_step_runs_ahead_past_the_blocks_a_table_holds(
     assert device.live == set()
 
 
-async def engine_run(module: Any, model: Model, run_ahead: bool) -> tuple[list[list[int]], int]:
+def test_a_backend_runs_ahead_only_the_steps_of_up_to_its_rows(
+        emulated: tuple[Any, EmulatedDevice], model: Model) -> None:
+    """Nine sequences decoding greedily: a backend that runs steps of up to 8 rows ahead
+    (the default) runs each as asked; one told 9 takes every step after the first from the
+    step queued ahead, with the same tokens."""
+    module, _ = emulated
+    kv = KVRequest(blocks=9 * 2, block_size=BLOCK, max_sequences=9)
+    built = [module.build_cuda_backend(model, kv, 0.9),
+             module.build_cuda_backend(model, kv, 0.9, run_ahead_rows=9)]
+    tables = [(2 * i, 2 * i + 1) for i in range(9)]
+    answers = []
+    for backend in built:
+        tokens = [int(backend.run([StepItem((5 + i, 7, 9), 0, table)], [GREEDY]).ids[0, 0])
+                  for i, table in enumerate(tables)]
+        taken = [tokens]
+        for step in range(6):
+            items = [StepItem((token,), 3 + step, table, seq_id=i)
+                     for i, (token, table) in enumerate(zip(tokens, tables))]
+            tokens = [int(t) for t in backend.run(items, [GREEDY] * 9).ids[:, 0]]
+            taken.append(tokens)
+        answers.append(taken)
+    assert answers[0] == answers[1]
+    assert [backend.steps_run_ahead for backend in built] == [0, 5]
+    for backend in built:
+        backend.close()
+
+
+async def engine_run(module: Any, model: Model,
+                     run_ahead_rows: int) -> tuple[list[list[int]], int]:
     """Three greedy requests at once through an Engine on the CUDA backend (emulated): their
     tokens, and the decode steps the backend answered from a step run ahead."""
     built: list[Any] = []
 
     def make() -> Any:
         kv = KVRequest(blocks=32, block_size=BLOCK, max_sequences=4)
-        built.append(module.build_cuda_backend(model, kv, 0.9, run_ahead=run_ahead))
+        built.append(module.build_cuda_backend(model, kv, 0.9, run_ahead_rows=run_ahead_rows))
         return built[-1]
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -211,8 +250,8 @@ def test_an_engine_takes_its_greedy_steps_ahead_and_answers_the_same(
     has room): most decode steps of three greedy requests are the ones run ahead, and every
     token is the one a backend that does not run ahead gives."""
     module, _ = emulated
-    ahead, taken = anyio.run(engine_run, module, model, True)
-    plain, none = anyio.run(engine_run, module, model, False)
+    ahead, taken = anyio.run(engine_run, module, model, cuda_ahead.RUN_AHEAD_MAX_ROWS)
+    plain, none = anyio.run(engine_run, module, model, 0)
     assert ahead == plain and all(len(t) == 24 for t in ahead)
     # 22 of the 23 decode steps here: all but the first (the one queued after the last is
     # dropped as the requests end)

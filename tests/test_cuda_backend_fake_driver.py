@@ -33,11 +33,12 @@ def tiny() -> Iterator[OpenedModel]:
 
 
 def _backend(cuda_module: Any, model: OpenedModel, blocks: int | None = 32,
-             run_ahead: bool = False) -> Any:
+             run_ahead_rows: int = 0) -> Any:
     """A backend over the fake driver; counting tests see one step at a time unless
-    `run_ahead` (then a greedy decode step queues the next: test_the_next_greedy_step_...)."""
+    `run_ahead_rows` (then a greedy decode step of up to that many rows queues the next:
+    test_the_next_greedy_step_...)."""
     kv = KVRequest(blocks=blocks, block_size=16, max_sequences=8)
-    return cuda_module.build_cuda_backend(model, kv, 0.9, run_ahead=run_ahead)
+    return cuda_module.build_cuda_backend(model, kv, 0.9, run_ahead_rows=run_ahead_rows)
 
 
 def test_build_compiles_uploads_and_sizes_the_pool(fake: Any, tiny: OpenedModel) -> None:
@@ -151,7 +152,7 @@ def test_the_next_greedy_step_is_queued_in_the_other_lane_and_taken(
     the device, its candidates and their copy) before its one wait; that step, asked for,
     is answered after one wait, having queued the one after it; any other step drops it."""
     cuda_module, driver = fake
-    backend = _backend(cuda_module, tiny, run_ahead=True)
+    backend = _backend(cuda_module, tiny, run_ahead_rows=8)
     backend.run([StepItem((1, 2, 3), 0, (0,)), StepItem((4, 5), 0, (1,))], [RowInputs()] * 2)
     synchronizations = driver.synchronizations
     driver.launches.clear()

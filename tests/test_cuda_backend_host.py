@@ -938,3 +938,11 @@ def test_registry_needs_nvcc_and_then_has_no_objection(monkeypatch: pytest.Monke
     assert "nvcc is not on the PATH" in CudaFactory().unavailable_reason()
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvcc")
     assert CudaFactory().unavailable_reason() is None
+
+
+def test_a_negative_run_ahead_limit_is_refused_naming_it() -> None:
+    """run_ahead_rows is the most rows of a greedy decode step run ahead, 0 for none."""
+    with pytest.raises(InvalidRequest, match="run_ahead_rows must be >= 0") as refused:
+        CudaFactory(run_ahead_rows=-1)
+    assert refused.value.field == "run_ahead_rows"
+    CudaFactory(run_ahead_rows=0)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from actors.compute.cuda_ahead import RUN_AHEAD_MAX_ROWS
 from actors.errors import BackendUnavailable, InvalidRequest
 
 if TYPE_CHECKING:
@@ -55,10 +56,15 @@ class CudaFactory:
     name = "cuda"
 
     def __init__(self, memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
-                 notices: Sequence[str] = (), run_ahead: bool = True) -> None:
+                 notices: Sequence[str] = (),
+                 run_ahead_rows: int = RUN_AHEAD_MAX_ROWS) -> None:
+        if run_ahead_rows < 0:
+            raise InvalidRequest(f"run_ahead_rows must be >= 0 (0: none), got {run_ahead_rows}",
+                                 field="run_ahead_rows")
         self._memory_fraction = memory_fraction
         self._notices = tuple(notices)
-        self._run_ahead = run_ahead  # queue the greedy decode step that may come next
+        # The most rows of a greedy decode step after which the next is queued (0: none).
+        self._run_ahead_rows = run_ahead_rows
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -86,7 +92,7 @@ class CudaFactory:
         from actors.compute.cuda import build_cuda_backend
 
         return build_cuda_backend(model, kv, self._memory_fraction, self._notices,
-                                  self._run_ahead)
+                                  self._run_ahead_rows)
 
 
 def nvidia_gpu_present() -> bool:

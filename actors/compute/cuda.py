@@ -24,7 +24,8 @@ greedy decode step the backend queues the step that follows if every sequence go
 (actors.compute.cuda_ahead), its tokens fed on the device from step n's candidate records,
 in the other of two lanes (pinned input, logits rows, candidate records, graphs); when step
 n+1 comes and is that one, its candidates are already there and the next is queued at once
-(`steps_run_ahead` counts those; `run_ahead=False` turns it off).
+(`steps_run_ahead` counts those), at steps of up to `run_ahead_rows` rows
+(cuda_ahead.RUN_AHEAD_MAX_ROWS unless told; 0 turns it off).
 
 Errors: out of memory or any other CUDA error in a step fails the step; when the context then
 fails a probe (a synchronize and a memory query), the error was sticky (an illegal address, a
@@ -142,8 +143,10 @@ class CudaBackend:
     """Owns the device's weights, KV pool, workspace, kernels and decode graphs."""
 
     def __init__(self, model: OpenedModel, kv: KVRequest, memory_fraction: float,
-                 notices: Sequence[str] = (), run_ahead: bool = True) -> None:
-        self._run_ahead = run_ahead  # queue the greedy decode step that may come next
+                 notices: Sequence[str] = (),
+                 run_ahead_rows: int = cuda_ahead.RUN_AHEAD_MAX_ROWS) -> None:
+        # The most rows of a greedy decode step after which the next is queued (0: none).
+        self._run_ahead_rows = run_ahead_rows
         cuda.init()
         device = cuda.Device(0)
         self._context = device.retain_primary_context()
@@ -404,7 +407,7 @@ class CudaBackend:
                 kernels += len(tail)
             at.done.record(self._stream)
             pending = (self._queue_ahead(items, rows, bucket, lane, row_pack.width)
-                       if bucket is not None and self._run_ahead else None)
+                       if bucket is not None else None)
             at.done.synchronize()  # the step's one wait (not for the step queued after it)
         except BaseException:
             self._abandon()
@@ -433,8 +436,7 @@ class CudaBackend:
         """The step queued ahead is the one asked for: queue the one after it, wait for it."""
         at = self._workspace.lanes[ahead.lane]
         try:
-            pending = (self._queue_ahead(items, rows, ahead.bucket, ahead.lane, ahead.width)
-                       if self._run_ahead else None)
+            pending = self._queue_ahead(items, rows, ahead.bucket, ahead.lane, ahead.width)
             at.done.synchronize()
         except BaseException:
             self._abandon()
@@ -452,7 +454,7 @@ class CudaBackend:
         graph, the same rows' candidates. Its items (tokens unknown yet), or None where no
         step follows that way."""
         pending = cuda_ahead.next_items(items, rows, self.block_size, self.num_blocks,
-                                        self._spec.context_length)
+                                        self._spec.context_length, self._run_ahead_rows)
         if pending is None or not self._queue_allowed:
             return pending
         ahead_lane = 1 - lane
@@ -554,6 +556,7 @@ class CudaBackend:
 
 
 def build_cuda_backend(model: OpenedModel, kv: KVRequest, memory_fraction: float,
-                       notices: Sequence[str] = (), run_ahead: bool = True) -> CudaBackend:
+                       notices: Sequence[str] = (),
+                       run_ahead_rows: int = cuda_ahead.RUN_AHEAD_MAX_ROWS) -> CudaBackend:
     """The CUDA backend for `model` (called in the compute actor's thread)."""
-    return CudaBackend(model, kv, memory_fraction, notices, run_ahead)
+    return CudaBackend(model, kv, memory_fraction, notices, run_ahead_rows)

@@ -12,7 +12,8 @@ records, the same rows. When the next step comes and is that one (`is_ahead_step
 sequences, positions, tokens, tables and rows), its candidates are already there or on the
 way; otherwise they are dropped and the step runs as usual. A dropped step cost the device a
 whole step, so after one the backend queues none until the step it expects next comes true
-(a sequence that ended, one that joined or missed the step: each costs at most one step). A
+(a sequence that ended, one that joined or missed the step: each costs at most one step), and
+it runs ahead only steps of up to its limit of rows (RUN_AHEAD_MAX_ROWS unless told). A
 dropped step's only lasting
 effect is the K/V it wrote one position past what each of its sequences holds, in a block of
 that sequence's own: nothing reads a position before the step that computes it writes it
@@ -30,6 +31,14 @@ import numpy as np
 
 from actors.model.candidates import RowInputs
 from actors.model.step import StepItem
+
+# The most rows of a step run ahead, unless the backend is told otherwise: by measurement over
+# the emulated device that keeps a GPU's time (docs/gpu.md, the figures and their command),
+# running ahead pays at 1 and 8 rows whatever the requests' lengths; past 8 a sequence joins
+# or ends every few steps, each drop a whole device step against the host's ~1 ms hidden, and
+# it pays only for long requests (16 rows: -6% to +13%; 64: -1% to -3%). To be measured again
+# on a device (bench_cuda's `llama3_8b_engine_other_run_ahead`).
+RUN_AHEAD_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -51,13 +60,14 @@ def takes_its_candidate(row: RowInputs) -> bool:
 
 
 def next_items(items: Sequence[StepItem], rows: Sequence[RowInputs], block_size: int,
-               num_blocks: int, context_length: int) -> tuple[StepItem, ...] | None:
+               num_blocks: int, context_length: int,
+               max_rows: int = RUN_AHEAD_MAX_ROWS) -> tuple[StepItem, ...] | None:
     """The items of the step after `items` (a validated decode step: one token an item, every
     item wanting logits) if every sequence goes on with its candidate, their tokens left
-    empty; None where a row may not take its candidate, or an item's next position is past
-    the context or needs a block its table lacks, or that block is also in another item's
-    table."""
-    if not all(map(takes_its_candidate, rows)):
+    empty; None where the step has more than `max_rows` items, a row may not take its
+    candidate, or an item's next position is past the context or needs a block its table
+    lacks, or that block is also in another item's table."""
+    if len(items) > max_rows or not all(map(takes_its_candidate, rows)):
         return None
     positions = [item.start + 1 for item in items]
     if any(p >= context_length or len(item.blocks) <= p // block_size
