@@ -69,30 +69,12 @@ def compile_module(file_name: str) -> Any:
     return SourceModule(source, **plan.source_module_options(capability))
 
 
-def time_launches(launch: Any, repeats: int) -> float:
-    """Seconds per call of launch(i), from CUDA events around `repeats` calls (at least one)
-    after a warmup of a tenth as many: for operations long beside a launch's own cost (the
-    copy of COPY_BYTES)."""
-    import pycuda.driver as cuda
-
-    repeats = max(repeats, 1)  # a fraction of --repeats may round to none (ncu's run asks 2)
-
-    for i in range(max(repeats // 10, 1)):
-        launch(i)
-    start, end = cuda.Event(), cuda.Event()
-    start.record()
-    for i in range(repeats):
-        launch(i)
-    end.record()
-    end.synchronize()
-    return end.time_since(start) / 1e3 / repeats
-
-
 def time_graph(launch: Any, repeats: int) -> float:
-    """Seconds per kernel launch(i, stream), from CUDA events around one replay of a graph of
-    `repeats` of them (at least one; the graph replayed once before, after a warm-up of a tenth
-    as many launched alone): the device's time, not Python's per launch (a few microseconds,
-    as long as a small product)."""
+    """Seconds per launch(i, stream) (a kernel or a copy), from CUDA events around one replay
+    of a graph of `repeats` of them (at least one: a fraction of --repeats may round to none;
+    the graph replayed once before, after a warm-up of a tenth as many launched alone): the
+    device's time, not Python's per launch (a few microseconds, as long as a small
+    product)."""
     import pycuda.driver as cuda
 
     from actors.compute import cuda as backend  # its DriverGraphs: the libcuda graph calls
@@ -127,7 +109,8 @@ def bench_copy(repeats: int) -> dict[str, float]:
     import pycuda.driver as cuda
 
     src, dst = cuda.mem_alloc(COPY_BYTES), cuda.mem_alloc(COPY_BYTES)
-    seconds = time_launches(lambda i: cuda.memcpy_dtod(dst, src, COPY_BYTES), repeats)
+    seconds = time_graph(
+        lambda i, stream: cuda.memcpy_dtod_async(dst, src, COPY_BYTES, stream), repeats)
     return {"bytes": COPY_BYTES, "us": seconds * 1e6,
             "TBps_read_plus_write": 2 * COPY_BYTES / seconds / 1e12}
 

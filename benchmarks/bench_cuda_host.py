@@ -31,7 +31,8 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +66,23 @@ def best_ms(work: Callable[[], object], steps: int, repeats: int) -> float:
     return best * 1e3
 
 
+@asynccontextmanager
+async def warm_engine(module: Any, model: Any, streams: int, run_ahead_rows: int,
+                      longest: int) -> AsyncIterator[Engine]:
+    """An Engine over the emulated device's CUDA backend for `streams` sequences of up to
+    8 + `longest` tokens, its first request (the graphs' capture) done."""
+    per_stream = -(-(8 + longest + 1) // BLOCK_SIZE) + 1
+    kv = KVRequest(blocks=streams * per_stream, block_size=BLOCK_SIZE, max_sequences=streams)
+    async with Engine.open_backend(
+            lambda: module.build_cuda_backend(model, kv, 0.9, run_ahead_rows=run_ahead_rows),
+            FakeTokenizer(model.spec.vocab_size), max_sequences=streams) as engine:
+        await engine.complete([2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0))
+        yield engine
+
+
 async def engine_step_ms(module: Any, model: Any, streams: int, run_ahead_rows: int) -> float:
     """A decode step's wall time through an Engine over the timed emulated device: `streams`
     concurrent greedy requests, from the last one's first token to the end."""
-    per_stream = -(-(8 + ENGINE_TOKENS + 1) // BLOCK_SIZE) + 1
-    kv = KVRequest(blocks=streams * per_stream, block_size=BLOCK_SIZE, max_sequences=streams)
     params = SamplingParams(max_tokens=ENGINE_TOKENS, temperature=0.0, ignore_eos=True)
     firsts: list[float] = []
 
@@ -80,10 +93,7 @@ async def engine_step_ms(module: Any, model: Any, streams: int, run_ahead_rows: 
                 firsts.append(time.perf_counter())
                 first = False
 
-    async with Engine.open_backend(
-            lambda: module.build_cuda_backend(model, kv, 0.9, run_ahead_rows=run_ahead_rows),
-            FakeTokenizer(model.spec.vocab_size), max_sequences=streams) as engine:
-        await engine.complete([2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0))
+    async with warm_engine(module, model, streams, run_ahead_rows, ENGINE_TOKENS) as engine:
         async with anyio.create_task_group() as tasks:
             for index in range(streams):
                 tasks.start_soon(one, engine, index)
@@ -99,8 +109,6 @@ async def staggered_tok_s(module: Any, model: Any, streams: int, run_ahead_rows:
     low, high = lengths
     requests = 4 * streams
     sizes = [low + 7 * index % (high - low + 1) for index in range(requests)]
-    per_stream = -(-(8 + high + 1) // BLOCK_SIZE) + 1
-    kv = KVRequest(blocks=streams * per_stream, block_size=BLOCK_SIZE, max_sequences=streams)
     produced = 0
 
     async def one(engine: Engine, index: int, slots: anyio.Semaphore) -> None:
@@ -110,10 +118,7 @@ async def staggered_tok_s(module: Any, model: Any, streams: int, run_ahead_rows:
             async for chunk in engine.generate([2 + index % 50] * 8, params):
                 produced += chunk.token_id is not None
 
-    async with Engine.open_backend(
-            lambda: module.build_cuda_backend(model, kv, 0.9, run_ahead_rows=run_ahead_rows),
-            FakeTokenizer(model.spec.vocab_size), max_sequences=streams) as engine:
-        await engine.complete([2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0))
+    async with warm_engine(module, model, streams, run_ahead_rows, high) as engine:
         slots = anyio.Semaphore(streams)
         started = time.perf_counter()
         async with anyio.create_task_group() as tasks:

@@ -726,14 +726,15 @@ class EmulatedDevice:
             device.copy_in(allocation.address, array)
             return allocation
 
-        def memcpy_dtod(destination: Any, source: Any, size: int) -> None:
+        def memcpy_dtod_async(destination: Any, source: Any, size: int,
+                              stream: Any = None) -> None:
             device.memory.view(destination, np.uint8, size)[:] = \
                 device.memory.view(source, np.uint8, size)
 
         module.Context, module.Device, module.Stream = Context, Device, Stream
         module.Event = Event
         module.device_attribute = types.SimpleNamespace(L2_CACHE_SIZE="L2_CACHE_SIZE")
-        module.to_device, module.memcpy_dtod = to_device, memcpy_dtod
+        module.to_device, module.memcpy_dtod_async = to_device, memcpy_dtod_async
         self.allocation_type = Allocation  # gpuarray's and launches' too
         module.init = lambda: None
         module.mem_get_info = self.mem_get_info
